@@ -1,0 +1,197 @@
+"""Causal GQA attention over fixed KV blocks at absolute positions, forward and backward (CPU).
+
+Forward, per query (one online-softmax update per block, blocks in order; Milakov & Gimelshein,
+"Online normalizer calculation for softmax", 2018; Dao et al., FlashAttention, 2022):
+    block b covers keys [b·B, (b+1)·B) of the query's own sequence, B = ATTN_KV_BLOCK;
+    s = (q·k, sequential over D)·scale; masked keys -> −inf;  m' = max(m, max s)
+    p = exp(s − m');  l = l·e^{m−m'} + tree_sum(p);  acc = acc·e^{m−m'} + Σ_j p_j·v_j (in key order)
+A key contributes only if it is visible (key ≤ query position and < kv_len): invisible keys are
+*skipped* with a select, never added as a zero, and a block with no visible key leaves the state
+untouched. So a query's bits depend only on its own q, the keys at positions ≤ its own and B:
+prefill, chunked prefill, KV-cache decode, any batch and any padding give identical bytes.
+Backward (recompute, p = exp(s − lse)): dQ reduces over keys in the same block/key order; dK and
+dV reduce over queries, which is a token reduction: queries are summed in stream order inside
+each fine token leaf of the microbatch, leaves combined by the pairwise tree over their global
+leaf index (absent leaves skipped), then query heads of a GQA group by the pairwise tree.
+Layout: per-sample padded [S, heads, T, D]; rlkernel/model gathers it from the token stream.
+Does not: run on CUDA (see the Triton kernels) or communicate (CP gathers K/V in rlkernel/dist).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.kernels.elementwise import exp32, log32
+from rlkernel.kernels.matmul import TOKEN_LEAVES, seq_matmul
+from rlkernel.numerics.trees import tree_combine, tree_sum
+
+ATTN_KV_BLOCK = 16
+"""Keys per online-softmax block (canonical spec: part of the numerical identity of a run)."""
+
+_NEG_INF = float("-inf")
+
+
+def _visible(q_pos: torch.Tensor, kv_len: torch.Tensor, j0: int, n: int) -> torch.Tensor:
+    """[S, Tq, n] bool: key j0+i visible to each query."""
+    j = torch.arange(j0, j0 + n)
+    return (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+
+
+def _scores(qg: torch.Tensor, kb: torch.Tensor, scale: float, vis: torch.Tensor) -> torch.Tensor:
+    s = seq_matmul(qg, kb.transpose(-1, -2)) * scale
+    return torch.where(vis, s, torch.full_like(s, _NEG_INF))
+
+
+def _skip_sum(acc: torch.Tensor, w: torch.Tensor, x: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """acc + Σ_j w[..., j]·x[..., j, :] in j order, adding only where vis[..., j] (in place)."""
+    for j in range(w.shape[-1]):
+        cand = acc + w[..., j:j + 1] * x[..., j, :].unsqueeze(-2)
+        acc = torch.where(vis[..., j:j + 1], cand, acc)
+    return acc
+
+
+def _blocks(tk: int) -> range:
+    return range(0, tk, ATTN_KV_BLOCK)
+
+
+def attention_forward(q, k, v, q_pos, kv_len, scale):
+    """Returns (out [S, Hq, Tq, D], lse [S, Hkv, G, Tq]) — see module doc."""
+    s_, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(s_, hkv, g, tq, d)
+    m = torch.full((s_, hkv, g, tq), _NEG_INF)
+    l = torch.zeros(s_, hkv, g, tq)
+    acc = torch.zeros(s_, hkv, g, tq, d)
+    for j0 in _blocks(tk):
+        n = min(ATTN_KV_BLOCK, tk - j0)
+        vis = _visible(q_pos, kv_len, j0, n)[:, None, None]          # [S,1,1,Tq,n]
+        kb = k[:, :, None, j0:j0 + n]                                  # [S,Hkv,1,n,D]
+        vb = v[:, :, None, j0:j0 + n]
+        s = _scores(qg, kb, scale, vis)
+        row = vis.any(-1)                                              # [S,1,1,Tq]
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(row, m_new, torch.zeros_like(m_new))
+        p = exp32(s - m_safe[..., None])
+        alpha = exp32(torch.where(row, m - m_safe, torch.zeros_like(m)))
+        pv = _skip_sum(torch.zeros_like(acc), p, vb.unsqueeze(-3).squeeze(-3).expand(
+            s_, hkv, g, n, d), vis.expand(s_, hkv, g, tq, n))
+        l = torch.where(row, l * alpha + tree_sum(p, -1), l)
+        acc = torch.where(row[..., None], acc * alpha[..., None] + pv, acc)
+        m = torch.where(row, m_new, m)
+    has = l > 0
+    out = torch.where(has[..., None], acc / torch.where(has, l, torch.ones_like(l))[..., None],
+                      torch.zeros_like(acc))
+    lse = torch.where(has, m + log32(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
+    return out.reshape(s_, hq, tq, d), lse
+
+
+def _leaf_layout(q_idx: torch.Tensor, stream_len: int):
+    """Per sample: shifted slots so that query slot i sits at leaf (idx // m), offset (idx % m)."""
+    m = stream_len // TOKEN_LEAVES
+    if stream_len % TOKEN_LEAVES or m == 0:
+        raise ValueError(f"attention backward: stream length {stream_len} is not a positive "
+                         f"multiple of {TOKEN_LEAVES} token leaves")
+    valid = q_idx >= 0
+    first = torch.where(valid, q_idx, torch.full_like(q_idx, 1 << 62)).amin(1)   # [S]
+    first = torch.where(valid.any(1), first, torch.zeros_like(first))
+    f0 = torch.div(first, m, rounding_mode="floor")
+    slot = torch.where(valid, q_idx - f0[:, None] * m, torch.full_like(q_idx, -1))
+    nf = int(torch.div(slot.amax(), m, rounding_mode="floor").item()) + 1 if valid.any() else 1
+    return m, f0, slot, nf
+
+
+def _token_tree_over_queries(w, x, slot, m, f0, nf):
+    """Σ over queries of w[..., t, j]·x[..., t, :] by the canonical token tree.
+
+    w [S,H,G,Tq,Tk], x [S,H,G,Tq,D], slot [S,Tq] (shifted stream slot, −1 = none) -> [S,H,G,Tk,D].
+    """
+    s_, h, g, tq, tk = w.shape
+    d = x.shape[-1]
+    width = nf * m
+    valid = slot >= 0
+    sl = torch.where(valid, slot, torch.full_like(slot, width))        # pad rows -> dump slot
+    wq = torch.zeros(s_, h, g, width + 1, tk)
+    xq = torch.zeros(s_, h, g, width + 1, d)
+    idx_w = sl[:, None, None, :, None].expand(s_, h, g, tq, tk)
+    idx_x = sl[:, None, None, :, None].expand(s_, h, g, tq, d)
+    wq.scatter_(3, idx_w, w)
+    xq.scatter_(3, idx_x, x)
+    present = torch.zeros(s_, width + 1, dtype=torch.bool)
+    present.scatter_(1, sl, valid)
+    wq = wq[:, :, :, :width].reshape(s_, h, g, nf, m, tk)
+    xq = xq[:, :, :, :width].reshape(s_, h, g, nf, m, d)
+    present = present[:, :width].reshape(s_, nf, m)
+    acc = torch.zeros(s_, h, g, nf, tk, d)
+    for i in range(m):
+        cand = acc + wq[..., i, :, None] * xq[..., i, None, :]
+        acc = torch.where(present[:, None, None, :, i, None, None], cand, acc)
+    leaf_has = present.any(-1)                                          # [S, nf]
+    outs = []
+    for si in range(s_):
+        leaves: list[torch.Tensor | None] = [None] * TOKEN_LEAVES
+        for f in range(nf):
+            if leaf_has[si, f]:
+                leaves[int(f0[si]) + f] = acc[si, :, :, f]
+        tot = tree_combine(leaves)
+        outs.append(tot if tot is not None else torch.zeros(h, g, tk, d))
+    return torch.stack(outs)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, kv_len, scale, q_idx, stream_len):
+        out, lse = attention_forward(q, k, v, q_pos, kv_len, scale)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, kv_len, q_idx)
+        ctx.scale, ctx.stream_len = scale, stream_len
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, q_pos, kv_len, q_idx = ctx.saved_tensors
+        scale = ctx.scale
+        if q_idx is None or ctx.stream_len is None:
+            raise RuntimeError("attention backward needs the token-stream layout (q_idx, stream_len)")
+        s_, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        g = hq // hkv
+        qg = q.reshape(s_, hkv, g, tq, d)
+        dog = d_out.reshape(s_, hkv, g, tq, d).to(torch.float32)
+        og = out.reshape(s_, hkv, g, tq, d)
+        delta = tree_sum(dog * og, -1)
+        dq = torch.zeros_like(qg)
+        p_all, ds_all = [], []
+        for j0 in _blocks(tk):
+            n = min(ATTN_KV_BLOCK, tk - j0)
+            vis = _visible(q_pos, kv_len, j0, n)[:, None, None].expand(s_, hkv, g, tq, n)
+            kb = k[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
+            vb = v[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
+            s = _scores(qg, kb, scale, vis)
+            p = exp32(s - lse[..., None])
+            p = torch.where(vis, p, torch.zeros_like(p))
+            dp = seq_matmul(dog, vb.transpose(-1, -2))
+            ds = torch.where(vis, p * (dp - delta[..., None]), torch.zeros_like(p))
+            dq = _skip_sum(dq, ds, kb, vis)
+            p_all.append(p)
+            ds_all.append(ds)
+        dq = dq * scale
+        p_all = torch.cat(p_all, -1)
+        ds_all = torch.cat(ds_all, -1)
+        m, f0, slot, nf = _leaf_layout(q_idx, ctx.stream_len)
+        dv = tree_sum(_token_tree_over_queries(p_all, dog, slot, m, f0, nf), 2)
+        dk = tree_sum(_token_tree_over_queries(ds_all, qg, slot, m, f0, nf), 2) * scale
+        return dq.reshape(s_, hq, tq, d), dk, dv, None, None, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              kv_len: torch.Tensor, scale: float, q_idx: torch.Tensor | None = None,
+              stream_len: int | None = None) -> torch.Tensor:
+    """Invariant causal GQA attention.
+
+    q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D] fp32; q_pos [S, Tq] long absolute positions (−1 = padding
+    slot, output 0); kv_len [S] long valid keys per sample; scale = 1/sqrt(D) (float).
+    For a gradient: q_idx [S, Tq] long, each query's index in the microbatch token stream (−1 =
+    padding), and stream_len, that stream's padded length (multiple of TOKEN_LEAVES).
+    Returns [S, Hq, Tq, D] fp32. Raises ValueError on a stream length the token tree cannot cut.
+    """
+    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), q_idx, stream_len)

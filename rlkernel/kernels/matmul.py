@@ -1,0 +1,170 @@
+"""Batch-invariant matmul, column- and row-parallel linears, and their canonical backward (CPU).
+
+Why not BLAS: stock CPU GEMM picks blocking, vector paths and threading by shape, so an output row
+changes when M grows (measured here: 932 of 1024 outputs of row 0 change from M=1 to M=8) or when N
+is split. Here every output element is one fixed sequence of IEEE ops that depends only on K:
+    acc = a[0]·b[0];  acc = acc + a[k]·b[k] for k = 1 .. K-1      (fp32, one product, one add)
+Each step is a separate elementwise torch kernel over the whole [M, N] tile, and elementwise mul/add
+are correctly rounded on every code path, so an element's value never depends on M, N, its row,
+other rows or the thread count: invariant by construction. The GPU backend keeps the same contract
+with a sequential-K Triton kernel.
+
+Canonical reductions (DESIGN.md §1):
+- column-parallel forward: one full-K sequence per output (`seq_matmul`).
+- row-parallel forward: K cut into VIRTUAL_TP shards, each shard a sequential-K partial, the
+  partials summed by the pairwise tree (`rlkernel.numerics.trees`): TP=t owns aligned subtrees.
+- column-parallel dX: the same virtual-TP tree over N shards; row-parallel dX: local.
+- dW = dYᵀ·X of every linear: the token tree — the microbatch stream of L tokens (L % TOKEN_LEAVES
+  == 0) is cut into TOKEN_LEAVES equal fine leaves, tokens summed in order inside a leaf, leaves
+  combined by the pairwise tree.
+
+Does not: run on CUDA (kernels/triton_* do), communicate (rlkernel/dist/ adds the collectives).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.model.config import VIRTUAL_TP
+from rlkernel.numerics.trees import tree_sum
+
+TOKEN_LEAVES = 128
+"""Fine token leaves per microbatch stream: 2·virtual_cp CP leaves × 8 SP sub-leaves."""
+
+_CHUNK_ELEMS = 1 << 24  # bound on the [.., M, N] working set of one elementwise step
+
+
+def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with one fixed sequential fp32 order over K for every output element.
+
+    Shapes: a [..., M, K], b [..., K, N] (batch dims broadcast) -> [..., M, N], fp32.
+    Raises ValueError on mismatched K.
+    """
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"seq_matmul: K mismatch {tuple(a.shape)} @ {tuple(b.shape)}")
+    a = a.to(torch.float32)
+    b = b.to(torch.float32)
+    k_len = a.shape[-1]
+    out_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    if k_len == 0:
+        return torch.zeros(out_shape, dtype=torch.float32)
+    # Rows are independent, so cutting M into chunks cannot change any element.
+    m = a.shape[-2]
+    per_row = max(1, out_shape.numel() // max(m, 1))
+    rows = max(1, _CHUNK_ELEMS // per_row)
+    if m > rows:
+        return torch.cat([seq_matmul(a[..., i:i + rows, :], b) for i in range(0, m, rows)], dim=-2)
+    acc = a[..., :, 0:1] * b[..., 0:1, :]
+    acc = acc.expand(out_shape).contiguous()
+    tmp = torch.empty_like(acc)
+    for k in range(1, k_len):
+        torch.mul(a[..., :, k:k + 1], b[..., k:k + 1, :], out=tmp)
+        acc.add_(tmp)
+    return acc
+
+
+def linear_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ, full-K sequential (column-parallel forward). x [M, K], w [N, K] -> [M, N] fp32."""
+    return seq_matmul(x, w.t())
+
+
+def row_parallel_nt(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
+    """x @ wᵀ with K cut into `shards` virtual-TP shards summed by the pairwise tree.
+
+    x [M, K], w [N, K], K % shards == 0 -> [M, N] fp32. Equals the tree of per-shard partials that
+    a TP group computes and tree-all-reduces (rlkernel.dist).
+    """
+    return tree_sum(row_parallel_partials(x, w, shards), 0)
+
+
+def row_parallel_partials(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
+    """Per-virtual-shard partial products: [shards, M, N] fp32 (shard s uses K slice s)."""
+    k = x.shape[-1]
+    if k % shards:
+        raise ValueError(f"row-parallel linear: K={k} is not a multiple of virtual_tp={shards}")
+    ks = k // shards
+    return torch.stack([linear_nt(x[:, s * ks:(s + 1) * ks], w[:, s * ks:(s + 1) * ks])
+                        for s in range(shards)])
+
+
+def column_parallel_dx(dy: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
+    """dX = dY @ W for a column-parallel weight: N cut into virtual-TP shards, tree-summed.
+
+    dy [M, N], w [N, K] -> [M, K] fp32. N % shards == 0.
+    """
+    n = w.shape[0]
+    if n % shards:
+        raise ValueError(f"column-parallel linear: N={n} is not a multiple of virtual_tp={shards}")
+    ns = n // shards
+    parts = torch.stack([seq_matmul(dy[:, s * ns:(s + 1) * ns], w[s * ns:(s + 1) * ns])
+                         for s in range(shards)])
+    return tree_sum(parts, 0)
+
+
+def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
+    """Per-leaf dWᵀ partials of dW = dYᵀ·X: [leaves, N, K] fp32, tokens in order inside a leaf.
+
+    dy [L, N], x [L, K], L % leaves == 0 (the padded microbatch stream).
+    """
+    n_tok = dy.shape[0]
+    if n_tok % leaves:
+        raise ValueError(f"token tree: stream length {n_tok} is not a multiple of {leaves} leaves")
+    m = n_tok // leaves
+    dyl = dy.to(torch.float32).reshape(leaves, m, dy.shape[1])
+    xl = x.to(torch.float32).reshape(leaves, m, x.shape[1])
+    # [leaves, N, m] @ [leaves, m, K]: the sequential K-loop runs over the m tokens of each leaf.
+    return seq_matmul(dyl.transpose(1, 2), xl)
+
+
+def token_tree_grad_weight(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
+    """dW = dYᵀ·X by the canonical token tree. dy [L, N], x [L, K] -> [N, K] fp32."""
+    n = dy.shape[1]
+    rows = max(1, _CHUNK_ELEMS // max(1, leaves * x.shape[1]))
+    outs = [tree_sum(token_leaf_partials(dy[:, i:i + rows], x, leaves), 0)
+            for i in range(0, n, rows)]
+    return torch.cat(outs, dim=0)
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return linear_nt(x, w)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        dx = column_parallel_dx(dy, w) if ctx.needs_input_grad[0] else None
+        dw = token_tree_grad_weight(dy, x).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+class _RowParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return row_parallel_nt(x, w)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        dx = linear_nt(dy, w.t()) if ctx.needs_input_grad[0] else None
+        dw = token_tree_grad_weight(dy, x).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def column_parallel_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Invariant y = x·wᵀ (QKV, gate/up, LM head). x [M, K] fp32, w [N, K] -> [M, N] fp32.
+
+    Backward: dX by the virtual-TP tree over N, dW by the token tree (needs M % TOKEN_LEAVES == 0).
+    """
+    return _ColumnParallelLinear.apply(x, w)
+
+
+def row_parallel_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Invariant y = x·wᵀ (o_proj, down_proj) with K reduced by the virtual-TP tree.
+
+    x [M, K] fp32, w [N, K], K % VIRTUAL_TP == 0 -> [M, N] fp32. Backward: dX local
+    (sequential over N), dW by the token tree.
+    """
+    return _RowParallelLinear.apply(x, w)

@@ -1,0 +1,68 @@
+"""Invariant RMSNorm over the last dim (hidden RMSNorm and Qwen3's per-head Q/K norm), CPU.
+
+Forward per token: r = 1/sqrt(tree_sum(x²)/H + eps); y = (x·r)·w — the mean of squares is the
+pairwise tree over H (kernels/matmul.py explains why elementwise steps are path-independent), so
+a token's output never depends on other tokens. Backward:
+    dx = r·(g − x̂·tree_sum(g·x̂)/H),  g = dy·w,  x̂ = x·r          (per token)
+    dw = token tree over the stream (fine leaves, in order inside a leaf), then — for the per-head
+         norm — the pairwise tree over heads (the virtual-TP tree, since TP splits heads).
+Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
+Does not: run on CUDA or communicate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.kernels.elementwise import rsqrt32
+from rlkernel.kernels.matmul import TOKEN_LEAVES
+from rlkernel.numerics.trees import tree_sum
+
+
+def _token_tree_vec(v: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
+    """Sum v [L, ...] over tokens by the canonical token tree -> [...]. L % leaves == 0."""
+    n_tok = v.shape[0]
+    if n_tok % leaves:
+        raise ValueError(f"token tree: stream length {n_tok} is not a multiple of {leaves} leaves")
+    vl = v.reshape(leaves, n_tok // leaves, *v.shape[1:])
+    acc = vl[:, 0].clone()
+    for i in range(1, vl.shape[1]):
+        acc.add_(vl[:, i])
+    return tree_sum(acc, 0)
+
+
+def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.shape[-1]
+    ms = tree_sum(x * x, -1) / h
+    r = rsqrt32(ms + eps)
+    return r, x * r[..., None]
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.to(torch.float32)
+        r, xh = _rms_stats(x, eps)
+        ctx.save_for_backward(xh, r, w)
+        return xh * w.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xh, r, w = ctx.saved_tensors
+        g = dy * w.to(torch.float32)
+        h = xh.shape[-1]
+        dx = r[..., None] * (g - xh * (tree_sum(g * xh, -1) / h)[..., None])
+        dw = None
+        if ctx.needs_input_grad[1]:
+            per_tok = (dy * xh).reshape(xh.shape[0], -1, h)   # [L, heads or 1, H]
+            dw = tree_sum(_token_tree_vec(per_tok), 0).to(w.dtype)
+        return dx, dw, None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. x [L, H] or [L, heads, D] fp32, w [H] or [D] -> same shape, fp32.
+
+    dim 0 must be the microbatch token stream when a weight gradient is taken
+    (L % TOKEN_LEAVES == 0).
+    """
+    return _RMSNorm.apply(x, w, eps)
