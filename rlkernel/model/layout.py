@@ -1,0 +1,135 @@
+"""Token-stream layouts: how a batch of sequences is laid out for one forward pass.
+
+Every per-token op (linears, norms, MLP) runs on a flat stream [L, ...]; attention runs per sample
+on [S, heads, T, D]. A `StreamLayout` says which stream row holds each (sample, slot) and at which
+absolute position, so the same model code serves the trainer's packed microbatches, the rollout's
+prefill and its one-token decode steps. `to_samples` / `to_stream` move rows between the two
+layouts with exact (copy-only) forward and backward: every stream row appears at most once.
+Does not: decide packing (rlkernel/data/packing.py) or CP placement (rlkernel/dist).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Layout of one forward pass.
+
+    tokens [L] long: the stream (padding rows hold any valid id).
+    positions [L] long: absolute position of each row in its own sequence (padding: 0).
+    q_idx [S, T] long: stream row of slot t of sample s, −1 for empty slots.
+    q_pos [S, T] long: absolute position of that slot, −1 for empty slots.
+    kv_len [S] long: keys of each sample visible after this pass (cache length for decode).
+    stream_len: padded stream length when the pass is differentiated (L % TOKEN_LEAVES == 0),
+        else None.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    q_idx: torch.Tensor
+    q_pos: torch.Tensor
+    kv_len: torch.Tensor
+    stream_len: int | None = None
+
+    @property
+    def n_samples(self) -> int:
+        return self.q_idx.shape[0]
+
+
+def packed_layout(seqs: list[list[int]], stream_len: int, pad_id: int) -> StreamLayout:
+    """Training layout: sequences packed back to back from row 0, padding only at the end.
+
+    seqs: token ids per sample (positions start at 0 each). stream_len >= total tokens.
+    """
+    total = sum(len(s) for s in seqs)
+    if total > stream_len:
+        raise ValueError(f"packed_layout: {total} tokens do not fit a stream of {stream_len}")
+    t_max = max(len(s) for s in seqs)
+    tokens = torch.full((stream_len,), pad_id, dtype=torch.long)
+    positions = torch.zeros(stream_len, dtype=torch.long)
+    q_idx = torch.full((len(seqs), t_max), -1, dtype=torch.long)
+    q_pos = torch.full((len(seqs), t_max), -1, dtype=torch.long)
+    off = 0
+    for i, s in enumerate(seqs):
+        n = len(s)
+        tokens[off:off + n] = torch.tensor(s, dtype=torch.long)
+        positions[off:off + n] = torch.arange(n)
+        q_idx[i, :n] = torch.arange(off, off + n)
+        q_pos[i, :n] = torch.arange(n)
+        off += n
+    kv_len = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len, stream_len)
+
+
+def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> StreamLayout:
+    """Rollout layout: sample s feeds `chunks[s]` at positions starts[s] .. (one row block each).
+
+    Used for prefill (starts = 0), chunked prefill and decode (one token per sample). The stream is
+    [S · T] with T = the longest chunk; short chunks are padded at their end.
+    """
+    s_n = len(chunks)
+    t = max(1, max(len(c) for c in chunks))
+    tokens = torch.full((s_n * t,), pad_id, dtype=torch.long)
+    positions = torch.zeros(s_n * t, dtype=torch.long)
+    q_idx = torch.full((s_n, t), -1, dtype=torch.long)
+    q_pos = torch.full((s_n, t), -1, dtype=torch.long)
+    for i, (c, st) in enumerate(zip(chunks, starts)):
+        n = len(c)
+        rows = torch.arange(i * t, i * t + n)
+        tokens[rows] = torch.tensor(c, dtype=torch.long)
+        positions[rows] = torch.arange(st, st + n)
+        q_idx[i, :n] = rows
+        q_pos[i, :n] = torch.arange(st, st + n)
+    kv_len = torch.tensor([st + len(c) for c, st in zip(chunks, starts)], dtype=torch.long)
+    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len, None)
+
+
+class _ToSamples(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(q_idx)
+        ctx.n_rows = x.shape[0]
+        valid = q_idx >= 0
+        out = x.new_zeros(q_idx.shape + x.shape[1:])
+        out[valid] = x[q_idx[valid]]
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (q_idx,) = ctx.saved_tensors
+        valid = q_idx >= 0
+        dx = dy.new_zeros((ctx.n_rows,) + dy.shape[2:])
+        dx[q_idx[valid]] = dy[valid]
+        return dx, None
+
+
+class _ToStream(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(q_idx)
+        valid = q_idx >= 0
+        out = y.new_zeros((n_rows,) + y.shape[2:])
+        out[q_idx[valid]] = y[valid]
+        return out
+
+    @staticmethod
+    def backward(ctx, dx: torch.Tensor):
+        (q_idx,) = ctx.saved_tensors
+        valid = q_idx >= 0
+        dy = dx.new_zeros(q_idx.shape + dx.shape[1:])
+        dy[valid] = dx[q_idx[valid]]
+        return dy, None, None
+
+
+def to_samples(x: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
+    """Stream rows [L, ...] -> per-sample slots [S, T, ...] (empty slots 0). Exact both ways."""
+    return _ToSamples.apply(x, q_idx)
+
+
+def to_stream(y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Per-sample slots [S, T, ...] -> stream rows [n_rows, ...] (rows no slot maps to: 0)."""
+    return _ToStream.apply(y, q_idx, n_rows)

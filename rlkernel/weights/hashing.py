@@ -1,0 +1,126 @@
+"""Content hashes of logical tensors and of whole weight versions (DESIGN.md §4).
+
+`tensor_hash` is SHA-256 over a small header (dtype, shape) and the tensor's raw bytes, so two
+tensors hash equal exactly when they have the same dtype, the same shape and the same bits: no
+float conversion, so NaN payloads, -0.0 and bf16 patterns all count. `version_hash` folds the
+per-tensor hashes of one weight version into a Merkle root; `compare_hashes` says, tensor by
+tensor, why two versions differ.
+
+Does not: load, save or shard weights (rlkernel/model/checkpoint.py does), and does not decide
+which tensors are "logical" (param_shapes in rlkernel/model/config.py does). Hashes are of the
+bytes as stored in host memory, which is little-endian on every platform rl-kernel runs on.
+Test: `python -m pytest -q tests/test_checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+# Bumped if the byte layout hashed below ever changes, so old and new hashes can never match.
+_TENSOR_HASH_DOMAIN = b"rlk-tensor-v1\0"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of `t` in row-major order (a CPU, contiguous copy when needed).
+
+    Works for every dense dtype, bf16 and fp8 included: the tensor is reinterpreted as uint8
+    (`Tensor.view(torch.uint8)`), never converted through a float type. Raises ValueError for
+    sparse, quantized or other non-strided tensors, which have no single byte layout.
+    """
+    if t.layout != torch.strided or t.is_quantized:
+        raise ValueError(f"tensor_hash: only dense (strided) tensors can be hashed, got layout "
+                         f"{t.layout} {'(quantized)' if t.is_quantized else ''}".rstrip())
+    t = t.detach()
+    # resolve_conj/resolve_neg: lazily conjugated/negated views must hash as what they read as.
+    t = t.resolve_conj().resolve_neg().to("cpu").contiguous()
+    # reshape(-1) makes 0-d tensors 1-d so the uint8 view is legal; no copy for contiguous input.
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """Hex SHA-256 of one tensor: equal iff dtype, shape and every byte are equal.
+
+    Hashed input, in order:
+      b"rlk-tensor-v1\\0", the dtype name without "torch." (e.g. b"bfloat16") + b"\\0",
+      the shape as decimal sizes joined by "," (b"" for a 0-d tensor) + b"\\0",
+      then the raw element bytes in row-major order (see `tensor_bytes`).
+    The header makes a dtype or shape change (same bytes, e.g. a bf16 tensor viewed as int16, or
+    a reshape) change the hash. Device, strides, requires_grad and storage offset do not count.
+
+    Args: t: any dense tensor, any device, any dtype, any shape (non-contiguous is fine).
+    Returns: 64 lowercase hex characters.
+    Raises: ValueError for sparse or quantized tensors.
+    """
+    data = tensor_bytes(t)
+    h = hashlib.sha256(_TENSOR_HASH_DOMAIN)
+    h.update(str(t.dtype).removeprefix("torch.").encode() + b"\0")
+    h.update(",".join(str(s) for s in t.shape).encode() + b"\0")
+    h.update(data)
+    return h.hexdigest()
+
+
+def state_hashes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """`tensor_hash` of every tensor, keeping the dict's (canonical) order."""
+    return {name: tensor_hash(t) for name, t in tensors.items()}
+
+
+def version_hash(hashes: dict[str, str]) -> str:
+    """Merkle root (hex SHA-256) over the per-tensor hashes of one weight version.
+
+    Construction (all strings UTF-8):
+      leaves:  leaf_i = sha256(name_i + "\\0" + hash_i), in the dict's iteration order (callers
+               pass the canonical param_shapes order, so the order is part of the version);
+      levels:  the next level pairs neighbours, node = sha256(left + right) over the raw 32-byte
+               digests; an odd last node is carried up unchanged, not duplicated;
+      root:    the single node left, as 64 lowercase hex characters.
+    One tensor gives its leaf as root. An empty dict gives sha256(b"") (no weights at all).
+    So the root changes when any name, any hash or the order changes; and given the leaf list,
+    a differing tensor can be located in O(log n) node comparisons.
+
+    Raises: ValueError if a name contains "\\0" (it would make leaves ambiguous).
+    """
+    level: list[bytes] = []
+    for name, h in hashes.items():
+        if "\0" in name:
+            raise ValueError(f"version_hash: tensor name {name!r} contains a NUL character")
+        level.append(hashlib.sha256(f"{name}\0{h}".encode()).digest())
+    if not level:
+        return hashlib.sha256(b"").hexdigest()
+    while len(level) > 1:
+        nxt = [hashlib.sha256(level[i] + level[i + 1]).digest()
+               for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0].hex()
+
+
+def compare_hashes(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
+    """Human-readable differences between two per-tensor hash dicts; [] means identical.
+
+    One line per problem, each naming its tensor: a tensor in `expected` but not in `actual`
+    ("missing tensor"), in `actual` but not `expected` ("unexpected extra tensor"), present in
+    both with different hashes ("tensor X differs"), and, since the order is part of
+    `version_hash`, one line if the shared tensors appear in a different order. So an empty
+    list implies equal `version_hash` of the two dicts.
+    """
+    problems: list[str] = []
+    for name, h in expected.items():
+        if name not in actual:
+            problems.append(f"missing tensor {name!r} (expected hash {h[:16]}...)")
+        elif actual[name] != h:
+            problems.append(f"tensor {name!r} differs: expected hash {h[:16]}..., "
+                            f"got {actual[name][:16]}...")
+    for name in actual:
+        if name not in expected:
+            problems.append(f"unexpected extra tensor {name!r} (hash {actual[name][:16]}...)")
+    exp_order = [n for n in expected if n in actual]
+    act_order = [n for n in actual if n in expected]
+    if exp_order != act_order:
+        i = next(i for i, (a, b) in enumerate(zip(exp_order, act_order)) if a != b)
+        problems.append(f"tensor order differs at position {i}: expected {exp_order[i]!r}, "
+                        f"got {act_order[i]!r}")
+    return problems
