@@ -1,0 +1,271 @@
+"""`rlk`, the command line: `rlk run`, `rlk compare`, `rlk init-model`.
+
+`rlk run` turns flags into a validated RunConfig (one flag per field, generated from the dataclass
+so the two cannot drift), checks the environment (model dir, prompts file, git state), writes the
+run into `<dir>.tmp-<pid>` and renames it to its final name when the loop returns or fails after
+its first step. A failure before the first step that is the user's (ValueError/OSError: a bad model
+or prompts file) leaves nothing on disk. Exit codes: 0 ok, 1 the run or command failed, 2 bad
+usage (invalid flag value, missing input, dirty checkout, occupied run dir).
+
+Does not: run the RL loop (rlkernel/runner/loop.py), launch processes, or set any global torch
+state; nothing happens at import.
+
+Run: `rlk run --steps 2`; `rlk compare runs/A runs/B`; `rlk init-model --preset tiny --seed 0
+--out m/`. Set RLK_DEBUG=1 to get the traceback instead of a one-line error.
+Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import pathlib
+import shutil
+import sys
+import typing
+
+import rlkernel
+from rlkernel.config import SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name
+from rlkernel.model.config import PRESETS
+from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
+
+SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
+"""The directory that holds the rlkernel package: the checkout whose git state is recorded."""
+
+
+def _debug() -> bool:
+    return os.environ.get("RLK_DEBUG", "") not in ("", "0")
+
+
+def _error(cmd: str, msg: object, code: int) -> int:
+    text = " ".join(str(msg).split()) or type(msg).__name__
+    print(f"rlk {cmd}: error: {text}", file=sys.stderr)
+    return code
+
+
+# ---------------------------------------------------------------------------------------------
+# parser
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field. Defaults are left to the dataclass (SUPPRESS), and values are
+    not constrained here (no argparse `choices`), so every check and message lives in RunConfig."""
+    hints = typing.get_type_hints(RunConfig)
+    docs = field_docs()
+    for f in dataclasses.fields(RunConfig):
+        kind = hints[f.name]
+        text = docs.get(f.name, "")
+        if kind is bool:
+            p.add_argument(flag_name(f.name), dest=f.name, action="store_true",
+                           default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+            continue
+        conv = {int: int, float: float}.get(kind, str)
+        metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
+        help_text = f"{text} (default: {f.default})".replace("%", "%%")
+        p.add_argument(flag_name(f.name), dest=f.name, type=conv, metavar=metavar,
+                       default=argparse.SUPPRESS, help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `rlk` parser with its three subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="rlk", description="Bitwise-reproducible RL post-training across parallel topologies.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run RL training and write its evidence",
+                         description="Run RL training; writes manifest.json and evidence.json.")
+    _add_run_flags(run)
+    run.set_defaults(func=cmd_run)
+
+    cmp = sub.add_parser("compare", help="compare the evidence of two runs (exit 0 iff identical)",
+                         description="Compare two runs field by field; exit 0 iff identical.")
+    cmp.add_argument("run_a", metavar="RUN_A")
+    cmp.add_argument("run_b", metavar="RUN_B")
+    cmp.set_defaults(func=cmd_compare)
+
+    init = sub.add_parser("init-model", help="write a randomly initialised model directory",
+                          description="Write a Hugging Face-layout model with random weights.")
+    init.add_argument("--preset", required=True, choices=list(PRESETS), help="model shapes")
+    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    init.add_argument("--out", required=True, metavar="DIR",
+                      help="output directory (must not exist, or be empty)")
+    init.set_defaults(func=cmd_init_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `rlk`. Returns the exit code (argparse usage errors included)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or an argparse usage error (already printed)
+        return e.code if isinstance(e.code, int) else 2
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return args.func(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# rlk run
+
+
+def _dir_is_free(d: pathlib.Path) -> bool:
+    return not d.exists() or (d.is_dir() and not any(d.iterdir()))
+
+
+def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
+    """Final run directory. Raises ConfigError when --run-dir is occupied."""
+    if cfg.run_dir is not None:
+        d = pathlib.Path(cfg.run_dir)
+        if d.resolve() == pathlib.Path.cwd().resolve():
+            raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
+                              "current one")
+        if not _dir_is_free(d):
+            raise ConfigError(f"--run-dir {cfg.run_dir!r}: exists and is not an empty directory; "
+                              "give a new or empty directory")
+        return d
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = pathlib.Path("runs") / f"{stamp}-{cfg.fingerprint()[:10]}"
+    d, n = base, 1
+    while d.exists():  # same config started twice within one second
+        d, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return d
+
+
+def _check_inputs(cfg: RunConfig) -> None:
+    """Cheap existence checks before any work. Raises ConfigError."""
+    if cfg.model is not None and not pathlib.Path(cfg.model).is_dir():
+        raise ConfigError(f"--model {cfg.model!r}: no such directory; give a Hugging Face model "
+                          "directory (config.json, *.safetensors), or leave out --model for the "
+                          "embedded tiny model")
+    if cfg.prompts is not None and not pathlib.Path(cfg.prompts).is_file():
+        raise ConfigError(f"--prompts {cfg.prompts!r}: no such file; give a JSONL prompts file, "
+                          "or leave out --prompts for the built-in arithmetic task")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device 'cuda': no CUDA device is available here; allowed: cpu")
+
+
+def _missing_ancestors(d: pathlib.Path) -> list[pathlib.Path]:
+    """Ancestors of `d` that do not exist yet, deepest first (mkdir(parents=True) creates them)."""
+    out = []
+    for parent in d.absolute().parents:
+        if parent.exists():
+            break
+        out.append(parent)
+    return out
+
+
+def _discard(tmp: pathlib.Path, created: list[pathlib.Path]) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    for parent in created:  # deepest first; only the empty ones we made
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
+def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    if final.is_dir() and not any(final.iterdir()):
+        final.rmdir()  # an empty --run-dir given by the user: take its place
+    os.rename(tmp, final)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    try:
+        cfg = RunConfig(**{k: v for k, v in vars(args).items() if k in names})
+        _check_inputs(cfg)
+    except ConfigError as e:
+        return _error("run", e, 2)
+
+    git = git_state(SRC_DIR)
+    if git["dirty"] and not cfg.allow_dirty:
+        files = git["dirty_files"]
+        return _error("run", f"the rl-kernel checkout {SRC_DIR} has uncommitted changes "
+                             f"({len(files)} path(s), e.g. {files[0].strip()!r}); commit them so "
+                             "the run can be reproduced from its commit, or pass --allow-dirty", 2)
+    try:
+        final = _choose_run_dir(cfg)
+    except ConfigError as e:
+        return _error("run", e, 2)
+
+    from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
+
+    manifest = build_manifest(cfg, git)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    created = _missing_ancestors(tmp)
+    progress = Progress(total=cfg.steps)
+    writer: EvidenceWriter | None = None
+    try:
+        tmp.mkdir(parents=True)
+        writer = EvidenceWriter(tmp, manifest, progress)
+        run_loop(cfg, tmp, writer)
+        if not writer.complete:
+            writer.finish({"steps": writer.n_steps})
+    except (ValueError, OSError) as e:
+        if writer is None or writer.n_steps == 0:
+            _discard(tmp, created)
+            if _debug():
+                raise
+            return _error("run", e, 1)
+        _publish(tmp, final)
+        if _debug():
+            raise
+        _error("run", f"{e} (evidence of {writer.n_steps} step(s) kept in {final})", 1)
+        return 1
+    except BaseException:  # a bug or Ctrl-C: keep whatever was written, under the final name
+        if tmp.exists():
+            _publish(tmp, final)
+            print(f"rlk run: partial run kept in {final}", file=sys.stderr)
+        raise
+    finally:
+        progress.close()
+    _publish(tmp, final)
+    print(final)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# rlk compare / rlk init-model
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rlkernel.runner.compare import CompareError, compare_runs, format_report
+
+    try:
+        report = compare_runs(args.run_a, args.run_b)
+    except CompareError as e:
+        if _debug():
+            raise
+        return _error("compare", e, 2)
+    print(format_report(report))
+    return report.exit_code
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    if not 0 <= args.seed < SEED_LIMIT:
+        return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
+    out = pathlib.Path(args.out)
+    if not _dir_is_free(out):
+        return _error("init-model", f"--out {args.out!r}: exists and is not an empty directory; "
+                                    "give a new or empty directory", 2)
+    from rlkernel.model.checkpoint import init_model
+
+    try:
+        init_model(args.preset, args.seed, out)
+    except (ValueError, OSError) as e:
+        if _debug():
+            raise
+        return _error("init-model", e, 1)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

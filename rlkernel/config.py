@@ -1,0 +1,320 @@
+"""Run configuration: one frozen dataclass, validated at construction, recorded verbatim.
+
+`RunConfig` holds every setting of one `rlk run`; each field is the flag of the same name with
+dashes (`n_samples_per_prompt` <-> `--n-samples-per-prompt`). `__post_init__` rejects every
+invalid value with a `ConfigError` whose message names the flag as the user types it, the bad
+value, and what is allowed. A value is never rewritten (the manifest records the config verbatim
+and `rlk compare` diffs it); anything derived is a property.
+
+Also here: the canonical-spec constants that have no other home yet (`ATTN_KV_BLOCK`,
+`TOKEN_LEAVES`); import them from this module.
+
+Does not: check the file system (model dir, prompts file: the CLI and the loaders do that), know
+the model architecture (rlkernel/model/config.py), or import torch.
+
+Run its tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import math
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from rlkernel.model.config import VIRTUAL_CP, VIRTUAL_TP
+
+# Canonical spec block sizes (DESIGN.md §1). Changing one is a different numerical run.
+ATTN_KV_BLOCK = 16
+"""Keys per attention online-softmax block; block b covers absolute key positions [b*16, (b+1)*16)."""
+TOKEN_LEAVES = 128
+"""Leaves of the canonical token-reduction tree of one microbatch (finer than 2*VIRTUAL_CP so SP
+slices own whole subtrees too)."""
+MATMUL_ORDER = "sequential-K fp32"
+"""Reduction order of every matmul: one fixed fp32 K-loop per output element, no split-K."""
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+DTYPES = ("bf16", "fp32")
+MODES = ("invariant", "native")
+DEVICES = ("cpu", "cuda")
+SEED_LIMIT = 2**63
+
+
+class ConfigError(ValueError):
+    """An invalid run setting; the message names the flag, the value and what is allowed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Every setting of one RL run. Raises ConfigError on any invalid value (see module doc)."""
+
+    # ---- model and data
+    model: str | None = None
+    """Hugging Face-layout model directory (config.json + *.safetensors + tokenizer). None: the
+    embedded tiny Qwen3, randomly initialised from --model-seed."""
+    model_seed: int = 0
+    """Seed of the random initialisation of the embedded tiny model (ignored with --model)."""
+    prompts: str | None = None
+    """JSONL prompts file. None: the built-in verifiable arithmetic task."""
+
+    # ---- RL loop
+    steps: int = 2
+    """Number of RL steps (rollout, train, update, export, audit)."""
+    seed: int = 0
+    """Run seed: prompt order and the counter-based sampling noise. 0 <= seed < 2**63."""
+    n_prompts: int = 4
+    """Prompts per step."""
+    n_samples_per_prompt: int = 4
+    """Samples per prompt (GRPO group size). 1 is allowed, but then every advantage is 0."""
+
+    # ---- sampling
+    temperature: float = 1.0
+    """Sampling temperature T (> 0); logits / T in fp32, identically in rollout and training."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1 keeps the full vocabulary."""
+    max_response_len: int = 64
+    """Most generated tokens per sample."""
+    max_prompt_len: int = 256
+    """Most prompt tokens per sample; a longer prompt is an error of the prompt loader."""
+
+    # ---- loss
+    kl_coef: float = 0.0
+    """Weight of the KL penalty against the initial policy (>= 0; 0 disables it)."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1 (log ratio), k2 (half squared log ratio) or k3 (ratio - 1 - log ratio)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (>= 0; 0 disables it)."""
+    clip_eps: float = 0.2
+    """PPO ratio clipping: the ratio is clipped to [1 - eps, 1 + eps]."""
+
+    # ---- optimizer (AdamW on fp32 master weights)
+    lr: float = 1e-5
+    """AdamW learning rate (> 0)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (>= 0)."""
+    adam_beta1: float = 0.9
+    """AdamW first-moment decay, in [0, 1)."""
+    adam_beta2: float = 0.999
+    """AdamW second-moment decay, in [0, 1)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon (> 0)."""
+    clip_grad: float = 1.0
+    """Clip the exact global gradient norm to this value; 0 means no clipping (the norm is still
+    computed and recorded)."""
+    token_budget: int = 4096
+    """Most logical tokens per training microbatch (canonical spec: changing it changes the numbers).
+    Must hold one whole sample: >= max_prompt_len + max_response_len."""
+
+    # ---- numerics
+    dtype: str = "bf16"
+    """Model parameter dtype: bf16 or fp32. Optimizer master weights are always fp32."""
+    mode: str = "invariant"
+    """invariant: the canonical kernels and collectives; native: stock torch ops (the baseline)."""
+
+    # ---- topology
+    tp: int = 1
+    """Trainer tensor-parallel degree; a divisor of virtual_tp (8)."""
+    cp: int = 1
+    """Trainer context-parallel degree; a divisor of virtual_cp (8)."""
+    sp: bool = False
+    """Sequence parallelism inside the TP group (needs --tp > 1)."""
+    rollout_tp: int = 1
+    """Rollout-engine tensor-parallel degree; a divisor of virtual_tp (8)."""
+    rollout_cp: int = 1
+    """Rollout-engine context-parallel degree; a divisor of virtual_cp (8)."""
+
+    # ---- run bookkeeping
+    run_dir: str | None = None
+    """Run directory (must not exist, or be empty). None: runs/<UTC time>-<config hash>."""
+    allow_dirty: bool = False
+    """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
+    require_updates: bool = False
+    """Fail the run if a step skips its update (non-finite gradients) or leaves the weights unchanged."""
+    device: str = "cpu"
+    """cpu or cuda. Bitwise identity is promised within one backend, not across backends."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived values (never stored in a field)
+    @property
+    def grad_clipping(self) -> bool:
+        """True when the gradient norm is clipped (clip_grad > 0)."""
+        return self.clip_grad > 0
+
+    @property
+    def samples_per_step(self) -> int:
+        """Rollout samples per step: n_prompts * n_samples_per_prompt."""
+        return self.n_prompts * self.n_samples_per_prompt
+
+    @property
+    def train_world_size(self) -> int:
+        """Trainer ranks: tp * cp (DP is 1 for now)."""
+        return self.tp * self.cp
+
+    @property
+    def rollout_world_size(self) -> int:
+        """Rollout ranks: rollout_tp * rollout_cp."""
+        return self.rollout_tp * self.rollout_cp
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, verbatim, by field name (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        """Rebuild from `to_dict()` output (e.g. a manifest's "config").
+
+        Raises ConfigError on an unknown key or an invalid value; missing keys take the defaults.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of the canonical JSON of `to_dict()`; names default run directories."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def canonical_spec(self) -> dict[str, Any]:
+        """The numerical contract of this run (DESIGN.md §1); recorded in every manifest."""
+        return {
+            "virtual_tp": VIRTUAL_TP,
+            "virtual_cp": VIRTUAL_CP,
+            "token_budget": self.token_budget,
+            "backend": self.device,
+            "matmul": MATMUL_ORDER,
+            "attention_kv_block": ATTN_KV_BLOCK,
+            "vocab_shards": VIRTUAL_TP,
+            "token_leaves": TOKEN_LEAVES,
+        }
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a RunConfig field: `top_p` -> `--top-p`."""
+    return "--" + field.replace("_", "-")
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Field name -> the docstring written under it in RunConfig (for `rlk run --help`).
+
+    Read from this file's source; returns {} when the source is not available (e.g. a .pyc-only
+    install), so help text degrades but nothing breaks.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(RunConfig)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _show(v: Any) -> str:
+    """A value as the user would recognise it in a message: 1.5, nan, -inf, 'k4', True."""
+    return repr(v)
+
+
+def _fail(field: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{flag_name(field)} {_show(value)}: {allowed}")
+
+
+def _check_int(c: RunConfig, field: str, lo: int, hi: int | None = None) -> None:
+    v = getattr(c, field)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(field, v, f"must be an integer, not {type(v).__name__}")
+    if v < lo or (hi is not None and v >= hi):
+        bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi})"
+        raise _fail(field, v, f"must be {bound}")
+
+
+def _check_float(c: RunConfig, field: str, rule: str) -> None:
+    """rule: 'pos' (> 0), 'nonneg' (>= 0), 'unit_open0' ((0, 1]), 'unit_open1' ([0, 1))."""
+    v = getattr(c, field)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _fail(field, v, f"must be a number, not {type(v).__name__}")
+    allowed = {
+        "pos": ("a finite number > 0", lambda x: x > 0),
+        "nonneg": ("a finite number >= 0", lambda x: x >= 0),
+        "unit_open0": ("a number in (0, 1]", lambda x: 0 < x <= 1),
+        "unit_open1": ("a number in [0, 1)", lambda x: 0 <= x < 1),
+    }[rule]
+    if not (math.isfinite(v) and allowed[1](v)):
+        raise _fail(field, v, f"must be {allowed[0]}")
+
+
+def _check_choice(c: RunConfig, field: str, choices: tuple[str, ...]) -> None:
+    v = getattr(c, field)
+    if not isinstance(v, str) or v not in choices:
+        raise _fail(field, v, f"must be one of {', '.join(choices)}")
+
+
+def _check_path(c: RunConfig, field: str) -> None:
+    v = getattr(c, field)
+    if v is not None and (not isinstance(v, str) or not v):
+        raise _fail(field, v, "must be a non-empty path (or left out)")
+
+
+def _check_bool(c: RunConfig, field: str) -> None:
+    v = getattr(c, field)
+    if not isinstance(v, bool):
+        raise _fail(field, v, f"must be a bool, not {type(v).__name__}")
+
+
+def _validate(c: RunConfig) -> None:
+    for f in ("model", "prompts", "run_dir"):
+        _check_path(c, f)
+    for f in ("sp", "allow_dirty", "require_updates"):
+        _check_bool(c, f)
+    _check_int(c, "model_seed", 0, SEED_LIMIT)
+    _check_int(c, "seed", 0, SEED_LIMIT)
+    for f in ("steps", "n_prompts", "n_samples_per_prompt", "max_response_len", "max_prompt_len",
+              "token_budget"):
+        _check_int(c, f, 1)
+    for f in ("temperature", "clip_eps", "lr", "adam_eps"):
+        _check_float(c, f, "pos")
+    for f in ("kl_coef", "entropy_coef", "weight_decay", "clip_grad"):
+        _check_float(c, f, "nonneg")
+    _check_float(c, "top_p", "unit_open0")
+    _check_float(c, "adam_beta1", "unit_open1")
+    _check_float(c, "adam_beta2", "unit_open1")
+    _check_choice(c, "kl_estimator", KL_ESTIMATORS)
+    _check_choice(c, "dtype", DTYPES)
+    _check_choice(c, "mode", MODES)
+    _check_choice(c, "device", DEVICES)
+
+    for f, virtual in (("tp", VIRTUAL_TP), ("rollout_tp", VIRTUAL_TP),
+                       ("cp", VIRTUAL_CP), ("rollout_cp", VIRTUAL_CP)):
+        _check_int(c, f, 1)
+        if virtual % getattr(c, f):
+            divisors = ", ".join(str(d) for d in range(1, virtual + 1) if virtual % d == 0)
+            kind = "virtual_tp" if "tp" in f else "virtual_cp"
+            raise _fail(f, getattr(c, f), f"must divide {kind}={virtual}; allowed: {divisors}")
+    if c.sp and c.tp == 1:
+        raise ConfigError("--sp (with --tp 1): sequence parallelism splits sequences across the "
+                          "TP group, so it needs --tp > 1; allowed: --sp with --tp 2, 4 or 8, "
+                          "or leave out --sp")
+
+    need = c.max_prompt_len + c.max_response_len
+    if c.token_budget < need:
+        raise _fail("token_budget", c.token_budget,
+                    f"must be >= --max-prompt-len + --max-response-len = {need} "
+                    "(one whole sample must fit in one microbatch)")

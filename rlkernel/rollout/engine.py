@@ -1,0 +1,133 @@
+"""Rollout engine: batched generation with a KV cache and counter-based sampling.
+
+One engine step is schedule → run → postprocess (STYLE.md §8): `_schedule` decides what each
+sample feeds next (a prompt chunk, its last sampled token, or nothing once finished), `_run` does
+one model pass over all samples, `_postprocess` samples and records. Every sample keeps its own
+cache row and its own absolute positions, and every kernel is row-invariant, so a sample's tokens
+and logprobs do not depend on its batch, its row or on how its prompt was chunked. The logprob of
+a sampled token is read from the canonical log-softmax of logits / T — the trainer recomputes
+exactly that value (DESIGN.md §3).
+Does not: continuous batching across calls, paged KV memory, or TP (rlkernel/dist shards the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlkernel.model.config import Qwen3Config
+from rlkernel.model.layout import chunk_layout
+from rlkernel.model.qwen3 import KVCache, Qwen3ForCausalLM
+from rlkernel.rollout.sampler import sample_tokens
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate: a global sample id (keys the sampling noise) and its prompt ids."""
+
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass
+class Completion:
+    """Generated response: token ids, their fp32 logprobs [n] and why generation stopped."""
+
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str = ""
+
+    def logprob_tensor(self) -> torch.Tensor:
+        """[n] fp32 logprobs of response_ids."""
+        return torch.stack(self.logprobs) if self.logprobs else torch.zeros(0)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature > 0, top_p in (0, 1], max_new_tokens >= 1, seed >= 0, eos_id."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    eos_id: int
+
+
+class RolloutEngine:
+    """Owns its own model copy (weights arrive by `load_weights`, as in a real weight sync)."""
+
+    def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype, pad_id: int,
+                 prefill_chunk: int | None = None) -> None:
+        self.cfg = cfg
+        self.model = Qwen3ForCausalLM(cfg, ops, param_dtype)
+        self.model.requires_grad_(False)
+        self.pad_id = pad_id
+        self.prefill_chunk = prefill_chunk
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.model.load_tensors(tensors)
+
+    def exported_weights(self) -> dict[str, torch.Tensor]:
+        """The logical tensors the engine now computes with (for the weight audit)."""
+        return self.model.export_tensors()
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request], sp: SamplingParams) -> list[Completion]:
+        """Generate a completion for every request (same order). Raises ValueError on empty prompts."""
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError(f"sample {r.sample_id}: empty prompt")
+        longest = max(len(r.prompt_ids) for r in requests)
+        cache = KVCache(self.cfg, len(requests), longest + sp.max_new_tokens)
+        outs = [Completion(r.sample_id, r.prompt_ids) for r in requests]
+        fed = [0] * len(requests)                  # tokens of each sequence already in the cache
+        while True:
+            chunks = self._schedule(requests, outs, fed)
+            if not any(chunks):
+                return outs
+            h_last = self._run(chunks, fed, cache)
+            self._postprocess(requests, outs, fed, chunks, h_last, sp)
+
+    def _schedule(self, requests, outs, fed) -> list[list[int]]:
+        chunks = []
+        for r, c, n in zip(requests, outs, fed):
+            if c.finish_reason:
+                chunks.append([])
+            elif n < len(r.prompt_ids):
+                step = self.prefill_chunk or len(r.prompt_ids)
+                chunks.append(list(r.prompt_ids[n:n + step]))
+            else:
+                chunks.append([c.response_ids[-1]])
+        return chunks
+
+    def _run(self, chunks, fed, cache) -> torch.Tensor:
+        lay = chunk_layout(chunks, list(fed), self.pad_id)
+        h = self.model.hidden(lay, cache)
+        last = torch.tensor([max(len(c) - 1, 0) for c in chunks])
+        rows = lay.q_idx[torch.arange(len(chunks)), last].clamp(min=0)
+        return h[rows]
+
+    def _postprocess(self, requests, outs, fed, chunks, h_last, sp: SamplingParams) -> None:
+        ready = [i for i, (r, c) in enumerate(zip(requests, chunks))
+                 if c and fed[i] + len(c) >= len(r.prompt_ids)]
+        for i, c in enumerate(chunks):
+            fed[i] += len(c)
+        if not ready:
+            return
+        idx = torch.tensor(ready)
+        logp = self.model.next_token_logprobs(h_last[idx], sp.temperature)
+        positions = torch.tensor([fed[i] for i in ready], dtype=torch.long)
+        sample_ids = torch.tensor([requests[i].sample_id for i in ready], dtype=torch.long)
+        toks = sample_tokens(logp, seed=sp.seed, sample_ids=sample_ids, positions=positions,
+                             top_p=sp.top_p)
+        for j, i in enumerate(ready):
+            t = int(toks[j])
+            outs[i].response_ids.append(t)
+            outs[i].logprobs.append(logp[j, t].clone())
+            if t == sp.eos_id:
+                outs[i].finish_reason = "eos"
+            elif len(outs[i].response_ids) >= sp.max_new_tokens:
+                outs[i].finish_reason = "length"

@@ -1,0 +1,302 @@
+"""Run evidence on disk: manifest.json, evidence.json, and a one-line-per-step progress display.
+
+`EvidenceWriter` owns a run directory's two files (DESIGN.md §4). `manifest.json` (config,
+canonical spec, software/device versions, git state) is written once, at construction.
+`evidence.json` ({"format", "init", "steps", "complete", "summary"}) is rewritten atomically after
+every `record_init` / `record_step` / `finish`, so a crash leaves the last complete step on disk,
+never a torn file. Non-finite floats are stored as the strings "nan", "inf", "-inf" (JSON has no
+such numbers); every finite float is written by `repr`, which round-trips its exact bits.
+
+Does not: decide what a step record contains (the RL loop does; the expected keys are listed on
+`EvidenceWriter.record_step`), or compare runs (rlkernel/runner/compare.py).
+
+Footgun: `versions()` asks torch for CUDA device names, which initialises CUDA in the calling
+process; launchers must start workers with spawn, not fork (true of CUDA in general).
+
+Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py tests/test_compare.py`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import tempfile
+from typing import Any
+
+EVIDENCE_FORMAT = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic JSON
+
+
+def to_json_safe(obj: Any) -> Any:
+    """A copy of `obj` with non-finite floats replaced by "nan" / "inf" / "-inf", tuples as lists.
+
+    Raises TypeError on a dict key that is not a str (JSON would silently stringify it).
+    """
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"JSON object keys must be str, got {k!r} ({type(k).__name__})")
+            out[k] = to_json_safe(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [to_json_safe(v) for v in obj]
+    return obj
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` as JSON (indent=1) to `path` so readers see the old file or the new, never a mix.
+
+    Writes a temp file in the same directory, fsyncs it, `os.replace`s it over `path`, then fsyncs
+    the directory. Raises TypeError for values JSON cannot hold, OSError on I/O failure (the temp
+    file is removed).
+    """
+    path = pathlib.Path(path)
+    text = json.dumps(to_json_safe(obj), indent=1, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # e.g. platforms that cannot open directories
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+# ---------------------------------------------------------------------------------------------
+# environment
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict[str, Any]:
+    """Software and device versions for the manifest.
+
+    Keys: python, torch, triton (None when not installed), cuda (torch.version.cuda, None on CPU
+    builds), platform, devices {"cpu": name, "cuda": [names]}, rlkernel. Imports torch.
+    """
+    import importlib.metadata
+
+    import torch
+
+    import rlkernel
+
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    cuda_names = []
+    if torch.cuda.is_available():
+        cuda_names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+        "devices": {"cpu": _cpu_name(), "cuda": cuda_names},
+        "rlkernel": rlkernel.__version__,
+    }
+
+
+def _git(src_dir: pathlib.Path, *args: str) -> str | None:
+    try:
+        p = subprocess.run(["git", "-C", str(src_dir), *args], capture_output=True, text=True,
+                           timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def git_state(src_dir: str | os.PathLike) -> dict[str, Any]:
+    """Git commit and dirty state of the rl-kernel source checkout at `src_dir`.
+
+    `src_dir` is the directory holding the `rlkernel` package. Returns {"commit": sha, "dirty":
+    bool, "dirty_files": [porcelain lines]} or, when `src_dir` is not a git checkout of rl-kernel
+    (installed from a wheel, git missing, or the package is not tracked by the enclosing repo),
+    {"commit": None, "dirty": None, "dirty_files": []}. Only `src_dir` and below is inspected;
+    untracked files under `<src_dir>/runs/` do not count. Never raises for git failures.
+    """
+    src = pathlib.Path(src_dir).resolve()
+    unknown: dict[str, Any] = {"commit": None, "dirty": None, "dirty_files": []}
+    # A venv inside some other repo would otherwise report that repo's state.
+    if _git(src, "ls-files", "--error-unmatch", "--", "rlkernel/__init__.py") is None:
+        return unknown
+    commit = _git(src, "rev-parse", "HEAD")
+    status = _git(src, "status", "--porcelain", "--untracked-files=normal", "--", ".")
+    prefix = _git(src, "rev-parse", "--show-prefix")
+    if commit is None or status is None or prefix is None:
+        return unknown
+    runs = prefix.strip() + "runs/"
+    dirty = [line for line in status.splitlines()
+             if line and not (line.startswith("?? ") and line[3:].lstrip('"').startswith(runs))]
+    return {"commit": commit.strip(), "dirty": bool(dirty), "dirty_files": dirty}
+
+
+def utc_now() -> str:
+    """Current UTC time as ISO 8601 with a Z, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_manifest(cfg: Any, git: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a run of `cfg` (a RunConfig): config verbatim, canonical spec, versions, git."""
+    return {
+        "config": cfg.to_dict(),
+        "canonical_spec": cfg.canonical_spec(),
+        "versions": versions(),
+        "git": git,
+        "created_utc": utc_now(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# progress
+
+
+class Progress:
+    """One line per step on stderr: step i/N, reward mean, grad norm, logprob mismatches, seconds.
+
+    Tolerates missing keys in a record (prints "-"). Plain text when stderr is not a terminal.
+    """
+
+    def __init__(self, total: int, console: Any = None) -> None:
+        from rich.console import Console
+
+        self.total = total
+        self.done = 0
+        self.console = console if console is not None else Console(stderr=True, highlight=False)
+
+    def step(self, rec: dict[str, Any]) -> None:
+        self.done += 1
+
+        def num(key: str, fmt: str) -> str:
+            v = rec.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+        t = rec.get("timings") or {}
+        secs = t.get("step_s")
+        line = (f"step {self.done}/{self.total}  reward {num('reward_mean', '.4f')}  "
+                f"grad_norm {num('grad_norm', '.6g')}  "
+                f"mismatches {rec.get('logprob_mismatches', '-')}/{rec.get('logprob_tokens', '-')}  "
+                f"{format(secs, '.2f') + 's' if isinstance(secs, (int, float)) else '-'}")
+        if rec.get("update_skipped"):
+            line += "  UPDATE SKIPPED"
+        if isinstance(rec.get("weight_audit"), dict) and not rec["weight_audit"].get("ok", True):
+            line += "  WEIGHT AUDIT FAILED"
+        self.console.print(line, markup=False, soft_wrap=True)  # one line, however narrow
+
+    def close(self) -> None:
+        self.console.file.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# writer
+
+
+class EvidenceWriter:
+    """Owner of `run_dir/manifest.json` and `run_dir/evidence.json`.
+
+    Writes manifest.json (atomically) and an empty evidence.json at construction; raises OSError
+    if `run_dir` is missing or not writable, TypeError if `manifest` is not JSON-serialisable.
+    `progress`, if given, is told about every step.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, manifest: dict[str, Any],
+                 progress: Progress | None = None) -> None:
+        self.run_dir = pathlib.Path(run_dir)
+        self.manifest = to_json_safe(manifest)
+        self.progress = progress
+        self.init: dict[str, Any] | None = None
+        self.steps: list[dict[str, Any]] = []
+        self.complete = False
+        self.summary: dict[str, Any] | None = None
+        write_json_atomic(self.run_dir / "manifest.json", self.manifest)
+        self._flush()
+
+    @property
+    def n_steps(self) -> int:
+        """Step records written so far."""
+        return len(self.steps)
+
+    def record_init(self, init: dict[str, Any]) -> None:
+        """Store the initial weights record, e.g. {"version": root, "tensor_hashes": {name: sha256}}."""
+        self._check_open()
+        self.init = to_json_safe(init)
+        self._flush()
+
+    def record_step(self, step: dict[str, Any]) -> None:
+        """Append one step record and rewrite evidence.json.
+
+        Records are free-form JSON dicts from the loop; expected keys: step, grad_norm,
+        grad_norm_hex, grad_nonfinite, update_skipped, version, tensor_hashes, version_changed,
+        tokens_hash, n_samples, n_response_tokens, logprob_mismatches, logprob_tokens, rewards,
+        reward_mean, loss, pg_loss, kl, entropy, weight_audit {"ok", "problems"}, timings
+        {"rollout_s", "train_s", "export_audit_s", "step_s"}. `rlk compare` compares every key
+        except timings, so anything non-deterministic belongs under timings.
+        Raises TypeError if `step` is not a dict, RuntimeError after `finish`.
+        """
+        self._check_open()
+        if not isinstance(step, dict):
+            raise TypeError(f"step record must be a dict, got {type(step).__name__}")
+        self.steps.append(to_json_safe(step))
+        self._flush()
+        if self.progress is not None:
+            self.progress.step(step)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Mark the evidence complete and store `summary`. Raises RuntimeError if called twice."""
+        self._check_open()
+        self.summary = to_json_safe(summary)
+        self.complete = True
+        self._flush()
+
+    def _check_open(self) -> None:
+        if self.complete:
+            raise RuntimeError(f"{self.run_dir / 'evidence.json'}: already finished")
+
+    def _flush(self) -> None:
+        write_json_atomic(self.run_dir / "evidence.json", {
+            "format": EVIDENCE_FORMAT,
+            "init": self.init,
+            "steps": self.steps,
+            "complete": self.complete,
+            "summary": self.summary,
+        })

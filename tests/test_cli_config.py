@@ -1,0 +1,347 @@
+"""Tests of RunConfig validation and `rlk run`: bad values, the flag budget, the run directory's life.
+
+The RL loop is replaced by a fake that writes steps through the EvidenceWriter, so these tests are
+fast and need no model. Every test runs in its own empty working directory, so "creates nothing"
+is checked as "the directory is still empty".
+
+Run: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+from rlkernel import cli
+from rlkernel.config import ATTN_KV_BLOCK, TOKEN_LEAVES, ConfigError, RunConfig, field_docs, flag_name
+from rlkernel.runner.evidence import git_state, write_json_atomic
+
+# The reviewed `rlk run` surface (STYLE.md §12). Adding a flag means adding it here, in review.
+REVIEWED_RUN_FLAGS = {
+    "-h", "--help",
+    "--model", "--model-seed", "--prompts",
+    "--steps", "--seed", "--n-prompts", "--n-samples-per-prompt",
+    "--temperature", "--top-p", "--max-response-len", "--max-prompt-len",
+    "--kl-coef", "--kl-estimator", "--entropy-coef", "--clip-eps",
+    "--lr", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
+    "--token-budget", "--dtype", "--mode",
+    "--tp", "--cp", "--sp", "--rollout-tp", "--rollout-cp",
+    "--run-dir", "--allow-dirty", "--require-updates", "--device",
+}
+
+
+def _step(i: int) -> dict:
+    return {"step": i, "grad_norm": 1.5 + i, "grad_norm_hex": (1.5 + i).hex(), "grad_nonfinite": [],
+            "update_skipped": False, "version": f"v{i + 1}", "tensor_hashes": {"w": f"{i + 1:064x}"},
+            "version_changed": True, "tokens_hash": "t", "n_samples": 16, "n_response_tokens": 100,
+            "logprob_mismatches": 0, "logprob_tokens": 100, "rewards": [1.0, 0.0],
+            "reward_mean": 0.5, "loss": float("nan"), "pg_loss": 0.0, "kl": 0.0, "entropy": 1.0,
+            "weight_audit": {"ok": True, "problems": []},
+            "timings": {"rollout_s": 0.1, "train_s": 0.1, "export_audit_s": 0.1, "step_s": 0.3}}
+
+
+def _fake_loop(cfg, run_dir, writer):
+    writer.record_init({"version": "v0", "tensor_hashes": {"w": "0" * 64}})
+    for i in range(cfg.steps):
+        writer.record_step(_step(i))
+
+
+@pytest.fixture
+def loop(monkeypatch):
+    """Replace rlkernel.runner.loop.run_loop (the module may not exist yet); returns a setter."""
+    try:
+        import rlkernel.runner.loop as mod
+    except Exception:  # not written yet, or mid-edit by its author
+        mod = types.ModuleType("rlkernel.runner.loop")
+        monkeypatch.setitem(sys.modules, "rlkernel.runner.loop", mod)
+    calls = []
+
+    def set_loop(fn):
+        def wrapped(cfg, run_dir, writer):
+            calls.append((cfg, run_dir))
+            return fn(cfg, run_dir, writer)
+        monkeypatch.setattr(mod, "run_loop", wrapped, raising=False)
+
+    set_loop(_fake_loop)
+    return types.SimpleNamespace(set=set_loop, calls=calls)
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch):
+    d = tmp_path / "cwd"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d
+
+
+def rlk(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# bad values: exit 2, one message naming flag + value + what is allowed, nothing on disk
+
+BAD = [
+    (["--entropy-coef", "-1"], "--entropy-coef", "-1", ">= 0"),
+    (["--entropy-coef", "nan"], "--entropy-coef", "nan", "finite"),
+    (["--entropy-coef", "inf"], "--entropy-coef", "inf", "finite"),
+    (["--top-p", "0"], "--top-p", "0", "(0, 1]"),
+    (["--top-p", "1.5"], "--top-p", "1.5", "(0, 1]"),
+    (["--top-p", "nan"], "--top-p", "nan", "(0, 1]"),
+    (["--temperature", "0"], "--temperature", "0", "> 0"),
+    (["--temperature", "-1"], "--temperature", "-1", "> 0"),
+    (["--kl-coef", "-0.1"], "--kl-coef", "-0.1", ">= 0"),
+    (["--kl-estimator", "k4"], "--kl-estimator", "k4", "k1, k2, k3"),
+    (["--tp", "3"], "--tp", "3", "1, 2, 4, 8"),
+    (["--cp", "5"], "--cp", "5", "1, 2, 4, 8"),
+    (["--sp"], "--sp", "--tp 1", "--tp 2, 4 or 8"),
+    (["--sp", "--tp", "1"], "--sp", "--tp 1", "--tp 2, 4 or 8"),
+    (["--steps", "0"], "--steps", "0", ">= 1"),
+    (["--model", "no/such/model-dir"], "--model", "no/such/model-dir", "directory"),
+    (["--prompts", "no-such-prompts.jsonl"], "--prompts", "no-such-prompts.jsonl", "JSONL"),
+]
+
+
+@pytest.mark.parametrize("argv,flag,value,allowed", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_value_exits_2_names_flag_value_allowed_and_creates_nothing(
+        capsys, cwd, loop, argv, flag, value, allowed):
+    """rlk run <bad> == exit 2, stderr is one line naming flag, value and what is allowed, cwd empty."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlk run: error: ")
+    assert flag in lines[0] and value in lines[0] and allowed in lines[0], lines[0]
+    assert list(cwd.iterdir()) == []
+    assert loop.calls == []
+
+
+def test_non_number_is_a_usage_error(capsys, cwd, loop):
+    code, _, err = rlk(capsys, "run", "--top-p", "abc")
+    assert code == 2 and "--top-p" in err and "abc" in err
+    assert list(cwd.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the flag budget (STYLE.md §12)
+
+
+def test_run_flags_are_exactly_the_reviewed_list(capsys):
+    """The flags in `rlk run --help` == REVIEWED_RUN_FLAGS: a new flag fails until reviewed."""
+    code, out, _ = rlk(capsys, "run", "--help")
+    assert code == 0
+    usage = out.split("\n\n")[0]
+    flags = set(re.findall(r"\[(-{1,2}[a-z0-9-]+)", usage)) | {"--help"}
+    assert flags - REVIEWED_RUN_FLAGS == set(), "unreviewed flag(s)"
+    assert REVIEWED_RUN_FLAGS - flags == set(), "reviewed flag(s) gone"
+
+
+def test_every_config_field_is_a_flag_with_a_docstring():
+    """{flag_name(f) for f in RunConfig} == REVIEWED_RUN_FLAGS - help; every field documented."""
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    assert {flag_name(f) for f in fields} == REVIEWED_RUN_FLAGS - {"-h", "--help"}
+    docs = field_docs()
+    assert [f for f in fields if not docs.get(f)] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# RunConfig itself
+
+
+@pytest.mark.parametrize("kw", [
+    {"steps": True}, {"steps": 2.0}, {"steps": "2"}, {"lr": "1e-5"}, {"lr": True}, {"sp": 1},
+    {"seed": -1}, {"seed": 2**63}, {"model_seed": -1}, {"adam_beta1": 1.0}, {"adam_beta2": -0.1},
+    {"clip_grad": -1.0}, {"clip_grad": math.inf}, {"adam_eps": 0.0}, {"dtype": "fp16"},
+    {"mode": "fast"}, {"device": "mps"}, {"rollout_tp": 6}, {"rollout_cp": 0}, {"model": ""},
+    {"token_budget": 100}, {"weight_decay": -1e-9}, {"clip_eps": 0.0},
+])
+def test_invalid_config_raises_config_error_naming_the_flag(kw):
+    (name, value), = kw.items()
+    with pytest.raises(ConfigError) as e:
+        RunConfig(**kw)
+    assert flag_name(name) in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_config_keeps_values_verbatim_and_derives_in_properties():
+    cfg = RunConfig(lr=1, clip_grad=0.0, n_prompts=3, n_samples_per_prompt=1, tp=2, sp=True,
+                    cp=4, seed=2**63 - 1)
+    d = cfg.to_dict()
+    assert d["lr"] == 1 and type(d["lr"]) is int  # not rewritten to 1.0
+    assert d["clip_grad"] == 0.0 and not cfg.grad_clipping
+    assert cfg.samples_per_step == 3 and cfg.train_world_size == 8
+    assert RunConfig.from_dict(d) == cfg
+    assert set(d) == {f.name for f in dataclasses.fields(RunConfig)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 2.0  # type: ignore[misc]
+
+
+def test_canonical_spec():
+    spec = RunConfig(token_budget=512, device="cpu").canonical_spec()
+    assert spec == {"virtual_tp": 8, "virtual_cp": 8, "token_budget": 512, "backend": "cpu",
+                    "matmul": "sequential-K fp32", "attention_kv_block": ATTN_KV_BLOCK,
+                    "vocab_shards": 8, "token_leaves": TOKEN_LEAVES}
+
+
+def test_fingerprint_depends_on_every_value():
+    assert RunConfig().fingerprint() == RunConfig().fingerprint()
+    assert RunConfig().fingerprint() != RunConfig(seed=1).fingerprint()
+
+
+# ---------------------------------------------------------------------------------------------
+# a run: directory lifecycle
+
+
+def test_run_writes_manifest_and_evidence_and_renames_tmp(capsys, cwd, loop):
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--steps", "3", "--tp", "2", "--sp")
+    assert code == 0, err
+    run_dir = cwd / out.strip()
+    assert run_dir.parent == cwd / "runs" and run_dir.is_dir()
+    assert [p.name for p in (cwd / "runs").iterdir()] == [run_dir.name]  # no .tmp- left
+    assert sorted(p.name for p in run_dir.iterdir()) == ["evidence.json", "manifest.json"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    cfg = RunConfig(steps=3, tp=2, sp=True, allow_dirty=True)
+    assert manifest["config"] == cfg.to_dict()
+    assert manifest["canonical_spec"] == cfg.canonical_spec()
+    assert set(manifest) >= {"versions", "git", "created_utc"}
+    assert set(manifest["versions"]) >= {"python", "torch", "triton", "cuda", "platform", "devices",
+                                         "rlkernel"}
+    ev = json.loads((run_dir / "evidence.json").read_text())
+    assert ev["complete"] is True and len(ev["steps"]) == 3
+    assert ev["init"]["version"] == "v0"
+    assert ev["steps"][0]["loss"] == "nan"  # non-finite floats stored as strings
+    assert ev["steps"][1]["grad_norm"] == 2.5
+    assert len([ln for ln in err.splitlines() if ln.startswith("step ")]) == 3  # progress lines
+    assert loop.calls[0][1].name.startswith(run_dir.name + ".tmp-")
+
+
+def test_run_into_given_empty_dir(capsys, cwd, loop):
+    (cwd / "mine").mkdir()
+    code, out, _ = rlk(capsys, "run", "--allow-dirty", "--run-dir", "mine")
+    assert code == 0 and out.strip() == "mine"
+    assert (cwd / "mine" / "evidence.json").is_file()
+    assert sorted(p.name for p in cwd.iterdir()) == ["mine"]
+
+
+def test_run_dir_not_empty_exit_2(capsys, cwd, loop):
+    (cwd / "full").mkdir()
+    (cwd / "full" / "x").write_text("x")
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "full")
+    assert code == 2 and "--run-dir" in err and "full" in err
+    assert loop.calls == []
+
+
+def test_loop_value_error_before_first_step_leaves_nothing(capsys, cwd, loop):
+    def bad(cfg, run_dir, writer):
+        writer.record_init({"version": "v0", "tensor_hashes": {}})
+        raise ValueError("prompts.jsonl line 3: not valid JSON\n(detail)")
+
+    loop.set(bad)
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/b/run")
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == ["rlk run: error: prompts.jsonl line 3: not valid JSON (detail)"]
+    assert list(cwd.iterdir()) == []  # nor the a/b parents it created
+
+
+def test_loop_os_error_before_first_step_leaves_nothing_default_dir(capsys, cwd, loop):
+    def bad(cfg, run_dir, writer):
+        raise FileNotFoundError(2, "No such file or directory", "model.safetensors")
+
+    loop.set(bad)
+    code, _, err = rlk(capsys, "run", "--allow-dirty")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "model.safetensors" in err
+    assert list(cwd.iterdir()) == []
+
+
+def test_loop_value_error_after_a_step_keeps_partial_evidence(capsys, cwd, loop):
+    def bad(cfg, run_dir, writer):
+        writer.record_step(_step(0))
+        raise ValueError("weight audit failed")
+
+    loop.set(bad)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+    assert code == 1 and "weight audit failed" in err
+    ev = json.loads((cwd / "r" / "evidence.json").read_text())
+    assert ev["complete"] is False and len(ev["steps"]) == 1
+    assert sorted(p.name for p in cwd.iterdir()) == ["r"]
+
+
+def test_loop_bug_is_raised_and_dir_kept_under_final_name(capsys, cwd, loop):
+    def bug(cfg, run_dir, writer):
+        raise RuntimeError("bug")
+
+    loop.set(bug)
+    with pytest.raises(RuntimeError):
+        cli.main(["run", "--allow-dirty", "--run-dir", "r"])
+    assert (cwd / "r" / "manifest.json").is_file()
+    assert sorted(p.name for p in cwd.iterdir()) == ["r"]
+
+
+def test_rlk_debug_reraises(capsys, cwd, loop, monkeypatch):
+    def bad(cfg, run_dir, writer):
+        raise ValueError("boom")
+
+    loop.set(bad)
+    monkeypatch.setenv("RLK_DEBUG", "1")
+    with pytest.raises(ValueError, match="boom"):
+        cli.main(["run", "--allow-dirty"])
+    assert list(cwd.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# git state
+
+
+def test_dirty_checkout_is_refused_without_allow_dirty(capsys, cwd, loop, monkeypatch):
+    monkeypatch.setattr(cli, "git_state", lambda src: {"commit": "c" * 40, "dirty": True,
+                                                       "dirty_files": [" M rlkernel/x.py"]})
+    code, _, err = rlk(capsys, "run")
+    assert code == 2 and "--allow-dirty" in err and "commit" in err
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+def test_not_a_checkout_is_recorded_as_null_and_not_refused(capsys, cwd, loop, monkeypatch):
+    monkeypatch.setattr(cli, "git_state", lambda src: {"commit": None, "dirty": None,
+                                                       "dirty_files": []})
+    code, out, _ = rlk(capsys, "run", "--run-dir", "r")
+    assert code == 0
+    assert json.loads((cwd / "r" / "manifest.json").read_text())["git"]["commit"] is None
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_git_state_of_a_checkout(tmp_path):
+    repo = tmp_path / "src"
+    (repo / "rlkernel").mkdir(parents=True)
+    (repo / "rlkernel" / "__init__.py").write_text("")
+    (repo / ".gitignore").write_text("")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (repo / "runs" / "r1").mkdir(parents=True)  # untracked runs/ is not dirt
+    (repo / "runs" / "r1" / "evidence.json").write_text("{}")
+    st = git_state(repo)
+    assert len(st["commit"]) == 40 and st["dirty"] is False
+    (repo / "rlkernel" / "__init__.py").write_text("x = 1\n")
+    assert git_state(repo)["dirty"] is True
+    assert git_state(tmp_path / "src" / "runs")["commit"] is None  # rlkernel not tracked there
+    assert git_state(tmp_path) == {"commit": None, "dirty": None, "dirty_files": []}
+
+
+def test_write_json_atomic_non_finite(tmp_path):
+    write_json_atomic(tmp_path / "x.json", {"a": [math.inf, -math.inf, math.nan, 0.1], "b": (1, 2)})
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": ["inf", "-inf", "nan", 0.1],
+                                                             "b": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
