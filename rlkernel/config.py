@@ -6,8 +6,7 @@ invalid value with a `ConfigError` whose message names the flag as the user type
 value, and what is allowed. A value is never rewritten (the manifest records the config verbatim
 and `rlk compare` diffs it); anything derived is a property.
 
-Also here: the canonical-spec constants that have no other home yet (`ATTN_KV_BLOCK`,
-`TOKEN_LEAVES`); import them from this module.
+The canonical-spec constants live in rlkernel/spec.py.
 
 Does not: check the file system (model dir, prompts file: the CLI and the loaders do that), know
 the model architecture (rlkernel/model/config.py), or import torch.
@@ -28,16 +27,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from rlkernel.model.config import VIRTUAL_CP, VIRTUAL_TP
+from rlkernel.spec import ATTN_KV_BLOCK, MATMUL_ORDER, TOKEN_LEAVES, VIRTUAL_CP, VIRTUAL_TP
 
-# Canonical spec block sizes (DESIGN.md §1). Changing one is a different numerical run.
-ATTN_KV_BLOCK = 16
-"""Keys per attention online-softmax block; block b covers absolute key positions [b*16, (b+1)*16)."""
-TOKEN_LEAVES = 128
-"""Leaves of the canonical token-reduction tree of one microbatch (finer than 2*VIRTUAL_CP so SP
-slices own whole subtrees too)."""
-MATMUL_ORDER = "sequential-K fp32"
-"""Reduction order of every matmul: one fixed fp32 K-loop per output element, no split-K."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 DTYPES = ("bf16", "fp32")

@@ -24,9 +24,7 @@ import torch
 from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import TOKEN_LEAVES, seq_matmul
 from rlkernel.numerics.trees import tree_combine, tree_sum
-
-ATTN_KV_BLOCK = 16
-"""Keys per online-softmax block (canonical spec: part of the numerical identity of a run)."""
+from rlkernel.spec import ATTN_KV_BLOCK
 
 _NEG_INF = float("-inf")
 

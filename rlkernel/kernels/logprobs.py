@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from rlkernel.kernels.elementwise import exp32, log32
-from rlkernel.model.config import VIRTUAL_TP
+from rlkernel.spec import VIRTUAL_TP
 from rlkernel.numerics.trees import tree_sum
 
 

@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel.model.config import VIRTUAL_TP
+from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
 from rlkernel.numerics.trees import tree_sum
-
-TOKEN_LEAVES = 128
-"""Fine token leaves per microbatch stream: 2·virtual_cp CP leaves × 8 SP sub-leaves."""
 
 _CHUNK_ELEMS = 1 << 24  # bound on the [.., M, N] working set of one elementwise step
 

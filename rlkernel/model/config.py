@@ -12,9 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# The canonical spec (DESIGN.md §1): real TP must divide VIRTUAL_TP, real CP must divide VIRTUAL_CP.
-VIRTUAL_TP = 8
-VIRTUAL_CP = 8
+from rlkernel.spec import VIRTUAL_CP, VIRTUAL_TP  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True, kw_only=True)
