@@ -77,8 +77,10 @@ class RunConfig:
     # ---- loss
     kl_coef: float = 0.0
     """Weight of the KL penalty against the initial policy (>= 0; 0 disables it)."""
-    kl_estimator: str = "k3"
-    """KL estimator: k1 (log ratio), k2 (half squared log ratio) or k3 (ratio - 1 - log ratio)."""
+    kl_estimator: str = "k1"
+    """KL estimator (Schulman 2020): k1 (log ratio), k2 (half squared log ratio) or k3
+    (ratio - 1 - log ratio). k1 is the default: its per-token gradient is non-zero even at the
+    reference policy, so --kl-coef acts from the first step; k2 and k3 start with zero gradient."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (>= 0; 0 disables it)."""
     clip_eps: float = 0.2

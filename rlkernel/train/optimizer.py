@@ -1,0 +1,93 @@
+"""AdamW on fp32 master weights with exact-norm gradient clipping.
+
+The gradient norm is the exact sum of squares (rlkernel/numerics/exact.py): the same bits for any
+sharding or order. Clipping multiplies every gradient by one fp32 coefficient
+max_norm / (norm + 1e-6) when it is below 1 (as torch.nn.utils.clip_grad_norm_). AdamW
+(Loshchilov & Hutter, arXiv 1711.05101; the update of torch.optim.AdamW) is written with separate
+elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths may round
+differently — so an element's update never depends on the shard it sits in.
+The model's weights are the masters rounded to the parameter dtype.
+Does not: shard optimizer state (rlkernel/dist) or schedule the learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel.numerics.exact import ExactSumOfSquares
+
+
+@dataclass(frozen=True)
+class AdamWParams:
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """Exact pre-clip gradient norm (float64), the applied clip coefficient, non-finite params."""
+
+    norm: float
+    clip_coef: float
+    nonfinite: tuple[str, ...]
+
+
+def grad_norm(grads: dict[str, torch.Tensor]) -> tuple[float, tuple[str, ...]]:
+    """Exact L2 norm of all gradients (float64) and the names of tensors holding NaN/Inf."""
+    acc = ExactSumOfSquares()
+    for name, g in grads.items():
+        acc.add_(g, name)
+    return acc.norm(), tuple(acc.nonfinite_names)
+
+
+class AdamW:
+    """AdamW over named fp32 masters [same shapes as the parameters]."""
+
+    def __init__(self, masters: dict[str, torch.Tensor], hp: AdamWParams) -> None:
+        self.hp = hp
+        self.master = {n: t.detach().to(torch.float32).clone() for n, t in masters.items()}
+        self.exp_avg = {n: torch.zeros_like(t) for n, t in self.master.items()}
+        self.exp_avg_sq = {n: torch.zeros_like(t) for n, t in self.master.items()}
+        self.steps = 0
+
+    def clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> GradStats:
+        """Scale grads in place to norm <= max_norm (0 = no clipping); returns the exact stats."""
+        norm, bad = grad_norm(grads)
+        coef = 1.0
+        if max_norm > 0 and math.isfinite(norm):
+            coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            c32 = torch.tensor(coef, dtype=torch.float32)
+            for g in grads.values():
+                g.mul_(c32)
+        return GradStats(norm, coef, bad)
+
+    @torch.no_grad()
+    def step(self, grads: dict[str, torch.Tensor]) -> None:
+        """One AdamW update of every master from fp32 grads (same names)."""
+        hp = self.hp
+        self.steps += 1
+        bc1 = 1.0 - hp.beta1 ** self.steps
+        bc2_sqrt = math.sqrt(1.0 - hp.beta2 ** self.steps)
+        step_size = hp.lr / bc1
+        for n, p in self.master.items():
+            g = grads[n].to(torch.float32)
+            m = self.exp_avg[n].mul_(hp.beta1).add_(g * (1.0 - hp.beta1))
+            v = self.exp_avg_sq[n].mul_(hp.beta2).add_((g * g) * (1.0 - hp.beta2))
+            denom = (torch.sqrt(v) / bc2_sqrt) + hp.eps
+            if hp.weight_decay:
+                p.mul_(1.0 - hp.lr * hp.weight_decay)
+            p.sub_((m / denom) * step_size)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Masters and moments by name, for checkpoints and audits."""
+        out = {f"master/{n}": t for n, t in self.master.items()}
+        out.update({f"exp_avg/{n}": t for n, t in self.exp_avg.items()})
+        out.update({f"exp_avg_sq/{n}": t for n, t in self.exp_avg_sq.items()})
+        return out

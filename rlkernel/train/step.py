@@ -1,0 +1,103 @@
+"""One policy-gradient step's gradients: pack, forward, per-token losses, canonical backward.
+
+Samples are packed in logical order by the token budget (data/packing.py); each microbatch is
+one padded token stream. Row t of a sample predicts token t+1, so the rows that predict response
+tokens carry the loss. The trainer's logprobs of those tokens are compared byte for byte with the
+rollout's (the train/rollout mismatch count of the evidence). The loss is normalised once by the
+step's logical response-token count N: every token's gradient coefficient is exactly 1/N, so the
+backward needs no reduction, and microbatch gradients accumulate in logical order.
+Does not: clip or update (train/optimizer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel.data.packing import pack_by_budget, padded_stream_len
+from rlkernel.model.layout import packed_layout
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.numerics.exact import exact_sum
+from rlkernel.train.losses import LossCoefs, token_losses
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """A rollout sample: prompt and response ids, the rollout's fp32 logprobs [R], its advantage."""
+
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    rollout_logprobs: torch.Tensor
+    advantage: float
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Exact means over the step's N response tokens, and the logprob byte-mismatch count."""
+
+    n_tokens: int
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    logprob_mismatches: int
+    n_microbatches: int
+
+
+def _microbatch_rows(group: list[TrainSample], stream_len: int):
+    targets = torch.zeros(stream_len, dtype=torch.long)
+    rows, old, adv = [], [], []
+    off = 0
+    for s in group:
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        idx = torch.arange(off + p - 1, off + p + r - 1)
+        targets[idx] = torch.tensor(s.response_ids, dtype=torch.long)
+        rows.append(idx)
+        old.append(s.rollout_logprobs.to(torch.float32))
+        adv.append(torch.full((r,), s.advantage, dtype=torch.float32))
+        off += p + r
+    return targets, torch.cat(rows), torch.cat(old), torch.cat(adv)
+
+
+def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
+                      *, temperature: float, coefs: LossCoefs, token_budget: int, pad_id: int,
+                      exp) -> StepStats:
+    """Accumulate d(loss)/dθ into policy's .grad (fp32; zeroed first) and return the stats.
+
+    Raises ValueError if there is no response token or a sample exceeds the token budget.
+    """
+    n_tok = sum(len(s.response_ids) for s in samples)
+    if n_tok == 0:
+        raise ValueError("no response tokens to train on")
+    policy.zero_grad(set_to_none=True)
+    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
+    mismatches = 0
+    for g in groups:
+        group = [samples[i] for i in g]
+        seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
+        lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
+        targets, rows, old, adv = _microbatch_rows(group, lay.tokens.shape[0])
+        lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
+        with torch.no_grad():
+            ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
+        lp, ent = lp_all[rows], ent_all[rows]
+        mismatches += int((lp.detach().view(torch.int32) != old.view(torch.int32)).sum())
+        total, pg, kl = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
+        coef = torch.full_like(total, 1.0 / n_tok)
+        torch.autograd.backward(total, grad_tensors=coef)
+        for key, t in (("total", total), ("pg", pg), ("kl", kl), ("ent", ent)):
+            vals[key].extend(t.detach().double().tolist())
+    mean = {k: exact_sum(v) / n_tok for k, v in vals.items()}
+    return StepStats(n_tok, mean["total"], mean["pg"], mean["kl"], mean["ent"], mismatches,
+                     len(groups))
+
+
+def gradients(policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """fp32 gradients by logical parameter name (zeros for parameters without one)."""
+    out = {}
+    for n, p in policy.logical_params().items():
+        out[n] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return out
