@@ -31,7 +31,7 @@ _NEG_INF = float("-inf")
 
 def _visible(q_pos: torch.Tensor, kv_len: torch.Tensor, j0: int, n: int) -> torch.Tensor:
     """[S, Tq, n] bool: key j0+i visible to each query."""
-    j = torch.arange(j0, j0 + n)
+    j = torch.arange(j0, j0 + n, device=q_pos.device)
     return (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
 
 
@@ -58,9 +58,10 @@ def attention_forward(q, k, v, q_pos, kv_len, scale):
     hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv
     qg = q.reshape(s_, hkv, g, tq, d)
-    m = torch.full((s_, hkv, g, tq), _NEG_INF)
-    l = torch.zeros(s_, hkv, g, tq)
-    acc = torch.zeros(s_, hkv, g, tq, d)
+    dev = q.device
+    m = torch.full((s_, hkv, g, tq), _NEG_INF, device=dev)
+    l = torch.zeros(s_, hkv, g, tq, device=dev)
+    acc = torch.zeros(s_, hkv, g, tq, d, device=dev)
     for j0 in _blocks(tk):
         n = min(ATTN_KV_BLOCK, tk - j0)
         vis = _visible(q_pos, kv_len, j0, n)[:, None, None]          # [S,1,1,Tq,n]
@@ -109,18 +110,19 @@ def _token_tree_over_queries(w, x, slot, m, f0, nf):
     width = nf * m
     valid = slot >= 0
     sl = torch.where(valid, slot, torch.full_like(slot, width))        # pad rows -> dump slot
-    wq = torch.zeros(s_, h, g, width + 1, tk)
-    xq = torch.zeros(s_, h, g, width + 1, d)
+    dev = w.device
+    wq = torch.zeros(s_, h, g, width + 1, tk, device=dev)
+    xq = torch.zeros(s_, h, g, width + 1, d, device=dev)
     idx_w = sl[:, None, None, :, None].expand(s_, h, g, tq, tk)
     idx_x = sl[:, None, None, :, None].expand(s_, h, g, tq, d)
     wq.scatter_(3, idx_w, w)
     xq.scatter_(3, idx_x, x)
-    present = torch.zeros(s_, width + 1, dtype=torch.bool)
+    present = torch.zeros(s_, width + 1, dtype=torch.bool, device=dev)
     present.scatter_(1, sl, valid)
     wq = wq[:, :, :, :width].reshape(s_, h, g, nf, m, tk)
     xq = xq[:, :, :, :width].reshape(s_, h, g, nf, m, d)
     present = present[:, :width].reshape(s_, nf, m)
-    acc = torch.zeros(s_, h, g, nf, tk, d)
+    acc = torch.zeros(s_, h, g, nf, tk, d, device=dev)
     for i in range(m):
         cand = acc + wq[..., i, :, None] * xq[..., i, None, :]
         acc = torch.where(present[:, None, None, :, i, None, None], cand, acc)
@@ -132,7 +134,7 @@ def _token_tree_over_queries(w, x, slot, m, f0, nf):
             if leaf_has[si, f]:
                 leaves[int(f0[si]) + f] = acc[si, :, :, f]
         tot = tree_combine(leaves)
-        outs.append(tot if tot is not None else torch.zeros(h, g, tk, d))
+        outs.append(tot if tot is not None else torch.zeros(h, g, tk, d, device=dev))
     return torch.stack(outs)
 
 

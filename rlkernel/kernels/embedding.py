@@ -26,11 +26,11 @@ def embedding_grad(ids: torch.Tensor, dy: torch.Tensor, vocab: int,
     present, compact = torch.unique(ids, return_inverse=True)
     cl = compact.reshape(leaves, m)
     dyl = dy.to(torch.float32).reshape(leaves, m, h)
-    part = torch.zeros(leaves, present.numel(), h, dtype=torch.float32)
-    leaf_idx = torch.arange(leaves)
+    part = torch.zeros(leaves, present.numel(), h, dtype=torch.float32, device=dy.device)
+    leaf_idx = torch.arange(leaves, device=dy.device)
     for i in range(m):
         part.index_put_((leaf_idx, cl[:, i]), dyl[:, i], accumulate=True)
-    out = torch.zeros(vocab, h, dtype=torch.float32)
+    out = torch.zeros(vocab, h, dtype=torch.float32, device=dy.device)
     out[present] = tree_sum(part, 0)
     return out
 

@@ -44,7 +44,7 @@ def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     k_len = a.shape[-1]
     out_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
     if k_len == 0:
-        return torch.zeros(out_shape, dtype=torch.float32)
+        return torch.zeros(out_shape, dtype=torch.float32, device=a.device)
     # Rows are independent, so cutting M into chunks cannot change any element.
     m = a.shape[-2]
     per_row = max(1, out_shape.numel() // max(m, 1))

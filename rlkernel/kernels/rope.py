@@ -44,7 +44,8 @@ class RopeTable:
         need = int(pos.max().item()) + 1 if pos.numel() else 0
         if need > self.cos.shape[0]:
             self._extend(max(need, 2 * self.cos.shape[0], 256))
-        return self.cos[pos], self.sin[pos]
+        pc = pos.cpu()
+        return self.cos[pc].to(positions.device), self.sin[pc].to(positions.device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

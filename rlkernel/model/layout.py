@@ -39,6 +39,14 @@ class StreamLayout:
     def n_samples(self) -> int:
         return self.q_idx.shape[0]
 
+    def to(self, device: torch.device) -> "StreamLayout":
+        """The same layout with its index tensors on `device`."""
+        if self.tokens.device == torch.device(device):
+            return self
+        mv = lambda t: t.to(device)  # noqa: E731
+        return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
+                            mv(self.kv_len), self.stream_len)
+
 
 def packed_layout(seqs: list[list[int]], stream_len: int, pad_id: int) -> StreamLayout:
     """Training layout: sequences packed back to back from row 0, padding only at the end.

@@ -25,10 +25,11 @@ from rlkernel.model.layout import StreamLayout, to_samples, to_stream
 class KVCache:
     """Per-layer K/V of every sample at absolute positions: [S, Hkv, capacity, D] fp32, zeroed."""
 
-    def __init__(self, cfg: Qwen3Config, n_samples: int, capacity: int) -> None:
-        shape = (n_samples, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.k = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+    def __init__(self, cfg: Qwen3Config, n_samples: int, capacity: int,
+                 device: torch.device | str = "cpu", kv_heads: int | None = None) -> None:
+        shape = (n_samples, kv_heads or cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device) for _ in range(cfg.num_hidden_layers)]
         self.capacity = capacity
 
 
@@ -149,8 +150,13 @@ class Qwen3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def export_tensors(self) -> dict[str, torch.Tensor]:
-        """Logical weights in param_dtype (exact: parameters hold param_dtype values)."""
-        return {n: p.detach().to(self.param_dtype).clone() for n, p in self.logical_params().items()}
+        """Logical weights in param_dtype on the CPU (exact: parameters hold param_dtype values)."""
+        return {n: p.detach().to(self.param_dtype).cpu().clone()
+                for n, p in self.logical_params().items()}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
@@ -158,6 +164,7 @@ class Qwen3ForCausalLM(nn.Module):
     # -- forward -----------------------------------------------------------------------------
     def hidden(self, lay: StreamLayout, cache: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states of every stream row: [L, H] fp32."""
+        lay = lay.to(self.device)
         cos, sin = self.rope.lookup(lay.positions)
         x = self.ops.embed(lay.tokens, self.model.embed_tokens.weight)
         for layer in self.model.layers:

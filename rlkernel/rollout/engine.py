@@ -60,9 +60,9 @@ class RolloutEngine:
     """Owns its own model copy (weights arrive by `load_weights`, as in a real weight sync)."""
 
     def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype, pad_id: int,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
-        self.model = Qwen3ForCausalLM(cfg, ops, param_dtype)
+        self.model = Qwen3ForCausalLM(cfg, ops, param_dtype).to(device)
         self.model.requires_grad_(False)
         self.pad_id = pad_id
         self.prefill_chunk = prefill_chunk
@@ -81,7 +81,7 @@ class RolloutEngine:
             if not r.prompt_ids:
                 raise ValueError(f"sample {r.sample_id}: empty prompt")
         longest = max(len(r.prompt_ids) for r in requests)
-        cache = KVCache(self.cfg, len(requests), longest + sp.max_new_tokens)
+        cache = KVCache(self.cfg, len(requests), longest + sp.max_new_tokens, self.model.device)
         outs = [Completion(r.sample_id, r.prompt_ids) for r in requests]
         fed = [0] * len(requests)                  # tokens of each sequence already in the cache
         while True:
@@ -108,7 +108,7 @@ class RolloutEngine:
         h = self.model.hidden(lay, cache)
         last = torch.tensor([max(len(c) - 1, 0) for c in chunks])
         rows = lay.q_idx[torch.arange(len(chunks)), last].clamp(min=0)
-        return h[rows]
+        return h[rows.to(h.device)]
 
     def _postprocess(self, requests, outs, fed, chunks, h_last, sp: SamplingParams) -> None:
         ready = [i for i, (r, c) in enumerate(zip(requests, chunks))
@@ -117,16 +117,17 @@ class RolloutEngine:
             fed[i] += len(c)
         if not ready:
             return
-        idx = torch.tensor(ready)
+        idx = torch.tensor(ready, device=h_last.device)
         logp = self.model.next_token_logprobs(h_last[idx], sp.temperature)
-        positions = torch.tensor([fed[i] for i in ready], dtype=torch.long)
-        sample_ids = torch.tensor([requests[i].sample_id for i in ready], dtype=torch.long)
+        dev = logp.device
+        positions = torch.tensor([fed[i] for i in ready], dtype=torch.long, device=dev)
+        sample_ids = torch.tensor([requests[i].sample_id for i in ready], dtype=torch.long, device=dev)
         toks = sample_tokens(logp, seed=sp.seed, sample_ids=sample_ids, positions=positions,
                              top_p=sp.top_p)
         for j, i in enumerate(ready):
             t = int(toks[j])
             outs[i].response_ids.append(t)
-            outs[i].logprobs.append(logp[j, t].clone())
+            outs[i].logprobs.append(logp[j, t].cpu())
             if t == sp.eos_id:
                 outs[i].finish_reason = "eos"
             elif len(outs[i].response_ids) >= sp.max_new_tokens:

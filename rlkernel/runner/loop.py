@@ -86,12 +86,13 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
                            seed=cfg.seed)
     encoded = _encode_all(cfg, source, tok)
 
-    policy = Qwen3ForCausalLM(mcfg, ops, pdtype)
+    dev = torch.device(cfg.device)
+    policy = Qwen3ForCausalLM(mcfg, ops, pdtype).to(dev)
     policy.load_tensors(tensors)
-    ref = Qwen3ForCausalLM(mcfg, ops, pdtype)
+    ref = Qwen3ForCausalLM(mcfg, ops, pdtype).to(dev)
     ref.load_tensors(tensors)
     ref.requires_grad_(False)
-    engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id)
+    engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev)
     opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()},
                 AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay))
     coefs = LossCoefs(cfg.clip_eps, cfg.kl_coef, cfg.entropy_coef, cfg.kl_estimator)

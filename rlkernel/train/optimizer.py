@@ -63,7 +63,8 @@ class AdamW:
         if max_norm > 0 and math.isfinite(norm):
             coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
-            c32 = torch.tensor(coef, dtype=torch.float32)
+            g0 = next(iter(grads.values()))
+            c32 = torch.tensor(coef, dtype=torch.float32, device=g0.device)
             for g in grads.values():
                 g.mul_(c32)
         return GradStats(norm, coef, bad)

@@ -79,12 +79,13 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
         lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
-        targets, rows, old, adv = _microbatch_rows(group, lay.tokens.shape[0])
+        dev = policy.device
+        targets, rows, old, adv = (t.to(dev) for t in _microbatch_rows(group, lay.tokens.shape[0]))
         lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
         with torch.no_grad():
             ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
         lp, ent = lp_all[rows], ent_all[rows]
-        mismatches += int((lp.detach().view(torch.int32) != old.view(torch.int32)).sum())
+        mismatches += int((lp.detach().view(torch.int32) != old.view(torch.int32)).sum().item())
         total, pg, kl = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
         coef = torch.full_like(total, 1.0 / n_tok)
         torch.autograd.backward(total, grad_tensors=coef)
