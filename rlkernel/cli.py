@@ -7,8 +7,11 @@ its first step. A failure before the first step that is the user's (ValueError/O
 or prompts file) leaves nothing on disk. Exit codes: 0 ok, 1 the run or command failed, 2 bad
 usage (invalid flag value, missing input, dirty checkout, occupied run dir).
 
-Does not: run the RL loop (rlkernel/runner/loop.py), launch processes, or set any global torch
-state; nothing happens at import.
+The topology (--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
+torchrun, WORLD_SIZE before anything is created (rlkernel/dist/topology.py).
+
+Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/dist/launch.py),
+or set any global torch state; nothing happens at import.
 
 Run: `rlk run --steps 2`; `rlk compare runs/A runs/B`; `rlk init-model --preset tiny --seed 0
 --out m/`. Set RLK_DEBUG=1 to get the traceback instead of a one-line error.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import pathlib
 import shutil
@@ -28,7 +32,8 @@ import typing
 
 import rlkernel
 from rlkernel.config import SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name
-from rlkernel.model.config import PRESETS
+from rlkernel.dist.topology import launcher_world_size, validate_topology
+from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
@@ -151,6 +156,30 @@ def _check_inputs(cfg: RunConfig) -> None:
             raise ConfigError("--device 'cuda': no CUDA device is available here; allowed: cpu")
 
 
+def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
+    """The model's architecture for the topology check; None when --model's config.json cannot
+    be read (the checkpoint loader then reports it, with its own message, before any step)."""
+    if cfg.model is None:
+        return tiny()
+    path = pathlib.Path(cfg.model) / "config.json"
+    try:
+        d = json.loads(path.read_text())
+        return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _check_topology(cfg: RunConfig) -> None:
+    """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE.
+    Runs before any process starts or directory is made. Raises ConfigError."""
+    m = _model_shape(cfg)
+    heads = {} if m is None else dict(
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+        vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
+    validate_topology(cfg.tp, cfg.cp, cfg.sp, cfg.rollout_tp, cfg.rollout_cp,
+                      world=launcher_world_size(), **heads)
+
+
 def _missing_ancestors(d: pathlib.Path) -> list[pathlib.Path]:
     """Ancestors of `d` that do not exist yet, deepest first (mkdir(parents=True) creates them)."""
     out = []
@@ -181,6 +210,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         cfg = RunConfig(**{k: v for k, v in vars(args).items() if k in names})
         _check_inputs(cfg)
+        _check_topology(cfg)
     except ConfigError as e:
         return _error("run", e, 2)
 

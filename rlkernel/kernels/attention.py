@@ -23,7 +23,9 @@ import torch
 
 from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import TOKEN_LEAVES, seq_matmul
-from rlkernel.numerics.trees import tree_combine, tree_sum
+from rlkernel.dist.comm import Comm
+from rlkernel.dist.tokentree import TokenTree
+from rlkernel.numerics.trees import tree_sum
 from rlkernel.spec import ATTN_KV_BLOCK
 
 _NEG_INF = float("-inf")
@@ -100,10 +102,11 @@ def _leaf_layout(q_idx: torch.Tensor, stream_len: int):
     return m, f0, slot, nf
 
 
-def _token_tree_over_queries(w, x, slot, m, f0, nf):
+def _token_tree_over_queries(w, x, slot, m, f0, nf, tree: TokenTree):
     """Σ over queries of w[..., t, j]·x[..., t, :] by the canonical token tree.
 
     w [S,H,G,Tq,Tk], x [S,H,G,Tq,D], slot [S,Tq] (shifted stream slot, −1 = none) -> [S,H,G,Tk,D].
+    Leaves this rank does not hold are absent here and finished across `tree`'s ranks.
     """
     s_, h, g, tq, tk = w.shape
     d = x.shape[-1]
@@ -126,24 +129,28 @@ def _token_tree_over_queries(w, x, slot, m, f0, nf):
     for i in range(m):
         cand = acc + wq[..., i, :, None] * xq[..., i, None, :]
         acc = torch.where(present[:, None, None, :, i, None, None], cand, acc)
-    leaf_has = present.any(-1)                                          # [S, nf]
-    outs = []
+    leaf_has = present.any(-1).cpu()                                    # [S, nf]
+    local_of = {tree.global_leaf(i): i for i in range(tree.local_leaves)}
+    items = []
     for si in range(s_):
-        leaves: list[torch.Tensor | None] = [None] * TOKEN_LEAVES
+        leaves: list[torch.Tensor | None] = [None] * tree.local_leaves
         for f in range(nf):
             if leaf_has[si, f]:
-                leaves[int(f0[si]) + f] = acc[si, :, :, f]
-        tot = tree_combine(leaves)
-        outs.append(tot if tot is not None else torch.zeros(h, g, tk, d, device=dev))
-    return torch.stack(outs)
+                gl = int(f0[si]) + f
+                if gl not in local_of:
+                    raise RuntimeError(f"attention backward: query leaf {gl} is not held here")
+                leaves[local_of[gl]] = acc[si, :, :, f]
+        items.append(leaves)
+    return tree.finish_sparse(items, (h, g, tk, d), dev, "token-tree-attention")
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, kv_len, scale, q_idx, stream_len):
+    def forward(ctx, q, k, v, q_pos, kv_len, scale, q_idx, stream_len, tree, kv_comm):
         out, lse = attention_forward(q, k, v, q_pos, kv_len, scale)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, kv_len, q_idx)
         ctx.scale, ctx.stream_len = scale, stream_len
+        ctx.tree, ctx.kv_comm = tree or TokenTree.single(), kv_comm
         return out
 
     @staticmethod
@@ -178,20 +185,30 @@ class _Attention(torch.autograd.Function):
         p_all = torch.cat(p_all, -1)
         ds_all = torch.cat(ds_all, -1)
         m, f0, slot, nf = _leaf_layout(q_idx, ctx.stream_len)
-        dv = tree_sum(_token_tree_over_queries(p_all, dog, slot, m, f0, nf), 2)
-        dk = tree_sum(_token_tree_over_queries(ds_all, qg, slot, m, f0, nf), 2) * scale
-        return dq.reshape(s_, hq, tq, d), dk, dv, None, None, None, None, None
+        tree = ctx.tree
+        # Token tree per query head first, then the heads of a GQA group by the pairwise
+        # (virtual-TP) tree: locally, then across the TP ranks replicating this KV head.
+        dv = tree_sum(_token_tree_over_queries(p_all, dog, slot, m, f0, nf, tree), 2)
+        dk = tree_sum(_token_tree_over_queries(ds_all, qg, slot, m, f0, nf, tree), 2)
+        if ctx.kv_comm is not None and ctx.kv_comm.size > 1:
+            dv = ctx.kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
+            dk = ctx.kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
+        dk = dk * scale
+        return dq.reshape(s_, hq, tq, d), dk, dv, None, None, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
               kv_len: torch.Tensor, scale: float, q_idx: torch.Tensor | None = None,
-              stream_len: int | None = None) -> torch.Tensor:
+              stream_len: int | None = None, tree: TokenTree | None = None,
+              kv_comm: Comm | None = None) -> torch.Tensor:
     """Invariant causal GQA attention.
 
     q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D] fp32; q_pos [S, Tq] long absolute positions (−1 = padding
     slot, output 0); kv_len [S] long valid keys per sample; scale = 1/sqrt(D) (float).
     For a gradient: q_idx [S, Tq] long, each query's index in the microbatch token stream (−1 =
     padding), and stream_len, that stream's padded length (multiple of TOKEN_LEAVES).
+    Under CP, q holds this rank's queries only (q_idx their global stream indices) and `tree` the
+    rank's token segments; k/v hold whole sequences. `kv_comm`: TP ranks replicating this KV head.
     Returns [S, Hq, Tq, D] fp32. Raises ValueError on a stream length the token tree cannot cut.
     """
-    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), q_idx, stream_len)
+    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), q_idx, stream_len, tree, kv_comm)

@@ -18,17 +18,27 @@ Canonical reductions (DESIGN.md §1):
   == 0) is cut into TOKEN_LEAVES equal fine leaves, tokens summed in order inside a leaf, leaves
   combined by the pairwise tree.
 
-Does not: run on CUDA (kernels/triton_* do), communicate (rlkernel/dist/ adds the collectives).
+CUDA tensors dispatch to the Triton kernels of kernels/triton_matmul.py (same contract, its own
+bits); the trees stay here. Does not: communicate (rlkernel/dist/ adds the collectives).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
+from typing import Sequence
+
+from rlkernel.dist.tokentree import TokenTree
 from rlkernel.numerics.trees import tree_sum
+from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
 
 _CHUNK_ELEMS = 1 << 24  # bound on the [.., M, N] working set of one elementwise step
+_CUDA_CHUNK_ELEMS = 1 << 28  # bound on the per-leaf dW partials of one Triton launch (1 GiB)
+
+
+def _triton():
+    from rlkernel.kernels import triton_matmul  # lazy: CPU installs need no triton
+    return triton_matmul
 
 
 def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -39,6 +49,8 @@ def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"seq_matmul: K mismatch {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.is_cuda:
+        return _triton().seq_matmul(a, b)
     a = a.to(torch.float32)
     b = b.to(torch.float32)
     k_len = a.shape[-1]
@@ -79,6 +91,8 @@ def row_parallel_partials(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUA
     k = x.shape[-1]
     if k % shards:
         raise ValueError(f"row-parallel linear: K={k} is not a multiple of virtual_tp={shards}")
+    if x.is_cuda:
+        return _triton().row_parallel_partials(x, w, shards)
     ks = k // shards
     return torch.stack([linear_nt(x[:, s * ks:(s + 1) * ks], w[:, s * ks:(s + 1) * ks])
                         for s in range(shards)])
@@ -93,6 +107,8 @@ def column_parallel_dx(dy: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_
     if n % shards:
         raise ValueError(f"column-parallel linear: N={n} is not a multiple of virtual_tp={shards}")
     ns = n // shards
+    if dy.is_cuda:
+        return tree_sum(_triton().column_dx_partials(dy, w, shards), 0)
     parts = torch.stack([seq_matmul(dy[:, s * ns:(s + 1) * ns], w[s * ns:(s + 1) * ns])
                          for s in range(shards)])
     return tree_sum(parts, 0)
@@ -106,6 +122,8 @@ def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_L
     n_tok = dy.shape[0]
     if n_tok % leaves:
         raise ValueError(f"token tree: stream length {n_tok} is not a multiple of {leaves} leaves")
+    if dy.is_cuda:
+        return _triton().token_leaf_partials(dy, x, leaves)
     m = n_tok // leaves
     dyl = dy.to(torch.float32).reshape(leaves, m, dy.shape[1])
     xl = x.to(torch.float32).reshape(leaves, m, x.shape[1])
@@ -116,52 +134,88 @@ def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_L
 def token_tree_grad_weight(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
     """dW = dYᵀ·X by the canonical token tree. dy [L, N], x [L, K] -> [N, K] fp32."""
     n = dy.shape[1]
-    rows = max(1, _CHUNK_ELEMS // max(1, leaves * x.shape[1]))
+    chunk = _CUDA_CHUNK_ELEMS if dy.is_cuda else _CHUNK_ELEMS   # rows of dW are independent
+    rows = max(1, chunk // max(1, leaves * x.shape[1]))
     outs = [tree_sum(token_leaf_partials(dy[:, i:i + rows], x, leaves), 0)
             for i in range(0, n, rows)]
     return torch.cat(outs, dim=0)
 
 
+def tree_grad_weight(dy: torch.Tensor, x: torch.Tensor, tree: TokenTree | None) -> torch.Tensor:
+    """dW = dYᵀ·X over the stream by the canonical token tree, finished across `tree`'s ranks.
+
+    dy [L, N], x [L, K] (L = this rank's local stream) -> [N, K] fp32.
+    """
+    if tree is None or (tree.comm.size == 1 and tree.n_segments == 1):
+        return token_tree_grad_weight(dy, x)
+    return tree.finish(token_leaf_partials(dy, x, tree.local_leaves), "token-tree-dw")
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return linear_nt(x, w)
+    def forward(ctx, x, owned, local_shards, tree, *ws):
+        ctx.save_for_backward(x, *ws)
+        ctx.owned, ctx.local_shards, ctx.tree = owned, local_shards, tree
+        return tuple(linear_nt(x, w) for w in ws)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        dx = column_parallel_dx(dy, w) if ctx.needs_input_grad[0] else None
-        dw = token_tree_grad_weight(dy, x).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw
+    def backward(ctx, *dys):
+        x, *ws = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # Per local virtual shard: the fused projections' partials added in fixed order,
+            # then the local subtree; the TP tree all-reduce (parallel.enter_tp) finishes it.
+            parts = []
+            for s in range(ctx.local_shards):
+                acc = None
+                for dy, w, (r0, r1) in zip(dys, ws, ctx.owned):
+                    n = (r1 - r0) // ctx.local_shards
+                    a, b = r0 + s * n, r0 + (s + 1) * n
+                    p = seq_matmul(dy[:, a:b], w[a:b])
+                    acc = p if acc is None else acc + p
+                parts.append(acc)
+            dx = tree_sum(torch.stack(parts), 0)
+        dws = tuple(tree_grad_weight(dy, x, ctx.tree).to(w.dtype) if ctx.needs_input_grad[4 + i]
+                    else None for i, (dy, w) in enumerate(zip(dys, ws)))
+        return (dx, None, None, None) + dws
 
 
 class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x, w, local_shards, tree):
         ctx.save_for_backward(x, w)
-        return row_parallel_nt(x, w)
+        ctx.tree = tree
+        return tree_sum(row_parallel_partials(x, w, local_shards), 0)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         dx = linear_nt(dy, w.t()) if ctx.needs_input_grad[0] else None
-        dw = token_tree_grad_weight(dy, x).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw
+        dw = tree_grad_weight(dy, x, ctx.tree).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
 
 
-def column_parallel_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Invariant y = x·wᵀ (QKV, gate/up, LM head). x [M, K] fp32, w [N, K] -> [M, N] fp32.
+def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
+                           owned: Sequence[tuple[int, int]] | None = None,
+                           local_shards: int = VIRTUAL_TP, tree: TokenTree | None = None):
+    """Invariant y_i = x·w_iᵀ for projections sharing x (QKV, gate/up, LM head).
 
-    Backward: dX by the virtual-TP tree over N, dW by the token tree (needs M % TOKEN_LEAVES == 0).
+    x [M, K] fp32, weights [N_i, K] (this rank's rows) -> tuple of [M, N_i] fp32.
+    Backward: dX is this rank's *local subtree* of the virtual-TP tree — per virtual shard the
+    projections' partials in order, shards of `owned` rows (default: all rows, cut into
+    `local_shards`), tree-summed; `parallel.enter_tp` finishes it across TP. dW by the token tree
+    (`tree`; the local stream length must be a multiple of its leaves).
     """
-    return _ColumnParallelLinear.apply(x, w)
+    owned = tuple(owned) if owned is not None else tuple((0, w.shape[0]) for w in weights)
+    return _ColumnParallelLinear.apply(x, owned, local_shards, tree, *weights)
 
 
-def row_parallel_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Invariant y = x·wᵀ (o_proj, down_proj) with K reduced by the virtual-TP tree.
+def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, *, local_shards: int = VIRTUAL_TP,
+                        tree: TokenTree | None = None) -> torch.Tensor:
+    """This rank's subtree of y = x·wᵀ with K cut into virtual-TP shards (o_proj, down_proj).
 
-    x [M, K] fp32, w [N, K], K % VIRTUAL_TP == 0 -> [M, N] fp32. Backward: dX local
+    x [M, K_local] fp32, w [N, K_local] (K_local = local_shards shards) -> [M, N] fp32 partial;
+    `parallel.exit_row` finishes the tree across TP (TP=1: the result). Backward: dX local
     (sequential over N), dW by the token tree.
     """
-    return _RowParallelLinear.apply(x, w)
+    return _RowParallelLinear.apply(x, w, local_shards, tree)

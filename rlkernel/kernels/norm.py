@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from rlkernel.dist.comm import Comm
+from rlkernel.dist.tokentree import TokenTree
 from rlkernel.kernels.elementwise import rsqrt32
-from rlkernel.kernels.matmul import TOKEN_LEAVES
 from rlkernel.numerics.trees import tree_sum
 
 
-def _token_tree_vec(v: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
-    """Sum v [L, ...] over tokens by the canonical token tree -> [...]. L % leaves == 0."""
+def _leaf_sums(v: torch.Tensor, leaves: int) -> torch.Tensor:
+    """Per-leaf sums of v [L, ...] (tokens in order inside a leaf) -> [leaves, ...]."""
     n_tok = v.shape[0]
     if n_tok % leaves:
         raise ValueError(f"token tree: stream length {n_tok} is not a multiple of {leaves} leaves")
@@ -28,7 +29,18 @@ def _token_tree_vec(v: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor
     acc = vl[:, 0].clone()
     for i in range(1, vl.shape[1]):
         acc.add_(vl[:, i])
-    return tree_sum(acc, 0)
+    return acc
+
+
+def _head_tree(per_head: torch.Tensor, comm: Comm | None, replicas: int) -> torch.Tensor:
+    """Sum [heads_local, D] over all heads by the pairwise (virtual-TP) tree across `comm`.
+
+    With KV heads replicated over `replicas` consecutive ranks, each head is taken once.
+    """
+    if comm is None or comm.size == 1:
+        return tree_sum(per_head, 0)
+    parts = comm.all_gather(per_head.contiguous(), "norm-head-tree")
+    return tree_sum(torch.cat(parts[::replicas], 0), 0)
 
 
 def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,10 +52,11 @@ def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x, w, eps, tree, head_comm, replicas):
         x = x.to(torch.float32)
         r, xh = _rms_stats(x, eps)
         ctx.save_for_backward(xh, r, w)
+        ctx.tree, ctx.head_comm, ctx.replicas = tree, head_comm, replicas
         return xh * w.to(torch.float32)
 
     @staticmethod
@@ -55,14 +68,18 @@ class _RMSNorm(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             per_tok = (dy * xh).reshape(xh.shape[0], -1, h)   # [L, heads or 1, H]
-            dw = tree_sum(_token_tree_vec(per_tok), 0).to(w.dtype)
-        return dx, dw, None
+            tree = ctx.tree or TokenTree.single()
+            per_head = tree.finish(_leaf_sums(per_tok, tree.local_leaves), "token-tree-norm")
+            dw = _head_tree(per_head, ctx.head_comm, ctx.replicas).to(w.dtype)
+        return dx, dw, None, None, None, None
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, tree: TokenTree | None = None,
+             head_comm: Comm | None = None, replicas: int = 1) -> torch.Tensor:
     """RMSNorm over the last dim. x [L, H] or [L, heads, D] fp32, w [H] or [D] -> same shape, fp32.
 
-    dim 0 must be the microbatch token stream when a weight gradient is taken
-    (L % TOKEN_LEAVES == 0).
+    dim 0 must be this rank's token stream when a weight gradient is taken (its length a multiple
+    of `tree`'s local leaves). Per-head norms (Q/K norm) sum their heads by the pairwise tree
+    across `head_comm` (TP), KV heads replicated over `replicas` ranks counted once.
     """
-    return _RMSNorm.apply(x, w, eps)
+    return _RMSNorm.apply(x, w, eps, tree, head_comm, replicas)

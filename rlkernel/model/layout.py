@@ -24,8 +24,11 @@ class StreamLayout:
     q_idx [S, T] long: stream row of slot t of sample s, −1 for empty slots.
     q_pos [S, T] long: absolute position of that slot, −1 for empty slots.
     kv_len [S] long: keys of each sample visible after this pass (cache length for decode).
-    stream_len: padded stream length when the pass is differentiated (L % TOKEN_LEAVES == 0),
-        else None.
+    stream_len: padded length of the whole (logical) stream when the pass is differentiated
+        (L % TOKEN_LEAVES == 0), else None.
+    kv_idx [S, Tk] long: row of key slot t in the *logical* stream (CP gathers it); None = q_idx.
+    g_idx [S, T] long: logical-stream index of each query slot (the token-tree leaf of the
+        query); None = q_idx. Under CP, q_idx indexes this rank's local rows, these the logical.
     """
 
     tokens: torch.Tensor
@@ -34,18 +37,29 @@ class StreamLayout:
     q_pos: torch.Tensor
     kv_len: torch.Tensor
     stream_len: int | None = None
+    kv_idx: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
 
     @property
     def n_samples(self) -> int:
         return self.q_idx.shape[0]
 
+    @property
+    def keys_idx(self) -> torch.Tensor:
+        return self.q_idx if self.kv_idx is None else self.kv_idx
+
+    @property
+    def tree_idx(self) -> torch.Tensor:
+        return self.q_idx if self.g_idx is None else self.g_idx
+
     def to(self, device: torch.device) -> "StreamLayout":
         """The same layout with its index tensors on `device`."""
         if self.tokens.device == torch.device(device):
             return self
-        mv = lambda t: t.to(device)  # noqa: E731
+        def mv(t):
+            return None if t is None else t.to(device)
         return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
-                            mv(self.kv_len), self.stream_len)
+                            mv(self.kv_len), self.stream_len, mv(self.kv_idx), mv(self.g_idx))
 
 
 def packed_layout(seqs: list[list[int]], stream_len: int, pad_id: int) -> StreamLayout:
@@ -141,3 +155,29 @@ def to_samples(x: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
 def to_stream(y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
     """Per-sample slots [S, T, ...] -> stream rows [n_rows, ...] (rows no slot maps to: 0)."""
     return _ToStream.apply(y, q_idx, n_rows)
+
+
+def cp_local_layout(lay: StreamLayout, local_rows: torch.Tensor) -> StreamLayout:
+    """This CP rank's view of a packed training layout.
+
+    local_rows [Lc] long: logical-stream rows this rank holds, in local order (its zig-zag
+    segments). Tokens/positions are cut to those rows; each sample's query slots keep the
+    positions held here (q_idx -> local row, g_idx -> logical row); keys stay logical (kv_idx).
+    """
+    n = lay.tokens.shape[0]
+    local_of = torch.full((n,), -1, dtype=torch.long)
+    local_of[local_rows] = torch.arange(local_rows.numel())
+    here = (lay.q_idx >= 0) & (local_of[lay.q_idx.clamp(min=0)] >= 0)
+    t_loc = max(1, int(here.sum(1).max().item()))
+    s_n = lay.q_idx.shape[0]
+    q_idx = torch.full((s_n, t_loc), -1, dtype=torch.long)
+    g_idx = torch.full((s_n, t_loc), -1, dtype=torch.long)
+    q_pos = torch.full((s_n, t_loc), -1, dtype=torch.long)
+    for s in range(s_n):
+        slots = here[s].nonzero(as_tuple=True)[0]
+        k = slots.numel()
+        g_idx[s, :k] = lay.q_idx[s, slots]
+        q_idx[s, :k] = local_of[lay.q_idx[s, slots]]
+        q_pos[s, :k] = lay.q_pos[s, slots]
+    return StreamLayout(lay.tokens[local_rows], lay.positions[local_rows], q_idx, q_pos,
+                        lay.kv_len, lay.stream_len, lay.q_idx, g_idx)

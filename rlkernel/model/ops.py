@@ -1,71 +1,163 @@
-"""The two op sets the model is built from: invariant kernels, or stock torch (`--mode native`).
+"""The two op sets the model is built from: invariant kernels + canonical-tree collectives, or
+stock torch + stock collectives (`--mode native`).
 
-Both take and return fp32 tensors in the same layouts, so the model code is identical and the cost
-of invariance is measured side by side (DESIGN.md §2). Native ops are what a user would otherwise
-run: BLAS matmul, torch RMSNorm arithmetic, F.silu, SDPA, torch.log_softmax, autograd backward.
-Does not: choose a device backend (CUDA kernels plug in behind InvariantOps later).
+Both take the same arguments (including the ParallelCtx) and return fp32 tensors in the same
+layouts, so the model code is identical and the cost of invariance is measured side by side
+(DESIGN.md §2). Native is what a user would otherwise run: BLAS matmul, torch RMSNorm
+arithmetic, F.silu, SDPA, torch.log_softmax, autograd backward, and SUM all-reduces whose order
+belongs to the backend; its token-partial gradients are summed after backward (`sync_grads`).
+Does not: choose a device backend (CUDA kernels plug in behind the kernel functions).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlkernel.dist import parallel as par
+from rlkernel.dist.comm import Comm
+from rlkernel.dist.parallel import ParallelCtx
 from rlkernel.kernels import activation, attention, embedding, logprobs, matmul, norm
 
 
 class InvariantOps:
-    """Invariant CPU kernels (rlkernel/kernels): every element a fixed op sequence."""
+    """Invariant kernels (rlkernel/kernels) and tree collectives (rlkernel/dist)."""
 
     name = "invariant"
-    embed = staticmethod(embedding.embed)
-    rms_norm = staticmethod(norm.rms_norm)
-    col_linear = staticmethod(matmul.column_parallel_linear)
-    row_linear = staticmethod(matmul.row_parallel_linear)
     swiglu = staticmethod(activation.swiglu)
     token_logprobs_entropy = staticmethod(logprobs.token_logprobs_entropy)
     log_softmax = staticmethod(logprobs.log_softmax)
+    gather_vocab = staticmethod(par.gather_vocab)
+    cp_gather = staticmethod(par.cp_gather_stream)
+    sp_scatter = staticmethod(par.sp_scatter)
 
     @staticmethod
-    def attention(q, k, v, q_pos, kv_len, scale, q_idx=None, stream_len=None):
-        return attention.attention(q, k, v, q_pos, kv_len, scale, q_idx, stream_len)
+    def embed(ids, w, offset, pc: ParallelCtx):
+        x = embedding.embed(ids, w, offset=offset, tree=pc.tok)
+        if pc.tp.size > 1:
+            x = par.select_vocab_owner(x, torch.div(ids, w.shape[0], rounding_mode="floor"), pc)
+        return par.sp_scatter(x, pc)
+
+    @staticmethod
+    def norm(x, w, eps, tree, head_comm=None, replicas=1):
+        return norm.rms_norm(x, w, eps, tree=tree, head_comm=head_comm, replicas=replicas)
+
+    @staticmethod
+    def col(x, ws, owned, local_shards, pc: ParallelCtx):
+        return matmul.column_parallel_linear(par.enter_tp(x, pc), ws, owned=owned,
+                                             local_shards=local_shards, tree=pc.tok)
+
+    @staticmethod
+    def row(x, w, local_shards, pc: ParallelCtx):
+        return par.exit_row(matmul.row_parallel_linear(x, w, local_shards=local_shards,
+                                                       tree=pc.tok), pc)
+
+    @staticmethod
+    def attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len, pc: ParallelCtx):
+        return attention.attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len,
+                                   tree=pc.tok, kv_comm=pc.kv)
+
+    @staticmethod
+    def sync_grads(model) -> None:
+        """Nothing to do: every gradient is finished by canonical trees inside backward."""
+
+
+# -- stock collectives with autograd (native mode) -----------------------------------------------
+def _all_reduce(t: torch.Tensor, comm: Comm) -> torch.Tensor:
+    t = t.contiguous().clone()
+    if comm.size > 1:
+        dist.all_reduce(t, group=comm.group)
+    return t
+
+
+def _all_gather(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    if comm.size == 1:
+        return t
+    out = [torch.empty_like(t.contiguous()) for _ in range(comm.size)]
+    dist.all_gather(out, t.contiguous(), group=comm.group)
+    return torch.cat(out, dim)
+
+
+def _my_slice(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    n = t.shape[dim] // comm.size
+    return t.narrow(dim, comm.rank * n, n).contiguous()
+
+
+class _NCopy(torch.autograd.Function):       # identity ↔ SUM all-reduce
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.comm), None
+
+
+class _NReduce(torch.autograd.Function):     # SUM all-reduce ↔ identity
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _NGather(torch.autograd.Function):     # all-gather ↔ SUM reduce-scatter
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _all_gather(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _my_slice(_all_reduce(g, ctx.comm), ctx.comm, ctx.dim), None, None
+
+
+class _NScatter(torch.autograd.Function):    # SUM reduce-scatter ↔ all-gather
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _my_slice(_all_reduce(x, comm), comm, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.comm, ctx.dim), None, None
+
+
+class _NSlice(torch.autograd.Function):      # own slice ↔ all-gather
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _my_slice(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.comm, ctx.dim), None, None
+
+
+class _NCPGather(torch.autograd.Function):   # all-gather into logical order ↔ SUM, own rows
+    @staticmethod
+    def forward(ctx, x, pc):
+        ctx.pc = pc
+        parts = list(_all_gather(x, pc.cp, 0).chunk(pc.cp.size, 0))
+        return par.cp_assemble(pc, parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        return par.cp_local_rows(ctx.pc, _all_reduce(g, ctx.pc.cp)), None
 
 
 class NativeOps:
-    """Stock torch ops with autograd: the baseline users would otherwise run."""
+    """Stock torch ops and SUM collectives: the baseline users would otherwise run."""
 
     name = "native"
 
     @staticmethod
-    def embed(ids, w):
-        return F.embedding(ids, w).to(torch.float32)
-
-    @staticmethod
-    def rms_norm(x, w, eps):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + eps))
-
-    @staticmethod
-    def col_linear(x, w):
-        return F.linear(x, w)
-
-    row_linear = col_linear
-
-    @staticmethod
     def swiglu(g, u):
         return F.silu(g) * u
-
-    @staticmethod
-    def attention(q, k, v, q_pos, kv_len, scale, q_idx=None, stream_len=None):
-        g = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(g, dim=1)
-        v = v.repeat_interleave(g, dim=1)
-        j = torch.arange(k.shape[2])
-        vis = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
-        row = vis.any(-1)
-        vis = vis | ~row[:, :, None]          # keep SDPA finite on empty slots; zeroed below
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None], scale=scale)
-        return out * row[:, None, :, None]
 
     @staticmethod
     def token_logprobs_entropy(logits, targets, temperature):
@@ -77,6 +169,78 @@ class NativeOps:
     @staticmethod
     def log_softmax(logits, temperature):
         return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+    @staticmethod
+    def gather_vocab(z, pc):
+        return _NGather.apply(z, pc.tp, 1) if pc.tp.size > 1 else z
+
+    @staticmethod
+    def cp_gather(x, pc):
+        return _NCPGather.apply(x, pc) if pc.cp.size > 1 else x
+
+    @staticmethod
+    def sp_scatter(x, pc):
+        return _NSlice.apply(x, pc.tp, 0) if pc.sp else x
+
+    @staticmethod
+    def embed(ids, w, offset, pc: ParallelCtx):
+        local = ids - offset
+        inside = (local >= 0) & (local < w.shape[0])
+        x = F.embedding(local.clamp(0, w.shape[0] - 1), w) * inside[:, None]
+        if pc.tp.size > 1:
+            x = _NReduce.apply(x, pc.tp)
+        return NativeOps.sp_scatter(x, pc)
+
+    @staticmethod
+    def norm(x, w, eps, tree, head_comm=None, replicas=1):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + eps))
+
+    @staticmethod
+    def col(x, ws, owned, local_shards, pc: ParallelCtx):
+        if pc.sp:
+            x = _NGather.apply(x, pc.tp, 0)
+        elif pc.tp.size > 1:
+            x = _NCopy.apply(x, pc.tp)
+        return tuple(F.linear(x, w) for w in ws)
+
+    @staticmethod
+    def row(x, w, local_shards, pc: ParallelCtx):
+        y = F.linear(x, w)
+        if pc.sp:
+            return _NScatter.apply(y, pc.tp, 0)
+        return _NReduce.apply(y, pc.tp) if pc.tp.size > 1 else y
+
+    @staticmethod
+    def attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len, pc: ParallelCtx):
+        g = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
+        j = torch.arange(k.shape[2], device=q.device)
+        vis = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+        row = vis.any(-1)
+        vis = vis | ~row[:, :, None]          # keep SDPA finite on empty slots; zeroed below
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None], scale=scale)
+        return out * row[:, None, :, None]
+
+    @staticmethod
+    def sync_grads(model) -> None:
+        """Sum the token-partial gradients the stock path leaves on each rank (backend order)."""
+        pc = model.pc
+        for name, p in model.logical_params().items():
+            if p.grad is None:
+                continue
+            g = p.grad
+            if pc.cp.size > 1:
+                dist.all_reduce(g, group=pc.cp.group)
+            leaf = name.rsplit(".", 2)[-2]
+            if leaf in ("q_norm", "k_norm") and pc.tp.size > 1:
+                dist.all_reduce(g, group=pc.tp.group)
+            elif leaf in ("k_proj", "v_proj") and pc.kv.size > 1:
+                dist.all_reduce(g, group=pc.kv.group)
+            elif "layernorm" in name or name == "model.norm.weight":
+                if pc.sp:
+                    dist.all_reduce(g, group=pc.tp.group)
 
 
 def ops_for(mode: str):

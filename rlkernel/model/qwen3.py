@@ -1,13 +1,15 @@
-"""Qwen3 dense causal LM built from an op set (invariant kernels or stock torch).
+"""Qwen3 dense causal LM built from an op set (invariant kernels or stock torch), TP/CP/SP-aware.
 
 Reads like the architecture (Qwen3 technical report, arXiv 2505.09388; HF `modeling_qwen3.py`):
 embedding → N × [RMSNorm → attention (q/k/v proj, per-head Q/K RMSNorm, RoPE, GQA, o_proj) +
 residual → RMSNorm → SwiGLU MLP + residual] → final RMSNorm → LM head (tied or not).
-Parameter names equal the Hugging Face names, so load/export/hash walk one table.
-Parameters are fp32 tensors that hold exactly the run's parameter dtype values (bf16 by default):
-the trainer and the rollout engine compute on identical values, and weight gradients are fp32.
-Shapes: L = stream rows, S = samples, T = slots per sample, H = hidden, D = head_dim.
-Does not: shard (rlkernel/dist applies TP/CP from outside), sample, or own an optimizer.
+Parameter names equal the Hugging Face names; each rank holds its TP shard (model/sharding.py),
+and every layer receives the ParallelCtx as an argument — TP1 and TP8 run the same code.
+Parameters are fp32 tensors holding exactly the run's parameter dtype values (bf16 by default):
+trainer and rollout compute on identical values, and weight gradients are fp32.
+Shapes: L = global stream rows, Lc = this CP rank's rows, Ls = its SP slice (Lc without SP),
+S = samples, T = slots per sample, H = hidden, D = head_dim; head counts are local to the rank.
+Does not: sample, own an optimizer, or move weights between engines.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import math
 import torch
 from torch import nn
 
+from rlkernel.dist.parallel import ParallelCtx
 from rlkernel.kernels.rope import RopeTable, apply_rope
-from rlkernel.model.config import Qwen3Config, param_shapes
+from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
+from rlkernel.model.sharding import kv_replicas, local_tensor, logical_tensor, shard_of
 
 
 class KVCache:
-    """Per-layer K/V of every sample at absolute positions: [S, Hkv, capacity, D] fp32, zeroed."""
+    """Per-layer K/V of every sample at absolute positions: [S, Hkv_local, capacity, D] fp32."""
 
     def __init__(self, cfg: Qwen3Config, n_samples: int, capacity: int,
                  device: torch.device | str = "cpu", kv_heads: int | None = None) -> None:
@@ -40,33 +44,46 @@ class _Weight(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops, layer: int) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx, layer: int) -> None:
         super().__init__()
-        self.cfg, self.ops, self.layer = cfg, ops, layer
-        self.q_proj = _Weight(cfg.q_size, cfg.hidden_size)
-        self.k_proj = _Weight(cfg.kv_size, cfg.hidden_size)
-        self.v_proj = _Weight(cfg.kv_size, cfg.hidden_size)
-        self.o_proj = _Weight(cfg.hidden_size, cfg.q_size)
-        self.q_norm = _Weight(cfg.head_dim)
-        self.k_norm = _Weight(cfg.head_dim)
+        self.cfg, self.ops, self.pc, self.layer = cfg, ops, pc, layer
+        tp = pc.tp.size
+        self.heads = cfg.num_attention_heads // tp
+        self.kv_heads = max(1, cfg.num_key_value_heads // tp)
+        self.kv_rep = kv_replicas(cfg, tp)
+        d = cfg.head_dim
+        self.q_proj = _Weight(self.heads * d, cfg.hidden_size)
+        self.k_proj = _Weight(self.kv_heads * d, cfg.hidden_size)
+        self.v_proj = _Weight(self.kv_heads * d, cfg.hidden_size)
+        self.o_proj = _Weight(cfg.hidden_size, self.heads * d)
+        self.q_norm = _Weight(d)
+        self.k_norm = _Weight(d)
+        kv = shard_of("k_proj.weight", cfg, tp, pc.tp.rank)
+        self.owned = ((0, self.heads * d), (kv.own0, kv.own1), (kv.own0, kv.own1))
 
     def forward(self, x: torch.Tensor, lay: StreamLayout, cos, sin, cache: KVCache | None):
-        c, ops = self.cfg, self.ops
-        n = x.shape[0]
-        q = ops.col_linear(x, self.q_proj.weight).view(n, c.num_attention_heads, c.head_dim)
-        k = ops.col_linear(x, self.k_proj.weight).view(n, c.num_key_value_heads, c.head_dim)
-        v = ops.col_linear(x, self.v_proj.weight).view(n, c.num_key_value_heads, c.head_dim)
-        q = apply_rope(ops.rms_norm(q, self.q_norm.weight, c.rms_norm_eps), cos, sin)
-        k = apply_rope(ops.rms_norm(k, self.k_norm.weight, c.rms_norm_eps), cos, sin)
-        qs = to_samples(q, lay.q_idx).transpose(1, 2)            # [S, Hq, T, D]
-        ks = to_samples(k, lay.q_idx).transpose(1, 2)            # [S, Hkv, T, D]
-        vs = to_samples(v, lay.q_idx).transpose(1, 2)
+        c, ops, pc = self.cfg, self.ops, self.pc
+        shards = VIRTUAL_TP // pc.tp.size
+        q, k, v = ops.col(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
+                          self.owned, shards, pc)                       # [Lc, heads·D]
+        n = q.shape[0]
+        q = ops.norm(q.view(n, self.heads, c.head_dim), self.q_norm.weight, c.rms_norm_eps,
+                     pc.tok, pc.tp, 1)
+        k = ops.norm(k.view(n, self.kv_heads, c.head_dim), self.k_norm.weight, c.rms_norm_eps,
+                     pc.tok, pc.tp, self.kv_rep)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = v.view(n, self.kv_heads, c.head_dim)
+        k_all, v_all = ops.cp_gather(k, pc), ops.cp_gather(v, pc)       # [L, kv_heads, D]
+        qs = to_samples(q, lay.q_idx).transpose(1, 2)                    # [S, heads, T, D]
+        ks = to_samples(k_all, lay.keys_idx).transpose(1, 2)            # [S, kv_heads, T, D]
+        vs = to_samples(v_all, lay.keys_idx).transpose(1, 2)
         if cache is not None:
             ks, vs = self._write_cache(cache, ks, vs, lay)
         scale = 1.0 / math.sqrt(c.head_dim)
-        o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, lay.q_idx, lay.stream_len)
-        o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, c.q_size)
-        return ops.row_linear(o, self.o_proj.weight)
+        o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, lay.tree_idx, lay.stream_len,
+                          pc)
+        o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, self.heads * c.head_dim)
+        return ops.row(o, self.o_proj.weight, shards, pc)
 
     def _write_cache(self, cache: KVCache, ks, vs, lay: StreamLayout):
         kc, vc = cache.k[self.layer], cache.v[self.layer]
@@ -80,103 +97,124 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx) -> None:
         super().__init__()
-        self.ops = ops
-        self.gate_proj = _Weight(cfg.intermediate_size, cfg.hidden_size)
-        self.up_proj = _Weight(cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _Weight(cfg.hidden_size, cfg.intermediate_size)
+        self.ops, self.pc = ops, pc
+        inter = cfg.intermediate_size // pc.tp.size
+        self.gate_proj = _Weight(inter, cfg.hidden_size)
+        self.up_proj = _Weight(inter, cfg.hidden_size)
+        self.down_proj = _Weight(cfg.hidden_size, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        h = ops.swiglu(ops.col_linear(x, self.gate_proj.weight), ops.col_linear(x, self.up_proj.weight))
-        return ops.row_linear(h, self.down_proj.weight)
+        ops, pc = self.ops, self.pc
+        shards = VIRTUAL_TP // pc.tp.size
+        g, u = ops.col(x, [self.gate_proj.weight, self.up_proj.weight], None, shards, pc)
+        return ops.row(ops.swiglu(g, u), self.down_proj.weight, shards, pc)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops, layer: int) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx, layer: int) -> None:
         super().__init__()
-        self.ops, self.eps = ops, cfg.rms_norm_eps
+        self.ops, self.pc, self.eps = ops, pc, cfg.rms_norm_eps
         self.input_layernorm = _Weight(cfg.hidden_size)
-        self.self_attn = Attention(cfg, ops, layer)
+        self.self_attn = Attention(cfg, ops, pc, layer)
         self.post_attention_layernorm = _Weight(cfg.hidden_size)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg, ops, pc)
 
     def forward(self, x, lay, cos, sin, cache):
-        x = x + self.self_attn(self.ops.rms_norm(x, self.input_layernorm.weight, self.eps),
+        norm, tree = self.ops.norm, self.pc.tok_sp
+        x = x + self.self_attn(norm(x, self.input_layernorm.weight, self.eps, tree),
                                lay, cos, sin, cache)
-        return x + self.mlp(self.ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+        return x + self.mlp(norm(x, self.post_attention_layernorm.weight, self.eps, tree))
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx) -> None:
         super().__init__()
-        self.embed_tokens = _Weight(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = _Weight(cfg.vocab_size // pc.tp.size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, pc, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = _Weight(cfg.hidden_size)
 
 
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3 causal LM. `hidden` runs the decoder on a StreamLayout; `token_logprobs` the head."""
 
-    def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype = torch.bfloat16,
+                 pc: ParallelCtx | None = None) -> None:
         super().__init__()
+        self.pc = pc or ParallelCtx.single()
         self.cfg, self.ops, self.param_dtype = cfg, ops, param_dtype
-        self.model = Qwen3Model(cfg, ops)
+        self.model = Qwen3Model(cfg, ops, self.pc)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _Weight(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = _Weight(cfg.vocab_size // self.pc.tp.size, cfg.hidden_size)
         self.rope = RopeTable(cfg.head_dim, cfg.rope_theta)
 
     # -- weights -----------------------------------------------------------------------------
     def logical_params(self) -> dict[str, nn.Parameter]:
-        """Parameters by Hugging Face name, in canonical order (config.param_shapes)."""
+        """This rank's parameters by Hugging Face name, in canonical order (config.param_shapes)."""
         named = dict(self.named_parameters())
         return {name: named[name] for name in param_shapes(self.cfg)}
 
     @torch.no_grad()
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy logical tensors in (rounded to param_dtype, held as fp32). Names/shapes must match."""
+        """Copy in logical (unsharded) tensors: this rank keeps its shard, rounded to param_dtype
+        and held as fp32. Names and logical shapes must match (ValueError otherwise)."""
         params = self.logical_params()
+        shapes = param_shapes(self.cfg)
         if set(tensors) != set(params):
             missing = sorted(set(params) - set(tensors))
             extra = sorted(set(tensors) - set(params))
             raise ValueError(f"load_tensors: missing {missing[:5]}, unexpected {extra[:5]}")
+        tp, r = self.pc.tp.size, self.pc.tp.rank
         for name, p in params.items():
             t = tensors[name]
-            if tuple(t.shape) != tuple(p.shape):
+            if tuple(t.shape) != tuple(shapes[name]):
                 raise ValueError(f"load_tensors: {name} has shape {tuple(t.shape)}, "
-                                 f"expected {tuple(p.shape)}")
-            p.copy_(t.to(self.param_dtype).to(torch.float32))
+                                 f"expected {tuple(shapes[name])}")
+            p.copy_(local_tensor(name, t, self.cfg, tp, r).to(self.param_dtype).to(torch.float32))
+
+    @torch.no_grad()
+    def load_master_shards(self, masters: dict[str, torch.Tensor]) -> None:
+        """Set this rank's parameters from its fp32 master shards, rounded to param_dtype."""
+        for name, p in self.logical_params().items():
+            p.copy_(masters[name].to(self.param_dtype).to(torch.float32))
 
     @torch.no_grad()
     def export_tensors(self) -> dict[str, torch.Tensor]:
-        """Logical weights in param_dtype on the CPU (exact: parameters hold param_dtype values)."""
-        return {n: p.detach().to(self.param_dtype).cpu().clone()
-                for n, p in self.logical_params().items()}
+        """Logical weights in param_dtype on the CPU, reassembled from every TP rank's shard."""
+        out = {}
+        for n, p in self.logical_params().items():
+            parts = self.pc.tp.all_gather(p.detach(), f"export:{n}")
+            out[n] = logical_tensor(n, parts, self.cfg).to(self.param_dtype).cpu().clone()
+        return out
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-
     # -- forward -----------------------------------------------------------------------------
     def hidden(self, lay: StreamLayout, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-normed hidden states of every stream row: [L, H] fp32."""
+        """Final-normed hidden states of this rank's rows: [Ls, H] fp32 (SP slice under SP)."""
         lay = lay.to(self.device)
         cos, sin = self.rope.lookup(lay.positions)
-        x = self.ops.embed(lay.tokens, self.model.embed_tokens.weight)
+        w = self.model.embed_tokens.weight
+        x = self.ops.embed(lay.tokens, w, self.pc.tp.rank * w.shape[0], self.pc)
         for layer in self.model.layers:
             x = layer(x, lay, cos, sin, cache)
-        return self.ops.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+        return self.ops.norm(x, self.model.norm.weight, self.cfg.rms_norm_eps, self.pc.tok_sp)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head: [N, H] -> [N, V] fp32 (vocab-parallel column linear)."""
-        return self.ops.col_linear(h, self.lm_head_weight())
+        """LM head over the full vocab: [Ls, H] -> [Lc, V] fp32 (vocab-parallel, gathered)."""
+        shards = VIRTUAL_TP // self.pc.tp.size
+        (z,) = self.ops.col(h, [self.lm_head_weight()], None, shards, self.pc)
+        return self.ops.gather_vocab(z, self.pc)
 
     def token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float):
-        """(logprobs [N], entropy [N]) of `targets` [N] under softmax(logits(h) / temperature)."""
+        """(logprobs [Lc], entropy [Lc]) of `targets` [Lc] under softmax(logits(h) / temperature)."""
         return self.ops.token_logprobs_entropy(self.logits(h), targets, temperature)
 
     def next_token_logprobs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlkernel.dist.parallel import ParallelCtx
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.layout import chunk_layout
 from rlkernel.model.qwen3 import KVCache, Qwen3ForCausalLM
@@ -60,9 +61,10 @@ class RolloutEngine:
     """Owns its own model copy (weights arrive by `load_weights`, as in a real weight sync)."""
 
     def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype, pad_id: int,
-                 prefill_chunk: int | None = None, device: torch.device | str = "cpu") -> None:
+                 prefill_chunk: int | None = None, device: torch.device | str = "cpu",
+                 pc: ParallelCtx | None = None) -> None:
         self.cfg = cfg
-        self.model = Qwen3ForCausalLM(cfg, ops, param_dtype).to(device)
+        self.model = Qwen3ForCausalLM(cfg, ops, param_dtype, pc).to(device)
         self.model.requires_grad_(False)
         self.pad_id = pad_id
         self.prefill_chunk = prefill_chunk
@@ -81,7 +83,9 @@ class RolloutEngine:
             if not r.prompt_ids:
                 raise ValueError(f"sample {r.sample_id}: empty prompt")
         longest = max(len(r.prompt_ids) for r in requests)
-        cache = KVCache(self.cfg, len(requests), longest + sp.max_new_tokens, self.model.device)
+        kv_heads = self.model.model.layers[0].self_attn.kv_heads
+        cache = KVCache(self.cfg, len(requests), longest + sp.max_new_tokens, self.model.device,
+                        kv_heads)
         outs = [Completion(r.sample_id, r.prompt_ids) for r in requests]
         fed = [0] * len(requests)                  # tokens of each sequence already in the cache
         while True:

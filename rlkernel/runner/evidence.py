@@ -288,6 +288,18 @@ class EvidenceWriter:
         self.complete = True
         self._flush()
 
+    def adopt(self) -> None:
+        """Reload init/steps/completion from evidence.json as another process (rank 0 of a
+        launched job) left it, so the CLI sees what was written. Missing or unreadable: no-op."""
+        try:
+            data = json.loads((self.run_dir / "evidence.json").read_text())
+        except (OSError, ValueError):
+            return
+        self.init = data.get("init")
+        self.steps = list(data.get("steps") or [])
+        self.complete = bool(data.get("complete"))
+        self.summary = data.get("summary")
+
     def _check_open(self) -> None:
         if self.complete:
             raise RuntimeError(f"{self.run_dir / 'evidence.json'}: already finished")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkernel.dist.comm import Comm
 from rlkernel.numerics.exact import ExactSumOfSquares
 
 
@@ -38,12 +39,26 @@ class GradStats:
     nonfinite: tuple[str, ...]
 
 
-def grad_norm(grads: dict[str, torch.Tensor]) -> tuple[float, tuple[str, ...]]:
-    """Exact L2 norm of all gradients (float64) and the names of tensors holding NaN/Inf."""
+def grad_norm(grads: dict[str, torch.Tensor], counted: set[str] | None = None,
+              comm: Comm | None = None) -> tuple[float, tuple[str, ...]]:
+    """Exact L2 norm of all gradients (float64) and the names of tensors holding NaN/Inf.
+
+    Sharded runs: each rank adds the tensors in `counted` (each logical element exactly once
+    over the job) and the integer bins of every rank in `comm` are added as integers.
+    """
     acc = ExactSumOfSquares()
+    bad: set[str] = set()
     for name, g in grads.items():
-        acc.add_(g, name)
-    return acc.norm(), tuple(acc.nonfinite_names)
+        if counted is None or name in counted:
+            acc.add_(g, name)
+        elif not torch.isfinite(g).all():
+            bad.add(name)
+    bad.update(acc.nonfinite_names)
+    if comm is None or comm.size == 1:
+        return acc.norm(), tuple(sorted(bad))
+    total = torch.stack(comm.all_gather(acc.to_tensor(), "grad-norm-bins")).sum(0)
+    names = set().union(*comm.all_gather_object(sorted(bad), "grad-nonfinite-names"))
+    return ExactSumOfSquares.from_tensor(total).norm(), tuple(sorted(names))
 
 
 class AdamW:
@@ -56,9 +71,10 @@ class AdamW:
         self.exp_avg_sq = {n: torch.zeros_like(t) for n, t in self.master.items()}
         self.steps = 0
 
-    def clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> GradStats:
+    def clip(self, grads: dict[str, torch.Tensor], max_norm: float, counted: set[str] | None = None,
+             comm: Comm | None = None) -> GradStats:
         """Scale grads in place to norm <= max_norm (0 = no clipping); returns the exact stats."""
-        norm, bad = grad_norm(grads)
+        norm, bad = grad_norm(grads, counted, comm)
         coef = 1.0
         if max_norm > 0 and math.isfinite(norm):
             coef = min(1.0, max_norm / (norm + 1e-6))

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel.data.packing import pack_by_budget, padded_stream_len
-from rlkernel.model.layout import packed_layout
+from rlkernel.dist.parallel import cp_local_rows
+from rlkernel.model.layout import cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum
 from rlkernel.train.losses import LossCoefs, token_losses
@@ -47,18 +48,21 @@ class StepStats:
 
 
 def _microbatch_rows(group: list[TrainSample], stream_len: int):
+    """Per logical-stream row: target id, loss mask, rollout logprob, advantage."""
     targets = torch.zeros(stream_len, dtype=torch.long)
-    rows, old, adv = [], [], []
+    mask = torch.zeros(stream_len, dtype=torch.bool)
+    old = torch.zeros(stream_len, dtype=torch.float32)
+    adv = torch.zeros(stream_len, dtype=torch.float32)
     off = 0
     for s in group:
         p, r = len(s.prompt_ids), len(s.response_ids)
         idx = torch.arange(off + p - 1, off + p + r - 1)
         targets[idx] = torch.tensor(s.response_ids, dtype=torch.long)
-        rows.append(idx)
-        old.append(s.rollout_logprobs.to(torch.float32))
-        adv.append(torch.full((r,), s.advantage, dtype=torch.float32))
+        mask[idx] = True
+        old[idx] = s.rollout_logprobs.to(torch.float32)
+        adv[idx] = s.advantage
         off += p + r
-    return targets, torch.cat(rows), torch.cat(old), torch.cat(adv)
+    return targets, mask, old, adv
 
 
 def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
@@ -71,6 +75,7 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     n_tok = sum(len(s.response_ids) for s in samples)
     if n_tok == 0:
         raise ValueError("no response tokens to train on")
+    pc = policy.pc
     policy.zero_grad(set_to_none=True)
     groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
     vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
@@ -79,8 +84,15 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
         lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
+        per_row = _microbatch_rows(group, lay.tokens.shape[0])
+        if pc.cp.size > 1:
+            local = cp_local_rows(pc, torch.arange(lay.tokens.shape[0]))
+            lay = cp_local_layout(lay, local)
+            per_row = tuple(t[local] for t in per_row)
         dev = policy.device
-        targets, rows, old, adv = (t.to(dev) for t in _microbatch_rows(group, lay.tokens.shape[0]))
+        targets, mask, old, adv = (t.to(dev) for t in per_row)
+        rows = mask.nonzero(as_tuple=True)[0]
+        old, adv = old[rows], adv[rows]
         lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
         with torch.no_grad():
             ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
@@ -91,7 +103,12 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         torch.autograd.backward(total, grad_tensors=coef)
         for key, t in (("total", total), ("pg", pg), ("kl", kl), ("ent", ent)):
             vals[key].extend(t.detach().double().tolist())
-    mean = {k: exact_sum(v) / n_tok for k, v in vals.items()}
+    policy.ops.sync_grads(policy)
+    # Every CP rank holds part of the tokens (TP ranks hold copies): gather, then exact sums.
+    everyone = pc.cp.all_gather_object((vals, mismatches), "step-stats")
+    merged = {k: [x for v, _ in everyone for x in v[k]] for k in vals}
+    mismatches = sum(m for _, m in everyone)
+    mean = {k: exact_sum(v) / n_tok for k, v in merged.items()}
     return StepStats(n_tok, mean["total"], mean["pg"], mean["kl"], mean["ent"], mismatches,
                      len(groups))
 

@@ -1,0 +1,49 @@
+"""Build the training and rollout ParallelCtx of this rank from the topology and its groups.
+
+Adds what only the model config knows: the groups of TP ranks that replicate one KV head (when
+TP exceeds the KV heads), and the token trees (CP zig-zag segments; SP sub-segments).
+Collective: every rank calls it, in the same order (torch creates groups collectively).
+"""
+
+from __future__ import annotations
+
+from rlkernel.dist.comm import Comm
+from rlkernel.dist.parallel import ParallelCtx
+from rlkernel.dist.tokentree import TokenTree, cp_segments, sp_segments
+from rlkernel.dist.topology import Comms, Topology
+from rlkernel.model.config import Qwen3Config
+from rlkernel.model.sharding import kv_replicas
+
+
+def _kv_comms(tp_groups: list[tuple[int, ...]], rep: int, rank: int, name: str) -> Comm:
+    """Comm of the `rep` consecutive ranks (inside each TP group) that share this rank's KV head."""
+    import torch.distributed as dist
+
+    mine = Comm.single(name)
+    for ranks in tp_groups:
+        for i in range(0, len(ranks), rep):
+            sub = ranks[i:i + rep]
+            group = dist.new_group(list(sub)) if len(sub) > 1 else None
+            if rank in sub:
+                mine = Comm(name, group, sub, sub.index(rank))
+    return mine
+
+
+def build_contexts(topo: Topology, comms: Comms, cfg: Qwen3Config) -> tuple[ParallelCtx, ParallelCtx]:
+    """(training ctx, rollout ctx) of this rank."""
+    groups = topo.groups()
+    train_kv = _kv_comms(groups["tp"], kv_replicas(cfg, topo.tp), topo.rank, "kv")
+    roll_kv = _kv_comms(groups["rollout_tp"], kv_replicas(cfg, topo.rollout_tp), topo.rank,
+                        "rollout_kv")
+    c, t = topo.cp, topo.tp
+    tok = TokenTree(comms.cp, 2 * c, tuple(cp_segments(c, r) for r in range(c)))
+    if topo.sp:
+        owned = tuple(sp_segments(c, rr // t, t, rr % t) for rr in range(c * t))
+        tok_sp = TokenTree(comms.tp_cp, c * t, owned)
+    else:
+        tok_sp = tok
+    train = ParallelCtx(comms.tp, train_kv, comms.cp, topo.sp, tok, tok_sp)
+    single = TokenTree.single()
+    rollout = ParallelCtx(comms.rollout_tp, roll_kv, Comm.single("rollout_cp"), False, single,
+                          single)
+    return train, rollout
