@@ -4,7 +4,8 @@
 torch.distributed process group initialised (gloo on CPU; NCCL with one GPU per rank on CUDA):
 
 - Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank: the
-  group is initialised from env:// and fn runs here. torchrun's agent handles the other ranks.
+  group is initialised from env:// and fn runs here; an exception of fn is re-raised as
+  RankFailure/RankUserError for this rank, and torchrun's agent stops the other ranks.
 - Otherwise N processes are started with the `spawn` start method. The parent hosts the rendezvous
   store on 127.0.0.1 (the OS picks a free port, so two launches never race for one) and each child
   gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in its environment, one intra-op thread
@@ -12,17 +13,19 @@ torch.distributed process group initialised (gloo on CPU; NCCL with one GPU per 
 
 Failure handling (spawned mode): each child reports its exception (type, message, traceback) to
 the parent through a pipe before it exits. The parent watches every child; at the first failure it
-terminates the others (SIGTERM, then SIGKILL after GRACE_S), waits for all of them, and raises
+terminates the others (SIGTERM, then SIGKILL after GRACE_S; their finally blocks do not run: the
+caller owns cleanup such as the run directory), waits for all of them, and raises
 RankFailure naming the rank that failed first — or RankUserError (a ValueError) when that rank's
 error was a user error (ValueError/OSError), so the CLI prints one line: "rank 3: <message>".
 A rank that fails because a peer vanished or a collective timed out ("Connection closed by peer",
 "Timed out waiting ...") is only blamed if no rank reports a primary error within SETTLE_S. A rank
 still running timeout_s + GRACE_S after another finished is killed and blamed (a hang outside any
-collective; inside one, the process-group timeout fires first). Children die with the parent
+collective; inside one, the process-group timeout fires first); one that finished fn but has not
+exited GRACE_S after the last rank finished is stopped without blame. Children die with the parent
 (PR_SET_PDEATHSIG on Linux), ignore Ctrl-C (the parent stops them), and nothing outlives
 `launch`, also when the parent is interrupted.
 
-Footguns: `fn` and everything in `args` are pickled by reference, so fn must be a module-level
+Footguns: `fn` is pickled by reference (and `args` by value), so fn must be a module-level
 function of an importable module, and the main module must guard its script body with
 `if __name__ == "__main__":` (spawn re-imports it). A one-rank job still starts one process; a
 caller that wants no process group at all uses rlkernel.dist.topology.single_comms() instead.
@@ -211,7 +214,7 @@ def _child(rank: int, world_size: int, backend: str, timeout_s: float, port: int
             _fail(conn, rank, e)
     except BaseException as e:  # noqa: BLE001 — every failure is reported to the parent
         _fail(conn, rank, e)
-    conn.send({"rank": rank, "ok": True})
+    conn.send({"rank": rank, "ok": True, "time": time.time()})
     conn.close()
 
 
@@ -292,12 +295,17 @@ class _Job:
             if not rep["ok"]:
                 (secondary if rep["peer_loss"] else primary).append((rep["time"], rank))
         for rank, (code, seen) in self.exits.items():
-            if code != 0 and rank not in self.stopped and not self._reported_error(rank):
-                primary.append((seen, rank))
+            if code != 0 and rank not in self.stopped and rank not in self.reports:
+                primary.append((seen, rank))  # died without a word: a signal, os._exit, ...
         return sorted(primary), sorted(secondary)
 
-    def _reported_error(self, rank: int) -> bool:
-        return rank in self.reports and not self.reports[rank]["ok"]
+    def _finished(self) -> dict[int, float]:
+        """rank -> when it finished fn: its "ok" report, or a clean exit without one."""
+        done = {r: rep["time"] for r, rep in self.reports.items() if rep["ok"]}
+        for r, (code, seen) in self.exits.items():
+            if code == 0 and r not in self.reports:
+                done[r] = seen
+        return done
 
     def watch(self) -> None:
         """Return when every child has exited, or a failure (or hang) is decided."""
@@ -310,10 +318,12 @@ class _Job:
             now = time.time()
             if primary or (secondary and now >= secondary[0][0] + SETTLE_S):
                 return
-            finished = [seen for r, (code, seen) in self.exits.items() if code == 0]
-            if finished and now > min(finished) + self.timeout_s + GRACE_S:
-                first_done = min((seen, r) for r, (code, seen) in self.exits.items() if code == 0)
-                self.hung = (running[0], first_done[1])
+            done = self._finished()
+            unfinished = [r for r in running if r not in done]
+            if done and not unfinished and now > max(done.values()) + GRACE_S:
+                return  # every rank finished fn; one is slow to exit: stop() ends it
+            if done and unfinished and now > min(done.values()) + self.timeout_s + GRACE_S:
+                self.hung = (unfinished[0], min(done, key=done.__getitem__))
                 return
             mpc.wait(list(self.readers.values()) + [self.procs[r].sentinel for r in running],
                      timeout=0.2)

@@ -55,7 +55,13 @@ def _blocks(tk: int) -> range:
 
 
 def attention_forward(q, k, v, q_pos, kv_len, scale):
-    """Returns (out [S, Hq, Tq, D], lse [S, Hkv, G, Tq]) — see module doc."""
+    """Returns (out [S, Hq, Tq, D], lse [S, Hkv, G, Tq]) — see module doc.
+
+    CUDA tensors run the Triton kernel of kernels/triton_attention.py (its own KV block size).
+    """
+    if q.is_cuda:
+        from rlkernel.kernels import triton_attention
+        return triton_attention.attention_forward(q, k, v, q_pos, kv_len, scale)
     s_, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv

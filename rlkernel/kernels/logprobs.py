@@ -8,14 +8,20 @@ so a vocab-parallel TP group can merge rank subtrees with a tree all-reduce and 
 Then lse = m + log s, logprob(y) = z_y − lse, entropy = lse − t/s.
 Backward (per token, elementwise; p = exp(z − lse)):
     dz = g_lp·(onehot(y) − p) − g_ent·p·(z − lse + H);   dlogits = dz / T
-Does not: materialise less than [tokens, vocab] (the fused CUDA kernel does), communicate.
+`linear_token_logprobs_entropy` fuses the LM head: on CUDA its forward never forms the
+[tokens, vocab] logits (kernels/triton_logprobs.py, the same bits as the unfused path); its backward
+recomputes the logits of the call once, transiently. CUDA tensors use the Triton statistics kernel
+(its own chunk order; the shard tree and the formulas above are shared).
+Does not: communicate (a vocab-parallel TP group uses the unfused path on gathered logits).
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlkernel.dist.tokentree import TokenTree
 from rlkernel.kernels.elementwise import exp32, log32
+from rlkernel.kernels.matmul import column_parallel_dx, linear_nt, tree_grad_weight
 from rlkernel.spec import VIRTUAL_TP
 from rlkernel.numerics.trees import tree_sum
 
@@ -24,16 +30,23 @@ def _shard_stats(z: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tens
     n, v = z.shape
     if v % shards:
         raise ValueError(f"log-softmax: vocab {v} is not a multiple of {shards} vocab shards")
+    if z.is_cuda:   # the Triton kernel (kernels/triton_logprobs.py): CUDA chunk order
+        from rlkernel.kernels import triton_logprobs
+        return triton_logprobs.shard_stats(z, 1.0, shards)[:3]
     zs = z.reshape(n, shards, v // shards)
     m = zs.amax(-1)
-    e = exp32(zs - m[..., None])
-    return m, tree_sum(e, -1), tree_sum(e * zs, -1)
+    # −inf logits (masked tokens) contribute exactly 0 to s and t; an all-masked shard has m = −inf.
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = exp32(zs - m_safe[..., None])
+    ez = torch.where(e > 0, e * zs, torch.zeros_like(e))
+    return m, tree_sum(e, -1), tree_sum(ez, -1)
 
 
 def _merge(a, b):
     (m1, s1, t1), (m2, s2, t2) = a, b
     m = torch.maximum(m1, m2)
-    f1, f2 = exp32(m1 - m), exp32(m2 - m)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    f1, f2 = exp32(m1 - m_safe), exp32(m2 - m_safe)
     return m, s1 * f1 + s2 * f2, t1 * f1 + t2 * f2
 
 
@@ -68,13 +81,62 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         z, targets, lse, ent = ctx.saved_tensors
-        logp = z - lse[:, None]
-        p = exp32(logp)
-        dz = -(g_lp[:, None] * p)
-        dz.scatter_add_(1, targets[:, None], g_lp[:, None])
-        if g_ent is not None:
-            dz = dz - g_ent[:, None] * (p * (logp + ent[:, None]))
-        return dz / ctx.temperature, None, None, None
+        return _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature), None, None, None
+
+
+def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
+    """d loss / d logits [N, V] from z = logits / T and the forward's lse, entropy [N]."""
+    logp = z - lse[:, None]
+    p = exp32(logp)
+    dz = -(g_lp[:, None] * p)
+    dz.scatter_add_(1, targets[:, None], g_lp[:, None])
+    if g_ent is not None:
+        pl = torch.where(p > 0, p * (logp + ent[:, None]), torch.zeros_like(p))
+        dz = dz - g_ent[:, None] * pl
+    return dz / temperature
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, temperature, shards, tree):
+        if h.is_cuda:
+            from rlkernel.kernels import triton_logprobs
+            m, s, t, z_y = triton_logprobs.linear_shard_stats(h, w, targets, temperature, shards)
+            m, s, t = merge_shard_stats(m, s, t)
+            lse = m + log32(s)
+            ent = lse - t / s
+        else:
+            z = linear_nt(h, w) / temperature
+            lse, ent = _forward_stats(z, shards)
+            z_y = z.gather(1, targets[:, None])[:, 0]
+        ctx.save_for_backward(h, w, targets, lse, ent)
+        ctx.temperature, ctx.shards, ctx.tree = temperature, shards, tree
+        return z_y - lse, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
+        h, w, targets, lse, ent = ctx.saved_tensors
+        z = linear_nt(h, w) / ctx.temperature            # recomputed: the same bits as forward
+        dlogits = _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature)
+        del z
+        dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
+        dw = (tree_grad_weight(dlogits, h, ctx.tree).to(w.dtype) if ctx.needs_input_grad[1]
+              else None)
+        return dh, dw, None, None, None, None
+
+
+def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                                  temperature: float, shards: int = VIRTUAL_TP,
+                                  tree: TokenTree | None = None):
+    """token_logprobs_entropy(h @ wᵀ, targets, T) without keeping the logits (LM head fused).
+
+    h [N, H] fp32, w [V, H] fp32 (the full vocab: TP = 1), targets [N] long, temperature > 0 ->
+    (logprobs [N], entropy [N]) fp32, bitwise equal to the unfused path on the column-parallel
+    logits. Backward: d logits recomputed once per call; dh by the virtual-TP tree over vocab
+    shards, dW by the token tree (`tree`; N a multiple of its leaves), as the LM head's own
+    backward. On CUDA the forward's extra memory is O(N · shards).
+    """
+    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tree)
 
 
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,

@@ -44,6 +44,9 @@ def _head_tree(per_head: torch.Tensor, comm: Comm | None, replicas: int) -> torc
 
 
 def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:   # the Triton kernel (kernels/triton_norm.py): same tree, CUDA bits
+        from rlkernel.kernels import triton_norm
+        return triton_norm.rms_stats(x, eps)
     h = x.shape[-1]
     ms = tree_sum(x * x, -1) / h
     r = rsqrt32(ms + eps)

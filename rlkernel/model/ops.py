@@ -33,6 +33,11 @@ class InvariantOps:
     sp_scatter = staticmethod(par.sp_scatter)
 
     @staticmethod
+    def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx):
+        """Fused LM head + logprobs (TP = 1): the unfused path's bytes, no [L, V] logits kept."""
+        return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tree=pc.tok)
+
+    @staticmethod
     def embed(ids, w, offset, pc: ParallelCtx):
         x = embedding.embed(ids, w, offset=offset, tree=pc.tok)
         if pc.tp.size > 1:
@@ -116,6 +121,17 @@ class _NGather(torch.autograd.Function):     # all-gather ↔ SUM reduce-scatter
         return _my_slice(_all_reduce(g, ctx.comm), ctx.comm, ctx.dim), None, None
 
 
+class _NGatherReplicated(torch.autograd.Function):   # all-gather ↔ own slice (grad replicated)
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _all_gather(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _my_slice(g, ctx.comm, ctx.dim), None, None
+
+
 class _NScatter(torch.autograd.Function):    # SUM reduce-scatter ↔ all-gather
     @staticmethod
     def forward(ctx, x, comm, dim):
@@ -172,7 +188,8 @@ class NativeOps:
 
     @staticmethod
     def gather_vocab(z, pc):
-        return _NGather.apply(z, pc.tp, 1) if pc.tp.size > 1 else z
+        # Every TP rank computes the same loss on the gathered logits: its grad is replicated.
+        return _NGatherReplicated.apply(z, pc.tp, 1) if pc.tp.size > 1 else z
 
     @staticmethod
     def cp_gather(x, pc):

@@ -215,6 +215,9 @@ class Qwen3ForCausalLM(nn.Module):
 
     def token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float):
         """(logprobs [Lc], entropy [Lc]) of `targets` [Lc] under softmax(logits(h) / temperature)."""
+        fused = getattr(self.ops, "linear_token_logprobs", None)
+        if fused is not None and h.is_cuda and self.pc.tp.size == 1:   # same bytes, less memory
+            return fused(h, self.lm_head_weight(), targets, temperature, self.pc)
         return self.ops.token_logprobs_entropy(self.logits(h), targets, temperature)
 
     def next_token_logprobs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -25,6 +25,9 @@ summands and keep several folds; our variant is simpler because every square is 
      an elementwise integer SUM across ranks (all_reduce SUM; fewer than 2**31 ranks cannot
      overflow a limb) followed by `from_tensor` equals `merge_`.
 
+CUDA tensors take the Triton kernel of rlkernel/kernels/triton_exact.py (one pass, the same exact
+integer, so the same to_tensor() bytes); its int64 limbs stay on the device until a result is asked.
+
 Does not: communicate (the caller all-reduces `to_tensor()`), clip, or handle float64 inputs (a
 float64 square is not exact in float64; such inputs are rejected). Tensor names of non-finite
 elements are local: `to_tensor` carries only the counts.
@@ -51,6 +54,17 @@ TENSOR_LEN = _N_LIMBS + _N_COUNTERS
 _CHUNK = 1 << 22
 # Each half-square is < 2**24, so a bin overflows int64 only after 2**39 adds; fold well before.
 _MAX_PENDING = 1 << 38
+# CUDA limbs gain < 2**32 per fold per 4096-element tile: fold to Python well before int64 overflow.
+_MAX_PENDING_CUDA = 1 << 34
+
+
+def _triton_exact():
+    """kernels/triton_exact, or None where Triton is not installed (then the torch path runs)."""
+    try:
+        from rlkernel.kernels import triton_exact
+    except ImportError:
+        return None
+    return triton_exact
 _ACCEPTED = (torch.float32, torch.bfloat16, torch.float16)
 _FP32_EXP_INF = 255
 _FP32_POSINF_BITS = 0x7F800000
@@ -77,6 +91,8 @@ class ExactSumOfSquares:
         self._bins: torch.Tensor | None = None  # int64 [2, 256]: low / high 24-bit halves
         self._pending = 0
         self._pending_nf: list[tuple[str, torch.Tensor]] = []
+        self._limbs: torch.Tensor | None = None  # CUDA: int64 limbs of kernels/triton_exact
+        self._limbs_pending = 0
 
     # ------------------------------------------------------------------ accumulation
     def add_(self, t: torch.Tensor, name: str | None = None) -> None:
@@ -109,6 +125,9 @@ class ExactSumOfSquares:
             flat = flat.to(torch.float32)  # exact: bf16/fp16 values are a subset of fp32
         n = flat.numel()
         if n == 0:
+            return
+        if flat.is_cuda and _triton_exact() is not None:
+            self._add_cuda(flat, label)
             return
         if self._bins is not None and self._bins.device != flat.device:
             self._fold()
@@ -154,8 +173,25 @@ class ExactSumOfSquares:
         self._bins.zero_()
         self._pending = 0
 
+    def _add_cuda(self, flat: torch.Tensor, label: str) -> None:
+        te = _triton_exact()
+        if self._limbs is not None and (self._limbs.device != flat.device
+                                        or self._limbs_pending + flat.numel() > _MAX_PENDING_CUDA):
+            self._fold_limbs()
+        limbs, nf = te.sum_squares_limbs(flat)
+        self._limbs = limbs if self._limbs is None else self._limbs + limbs
+        self._limbs_pending += flat.numel()
+        self._pending_nf.append((label, nf))
+
+    def _fold_limbs(self) -> None:
+        if self._limbs is not None:
+            self._total += _triton_exact().limbs_to_int(self._limbs)
+            self._limbs = None
+            self._limbs_pending = 0
+
     def _fold(self) -> None:
         """Bring all device-side state into the exact Python-side state."""
+        self._fold_limbs()
         self._fold_bins()
         if self._pending_nf:
             counts = torch.stack([c for _, c in self._pending_nf]).cpu().tolist()
