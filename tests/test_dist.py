@@ -138,6 +138,31 @@ def test_comm_collectives_across_4_ranks(tmp_path):
     assert differ > 0
 
 
+def _cuda_rank(rank: int, out: str) -> None:
+    world = dist.get_world_size()
+    comm = _world_comm(rank, world)
+    partials = [_rank_input(r, (8, 3)).cuda() for r in range(world)]
+    got = comm.tree_all_reduce(partials[rank], "tree")
+    direct = [torch.empty(2, device="cuda") for _ in range(world)]
+    dist.all_gather(direct, torch.full((2,), float(rank), device="cuda"))  # a real NCCL call
+    torch.save({"device": torch.cuda.current_device(), "tree": got.cpu(),
+                "gather": [x.cpu() for x in direct]}, pathlib.Path(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launch_nccl_one_rank_per_gpu(tmp_path):
+    """backend nccl: rank r runs on GPU r; tree_all_reduce on CUDA tensors == tree_combine of the
+    same partials on CUDA in one process, bitwise."""
+    world = min(torch.cuda.device_count(), 4)
+    launch(_cuda_rank, (str(tmp_path),), world_size=world, backend="nccl", timeout_s=60)
+    expect = tree_combine([_rank_input(r, (8, 3)).cuda() for r in range(world)]).cpu()
+    for r in range(world):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        assert res["device"] == r
+        assert res["tree"].view(torch.int32).equal(expect.view(torch.int32))
+        assert [x.tolist() for x in res["gather"]] == [[q, q] for q in range(world)]
+
+
 # ---------------------------------------------------------------------------------------------
 # call validation: a mismatched call fails on every rank, naming both sides
 

@@ -1,4 +1,4 @@
-"""Start the ranks of a job: `world_size` local processes, or this process as one rank under torchrun.
+"""Start the ranks of a job: `world_size` local processes, or this process as one torchrun rank.
 
 `launch(fn, args, world_size=N)` runs `fn(rank, *args)` on every rank with the default
 torch.distributed process group initialised (gloo on CPU; NCCL with one GPU per rank on CUDA):

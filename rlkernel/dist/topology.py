@@ -2,7 +2,7 @@
 
 Training layout (DP is 1 for now, so world = tp * cp): TP is the inner, contiguous dimension,
 
-    rank = cp_rank * tp + tp_rank            e.g. tp 2, cp 2:  TP groups (0,1) (2,3); CP groups (0,2) (1,3)
+    rank = cp_rank * tp + tp_rank      e.g. tp 2, cp 2: TP groups (0,1) (2,3), CP groups (0,2) (1,3)
 
 Rollout layout, on the same processes: ranks are cut into world // (rollout_tp * rollout_cp)
 rollout data-parallel replicas of consecutive ranks; inside replica g,
@@ -260,8 +260,8 @@ def build_comms(topo: Topology) -> Comms:
     from rlkernel.dist.comm import Comm
 
     if dist.get_world_size() != topo.world or dist.get_rank() != topo.rank:
-        raise ConfigError(f"process group has rank {dist.get_rank()} of {dist.get_world_size()} but "
-                          f"the topology says rank {topo.rank} of {topo.world}")
+        raise ConfigError(f"process group has rank {dist.get_rank()} of {dist.get_world_size()} "
+                          f"but the topology says rank {topo.rank} of {topo.world}")
     mine: dict[str, Comm] = {}
     for kind, all_ranks in topo.groups().items():
         for ranks in all_ranks:
