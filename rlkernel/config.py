@@ -117,6 +117,9 @@ class RunConfig:
     """Trainer context-parallel degree; a divisor of virtual_cp (8)."""
     sp: bool = False
     """Sequence parallelism inside the TP group (needs --tp > 1)."""
+    recompute: bool = False
+    """Activation checkpointing: keep only each decoder layer's input and recompute the layer,
+    with the same layout and kernels, in backward (same bytes, less memory, more time)."""
     rollout_tp: int = 1
     """Rollout-engine tensor-parallel degree; a divisor of virtual_tp (8)."""
     rollout_cp: int = 1
@@ -275,7 +278,7 @@ def _check_bool(c: RunConfig, field: str) -> None:
 def _validate(c: RunConfig) -> None:
     for f in ("model", "prompts", "run_dir"):
         _check_path(c, f)
-    for f in ("sp", "allow_dirty", "require_updates"):
+    for f in ("sp", "recompute", "allow_dirty", "require_updates"):
         _check_bool(c, f)
     _check_int(c, "model_seed", 0, SEED_LIMIT)
     _check_int(c, "seed", 0, SEED_LIMIT)

@@ -32,7 +32,7 @@ REVIEWED_RUN_FLAGS = {
     "--kl-coef", "--kl-estimator", "--entropy-coef", "--clip-eps",
     "--lr", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
     "--token-budget", "--dtype", "--mode",
-    "--tp", "--cp", "--sp", "--rollout-tp", "--rollout-cp",
+    "--tp", "--cp", "--sp", "--recompute", "--rollout-tp", "--rollout-cp",
     "--run-dir", "--allow-dirty", "--require-updates", "--device",
 }
 

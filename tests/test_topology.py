@@ -69,6 +69,7 @@ def _probe(rank: int, cfg: RunConfig, out_path: str) -> None:
     w = init_weights(mcfg, 0)
     policy = Qwen3ForCausalLM(mcfg, ops, torch.float32, pc)
     policy.load_tensors(w)
+    policy.recompute = cfg.recompute
     ref = Qwen3ForCausalLM(mcfg, ops, torch.float32, pc)
     ref.load_tensors(init_weights(mcfg, 1))
     ref.requires_grad_(False)
@@ -91,9 +92,10 @@ def _probe(rank: int, cfg: RunConfig, out_path: str) -> None:
             pickle.dump(record, f)
 
 
-def _run(tmp_path, tp: int, cp: int, sp: bool, mode: str = "invariant") -> dict:
-    cfg = RunConfig(tp=tp, cp=cp, sp=sp, mode=mode, dtype="fp32")
-    out = tmp_path / f"probe-{tp}-{cp}-{int(sp)}-{mode}.pkl"
+def _run(tmp_path, tp: int, cp: int, sp: bool, mode: str = "invariant",
+         recompute: bool = False) -> dict:
+    cfg = RunConfig(tp=tp, cp=cp, sp=sp, mode=mode, dtype="fp32", recompute=recompute)
+    out = tmp_path / f"probe-{tp}-{cp}-{int(sp)}-{mode}-{int(recompute)}.pkl"
     launch(_probe, (cfg, str(out)), world_size=tp * cp, timeout_s=300)
     with open(out, "rb") as f:
         return pickle.load(f)
@@ -136,6 +138,11 @@ def test_layout_matches_tp1_cp1(tmp_path, baseline, tp, cp, sp):
 def test_full_matrix_matches_tp1_cp1(tmp_path, baseline, tp, cp, sp):
     """The rest of the matrix of issue 3 (run with -m slow)."""
     _assert_identical(_run(tmp_path, tp, cp, sp), baseline, f"TP{tp}/CP{cp}/SP{sp}")
+
+
+def test_recompute_matches_tp1_cp1(tmp_path, baseline):
+    """--recompute (activation checkpointing) at TP2/CP2/SP == (1,1,off) without it, bytes."""
+    _assert_identical(_run(tmp_path, 2, 2, True, recompute=True), baseline, "recompute")
 
 
 def test_control_native_layouts_differ(tmp_path):

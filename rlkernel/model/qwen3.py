@@ -18,6 +18,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from rlkernel.dist.parallel import ParallelCtx
 from rlkernel.kernels.rope import RopeTable, apply_rope
@@ -149,6 +150,8 @@ class Qwen3ForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _Weight(cfg.vocab_size // self.pc.tp.size, cfg.hidden_size)
         self.rope = RopeTable(cfg.head_dim, cfg.rope_theta)
+        self.recompute = False
+        """Activation checkpointing of each decoder layer (training passes only)."""
 
     # -- weights -----------------------------------------------------------------------------
     def logical_params(self) -> dict[str, nn.Parameter]:
@@ -204,7 +207,12 @@ class Qwen3ForCausalLM(nn.Module):
         w = self.model.embed_tokens.weight
         x = self.ops.embed(lay.tokens, w, self.pc.tp.rank * w.shape[0], self.pc)
         for layer in self.model.layers:
-            x = layer(x, lay, cos, sin, cache)
+            if self.recompute and cache is None and torch.is_grad_enabled():
+                # Backward re-runs the layer with the same layout, kernels and collectives
+                # (in the same order on every rank), so the recomputed bytes are the same.
+                x = checkpoint(layer, x, lay, cos, sin, None, use_reentrant=False)
+            else:
+                x = layer(x, lay, cos, sin, cache)
         return self.ops.norm(x, self.model.norm.weight, self.cfg.rms_norm_eps, self.pc.tok_sp)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,7 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None) -> None:
     dev = torch.device(cfg.device)
     policy = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc).to(dev)
     policy.load_tensors(tensors)
+    policy.recompute = cfg.recompute
     ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc).to(dev)
     ref.load_tensors(tensors)
     ref.requires_grad_(False)
