@@ -80,6 +80,17 @@ def test_matmul_bits_identical_for_every_tile_of_the_table(tm, dtype):
         assert _same(tm.linear_nt(x, w, tile=cfg), base), cfg
 
 
+def test_matmul_tma_kernel_gives_the_pointer_kernel_bytes(tm):
+    """the persistent TMA kernel == the pointer kernel, bytewise, for every TMA tile tried."""
+    g = _gen(31)
+    x = torch.randn(1030, 4096, device=DEV, generator=g).bfloat16()
+    w = torch.randn(1500, 4096, device=DEV, generator=g).bfloat16()
+    base = tm.linear_nt(x, w, out_dtype=torch.bfloat16)
+    for _, cfg in tm._TMA_TILES:
+        for flat in (False, True):
+            assert _same(tm.linear_nt_tma(x, w, tile=cfg, flatten=flat), base), (cfg, flat)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matmul_columns_identical_when_n_is_split(tm, dtype):
     """x·w[:a]ᵀ and x·w[a:]ᵀ are the column blocks of x·wᵀ, bitwise (N split as TP does)."""

@@ -43,7 +43,7 @@ def build_contexts(topo: Topology, comms: Comms, cfg: Qwen3Config) -> tuple[Para
     else:
         tok_sp = tok
     train = ParallelCtx(comms.tp, train_kv, comms.cp, topo.sp, tok, tok_sp)
-    single = TokenTree.single()
-    rollout = ParallelCtx(comms.rollout_tp, roll_kv, Comm.single("rollout_cp"), False, single,
-                          single)
+    p = topo.rollout_cp
+    roll_tok = TokenTree(comms.rollout_cp, 2 * p, tuple(cp_segments(p, r) for r in range(p)))
+    rollout = ParallelCtx(comms.rollout_tp, roll_kv, comms.rollout_cp, False, roll_tok, roll_tok)
     return train, rollout

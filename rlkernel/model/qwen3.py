@@ -20,22 +20,50 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlkernel.dist.comm import Comm
 from rlkernel.dist.parallel import ParallelCtx
 from rlkernel.kernels.rope import RopeTable, apply_rope
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
 from rlkernel.model.sharding import kv_replicas, local_tensor, logical_tensor, shard_of
+from rlkernel.spec import ATTN_KV_BLOCK
 
 
 class KVCache:
-    """Per-layer K/V of every sample at absolute positions: [S, Hkv_local, capacity, D] fp32."""
+    """Per-layer K/V of every sample at absolute positions: [S, Hkv_local, capacity, D] fp32.
+
+    With a CP group (`comm`, rollout CP) the cache is token-sharded: the rank r stores the
+    positions of KV blocks b with b % P == r (zeros elsewhere), and `read` reassembles the prefix
+    by an exact owner pick — attention then visits the same keys in the same blocks.
+    """
 
     def __init__(self, cfg: Qwen3Config, n_samples: int, capacity: int,
-                 device: torch.device | str = "cpu", kv_heads: int | None = None) -> None:
+                 device: torch.device | str = "cpu", kv_heads: int | None = None,
+                 comm: Comm | None = None) -> None:
         shape = (n_samples, kv_heads or cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device) for _ in range(cfg.num_hidden_layers)]
         self.capacity = capacity
+        self.comm = comm or Comm.single("kv-cache")
+
+    def _owner(self, pos: torch.Tensor) -> torch.Tensor:
+        return torch.div(pos, ATTN_KV_BLOCK, rounding_mode="floor") % self.comm.size
+
+    def write(self, layer: int, s_idx, pos, k, v) -> None:
+        """Store k/v rows [n, Hkv, D] of (sample s_idx[i], position pos[i]) this rank owns."""
+        mine = self._owner(pos) == self.comm.rank
+        s_idx, pos = s_idx[mine], pos[mine]
+        self.k[layer][s_idx, :, pos] = k[mine].detach()
+        self.v[layer][s_idx, :, pos] = v[mine].detach()
+
+    def read(self, layer: int, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of positions [0, tk) of every sample: [S, Hkv, tk, D] each."""
+        k, v = self.k[layer][:, :, :tk], self.v[layer][:, :, :tk]
+        if self.comm.size == 1:
+            return k, v
+        owner = self._owner(torch.arange(tk, device=k.device))[None, None, :, None].expand_as(k)
+        return (self.comm.select_owner(k.contiguous(), owner.contiguous(), "kv-cache-k"),
+                self.comm.select_owner(v.contiguous(), owner.contiguous(), "kv-cache-v"))
 
 
 class _Weight(nn.Module):
@@ -74,7 +102,9 @@ class Attention(nn.Module):
                      pc.tok, pc.tp, self.kv_rep)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(n, self.kv_heads, c.head_dim)
-        k_all, v_all = ops.cp_gather(k, pc), ops.cp_gather(v, pc)       # [L, kv_heads, D]
+        if lay.kv_idx is not None:                # CP-split pass: K/V of the logical stream
+            k, v = ops.cp_gather(k, pc), ops.cp_gather(v, pc)           # [L, kv_heads, D]
+        k_all, v_all = k, v
         qs = to_samples(q, lay.q_idx).transpose(1, 2)                    # [S, heads, T, D]
         ks = to_samples(k_all, lay.keys_idx).transpose(1, 2)            # [S, kv_heads, T, D]
         vs = to_samples(v_all, lay.keys_idx).transpose(1, 2)
@@ -87,14 +117,18 @@ class Attention(nn.Module):
         return ops.row(o, self.o_proj.weight, shards, pc)
 
     def _write_cache(self, cache: KVCache, ks, vs, lay: StreamLayout):
-        kc, vc = cache.k[self.layer], cache.v[self.layer]
+        if lay.kv_idx is not None:
+            # CP prefill: every key of the prompt arrived by the CP gather; store the owned
+            # blocks and attend to the gathered keys directly.
+            valid = lay.kv_idx >= 0
+            s_idx, j = valid.nonzero(as_tuple=True)
+            cache.write(self.layer, s_idx, j, ks[s_idx, :, j], vs[s_idx, :, j])
+            return ks, vs
         valid = lay.q_pos >= 0
         s_idx, t_idx = valid.nonzero(as_tuple=True)
         pos = lay.q_pos[s_idx, t_idx]
-        kc[s_idx, :, pos] = ks[s_idx, :, t_idx].detach()
-        vc[s_idx, :, pos] = vs[s_idx, :, t_idx].detach()
-        tk = int(lay.kv_len.max().item())
-        return kc[:, :, :tk], vc[:, :, :tk]
+        cache.write(self.layer, s_idx, pos, ks[s_idx, :, t_idx], vs[s_idx, :, t_idx])
+        return cache.read(self.layer, int(lay.kv_len.max().item()))
 
 
 class MLP(nn.Module):

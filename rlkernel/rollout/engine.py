@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlkernel.dist.parallel import ParallelCtx
+from rlkernel.data.packing import padded_stream_len
+from rlkernel.dist.parallel import ParallelCtx, cp_assemble, cp_local_rows
 from rlkernel.model.config import Qwen3Config
-from rlkernel.model.layout import chunk_layout
+from rlkernel.model.layout import chunk_layout, cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import KVCache, Qwen3ForCausalLM
 from rlkernel.rollout.sampler import sample_tokens
 
@@ -84,10 +85,14 @@ class RolloutEngine:
                 raise ValueError(f"sample {r.sample_id}: empty prompt")
         longest = max(len(r.prompt_ids) for r in requests)
         kv_heads = self.model.model.layers[0].self_attn.kv_heads
+        pc = self.model.pc
         cache = KVCache(self.cfg, len(requests), longest + sp.max_new_tokens, self.model.device,
-                        kv_heads)
+                        kv_heads, pc.cp)
         outs = [Completion(r.sample_id, r.prompt_ids) for r in requests]
         fed = [0] * len(requests)                  # tokens of each sequence already in the cache
+        if pc.cp.size > 1:
+            prompts = [list(r.prompt_ids) for r in requests]
+            self._postprocess(requests, outs, fed, prompts, self._prefill_cp(prompts, cache), sp)
         while True:
             chunks = self._schedule(requests, outs, fed)
             if not any(chunks):
@@ -106,6 +111,20 @@ class RolloutEngine:
             else:
                 chunks.append([c.response_ids[-1]])
         return chunks
+
+    def _prefill_cp(self, prompts: list[list[int]], cache: KVCache) -> torch.Tensor:
+        """Prefill context parallelism: the packed prompt stream is cut into the CP zig-zag
+        segments (query partition), K/V are gathered in logical order per layer, every rank keeps
+        its blocks of the cache, and the last prompt rows are gathered (output gather).
+        Returns [S, H] hidden of each prompt's last token."""
+        pc = self.model.pc
+        lay = packed_layout(prompts, padded_stream_len(sum(map(len, prompts))), self.pad_id)
+        local = cp_local_rows(pc, torch.arange(lay.tokens.shape[0]))
+        h_local = self.model.hidden(cp_local_layout(lay, local), cache)
+        h_full = cp_assemble(pc, pc.cp.all_gather(h_local.contiguous(), "prefill-output-gather"))
+        last = torch.tensor([len(p) - 1 for p in prompts])
+        rows = lay.q_idx[torch.arange(len(prompts)), last]
+        return h_full[rows.to(h_full.device)]
 
     def _run(self, chunks, fed, cache) -> torch.Tensor:
         lay = chunk_layout(chunks, list(fed), self.pad_id)
