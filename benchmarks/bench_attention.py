@@ -60,6 +60,12 @@ def main() -> None:
         t_ref = median_ms(f_ref)
         t_inv = median_ms(lambda: attention_forward(q, k, v, pos, lens, sc))
         flops = 4.0 * HQ * D * t * (t + 1) / 2
+        for cfg in ((128, 8, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2)):
+            try:
+                tv = median_ms(lambda: attention_forward(q, k, v, pos, lens, sc, tile=cfg), rep_ms=100)
+                print(f"   tile {cfg}: {tv:.3f} ms x{t_ref / tv:.3f}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"   tile {cfg}: error {repr(e)[:150]}", flush=True)
         rows.append({"case": f"prefill {t}", "sdpa_ms": t_ref, "ours_ms": t_inv, "sdpa": how,
                      "ratio": t_ref / t_inv, "ours_tflops": flops / t_inv / 1e9,
                      "sdpa_tflops": flops / t_ref / 1e9})

@@ -29,6 +29,9 @@ def main() -> None:
         t_ref = median_ms(lambda: torch.linalg.vector_norm(x))
         t_ours = median_ms(lambda: te.sum_squares_limbs(x))
 
+        t4 = median_ms(lambda: te.sum_squares_limbs(x, num_warps=4))
+        print(f"   num_warps=4: {t4:.4f} ms x{t_ref / t4:.3f}", flush=True)
+
         def full():
             acc = ExactSumOfSquares()
             acc.add_(x)

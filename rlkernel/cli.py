@@ -205,6 +205,22 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
     os.rename(tmp, final)
 
 
+def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
+    """A non-zero rank under torchrun: run the loop, keep no files (rank 0 writes the evidence)."""
+    import tempfile
+
+    from rlkernel.runner.loop import run_loop
+
+    with tempfile.TemporaryDirectory(prefix="rlk-rank-") as d:
+        try:
+            run_loop(cfg, pathlib.Path(d), EvidenceWriter(d, manifest))
+        except (ValueError, OSError) as e:
+            if _debug():
+                raise
+            return _error("run", e, 1)
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
@@ -228,6 +244,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
 
     manifest = build_manifest(cfg, git)
+    if launcher_world_size() is not None and os.environ.get("RANK", "0") != "0":
+        return _run_follower_rank(cfg, manifest)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     created = _missing_ancestors(tmp)
     progress = Progress(total=cfg.steps)

@@ -61,6 +61,15 @@ def merge_shard_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
     return level[0]
 
 
+def _div_t(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = logits / T, correctly rounded. On CUDA by the Triton kernel: torch's CUDA `x / scalar`
+    multiplies by the reciprocal, which the fused kernel (div_rn) would not reproduce."""
+    if logits.is_cuda:
+        from rlkernel.kernels import triton_logprobs
+        return triton_logprobs.div_scalar(logits, temperature)
+    return logits / temperature
+
+
 def _forward_stats(z: torch.Tensor, shards: int):
     m, s, t = merge_shard_stats(*_shard_stats(z, shards))
     lse = m + log32(s)
@@ -71,7 +80,7 @@ def _forward_stats(z: torch.Tensor, shards: int):
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, shards: int):
-        z = logits.to(torch.float32) / temperature
+        z = _div_t(logits.to(torch.float32), temperature)
         lse, ent = _forward_stats(z, shards)
         lp = z.gather(1, targets[:, None])[:, 0] - lse
         ctx.save_for_backward(z, targets, lse, ent)
@@ -106,7 +115,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             lse = m + log32(s)
             ent = lse - t / s
         else:
-            z = linear_nt(h, w) / temperature
+            z = _div_t(linear_nt(h, w), temperature)
             lse, ent = _forward_stats(z, shards)
             z_y = z.gather(1, targets[:, None])[:, 0]
         ctx.save_for_backward(h, w, targets, lse, ent)
@@ -116,7 +125,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         h, w, targets, lse, ent = ctx.saved_tensors
-        z = linear_nt(h, w) / ctx.temperature            # recomputed: the same bits as forward
+        z = _div_t(linear_nt(h, w), ctx.temperature)     # recomputed: the same bits as forward
         dlogits = _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature)
         del z
         dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
@@ -154,6 +163,6 @@ def log_softmax(logits: torch.Tensor, temperature: float, shards: int = VIRTUAL_
 
     Element y equals token_logprobs_entropy(...)[0] for target y, bitwise (same z and lse).
     """
-    z = logits.to(torch.float32) / float(temperature)
+    z = _div_t(logits.to(torch.float32), float(temperature))
     lse, _ = _forward_stats(z, shards)
     return z - lse[:, None]

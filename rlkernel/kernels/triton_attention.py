@@ -12,7 +12,8 @@ over the block's keys are `tl.dot`s, whose per-element order is the key order wi
 whatever the tile (fp32: one fma per key, ascending; bf16: tensor cores, whose per-element bits
 depend on the K order only on the H200 — re-tested by tests/test_cuda.py), and the row max is
 exact. So a query's bits depend only on q, its position, kv_len, and the keys it sees: prefill,
-chunked prefill, KV-cache decode and any batch agree byte for byte, and the row tile may change
+chunked prefill, KV-cache decode and any batch agree byte for byte (the kernel launches with
+enable_fp_fusion=False, so no mul+add is contracted differently in the two block loops), and the row tile may change
 between calls (decode uses a smaller one). Masked keys inside a visited block add p = 0
 products; decode never loads slots at or beyond kv_len (NaN there is harmless).
 Precision: fp32 q/k/v use fp32 fma dots (input_precision="ieee"); bf16 q/k/v use bf16 tensor-core
@@ -74,7 +75,24 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN,
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for j0 in range(0, hi, BLOCK_N):
+    # Blocks that every live row sees whole: the same ops without masks or selects (all-true
+    # masks and selects change no value). Rows with no query (pos < 0) are zeroed at the end.
+    live = row_ok & (pos >= 0)
+    n_full = (tl.minimum(tl.min(tl.where(live, last, 1 << 30), 0), Tk - 1) + 1) // BLOCK_N
+    for j0 in range(0, n_full * BLOCK_N, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        k = tl.load(kbase + j.to(tl.int64)[None, :] * s_kt + dd[:, None] * s_kd)      # [D, BN]
+        sc = tl.dot(q, k, input_precision=PREC) * scale
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        p = tl.exp(sc - m_new[:, None]).to(Q.dtype.element_ty)
+        alpha = tl.exp(m - m_new)
+        v = tl.load(vbase + j.to(tl.int64)[:, None] * s_vt + dd[None, :] * s_vd)      # [BN, D]
+        psum = tl.max(tl.dot(p, ones, input_precision=PREC), 1)
+        pv = tl.dot(p, v, input_precision=PREC)
+        l = l * alpha + psum
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    for j0 in range(n_full * BLOCK_N, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         k_ok = j < kvl
         k = tl.load(kbase + j.to(tl.int64)[None, :] * s_kt + dd[:, None] * s_kd,
@@ -94,7 +112,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN,
         l = tl.where(row_any, l * alpha + psum, l)
         acc = tl.where(row_any[:, None], acc * alpha[:, None] + pv, acc)
         m = tl.where(row_any, m_new, m)
-    has = l > 0
+    has = live & (l > 0)
     l_safe = tl.where(has, l, 1.0)
     out = tl.where(has[:, None], tl.math.div_rn(acc, l_safe[:, None]), 0.0)
     lse = tl.where(has, m + tl.log(l_safe), 0.0)
@@ -145,5 +163,5 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *q_pos.stride(),
             tq, tk, hkv, n_tiles, float(scale),
             G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec,
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out, lse

@@ -53,7 +53,8 @@ def _sumsq_kernel(X, LIMBS, COUNTS, n, TILE: tl.constexpr, W: tl.constexpr,
         x = tl.load(X + o, mask=o < n, other=0.0)
         bits = x.to(tl.int32, bitcast=True)
         mag = bits & 0x7FFFFFFF
-        if tl.max(mag, 0) >= 0x7F800000:
+        mx = tl.max(mag, 0)
+        if mx >= 0x7F800000:
             c_nan = tl.sum((mag > 0x7F800000).to(tl.int64), 0)
             c_pinf = tl.sum((bits == 0x7F800000).to(tl.int64), 0)
             c_ninf = tl.sum((bits == -8388608).to(tl.int64), 0)     # 0xFF800000 as int32
@@ -62,9 +63,10 @@ def _sumsq_kernel(X, LIMBS, COUNTS, n, TILE: tl.constexpr, W: tl.constexpr,
             fin = mag < 0x7F800000
             x = tl.where(fin, x, 0.0)
             mag = tl.where(fin, mag, 0)
-        e_hi = tl.maximum(tl.max(mag, 0) >> 23, 1)
-        e_lo = tl.maximum(tl.min(tl.where(mag > 0, mag, 0x7F800000), 0) >> 23, 1)
-        if tl.max(mag, 0) > 0:
+            mx = tl.max(mag, 0)
+        if mx > 0:
+            e_hi = tl.maximum(mx >> 23, 1)
+            e_lo = tl.maximum(tl.min(tl.where(mag > 0, mag, 0x7F800000), 0) >> 23, 1)
             top = 2 * e_hi - 252                   # every square < 2**top
             low = 2 * e_lo - 300                   # every square is a multiple of 2**low
             xd = x.to(tl.float64)
@@ -106,7 +108,7 @@ def _programs(x: torch.Tensor, n: int) -> int:
     return max(1, min(cap, triton.cdiv(n, TILE)))
 
 
-def sum_squares_limbs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_squares_limbs(x: torch.Tensor, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact Σ x² of a fp32 CUDA tensor as device tensors (limbs [N_LIMBS] int64, counts [3]).
 
     total = Σ_i limbs[i]·2**(32·i − GUARD_BITS) in units of 2**-298 (an exact non-negative
@@ -128,7 +130,7 @@ def sum_squares_limbs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.empty(progs, N_COUNTERS, dtype=torch.int64, device=x.device)
     with device_ctx(x):
         _sumsq_kernel[(progs,)](flat, limbs, counts, n, TILE=TILE, W=FOLD_BITS,
-                                N_LIMBS=N_LIMBS, GUARD=GUARD_BITS, num_warps=8)
+                                N_LIMBS=N_LIMBS, GUARD=GUARD_BITS, num_warps=num_warps)
     return limbs.sum(0), counts.sum(0)
 
 

@@ -14,6 +14,9 @@ Every value is per token, so a token's bits never depend on the other tokens.
 is the fused form: each program computes its [rows × 128] logits tile with the batch-invariant
 matmul chain of kernels/triton_matmul.py (fp32, BLOCK_K = 32, `acc = dot(x, wᵀ, acc)` — the
 same per-element fma sequence), applies the same chunk statistics, and keeps the target's z.
+Every kernel here launches with enable_fp_fusion=False (no mul+add contracted into an fma), so
+each statistic is the written sequence of IEEE ops in both kernels. z is div_rn(logit, T); the
+materialised paths form it with `div_scalar` (torch's CUDA `x / T` multiplies by 1/T instead).
 So fused and unfused paths give identical bytes, and the [tokens × vocab] logits never exist:
 extra memory is O(tokens × shards), flat in the vocabulary and tiny in the number of samples.
 
@@ -134,6 +137,28 @@ def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shar
     tl.store(ZT_OUT + out, zt, mask=r_ok)
 
 
+@triton.jit
+def _div_kernel(X, Y, n, temp, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + o, mask=o < n, other=0.0)
+    tl.store(Y + o, tl.math.div_rn(x, temp), mask=o < n)
+
+
+def div_scalar(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / T correctly rounded (div_rn, the statistics kernels' division): fp32 CUDA, any shape."""
+    check_cuda("log-softmax", x)
+    if x.dtype != torch.float32:
+        raise ValueError(f"log-softmax: float32 logits expected, got {x.dtype}")
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    n = xc.numel()
+    if n:
+        with device_ctx(x):
+            _div_kernel[(triton.cdiv(n, 4096),)](xc, y, n, float(temperature), BLOCK=4096,
+                                                 num_warps=8)
+    return y
+
+
 def _outs(n: int, shards: int, dev) -> list[torch.Tensor]:
     return [torch.empty(n, shards, dtype=torch.float32, device=dev) for _ in range(4)]
 
@@ -161,7 +186,8 @@ def shard_stats(logits: torch.Tensor, temperature: float, shards: int,
         with device_ctx(logits):
             _stats_kernel[(shards, triton.cdiv(n, br))](
                 logits, tgt, m, s, t, zt, n, v, v // shards, logits.stride(0), float(temperature),
-                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, HAS_TGT=targets is not None, num_warps=4)
+                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, HAS_TGT=targets is not None, num_warps=4,
+                enable_fp_fusion=False)
     return m, s, t, (zt.amax(1) if targets is not None else None)
 
 
@@ -189,5 +215,5 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                 h, w, targets, m, s, t, zt, n, k, v // shards,
                 h.stride(0), h.stride(1), w.stride(0), w.stride(1), float(temperature),
                 BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[torch.float32],
-                num_warps=8, num_stages=2)
+                num_warps=8, num_stages=2, enable_fp_fusion=False)
     return m, s, t, zt.amax(1)

@@ -63,5 +63,6 @@ def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     with device_ctx(x):
         _rms_kernel[(triton.cdiv(n, block_r),)](xc, xh, r, n, h, float(h), float(eps),
                                                 HP=hp, LOG_HP=hp.bit_length() - 1,
-                                                BLOCK_R=block_r, num_warps=warps)
+                                                BLOCK_R=block_r, num_warps=warps,
+                                                enable_fp_fusion=False)
     return r, xh
