@@ -221,10 +221,64 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
     return 0
 
 
+# Settings a resumed run may give again: where and how it runs, not what it computes.
+RESUME_MAY_CHANGE = frozenset({"tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
+                               "device", "steps", "save_every", "allow_dirty", "resume"})
+
+
+def _resume_config(given: dict[str, typing.Any]) -> RunConfig:
+    """The saved config of --resume's run directory with the allowed flags applied."""
+    d = pathlib.Path(given["resume"])
+    try:
+        saved = json.loads((d / "manifest.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
+                          "written by rlk run") from None
+    changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and given[k] != saved.get(k))
+    if changed:
+        what = ", ".join(f"{flag_name(k)} (saved {saved.get(k)!r})" for k in changed)
+        raise ConfigError(f"--resume: {what} cannot change when resuming; only "
+                          f"{', '.join(sorted(flag_name(k) for k in RESUME_MAY_CHANGE))} may")
+    if given.get("steps", saved.get("steps", 1)) < saved.get("steps", 1):
+        raise ConfigError(f"--steps {given['steps']}: a resumed run can only be extended "
+                          f"(saved --steps {saved.get('steps')})")
+    return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
+
+
+def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any]) -> int:
+    from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
+    from rlkernel.runner.evidence import utc_now
+    from rlkernel.runner.loop import run_loop
+
+    d = pathlib.Path(cfg.resume)
+    try:
+        ck = latest_checkpoint(d)
+        manifest = json.loads((d / "manifest.json").read_text())
+    except (ResumeError, OSError, ValueError) as e:
+        return _error("run", e, 2)
+    manifest.setdefault("resumes", []).append(
+        {"from_step": ck.next_step, "config": cfg.to_dict(), "git": git, "utc": utc_now()})
+    progress = Progress(total=cfg.steps)
+    try:
+        writer = EvidenceWriter.resume(d, manifest, ck.next_step, progress)
+        run_loop(cfg, d, writer)
+        if not writer.complete:
+            writer.finish({"steps": writer.n_steps})
+    except (ValueError, OSError) as e:
+        if _debug():
+            raise
+        return _error("run", e, 1)
+    finally:
+        progress.close()
+    print(d)
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
-        cfg = RunConfig(**{k: v for k, v in vars(args).items() if k in names})
+        given = {k: v for k, v in vars(args).items() if k in names}
+        cfg = _resume_config(given) if given.get("resume") else RunConfig(**given)
         _check_inputs(cfg)
         _check_topology(cfg)
     except ConfigError as e:
@@ -236,6 +290,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _error("run", f"the rl-kernel checkout {SRC_DIR} has uncommitted changes "
                              f"({len(files)} path(s), e.g. {files[0].strip()!r}); commit them so "
                              "the run can be reproduced from its commit, or pass --allow-dirty", 2)
+    if cfg.resume:
+        return _cmd_resume(cfg, git)
     try:
         final = _choose_run_dir(cfg)
     except ConfigError as e:

@@ -288,6 +288,24 @@ class EvidenceWriter:
         self.complete = True
         self._flush()
 
+    @classmethod
+    def resume(cls, run_dir: str | os.PathLike, manifest: dict[str, Any], upto: int,
+               progress: Progress | None = None) -> "EvidenceWriter":
+        """Continue the evidence of `run_dir`: keep its init and its first `upto` steps (later ones
+        are recomputed, bit for bit, from the checkpoint), rewrite manifest.json as given."""
+        w = cls.__new__(cls)
+        w.run_dir = pathlib.Path(run_dir)
+        w.manifest = to_json_safe(manifest)
+        w.progress = progress
+        data = json.loads((w.run_dir / "evidence.json").read_text())
+        w.init = data.get("init")
+        w.steps = list(data.get("steps") or [])[:upto]
+        w.complete = False
+        w.summary = None
+        write_json_atomic(w.run_dir / "manifest.json", w.manifest)
+        w._flush()
+        return w
+
     def adopt(self) -> None:
         """Reload init/steps/completion from evidence.json as another process (rank 0 of a
         launched job) left it, so the CLI sees what was written. Missing or unreadable: no-op."""

@@ -13,7 +13,7 @@ Does not: shard optimizer state (rlkernel/dist) or schedule the learning rate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,16 +32,19 @@ class AdamWParams:
 
 @dataclass(frozen=True)
 class GradStats:
-    """Exact pre-clip gradient norm (float64), the applied clip coefficient, non-finite params."""
+    """Exact pre-clip gradient norm (float64), the applied clip coefficient, non-finite params
+    (sorted) and, for each, the global ranks whose gradient shard held NaN/Inf."""
 
     norm: float
     clip_coef: float
     nonfinite: tuple[str, ...]
+    nonfinite_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def grad_norm(grads: dict[str, torch.Tensor], counted: set[str] | None = None,
-              comm: Comm | None = None) -> tuple[float, tuple[str, ...]]:
-    """Exact L2 norm of all gradients (float64) and the names of tensors holding NaN/Inf.
+              comm: Comm | None = None) -> tuple[float, dict[str, tuple[int, ...]]]:
+    """Exact L2 norm of all gradients (float64) and the tensors holding NaN/Inf: name -> the
+    global ranks where they do (sorted by name; every rank gets the same answer).
 
     Sharded runs: each rank adds the tensors in `counted` (each logical element exactly once
     over the job) and the integer bins of every rank in `comm` are added as integers.
@@ -55,10 +58,13 @@ def grad_norm(grads: dict[str, torch.Tensor], counted: set[str] | None = None,
             bad.add(name)
     bad.update(acc.nonfinite_names)
     if comm is None or comm.size == 1:
-        return acc.norm(), tuple(sorted(bad))
+        rank = 0 if comm is None else comm.ranks[0]
+        return acc.norm(), {n: (rank,) for n in sorted(bad)}
     total = torch.stack(comm.all_gather(acc.to_tensor(), "grad-norm-bins")).sum(0)
-    names = set().union(*comm.all_gather_object(sorted(bad), "grad-nonfinite-names"))
-    return ExactSumOfSquares.from_tensor(total).norm(), tuple(sorted(names))
+    per_rank = comm.all_gather_object(sorted(bad), "grad-nonfinite-names")
+    where = {n: tuple(comm.ranks[i] for i, names in enumerate(per_rank) if n in names)
+             for n in sorted(set().union(*per_rank))}
+    return ExactSumOfSquares.from_tensor(total).norm(), where
 
 
 class AdamW:
@@ -83,7 +89,7 @@ class AdamW:
             c32 = torch.tensor(coef, dtype=torch.float32, device=g0.device)
             for g in grads.values():
                 g.mul_(c32)
-        return GradStats(norm, coef, bad)
+        return GradStats(norm, coef, tuple(bad), bad)
 
     @torch.no_grad()
     def step(self, grads: dict[str, torch.Tensor]) -> None:
@@ -101,6 +107,15 @@ class AdamW:
             if hp.weight_decay:
                 p.mul_(1.0 - hp.lr * hp.weight_decay)
             p.sub_((m / denom) * step_size)
+
+    @torch.no_grad()
+    def load_state(self, masters, exp_avg, exp_avg_sq, steps: int) -> None:
+        """Restore masters/moments (same names and shapes, this rank's shards) and the step count."""
+        for n in self.master:
+            self.master[n].copy_(masters[n])
+            self.exp_avg[n].copy_(exp_avg[n])
+            self.exp_avg_sq[n].copy_(exp_avg_sq[n])
+        self.steps = steps
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Masters and moments by name, for checkpoints and audits."""
