@@ -140,6 +140,14 @@ def test_every_field_but_timings_is_compared(tmp_path):
         assert [(r.where, r.name) for r in report.results if not r.same] == [("step 0", name)]
 
 
+def test_incomplete_run_is_compared_and_never_identical(tmp_path, capsys):
+    """a run that stopped early: its steps are compared, and the verdict is DIFFERENT."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)], complete=False)
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 1 and "INCOMPLETE" in out and out.rstrip().splitlines()[-1].startswith("DIFF")
+
+
 def test_same_value_is_bitwise():
     assert same_value(0.1, 0.1) and not same_value(0.0, -0.0)
     assert not same_value(1, 1.0) and not same_value(True, 1)
@@ -150,7 +158,6 @@ def test_same_value_is_bitwise():
 @pytest.mark.parametrize("breakage,expect", [
     ("missing", "evidence.json: not found"),
     ("invalid", "not valid JSON"),
-    ("incomplete", "incomplete run"),
 ])
 def test_unreadable_run_is_a_clear_error(tmp_path, capsys, breakage, expect):
     a = write_run(tmp_path / "a", [_step(0)])

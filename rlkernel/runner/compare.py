@@ -100,9 +100,6 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
         raise CompareError(f"{ev_path}: not an rl-kernel evidence file (no 'steps' list)")
     if not all(isinstance(s, dict) for s in evidence["steps"]):
         raise CompareError(f"{ev_path}: every step record must be a JSON object")
-    if evidence.get("complete") is not True:
-        raise CompareError(f"{ev_path}: incomplete run (complete is not true; "
-                           f"{len(evidence['steps'])} step(s) recorded): the run stopped early")
     if not isinstance(manifest, dict):
         raise CompareError(f"{d / 'manifest.json'}: not an rl-kernel manifest (not a JSON object)")
     return manifest, evidence
@@ -216,7 +213,10 @@ def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
 
 
 def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> CompareReport:
-    """Compare the evidence of two finished runs. Raises CompareError if either cannot be read."""
+    """Compare the evidence of two runs (an incomplete run counts as a difference).
+
+    Raises CompareError if either cannot be read.
+    """
     ma, ea = load_run(a_dir)
     mb, eb = load_run(b_dir)
     report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb))
@@ -241,6 +241,12 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
         report.results += _compare_record(where, sa[i], sb[i], IGNORED_STEP_FIELDS)
     if len(sa) != len(sb):
         report.info.append(f"step count: {len(sa)} vs {len(sb)}")
+    # A run that stopped early is compared on the steps it has, and is never "identical".
+    ca, cb = ea.get("complete") is True, eb.get("complete") is True
+    if not (ca and cb):
+        report.results.append(FieldResult("run", "complete", False,
+                                          f"DIFFERS ({'complete' if ca else 'INCOMPLETE'} vs "
+                                          f"{'complete' if cb else 'INCOMPLETE'})"))
     return report
 
 

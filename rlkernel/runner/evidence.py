@@ -69,6 +69,10 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     text = json.dumps(to_json_safe(obj), indent=1, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates 0600; evidence is meant to be shared, so use the umask's usual mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -217,6 +221,8 @@ class Progress:
                 f"grad_norm {num('grad_norm', '.6g')}  "
                 f"mismatches {rec.get('logprob_mismatches', '-')}/{rec.get('logprob_tokens', '-')}  "
                 f"{format(secs, '.2f') + 's' if isinstance(secs, (int, float)) else '-'}")
+        if isinstance(rec.get("step"), int):
+            line += f"  (evidence step {rec['step']})"
         if rec.get("update_skipped"):
             line += "  UPDATE SKIPPED"
         if isinstance(rec.get("weight_audit"), dict) and not rec["weight_audit"].get("ok", True):
