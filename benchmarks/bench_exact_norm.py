@@ -29,8 +29,10 @@ def main() -> None:
         t_ref = median_ms(lambda: torch.linalg.vector_norm(x))
         t_ours = median_ms(lambda: te.sum_squares_limbs(x))
 
-        t4 = median_ms(lambda: te.sum_squares_limbs(x, num_warps=4))
-        print(f"   num_warps=4: {t4:.4f} ms x{t_ref / t4:.3f}", flush=True)
+        for warps, per_sm in ((8, 8), (4, 16), (2, 16), (2, 32)):
+            tv = median_ms(lambda: te.sum_squares_limbs(x, num_warps=warps, programs_per_sm=per_sm))
+            print(f"   num_warps={warps} programs/SM={per_sm}: {tv:.4f} ms x{t_ref / tv:.3f}",
+                  flush=True)
 
         def full():
             acc = ExactSumOfSquares()

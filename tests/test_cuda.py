@@ -404,8 +404,12 @@ def test_exact_norm_cuda_reports_nan_and_inf_and_matches_fsum():
 
 def test_negative_control_stock_norm_changes_with_split_or_permutation():
     """control: the stock global norm (vector_norm of per-shard vector_norms, as
-    clip_grad_norm_ combines tensors) takes more than one value over splits and permutations."""
-    x = torch.randn(4_000_000, device=DEV) * torch.rand(4_000_000, device=DEV) ** 8
+    clip_grad_norm_ combines tensors) takes more than one value over splits and permutations,
+    while the exact norm takes one."""
+    from rlkernel.numerics.exact import ExactSumOfSquares
+    exact = set()
+    x = torch.full((4_000_000,), 1e-2, device=DEV)       # one big value among many small ones:
+    x[0] = 100.0                                           # where it meets them decides what is lost
     g = torch.Generator().manual_seed(3)
     vals = set()
     for cuts in ((), (1_000_003,), (17, 2_000_000, 3_999_000), (123_457, 777_777, 2_500_001)):
@@ -414,7 +418,11 @@ def test_negative_control_stock_norm_changes_with_split_or_permutation():
             parts = torch.tensor_split(y, list(cuts))
             n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p) for p in parts]))
             vals.add(n.view(torch.int32).item())
-    assert len(vals) > 1
+            acc = ExactSumOfSquares()
+            for p in parts:
+                acc.add_(p)
+            exact.add(acc.norm())
+    assert len(vals) > 1 and len(exact) == 1
 
 
 # ---------------------------------------------------------------------------------- rollout

@@ -40,7 +40,7 @@ KV_BLOCK = 64
 # dtype -> [(max rows Tq·G, (BLOCK_M, num_warps, num_stages)), ...]; first row that fits.
 # bf16 keeps BLOCK_M >= 64 with warps % 4 == 0 (one tensor-core instruction path for all calls).
 _TILES = {
-    torch.bfloat16: [(64, (64, 4, 2)), (1 << 62, (128, 8, 2))],
+    torch.bfloat16: [(64, (64, 4, 2)), (1 << 62, (128, 8, 3))],
     torch.float32: [(16, (16, 4, 1)), (1 << 62, (32, 4, 1))],
 }
 

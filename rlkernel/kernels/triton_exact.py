@@ -95,25 +95,30 @@ def _sumsq_kernel(X, LIMBS, COUNTS, n, TILE: tl.constexpr, W: tl.constexpr,
 
 
 _SM_COUNT: dict[int, int] = {}
+# (num_warps, programs per SM) for small / big inputs: measured on the H200 (docs/BENCHMARKS.md).
+_BIG = 1 << 25
+_LAUNCH = {False: (4, 8), True: (2, 32)}
 
 
-def _programs(x: torch.Tensor, n: int) -> int:
+def _programs(x: torch.Tensor, n: int, per_sm: int) -> int:
     if x.is_cuda:
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if dev not in _SM_COUNT:
             _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        cap = 8 * _SM_COUNT[dev]
+        cap = per_sm * _SM_COUNT[dev]
     else:
         cap = 4
     return max(1, min(cap, triton.cdiv(n, TILE)))
 
 
-def sum_squares_limbs(x: torch.Tensor, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_squares_limbs(x: torch.Tensor, num_warps: int | None = None,
+                      programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact Σ x² of a fp32 CUDA tensor as device tensors (limbs [N_LIMBS] int64, counts [3]).
 
     total = Σ_i limbs[i]·2**(32·i − GUARD_BITS) in units of 2**-298 (an exact non-negative
     integer; limbs are signed and unnormalised); counts = (nan, +inf, −inf), whose elements are
     left out of the total. Any shape; every element is read once. No host synchronisation.
+    Launch shape: `_LAUNCH` by size unless given (the total is exact, so it never changes a bit).
     """
     check_cuda("exact norm", x)
     if x.dtype != torch.float32:
@@ -125,7 +130,9 @@ def sum_squares_limbs(x: torch.Tensor, num_warps: int = 8) -> tuple[torch.Tensor
     if n == 0:
         z = torch.zeros(N_LIMBS, dtype=torch.int64, device=x.device)
         return z, torch.zeros(N_COUNTERS, dtype=torch.int64, device=x.device)
-    progs = _programs(x, n)
+    big = n >= _BIG
+    num_warps = num_warps or _LAUNCH[big][0]
+    progs = _programs(x, n, programs_per_sm or _LAUNCH[big][1])
     limbs = torch.empty(progs, N_LIMBS, dtype=torch.int64, device=x.device)
     counts = torch.empty(progs, N_COUNTERS, dtype=torch.int64, device=x.device)
     with device_ctx(x):

@@ -160,7 +160,7 @@ def linear_nt(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torc
     which gives the pointer kernel's bytes (tests/test_cuda.py), so the switch on M changes speed
     only, never a result.
     """
-    if (tile is None and x.dim() == 2 and x.shape[0] >= TMA_MIN_M
+    if (tile is None and x.dim() == 2 and x.shape[0] >= TMA_MIN_M and out_dtype == x.dtype
             and tma_ok(x, w, out_dtype) and x.shape[1] == w.shape[1]):
         return linear_nt_tma(x, w, out_dtype=out_dtype)
     return matmul(x, w.t(), out_dtype=out_dtype, tile=tile)
