@@ -27,12 +27,14 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from rlkernel.spec import ATTN_KV_BLOCK, MATMUL_ORDER, TOKEN_LEAVES, VIRTUAL_CP, VIRTUAL_TP
+from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_VOCAB_CHUNK,
+                           MATMUL_ORDER, TOKEN_LEAVES, VIRTUAL_CP, VIRTUAL_TP)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 DTYPES = ("bf16", "fp32")
 MODES = ("invariant", "native")
+ON_NONFINITE = ("stop", "skip")
 DEVICES = ("cpu", "cuda")
 SEED_LIMIT = 2**63
 
@@ -100,6 +102,9 @@ class RunConfig:
     clip_grad: float = 1.0
     """Clip the exact global gradient norm to this value; 0 means no clipping (the norm is still
     computed and recorded)."""
+    on_nonfinite: str = "stop"
+    """A NaN/Inf in any gradient (never clipped away): stop (record the step, exit 1 naming the
+    parameters) or skip (no update on any rank that step, recorded as update_skipped; go on)."""
     token_budget: int = 4096
     """Most logical tokens per training microbatch (canonical spec: changing it changes the numbers).
     Must hold one whole sample: >= max_prompt_len + max_response_len."""
@@ -128,10 +133,18 @@ class RunConfig:
     # ---- run bookkeeping
     run_dir: str | None = None
     """Run directory (must not exist, or be empty). None: runs/<UTC time>-<config hash>."""
+    save_every: int = 0
+    """Write a resumable checkpoint (fp32 masters, AdamW state, step cursor) into
+    RUN_DIR/checkpoints after every N steps; 0 = never."""
+    resume: str | None = None
+    """Continue the run in this directory from its last complete checkpoint. Its saved config is
+    used; only --tp/--cp/--sp/--recompute/--rollout-tp/--rollout-cp/--device, --steps (to extend),
+    --save-every and --allow-dirty may be given again."""
     allow_dirty: bool = False
     """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
     require_updates: bool = False
-    """Fail the run if a step skips its update (non-finite gradients) or leaves the weights unchanged."""
+    """Fail the run if an applied update leaves the weights unchanged (a step skipped by
+    --on-nonfinite skip is recorded as update_skipped, not failed)."""
     device: str = "cpu"
     """cpu or cuda. Bitwise identity is promised within one backend, not across backends."""
 
@@ -182,7 +195,7 @@ class RunConfig:
 
     def canonical_spec(self) -> dict[str, Any]:
         """The numerical contract of this run (DESIGN.md §1); recorded in every manifest."""
-        return {
+        spec = {
             "virtual_tp": VIRTUAL_TP,
             "virtual_cp": VIRTUAL_CP,
             "token_budget": self.token_budget,
@@ -192,6 +205,10 @@ class RunConfig:
             "vocab_shards": VIRTUAL_TP,
             "token_leaves": TOKEN_LEAVES,
         }
+        if self.device == "cuda":
+            spec.update(matmul=f"sequential-K fp32 accumulate, BLOCK_K {CUDA_BLOCK_K}",
+                        attention_kv_block=CUDA_ATTN_KV_BLOCK, vocab_chunk=CUDA_VOCAB_CHUNK)
+        return spec
 
 
 def flag_name(field: str) -> str:
@@ -276,8 +293,9 @@ def _check_bool(c: RunConfig, field: str) -> None:
 
 
 def _validate(c: RunConfig) -> None:
-    for f in ("model", "prompts", "run_dir"):
+    for f in ("model", "prompts", "run_dir", "resume"):
         _check_path(c, f)
+    _check_int(c, "save_every", 0)
     for f in ("sp", "recompute", "allow_dirty", "require_updates"):
         _check_bool(c, f)
     _check_int(c, "model_seed", 0, SEED_LIMIT)
@@ -295,6 +313,7 @@ def _validate(c: RunConfig) -> None:
     _check_choice(c, "kl_estimator", KL_ESTIMATORS)
     _check_choice(c, "dtype", DTYPES)
     _check_choice(c, "mode", MODES)
+    _check_choice(c, "on_nonfinite", ON_NONFINITE)
     _check_choice(c, "device", DEVICES)
 
     for f, virtual in (("tp", VIRTUAL_TP), ("rollout_tp", VIRTUAL_TP),

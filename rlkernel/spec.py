@@ -13,3 +13,12 @@ ATTN_KV_BLOCK = 16
 """Keys per online-softmax block of attention, at absolute positions."""
 MATMUL_ORDER = "sequential-K fp32"
 """Order of every matmul's K reduction on the CPU backend."""
+
+# CUDA backend (Triton kernels): the same contract with its own block sizes.
+CUDA_ATTN_KV_BLOCK = 64
+"""Keys per online-softmax block of the Triton attention kernels."""
+CUDA_VOCAB_CHUNK = 128
+"""Vocab ids per chunk of the fused LM-head + log-softmax kernel."""
+CUDA_BLOCK_K = {"fp32": 32, "bf16": 64}
+"""K-tile of the sequential-K Triton matmul per input dtype (the K order inside a tile is the
+tensor core's; across tiles it is sequential)."""

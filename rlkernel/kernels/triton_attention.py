@@ -33,8 +33,9 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.spec import CUDA_ATTN_KV_BLOCK
 
-KV_BLOCK = 64
+KV_BLOCK = CUDA_ATTN_KV_BLOCK
 """Keys per online-softmax block on the CUDA backend (absolute positions)."""
 
 # dtype -> [(max rows Tq·G, (BLOCK_M, num_warps, num_stages)), ...]; first row that fits.

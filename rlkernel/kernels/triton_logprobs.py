@@ -32,8 +32,9 @@ import triton.language as tl
 
 from rlkernel.kernels.triton_matmul import BLOCK_K
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.spec import CUDA_VOCAB_CHUNK
 
-VOCAB_CHUNK = 128
+VOCAB_CHUNK = CUDA_VOCAB_CHUNK
 """Vocab ids per sequential chunk inside a shard (CUDA backend's vocab block)."""
 _LOG_CHUNK = 7
 

@@ -26,9 +26,11 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.spec import CUDA_BLOCK_K
 
 # (dtype) -> BLOCK_K: fixed, part of the backend's numerical identity.
-BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+BLOCK_K = {torch.bfloat16: CUDA_BLOCK_K["bf16"], torch.float16: CUDA_BLOCK_K["bf16"],
+           torch.float32: CUDA_BLOCK_K["fp32"]}
 
 # (dtype) -> [(max M, (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M)), ...]; the first row
 # whose max M >= M is used. bf16 rows keep BLOCK_M >= 64 and warps % 4 == 0 so every call takes
