@@ -31,9 +31,10 @@ REVIEWED_RUN_FLAGS = {
     "--temperature", "--top-p", "--max-response-len", "--max-prompt-len",
     "--kl-coef", "--kl-estimator", "--entropy-coef", "--clip-eps",
     "--lr", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
+    "--on-nonfinite",
     "--token-budget", "--dtype", "--mode",
     "--tp", "--cp", "--sp", "--recompute", "--rollout-tp", "--rollout-cp",
-    "--run-dir", "--allow-dirty", "--require-updates", "--device",
+    "--run-dir", "--allow-dirty", "--require-updates", "--device", "--save-every", "--resume",
 }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 CKPT_DIR = "checkpoints"
 _STATE = "state.safetensors"
@@ -105,7 +106,9 @@ def latest_checkpoint(run_dir: pathlib.Path) -> Checkpoint:
     for p in cands:
         try:
             return _load(p)
-        except (OSError, ValueError, KeyError) as e:
+        # TypeError: a meta.json of the wrong shape (e.g. a list); SafetensorError (not a
+        # ValueError): a state file that matches its SHA-256 but does not parse.
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
             skipped.append(f"{p.name}: {e}")
     why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
     raise ResumeError(f"{run_dir}: no complete checkpoint to resume from{why}; "

@@ -26,15 +26,18 @@ from rlkernel.model.checkpoint import init_weights, load_checkpoint
 from rlkernel.model.config import tiny
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
-from rlkernel.model.sharding import counts_for_norm
+from rlkernel.model.sharding import counts_for_norm, local_tensor, logical_tensor
 from rlkernel.numerics.exact import exact_sum, float_hex
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
+from rlkernel.runner import faults
+from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, latest_checkpoint,
+                                            save_checkpoint)
 from rlkernel.runner.evidence import EvidenceWriter, Progress
 from rlkernel.train.grpo import group_advantages
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.optimizer import AdamW, AdamWParams
 from rlkernel.train.step import TrainSample, compute_gradients, gradients
-from rlkernel.weights.sync import sync_weights
+from rlkernel.weights.sync import merge_problems, sync_weights
 
 
 class RunAborted(ValueError):
@@ -58,11 +61,12 @@ def _encode_all(cfg: RunConfig, source, tok) -> list[list[list[int]]]:
     for step in range(cfg.steps):
         batch = []
         for p in source.batch(step):
+            name = f"{p.where}: prompt" if p.where else f"prompt {p.index}"  # FILE:LINE if a file
             ids = tok.encode(p.text)
             if not ids:
-                raise ValueError(f"prompt {p.index} encodes to no tokens")
+                raise ValueError(f"{name} encodes to no tokens")
             if len(ids) > cfg.max_prompt_len:
-                raise ValueError(f"prompt {p.index} has {len(ids)} tokens, more than "
+                raise ValueError(f"{name} has {len(ids)} tokens, more than "
                                  f"--max-prompt-len {cfg.max_prompt_len}")
             batch.append(ids)
         out.append(batch)
@@ -79,18 +83,24 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
 
     One process when tp·cp == 1 (and not under torchrun), else tp·cp ranks (rlkernel/dist/launch).
     Raises ValueError (bad inputs, before any step), RunAborted (a failed check, after the failing
-    step's evidence is written), or the launcher's RankFailure naming the failing rank.
+    step's evidence is written; also a rank lost to a signal or a hang), or the launcher's
+    RankFailure naming the rank that raised.
     """
     world = cfg.tp * cfg.cp
+    faults.check(cfg.steps, world)  # test hook: reject a bad RLK_FAULT before anything starts
     if world == 1 and not all(v in os.environ for v in _TORCHRUN_VARS):
         from rlkernel.dist.topology import Topology, single_comms
-        _run(cfg, Topology(world=1, rank=0), single_comms(), writer)
+        _run(cfg, Topology(world=1, rank=0), single_comms(), writer, pathlib.Path(run_dir))
         return
-    from rlkernel.dist.launch import launch
+    from rlkernel.dist.launch import RankFailure, launch
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     try:
         launch(_rank_main, (cfg, str(run_dir), writer.manifest), world_size=world,
                backend=backend, timeout_s=float(os.environ.get("RLK_DIST_TIMEOUT_S", "300")))
+    except RankFailure as e:
+        if e.error_type:  # the rank raised: its error (and traceback) goes up unchanged
+            raise
+        raise RunAborted(str(e)) from e  # lost (signal, exit) or hung: one line, evidence kept
     finally:
         writer.adopt()
 
@@ -102,10 +112,24 @@ def _rank_main(rank: int, cfg: RunConfig, run_dir: str, manifest: dict) -> None:
     from rlkernel.dist.topology import Topology, build_comms
     topo = Topology.from_config(cfg, rank, dist.get_world_size())
     comms = build_comms(topo)
-    writer = EvidenceWriter(run_dir, manifest, Progress(total=cfg.steps)) if rank == 0 else None
-    _run(cfg, topo, comms, writer)
+    writer = None
+    if rank == 0:
+        if cfg.resume:
+            upto = latest_checkpoint(pathlib.Path(cfg.resume)).next_step
+            writer = EvidenceWriter.resume(run_dir, manifest, upto, Progress(total=cfg.steps))
+        else:
+            writer = EvidenceWriter(run_dir, manifest, Progress(total=cfg.steps))
+    _run(cfg, topo, comms, writer, pathlib.Path(run_dir))
     if writer is not None and not writer.complete:
         writer.finish({"steps": writer.n_steps})
+
+
+def _stop(topo, msg: str) -> None:
+    """End the run on a failed check (decided identically on every rank): rank 0, which has just
+    written the evidence, raises RunAborted; the others return quietly, so the launcher never
+    stops rank 0 before the failing step's record is on disk."""
+    if topo.rank == 0:
+        raise RunAborted(msg)
 
 
 class _Rollout:
@@ -124,7 +148,31 @@ class _Rollout:
         return [c for p in parts if p is not None for c in p]
 
 
-def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None) -> None:
+def _opt_state(opt: AdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """Logical (unsharded) fp32 masters and moments, reassembled from every TP rank."""
+    out = {}
+    for kind, table in (("master", opt.master), ("exp_avg", opt.exp_avg),
+                        ("exp_avg_sq", opt.exp_avg_sq)):
+        for n, t in table.items():
+            parts = policy.pc.tp.all_gather(t, f"ckpt:{kind}:{n}")
+            out[f"{kind}/{n}"] = logical_tensor(n, parts, policy.cfg)
+    return out
+
+
+def _restore(opt: AdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None:
+    """Load a checkpoint's logical state as this rank's shards (any topology)."""
+    def shards(kind):
+        return {n: local_tensor(n, ck.tensors[f"{kind}/{n}"], policy.cfg, topo.tp, topo.tp_rank)
+                for n in opt.master}
+    try:
+        opt.load_state(shards("master"), shards("exp_avg"), shards("exp_avg_sq"), ck.opt_steps)
+    except KeyError as e:
+        raise ResumeError(f"{ck.path}: checkpoint lacks tensor {e}") from None
+    policy.load_master_shards(opt.master)
+
+
+def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
+         run_dir: pathlib.Path) -> None:
     ops = ops_for(cfg.mode)
     exp = invariant_exp if cfg.mode == "invariant" else torch.exp
     pdtype = _DTYPES[cfg.dtype]
@@ -154,19 +202,27 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None) -> None:
     coefs = LossCoefs(cfg.clip_eps, cfg.kl_coef, cfg.entropy_coef, cfg.kl_estimator)
     sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_response_len, cfg.seed, tok.eos_id)
 
-    def audit_sync():
-        a = sync_weights(policy.export_tensors(), engine)
+    def audit_sync(tamper=None):
+        a = sync_weights(policy.export_tensors(), engine, tamper)
         problems = comms.world.all_gather_object(list(a.problems), "audit-problems")
-        merged = tuple(dict.fromkeys(p for ps in problems for p in ps))
-        return a.__class__(a.version, a.tensor_hashes, merged)
+        return a.__class__(a.version, a.tensor_hashes, merge_problems(problems))
 
+    start = 0
+    if cfg.resume:
+        ck = latest_checkpoint(pathlib.Path(cfg.resume))
+        _restore(opt, policy, ck, topo)
+        start = ck.next_step
     audit = audit_sync()
-    if writer is not None:
+    if cfg.resume:
+        if audit.version != ck.version:
+            raise ResumeError(f"{ck.path}: restored weights have version {audit.version[:12]}, "
+                              f"the checkpoint recorded {ck.version[:12]}")
+    elif writer is not None:
         writer.record_init(audit.record())
     if not audit.ok:
-        raise RunAborted(f"initial weight sync failed: {audit.problems[0]}")
+        return _stop(topo, f"initial weight sync failed: {audit.problems[0]}")
     version = audit.version
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         prompts = source.batch(step)
         g = cfg.n_samples_per_prompt
@@ -182,19 +238,22 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None) -> None:
         stats = compute_gradients(policy, ref, samples, temperature=cfg.temperature, coefs=coefs,
                                   token_budget=cfg.token_budget, pad_id=tok.pad_id, exp=exp)
         grads = gradients(policy)
+        faults.corrupt_grads(step, topo.rank, grads)  # test hook (RLK_FAULT); no-op when unset
+        faults.maybe_die(step, topo.rank)  # test hook (RLK_FAULT); no-op when unset
         gstats = opt.clip(grads, cfg.clip_grad, counted, comms.world)
         skipped = bool(gstats.nonfinite)
         if not skipped:
             opt.step(grads)
             policy.load_master_shards(opt.master)
         t2 = time.perf_counter()
-        audit = audit_sync()
+        audit = audit_sync(faults.tamper(step, topo.rank))  # tamper: test hook, None when unset
         t3 = time.perf_counter()
         rec = {
             "step": step,
             "grad_norm": gstats.norm, "grad_norm_hex": float_hex(gstats.norm),
             "grad_clip_coef": gstats.clip_coef,
             "grad_nonfinite": list(gstats.nonfinite), "update_skipped": skipped,
+            "nonfinite_ranks": {n: list(r) for n, r in gstats.nonfinite_ranks.items()},
             **audit.record(), "version_changed": audit.version != version,
             "tokens_hash": _tokens_hash(completions),
             "n_samples": len(completions), "n_response_tokens": stats.n_tokens,
@@ -207,12 +266,21 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None) -> None:
         }
         if writer is not None:
             writer.record_step(rec)
-        if skipped:
-            raise RunAborted(f"step {step}: non-finite gradient in {', '.join(gstats.nonfinite)}; "
-                             "update not applied")
+        if skipped and cfg.on_nonfinite == "stop":
+            where = ", ".join(f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
+                              for n, r in gstats.nonfinite_ranks.items())
+            return _stop(topo, f"step {step}: non-finite gradient in {where}; update not "
+                               "applied, run stopped (--on-nonfinite stop)")
         if not audit.ok:
-            raise RunAborted(f"step {step}: weight sync audit failed: {'; '.join(audit.problems)}")
-        if cfg.require_updates and audit.version == version:
-            raise RunAborted(f"step {step}: --require-updates: the weight version did not change "
-                             "after the update (raise --lr?)")
+            return _stop(topo, f"step {step}: weight sync audit failed: "
+                               f"{'; '.join(audit.problems)}")
+        if cfg.require_updates and not skipped and audit.version == version:
+            why = ("the gradient was exactly 0 (all advantages 0 and no KL/entropy term?)"
+                   if gstats.norm == 0.0 else "the update was below bf16 resolution (raise --lr?)")
+            return _stop(topo, f"step {step}: --require-updates: the weight version did not "
+                               f"change after the update: {why}")
         version = audit.version
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            state = _opt_state(opt, policy)
+            if topo.rank == 0:
+                save_checkpoint(run_dir, step + 1, opt.steps, state, version)

@@ -40,8 +40,9 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
                  tamper: Callable[[dict[str, torch.Tensor]], None] | None = None) -> SyncAudit:
     """Send `exported` to `engine` (load_weights / exported_weights) and audit the result.
 
-    `tamper` is a test hook applied to the received tensors before loading (fault injection).
-    A load that raises (e.g. wrong shape) is recorded as a problem, not propagated.
+    `tamper` is a test hook applied to the received tensors before loading (fault injection,
+    rlkernel/runner/faults.py). A load that raises (e.g. wrong shape) is recorded as a problem,
+    not propagated.
     """
     hashes = state_hashes(exported)
     blob = safetensors.torch.save({n: t.contiguous() for n, t in exported.items()})
@@ -51,11 +52,36 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     received.update({n: t for n, t in loaded.items() if n not in received})
     if tamper is not None:
         tamper(received)
-    problems: list[str] = []
+    problems = [f"tensor {n!r} arrived as {_meta(received[n])}, expected {_meta(t)}"
+                for n, t in exported.items()
+                if n in received and (received[n].dtype, received[n].shape) != (t.dtype, t.shape)]
+    rejected = False
     try:
         engine.load_weights(received)
-        problems = compare_hashes(hashes, state_hashes(engine.exported_weights()))
-        problems += compare_hashes(hashes, state_hashes(received))
     except (ValueError, RuntimeError) as e:
-        problems = [f"rollout engine rejected the weights: {e}"]
+        problems.append(f"rollout engine rejected the weights: {e}")
+        rejected = True
+    # Export even after a rejected load: under rollout TP the export is a collective, and a rank
+    # whose copy was bad must make the same calls as its peers (or they would wait for it).
+    loaded = state_hashes(engine.exported_weights())
+    if not rejected:
+        problems += compare_hashes(hashes, loaded)
+    problems += compare_hashes(hashes, state_hashes(received))
     return SyncAudit(version_hash(hashes), hashes, tuple(dict.fromkeys(problems)))
+
+
+def _meta(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+
+
+def merge_problems(per_rank: list[list[str]]) -> tuple[str, ...]:
+    """One list of the audit problems of every rank (rank order, duplicates once); on more than
+    one rank each problem names the ranks that found it: "... (rank 1)", "... (ranks 0, 2)"."""
+    where: dict[str, list[int]] = {}
+    for rank, problems in enumerate(per_rank):
+        for p in problems:
+            where.setdefault(p, []).append(rank)
+    if len(per_rank) == 1:
+        return tuple(where)
+    return tuple(f"{p} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
+                 for p, r in where.items())
