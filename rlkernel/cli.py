@@ -170,9 +170,18 @@ def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
 
 
 def _check_topology(cfg: RunConfig) -> None:
-    """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE.
-    Runs before any process starts or directory is made. Raises ConfigError."""
+    """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE, and
+    the longest sample against the model's positions. Runs before any process starts or
+    directory is made. Raises ConfigError."""
     m = _model_shape(cfg)
+    # RoPE tables grow on demand, so nothing downstream refuses positions past the model's
+    # max_position_embeddings: a too-long sample would silently run out of the trained range.
+    if m is not None and cfg.max_prompt_len + cfg.max_response_len > m.max_position_embeddings:
+        where = f"{cfg.model}/config.json" if cfg.model is not None else "the embedded tiny model"
+        raise ConfigError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
+                          f"{cfg.max_response_len} = {cfg.max_prompt_len + cfg.max_response_len}: "
+                          f"must be <= max_position_embeddings={m.max_position_embeddings} of "
+                          f"{where}")
     heads = {} if m is None else dict(
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
@@ -231,9 +240,15 @@ def _resume_config(given: dict[str, typing.Any]) -> RunConfig:
     d = pathlib.Path(given["resume"])
     try:
         saved = json.loads((d / "manifest.json").read_text())["config"]
+        if not isinstance(saved, dict):  # e.g. "config": [] would crash in saved.get below
+            raise TypeError(saved)
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
                           "written by rlk run") from None
+    try:  # validate the saved config itself, before comparing its values with the flags
+        RunConfig.from_dict(saved)
+    except ConfigError as e:
+        raise ConfigError(f"--resume {str(d)!r}: manifest.json holds an invalid config: {e}") from None
     changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and given[k] != saved.get(k))
     if changed:
         what = ", ".join(f"{flag_name(k)} (saved {saved.get(k)!r})" for k in changed)
@@ -307,7 +322,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = Progress(total=cfg.steps)
     writer: EvidenceWriter | None = None
     try:
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:  # e.g. a parent is a file or read-only: name the flag, usage error
+            _discard(tmp, created)
+            return _error("run", f"--run-dir {str(final)!r}: cannot create {tmp} "
+                                 f"({e.strerror or e}); give a writable new directory", 2)
         writer = EvidenceWriter(tmp, manifest, progress)
         run_loop(cfg, tmp, writer)
         if not writer.complete:

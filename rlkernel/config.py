@@ -270,7 +270,11 @@ def _check_float(c: RunConfig, field: str, rule: str) -> None:
         "unit_open0": ("a number in (0, 1]", lambda x: 0 < x <= 1),
         "unit_open1": ("a number in [0, 1)", lambda x: 0 <= x < 1),
     }[rule]
-    if not (math.isfinite(v) and allowed[1](v)):
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an int beyond float range (e.g. from a manifest via from_dict)
+        finite = False
+    if not (finite and allowed[1](v)):
         raise _fail(field, v, f"must be {allowed[0]}")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _FORMAT = 'each non-blank line must be one JSON object like {"prompt": "...", "label": "..."}'
 
@@ -30,11 +30,14 @@ class Prompt:
 
     `index`: 0-based position among the source's prompts (blank lines are not counted).
     `text`: the prompt text, passed to the tokenizer verbatim. `label`: the reference answer.
+    `where`: "FILE:LINE" for a prompt read from a file ("" for generated ones), so later checks
+    (e.g. the token-length limit) can point at the line; not part of equality.
     """
 
     index: int
     text: str
     label: str
+    where: str = field(default="", compare=False)
 
 
 def _reject_constant(name: str) -> None:
@@ -93,7 +96,7 @@ def parse_jsonl(data: bytes, name: str) -> list[Prompt]:
             except UnicodeEncodeError:  # a JSON escape like "\ud800" with no partner
                 raise PromptFileError(f'{where}: "{field}" contains an unpaired surrogate escape; '
                                       f"strings must be valid Unicode") from None
-        prompts.append(Prompt(index=len(prompts), text=text, label=label))
+        prompts.append(Prompt(index=len(prompts), text=text, label=label, where=where))
     if not prompts:
         raise PromptFileError(f"{name}: no prompts (the file is empty or only blank lines); {_FORMAT}")
     return prompts

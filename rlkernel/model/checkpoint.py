@@ -176,6 +176,15 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
     if problems:
         raise CheckpointError(f"{d}: checkpoint does not match its {CONFIG_NAME}:\n  "
                               + "\n  ".join(problems))
+    # A NaN/Inf weight would otherwise surface only mid-rollout as "logprobs contain NaN", with
+    # no tensor named; a read-only scan is cheap next to the clone below.
+    nonfinite = [f"{n!r} (in {origin[n]}, {k} value(s), first at index {i})"
+                 for n in param_shapes(cfg) for k, i in [_nonfinite(tensors[n])] if k]
+    if nonfinite:
+        raise CheckpointError(f"{d}: non-finite (NaN or Inf) weights in tensor(s) "
+                              + ", ".join(nonfinite[:_MAX_LISTED])
+                              + (f" and {len(nonfinite) - _MAX_LISTED} more"
+                                 if len(nonfinite) > _MAX_LISTED else ""))
     # clone: safetensors returns views of a memory-mapped file; a later in-place rewrite of that
     # file would otherwise crash this process with SIGBUS or silently change the weights.
     return cfg, {name: tensors[name].clone() for name in param_shapes(cfg)}
@@ -224,7 +233,11 @@ def _check_hf_fields(d: dict, path: Path) -> None:
     if d.get("use_sliding_window"):
         raise CheckpointError(f"{path}: use_sliding_window=true is not supported; only full "
                               "attention")
-    bad = sorted({t for t in d.get("layer_types") or [] if t != "full_attention"})
+    layer_types = d.get("layer_types") or []
+    if not isinstance(layer_types, list):  # iterating a number would raise TypeError (a crash)
+        raise CheckpointError(f"{path}: layer_types must be a list, got {layer_types!r}")
+    bad = sorted({t if isinstance(t, str) else repr(t) for t in layer_types
+                  if t != "full_attention"})
     if bad:
         raise CheckpointError(f"{path}: layer_types {bad} are not supported; only "
                               "'full_attention'")
@@ -340,6 +353,24 @@ def _names(names, origin: dict[str, str] | None = None) -> str:
              for n in names[:_MAX_LISTED]]
     more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
     return ", ".join(shown) + more
+
+
+def _nonfinite(t: torch.Tensor, chunk: int = 1 << 24) -> tuple[int, tuple[int, ...] | None]:
+    """(count of NaN/Inf elements, index of the first one or None), scanning `chunk` elements at
+    a time so the temporary mask stays small for embedding-sized tensors."""
+    flat = t.reshape(-1)
+    count, first = 0, None
+    for s in range(0, flat.numel(), chunk):
+        part = flat[s:s + chunk]
+        if torch.isfinite(part.abs().amax()):  # fast path (amax propagates NaN): ~5x isfinite
+            continue
+        bad = ~torch.isfinite(part)
+        n = int(bad.sum())
+        if n and first is None:
+            flat_i = s + int(bad.nonzero()[0, 0])
+            first = tuple(int(x) for x in torch.unravel_index(torch.tensor(flat_i), t.shape))
+        count += n
+    return count, first
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

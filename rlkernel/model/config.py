@@ -83,19 +83,31 @@ class Qwen3Config:
     def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "Qwen3Config":
         """Build from a Hugging Face `config.json` dict.
 
-        Raises ValueError naming `source` and the field when the dict is not a dense Qwen3 config.
+        Raises ValueError naming `source` and the field when the dict is not a dense Qwen3 config,
+        and nothing else (whatever JSON the file holds). Types are checked, never coerced: sizes
+        and token ids must be JSON integers, rope_theta / rms_norm_eps / initializer_range
+        numbers, tie_word_embeddings a boolean (coercing would read "false" as True, 2.5 layers as
+        2, and an Infinity size would raise OverflowError).
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: top level is a JSON {type(d).__name__}; expected an object")
         if d.get("model_type") not in ("qwen3", None):
             raise ValueError(f"{source}: model_type {d.get('model_type')!r} is not supported; "
                              "only dense 'qwen3' is")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported; only 'silu'")
-        if d.get("attention_bias", False):
-            raise ValueError(f"{source}: attention_bias=true is not supported (Qwen3 has none)")
+        if d.get("attention_bias") not in (None, False):
+            raise ValueError(f"{source}: attention_bias={d['attention_bias']!r} is not supported; "
+                             "only false (Qwen3 has none)")
         rope_theta = d.get("rope_theta")
         if rope_theta is None:
-            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+            rp = d.get("rope_parameters") or {}
+            if not isinstance(rp, dict):
+                raise ValueError(f"{source}: rope_parameters must be an object, got {rp!r}")
+            rope_theta = rp.get("rope_theta", 1_000_000.0)
         scaling = d.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ValueError(f"{source}: rope_scaling must be an object or null, got {scaling!r}")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"{source}: rope_scaling {scaling!r} is not supported; only default RoPE")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -103,29 +115,58 @@ class Qwen3Config:
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(f"{source}: missing required field(s) {missing}")
-        heads = int(d["num_attention_heads"])
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+
+        def integer(key: str, default: Any = None) -> Any:
+            v = d.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{source}: {key}={v!r} must be an integer")
+            return v
+
+        def number(key: str, v: Any) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{source}: {key}={v!r} must be a number")
+            try:
+                return float(v)
+            except OverflowError:  # an int too large for a float
+                raise ValueError(f"{source}: {key}={v!r} must be a finite number") from None
+
+        def token_id(key: str) -> int | None:
+            v = d.get(key)
+            if isinstance(v, list):  # HF allows several EOS ids; the first one is used
+                v = v[0] if v else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{source}: {key}={d.get(key)!r} must be a token id (an integer "
+                                 ">= 0), a list of them, or null")
+            return v
+
+        heads = integer("num_attention_heads")
+        hidden = integer("hidden_size")
+        if heads <= 0 or hidden <= 0:  # checked here because head_dim defaults to hidden // heads
+            bad = "num_attention_heads" if heads <= 0 else "hidden_size"
+            raise ValueError(f"{source}: {bad}={d[bad]!r} must be a positive integer")
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ValueError(f"{source}: tie_word_embeddings={tie!r} must be true or false")
         try:
             return cls(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
+                vocab_size=integer("vocab_size"),
+                hidden_size=hidden,
+                intermediate_size=integer("intermediate_size"),
+                num_hidden_layers=integer("num_hidden_layers"),
                 num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-                head_dim=int(d.get("head_dim", int(d["hidden_size"]) // heads)),
-                rope_theta=float(rope_theta),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                initializer_range=float(d.get("initializer_range", 0.02)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_id=eos,
+                num_key_value_heads=integer("num_key_value_heads", heads),
+                head_dim=integer("head_dim", hidden // heads),
+                rope_theta=number("rope_theta", rope_theta),
+                rms_norm_eps=number("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=integer("max_position_embeddings", 40960),
+                tie_word_embeddings=tie,
+                initializer_range=number("initializer_range", d.get("initializer_range", 0.02)),
+                bos_token_id=token_id("bos_token_id"),
+                eos_token_id=token_id("eos_token_id"),
             )
         except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
+            msg = str(e)
+            raise ValueError(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
 
     def replace(self, **changes: Any) -> "Qwen3Config":
         return dataclasses.replace(self, **changes)
