@@ -214,6 +214,29 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
     os.rename(tmp, final)
 
 
+def _exit_on_sigterm():
+    """Treat SIGTERM like Ctrl-C: unwind, so a partial run is published (not left as .tmp-*).
+
+    Returns the previous handler (None when not on the main thread) for `_restore_sigterm`.
+    """
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _restore_sigterm(previous) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
     """A non-zero rank under torchrun: run the loop, keep no files (rank 0 writes the evidence)."""
     import tempfile
@@ -321,6 +344,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     created = _missing_ancestors(tmp)
     progress = Progress(total=cfg.steps)
     writer: EvidenceWriter | None = None
+    previous_sigterm = _exit_on_sigterm()
     try:
         try:
             tmp.mkdir(parents=True)
@@ -349,6 +373,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"rlk run: partial run kept in {final}", file=sys.stderr)
         raise
     finally:
+        _restore_sigterm(previous_sigterm)
         progress.close()
     _publish(tmp, final)
     print(final)

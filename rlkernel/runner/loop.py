@@ -23,7 +23,7 @@ from rlkernel.data.tokenizer import load_tokenizer
 from rlkernel.dist.context import build_contexts
 from rlkernel.dist.parallel import ParallelCtx
 from rlkernel.model.checkpoint import init_weights, load_checkpoint
-from rlkernel.model.config import tiny
+from rlkernel.model.config import param_shapes, tiny
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.model.sharding import counts_for_norm, local_tensor, logical_tensor
@@ -71,6 +71,12 @@ def _encode_all(cfg: RunConfig, source, tok) -> list[list[list[int]]]:
             batch.append(ids)
         out.append(batch)
     return out
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    """Names for a one-line message: the first `limit`, then how many more."""
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
 def _tokens_hash(completions) -> str:
@@ -161,6 +167,16 @@ def _opt_state(opt: AdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
 
 def _restore(opt: AdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None:
     """Load a checkpoint's logical state as this rank's shards (any topology)."""
+    shapes = param_shapes(policy.cfg)
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        for n, shape in shapes.items():
+            t = ck.tensors.get(f"{kind}/{n}")
+            if t is None:
+                raise ResumeError(f"{ck.path}: checkpoint lacks tensor {kind}/{n}")
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(shape):
+                raise ResumeError(f"{ck.path}: tensor {kind}/{n} is {t.dtype} {tuple(t.shape)}, "
+                                  f"expected torch.float32 {tuple(shape)}")
+
     def shards(kind):
         return {n: local_tensor(n, ck.tensors[f"{kind}/{n}"], policy.cfg, topo.tp, topo.tp_rank)
                 for n in opt.master}
@@ -242,9 +258,11 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         faults.maybe_die(step, topo.rank)  # test hook (RLK_FAULT); no-op when unset
         gstats = opt.clip(grads, cfg.clip_grad, counted, comms.world)
         skipped = bool(gstats.nonfinite)
+        diverged = []
         if not skipped:
             opt.step(grads)
             policy.load_master_shards(opt.master)
+            diverged = [n for n, t in opt.master.items() if not torch.isfinite(t).all()]
         t2 = time.perf_counter()
         audit = audit_sync(faults.tamper(step, topo.rank))  # tamper: test hook, None when unset
         t3 = time.perf_counter()
@@ -266,9 +284,14 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         }
         if writer is not None:
             writer.record_step(rec)
+        bad = comms.world.all_gather_object(diverged, "diverged-weights")
+        if any(bad):
+            names = sorted(set().union(*map(set, bad)))
+            return _stop(topo, f"step {step}: the update made {_few(names)} non-finite; the run "
+                               "diverged (lower --lr, or --clip-grad)")
         if skipped and cfg.on_nonfinite == "stop":
-            where = ", ".join(f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
-                              for n, r in gstats.nonfinite_ranks.items())
+            where = _few([f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
+                          for n, r in gstats.nonfinite_ranks.items()])
             return _stop(topo, f"step {step}: non-finite gradient in {where}; update not "
                                "applied, run stopped (--on-nonfinite stop)")
         if not audit.ok:
