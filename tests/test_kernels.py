@@ -3,7 +3,7 @@
 Each kernel is checked two ways:
 - against a float64 oracle, with a tolerance (the only place tolerances appear);
 - against itself under batch / offset / shard / rank-split changes, bitwise: results are compared as
-  integer bit patterns (`assert_bitwise`), never with allclose, so -0.0 vs +0.0 and NaN payloads count.
+  integer bit patterns (`assert_bitwise`), never with a tolerance, so -0.0 vs +0.0 and NaN payloads count.
 Every invariance test carries a negative control: the stock torch path in the same situation is
 asserted to *differ* (so the test can fail). Where no failing stock control exists on this CPU
 (AVX512, torch 2.13, 2 threads) the test says so in its docstring instead of faking one.
