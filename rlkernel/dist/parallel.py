@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel.dist.comm import Comm
-from rlkernel.dist.tokentree import TokenTree
+from rlkernel.dist.tokentree import TokenTree, cp_segments
 
 
 @dataclass(frozen=True)
@@ -45,85 +45,32 @@ class ParallelCtx:
         return cls(Comm.single("tp"), Comm.single("kv"), Comm.single("cp"), False, tree, tree)
 
 
-class _EnterTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pc: ParallelCtx):
-        ctx.pc = pc
-        if pc.sp:
-            return pc.tp.all_gather_cat(x, "sp-gather", 0)
-        return x.view_as(x)
+class _Pair(torch.autograd.Function):
+    """y = fwd(x), dx = bwd(dy): one layout move and its autograd partner."""
 
     @staticmethod
-    def backward(ctx, g):
-        pc = ctx.pc
-        if pc.sp:
-            return pc.tp.tree_reduce_scatter(g.contiguous(), "sp-reduce-scatter-dx", 0), None
-        return pc.tp.tree_all_reduce(g.contiguous(), "tp-all-reduce-dx"), None
-
-
-class _ExitRow(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, partial, pc: ParallelCtx):
-        ctx.pc = pc
-        if pc.sp:
-            return pc.tp.tree_reduce_scatter(partial, "sp-reduce-scatter-y", 0)
-        return pc.tp.tree_all_reduce(partial, "tp-all-reduce-y")
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return fwd(x)
 
     @staticmethod
     def backward(ctx, g):
-        pc = ctx.pc
-        if pc.sp:
-            return pc.tp.all_gather_cat(g.contiguous(), "sp-gather-dy", 0), None
-        return g, None
+        return ctx.bwd(g.contiguous()), None, None
 
 
-class _GatherVocab(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z, pc: ParallelCtx):
-        ctx.pc, ctx.n = pc, z.shape[1]
-        return pc.tp.all_gather_cat(z, "vocab-gather", 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        r, n = ctx.pc.tp.rank, ctx.n
-        return g[:, r * n:(r + 1) * n].contiguous(), None
+def collective_pair(x: torch.Tensor, fwd, bwd) -> torch.Tensor:
+    """Apply `fwd` to x, with `bwd` as its backward (both callables on one tensor)."""
+    return _Pair.apply(x, fwd, bwd)
 
 
-class _SelectOwner(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, owner, pc: ParallelCtx):
-        ctx.save_for_backward(owner)
-        ctx.pc = pc
-        return pc.tp.select_owner(x, owner, "vocab-owner")
-
-    @staticmethod
-    def backward(ctx, g):
-        (owner,) = ctx.saved_tensors
-        mine = (owner == ctx.pc.tp.rank).to(g.dtype)
-        return g * mine, None, None
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t.view_as(t)
 
 
-class _SPScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pc: ParallelCtx):
-        ctx.pc = pc
-        n = x.shape[0] // pc.tp.size
-        return x[pc.tp.rank * n:(pc.tp.rank + 1) * n].clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.pc.tp.all_gather_cat(g.contiguous(), "sp-scatter-bwd", 0), None
-
-
-class _CPGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pc: ParallelCtx):
-        ctx.pc, ctx.n = pc, x.shape[0]
-        return cp_assemble(pc, pc.cp.all_gather(x.contiguous(), "cp-gather"))
-
-    @staticmethod
-    def backward(ctx, g):
-        return cp_local_rows(ctx.pc, g), None
+def rows_of_rank(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    """This rank's equal slice of t along `dim` (rank order)."""
+    n = t.shape[dim] // comm.size
+    return t.narrow(dim, comm.rank * n, n).contiguous()
 
 
 def cp_assemble(pc: ParallelCtx, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -132,13 +79,9 @@ def cp_assemble(pc: ParallelCtx, parts: list[torch.Tensor]) -> torch.Tensor:
     by_id: list[torch.Tensor | None] = [None] * n_seg
     for r, p in enumerate(parts):
         segs = p.chunk(2, 0)
-        for k, sid in enumerate(_cp_owned(pc.cp.size, r)):
+        for k, sid in enumerate(cp_segments(pc.cp.size, r)):
             by_id[sid] = segs[k]
     return torch.cat(by_id, 0)  # type: ignore[arg-type]
-
-
-def _cp_owned(cp: int, r: int) -> tuple[int, int]:
-    return (r, 2 * cp - 1 - r)
 
 
 def cp_local_rows(pc: ParallelCtx, full: torch.Tensor) -> torch.Tensor:
@@ -146,30 +89,54 @@ def cp_local_rows(pc: ParallelCtx, full: torch.Tensor) -> torch.Tensor:
     if pc.cp.size == 1:
         return full
     segs = full.chunk(2 * pc.cp.size, 0)
-    a, b = _cp_owned(pc.cp.size, pc.cp.rank)
+    a, b = cp_segments(pc.cp.size, pc.cp.rank)
     return torch.cat([segs[a], segs[b]], 0)
 
 
 def enter_tp(x: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
-    return _EnterTP.apply(x, pc)
+    tp = pc.tp
+    if pc.sp:
+        return collective_pair(x, lambda t: tp.all_gather_cat(t, "sp-gather", 0),
+                               lambda g: tp.tree_reduce_scatter(g, "sp-reduce-scatter-dx", 0))
+    # Applied at TP=1 too, so every topology builds the same autograd graph.
+    return collective_pair(x, _identity, lambda g: tp.tree_all_reduce(g, "tp-all-reduce-dx"))
 
 
 def exit_row(partial: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
-    return _ExitRow.apply(partial, pc)
+    tp = pc.tp
+    if pc.sp:
+        return collective_pair(partial,
+                               lambda t: tp.tree_reduce_scatter(t, "sp-reduce-scatter-y", 0),
+                               lambda g: tp.all_gather_cat(g, "sp-gather-dy", 0))
+    return collective_pair(partial, lambda t: tp.tree_all_reduce(t, "tp-all-reduce-y"), _identity)
 
 
 def gather_vocab(z: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
-    return _GatherVocab.apply(z, pc)
+    tp = pc.tp
+    return collective_pair(z, lambda t: tp.all_gather_cat(t, "vocab-gather", 1),
+                           lambda g: rows_of_rank(g, tp, 1))
 
 
 def select_vocab_owner(x: torch.Tensor, owner: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
     """x [L, H] of every TP rank -> the owner rank's rows (owner [L] long), exact."""
-    return _SelectOwner.apply(x, owner.unsqueeze(-1).expand_as(x).contiguous(), pc)
+    tp = pc.tp
+    owner = owner.unsqueeze(-1).expand_as(x).contiguous()
+    mine = owner == tp.rank
+    return collective_pair(x, lambda t: tp.select_owner(t, owner, "vocab-owner"),
+                           lambda g: g * mine.to(g.dtype))
 
 
 def sp_scatter(x: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
-    return _SPScatter.apply(x, pc) if pc.sp else x
+    if not pc.sp:
+        return x
+    tp = pc.tp
+    return collective_pair(x, lambda t: rows_of_rank(t, tp, 0),
+                           lambda g: tp.all_gather_cat(g, "sp-scatter-bwd", 0))
 
 
 def cp_gather_stream(x: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
-    return _CPGather.apply(x, pc) if pc.cp.size > 1 else x
+    if pc.cp.size == 1:
+        return x
+    # The consumer (attention) finishes its token tree, so every rank holds the whole gradient.
+    return collective_pair(x, lambda t: cp_assemble(pc, pc.cp.all_gather(t, "cp-gather")),
+                           lambda g: cp_local_rows(pc, g))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from rlkernel.dist import parallel as par
 from rlkernel.dist.comm import Comm
 from rlkernel.dist.parallel import ParallelCtx
+from rlkernel.dist.parallel import collective_pair as pair
 from rlkernel.kernels import activation, attention, embedding, logprobs, matmul, norm
 
 
@@ -84,86 +85,8 @@ def _all_gather(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     return torch.cat(out, dim)
 
 
-def _my_slice(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-    n = t.shape[dim] // comm.size
-    return t.narrow(dim, comm.rank * n, n).contiguous()
-
-
-class _NCopy(torch.autograd.Function):       # identity ↔ SUM all-reduce
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.comm), None
-
-
-class _NReduce(torch.autograd.Function):     # SUM all-reduce ↔ identity
-    @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduce(x, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _NGather(torch.autograd.Function):     # all-gather ↔ SUM reduce-scatter
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _all_gather(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _my_slice(_all_reduce(g, ctx.comm), ctx.comm, ctx.dim), None, None
-
-
-class _NGatherReplicated(torch.autograd.Function):   # all-gather ↔ own slice (grad replicated)
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _all_gather(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _my_slice(g, ctx.comm, ctx.dim), None, None
-
-
-class _NScatter(torch.autograd.Function):    # SUM reduce-scatter ↔ all-gather
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _my_slice(_all_reduce(x, comm), comm, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.comm, ctx.dim), None, None
-
-
-class _NSlice(torch.autograd.Function):      # own slice ↔ all-gather
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _my_slice(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.comm, ctx.dim), None, None
-
-
-class _NCPGather(torch.autograd.Function):   # all-gather into logical order ↔ SUM, own rows
-    @staticmethod
-    def forward(ctx, x, pc):
-        ctx.pc = pc
-        parts = list(_all_gather(x, pc.cp, 0).chunk(pc.cp.size, 0))
-        return par.cp_assemble(pc, parts)
-
-    @staticmethod
-    def backward(ctx, g):
-        return par.cp_local_rows(ctx.pc, _all_reduce(g, ctx.pc.cp)), None
+def _reduce_scatter(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    return par.rows_of_rank(_all_reduce(t, comm), comm, dim)
 
 
 class NativeOps:
@@ -188,16 +111,26 @@ class NativeOps:
 
     @staticmethod
     def gather_vocab(z, pc):
+        if pc.tp.size == 1:
+            return z
         # Every TP rank computes the same loss on the gathered logits: its grad is replicated.
-        return _NGatherReplicated.apply(z, pc.tp, 1) if pc.tp.size > 1 else z
+        tp = pc.tp
+        return pair(z, lambda t: _all_gather(t, tp, 1), lambda g: par.rows_of_rank(g, tp, 1))
 
     @staticmethod
     def cp_gather(x, pc):
-        return _NCPGather.apply(x, pc) if pc.cp.size > 1 else x
+        if pc.cp.size == 1:
+            return x
+        cp = pc.cp
+        return pair(x, lambda t: par.cp_assemble(pc, list(_all_gather(t, cp, 0).chunk(cp.size, 0))),
+                    lambda g: par.cp_local_rows(pc, _all_reduce(g, cp)))
 
     @staticmethod
     def sp_scatter(x, pc):
-        return _NSlice.apply(x, pc.tp, 0) if pc.sp else x
+        if not pc.sp:
+            return x
+        tp = pc.tp
+        return pair(x, lambda t: par.rows_of_rank(t, tp, 0), lambda g: _all_gather(g, tp, 0))
 
     @staticmethod
     def embed(ids, w, offset, pc: ParallelCtx):
@@ -205,7 +138,8 @@ class NativeOps:
         inside = (local >= 0) & (local < w.shape[0])
         x = F.embedding(local.clamp(0, w.shape[0] - 1), w) * inside[:, None]
         if pc.tp.size > 1:
-            x = _NReduce.apply(x, pc.tp)
+            tp = pc.tp
+            x = pair(x, lambda t: _all_reduce(t, tp), lambda g: g)
         return NativeOps.sp_scatter(x, pc)
 
     @staticmethod
@@ -215,18 +149,19 @@ class NativeOps:
 
     @staticmethod
     def col(x, ws, owned, local_shards, pc: ParallelCtx):
+        tp = pc.tp
         if pc.sp:
-            x = _NGather.apply(x, pc.tp, 0)
-        elif pc.tp.size > 1:
-            x = _NCopy.apply(x, pc.tp)
+            x = pair(x, lambda t: _all_gather(t, tp, 0), lambda g: _reduce_scatter(g, tp, 0))
+        elif tp.size > 1:
+            x = pair(x, lambda t: t.view_as(t), lambda g: _all_reduce(g, tp))
         return tuple(F.linear(x, w) for w in ws)
 
     @staticmethod
     def row(x, w, local_shards, pc: ParallelCtx):
-        y = F.linear(x, w)
+        y, tp = F.linear(x, w), pc.tp
         if pc.sp:
-            return _NScatter.apply(y, pc.tp, 0)
-        return _NReduce.apply(y, pc.tp) if pc.tp.size > 1 else y
+            return pair(y, lambda t: _reduce_scatter(t, tp, 0), lambda g: _all_gather(g, tp, 0))
+        return pair(y, lambda t: _all_reduce(t, tp), lambda g: g) if tp.size > 1 else y
 
     @staticmethod
     def attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len, pc: ParallelCtx):
