@@ -190,17 +190,22 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
     return cfg, {name: tensors[name].clone() for name in param_shapes(cfg)}
 
 
-def _read_config(path: Path) -> Qwen3Config:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing; a checkpoint directory needs a Hugging Face "
-                              f"{CONFIG_NAME}")
+def _read_json(path: Path):
+    """Parsed JSON of `path`; CheckpointError naming the file (and line/column) otherwise."""
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: "
                               f"{e.msg})") from None
     except (UnicodeDecodeError, OSError) as e:
         raise CheckpointError(f"{path}: cannot be read as UTF-8 JSON ({e})") from None
+
+
+def _read_config(path: Path) -> Qwen3Config:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; a checkpoint directory needs a Hugging Face "
+                              f"{CONFIG_NAME}")
+    d = _read_json(path)
     if not isinstance(d, dict):
         raise CheckpointError(f"{path}: top level is a JSON {type(d).__name__}; expected an object")
     _check_hf_fields(d, path)
@@ -265,13 +270,7 @@ def _weight_files(d: Path) -> dict[Path, set[str] | None]:
 
 
 def _read_index(index: Path) -> dict[Path, set[str] | None]:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{index}: not valid JSON (line {e.lineno}, column {e.colno}: "
-                              f"{e.msg})") from None
-    except (UnicodeDecodeError, OSError) as e:
-        raise CheckpointError(f"{index}: cannot be read as UTF-8 JSON ({e})") from None
+    data = _read_json(index)
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                            for k, v in wm.items()):
