@@ -480,26 +480,15 @@ def test_rollout_chunked_prefill_identical_on_cuda():
 
 
 def _trainer_bits(ops, comps):
-    from rlkernel.data.packing import padded_stream_len
-    from rlkernel.model.layout import packed_layout
     from rlkernel.model.qwen3 import Qwen3ForCausalLM
+    from rlkernel.train.step import TrainSample, trainer_logprobs
     cfg, w, sp, _ = _rollout_setup()
     model = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(DEV)
     model.load_tensors(w)
-    seqs = [list(c.prompt_ids) + c.response_ids for c in comps]
-    lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), 257)
-    targets = torch.zeros(lay.tokens.shape[0], dtype=torch.long)
-    rows, off = [], 0
-    for c in comps:
-        p, r = len(c.prompt_ids), len(c.response_ids)
-        idx = torch.arange(off + p - 1, off + p + r - 1)
-        targets[idx] = torch.tensor(c.response_ids)
-        rows.append(idx)
-        off += p + r
-    with torch.no_grad():
-        lp, _ = model.token_logprobs(model.hidden(lay), targets.to(DEV), sp.temperature)
-    lp = lp.cpu()
-    return [lp[i].view(torch.int32).tolist() for i in rows]
+    samples = [TrainSample(c.sample_id, c.prompt_ids, tuple(c.response_ids), c.logprob_tensor(),
+                           0.0) for c in comps]
+    return [lp.view(torch.int32).tolist()
+            for lp in trainer_logprobs(model, samples, sp.temperature, 257)]
 
 
 def test_trainer_recompute_equals_rollout_logprobs_on_cuda():

@@ -61,7 +61,7 @@ def _killed_run(d, extra=(), kill_after_steps: int = 1, seed: int = 0) -> None:
         if any(len(_steps(p)) >= kill_after_steps for p in live):
             break
         time.sleep(0.05)
-    time.sleep(random.Random(seed).uniform(0.0, 1.5))
+    time.sleep(random.Random(seed).uniform(0.0, 0.5))  # lands inside the next step or its save
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     del tmp_glob

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel.data.packing import padded_stream_len
 from rlkernel.model.checkpoint import init_weights
 from rlkernel.model.config import tiny
-from rlkernel.model.layout import packed_layout
 from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
+from rlkernel.train.step import TrainSample, trainer_logprobs
 
 CFG = tiny()
 W = init_weights(CFG, 0)
@@ -76,20 +75,10 @@ def test_prefill_chunked_prefill_and_decode_identical():
 def _trainer_logprobs(ops, completions) -> list[list[int]]:
     model = Qwen3ForCausalLM(CFG, ops, torch.bfloat16)
     model.load_tensors(W)
-    seqs = [list(c.prompt_ids) + c.response_ids for c in completions]
-    lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), 257)
-    targets = torch.zeros(lay.tokens.shape[0], dtype=torch.long)
-    rows = []
-    off = 0
-    for c in completions:
-        p, r = len(c.prompt_ids), len(c.response_ids)
-        idx = torch.arange(off + p - 1, off + p + r - 1)
-        targets[idx] = torch.tensor(c.response_ids)
-        rows.append(idx)
-        off += p + r
-    with torch.no_grad():
-        lp, _ = model.token_logprobs(model.hidden(lay), targets, SP.temperature)
-    return [lp[i].view(torch.int32).tolist() for i in rows]
+    samples = [TrainSample(c.sample_id, c.prompt_ids, tuple(c.response_ids), c.logprob_tensor(),
+                           0.0) for c in completions]
+    return [lp.view(torch.int32).tolist()
+            for lp in trainer_logprobs(model, samples, SP.temperature, 257)]
 
 
 def test_trainer_recompute_equals_rollout_logprobs():

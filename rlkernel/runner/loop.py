@@ -22,6 +22,7 @@ from rlkernel.data.tasks import prompt_source, reward
 from rlkernel.data.tokenizer import load_tokenizer
 from rlkernel.dist.context import build_contexts
 from rlkernel.dist.parallel import ParallelCtx
+from rlkernel.dist.topology import launcher_world_size
 from rlkernel.model.checkpoint import init_weights, load_checkpoint
 from rlkernel.model.config import param_shapes, tiny
 from rlkernel.model.ops import ops_for
@@ -45,7 +46,6 @@ class RunAborted(ValueError):
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _load_model(cfg: RunConfig):
@@ -94,7 +94,7 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
     """
     world = cfg.tp * cfg.cp
     faults.check(cfg.steps, world)  # test hook: reject a bad RLK_FAULT before anything starts
-    if world == 1 and not all(v in os.environ for v in _TORCHRUN_VARS):
+    if world == 1 and launcher_world_size() is None:
         from rlkernel.dist.topology import Topology, single_comms
         _run(cfg, Topology(world=1, rank=0), single_comms(), writer, pathlib.Path(run_dir))
         return
@@ -157,11 +157,9 @@ class _Rollout:
 def _opt_state(opt: AdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     """Logical (unsharded) fp32 masters and moments, reassembled from every TP rank."""
     out = {}
-    for kind, table in (("master", opt.master), ("exp_avg", opt.exp_avg),
-                        ("exp_avg_sq", opt.exp_avg_sq)):
-        for n, t in table.items():
-            parts = policy.pc.tp.all_gather(t, f"ckpt:{kind}:{n}")
-            out[f"{kind}/{n}"] = logical_tensor(n, parts, policy.cfg)
+    for key, t in opt.state_tensors().items():      # "master/<param>", "exp_avg/<param>", ...
+        parts = policy.pc.tp.all_gather(t, f"ckpt:{key}")
+        out[key] = logical_tensor(key.split("/", 1)[1], parts, policy.cfg)
     return out
 
 

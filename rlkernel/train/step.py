@@ -47,8 +47,9 @@ class StepStats:
     n_microbatches: int
 
 
-def _microbatch_rows(group: list[TrainSample], stream_len: int):
-    """Per logical-stream row: target id, loss mask, rollout logprob, advantage."""
+def loss_rows(group: list[TrainSample], stream_len: int):
+    """Per row of the packed stream of `group`: target id [L] long, loss mask [L] bool (rows
+    that predict a response token), rollout logprob [L] fp32, advantage [L] fp32."""
     targets = torch.zeros(stream_len, dtype=torch.long)
     mask = torch.zeros(stream_len, dtype=torch.bool)
     old = torch.zeros(stream_len, dtype=torch.float32)
@@ -84,7 +85,7 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
         lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
-        per_row = _microbatch_rows(group, lay.tokens.shape[0])
+        per_row = loss_rows(group, lay.tokens.shape[0])
         if pc.cp.size > 1:
             local = cp_local_rows(pc, torch.arange(lay.tokens.shape[0]))
             lay = cp_local_layout(lay, local)
@@ -111,6 +112,18 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     mean = {k: exact_sum(v) / n_tok for k, v in merged.items()}
     return StepStats(n_tok, mean["total"], mean["pg"], mean["kl"], mean["ent"], mismatches,
                      len(groups))
+
+
+@torch.no_grad()
+def trainer_logprobs(policy: Qwen3ForCausalLM, samples: list[TrainSample], temperature: float,
+                     pad_id: int) -> list[torch.Tensor]:
+    """The trainer's logprobs of each sample's response tokens ([R_i] fp32 per sample, CPU),
+    computed the way compute_gradients does: one packed stream, no KV cache (single process)."""
+    seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+    lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
+    targets, mask, _, _ = loss_rows(samples, lay.tokens.shape[0])
+    lp, _ = policy.token_logprobs(policy.hidden(lay), targets.to(policy.device), temperature)
+    return list(lp.cpu()[mask].split([len(s.response_ids) for s in samples]))
 
 
 def gradients(policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
