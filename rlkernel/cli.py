@@ -8,9 +8,9 @@ or prompts file) leaves nothing on disk. Exit codes: 0 ok, 1 the run or command 
 usage (invalid flag value, missing input, dirty checkout, occupied run dir).
 
 The topology (--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
-torchrun, WORLD_SIZE before anything is created (rlkernel/dist/topology.py).
+torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.py).
 
-Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/dist/launch.py),
+Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/distributed/launch.py),
 or set any global torch state; nothing happens at import.
 
 Run: `rlk run --steps 2`; `rlk compare runs/A runs/B`; `rlk init-model --preset tiny --seed 0
@@ -32,7 +32,7 @@ import typing
 
 import rlkernel
 from rlkernel.config import SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name
-from rlkernel.dist.topology import launcher_world_size, validate_topology
+from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 

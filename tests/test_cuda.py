@@ -1,4 +1,4 @@
-"""CUDA backend: the invariance tests of tests/test_kernels.py / tests/test_rollout.py through the
+"""CUDA backend: the invariance tests of tests/test_kernels_*.py / tests/test_rollout.py through the
 Triton kernels, bytewise, each with a stock-kernel negative control; plus accuracy vs float64.
 
 Equalities are on integer views of the bytes (`_same`): -0.0 vs +0.0 and NaN payloads count.

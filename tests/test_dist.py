@@ -1,7 +1,7 @@
 """Tests of the multi-process layer: launch, topology, groups and the validated collectives.
 
 Multi-process tests run real ranks (gloo on CPU, 2–4 spawned processes) through
-rlkernel.dist.launch.launch. Rank bodies are module-level functions (they are pickled by name);
+rlkernel.distributed.launch.launch. Rank bodies are module-level functions (they are pickled by name);
 they write what they saw to files under tmp_path and the assertions run in the test process.
 Each launch costs a few seconds of process start and `import torch` per rank, so related checks
 share one launch.
@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from rlkernel import cli
 from rlkernel.config import ConfigError
-from rlkernel.dist.comm import Comm, CollectiveMismatch
-from rlkernel.dist.launch import GRACE_S, SETTLE_S, RankFailure, RankUserError, launch
-from rlkernel.dist.topology import Topology, build_comms, single_comms, validate_topology
+from rlkernel.distributed.comm import Comm, CollectiveMismatch
+from rlkernel.distributed.launch import GRACE_S, SETTLE_S, RankFailure, RankUserError, launch
+from rlkernel.distributed.topology import Topology, build_comms, single_comms, validate_topology
 from rlkernel.numerics.trees import tree_combine
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
@@ -189,7 +189,7 @@ def test_collective_mismatch_raises_on_every_rank_naming_both(tmp_path):
         launch(_mismatch_rank, (str(tmp_path),), world_size=2, timeout_s=10)
     assert time.time() - t0 < 15
     assert not isinstance(info.value, ValueError)  # a program error, not a user error
-    assert info.value.rank == 1 and info.value.error_type == "rlkernel.dist.comm.CollectiveMismatch"
+    assert info.value.rank == 1 and info.value.error_type == "rlkernel.distributed.comm.CollectiveMismatch"
     for r in range(2):
         msg = (tmp_path / f"msg{r}").read_text()
         assert "rank 0" in msg and "rank 1" in msg, msg
@@ -281,7 +281,7 @@ _PARENT = """
 import sys
 sys.path.insert(0, {tests!r})
 import test_dist
-from rlkernel.dist.launch import launch
+from rlkernel.distributed.launch import launch
 launch(test_dist._sleep_rank, ({out!r},), world_size=2, timeout_s=60)
 """
 

@@ -28,7 +28,7 @@ import torch
 
 from rlkernel.cli import main
 from rlkernel.config import ConfigError, RunConfig
-from rlkernel.dist.launch import GRACE_S
+from rlkernel.distributed.launch import GRACE_S
 from rlkernel.runner import faults
 from rlkernel.weights.sync import merge_problems, sync_weights
 
@@ -410,7 +410,7 @@ def test_rank_raising_mid_step_propagates_its_error(env, tmp_path):
     err = "\n".join(ln for _, ln in lines)
     assert code == 1, err
     assert lines[-1][0] - t0 < TIMEOUT_S + 60
-    assert ("rlkernel.dist.launch.RankFailure: rank 2: rlkernel.runner.faults.InjectedFault: "
+    assert ("rlkernel.distributed.launch.RankFailure: rank 2: rlkernel.runner.faults.InjectedFault: "
             "RLK_FAULT: rank 2 raised at step 1 (rank:raise:step=1:rank=2)") in err
     assert "--- traceback of rank 2 ---" in err
     assert f"rlk run: partial run kept in {root / 'r'}" in err

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rlkernel.config import RunConfig
-from rlkernel.dist.launch import launch
+from rlkernel.distributed.launch import launch
 from rlkernel.model.checkpoint import init_weights
 from rlkernel.model.config import tiny
 from rlkernel.model.ops import ops_for
@@ -56,8 +56,8 @@ def _probe(rank: int, cfg: RunConfig, out_path: str) -> None:
     """One rank: two training steps of the fixed batch; rank 0 pickles the evidence."""
     import torch.distributed as dist
 
-    from rlkernel.dist.context import build_contexts
-    from rlkernel.dist.topology import Topology, build_comms
+    from rlkernel.distributed.context import build_contexts
+    from rlkernel.distributed.topology import Topology, build_comms
     from rlkernel.model.sharding import counts_for_norm
 
     topo = Topology.from_config(cfg, rank, dist.get_world_size())

@@ -4,7 +4,7 @@ Samples are taken in logical order (their sample ids) and packed greedily: a mic
 next sample while its logical tokens stay within `token_budget`. The stream is then padded at its
 end to a multiple of TOKEN_LEAVES so the canonical token tree can cut it into equal leaves
 (DESIGN.md §1); padding never shifts a real token. Nothing here looks at TP/CP/DP.
-Does not: place tokens on CP ranks (rlkernel/dist does that from the same stream).
+Does not: place tokens on CP ranks (rlkernel/distributed does that from the same stream).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Invariant SwiGLU, silu(gate)·up, with its exact elementwise backward (CPU).
+"""Invariant SwiGLU, silu(gate)·up, with its exact elementwise backward (any device).
 
 silu(g) = g·σ(g) with σ from kernels/elementwise.py (torch.sigmoid/silu could differ by an ulp
 between the vectorised body and the scalar tail). Backward, per element:
     d_up = dh·silu(g);  d_gate = dh·up·σ(g)·(1 + g·(1 − σ(g)))
-Source: Shazeer, "GLU Variants Improve Transformer" (2020). Does not: run on CUDA.
+Source: Shazeer, "GLU Variants Improve Transformer" (2020).
+Runs as torch elementwise ops on whatever device the tensors live on (CPU or CUDA); there is no
+fused Triton kernel for it yet.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Causal GQA attention over fixed KV blocks at absolute positions, forward and backward (CPU).
+"""Causal GQA attention over fixed KV blocks at absolute positions, forward and backward.
 
 Forward, per query (one online-softmax update per block, blocks in order; Milakov & Gimelshein,
 "Online normalizer calculation for softmax", 2018; Dao et al., FlashAttention, 2022):
@@ -14,7 +14,9 @@ dV reduce over queries, which is a token reduction: queries are summed in stream
 each fine token leaf of the microbatch, leaves combined by the pairwise tree over their global
 leaf index (absent leaves skipped), then query heads of a GQA group by the pairwise tree.
 Layout: per-sample padded [S, heads, T, D]; rlkernel/model gathers it from the token stream.
-Does not: run on CUDA (see the Triton kernels) or communicate (CP gathers K/V in rlkernel/dist).
+Devices: on CPU both directions are the torch code below; on CUDA the forward dispatches to the
+Triton kernel (kernels/triton_attention.py) and the backward runs this file's torch code on the GPU.
+Does not: communicate (CP gathers K/V in rlkernel/distributed).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 
 from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import TOKEN_LEAVES, seq_matmul
-from rlkernel.dist.comm import Comm
-from rlkernel.dist.tokentree import TokenTree
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.tokentree import TokenTree
 from rlkernel.numerics.trees import tree_sum
 from rlkernel.spec import ATTN_KV_BLOCK
 

@@ -8,7 +8,9 @@ floor, comparisons and integer bit operations, each correctly rounded on every c
 result of an element depends only on its own value. Work is done in float64 so the final fp32
 result is almost always the correctly rounded one (accuracy ~1e-15 relative before rounding).
 
-Does not: provide autograd (see kernels/ ops that use these) or run on CUDA (Triton has its own).
+The functions are torch ops, so they run on CPU or CUDA tensors alike (float64 math on the GPU as
+well); the Triton kernels carry their own copies of these sequences.
+Does not: provide autograd (see kernels/ ops that use these).
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""Token embedding lookup with a canonical, atomics-free weight gradient (CPU).
+"""Token embedding lookup with a canonical, atomics-free weight gradient (torch ops; CPU or CUDA).
 
 Forward is a row gather (exact). Backward: for each vocab row, the gradients of the tokens with that
 id are summed in the canonical token order — in order inside each fine leaf of the microbatch
 stream, then the pairwise tree over leaves (DESIGN.md §1 "Embedding grads"). Within a leaf, the
 i-th token of every leaf is added in one `index_put_` whose (leaf, id) indices are all distinct,
 so no add ever races another. Only the rows present in the microbatch are materialised.
-Does not: shard the vocab (rlkernel/dist adds vocab-parallel masking).
+Does not: shard the vocab (rlkernel/distributed adds vocab-parallel masking).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlkernel.dist.tokentree import TokenTree
+from rlkernel.distributed.tokentree import TokenTree
 
 
 def embedding_grad(ids: torch.Tensor, dy: torch.Tensor, vocab: int, offset: int = 0,

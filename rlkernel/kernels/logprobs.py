@@ -1,4 +1,5 @@
-"""Vocab-sharded log-softmax: token logprobs and entropy of logits / T, with backward (CPU).
+"""Vocab-sharded log-softmax: token logprobs and entropy of logits / T, with backward.
+CPU reference here; CUDA tensors dispatch to the Triton kernels.
 
 z = logits / T in fp32 (the same division in rollout and trainer, DESIGN.md §3). The vocab is cut
 into VIRTUAL_TP equal shards; per shard, in a fixed order: m = max z, s = Σ exp(z − m) and
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel.dist.tokentree import TokenTree
+from rlkernel.distributed.tokentree import TokenTree
 from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import column_parallel_dx, linear_nt, tree_grad_weight
 from rlkernel.spec import VIRTUAL_TP

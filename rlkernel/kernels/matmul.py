@@ -1,4 +1,5 @@
-"""Batch-invariant matmul, column- and row-parallel linears, and their canonical backward (CPU).
+"""Batch-invariant matmul, column- and row-parallel linears, and their canonical backward.
+CPU reference here; CUDA tensors dispatch to the Triton kernels.
 
 Why not BLAS: stock CPU GEMM picks blocking, vector paths and threading by shape, so an output row
 changes when M grows (measured here: 932 of 1024 outputs of row 0 change from M=1 to M=8) or when N
@@ -19,7 +20,7 @@ Canonical reductions (DESIGN.md §1):
   combined by the pairwise tree.
 
 CUDA tensors dispatch to the Triton kernels of kernels/triton_matmul.py (same contract, its own
-bits); the trees stay here. Does not: communicate (rlkernel/dist/ adds the collectives).
+bits); the trees stay here. Does not: communicate (rlkernel/distributed/ adds the collectives).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from typing import Sequence
 
-from rlkernel.dist.tokentree import TokenTree
+from rlkernel.distributed.tokentree import TokenTree
 from rlkernel.numerics.trees import tree_sum
 from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
 
@@ -81,7 +82,7 @@ def row_parallel_nt(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) 
     """x @ wᵀ with K cut into `shards` virtual-TP shards summed by the pairwise tree.
 
     x [M, K], w [N, K], K % shards == 0 -> [M, N] fp32. Equals the tree of per-shard partials that
-    a TP group computes and tree-all-reduces (rlkernel.dist).
+    a TP group computes and tree-all-reduces (rlkernel.distributed).
     """
     return tree_sum(row_parallel_partials(x, w, shards), 0)
 

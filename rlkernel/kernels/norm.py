@@ -1,4 +1,4 @@
-"""Invariant RMSNorm over the last dim (hidden RMSNorm and Qwen3's per-head Q/K norm), CPU.
+"""Invariant RMSNorm over the last dim (hidden RMSNorm and Qwen3's per-head Q/K norm).
 
 Forward per token: r = 1/sqrt(tree_sum(x²)/H + eps); y = (x·r)·w — the mean of squares is the
 pairwise tree over H (kernels/matmul.py explains why elementwise steps are path-independent), so
@@ -7,15 +7,17 @@ a token's output never depends on other tokens. Backward:
     dw = token tree over the stream (fine leaves, in order inside a leaf), then — for the per-head
          norm — the pairwise tree over heads (the virtual-TP tree, since TP splits heads).
 Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
-Does not: run on CUDA or communicate.
+Devices: the per-token statistic r runs in the Triton kernel on CUDA (kernels/triton_norm.py) and in
+torch ops on CPU; the rest (scaling, backward, the dW trees) is torch ops on either device.
+Does not: communicate.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlkernel.dist.comm import Comm
-from rlkernel.dist.tokentree import TokenTree
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.tokentree import TokenTree
 from rlkernel.kernels.elementwise import rsqrt32
 from rlkernel.numerics.trees import tree_sum
 

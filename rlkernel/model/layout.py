@@ -5,7 +5,7 @@ on [S, heads, T, D]. A `StreamLayout` says which stream row holds each (sample, 
 absolute position, so the same model code serves the trainer's packed microbatches, the rollout's
 prefill and its one-token decode steps. `to_samples` / `to_stream` move rows between the two
 layouts with exact (copy-only) forward and backward: every stream row appears at most once.
-Does not: decide packing (rlkernel/data/packing.py) or CP placement (rlkernel/dist).
+Does not: decide packing (rlkernel/data/packing.py) or CP placement (rlkernel/distributed).
 """
 
 from __future__ import annotations

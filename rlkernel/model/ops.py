@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlkernel.dist import parallel as par
-from rlkernel.dist.comm import Comm
-from rlkernel.dist.parallel import ParallelCtx
-from rlkernel.dist.parallel import collective_pair as pair
+from rlkernel.distributed import parallel as par
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import ParallelCtx
+from rlkernel.distributed.parallel import collective_pair as pair
 from rlkernel.kernels import activation, attention, embedding, logprobs, matmul, norm
 
 
 class InvariantOps:
-    """Invariant kernels (rlkernel/kernels) and tree collectives (rlkernel/dist)."""
+    """Invariant kernels (rlkernel/kernels) and tree collectives (rlkernel/distributed)."""
 
     name = "invariant"
     swiglu = staticmethod(activation.swiglu)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlkernel.dist.comm import Comm
-from rlkernel.dist.parallel import ParallelCtx
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.kernels.rope import RopeTable, apply_rope
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream

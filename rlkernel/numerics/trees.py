@@ -7,7 +7,7 @@ collective can finish the same tree (DESIGN.md §1, virtual-TP and token trees).
 `tree_combine` is the same tree over a list of tensors with optional holes (absent leaves are
 skipped, never replaced by a zero, so the sign of a zero never depends on who owns what).
 
-Does not: communicate. The distributed halves live in rlkernel/dist/.
+Does not: communicate. The distributed halves live in rlkernel/distributed/.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ cache row and its own absolute positions, and every kernel is row-invariant, so 
 and logprobs do not depend on its batch, its row or on how its prompt was chunked. The logprob of
 a sampled token is read from the canonical log-softmax of logits / T — the trainer recomputes
 exactly that value (DESIGN.md §3).
-Does not: continuous batching across calls, paged KV memory, or TP (rlkernel/dist shards the model).
+Does not: continuous batching across calls, paged KV memory, or TP (rlkernel/distributed shards the model).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlkernel.data.packing import padded_stream_len
-from rlkernel.dist.parallel import ParallelCtx, cp_assemble, cp_local_rows
+from rlkernel.distributed.parallel import ParallelCtx, cp_assemble, cp_local_rows
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.layout import chunk_layout, cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import KVCache, Qwen3ForCausalLM

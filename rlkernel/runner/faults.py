@@ -211,7 +211,7 @@ def maybe_die(step: int, rank: int) -> None:
 
     def all_gather_then_die(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # rlkernel.dist.comm: signature exchanged, data exchange in flight
+        if len(calls) == 2:  # rlkernel.distributed.comm: signature exchanged, data exchange in flight
             _sigkill(f, rank, step)
         return real(*args, **kwargs)
 

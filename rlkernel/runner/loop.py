@@ -4,7 +4,7 @@ reload + audit → evidence, once per step (DESIGN.md §2), on one process or on
 Every rank runs the same loop on its shards; rank 0 writes the evidence. Everything that can be
 checked is checked before the first step (model, tokenizer, every prompt of every step). Each
 step's evidence is written atomically as soon as the step ends.
-Does not: decide the topology (config + dist/topology.py) or create the run directory (cli.py).
+Does not: decide the topology (config + distributed/topology.py) or create the run directory (cli.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from rlkernel.config import RunConfig
 from rlkernel.data.tasks import prompt_source, reward
 from rlkernel.data.tokenizer import load_tokenizer
-from rlkernel.dist.context import build_contexts
-from rlkernel.dist.parallel import ParallelCtx
-from rlkernel.dist.topology import launcher_world_size
+from rlkernel.distributed.context import build_contexts
+from rlkernel.distributed.parallel import ParallelCtx
+from rlkernel.distributed.topology import launcher_world_size
 from rlkernel.model.checkpoint import init_weights, load_checkpoint
 from rlkernel.model.config import param_shapes, tiny
 from rlkernel.model.ops import ops_for
@@ -87,7 +87,8 @@ def _tokens_hash(completions) -> str:
 def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> None:
     """Run cfg.steps RL steps, recording init and per-step evidence through `writer`.
 
-    One process when tp·cp == 1 (and not under torchrun), else tp·cp ranks (rlkernel/dist/launch).
+    One process when tp·cp == 1 (and not under torchrun), else tp·cp ranks
+    (rlkernel/distributed/launch.py).
     Raises ValueError (bad inputs, before any step), RunAborted (a failed check, after the failing
     step's evidence is written; also a rank lost to a signal or a hang), or the launcher's
     RankFailure naming the rank that raised.
@@ -95,10 +96,10 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
     world = cfg.tp * cfg.cp
     faults.check(cfg.steps, world)  # test hook: reject a bad RLK_FAULT before anything starts
     if world == 1 and launcher_world_size() is None:
-        from rlkernel.dist.topology import Topology, single_comms
+        from rlkernel.distributed.topology import Topology, single_comms
         _run(cfg, Topology(world=1, rank=0), single_comms(), writer, pathlib.Path(run_dir))
         return
-    from rlkernel.dist.launch import RankFailure, launch
+    from rlkernel.distributed.launch import RankFailure, launch
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     try:
         launch(_rank_main, (cfg, str(run_dir), writer.manifest), world_size=world,
@@ -115,7 +116,7 @@ def _rank_main(rank: int, cfg: RunConfig, run_dir: str, manifest: dict) -> None:
     """One rank of a multi-process run (module-level: the launcher pickles it by name)."""
     import torch.distributed as dist
 
-    from rlkernel.dist.topology import Topology, build_comms
+    from rlkernel.distributed.topology import Topology, build_comms
     topo = Topology.from_config(cfg, rank, dist.get_world_size())
     comms = build_comms(topo)
     writer = None

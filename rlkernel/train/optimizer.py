@@ -7,7 +7,7 @@ max_norm / (norm + 1e-6) when it is below 1 (as torch.nn.utils.clip_grad_norm_).
 elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths may round
 differently — so an element's update never depends on the shard it sits in.
 The model's weights are the masters rounded to the parameter dtype.
-Does not: shard optimizer state (rlkernel/dist) or schedule the learning rate.
+Does not: shard optimizer state (rlkernel/distributed) or schedule the learning rate.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlkernel.dist.comm import Comm
+from rlkernel.distributed.comm import Comm
 from rlkernel.numerics.exact import ExactSumOfSquares
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel.data.packing import pack_by_budget, padded_stream_len
-from rlkernel.dist.parallel import cp_local_rows
+from rlkernel.distributed.parallel import cp_local_rows
 from rlkernel.model.layout import cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum

@@ -5,7 +5,7 @@ safetensors blob (what a real sync would send), the rollout engine loads them, a
 every logical tensor (SHA-256 over dtype, shape and bytes). Any difference — a flipped bit, a
 missing tensor, a wrong shape or dtype — is named and fails the audit; nothing is silently
 tolerated. The version is the Merkle root over the per-tensor hashes.
-Does not: move weights between processes (rlkernel/dist) or decide what to do on failure (loop).
+Does not: move weights between processes (rlkernel/distributed) or decide what to do on failure (loop).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ Collective: every rank calls it, in the same order (torch creates groups collect
 
 from __future__ import annotations
 
-from rlkernel.dist.comm import Comm
-from rlkernel.dist.parallel import ParallelCtx
-from rlkernel.dist.tokentree import TokenTree, cp_segments, sp_segments
-from rlkernel.dist.topology import Comms, Topology
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import ParallelCtx
+from rlkernel.distributed.tokentree import TokenTree, cp_segments, sp_segments
+from rlkernel.distributed.topology import Comms, Topology
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.sharding import kv_replicas
 

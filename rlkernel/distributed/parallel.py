@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkernel.dist.comm import Comm
-from rlkernel.dist.tokentree import TokenTree, cp_segments
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.tokentree import TokenTree, cp_segments
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ exited GRACE_S after the last rank finished is stopped without blame. Children d
 Footguns: `fn` is pickled by reference (and `args` by value), so fn must be a module-level
 function of an importable module, and the main module must guard its script body with
 `if __name__ == "__main__":` (spawn re-imports it). A one-rank job still starts one process; a
-caller that wants no process group at all uses rlkernel.dist.topology.single_comms() instead.
+caller that wants no process group at all uses rlkernel.distributed.topology.single_comms() instead.
 
-Does not: decide the topology (rlkernel/dist/topology.py) or create subgroups (build_comms).
+Does not: decide the topology (rlkernel/distributed/topology.py) or create subgroups (build_comms).
 Tests: `.venv/bin/python -m pytest -q tests/test_dist.py`.
 """
 
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rlkernel.config import ConfigError
-from rlkernel.dist.topology import launcher_world_size
+from rlkernel.distributed.topology import launcher_world_size
 
 GRACE_S = 3.0
 """Seconds between SIGTERM and SIGKILL when the launcher stops ranks."""

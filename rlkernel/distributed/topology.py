@@ -10,13 +10,13 @@ rollout data-parallel replicas of consecutive ranks; inside replica g,
     rank = g * rollout_tp * rollout_cp + rollout_cp_rank * rollout_tp + rollout_tp_rank
 
 Every Comm lists its global ranks in layout order, so "rank order" of a collective is the logical
-order that the canonical trees and all-gathers rely on (rlkernel/dist/comm.py).
+order that the canonical trees and all-gathers rely on (rlkernel/distributed/comm.py).
 
 `validate_topology` is the single place where degrees are checked against the canonical spec, the
 model's head counts and the world size (STYLE.md §5); each message names the flag, the value and
 what is allowed. `build_comms` creates every process group in one fixed order on every rank.
 
-Does not: start processes (rlkernel/dist/launch.py) or shard a model. Imports no torch at module
+Does not: start processes (rlkernel/distributed/launch.py) or shard a model. Imports no torch at module
 level, so the CLI can validate a topology before paying for torch.
 Tests: `.venv/bin/python -m pytest -q tests/test_dist.py`.
 """
@@ -32,7 +32,7 @@ from rlkernel.config import ConfigError
 from rlkernel.spec import VIRTUAL_CP, VIRTUAL_TP
 
 if TYPE_CHECKING:
-    from rlkernel.dist.comm import Comm
+    from rlkernel.distributed.comm import Comm
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -253,11 +253,11 @@ def build_comms(topo: Topology) -> Comms:
     torch.distributed requires every rank to call new_group for every group, members or not, in
     the same order; groups are created kind by kind in Topology.groups() order. One-rank groups get
     no process group (a Comm of size 1 never communicates). "world" is the default group.
-    The default process group must be initialised (rlkernel/dist/launch.py does it).
+    The default process group must be initialised (rlkernel/distributed/launch.py does it).
     """
     import torch.distributed as dist
 
-    from rlkernel.dist.comm import Comm
+    from rlkernel.distributed.comm import Comm
 
     if dist.get_world_size() != topo.world or dist.get_rank() != topo.rank:
         raise ConfigError(f"process group has rank {dist.get_rank()} of {dist.get_world_size()} "
@@ -281,6 +281,6 @@ def build_comms(topo: Topology) -> Comms:
 
 def single_comms() -> Comms:
     """Comms of a one-process run: every group is Comm.single()."""
-    from rlkernel.dist.comm import Comm
+    from rlkernel.distributed.comm import Comm
 
     return Comms(**{k: Comm.single(k) for k in _KINDS})

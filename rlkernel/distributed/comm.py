@@ -11,7 +11,7 @@ CollectiveMismatch naming both sides if any rank is making a different call, ins
 or silently mixing tensors. Every wait is bounded by the process group's timeout.
 A `Comm` of size 1 (`Comm.single`) runs the same code paths without a process group, so TP=1 and
 TP=8 execute the same model code.
-Does not: create groups or processes (rlkernel/dist/topology.py, launch.py).
+Does not: create groups or processes (rlkernel/distributed/topology.py, launch.py).
 """
 
 from __future__ import annotations

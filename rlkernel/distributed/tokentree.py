@@ -12,7 +12,7 @@ Layouts: CP size C gives 2C segments; CP rank r owns segments r and 2C−1−r (
 balance, as Megatron's CP). With SP over t TP ranks (t ≥ 2) every CP segment is cut into t/2
 sub-segments and TP rank j of CP rank r owns sub-segment j of its first segment (j < t/2) or
 j − t/2 of its second.
-Does not: move activations (rlkernel/dist/parallel.py does).
+Does not: move activations (rlkernel/distributed/parallel.py does).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkernel.dist.comm import Comm
+from rlkernel.distributed.comm import Comm
 from rlkernel.numerics.trees import tree_combine, tree_sum
 from rlkernel.spec import TOKEN_LEAVES
 
