@@ -1,7 +1,8 @@
 """Start the ranks of a job: `world_size` local processes, or this process as one torchrun rank.
 
 `launch(fn, args, world_size=N)` runs `fn(rank, *args)` on every rank with the default
-torch.distributed process group initialised (gloo on CPU; NCCL with one GPU per rank on CUDA):
+torch.distributed process group initialised (gloo on CPU; on CUDA "cpu:gloo,cuda:nccl", one GPU per
+rank, so CUDA tensors go through NCCL and the CPU tensors of signatures and exact sums through gloo):
 
 - Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank: the
   group is initialised from env:// and fn runs here; an exception of fn is re-raised as
@@ -103,8 +104,9 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, world_size: int, backend
            timeout_s: float = 120.0) -> None:
     """Run fn(rank, *args) on `world_size` ranks (see module doc). Returns when all succeeded.
 
-    fn: a module-level function (pickled by name). backend: "gloo" (CPU) or "nccl" (CUDA: rank r
-    uses GPU LOCAL_RANK). timeout_s bounds every collective wait and the rendezvous.
+    fn: a module-level function (pickled by name). backend: "gloo" (CPU), or a backend string
+    naming nccl (CUDA: rank r uses GPU LOCAL_RANK), normally "cpu:gloo,cuda:nccl".
+    timeout_s bounds every collective wait and the rendezvous.
     Raises RankFailure / RankUserError naming the failing rank; ConfigError when torchrun's
     WORLD_SIZE differs from world_size; TypeError when fn cannot be pickled by name.
     """

@@ -100,7 +100,9 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
         _run(cfg, Topology(world=1, rank=0), single_comms(), writer, pathlib.Path(run_dir))
         return
     from rlkernel.distributed.launch import RankFailure, launch
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    # On CUDA the group must carry CPU tensors too (collective signatures, audit problem lists,
+    # exact-norm limbs, token-tree presence masks): NCCL alone rejects them.
+    backend = "cpu:gloo,cuda:nccl" if cfg.device == "cuda" else "gloo"
     try:
         launch(_rank_main, (cfg, str(run_dir), writer.manifest), world_size=world,
                backend=backend, timeout_s=float(os.environ.get("RLK_DIST_TIMEOUT_S", "300")))
