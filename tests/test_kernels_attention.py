@@ -102,7 +102,7 @@ def _stock_sdpa(q, k, v, q_pos, kv_len):
     """torch SDPA in the same layout: boolean mask from q_pos/kv_len, K/V repeated per query head.
     NaN garbage is zeroed first (stock attention would spread NaN from masked slots) and padding
     query rows attend to everything (stock softmax of an all-masked row is NaN)."""
-    j = torch.arange(k.shape[2])
+    j = torch.arange(k.shape[2], device=k.device)
     vis = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
     vis = vis | (q_pos[:, :, None] < 0)
     g = q.shape[1] // k.shape[1]

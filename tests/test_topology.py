@@ -48,7 +48,7 @@ def _logical_grads(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     from rlkernel.model.sharding import logical_tensor
     out = {}
     for n, g in gradients(model).items():
-        out[n] = logical_tensor(n, model.pc.tp.all_gather(g, f"grad:{n}"), model.cfg)
+        out[n] = logical_tensor(n, model.pc.tp.all_gather(g, f"grad:{n}"), model.cfg).cpu()
     return out
 
 
@@ -67,10 +67,11 @@ def _probe(rank: int, cfg: RunConfig, out_path: str) -> None:
     ops = ops_for(cfg.mode)
     exp = invariant_exp if cfg.mode == "invariant" else torch.exp
     w = init_weights(mcfg, 0)
-    policy = Qwen3ForCausalLM(mcfg, ops, torch.float32, pc)
+    dev = torch.device(cfg.device)
+    policy = Qwen3ForCausalLM(mcfg, ops, torch.float32, pc).to(dev)
     policy.load_tensors(w)
     policy.recompute = cfg.recompute
-    ref = Qwen3ForCausalLM(mcfg, ops, torch.float32, pc)
+    ref = Qwen3ForCausalLM(mcfg, ops, torch.float32, pc).to(dev)
     ref.load_tensors(init_weights(mcfg, 1))
     ref.requires_grad_(False)
     opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()}, AdamWParams(lr=1e-3))
@@ -93,10 +94,13 @@ def _probe(rank: int, cfg: RunConfig, out_path: str) -> None:
 
 
 def _run(tmp_path, tp: int, cp: int, sp: bool, mode: str = "invariant",
-         recompute: bool = False) -> dict:
-    cfg = RunConfig(tp=tp, cp=cp, sp=sp, mode=mode, dtype="fp32", recompute=recompute)
-    out = tmp_path / f"probe-{tp}-{cp}-{int(sp)}-{mode}-{int(recompute)}.pkl"
-    launch(_probe, (cfg, str(out)), world_size=tp * cp, timeout_s=300)
+         recompute: bool = False, device: str = "cpu") -> dict:
+    """The probe at one layout (tp·cp processes; on CUDA one GPU per rank, NCCL + gloo)."""
+    cfg = RunConfig(tp=tp, cp=cp, sp=sp, mode=mode, dtype="fp32", recompute=recompute,
+                    device=device)
+    out = tmp_path / f"probe-{tp}-{cp}-{int(sp)}-{mode}-{int(recompute)}-{device}.pkl"
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    launch(_probe, (cfg, str(out)), world_size=tp * cp, backend=backend, timeout_s=300)
     with open(out, "rb") as f:
         return pickle.load(f)
 
