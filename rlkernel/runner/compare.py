@@ -1,7 +1,7 @@
 """`rlk compare RUN_A RUN_B`: is the evidence of two runs bitwise identical, field by field?
 
 Compares the initial weights record (version, per-tensor hashes) and, step by step, every field
-of every step record except `timings`. "Equal" means exactly equal JSON values: the same type,
+of every step record except `timings` and `resources` (measurements). "Equal" means exactly equal JSON values: the same type,
 floats with the same bits (`float.hex`, so 0.0 != -0.0), lists elementwise, dicts key by key.
 A step present in one run only is a difference. Manifest differences (config, canonical spec,
 versions, git commit) are reported as information: two topologies of one run are *expected* to
@@ -20,7 +20,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-IGNORED_STEP_FIELDS = frozenset({"timings"})
+IGNORED_STEP_FIELDS = frozenset({"timings", "resources"})
 """Step fields that are allowed to differ (wall-clock measurements)."""
 HASH_FIELDS = frozenset({"tensor_hashes"})
 """Dict fields {tensor name: hash}, summarised by tensor name instead of printed whole."""

@@ -133,6 +133,16 @@ def _rank_main(rank: int, cfg: RunConfig, run_dir: str, manifest: dict) -> None:
         writer.finish({"steps": writer.n_steps})
 
 
+def _peak_gpu_mem_gib(dev: torch.device, comms) -> float | None:
+    """The step's peak allocated GPU memory in GiB, max over ranks (None on CPU); resets the
+    peak so that every step reports its own. Collective on CUDA: call on every rank."""
+    if dev.type != "cuda":
+        return None
+    mine = torch.cuda.max_memory_allocated(dev) / 2**30
+    torch.cuda.reset_peak_memory_stats(dev)
+    return max(comms.world.all_gather_object(mine, "peak-gpu-mem"))
+
+
 def _stop(topo, msg: str) -> None:
     """End the run on a failed check (decided identically on every rank): rank 0, which has just
     written the evidence, raises RunAborted; the others return quietly, so the launcher never
@@ -267,6 +277,7 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         t2 = time.perf_counter()
         audit = audit_sync(faults.tamper(step, topo.rank))  # tamper: test hook, None when unset
         t3 = time.perf_counter()
+        peak = _peak_gpu_mem_gib(dev, comms)
         rec = {
             "step": step,
             "grad_norm": gstats.norm, "grad_norm_hex": float_hex(gstats.norm),
@@ -282,6 +293,7 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             "loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl, "entropy": stats.entropy,
             "timings": {"rollout_s": t1 - t0, "train_s": t2 - t1, "export_audit_s": t3 - t2,
                         "step_s": t3 - t0},
+            "resources": {"peak_gpu_mem_gib": peak},
         }
         if writer is not None:
             writer.record_step(rec)

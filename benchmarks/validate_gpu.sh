@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU validation of the contract (docs/VALIDATION.md): the CUDA test files, then `rlk run` on a
+# random qwen3-0.6b checkpoint at TP1, TP2/rollout-TP2 and CP2/rollout-CP2 (invariant) and TP1
+# vs TP2 (native control), each pair compared with `rlk compare`. Needs two GPUs for the
+# multi-rank parts. Usage (repository root): bash benchmarks/validate_gpu.sh OUTDIR [tests|runs|all]
+set -uo pipefail
+out=${1:?usage: validate_gpu.sh OUTDIR [tests|runs|all]}
+what=${2:-all}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+rlk() { python3 -m rlkernel.cli "$@"; }
+
+if [ "$what" != runs ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py \
+    tests/test_cuda_dist.py 2>&1 | tee "$out/cuda_tests.txt" | tail -15
+fi
+[ "$what" = tests ] && exit 0
+
+model=${RLK_MODEL_DIR:-/tmp/qwen3-0.6b-seed0}
+if [ ! -f "$model/config.json" ]; then
+  rlk init-model --preset qwen3-0.6b --seed 0 --out "$model" >/dev/null
+  python3 benchmarks/make_tokenizer.py "$model"
+fi
+args=(--model "$model" --device cuda --steps 2 --require-updates --temperature 0.7 --top-p 0.95
+      --max-response-len 64 --n-prompts 4 --n-samples-per-prompt 4 --kl-coef 0.01
+      --entropy-coef 0.001 --allow-dirty ${RLK_ARGS:-})
+runs=$out/runs
+rm -rf "$runs"; mkdir -p "$runs"
+declare -A layouts=([tp1]="" [tp2-rtp2]="--tp 2 --rollout-tp 2" [cp2-rcp2]="--cp 2 --rollout-cp 2"
+                    [native-tp1]="--mode native" [native-tp2]="--mode native --tp 2 --rollout-tp 2")
+for name in tp1 tp2-rtp2 cp2-rcp2 native-tp1 native-tp2; do
+  echo "== rlk run $name"
+  # shellcheck disable=SC2086
+  timeout "${RLK_TIMEOUT:-300}" python3 -m rlkernel.cli run "${args[@]}" ${layouts[$name]} \
+    --run-dir "$runs/$name" 2>&1 | tail -4
+done
+{
+  for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "native-tp1 native-tp2"; do
+    set -- $pair
+    echo "== rlk compare $1 $2"
+    rlk compare "$runs/$1" "$runs/$2" | tail -12
+    echo "exit ${PIPESTATUS[0]}"
+  done
+  python3 benchmarks/summarize_runs.py "$runs"/*
+} 2>&1 | tee "$out/validation.txt"
