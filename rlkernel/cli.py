@@ -54,6 +54,31 @@ def _error(cmd: str, msg: object, code: int) -> int:
 # parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `rlk run: error: --steps: '1.5' is not an integer (see
+    rlk run --help)` instead of the whole usage block (README: bad flags give one line)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        text = " ".join(message.split()).removeprefix("argument ")
+        self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+
+
+def _integer(value: str) -> int:
+    """An int flag value; ArgumentTypeError (argparse names the flag) for '1.5', 'x', ''."""
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+
+
+def _number(value: str) -> float:
+    """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """One flag per RunConfig field. Defaults are left to the dataclass (SUPPRESS), and values are
     not constrained here (no argparse `choices`), so every check and message lives in RunConfig."""
@@ -66,7 +91,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag_name(f.name), dest=f.name, action="store_true",
                            default=argparse.SUPPRESS, help=text.replace("%", "%%"))
             continue
-        conv = {int: int, float: float}.get(kind, str)
+        conv = {int: _integer, float: _number}.get(kind, str)
         metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
         help_text = f"{text} (default: {f.default})".replace("%", "%%")
         p.add_argument(flag_name(f.name), dest=f.name, type=conv, metavar=metavar,
@@ -75,7 +100,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `rlk` parser with its three subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlk", description="Bitwise-reproducible RL post-training across parallel topologies.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -93,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init-model", help="write a randomly initialised model directory",
                           description="Write a Hugging Face-layout model with random weights.")
     init.add_argument("--preset", required=True, choices=list(PRESETS), help="model shapes")
-    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    init.add_argument("--seed", type=_integer, default=0, help="initialisation seed (default: 0)")
     init.add_argument("--out", required=True, metavar="DIR",
                       help="output directory (must not exist, or be empty)")
     init.set_defaults(func=cmd_init_model)
