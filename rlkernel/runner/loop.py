@@ -204,13 +204,17 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         train_pc = roll_pc = ParallelCtx.single()
 
     dev = torch.device(cfg.device)
-    policy = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc).to(dev)
+    # Padded vocabulary (embedding rows past the tokenizer's ids): those ids get probability 0
+    # in rollout and trainer alike (kernels/logprobs.py), so they are never sampled.
+    live = min(tok.vocab_size, mcfg.vocab_size)   # the byte tokenizer's reserved ids may exceed it
+    policy = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
     policy.load_tensors(tensors)
     policy.recompute = cfg.recompute
-    ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc).to(dev)
+    ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
     ref.load_tensors(tensors)
     ref.requires_grad_(False)
-    engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc)
+    engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc,
+                           live_vocab=live)
     rollout = _Rollout(engine, topo, comms)
     opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()},
                 AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay))
