@@ -1,11 +1,14 @@
 """`rlk`, the command line: `rlk run`, `rlk compare`, `rlk init-model`.
 
 `rlk run` turns flags into a validated RunConfig (one flag per field, generated from the dataclass
-so the two cannot drift), checks the environment (model dir, prompts file, git state), writes the
-run into `<dir>.tmp-<pid>` and renames it to its final name when the loop returns or fails after
-its first step. A failure before the first step that is the user's (ValueError/OSError: a bad model
-or prompts file) leaves nothing on disk. Exit codes: 0 ok, 1 the run or command failed, 2 bad
-usage (invalid flag value, missing input, dirty checkout, occupied run dir).
+so the two cannot drift), checks the environment (model dir, prompts file, git state), hashes
+every input into the manifest (runner/inputs.py), writes the run into `<dir>.tmp-<pid>` and
+renames it to its final name when the loop returns or fails after its first step. A failure before
+the first step that is the user's (ValueError/OSError: a bad model or prompts file) leaves nothing
+on disk. `--resume <dir>` of a SIGKILLed run finds its `<dir>.tmp-<pid>` (pid gone) and renames it
+first. Every usage error, argparse's included, is one line. Exit codes: 0 ok, 1 the run or command
+failed, 2 bad usage (invalid flag value, missing input, dirty checkout, occupied run dir, changed
+inputs on resume).
 
 The topology (--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
 torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.py).

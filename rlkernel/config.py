@@ -148,9 +148,10 @@ class RunConfig:
     """Write a resumable checkpoint (fp32 masters, AdamW state, step cursor) into
     RUN_DIR/checkpoints after every N steps; 0 = never."""
     resume: str | None = None
-    """Continue the run in this directory from its last complete checkpoint. Its saved config is
-    used; only --tp/--cp/--sp/--recompute/--rollout-tp/--rollout-cp/--device, --steps (to extend),
-    --save-every and --allow-dirty may be given again."""
+    """Continue the run in this directory (or the RUN.tmp-<pid> a killed run left) from its last
+    complete checkpoint. Its saved config is used; only --tp/--cp/--sp/--recompute/--rollout-tp/
+    --rollout-cp, --steps (to extend), --save-every and --allow-dirty may be given again; its
+    inputs (model files, tokenizer, prompts) must hash as recorded."""
     allow_dirty: bool = False
     """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
     require_updates: bool = False
