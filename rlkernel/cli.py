@@ -316,10 +316,11 @@ def _resume_source(d: pathlib.Path) -> pathlib.Path:
     running = [p for p in left if _alive(_pid_of(p))]
     if running:
         raise ConfigError(f"--resume {str(d)!r}: its run is still going in {running[0]} (pid "
-                          f"{_pid_of(running[0])} is alive); wait for it to end, or stop it")
+                          f"{_pid_of(running[0])} is alive); wait for it to end, or stop it "
+                          f"(if that pid is no rlk run, rename the directory to {d} yourself)")
     if len(left) > 1:
-        raise ConfigError(f"--resume {str(d)!r}: several killed runs left {', '.join(map(str, left))}; "
-                          f"rename the one to continue to {d}")
+        raise ConfigError(f"--resume {str(d)!r}: several killed runs left "
+                          f"{', '.join(map(str, left))}; rename the one to continue to {d}")
     return left[0] if left else d
 
 

@@ -8,9 +8,9 @@ t = Σ exp(z − m)·z (pairwise trees over the shard). Shards merge by the pair
 so a vocab-parallel TP group can merge rank subtrees with a tree all-reduce and get the same bits.
 Then lse = m + log s, logprob(y) = z_y − lse, entropy = lse − t/s.
 Padded vocabularies: with `live_vocab` = n < V (a tokenizer with fewer ids than the model's
-embedding rows, e.g. 151,669 of Qwen3's 151,936), z of every id ≥ n is −inf — a select by global
-id on the full-vocab row, so the same on every TP rank, in rollout and trainer — and those ids
-have probability exactly 0: never sampled, no gradient, and no mass in lse or entropy.
+embedding rows, e.g. 151,669 of Qwen3's 151,936), z of every id ≥ n is −inf — a select by global id
+on the full-vocab row, so the same on every TP rank, in rollout and trainer — and those ids have
+probability exactly 0: never sampled, no gradient, and no mass in lse or entropy.
 Backward (per token, elementwise; p = exp(z − lse)):
     dz = g_lp·(onehot(y) − p) − g_ent·p·(z − lse + H);   dlogits = dz / T
 `linear_token_logprobs_entropy` fuses the LM head: on CUDA its forward never forms the
@@ -67,10 +67,11 @@ def merge_shard_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
 
 
 def check_live_vocab(live_vocab: int | None, vocab: int) -> int:
-    """The live-id bound n for a [*, vocab] row: `vocab` when None; ValueError unless 1 <= n <= vocab."""
+    """The live-id bound n of a [*, vocab] row: `vocab` when None; ValueError unless 1 <= n <= V."""
     if live_vocab is None:
         return vocab
-    if isinstance(live_vocab, bool) or not isinstance(live_vocab, int) or not 1 <= live_vocab <= vocab:
+    if (isinstance(live_vocab, bool) or not isinstance(live_vocab, int)
+            or not 1 <= live_vocab <= vocab):
         raise ValueError(f"live_vocab {live_vocab!r} must be an integer in [1, {vocab}] (the "
                          f"model's vocab)")
     return live_vocab

@@ -112,8 +112,8 @@ class NativeOps:
     def log_softmax(logits, temperature, live_vocab=None):
         z = logits.float() / temperature
         if live_vocab is not None and live_vocab < z.shape[-1]:   # the same rule as invariant
-            z = torch.cat([z[..., :live_vocab],
-                           z.new_full((*z.shape[:-1], z.shape[-1] - live_vocab), float("-inf"))], -1)
+            pad = z.new_full((*z.shape[:-1], z.shape[-1] - live_vocab), float("-inf"))
+            z = torch.cat([z[..., :live_vocab], pad], -1)
         return torch.log_softmax(z, dim=-1)
 
     @staticmethod

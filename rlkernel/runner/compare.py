@@ -4,8 +4,8 @@ Compares the initial weights record (version, per-tensor hashes) and, step by st
 of every step record except `timings`. "Equal" means exactly equal JSON values: the same type,
 floats with the same bits (`float.hex`, so 0.0 != -0.0), lists elementwise, dicts key by key.
 A step present in one run only is a difference. Manifest differences (config, canonical spec,
-inputs — file hashes, vocab, stored dtypes —, versions, git commit) are reported as information: two topologies of one run are *expected* to
-differ in config and to be identical in evidence.
+inputs: file hashes, vocab, stored dtypes; versions, git commit) are reported as information:
+two topologies of one run are *expected* to differ in config and to be identical in evidence.
 
 Does not: read tensors or checkpoints (only evidence.json / manifest.json), or tolerate anything.
 

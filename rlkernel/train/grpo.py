@@ -35,7 +35,8 @@ def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-4) -
         raise ValueError(f"{len(rewards)} rewards do not form groups of {group_size}")
     bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
     if bad:
-        raise ValueError(f"reward of sample {bad[0]} is {rewards[bad[0]]!r}; rewards must be finite")
+        raise ValueError(f"reward of sample {bad[0]} is {rewards[bad[0]]!r}; rewards must be "
+                         "finite")
     out: list[float] = []
     for g in range(0, len(rewards), group_size):
         grp = [Fraction(r) for r in rewards[g:g + group_size]]
