@@ -1,11 +1,14 @@
 """`rlk`, the command line: `rlk run`, `rlk compare`, `rlk init-model`.
 
 `rlk run` turns flags into a validated RunConfig (one flag per field, generated from the dataclass
-so the two cannot drift), checks the environment (model dir, prompts file, git state), writes the
-run into `<dir>.tmp-<pid>` and renames it to its final name when the loop returns or fails after
-its first step. A failure before the first step that is the user's (ValueError/OSError: a bad model
-or prompts file) leaves nothing on disk. Exit codes: 0 ok, 1 the run or command failed, 2 bad
-usage (invalid flag value, missing input, dirty checkout, occupied run dir).
+so the two cannot drift), checks the environment (model dir, prompts file, git state), hashes
+every input into the manifest (runner/inputs.py), writes the run into `<dir>.tmp-<pid>` and
+renames it to its final name when the loop returns or fails after its first step. A failure before
+the first step that is the user's (ValueError/OSError: a bad model or prompts file) leaves nothing
+on disk. `--resume <dir>` of a SIGKILLed run finds its `<dir>.tmp-<pid>` (pid gone) and renames it
+first. Every usage error, argparse's included, is one line. Exit codes: 0 ok, 1 the run or command
+failed, 2 bad usage (invalid flag value, missing input, dirty checkout, occupied run dir, changed
+inputs on resume).
 
 The topology (--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
 torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.py).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import glob
 import json
 import os
 import pathlib
@@ -35,6 +39,7 @@ from rlkernel.config import SEED_LIMIT, ConfigError, RunConfig, field_docs, flag
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
+from rlkernel.runner.inputs import check_unchanged, describe_inputs, startup_notes
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
 """The directory that holds the rlkernel package: the checkout whose git state is recorded."""
@@ -54,6 +59,31 @@ def _error(cmd: str, msg: object, code: int) -> int:
 # parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `rlk run: error: --steps: '1.5' is not an integer (see
+    rlk run --help)` instead of the whole usage block (README: bad flags give one line)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        text = " ".join(message.split()).removeprefix("argument ")
+        self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+
+
+def _integer(value: str) -> int:
+    """An int flag value; ArgumentTypeError (argparse names the flag) for '1.5', 'x', ''."""
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+
+
+def _number(value: str) -> float:
+    """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """One flag per RunConfig field. Defaults are left to the dataclass (SUPPRESS), and values are
     not constrained here (no argparse `choices`), so every check and message lives in RunConfig."""
@@ -66,7 +96,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag_name(f.name), dest=f.name, action="store_true",
                            default=argparse.SUPPRESS, help=text.replace("%", "%%"))
             continue
-        conv = {int: int, float: float}.get(kind, str)
+        conv = {int: _integer, float: _number}.get(kind, str)
         metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
         help_text = f"{text} (default: {f.default})".replace("%", "%%")
         p.add_argument(flag_name(f.name), dest=f.name, type=conv, metavar=metavar,
@@ -75,7 +105,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `rlk` parser with its three subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlk", description="Bitwise-reproducible RL post-training across parallel topologies.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -93,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init-model", help="write a randomly initialised model directory",
                           description="Write a Hugging Face-layout model with random weights.")
     init.add_argument("--preset", required=True, choices=list(PRESETS), help="model shapes")
-    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    init.add_argument("--seed", type=_integer, default=0, help="initialisation seed (default: 0)")
     init.add_argument("--out", required=True, metavar="DIR",
                       help="output directory (must not exist, or be empty)")
     init.set_defaults(func=cmd_init_model)
@@ -253,16 +283,53 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
     return 0
 
 
-# Settings a resumed run may give again: where and how it runs, not what it computes.
+# Settings a resumed run may give again: where (on which ranks) and how it runs, not what it
+# computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
 RESUME_MAY_CHANGE = frozenset({"tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
-                               "device", "steps", "save_every", "allow_dirty", "resume"})
+                               "steps", "save_every", "allow_dirty", "resume"})
 
 
-def _resume_config(given: dict[str, typing.Any]) -> RunConfig:
-    """The saved config of --resume's run directory with the allowed flags applied."""
+def _pid_of(tmp: pathlib.Path) -> int | None:
+    pid = tmp.name.rpartition(".tmp-")[2]
+    return int(pid) if pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _resume_source(d: pathlib.Path) -> pathlib.Path:
+    """Where --resume's run lies: `d` itself, or — when `d` has no manifest — the `d.tmp-<pid>`
+    a killed `rlk run` left behind (a run is published under its name only when it ends; SIGKILL
+    leaves it under the temporary one). Raises ConfigError when that process still runs, or when
+    several killed runs left one (which to continue is the user's call)."""
+    if (d / "manifest.json").exists() or not d.parent.is_dir():
+        return d
+    left = sorted(p for p in d.parent.glob(f"{glob.escape(d.name)}.tmp-*")
+                  if p.is_dir() and _pid_of(p) is not None and (p / "manifest.json").is_file())
+    running = [p for p in left if _alive(_pid_of(p))]
+    if running:
+        raise ConfigError(f"--resume {str(d)!r}: its run is still going in {running[0]} (pid "
+                          f"{_pid_of(running[0])} is alive); wait for it to end, or stop it "
+                          f"(if that pid is no rlk run, rename the directory to {d} yourself)")
+    if len(left) > 1:
+        raise ConfigError(f"--resume {str(d)!r}: several killed runs left "
+                          f"{', '.join(map(str, left))}; rename the one to continue to {d}")
+    return left[0] if left else d
+
+
+def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig:
+    """The saved config of --resume's run (read from `src`, see _resume_source) with the allowed
+    flags applied."""
     d = pathlib.Path(given["resume"])
     try:
-        saved = json.loads((d / "manifest.json").read_text())["config"]
+        saved = json.loads((src / "manifest.json").read_text())["config"]
         if not isinstance(saved, dict):  # e.g. "config": [] would crash in saved.get below
             raise TypeError(saved)
     except (OSError, ValueError, KeyError, TypeError):
@@ -272,6 +339,12 @@ def _resume_config(given: dict[str, typing.Any]) -> RunConfig:
         RunConfig.from_dict(saved)
     except ConfigError as e:
         raise ConfigError(f"--resume {str(d)!r}: manifest.json holds an invalid config: {e}") from None
+    was = saved.get("device", "cpu")
+    if given.get("device", was) != was:
+        raise ConfigError(f"--device {given['device']!r}: a resumed run cannot change backend "
+                          f"(saved --device {was!r}); bitwise identity is promised within one "
+                          f"backend only, so its evidence would mix {was} and {given['device']} "
+                          f"steps; resume with --device {was}, or start a new run")
     changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and given[k] != saved.get(k))
     if changed:
         what = ", ".join(f"{flag_name(k)} (saved {saved.get(k)!r})" for k in changed)
@@ -283,19 +356,34 @@ def _resume_config(given: dict[str, typing.Any]) -> RunConfig:
     return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
 
 
-def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any]) -> int:
+def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path) -> int:
     from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
-    from rlkernel.runner.evidence import utc_now
+    from rlkernel.runner.evidence import utc_now, versions
     from rlkernel.runner.loop import run_loop
 
     d = pathlib.Path(cfg.resume)
     try:
-        ck = latest_checkpoint(d)
-        manifest = json.loads((d / "manifest.json").read_text())
+        ck = latest_checkpoint(src)
+        manifest = json.loads((src / "manifest.json").read_text())
+        check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
     except (ResumeError, OSError, ValueError) as e:
         return _error("run", e, 2)
+    if src != d:  # a killed run's temporary directory: publish it under the name it was given
+        try:
+            _publish(src, d)
+        except OSError as e:
+            return _error("run", f"--resume {str(d)!r}: cannot rename {src} (left by a killed "
+                                 f"run) to it ({e.strerror or e}); move {d} away first", 2)
+        print(f"rlk run: {src} (left by a killed run) is now {d}", file=sys.stderr)
+    # The manifest's config is the one the run now follows (e.g. the extended --steps); what
+    # changed, from which step, and with which code and versions is kept in "resumes".
+    old = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    new = cfg.to_dict()
+    manifest["config"] = new
     manifest.setdefault("resumes", []).append(
-        {"from_step": ck.next_step, "config": cfg.to_dict(), "git": git, "utc": utc_now()})
+        {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()
+                                                if old.get(k) != v},
+         "git": git, "versions": versions(), "utc": utc_now()})
     progress = Progress(total=cfg.steps)
     try:
         writer = EvidenceWriter.resume(d, manifest, ck.next_step, progress)
@@ -316,7 +404,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
         given = {k: v for k, v in vars(args).items() if k in names}
-        cfg = _resume_config(given) if given.get("resume") else RunConfig(**given)
+        src = _resume_source(pathlib.Path(given["resume"])) if given.get("resume") else None
+        cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
         _check_inputs(cfg)
         _check_topology(cfg)
     except ConfigError as e:
@@ -328,8 +417,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _error("run", f"the rl-kernel checkout {SRC_DIR} has uncommitted changes "
                              f"({len(files)} path(s), e.g. {files[0].strip()!r}); commit them so "
                              "the run can be reproduced from its commit, or pass --allow-dirty", 2)
-    if cfg.resume:
-        return _cmd_resume(cfg, git)
+    if src is not None:
+        return _cmd_resume(cfg, git, src)
     try:
         final = _choose_run_dir(cfg)
     except ConfigError as e:
@@ -340,6 +429,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     manifest = build_manifest(cfg, git)
     if launcher_world_size() is not None and os.environ.get("RANK", "0") != "0":
         return _run_follower_rank(cfg, manifest)
+    try:  # every input's SHA-256 (for --resume), the vocab rule, the weights' stored dtypes
+        manifest["inputs"] = describe_inputs(cfg, _model_shape(cfg))
+    except ConfigError as e:
+        return _error("run", e, 2)
+    for note in startup_notes(cfg, manifest["inputs"]):
+        print(f"rlk run: note: {note}", file=sys.stderr)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     created = _missing_ancestors(tmp)
     progress = Progress(total=cfg.steps)

@@ -37,6 +37,11 @@ MODES = ("invariant", "native")
 ON_NONFINITE = ("stop", "skip")
 DEVICES = ("cpu", "cuda")
 SEED_LIMIT = 2**63
+FP32_MAX = 3.4028234663852886e38
+MIN_TEMPERATURE = 1e-6
+"""Smallest --temperature: z = logits / T is fp32 in rollout and trainer, so T must keep it finite.
+At T >= 1e-6 every |logit| < FP32_MAX · 1e-6 ≈ 3.4e32 (any working model's) stays finite; at
+T = 1e-40 a logit of 1 is already inf, and the log-softmax NaN."""
 
 
 class ConfigError(ValueError):
@@ -68,9 +73,15 @@ class RunConfig:
 
     # ---- sampling
     temperature: float = 1.0
-    """Sampling temperature T (> 0); logits / T in fp32, identically in rollout and training."""
+    """Sampling temperature T >= 1e-6; logits / T in fp32, identically in rollout and training
+    (a smaller T overflows ordinary logits to inf)."""
     top_p: float = 1.0
-    """Nucleus sampling mass, in (0, 1]; 1 keeps the full vocabulary."""
+    """Nucleus sampling mass, in (0, 1]; 1 keeps the full vocabulary. Top-p only restricts which
+    tokens can be drawn: the logprob recorded for a sampled token is its full-vocabulary
+    log-softmax of logits / T (the untruncated policy), because that is the policy the trainer
+    recomputes and differentiates (ratio, KL), byte for byte; the truncated renormalisation exists
+    only in the sampler (as vLLM's default raw logprobs). Samples then come from the truncated
+    distribution: a small off-policy bias that --top-p 1 avoids."""
     max_response_len: int = 64
     """Most generated tokens per sample."""
     max_prompt_len: int = 256
@@ -137,9 +148,10 @@ class RunConfig:
     """Write a resumable checkpoint (fp32 masters, AdamW state, step cursor) into
     RUN_DIR/checkpoints after every N steps; 0 = never."""
     resume: str | None = None
-    """Continue the run in this directory from its last complete checkpoint. Its saved config is
-    used; only --tp/--cp/--sp/--recompute/--rollout-tp/--rollout-cp/--device, --steps (to extend),
-    --save-every and --allow-dirty may be given again."""
+    """Continue the run in this directory (or the RUN.tmp-<pid> a killed run left) from its last
+    complete checkpoint. Its saved config is used; only --tp/--cp/--sp/--recompute/--rollout-tp/
+    --rollout-cp, --steps (to extend), --save-every and --allow-dirty may be given again; its
+    inputs (model files, tokenizer, prompts) must hash as recorded."""
     allow_dirty: bool = False
     """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
     require_updates: bool = False
@@ -309,6 +321,11 @@ def _validate(c: RunConfig) -> None:
         _check_int(c, f, 1)
     for f in ("temperature", "clip_eps", "lr", "adam_eps"):
         _check_float(c, f, "pos")
+    if c.temperature < MIN_TEMPERATURE:
+        raise _fail("temperature", c.temperature,
+                    f"must be a finite number >= {MIN_TEMPERATURE:g}: logits / T is computed in "
+                    f"fp32 (largest {FP32_MAX:.4g}), and a smaller T makes ordinary logits "
+                    "overflow to inf")
     for f in ("kl_coef", "entropy_coef", "weight_decay", "clip_grad"):
         _check_float(c, f, "nonneg")
     _check_float(c, "top_p", "unit_open0")

@@ -100,6 +100,9 @@ BAD = [
     (["--top-p", "nan"], "--top-p", "nan", "(0, 1]"),
     (["--temperature", "0"], "--temperature", "0", "> 0"),
     (["--temperature", "-1"], "--temperature", "-1", "> 0"),
+    # a positive T whose logits / T overflows fp32 (1e-40 failed at step 0 with an unnamed NaN)
+    (["--temperature", "1e-40"], "--temperature", "1e-40", ">= 1e-06"),
+    (["--temperature", "9e-07"], "--temperature", "9e-07", ">= 1e-06"),
     (["--kl-coef", "-0.1"], "--kl-coef", "-0.1", ">= 0"),
     (["--kl-estimator", "k4"], "--kl-estimator", "k4", "k1, k2, k3"),
     (["--tp", "3"], "--tp", "3", "1, 2, 4, 8"),
@@ -127,10 +130,31 @@ def test_bad_value_exits_2_names_flag_value_allowed_and_creates_nothing(
     assert loop.calls == []
 
 
-def test_non_number_is_a_usage_error(capsys, cwd, loop):
-    code, _, err = rlk(capsys, "run", "--top-p", "abc")
-    assert code == 2 and "--top-p" in err and "abc" in err
+@pytest.mark.parametrize("argv,flag,value", [
+    (["run", "--steps", "1.5"], "--steps", "'1.5' is not an integer"),
+    (["run", "--top-p", "abc"], "--top-p", "'abc' is not a number"),
+    (["run", "--seed", ""], "--seed", "'' is not an integer"),
+    (["run", "--steps"], "--steps", "expected one argument"),
+    (["run", "--no-such-flag"], "--no-such-flag", "unrecognized"),
+    (["init-model", "--preset", "tiny", "--out", "m", "--seed", "x"], "--seed", "not an integer"),
+])
+def test_argparse_errors_are_one_line_naming_the_flag(capsys, cwd, loop, argv, flag, value):
+    """Every argparse error (type, missing value, unknown flag) == exit 2 and one stderr line naming
+    the flag and the value: no usage block (README: bad flags give one line)."""
+    code, out, err = rlk(capsys, *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlk") and flag in lines[0] and value in lines[0], lines[0]
     assert list(cwd.iterdir()) == []
+
+
+def test_help_says_which_logprob_is_recorded_under_top_p(capsys):
+    """`rlk run --help` names the recorded logprob: the full-vocabulary log-softmax of logits / T."""
+    code, out, _ = rlk(capsys, "run", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "full-vocabulary log-softmax of logits / T" in text
+    assert "untruncated policy" in text
 
 
 # ---------------------------------------------------------------------------------------------

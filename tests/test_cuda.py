@@ -350,6 +350,32 @@ def test_fused_logprobs_gradients_equal_unfused_column_parallel_path():
     assert _same(lp, lp2) and _same(gx, x.grad) and _same(gw, w.grad)
 
 
+def test_padded_vocab_fused_equals_unfused_and_masked_rows_get_no_gradient():
+    """Qwen3's padded vocabulary (151,936 rows, 151,669 tokenizer ids): fused LM head == unfused
+    with live_vocab, forward and d(h, W), bitwise; log_softmax is −inf past live_vocab; W's
+    masked rows get exactly 0."""
+    from rlkernel.kernels.logprobs import (linear_token_logprobs_entropy, log_softmax,
+                                           token_logprobs_entropy)
+    from rlkernel.kernels.matmul import column_parallel_linear
+    g = _gen(19)
+    v, live = 151936, 151669
+    x = torch.randn(128, 64, device=DEV, generator=g, requires_grad=True)
+    w = (torch.randn(v, 64, device=DEV, generator=g) * 0.1).requires_grad_(True)
+    tg = torch.randint(0, live, (128,), device=DEV, generator=g)
+    lp, ent = linear_token_logprobs_entropy(x, w, tg, 0.7, live_vocab=live)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (logits,) = column_parallel_linear(x, [w])
+    lp2, ent2 = token_logprobs_entropy(logits, tg, 0.7, live_vocab=live)
+    (lp2.sum() + 0.3 * ent2.sum()).backward()
+    assert _same(lp, lp2) and _same(ent, ent2) and _same(gx, x.grad) and _same(gw, w.grad)
+    assert bool((gw[live:] == 0).all())
+    ls = log_softmax(logits.detach()[:4], 0.7, live_vocab=live)
+    assert bool((ls[:, live:] == float("-inf")).all())
+    assert _same(ls.gather(1, tg[:4, None])[:, 0], lp[:4])
+
+
 # ------------------------------------------------------------------------------- exact norm
 def _wide(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -282,7 +282,7 @@ def test_negative_control_naive_sums_depend_on_order():
 # ------------------------------------------------------------------ non-finite values
 
 
-def test_nonfinite_counted_named_and_nan_result():
+def test_nonfinite_counted_named_and_nan_or_inf_result():
     nan_neg = torch.tensor([1.0], dtype=torch.float32)
     nan_neg.view(torch.int32)[0] = -1  # 0xFFFFFFFF: a negative NaN with a full payload
     acc = ExactSumOfSquares()
@@ -302,7 +302,14 @@ def test_nonfinite_counted_named_and_nan_result():
     clean.merge_(acc)
     assert clean.nonfinite == acc.nonfinite and clean.nonfinite_names == acc.nonfinite_names
     assert math.isnan(clean.norm())
-    assert math.isnan(exact_l2_norm({"a": torch.ones(2), "b": torch.tensor([float("inf")])}))
+    # IEEE: a NaN wins; without one, an infinite element gives +inf (never "nan")
+    assert exact_l2_norm({"a": torch.ones(2), "b": torch.tensor([float("inf")])}) == math.inf
+    assert exact_l2_norm([torch.tensor([float("-inf")], dtype=torch.bfloat16)]) == math.inf
+    assert math.isnan(exact_l2_norm([torch.tensor([float("inf"), float("nan")])]))
+    inf_only = ExactSumOfSquares.from_tensor(
+        torch.stack([acc_of(torch.tensor([3.0, float("inf")])).to_tensor(),
+                     acc_of(torch.tensor([float("-inf")])).to_tensor()]).sum(0))
+    assert inf_only.sum_of_squares() == math.inf and inf_only.norm() == math.inf
     # the finite part is still exact: it is kept apart from the counters
     only_inf = acc_of(torch.tensor([2.0, float("inf")]))
     assert torch.equal(only_inf.to_tensor()[:-3], acc_of(torch.tensor([2.0])).to_tensor()[:-3])

@@ -335,7 +335,9 @@ def test_nonfinite_gradient_skip_skips_on_every_rank_and_continues(capfd, env, t
     assert ev["complete"] is True and len(ev["steps"]) == 2
     s0, s1 = ev["steps"]
     assert s0["update_skipped"] is True and s0["grad_nonfinite"] == [T]
-    assert s0["nonfinite_ranks"] == {T: [1]} and s0["grad_norm"] == "nan"  # exact.py: NaN
+    # +Inf in a gradient is an infinite norm, recorded as "inf" (exact.py: IEEE rules), not "nan"
+    assert s0["nonfinite_ranks"] == {T: [1]} and s0["grad_norm"] == "inf"
+    assert s0["grad_norm_hex"] == "inf"
     assert s0["version"] == ev["init"]["version"] and s0["version_changed"] is False
     assert s0["weight_audit"] == {"ok": True, "problems": []}
     assert s1["update_skipped"] is False and s1["grad_nonfinite"] == []

@@ -9,6 +9,12 @@ Run: .venv/bin/python -m pytest -q tests/test_kernels_logprobs.py
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from kernel_helpers import (
@@ -20,11 +26,15 @@ from kernel_helpers import (
 )
 
 from rlkernel.kernels.logprobs import (
+    _div_t,
     _shard_stats,
+    linear_token_logprobs_entropy,
     log_softmax,
     merge_shard_stats,
     token_logprobs_entropy,
 )
+from rlkernel.kernels.matmul import column_parallel_linear, linear_nt
+from rlkernel.model.ops import NativeOps
 from rlkernel.spec import VIRTUAL_TP
 
 # ================================================================== logprobs
@@ -92,11 +102,13 @@ def test_logprobs_row_alone_equals_row_in_batch_and_at_offset():
         assert_bitwise(a[17:], b)
 
 
-def test_vocab_parallel_merge_equals_canonical_tree_for_tp_1_2_4_8():
+@pytest.mark.parametrize("live", [None, 3001, 100])
+def test_vocab_parallel_merge_equals_canonical_tree_for_tp_1_2_4_8(live):
     """Merging the 8 per-shard (max, sumexp, Σe·z) stats as TP=t ranks (each rank merges its 8/t
     aligned shards with merge_shard_stats, then the t rank results are merged) == the canonical
-    merge of all 8, bitwise, for t in 1, 2, 4, 8."""
-    z = randn(32, 4096, seed=66, scale=3)
+    merge of all 8, bitwise, for t in 1, 2, 4, 8 — also with a padded vocabulary (ids >= live
+    masked by global id: part of one shard, or 7 whole shards)."""
+    z = _div_t(randn(32, 4096, seed=66, scale=3), 1.0, live)
     m, s, t_ = _shard_stats(z, VIRTUAL_TP)
     full = merge_shard_stats(m, s, t_)
     for tp in (1, 2, 4, 8):
@@ -120,3 +132,100 @@ def test_negative_control_stock_vocab_parallel_logsumexp_changes_with_tp():
         assert_stock_differs(tpx, tp1)
 
 
+
+
+# ================================================================== padded vocabularies
+
+
+@pytest.mark.parametrize("live", [3001, 4095, 100, 1])
+def test_padded_vocab_ids_past_live_vocab_have_probability_zero_vs_float64(live):
+    """With live_vocab = n < V: log_softmax is −inf at every id >= n; the live part, the token
+    logprobs, the entropy and d/dlogits agree with float64 on the first n columns alone (the same
+    tolerances as the unpadded test); the masked columns' gradient is exactly 0; logprob ==
+    log_softmax gathered, bitwise."""
+    N, V, T = 16, 4096, 0.7
+    logits = randn(N, V, seed=70, scale=3).requires_grad_()
+    tgt = torch.randint(0, live, (N,), generator=gen(71))
+    g_lp, g_ent = randn(N, seed=72), randn(N, seed=73)
+    ls = log_softmax(logits.detach(), T, live_vocab=live)
+    lp, ent = token_logprobs_entropy(logits, tgt, T, live_vocab=live)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert bool((ls[:, live:] == float("-inf")).all())
+    assert_bitwise(lp, ls.gather(1, tgt[:, None])[:, 0])
+    assert bool((logits.grad[:, live:] == 0).all())
+
+    l64 = logits.detach()[:, :live].double().requires_grad_()
+    ls64 = torch.log_softmax(l64 / T, -1)
+    lp64 = ls64.gather(1, tgt[:, None])[:, 0]
+    ent64 = -(ls64.exp() * ls64).sum(-1)
+    ((lp64 * g_lp.double()).sum() + (ent64 * g_ent.double()).sum()).backward()
+    assert_near(ls[:, :live], ls64, atol=2e-5)
+    assert_near(lp, lp64, atol=2e-5)
+    assert_near(ent, ent64, atol=5e-5)
+    assert_near(logits.grad[:, :live], l64.grad, atol=1e-5 * float(l64.grad.abs().max()) + 1e-30)
+
+
+def test_padded_vocab_fused_lm_head_equals_unfused_and_native_follows_the_rule():
+    """linear_token_logprobs_entropy(h, W, live_vocab=n) == token_logprobs_entropy(h @ Wᵀ, n),
+    forward and d(h, W), bitwise (W's masked rows get exactly 0); the stock path (`--mode native`)
+    applies the same rule: −inf past n, finite entropy and no NaN gradient."""
+    N, H, V, n, T = 128, 32, 512, 300, 0.9
+    h = randn(N, H, seed=74).requires_grad_()
+    w = randn(V, H, seed=75, scale=0.3).requires_grad_()
+    tgt = torch.randint(0, n, (N,), generator=gen(76))
+    lp, ent = linear_token_logprobs_entropy(h, w, tgt, T, live_vocab=n)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    (logits,) = column_parallel_linear(h, [w])
+    lp2, ent2 = token_logprobs_entropy(logits, tgt, T, live_vocab=n)
+    (lp2.sum() + 0.3 * ent2.sum()).backward()
+    for a, b in ((lp, lp2), (ent, ent2), (gh, h.grad), (gw, w.grad)):
+        assert_bitwise(a, b)
+    assert bool((gw[n:] == 0).all())
+
+    logits = linear_nt(h.detach(), w.detach()).requires_grad_()
+    nl = NativeOps.log_softmax(logits, T, live_vocab=n)
+    nlp, nent = NativeOps.token_logprobs_entropy(logits, tgt, T, live_vocab=n)
+    (nlp.sum() + 0.3 * nent.sum()).backward()
+    assert bool((nl[:, n:] == float("-inf")).all()) and bool(torch.isfinite(nent).all())
+    assert bool(torch.isfinite(logits.grad).all()) and bool((logits.grad[:, n:] == 0).all())
+    assert_near(nlp, lp, atol=2e-5)
+
+
+def test_padded_vocab_rejects_a_live_vocab_outside_1_to_v():
+    for bad in (0, 4097, -3, True):
+        with pytest.raises(ValueError, match="live_vocab"):
+            log_softmax(randn(2, 4096, seed=0), 1.0, live_vocab=bad)
+
+
+_INTERPRETED_FUSED_CHECK = textwrap.dedent("""
+    import torch
+    from rlkernel.kernels import triton_logprobs as tlp
+    from rlkernel.kernels.logprobs import _div_t
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(8, 32, generator=g), torch.randn(2048, 32, generator=g) * 0.3
+    for live in (1500, 300, 129, 1):
+        tgt = torch.randint(0, live, (8,), generator=g)
+        tgt[0] = live          # one masked target: its logprob must be -inf
+        fused = tlp.linear_shard_stats(h, w, tgt, 0.7, 8, live)
+        unfused = tlp.shard_stats(_div_t(h @ w.T, 0.7, live), 1.0, 8, tgt)
+        for a, b in zip(fused, unfused):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), live
+        m, s, t, zt = fused
+        dead = [k for k in range(8) if k * 256 >= live]
+        assert (m[:, dead] == float("-inf")).all() and (s[:, dead] == 0).all(), live
+        assert (t[:, dead] == 0).all() and zt[0] == float("-inf"), live
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+def test_padded_vocab_triton_fused_kernel_masks_by_global_id_under_interpreter():
+    """TRITON_INTERPRET=1 (Triton on the CPU): the fused LM-head kernel's statistics with
+    live_vocab == the materialised kernel's on z masked by _div_t, bitwise; shards wholly past
+    live_vocab are (−inf, 0, 0) and a masked target's z is −inf. (CUDA: tests/test_cuda.py.)"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", _INTERPRETED_FUSED_CHECK], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]

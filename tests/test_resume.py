@@ -9,6 +9,7 @@ bytes too. A half-written or corrupted checkpoint is never loaded; the last comp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -50,7 +51,8 @@ def uninterrupted(tmp_path_factory):
 
 def _killed_run(d, extra=(), kill_after_steps: int = 1, seed: int = 0) -> None:
     """Start `rlk run` in its own process group, SIGKILL the group at a random point after
-    `kill_after_steps` steps are in the evidence."""
+    `kill_after_steps` steps are in the evidence. The run usually lies in `d.tmp-<pid>` then (it
+    is published under its name only when it ends): `--resume d` must find it."""
     proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
                              str(d), *extra], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -65,20 +67,18 @@ def _killed_run(d, extra=(), kill_after_steps: int = 1, seed: int = 0) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     del tmp_glob
-    # The CLI publishes the run dir only at the end; a killed run is resumed from where it lies.
-    if not d.exists():
-        (tmp,) = list(d.parent.glob(f"{d.name}.tmp-*"))
-        tmp.rename(d)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sigkill_then_resume_is_identical(tmp_path, capsys, uninterrupted, seed):
-    """killed at a random point of step 1 or 2, resumed: evidence and weights == uninterrupted."""
+    """killed at a random point of step 1 or 2, resumed by the name the user gave (the killed
+    run's RUN.tmp-<pid> is adopted): evidence and weights == uninterrupted."""
     d = tmp_path / "run"
     _killed_run(d, kill_after_steps=1 + seed, seed=seed)
-    if len(_steps(d)) == 3 and json.loads((d / "evidence.json").read_text())["complete"]:
+    if d.exists() and json.loads((d / "evidence.json").read_text())["complete"]:
         pytest.skip("the run finished before the kill landed")
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no .tmp- left
     _identical(capsys, uninterrupted, d)
 
 
@@ -92,6 +92,12 @@ def test_resume_onto_other_topologies(tmp_path, capsys, uninterrupted):
         shutil.copytree(base, d)
         assert main(["run", "--resume", str(d), "--steps", "3", "--allow-dirty", *extra]) == 0
         _identical(capsys, uninterrupted, d)
+        # the manifest records the config the run now follows, and the history
+        m = json.loads((d / "manifest.json").read_text())
+        assert m["config"]["steps"] == 3 and m["config"]["tp"] == int(extra[1])
+        (resumed,) = m["resumes"]
+        assert resumed["from_step"] == 1 and resumed["changed"]["steps"] == [1, 3]
+        assert resumed["changed"]["tp"] == [2, int(extra[1])] and "torch" in resumed["versions"]
 
 
 def test_half_written_and_corrupt_checkpoints_are_never_loaded(tmp_path, capsys, uninterrupted):
@@ -122,3 +128,82 @@ def test_resume_refuses_changed_numerics_and_missing_checkpoints(tmp_path, capsy
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
     assert (d / "evidence.json").read_bytes() == before
+
+
+def _run_with_inputs(tmp_path):
+    """A 1-step run of an init-model checkpoint on a prompts file, checkpointed after step 1."""
+    model, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+3=", "label": "5"}\n')
+    d = tmp_path / "run"
+    assert main(["run", *ARGS, "--steps", "1", "--model", str(model), "--prompts", str(prompts),
+                 "--run-dir", str(d)]) == 0
+    return d, model, prompts
+
+
+def test_resume_refuses_inputs_that_changed_naming_the_file(tmp_path, capsys):
+    """The manifest holds every input's SHA-256; --resume after the prompts file or the model's
+    weights were replaced under the same path == exit 2 naming that file, nothing written;
+    with the inputs restored it resumes (exit 0). A manifest without hashes is refused."""
+    d, model, prompts = _run_with_inputs(tmp_path)
+    files = json.loads((d / "manifest.json").read_text())["inputs"]["files"]
+    assert set(files) == {str(prompts), str(model / "config.json"),
+                          str(model / "model.safetensors")}
+    assert files[str(prompts)] == hashlib.sha256(prompts.read_bytes()).hexdigest()
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    good = prompts.read_bytes()
+    prompts.write_bytes(good.replace(b"2+3", b"3+3"))
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err
+    assert f"input {prompts} changed" in err and len(err.strip().splitlines()) == 1, err
+    prompts.write_bytes(good)
+
+    weights = model / "model.safetensors"
+    good = weights.read_bytes()
+    shutil.rmtree(model)
+    assert main(["init-model", "--preset", "tiny", "--seed", "2", "--out", str(model)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    assert f"input {weights} changed" in capsys.readouterr().err
+    weights.write_bytes(good)
+    assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+
+    m = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if k != "inputs"}))
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    assert "records no input hashes" in capsys.readouterr().err
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 0
+
+
+def test_resume_refuses_another_device_naming_the_reason(tmp_path, capsys, uninterrupted):
+    """--resume with --device cuda on a cpu run == exit 2, one line naming --device and why."""
+    assert main(["run", "--resume", str(uninterrupted), "--device", "cuda", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlk run: error: --device 'cuda'") and "within one backend" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_resume_finds_a_killed_runs_tmp_dir_only_when_its_process_is_gone(tmp_path, capsys,
+                                                                          uninterrupted):
+    """RUN missing, RUN.tmp-<pid> present: a live pid (this process) is refused ('still going');
+    two dead ones are refused (ambiguous); one dead one is renamed to RUN and resumed."""
+    d = tmp_path / "run"
+    mine = tmp_path / f"run.tmp-{os.getpid()}"
+    shutil.copytree(uninterrupted, mine)
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
+    assert "still going" in capsys.readouterr().err
+    dead = [subprocess.Popen(["true"]) for _ in range(2)]
+    for p in dead:
+        p.wait()
+    shutil.rmtree(mine)
+    for p in dead:
+        shutil.copytree(uninterrupted, tmp_path / f"run.tmp-{p.pid}")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
+    assert "several killed runs" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / f"run.tmp-{dead[1].pid}")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    _identical(capsys, uninterrupted, d)

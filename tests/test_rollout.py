@@ -24,8 +24,9 @@ W = init_weights(CFG, 0)
 SP = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=24, seed=11, eos_id=256)
 
 
-def _engine(ops, chunk=None) -> RolloutEngine:
-    e = RolloutEngine(CFG, ops, torch.bfloat16, pad_id=257, prefill_chunk=chunk)
+def _engine(ops, chunk=None, live_vocab=None) -> RolloutEngine:
+    e = RolloutEngine(CFG, ops, torch.bfloat16, pad_id=257, prefill_chunk=chunk,
+                      live_vocab=live_vocab)
     e.load_weights(W)
     return e
 
@@ -72,8 +73,8 @@ def test_prefill_chunked_prefill_and_decode_identical():
         assert got == base, f"prefill chunk {chunk}"
 
 
-def _trainer_logprobs(ops, completions) -> list[list[int]]:
-    model = Qwen3ForCausalLM(CFG, ops, torch.bfloat16)
+def _trainer_logprobs(ops, completions, live_vocab=None) -> list[list[int]]:
+    model = Qwen3ForCausalLM(CFG, ops, torch.bfloat16, live_vocab=live_vocab)
     model.load_tensors(W)
     samples = [TrainSample(c.sample_id, c.prompt_ids, tuple(c.response_ids), c.logprob_tensor(),
                            0.0) for c in completions]
@@ -91,3 +92,16 @@ def test_control_stock_trainer_differs_from_rollout():
     """negative control: stock ops' trainer logprobs differ from their rollout logprobs."""
     comps = _engine(NativeOps).generate(_requests(8, start=7), SP)
     assert _trainer_logprobs(NativeOps, comps) != [_bits(c)[1] for c in comps]
+
+
+def test_padded_vocab_never_samples_masked_ids_and_trainer_equals_rollout():
+    """A tokenizer with 200 of the model's 264 ids (live_vocab=200): no sampled id is >= 200, and
+    the trainer's logprobs (same rule) == the rollout's, bitwise. Control: without the rule the
+    same engine samples ids >= 200 (the ones a tokenizer cannot decode)."""
+    reqs = _requests(8, start=7)
+    comps = _engine(InvariantOps, live_vocab=200).generate(reqs, SP)
+    ids = [t for c in comps for t in c.response_ids]
+    assert len(ids) > 50 and max(ids) < 200
+    assert _trainer_logprobs(InvariantOps, comps, 200) == [_bits(c)[1] for c in comps]
+    unmasked = _engine(InvariantOps).generate(reqs, SP)
+    assert max(t for c in unmasked for t in c.response_ids) >= 200

@@ -7,6 +7,10 @@ t = Σ exp(z − m)·z (pairwise trees over the shard). Shards merge by the pair
     m = max(m₁, m₂);  s = s₁·e^{m₁−m} + s₂·e^{m₂−m};  t likewise,
 so a vocab-parallel TP group can merge rank subtrees with a tree all-reduce and get the same bits.
 Then lse = m + log s, logprob(y) = z_y − lse, entropy = lse − t/s.
+Padded vocabularies: with `live_vocab` = n < V (a tokenizer with fewer ids than the model's
+embedding rows, e.g. 151,669 of Qwen3's 151,936), z of every id ≥ n is −inf — a select by global id
+on the full-vocab row, so the same on every TP rank, in rollout and trainer — and those ids have
+probability exactly 0: never sampled, no gradient, and no mass in lse or entropy.
 Backward (per token, elementwise; p = exp(z − lse)):
     dz = g_lp·(onehot(y) − p) − g_ent·p·(z − lse + H);   dlogits = dz / T
 `linear_token_logprobs_entropy` fuses the LM head: on CUDA its forward never forms the
@@ -62,13 +66,30 @@ def merge_shard_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
     return level[0]
 
 
-def _div_t(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """z = logits / T, correctly rounded. On CUDA by the Triton kernel: torch's CUDA `x / scalar`
-    multiplies by the reciprocal, which the fused kernel (div_rn) would not reproduce."""
+def check_live_vocab(live_vocab: int | None, vocab: int) -> int:
+    """The live-id bound n of a [*, vocab] row: `vocab` when None; ValueError unless 1 <= n <= V."""
+    if live_vocab is None:
+        return vocab
+    if (isinstance(live_vocab, bool) or not isinstance(live_vocab, int)
+            or not 1 <= live_vocab <= vocab):
+        raise ValueError(f"live_vocab {live_vocab!r} must be an integer in [1, {vocab}] (the "
+                         f"model's vocab)")
+    return live_vocab
+
+
+def _div_t(logits: torch.Tensor, temperature: float, live_vocab: int | None = None) -> torch.Tensor:
+    """z = logits / T, correctly rounded, with z = −inf for ids >= live_vocab (a select: exact).
+    On CUDA by the Triton kernel: torch's CUDA `x / scalar` multiplies by the reciprocal, which
+    the fused kernel (div_rn) would not reproduce."""
+    live = check_live_vocab(live_vocab, logits.shape[-1])
     if logits.is_cuda:
         from rlkernel.kernels import triton_logprobs
-        return triton_logprobs.div_scalar(logits, temperature)
-    return logits / temperature
+        z = triton_logprobs.div_scalar(logits, temperature)
+    else:
+        z = logits / temperature
+    if live < z.shape[-1]:
+        z[..., live:] = float("-inf")
+    return z
 
 
 def _forward_stats(z: torch.Tensor, shards: int):
@@ -80,8 +101,9 @@ def _forward_stats(z: torch.Tensor, shards: int):
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, shards: int):
-        z = _div_t(logits.to(torch.float32), temperature)
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, shards: int,
+                live_vocab: int | None):
+        z = _div_t(logits.to(torch.float32), temperature, live_vocab)
         lse, ent = _forward_stats(z, shards)
         lp = z.gather(1, targets[:, None])[:, 0] - lse
         ctx.save_for_backward(z, targets, lse, ent)
@@ -91,11 +113,12 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         z, targets, lse, ent = ctx.saved_tensors
-        return _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature), None, None, None
+        return _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature), None, None, None, None
 
 
 def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
-    """d loss / d logits [N, V] from z = logits / T and the forward's lse, entropy [N]."""
+    """d loss / d logits [N, V] from z = logits / T and the forward's lse, entropy [N]; a masked
+    id (z = −inf) has p = 0, so its d logit is ±0."""
     logp = z - lse[:, None]
     p = exp32(logp)
     dz = -(g_lp[:, None] * p)
@@ -108,62 +131,72 @@ def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, temperature, shards, tree):
+    def forward(ctx, h, w, targets, temperature, shards, tree, live_vocab):
         if h.is_cuda:
             from rlkernel.kernels import triton_logprobs
-            m, s, t, z_y = triton_logprobs.linear_shard_stats(h, w, targets, temperature, shards)
+            m, s, t, z_y = triton_logprobs.linear_shard_stats(h, w, targets, temperature, shards,
+                                                              live_vocab)
             m, s, t = merge_shard_stats(m, s, t)
             lse = m + log32(s)
             ent = lse - t / s
         else:
-            z = _div_t(linear_nt(h, w), temperature)
+            z = _div_t(linear_nt(h, w), temperature, live_vocab)
             lse, ent = _forward_stats(z, shards)
             z_y = z.gather(1, targets[:, None])[:, 0]
         ctx.save_for_backward(h, w, targets, lse, ent)
         ctx.temperature, ctx.shards, ctx.tree = temperature, shards, tree
+        ctx.live_vocab = live_vocab
         return z_y - lse, ent
 
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         h, w, targets, lse, ent = ctx.saved_tensors
-        z = _div_t(linear_nt(h, w), ctx.temperature)     # recomputed: the same bits as forward
+        # recomputed, masked the same way: the same bits as forward
+        z = _div_t(linear_nt(h, w), ctx.temperature, ctx.live_vocab)
         dlogits = _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature)
         del z
         dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
         dw = (tree_grad_weight(dlogits, h, ctx.tree).to(w.dtype) if ctx.needs_input_grad[1]
               else None)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
 def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                                   temperature: float, shards: int = VIRTUAL_TP,
-                                  tree: TokenTree | None = None):
-    """token_logprobs_entropy(h @ wᵀ, targets, T) without keeping the logits (LM head fused).
+                                  tree: TokenTree | None = None, live_vocab: int | None = None):
+    """token_logprobs_entropy(h @ wᵀ, targets, T, live_vocab=...) without keeping the logits.
 
-    h [N, H] fp32, w [V, H] fp32 (the full vocab: TP = 1), targets [N] long, temperature > 0 ->
-    (logprobs [N], entropy [N]) fp32, bitwise equal to the unfused path on the column-parallel
-    logits. Backward: d logits recomputed once per call; dh by the virtual-TP tree over vocab
-    shards, dW by the token tree (`tree`; N a multiple of its leaves), as the LM head's own
-    backward. On CUDA the forward's extra memory is O(N · shards).
+    h [N, H] fp32, w [V, H] fp32 (the full vocab: TP = 1), targets [N] long, temperature > 0,
+    live_vocab in [1, V] or None (= V) -> (logprobs [N], entropy [N]) fp32, bitwise equal to the
+    unfused path on the column-parallel logits. Backward: d logits recomputed once per call; dh by
+    the virtual-TP tree over vocab shards, dW by the token tree (`tree`; N a multiple of its
+    leaves), as the LM head's own backward. On CUDA the forward's extra memory is O(N · shards).
+    ValueError: live_vocab out of range.
     """
-    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tree)
+    check_live_vocab(live_vocab, w.shape[0])
+    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tree, live_vocab)
 
 
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                           shards: int = VIRTUAL_TP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of `targets` and entropy under softmax(logits / temperature).
+                           shards: int = VIRTUAL_TP, live_vocab: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of `targets` and entropy under softmax(logits / temperature) over ids < live_vocab.
 
-    logits [N, V] fp32, targets [N] long, temperature > 0 -> (logprobs [N] fp32, entropy [N] fp32)
-    in nats. Differentiable in `logits`.
+    logits [N, V] fp32 (the full vocab, global ids), targets [N] long, temperature > 0, live_vocab
+    in [1, V] or None (= V; ids >= it have z = −inf) -> (logprobs [N] fp32, entropy [N] fp32) in
+    nats; a target >= live_vocab has logprob −inf. Differentiable in `logits`.
+    ValueError: live_vocab out of range, V not a multiple of `shards`.
     """
-    return _TokenLogprobs.apply(logits, targets, float(temperature), shards)
+    return _TokenLogprobs.apply(logits, targets, float(temperature), shards, live_vocab)
 
 
-def log_softmax(logits: torch.Tensor, temperature: float, shards: int = VIRTUAL_TP) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, temperature: float, shards: int = VIRTUAL_TP,
+                live_vocab: int | None = None) -> torch.Tensor:
     """Canonical log-softmax of logits / T over the full vocab: [N, V] fp32 -> [N, V] fp32.
 
-    Element y equals token_logprobs_entropy(...)[0] for target y, bitwise (same z and lse).
+    Ids >= live_vocab (None: V) are −inf. Element y equals token_logprobs_entropy(...)[0] for
+    target y, bitwise (same z and lse). ValueError: live_vocab out of range.
     """
-    z = _div_t(logits.to(torch.float32), float(temperature))
+    z = _div_t(logits.to(torch.float32), float(temperature), live_vocab)
     lse, _ = _forward_stats(z, shards)
     return z - lse[:, None]

@@ -8,7 +8,9 @@ vocab-parallel TP group can finish the same tree. The CUDA order inside a shard:
 VOCAB_CHUNK = 128 consecutive ids, in id order; per chunk m_c (exact max), s_c and t_c by the
 pairwise tree (reshape/split levels: layout-independent); chunks merged sequentially,
     m' = max(m, m_c);  s = s·e^{m−m'} + s_c·e^{m_c−m'};  t likewise.
-Every value is per token, so a token's bits never depend on the other tokens.
+Every value is per token, so a token's bits never depend on the other tokens. A padded
+vocabulary's ids >= live_vocab are -inf in z (the fused kernel masks by global id; the
+materialised path receives z already masked by kernels/logprobs._div_t).
 
 `shard_stats(logits, T, shards)` reads materialised logits. `linear_shard_stats(h, w, T, ...)`
 is the fused form: each program computes its [rows × 128] logits tile with the batch-invariant
@@ -98,7 +100,7 @@ def _stats_kernel(L, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, V, shard_len, s_l
 
 
 @triton.jit
-def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shard_len,
+def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shard_len, n_live,
                          s_xr, s_xk, s_wv, s_wk, temp,
                          BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr,
                          BLOCK_K: tl.constexpr):
@@ -127,7 +129,8 @@ def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shar
             wb = tl.load(w_cols + kk.to(tl.int64)[:, None] * s_wk, mask=k_ok[:, None] & c_ok[None, :],
                          other=0.0)
             acc = tl.dot(xa, wb, acc, input_precision="ieee")
-        ok = r_ok[:, None] & c_ok[None, :]
+        # ids >= n_live (a padded vocabulary's rows past the tokenizer) are -inf, as in _div_t
+        ok = r_ok[:, None] & (c_ok & (cols < n_live))[None, :]
         z = tl.where(ok, tl.math.div_rn(acc, temp), float("-inf"))
         m, s, t = _chunk_update(z, m, s, t, BR, C, LOG_C)
         zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == tgt[:, None], z, float("-inf")), 1))
@@ -193,12 +196,12 @@ def shard_stats(logits: torch.Tensor, temperature: float, shards: int,
 
 
 def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
-                       temperature: float, shards: int):
-    """Fused LM head + statistics: as `shard_stats(h @ wᵀ, T, shards, targets)`, bitwise, without
-    forming the logits.
+                       temperature: float, shards: int, live_vocab: int | None = None):
+    """Fused LM head + statistics: as `shard_stats` of z = h @ wᵀ / T with z = -inf for ids >=
+    live_vocab (logprobs._div_t), bitwise, without forming the logits.
 
-    h [N, K] fp32, w [V, K] fp32 (any strides), targets [N] long, V % shards == 0.
-    Returns (m, s, t [N, shards] fp32, z_target [N] fp32).
+    h [N, K] fp32, w [V, K] fp32 (any strides), targets [N] long, V % shards == 0, live_vocab in
+    [1, V] or None (= V). Returns (m, s, t [N, shards] fp32, z_target [N] fp32).
     """
     check_cuda("fused logprobs", h, w, targets)
     if h.dtype != torch.float32 or w.dtype != torch.float32:
@@ -208,12 +211,13 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
     if w.shape[1] != k or v % shards or tuple(targets.shape) != (n,):
         raise ValueError(f"fused logprobs: h {tuple(h.shape)}, w {tuple(w.shape)}, targets "
                          f"{tuple(targets.shape)} (vocab must divide into {shards} shards)")
+    n_live = v if live_vocab is None else live_vocab
     m, s, t, zt = _outs(n, shards, h.device)
     if n:
         br = 64
         with device_ctx(h):
             _linear_stats_kernel[(shards, triton.cdiv(n, br))](
-                h, w, targets, m, s, t, zt, n, k, v // shards,
+                h, w, targets, m, s, t, zt, n, k, v // shards, n_live,
                 h.stride(0), h.stride(1), w.stride(0), w.stride(1), float(temperature),
                 BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[torch.float32],
                 num_warps=8, num_stages=2, enable_fp_fusion=False)

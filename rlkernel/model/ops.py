@@ -34,9 +34,10 @@ class InvariantOps:
     sp_scatter = staticmethod(par.sp_scatter)
 
     @staticmethod
-    def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx):
+    def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx, live_vocab=None):
         """Fused LM head + logprobs (TP = 1): the unfused path's bytes, no [L, V] logits kept."""
-        return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tree=pc.tok)
+        return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tree=pc.tok,
+                                                      live_vocab=live_vocab)
 
     @staticmethod
     def embed(ids, w, offset, pc: ParallelCtx):
@@ -99,15 +100,21 @@ class NativeOps:
         return F.silu(g) * u
 
     @staticmethod
-    def token_logprobs_entropy(logits, targets, temperature):
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    def token_logprobs_entropy(logits, targets, temperature, live_vocab=None):
+        logp = NativeOps.log_softmax(logits, temperature, live_vocab)
         lp = logp.gather(1, targets[:, None])[:, 0]
-        ent = -(logp.exp() * logp).sum(-1)
+        p = logp.exp()
+        # masked ids: 0 · −inf is NaN, in the value and (through where) in the gradient
+        ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
         return lp, ent
 
     @staticmethod
-    def log_softmax(logits, temperature):
-        return torch.log_softmax(logits.float() / temperature, dim=-1)
+    def log_softmax(logits, temperature, live_vocab=None):
+        z = logits.float() / temperature
+        if live_vocab is not None and live_vocab < z.shape[-1]:   # the same rule as invariant
+            pad = z.new_full((*z.shape[:-1], z.shape[-1] - live_vocab), float("-inf"))
+            z = torch.cat([z[..., :live_vocab], pad], -1)
+        return torch.log_softmax(z, dim=-1)
 
     @staticmethod
     def gather_vocab(z, pc):

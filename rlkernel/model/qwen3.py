@@ -176,10 +176,17 @@ class Qwen3ForCausalLM(nn.Module):
     """Qwen3 causal LM. `hidden` runs the decoder on a StreamLayout; `token_logprobs` the head."""
 
     def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype = torch.bfloat16,
-                 pc: ParallelCtx | None = None) -> None:
+                 pc: ParallelCtx | None = None, live_vocab: int | None = None) -> None:
+        """live_vocab: ids the tokenizer has (None: all cfg.vocab_size); the log-softmax gives the
+        padded rows past it probability 0 (kernels/logprobs.py). ValueError outside [1, vocab]."""
         super().__init__()
         self.pc = pc or ParallelCtx.single()
         self.cfg, self.ops, self.param_dtype = cfg, ops, param_dtype
+        if live_vocab is not None and not (isinstance(live_vocab, int)
+                                           and 1 <= live_vocab <= cfg.vocab_size):
+            raise ValueError(f"live_vocab {live_vocab!r}: must be an integer in [1, "
+                             f"{cfg.vocab_size}] (the model's vocab_size)")
+        self.live_vocab = None if live_vocab == cfg.vocab_size else live_vocab
         self.model = Qwen3Model(cfg, ops, self.pc)
         if not cfg.tie_word_embeddings:
             self.lm_head = _Weight(cfg.vocab_size // self.pc.tp.size, cfg.hidden_size)
@@ -256,12 +263,16 @@ class Qwen3ForCausalLM(nn.Module):
         return self.ops.gather_vocab(z, self.pc)
 
     def token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float):
-        """(logprobs [Lc], entropy [Lc]) of `targets` [Lc] under softmax(logits(h) / temperature)."""
+        """(logprobs [Lc], entropy [Lc]) of `targets` [Lc] under softmax(logits(h) / temperature)
+        over the ids < live_vocab."""
         fused = getattr(self.ops, "linear_token_logprobs", None)
         if fused is not None and h.is_cuda and self.pc.tp.size == 1:   # same bytes, less memory
-            return fused(h, self.lm_head_weight(), targets, temperature, self.pc)
-        return self.ops.token_logprobs_entropy(self.logits(h), targets, temperature)
+            return fused(h, self.lm_head_weight(), targets, temperature, self.pc,
+                         live_vocab=self.live_vocab)
+        return self.ops.token_logprobs_entropy(self.logits(h), targets, temperature,
+                                               live_vocab=self.live_vocab)
 
     def next_token_logprobs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
-        """Full canonical log-softmax of logits(h) / T: [N, V] fp32 (rollout sampling)."""
-        return self.ops.log_softmax(self.logits(h), temperature)
+        """Full canonical log-softmax of logits(h) / T: [N, V] fp32 (rollout sampling); ids >=
+        live_vocab are −inf, so the sampler never draws them."""
+        return self.ops.log_softmax(self.logits(h), temperature, live_vocab=self.live_vocab)

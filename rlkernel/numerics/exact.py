@@ -5,8 +5,9 @@ added as an integer, so the accumulated value is the exact mathematical sum of s
 the order of the elements, the split of a tensor into pieces, or the set of ranks that held them.
 The exact total is rounded once (round-half-even) to float64 by `sum_of_squares`, and `norm` is
 `math.sqrt` of that float64, so two runs with the same multiset of gradient values give the same
-bits (DESIGN.md §1 "Optimizer step"). NaN/+Inf/-Inf are counted and named, never dropped; a
-non-finite element makes the sum and the norm NaN.
+bits (DESIGN.md §1 "Optimizer step"). NaN/+Inf/-Inf are counted and named, never dropped; as in
+IEEE arithmetic, a NaN element makes the sum and the norm NaN, and otherwise an ±Inf element makes
+them +Inf (the square of ±Inf is +Inf), so an infinite gradient is recorded as inf, not nan.
 
 Why it is exact: an fp32 value is s * 2**E with an integer significand s < 2**24 and
 E in [-149, 104]; its square s*s * 2**(2E) has s*s < 2**48 and 2E in [-298, 208], so it is an
@@ -255,12 +256,15 @@ class ExactSumOfSquares:
     def sum_of_squares(self) -> float:
         """Correctly rounded (round-half-even) float64 of the exact sum of squares.
 
-        NaN if any NaN or +/-Inf element was seen; inf if the exact finite sum exceeds the
-        float64 range (needs ~2**512 maximal fp32 squares).
+        What IEEE arithmetic gives: NaN if any NaN element was seen, else +inf if any +/-Inf
+        element was seen (its square is +inf) or if the exact finite sum exceeds the float64 range
+        (needs ~2**512 maximal fp32 squares).
         """
         self._fold()
-        if any(self._counts):
+        if self._counts[0]:
             return math.nan
+        if self._counts[1] or self._counts[2]:
+            return math.inf
         try:
             # int / int is correctly rounded in CPython; the quotient is never subnormal
             # (it is 0 or >= 2**-298), so this is the only rounding.
@@ -269,7 +273,8 @@ class ExactSumOfSquares:
             return math.inf
 
     def norm(self) -> float:
-        """math.sqrt(sum_of_squares()): the L2 norm as float64 (NaN if non-finite was seen)."""
+        """math.sqrt(sum_of_squares()): the L2 norm as float64 (NaN if a NaN was seen, else +inf
+        if an Inf was)."""
         return math.sqrt(self.sum_of_squares())
 
     @property
@@ -288,7 +293,8 @@ class ExactSumOfSquares:
 def exact_l2_norm(tensors: Iterable[torch.Tensor] | dict[str, torch.Tensor]) -> float:
     """Exact-then-rounded L2 norm over all elements of `tensors` (a dict is keyed by name).
 
-    Same dtype rules and errors as `ExactSumOfSquares.add_`; NaN if any element is non-finite.
+    Same dtype rules and errors as `ExactSumOfSquares.add_`; NaN if any element is NaN, else +inf
+    if any is infinite.
     """
     acc = ExactSumOfSquares()
     if isinstance(tensors, dict):

@@ -63,9 +63,11 @@ class RolloutEngine:
 
     def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype, pad_id: int,
                  prefill_chunk: int | None = None, device: torch.device | str = "cpu",
-                 pc: ParallelCtx | None = None) -> None:
+                 pc: ParallelCtx | None = None, live_vocab: int | None = None) -> None:
+        """live_vocab: the tokenizer's id bound when below cfg.vocab_size (a padded vocabulary):
+        ids >= it get probability 0 in the canonical log-softmax and are never sampled."""
         self.cfg = cfg
-        self.model = Qwen3ForCausalLM(cfg, ops, param_dtype, pc).to(device)
+        self.model = Qwen3ForCausalLM(cfg, ops, param_dtype, pc, live_vocab).to(device)
         self.model.requires_grad_(False)
         self.pad_id = pad_id
         self.prefill_chunk = prefill_chunk

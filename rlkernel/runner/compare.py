@@ -4,8 +4,8 @@ Compares the initial weights record (version, per-tensor hashes) and, step by st
 of every step record except `timings` and `resources` (measurements). "Equal" means exactly equal JSON values: the same type,
 floats with the same bits (`float.hex`, so 0.0 != -0.0), lists elementwise, dicts key by key.
 A step present in one run only is a difference. Manifest differences (config, canonical spec,
-versions, git commit) are reported as information: two topologies of one run are *expected* to
-differ in config and to be identical in evidence.
+inputs: file hashes, vocab, stored dtypes; versions, git commit) are reported as information:
+two topologies of one run are *expected* to differ in config and to be identical in evidence.
 
 Does not: read tensors or checkpoints (only evidence.json / manifest.json), or tolerate anything.
 
@@ -197,7 +197,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     info = []
-    for section in ("config", "canonical_spec", "versions", "git"):
+    for section in ("config", "canonical_spec", "inputs", "versions", "git"):
         fa, fb = _flatten(ma.get(section) or {}), _flatten(mb.get(section) or {})
         for k in list(fa) + [k for k in fb if k not in fa]:
             if k == "dirty_files":

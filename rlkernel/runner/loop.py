@@ -214,13 +214,17 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         train_pc = roll_pc = ParallelCtx.single()
 
     dev = torch.device(cfg.device)
-    policy = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc).to(dev)
+    # Padded vocabulary (embedding rows past the tokenizer's ids): those ids get probability 0
+    # in rollout and trainer alike (kernels/logprobs.py), so they are never sampled.
+    live = min(tok.vocab_size, mcfg.vocab_size)   # the byte tokenizer's reserved ids may exceed it
+    policy = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
     policy.load_tensors(tensors)
     policy.recompute = cfg.recompute
-    ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc).to(dev)
+    ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
     ref.load_tensors(tensors)
     ref.requires_grad_(False)
-    engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc)
+    engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc,
+                           live_vocab=live)
     rollout = _Rollout(engine, topo, comms)
     opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()},
                 AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay))
@@ -288,7 +292,8 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             "tokens_hash": _tokens_hash(completions),
             "n_samples": len(completions), "n_response_tokens": stats.n_tokens,
             "n_microbatches": stats.n_microbatches,
-            "logprob_mismatches": stats.logprob_mismatches, "logprob_tokens": stats.n_tokens,
+            "logprob_mismatches": stats.logprob_mismatches,
+            "logprob_tokens": stats.logprob_compared,   # pairs actually compared
             "rewards": rewards, "reward_mean": exact_sum(rewards) / len(rewards),
             "loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl, "entropy": stats.entropy,
             "timings": {"rollout_s": t1 - t0, "train_s": t2 - t1, "export_audit_s": t3 - t2,

@@ -36,7 +36,9 @@ class TrainSample:
 
 @dataclass(frozen=True)
 class StepStats:
-    """Exact means over the step's N response tokens, and the logprob byte-mismatch count."""
+    """Exact means over the step's N response tokens, the logprob byte-mismatch count and the
+    number of (trainer, rollout) logprob pairs actually compared (counted where they are compared,
+    over every CP rank: N when every response token is compared once)."""
 
     n_tokens: int
     loss: float
@@ -45,6 +47,7 @@ class StepStats:
     entropy: float
     logprob_mismatches: int
     n_microbatches: int
+    logprob_compared: int
 
 
 def loss_rows(group: list[TrainSample], stream_len: int):
@@ -80,7 +83,7 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     policy.zero_grad(set_to_none=True)
     groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
     vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
-    mismatches = 0
+    mismatches = compared = 0
     for g in groups:
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
@@ -98,7 +101,9 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         with torch.no_grad():
             ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
         lp, ent = lp_all[rows], ent_all[rows]
-        mismatches += int((lp.detach().view(torch.int32) != old.view(torch.int32)).sum().item())
+        differs = lp.detach().view(torch.int32) != old.view(torch.int32)
+        mismatches += int(differs.sum().item())
+        compared += differs.numel()
         total, pg, kl = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
         coef = torch.full_like(total, 1.0 / n_tok)
         torch.autograd.backward(total, grad_tensors=coef)
@@ -106,12 +111,13 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
             vals[key].extend(t.detach().double().tolist())
     policy.ops.sync_grads(policy)
     # Every CP rank holds part of the tokens (TP ranks hold copies): gather, then exact sums.
-    everyone = pc.cp.all_gather_object((vals, mismatches), "step-stats")
-    merged = {k: [x for v, _ in everyone for x in v[k]] for k in vals}
-    mismatches = sum(m for _, m in everyone)
+    everyone = pc.cp.all_gather_object((vals, mismatches, compared), "step-stats")
+    merged = {k: [x for v, _, _ in everyone for x in v[k]] for k in vals}
+    mismatches = sum(m for _, m, _ in everyone)
+    compared = sum(c for _, _, c in everyone)
     mean = {k: exact_sum(v) / n_tok for k, v in merged.items()}
     return StepStats(n_tok, mean["total"], mean["pg"], mean["kl"], mean["ent"], mismatches,
-                     len(groups))
+                     len(groups), compared)
 
 
 @torch.no_grad()
