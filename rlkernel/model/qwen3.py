@@ -225,25 +225,28 @@ class Qwen3ForCausalLM(nn.Module):
             p.copy_(masters[name].to(self.param_dtype).to(torch.float32))
 
     @torch.no_grad()
-    def export_tensors(self, own_copies: bool = False) -> dict[str, torch.Tensor]:
-        """Logical weights on the CPU, reassembled from every TP rank's shard, in param_dtype —
-        except a tensor holding a value param_dtype cannot represent, which is exported as held
-        (fp32). A tensor replicated across TP ranks (norms, shared KV heads) comes from its first
-        holder, or with `own_copies` from this rank's copy: the weights as this rank computes
-        with them (the rollout audit). Collective over TP."""
+    def export_tensors(self, as_held: bool = False) -> dict[str, torch.Tensor]:
+        """Logical weights in param_dtype on the CPU, reassembled from every TP rank's shard; a
+        tensor replicated across TP ranks (norms, shared KV heads) from its first holder.
+
+        With `as_held`, the weights exactly as this rank computes with them (the rollout audit):
+        replicated tensors from this rank's own copy, and a tensor holding a value param_dtype
+        cannot represent exported as held (fp32), never rounded into a weight it is not.
+        Collective over TP.
+        """
         tp, r = self.pc.tp.size, self.pc.tp.rank
         out = {}
         for n, p in self.logical_params().items():
             parts = self.pc.tp.all_gather(p.detach(), f"export:{n}")
-            if own_copies:
+            if as_held:
                 kind = shard_of(n, self.cfg, tp, r).kind
                 first = {"replicated": 0, "kv": r - r % kv_replicas(self.cfg, tp)}.get(kind, r)
                 parts[first] = parts[r]  # logical_tensor reads each replica group's first copy
             held = logical_tensor(n, parts, self.cfg)
             t = held.to(self.param_dtype)
-            # Rounding would hide such a value (a flipped low bit of an fp32 parameter exports
-            # as the right bf16 weight), while the forward computes with it: keep it visible.
-            if not same_bytes(t.to(held.dtype), held):
+            # A flipped low bit of an fp32 parameter rounds back to the loaded bf16 weight, yet
+            # the forward computes with it: only an exact conversion may stand for the tensor.
+            if as_held and not same_bytes(t.to(held.dtype), held):
                 t = held
             out[n] = t.cpu().clone()
         return out

@@ -78,7 +78,7 @@ class RolloutEngine:
         reassembled from every rollout-TP rank's shard, replicated tensors from this rank's own
         copy, in param_dtype unless a value needs more (Qwen3's export_tensors). Collective over
         the rollout-TP group."""
-        return self.model.export_tensors(own_copies=True)
+        return self.model.export_tensors(as_held=True)
 
     def held_weights(self) -> dict[str, torch.Tensor]:
         """This rank's own parameters by logical name: the very tensors its forward reads (its
