@@ -9,7 +9,7 @@ Single-process runs call `rlkernel.cli.main` in-process; the dead-rank runs star
 `rlk run --tp 2 --cp 2` in a subprocess, with RLK_DIST_TIMEOUT_S=20, and time its exit from the
 moment the rank died (the line the hook prints just before SIGKILL).
 
-Run: `.venv/bin/python -m pytest -q tests/test_faults.py` (about 1.5 minutes on 2 cores).
+Run: `.venv/bin/python -m pytest -q tests/test_faults.py` (about 2.5 minutes on 2 idle cores).
 """
 
 from __future__ import annotations
