@@ -1,4 +1,5 @@
-"""Runs that meet a fault (issue 5): weight-sync faults, non-finite gradients, dead ranks.
+"""Runs that meet a fault (issues 5 and 10): weight-sync faults in transit and in the rollout
+engine after the load, non-finite gradients, dead ranks.
 
 Faults are injected through the RLK_FAULT test hook (rlkernel/runner/faults.py), never a flag.
 Each end-to-end test drives the real command line and asserts four things: the exit code, the
@@ -8,7 +9,7 @@ Single-process runs call `rlkernel.cli.main` in-process; the dead-rank runs star
 `rlk run --tp 2 --cp 2` in a subprocess, with RLK_DIST_TIMEOUT_S=20, and time its exit from the
 moment the rank died (the line the hook prints just before SIGKILL).
 
-Run: `.venv/bin/python -m pytest -q tests/test_faults.py` (about 1.5 minutes on 2 cores).
+Run: `.venv/bin/python -m pytest -q tests/test_faults.py` (about 2.5 minutes on 2 idle cores).
 """
 
 from __future__ import annotations
@@ -29,10 +30,16 @@ import torch
 from rlkernel.cli import main
 from rlkernel.config import ConfigError, RunConfig
 from rlkernel.distributed.launch import GRACE_S
+from rlkernel.model.checkpoint import init_weights
+from rlkernel.model.config import tiny
+from rlkernel.model.ops import ops_for
+from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
 from rlkernel.runner import faults
+from rlkernel.weights.hashing import state_hashes, version_hash
 from rlkernel.weights.sync import merge_problems, sync_weights
 
-T = "model.layers.0.mlp.up_proj.weight"
+T = "model.layers.0.mlp.up_proj.weight"              # TP-sharded (rows)
+NORM = "model.layers.1.post_attention_layernorm.weight"  # replicated on every TP rank
 SMALL = ["--max-response-len", "8", "--n-prompts", "2", "--n-samples-per-prompt", "2",
          "--steps", "2"]
 TIMEOUT_S = 20
@@ -117,6 +124,9 @@ def error_line(err: str) -> str:
     (f"grad:inf:step=3:rank=1:tensor={T}", dict(kind="grad", action="inf", step=3, rank=1)),
     ("rank:kill:step=1:rank=2:where=collective", dict(kind="rank", rank=2, where="collective")),
     ("rank:raise:step=0:rank=0", dict(action="raise", where="step")),
+    ("engine:stale:step=1", dict(kind="engine", action="stale", step=1, rank=None, tensor=None)),
+    (f"engine:flip-bit:step=0:tensor={T}:rank=1:index=3:bit=20",
+     dict(kind="engine", action="flip-bit", rank=1, tensor=T, index=3, bit=20)),
 ])
 def test_valid_specs_parse(spec, fields):
     f = faults.parse(spec)
@@ -125,7 +135,7 @@ def test_valid_specs_parse(spec, fields):
 
 @pytest.mark.parametrize("spec,says", [
     ("", "unknown fault kind ''"),
-    ("net:drop:step=0", "unknown fault kind 'net'; allowed: sync, grad, rank"),
+    ("net:drop:step=0", "unknown fault kind 'net'; allowed: sync, grad, rank, engine"),
     ("sync:erase:step=0:tensor=x", "unknown sync action 'erase'; allowed: flip-bit, drop, shape"),
     ("grad:nan:tensor=x", "grad faults need step=..."),
     ("rank:kill:step=1", "rank faults need rank=..."),
@@ -135,6 +145,10 @@ def test_valid_specs_parse(spec, fields):
     ("sync:drop:step=0:step=1:tensor=x", "key 'step' given twice"),
     ("rank:kill:step=0:rank=1:where=bed", "where='bed'; allowed: step, collective"),
     ("rank:raise:step=0:rank=1:where=collective", "rank:raise happens where=step only"),
+    ("engine:reload:step=0", "unknown engine action 'reload'; allowed: stale, flip-bit"),
+    ("engine:stale:step=0:tensor=x", "unknown key 'tensor' for engine:stale; allowed: rank, step"),
+    ("engine:flip-bit:step=0", "engine:flip-bit faults need tensor=..."),
+    ("engine:stale:rank=1", "engine:stale faults need step=..."),
 ])
 def test_invalid_specs_are_rejected_naming_what_is_wrong(spec, says):
     with pytest.raises(faults.FaultSpecError) as e:
@@ -157,7 +171,7 @@ def test_check_rejects_unreachable_step_rank_and_single_process_collective(monke
 def test_hooks_are_no_ops_when_unset(monkeypatch):
     monkeypatch.delenv(faults.ENV, raising=False)
     grads = {T: torch.ones(2, 2)}
-    assert faults.active() is None and faults.tamper(0, 0) is None
+    assert faults.active() is None and faults.tamper(0, 0) is None and faults.load(0, 0) is None
     faults.corrupt_grads(0, 0, grads)
     faults.maybe_die(0, 0)
     assert torch.equal(grads[T], torch.ones(2, 2))
@@ -191,7 +205,8 @@ def test_on_nonfinite_is_validated():
 
 
 class _DictEngine:
-    """A rollout engine that keeps what it loads (strict names and shapes, like Qwen3's)."""
+    """A rollout engine that keeps what it loads (strict names and shapes, like Qwen3's), as
+    bf16, unsharded: its held weights are its logical weights."""
 
     def __init__(self, like: dict[str, torch.Tensor]) -> None:
         self.shapes = {n: t.shape for n, t in like.items()}
@@ -207,6 +222,12 @@ class _DictEngine:
 
     def exported_weights(self):
         return dict(self.w)
+
+    def held_weights(self):
+        return self.w
+
+    def held_form(self, name, t):
+        return t.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("action,says", [
@@ -239,6 +260,95 @@ def test_merge_problems_names_ranks_only_on_multi_rank_runs():
     assert merge_problems([["x", "y"]]) == ("x", "y")
     assert merge_problems([[], ["x"], ["x", "y"]]) == ("x (ranks 1, 2)", "y (rank 2)")
     assert merge_problems([[], []]) == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# the audit's reload half, unit level: a real (tiny, one-process) rollout engine
+
+
+def _two_versions():
+    """v0 and v1 of the tiny model's weights (bf16), every tensor different."""
+    v0 = init_weights(tiny(), 0)
+    return v0, {n: (t.float() + 2.0 ** -4).to(torch.bfloat16) for n, t in v0.items()}
+
+
+def _engine_version(engine) -> str:
+    return version_hash(state_hashes(engine.exported_weights()))
+
+
+@pytest.mark.parametrize("spec", [
+    "engine:stale:step=1",
+    f"engine:flip-bit:step=1:tensor={T}",                 # bit 0: rounding to bf16 would hide it
+    f"engine:flip-bit:step=1:tensor={T}:index=7:bit=22",  # a bf16 mantissa bit
+])
+def test_audit_checks_what_the_engine_holds_after_the_load(monkeypatch, spec):
+    """The copy in transit is intact (no transit problem), but the engine ignored the load or a
+    parameter changed after it: the audit fails with exactly a version line (expected = v1, found
+    = the engine's version: v0 for a stale engine, said so) and a reload line, both naming the
+    tensors; the record says weight_audit ok false."""
+    v0, v1 = _two_versions()
+    engine = RolloutEngine(tiny(), ops_for("invariant"), torch.bfloat16, pad_id=0)
+    a0 = sync_weights(v0, engine)
+    assert a0.ok, a0.problems
+    monkeypatch.setenv(faults.ENV, spec)
+    a1 = sync_weights(v1, engine, faults.tamper(1, 0), faults.load(1, 0), a0.version)
+    found = _engine_version(engine)
+    assert not a1.ok and len(a1.problems) == 2, a1.problems
+    version_line, reload_line = a1.problems
+    assert version_line.startswith(f"rollout engine computes with weight version {found[:16]}...")
+    assert reload_line.startswith(f"rollout engine parameters differ from the weights sent to it "
+                                  f"(version {a1.version[:16]}...) in ")
+    if "stale" in spec:
+        assert found == a0.version
+        assert version_line.startswith(
+            f"rollout engine computes with weight version {a0.version[:16]}... (the version before "
+            f"this sync: the engine kept serving it), expected {a1.version[:16]}...: 24 of 24 "
+            "tensors differ: tensor 'model.embed_tokens.weight' differs: expected hash ")
+        assert version_line.endswith("; and 21 more")
+        assert "in 24 of 24 tensors on this rank: 'model.embed_tokens.weight' (" in reload_line
+    else:
+        assert found not in (a0.version, a1.version)
+        h1 = a1.tensor_hashes[T]
+        assert version_line.endswith(f", expected {a1.version[:16]}...: 1 of 24 tensors differ: "
+                                     f"tensor {T!r} differs: expected hash {h1[:16]}..., got "
+                                     f"{state_hashes(engine.exported_weights())[T][:16]}...")
+        assert f"in 1 of 24 tensors on this rank: {T!r} (holds shard hash " in reload_line
+    assert a1.record()["weight_audit"] == {"ok": False, "problems": list(a1.problems)}
+
+
+def test_a_flipped_low_bit_changes_what_the_engine_computes(monkeypatch):
+    """Why the audit must see the engine's fp32 parameters, not their bf16 rounding: after bit 12
+    of one up_proj element flips, the parameter still rounds to the loaded bf16 weight (rounded
+    bytes == v0's), yet the engine's logprobs for the same requests change (bytes)."""
+    v0, _ = _two_versions()
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0, eos_id=256)
+    requests = [Request(i, tuple(b"12+30=" * 3)) for i in range(4)]
+
+    def logprobs(load):
+        engine = RolloutEngine(tiny(), ops_for("invariant"), torch.bfloat16, pad_id=0)
+        load(engine, v0)
+        out = torch.cat([c.logprob_tensor() for c in engine.generate(requests, sp)])
+        return engine, out.view(torch.int32)
+
+    _, clean = logprobs(lambda engine, w: engine.load_weights(w))
+    monkeypatch.setenv(faults.ENV, f"engine:flip-bit:step=0:tensor={T}:bit=12")
+    engine, flipped = logprobs(faults.load(0, 0))
+    p = engine.held_weights()[T]
+    assert torch.equal(p.to(torch.bfloat16).view(torch.int16), v0[T].view(torch.int16))
+    assert not torch.equal(p.view(torch.int32), v0[T].float().view(torch.int32))
+    assert not torch.equal(clean, flipped)
+
+
+def test_engine_flip_bit_rejects_an_index_or_bit_the_tensor_lacks(monkeypatch):
+    v0, _ = _two_versions()
+    engine = RolloutEngine(tiny(), ops_for("invariant"), torch.bfloat16, pad_id=0)
+    for spec, says in [(f"engine:flip-bit:step=0:tensor={T}:bit=32",
+                        f"index=0, bit=32: {T} has 8192 elements of 32 bits"),
+                       ("engine:flip-bit:step=0:tensor=lm_head.weight",
+                        "tensor 'lm_head.weight' is not a parameter of this model")]:
+        monkeypatch.setenv(faults.ENV, spec)
+        with pytest.raises(faults.FaultSpecError, match=re.escape(says)):
+            faults.load(0, 0)(engine, v0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +400,123 @@ def test_sync_fault_on_one_rank_is_caught_and_names_the_rank(capfd, env, tmp_pat
     problems = ev["steps"][1]["weight_audit"]["problems"]
     assert ev["steps"][1]["weight_audit"]["ok"] is False and problems
     assert all(p.endswith("(rank 1)") and T in p for p in problems)
+    assert_nothing_left(env, root, "r")
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout-engine faults (after the load), end to end. --kl-coef 0.01 makes step 1 change the
+# weights (the default small run has zero gradients), so a stale engine is distinguishable.
+
+UPDATES = ("--kl-coef", "0.01")
+
+
+def changed(ev: dict, step: int) -> list[str]:
+    """Tensors whose hash step `step` changed, in canonical order."""
+    before = ev["steps"][step - 1]["tensor_hashes"] if step else ev["init"]["tensor_hashes"]
+    return [n for n, h in ev["steps"][step]["tensor_hashes"].items() if before[n] != h]
+
+
+@pytest.mark.parametrize("spec", ["engine:stale:step=1",
+                                  f"engine:flip-bit:step=1:tensor={T}:bit=12"])
+def test_engine_fault_stops_the_run_naming_tensors_and_versions(capfd, env, tmp_path, monkeypatch,
+                                                                spec):
+    """The engine ignores step 1's load, or one of its parameters changes right after it: exit 1,
+    one line naming step 1, the version found (step 0's for a stale engine, said so), the
+    version expected (step 1's) and the tensors; step 1's record has weight_audit ok false with
+    those problems; step 0 is clean; nothing left behind."""
+    monkeypatch.setenv(faults.ENV, spec)
+    root = tmp_path / "runs"
+    code, err = rlk_in_process(capfd, root / "r", *UPDATES)
+    assert code == 1
+    line = error_line(err)
+    ev = evidence(root / "r")
+    assert ev["complete"] is False and [s["step"] for s in ev["steps"]] == [0, 1]
+    assert ev["steps"][0]["weight_audit"] == {"ok": True, "problems": []}
+    v0, v1 = ev["steps"][0]["version"], ev["steps"][1]["version"]
+    audit = ev["steps"][1]["weight_audit"]
+    assert audit["ok"] is False and len(audit["problems"]) == 2
+    assert line == ("rlk run: error: step 1: weight sync audit failed: "
+                    f"{'; '.join(audit['problems'])} (evidence of 2 step(s) kept in {root / 'r'})")
+    version_line, reload_line = audit["problems"]
+    assert reload_line.startswith(f"rollout engine parameters differ from the weights sent to it "
+                                  f"(version {v1[:16]}...) in ")
+    if "stale" in spec:
+        names = changed(ev, 1)
+        assert 0 < len(names) < 24, names  # so "k of 24" below counts exactly the changed ones
+        assert version_line.startswith(
+            f"rollout engine computes with weight version {v0[:16]}... (the version before this "
+            f"sync: the engine kept serving it), expected {v1[:16]}...: {len(names)} of 24 "
+            f"tensors differ: tensor {names[0]!r} differs: expected hash "
+            f"{ev['steps'][1]['tensor_hashes'][names[0]][:16]}..., got "
+            f"{ev['steps'][0]['tensor_hashes'][names[0]][:16]}...")
+        assert f"in {len(names)} of 24 tensors on this rank: {names[0]!r} (" in reload_line
+    else:
+        h1 = ev["steps"][1]["tensor_hashes"][T][:16]
+        m = re.fullmatch(rf"rollout engine computes with weight version ([0-9a-f]{{16}})\.\.\., "
+                         rf"expected {v1[:16]}\.\.\.: 1 of 24 tensors differ: tensor "
+                         rf"{re.escape(repr(T))} differs: expected hash {h1}\.\.\., got "
+                         rf"([0-9a-f]{{16}})\.\.\.", version_line)
+        assert m and m[1] not in (v0[:16], v1[:16]) and m[2] != h1, version_line
+        assert f"in 1 of 24 tensors on this rank: {T!r} (holds shard hash " in reload_line
+    assert_nothing_left(env, root, "r")
+
+
+def line_ranks(problem: str) -> tuple[str, set[int]]:
+    """(the problem without its rank suffix, the ranks that found it), from merge_problems."""
+    m = re.fullmatch(r"(.*) \(ranks? ([\d, ]+)\)", problem)
+    assert m, problem
+    return m[1], {int(r) for r in m[2].split(", ")}
+
+
+@pytest.mark.parametrize("spec,flags,found_by", [
+    # rollout TP2: rank 1 ignores the load; both ranks' views mix versions; rank 1's shards are
+    # stale
+    ("engine:stale:step=1:rank=1", ("--tp", "2", "--rollout-tp", "2"),
+     {"version": {0, 1}, "reload": {1}}),
+    # rollout TP2: only rank 1's copy of a replicated norm changes; rank 0's view is clean
+    (f"engine:flip-bit:step=1:rank=1:tensor={NORM}:bit=3", ("--tp", "2", "--rollout-tp", "2"),
+     {"version": {1}, "reload": {1}}),
+    # two TP1 rollout replicas: replica 1 keeps serving step 0's version
+    ("engine:stale:step=1:rank=1", ("--tp", "2"), {"stale": {1}, "reload": {1}}),
+    # two TP2 rollout replicas (ranks 0-1, 2-3): rank 3's shard of T changes; replica 0 is clean
+    (f"engine:flip-bit:step=1:rank=3:tensor={T}", ("--tp", "2", "--cp", "2", "--rollout-tp", "2"),
+     {"version": {2, 3}, "reload": {3}}),
+])
+def test_engine_fault_on_one_rank_names_the_rank(capfd, env, tmp_path, monkeypatch, spec, flags,
+                                                 found_by):
+    """A stale or mutated engine on one rank of a multi-process (gloo) run: exit 1; the audit
+    problems gathered from every rank are version lines (expected = step 1's version) from
+    exactly the ranks whose view of the engine is wrong (one line, or one per distinct view) and
+    one reload line from the rank at fault only, each naming its ranks; weight_audit ok false."""
+    monkeypatch.setenv(faults.ENV, spec)
+    root = tmp_path / "runs"
+    code, err = rlk_in_process(capfd, root / "r", *flags, *UPDATES)
+    assert code == 1
+    line = error_line(err)
+    ev = evidence(root / "r")
+    v0, v1 = ev["steps"][0]["version"], ev["steps"][1]["version"]
+    audit = ev["steps"][1]["weight_audit"]
+    assert audit["ok"] is False and ev["steps"][0]["weight_audit"]["ok"] is True
+    assert line.startswith(f"rlk run: error: rank 0: step 1: weight sync audit failed: "
+                           f"{audit['problems'][0]}")
+    starts = {"version": "rollout engine computes with weight version ",
+              "stale": f"rollout engine computes with weight version {v0[:16]}... (the version "
+                       f"before this sync: the engine kept serving it), expected {v1[:16]}...: ",
+              "reload": f"rollout engine parameters differ from the weights sent to it (version "
+                        f"{v1[:16]}...) in "}
+    seen: dict[str, set[int]] = {}
+    for p in audit["problems"]:
+        text, ranks = line_ranks(p)
+        kind = next(k for k in found_by if text.startswith(starts[k]))
+        assert kind != "reload" or kind not in seen, "one reload line only"
+        assert not (seen.get(kind, set()) & ranks), "one line per rank and kind"
+        seen.setdefault(kind, set()).update(ranks)
+        if kind == "version":
+            assert f", expected {v1[:16]}...: " in p and v0[:16] not in p
+    assert seen == found_by, audit["problems"]
+    if "flip-bit" in spec:
+        name = spec.split("tensor=")[1].split(":")[0]
+        assert all(f"1 of 24 tensors" in p and name in p for p in audit["problems"])
     assert_nothing_left(env, root, "r")
 
 

@@ -27,6 +27,7 @@ from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
 from rlkernel.model.sharding import kv_replicas, local_tensor, logical_tensor, shard_of
 from rlkernel.spec import ATTN_KV_BLOCK
+from rlkernel.weights.hashing import same_bytes
 
 
 class KVCache:
@@ -210,13 +211,19 @@ class Qwen3ForCausalLM(nn.Module):
             missing = sorted(set(params) - set(tensors))
             extra = sorted(set(tensors) - set(params))
             raise ValueError(f"load_tensors: missing {missing[:5]}, unexpected {extra[:5]}")
-        tp, r = self.pc.tp.size, self.pc.tp.rank
         for name, p in params.items():
             t = tensors[name]
             if tuple(t.shape) != tuple(shapes[name]):
                 raise ValueError(f"load_tensors: {name} has shape {tuple(t.shape)}, "
                                  f"expected {tuple(shapes[name])}")
-            p.copy_(local_tensor(name, t, self.cfg, tp, r).to(self.param_dtype).to(torch.float32))
+            p.copy_(self.local_param(name, t))
+
+    def local_param(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The value `load_tensors` gives this rank's parameter `name` from logical tensor `t`:
+        its TP shard, rounded to param_dtype, as fp32 (on t's device). The weight audit compares
+        the parameter with it byte for byte, so load and audit share this one definition."""
+        shard = local_tensor(name, t, self.cfg, self.pc.tp.size, self.pc.tp.rank)
+        return shard.to(self.param_dtype).to(torch.float32)
 
     @torch.no_grad()
     def load_master_shards(self, masters: dict[str, torch.Tensor]) -> None:
@@ -225,12 +232,30 @@ class Qwen3ForCausalLM(nn.Module):
             p.copy_(masters[name].to(self.param_dtype).to(torch.float32))
 
     @torch.no_grad()
-    def export_tensors(self) -> dict[str, torch.Tensor]:
-        """Logical weights in param_dtype on the CPU, reassembled from every TP rank's shard."""
+    def export_tensors(self, as_held: bool = False) -> dict[str, torch.Tensor]:
+        """Logical weights in param_dtype on the CPU, reassembled from every TP rank's shard; a
+        tensor replicated across TP ranks (norms, shared KV heads) from its first holder.
+
+        With `as_held`, the weights exactly as this rank computes with them (the rollout audit):
+        replicated tensors from this rank's own copy, and a tensor holding a value param_dtype
+        cannot represent exported as held (fp32), never rounded into a weight it is not.
+        Collective over TP.
+        """
+        tp, r = self.pc.tp.size, self.pc.tp.rank
         out = {}
         for n, p in self.logical_params().items():
             parts = self.pc.tp.all_gather(p.detach(), f"export:{n}")
-            out[n] = logical_tensor(n, parts, self.cfg).to(self.param_dtype).cpu().clone()
+            if as_held:
+                kind = shard_of(n, self.cfg, tp, r).kind
+                first = {"replicated": 0, "kv": r - r % kv_replicas(self.cfg, tp)}.get(kind, r)
+                parts[first] = parts[r]  # logical_tensor reads each replica group's first copy
+            held = logical_tensor(n, parts, self.cfg)
+            t = held.to(self.param_dtype)
+            # A flipped low bit of an fp32 parameter rounds back to the loaded bf16 weight, yet
+            # the forward computes with it: only an exact conversion may stand for the tensor.
+            if as_held and not same_bytes(t.to(held.dtype), held):
+                t = held
+            out[n] = t.cpu().clone()
         return out
 
     def lm_head_weight(self) -> torch.Tensor:

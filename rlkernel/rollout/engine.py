@@ -76,8 +76,20 @@ class RolloutEngine:
         self.model.load_tensors(tensors)
 
     def exported_weights(self) -> dict[str, torch.Tensor]:
-        """The logical tensors the engine now computes with (for the weight audit)."""
-        return self.model.export_tensors()
+        """The logical tensors this rank's engine now computes with (for the weight audit):
+        reassembled from every rollout-TP rank's shard, replicated tensors from this rank's own
+        copy, in param_dtype unless a value needs more (Qwen3's export_tensors). Collective over
+        the rollout-TP group."""
+        return self.model.export_tensors(as_held=True)
+
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's own parameters by logical name: the very tensors its forward reads (its
+        TP shard, fp32, on the engine's device), not copies."""
+        return {n: p.detach() for n, p in self.model.logical_params().items()}
+
+    def held_form(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """What `load_weights` puts into `held_weights()[name]` on this rank from logical `t`."""
+        return self.model.local_param(name, t)
 
     @torch.no_grad()
     def generate(self, requests: list[Request], sp: SamplingParams) -> list[Completion]:

@@ -1,8 +1,8 @@
 """Fault injection for tests: `RLK_FAULT=<spec>` makes one run misbehave on purpose.
 
 A test hook, never a flag (it is not in `rlk run --help` and not in the manifest's config): the
-tests of issue 5 (tests/test_faults.py) set it to prove that every fault is caught, named and
-recorded. With RLK_FAULT unset or empty every hook is a no-op that returns at once.
+tests of issues 5 and 10 (tests/test_faults.py) set it to prove that every fault is caught,
+named and recorded. With RLK_FAULT unset or empty every hook is a no-op that returns at once.
 
 Spec: `KIND:ACTION:key=value:...` (one fault per run):
 
@@ -11,6 +11,13 @@ Spec: `KIND:ACTION:key=value:...` (one fault per run):
         received copy of tensor NAME: flip bit B (default 0) of element I (default 0), drop it,
         give it a wrong shape (same bytes: 2-D+ flattened, 1-D made a row), or a wrong dtype
         (bf16 <-> fp32).
+    engine:stale:step=S[:rank=R]
+        at step S, rank R's (default: every rank's) rollout engine ignores the weight load and
+        keeps serving the weights it had (the stale-weights bug).
+    engine:flip-bit:step=S:tensor=NAME[:rank=R][:index=I][:bit=B]
+        at step S, right after a good load, flip bit B (default 0) of element I (default 0) of
+        rank R's own rollout-engine parameter NAME (its shard as held: fp32 holding bf16 values,
+        so bits 0-14 are ones that rounding to bf16 would hide; the forward still reads them).
     grad:nan|inf:step=S:tensor=NAME[:rank=R]
         after backward at step S, set the first element of rank R's gradient shard of NAME to
         NaN or +Inf (default: every rank).
@@ -44,10 +51,13 @@ import torch
 ENV = "RLK_FAULT"
 
 _ACTIONS = {"sync": ("flip-bit", "drop", "shape", "dtype"), "grad": ("nan", "inf"),
-            "rank": ("raise", "kill")}
+            "rank": ("raise", "kill"), "engine": ("stale", "flip-bit")}
+# Keys and required keys by kind, or by "kind:action" where an action differs from its kind.
 _KEYS = {"sync": {"step", "tensor", "rank", "index", "bit"}, "grad": {"step", "tensor", "rank"},
-         "rank": {"step", "rank", "where"}}
-_REQUIRED = {"sync": {"step", "tensor"}, "grad": {"step", "tensor"}, "rank": {"step", "rank"}}
+         "rank": {"step", "rank", "where"}, "engine:stale": {"step", "rank"},
+         "engine:flip-bit": {"step", "tensor", "rank", "index", "bit"}}
+_REQUIRED = {"sync": {"step", "tensor"}, "grad": {"step", "tensor"}, "rank": {"step", "rank"},
+             "engine:stale": {"step"}, "engine:flip-bit": {"step", "tensor"}}
 _WHERE = ("step", "collective")
 
 
@@ -90,19 +100,21 @@ def parse(spec: str) -> Fault:
     if len(parts) < 2 or parts[1] not in _ACTIONS[kind]:
         got = parts[1] if len(parts) > 1 else ""
         raise _bad(spec, f"unknown {kind} action {got!r}; allowed: {', '.join(_ACTIONS[kind])}")
+    what = f"{kind}:{parts[1]}" if f"{kind}:{parts[1]}" in _KEYS else kind
     fields: dict[str, str] = {}
     for item in parts[2:]:
         key, eq, value = item.partition("=")
         if not eq or not value:
             raise _bad(spec, f"{item!r} is not key=value")
-        if key not in _KEYS[kind]:
-            raise _bad(spec, f"unknown key {key!r} for {kind}; allowed: {', '.join(sorted(_KEYS[kind]))}")
+        if key not in _KEYS[what]:
+            raise _bad(spec, f"unknown key {key!r} for {what}; "
+                             f"allowed: {', '.join(sorted(_KEYS[what]))}")
         if key in fields:
             raise _bad(spec, f"key {key!r} given twice")
         fields[key] = value
-    missing = sorted(_REQUIRED[kind] - set(fields))
+    missing = sorted(_REQUIRED[what] - set(fields))
     if missing:
-        raise _bad(spec, f"{kind} faults need {', '.join(missing)}=...")
+        raise _bad(spec, f"{what} faults need {', '.join(missing)}=...")
     ints = {}
     for key in ("step", "rank", "index", "bit"):
         if key in fields:
@@ -151,6 +163,17 @@ def _named(f: Fault, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return tensors[f.tensor]
 
 
+def _flip_bit(f: Fault, t: torch.Tensor) -> None:
+    """Flip bit `f.bit` (from the least significant) of element `f.index` of contiguous `t`."""
+    size = t.element_size()
+    if f.index >= t.numel() or f.bit >= 8 * size:
+        raise _bad(f.spec, f"index={f.index}, bit={f.bit}: {f.tensor} has {t.numel()} "
+                           f"elements of {8 * size} bits")
+    raw = t.view(-1).view(torch.uint8)  # little-endian: byte bit // 8 holds the bit
+    with torch.no_grad():
+        raw[f.index * size + f.bit // 8] ^= 1 << (f.bit % 8)
+
+
 def _sigkill(f: Fault, rank: int, step: int) -> None:
     # The line lets a test (or a person) see when the rank died: its peers' timeout runs from here.
     print(f"{ENV}: rank {rank} SIGKILLs itself at step {step} (where={f.where})", file=sys.stderr,
@@ -163,7 +186,7 @@ def _sigkill(f: Fault, rank: int, step: int) -> None:
 
 
 def tamper(step: int, rank: int) -> Callable[[dict[str, torch.Tensor]], None] | None:
-    """The `tamper` argument of sync_weights for this step and rank (None: leave the weights)."""
+    """The `tamper` argument of sync_weights for this step and rank (None: leave the copy)."""
     f = active()
     if f is None or not f.fires("sync", step, rank):
         return None
@@ -176,14 +199,23 @@ def tamper(step: int, rank: int) -> Callable[[dict[str, torch.Tensor]], None] | 
             received[f.tensor] = t.to(torch.float32 if t.dtype != torch.float32 else torch.bfloat16)
         elif f.action == "shape":
             received[f.tensor] = t.reshape(-1) if t.dim() > 1 else t.reshape(1, -1)
-        else:  # flip-bit: element `index`, bit `bit` counted from its least significant bit
-            size = t.element_size()
-            if f.index >= t.numel() or f.bit >= 8 * size:
-                raise _bad(f.spec, f"index={f.index}, bit={f.bit}: {f.tensor} has {t.numel()} "
-                                   f"elements of {8 * size} bits")
-            raw = t.view(-1).view(torch.uint8)  # received copies are contiguous, little-endian
-            raw[f.index * size + f.bit // 8] ^= 1 << (f.bit % 8)
+        else:
+            _flip_bit(f, t)  # received copies are contiguous
     return corrupt
+
+
+def load(step: int, rank: int) -> Callable[[object, dict[str, torch.Tensor]], None] | None:
+    """The `load` argument of sync_weights for this step and rank (None: a normal load)."""
+    f = active()
+    if f is None or not f.fires("engine", step, rank):
+        return None
+
+    def misbehave(engine, received: dict[str, torch.Tensor]) -> None:
+        if f.action == "stale":
+            return  # the load is dropped: the engine keeps the weights it had
+        engine.load_weights(received)
+        _flip_bit(f, _named(f, engine.held_weights()))  # the engine's own parameter, in place
+    return misbehave
 
 
 def corrupt_grads(step: int, rank: int, grads: dict[str, torch.Tensor]) -> None:

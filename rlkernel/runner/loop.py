@@ -233,8 +233,8 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     coefs = LossCoefs(cfg.clip_eps, cfg.kl_coef, cfg.entropy_coef, cfg.kl_estimator)
     sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_response_len, cfg.seed, tok.eos_id)
 
-    def audit_sync(tamper=None):
-        a = sync_weights(policy.export_tensors(), engine, tamper)
+    def audit_sync(tamper=None, load=None, previous=None):
+        a = sync_weights(policy.export_tensors(), engine, tamper, load, previous)
         problems = comms.world.all_gather_object(list(a.problems), "audit-problems")
         return a.__class__(a.version, a.tensor_hashes, merge_problems(problems))
 
@@ -279,7 +279,9 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             policy.load_master_shards(opt.master)
             diverged = [n for n, t in opt.master.items() if not torch.isfinite(t).all()]
         t2 = time.perf_counter()
-        audit = audit_sync(faults.tamper(step, topo.rank))  # tamper: test hook, None when unset
+        # tamper, load: test hooks (RLK_FAULT), None when unset; `version` is what the engine
+        # served until now, so a stale engine is named as such.
+        audit = audit_sync(faults.tamper(step, topo.rank), faults.load(step, topo.rank), version)
         t3 = time.perf_counter()
         peak = _peak_gpu_mem_gib(dev, comms)
         rec = {

@@ -40,6 +40,28 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+# Integer dtypes of each element size: a same-size view compares bit patterns, never float values.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` have the same dtype, shape and bits, i.e. would hash equal.
+
+    Compares bit patterns (NaN payloads, -0.0 vs 0.0 and bf16 patterns count), not float values;
+    strides and storage offsets do not count. Both must be on one device. Raises ValueError for
+    sparse, quantized or complex tensors (no single integer view of their bits).
+    """
+    for t in (a, b):
+        if t.layout != torch.strided or t.is_quantized or t.is_complex():
+            raise ValueError(f"same_bytes: only dense real tensors, got {t.dtype} {t.layout}")
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    bits = _BITS[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+
+
 def tensor_hash(t: torch.Tensor) -> str:
     """Hex SHA-256 of one tensor: equal iff dtype, shape and every byte are equal.
 

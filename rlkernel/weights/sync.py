@@ -1,10 +1,19 @@
-"""Weight sync with an audit: export → serialise → reload into the rollout engine → compare hashes.
+"""Weight sync with an audit: export → serialise → reload into the rollout engine → compare.
 
 After every update the trainer exports its logical weights (parameter dtype), they travel as one
-safetensors blob (what a real sync would send), the rollout engine loads them, and both sides hash
-every logical tensor (SHA-256 over dtype, shape and bytes). Any difference — a flipped bit, a
-missing tensor, a wrong shape or dtype — is named and fails the audit; nothing is silently
-tolerated. The version is the Merkle root over the per-tensor hashes.
+safetensors blob (what a real sync would send), the rollout engine loads them, and every rank
+checks, naming each tensor it finds wrong:
+  transit — the received copy has the trainer's dtype, shape and per-tensor SHA-256;
+  version — what this rank's engine computes with after the load (its parameters, reassembled
+            over rollout TP with this rank's own copy of every replicated tensor, and never
+            rounded into a value they do not hold) hashes to the trainer's per-tensor SHA-256
+            and so to its version, the Merkle root over them; the problem names the version
+            found (and says so when it is the one served before: a load that did not happen);
+  reload  — for each tensor the version check flags, whether this rank's own shard is, byte
+            for byte, what loading the received copy puts there: names the rank at fault.
+Nothing is silently tolerated. Cost per step: SHA-256 over the logical weights three times (the
+trainer's copy, the received copy, the engine's), the export's exactness check (one dtype round
+trip); no second serialisation, and the reload check runs only on the failure path.
 Does not: move weights between processes (rlkernel/distributed) or decide what to do on failure (loop).
 """
 
@@ -16,7 +25,8 @@ from typing import Callable
 import safetensors.torch
 import torch
 
-from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
+from rlkernel.weights.hashing import (compare_hashes, same_bytes, state_hashes, tensor_hash,
+                                      version_hash)
 
 
 @dataclass(frozen=True)
@@ -37,14 +47,28 @@ class SyncAudit:
 
 
 def sync_weights(exported: dict[str, torch.Tensor], engine,
-                 tamper: Callable[[dict[str, torch.Tensor]], None] | None = None) -> SyncAudit:
-    """Send `exported` to `engine` (load_weights / exported_weights) and audit the result.
+                 tamper: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                 load: Callable[[object, dict[str, torch.Tensor]], None] | None = None,
+                 previous: str | None = None) -> SyncAudit:
+    """Send `exported` (the trainer's logical weights, canonical order) to `engine` and audit,
+    on this rank, what the engine computes with afterwards (module doc: transit, version, reload).
 
-    `tamper` is a test hook applied to the received tensors before loading (fault injection,
-    rlkernel/runner/faults.py). A load that raises (e.g. wrong shape) is recorded as a problem,
-    not propagated.
+    `engine` provides load_weights(tensors), exported_weights() (logical tensors it computes
+    with; a collective under rollout TP), held_weights() (this rank's own parameters, the
+    tensors its forward reads) and held_form(name, t) (what load_weights puts into
+    held_weights()[name] from logical t): rlkernel/rollout/engine.py.
+    `previous`: the version the engine served before this sync, so that a version check that
+    finds it says the engine kept serving it (the stale-weights bug).
+    Test hooks (rlkernel/runner/faults.py), None in real runs: `tamper(received)` corrupts the
+    received copy before loading; `load(engine, received)` stands in for
+    engine.load_weights(received).
+    A load that raises ValueError/RuntimeError is recorded as a problem, not propagated; the
+    engine is then half loaded, so its reload and version checks are skipped (the export still
+    runs: under rollout TP it is a collective that the peers are waiting in).
+    Returns: the trainer's version and hashes and the problems found (empty = ok).
     """
     hashes = state_hashes(exported)
+    version = version_hash(hashes)
     blob = safetensors.torch.save({n: t.contiguous() for n, t in exported.items()})
     loaded = safetensors.torch.load(blob)
     # safetensors returns names sorted; restore the canonical order (extras last) before hashing.
@@ -53,21 +77,73 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     if tamper is not None:
         tamper(received)
     problems = [f"tensor {n!r} arrived as {_meta(received[n])}, expected {_meta(t)}"
-                for n, t in exported.items()
-                if n in received and (received[n].dtype, received[n].shape) != (t.dtype, t.shape)]
+                for n, t in exported.items() if n in received and not _same_meta(received[n], t)]
     rejected = False
     try:
-        engine.load_weights(received)
+        if load is None:
+            engine.load_weights(received)
+        else:
+            load(engine, received)
     except (ValueError, RuntimeError) as e:
         problems.append(f"rollout engine rejected the weights: {e}")
         rejected = True
     # Export even after a rejected load: under rollout TP the export is a collective, and a rank
     # whose copy was bad must make the same calls as its peers (or they would wait for it).
-    loaded = state_hashes(engine.exported_weights())
+    found = state_hashes(engine.exported_weights())
     if not rejected:
-        problems += compare_hashes(hashes, loaded)
+        problems += _version_problems(hashes, version, found, previous)
+        # The version check saw this rank's own copy of every tensor, so where it passes every
+        # parameter here is right; only a tensor it flags needs this rank's shard checked.
+        sent = {n: t for n, t in received.items() if n in exported and _same_meta(t, exported[n])
+                and found.get(n) != hashes[n]}
+        problems += _reload_problems(engine, sent, version)
     problems += compare_hashes(hashes, state_hashes(received))
-    return SyncAudit(version_hash(hashes), hashes, tuple(dict.fromkeys(problems)))
+    return SyncAudit(version, hashes, tuple(dict.fromkeys(problems)))
+
+
+_DETAILED = 3  # tensors described in full per problem line; the rest are counted
+
+
+def _reload_problems(engine, sent: dict[str, torch.Tensor], version: str) -> list[str]:
+    """One line if any of this rank's engine parameters named in `sent` (received tensors of
+    the right dtype and shape) is not, byte for byte, what loading them puts there."""
+    if not sent:
+        return []
+    held = engine.held_weights()
+    bad = [n for n, t in sent.items()
+           if n in held and not same_bytes(held[n], engine.held_form(n, t).to(held[n].device))]
+    if not bad:
+        return []
+    # Hashed only here, on the failure path: they name the bytes for a person comparing runs.
+    shown = [f"{n!r} (holds shard hash {tensor_hash(held[n])[:16]}..., the load gives "
+             f"{tensor_hash(engine.held_form(n, sent[n]))[:16]}...)" for n in bad[:_DETAILED]]
+    return [f"rollout engine parameters differ from the weights sent to it (version "
+            f"{version[:16]}...) in {len(bad)} of {len(held)} tensors on this rank: "
+            f"{_listing(shown, len(bad))}"]
+
+
+def _version_problems(hashes: dict[str, str], version: str, found: dict[str, str],
+                      previous: str | None) -> list[str]:
+    """One line if the engine's logical weights are not the trainer's version."""
+    found_version = version_hash(found)
+    if found_version == version:
+        return []
+    stale = (" (the version before this sync: the engine kept serving it)"
+             if found_version == previous else "")
+    diffs = compare_hashes(hashes, found)
+    n_bad = sum(1 for n in set(hashes) | set(found) if hashes.get(n) != found.get(n))
+    return [f"rollout engine computes with weight version {found_version[:16]}...{stale}, "
+            f"expected {version[:16]}...: {n_bad} of {len(hashes)} tensors differ: "
+            f"{_listing(diffs[:_DETAILED], len(diffs))}"]
+
+
+def _listing(shown: list[str], total: int) -> str:
+    more = total - len(shown)
+    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype, a.shape) == (b.dtype, b.shape)
 
 
 def _meta(t: torch.Tensor) -> str:
