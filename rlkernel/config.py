@@ -36,6 +36,8 @@ DTYPES = ("bf16", "fp32")
 MODES = ("invariant", "native")
 ON_NONFINITE = ("stop", "skip")
 DEVICES = ("cpu", "cuda")
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 SEED_LIMIT = 2**63
 
 
