@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Compare two runs field by field; exit 0 iff identical.")
     cmp.add_argument("run_a", metavar="RUN_A")
     cmp.add_argument("run_b", metavar="RUN_B")
+    cmp.add_argument("--quiet", action="store_true",
+                     help="print only the fields that differ and the verdict line")
     cmp.set_defaults(func=cmd_compare)
 
     init = sub.add_parser("init-model", help="write a randomly initialised model directory",
@@ -393,7 +395,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if _debug():
             raise
         return _error("compare", e, 2)
-    print(format_report(report))
+    print(format_report(report, quiet=args.quiet))
     return report.exit_code
 
 
