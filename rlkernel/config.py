@@ -395,7 +395,9 @@ def _validate_updates(c: RunConfig) -> None:
     _check_int(c, "mini_batches", 1)
     n = c.samples_per_step
     if n % c.mini_batches:
-        divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        # List the divisors only for sizes a person types; never loop over a huge n.
+        divisors = (", ".join(str(d) for d in range(1, n + 1) if n % d == 0) if n <= 4096
+                    else f"a divisor of {n}")
         raise _fail("mini_batches", c.mini_batches,
                     f"must divide the samples per step (--n-prompts {c.n_prompts} x "
                     f"--n-samples-per-prompt {c.n_samples_per_prompt} = {n}); allowed: {divisors}")

@@ -86,7 +86,9 @@ def assert_nothing_left(env, root: pathlib.Path, kept: str | None) -> None:
         assert not root.exists(), f"{root} left behind"  # nor the parent the CLI made for it
         return
     assert sorted(p.name for p in root.iterdir()) == [kept]
-    assert sorted(p.name for p in (root / kept).iterdir()) == ["evidence.json", "manifest.json"]
+    # evidence, manifest and the watch files of the recorded steps (runner/metrics.py); no temp file
+    assert sorted(p.name for p in (root / kept).iterdir()) == [
+        "completions.jsonl", "evidence.json", "manifest.json", "metrics.jsonl"]
 
 
 def evidence(run_dir: pathlib.Path) -> dict:
