@@ -1,4 +1,4 @@
-"""`rlk`, the command line: `rlk run`, `rlk compare`, `rlk init-model`.
+"""`rlk`, the command line: `rlk run`, `rlk compare`, `rlk report`, `rlk init-model`.
 
 `rlk run` turns flags into a validated RunConfig (one flag per field, generated from the dataclass
 so the two cannot drift), checks the environment (model dir, prompts file, git state), hashes
@@ -16,8 +16,8 @@ torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.p
 Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/distributed/launch.py),
 or set any global torch state; nothing happens at import.
 
-Run: `rlk run --steps 2`; `rlk compare runs/A runs/B`; `rlk init-model --preset tiny --seed 0
---out m/`. Set RLK_DEBUG=1 to get the traceback instead of a one-line error.
+Run: `rlk run --steps 2`; `rlk compare [--quiet] runs/A runs/B`; `rlk report runs/A runs/B --out
+plots/`; `rlk init-model --preset tiny --seed 0 --out m/`. Set RLK_DEBUG=1 to get the traceback instead of a one-line error.
 Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
 """
 
@@ -40,6 +40,7 @@ from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 from rlkernel.runner.inputs import check_unchanged, describe_inputs, startup_notes
+from rlkernel.runner.watch import config_warnings, summary_lines
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
 """The directory that holds the rlkernel package: the checkout whose git state is recorded."""
@@ -90,7 +91,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(RunConfig)
     docs = field_docs()
     for f in dataclasses.fields(RunConfig):
-        kind = hints[f.name]
+        kind = _unoptional(hints[f.name])
         text = docs.get(f.name, "")
         if kind is bool:
             p.add_argument(flag_name(f.name), dest=f.name, action="store_true",
@@ -103,8 +104,14 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                        default=argparse.SUPPRESS, help=help_text)
 
 
+def _unoptional(kind):
+    """`float | None` -> float (a flag gives the value; leaving it out keeps the None default)."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in typing.get_args(kind) else kind
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `rlk` parser with its three subcommands."""
+    """The `rlk` parser with its subcommands."""
     parser = _Parser(
         prog="rlk", description="Bitwise-reproducible RL post-training across parallel topologies.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -118,7 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Compare two runs field by field; exit 0 iff identical.")
     cmp.add_argument("run_a", metavar="RUN_A")
     cmp.add_argument("run_b", metavar="RUN_B")
+    cmp.add_argument("--quiet", action="store_true",
+                     help="print only the fields that differ and the verdict line")
     cmp.set_defaults(func=cmd_compare)
+
+    rep = sub.add_parser("report", help="draw PNG plots of the per-step metrics of runs",
+                         description="Plot the per-step metrics (metrics.jsonl, else "
+                                     "evidence.json) of one or several runs as PNG files.")
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    rep.add_argument("--out", required=True, metavar="DIR",
+                     help="output directory (created if missing; PNGs in it are replaced)")
+    rep.set_defaults(func=cmd_report)
 
     init = sub.add_parser("init-model", help="write a randomly initialised model directory",
                           description="Write a Hugging Face-layout model with random weights.")
@@ -219,6 +236,30 @@ def _check_topology(cfg: RunConfig) -> None:
                       world=launcher_world_size(), **heads)
 
 
+def _check_watch(cfg: RunConfig) -> None:
+    """--tensorboard needs its package: refuse before any work rather than fail after step 0."""
+    if cfg.tensorboard:
+        from rlkernel.runner.metrics import tensorboard_missing
+
+        why = tensorboard_missing()
+        if why:
+            raise ConfigError(f"--tensorboard: {why}; install it with pip install "
+                              "'rl-kernel[tensorboard]' (or pip install tensorboard), or leave "
+                              "out --tensorboard")
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        print(f"rlk run: warning: {line}", file=sys.stderr)
+
+
+def _summary(writer: EvidenceWriter | None, run_dir: pathlib.Path) -> None:
+    """The closing lines of a finished run (stderr; stdout keeps only the run directory)."""
+    if writer is not None:
+        for line in summary_lines(writer.steps, run_dir):
+            print(line, file=sys.stderr)
+
+
 def _missing_ancestors(d: pathlib.Path) -> list[pathlib.Path]:
     """Ancestors of `d` that do not exist yet, deepest first (mkdir(parents=True) creates them)."""
     out = []
@@ -286,7 +327,7 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
 # Settings a resumed run may give again: where (on which ranks) and how it runs, not what it
 # computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
 RESUME_MAY_CHANGE = frozenset({"tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
-                               "steps", "save_every", "allow_dirty", "resume"})
+                               "steps", "save_every", "allow_dirty", "resume", "tensorboard"})
 
 
 def _pid_of(tmp: pathlib.Path) -> int | None:
@@ -353,6 +394,13 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     if given.get("steps", saved.get("steps", 1)) < saved.get("steps", 1):
         raise ConfigError(f"--steps {given['steps']}: a resumed run can only be extended "
                           f"(saved --steps {saved.get('steps')})")
+    if given.get("steps", saved.get("steps")) != saved.get("steps") and \
+            saved.get("lr_schedule", "constant") != "constant":
+        # The schedule's horizon is the run's update count: extending it would change the LR
+        # of steps after the checkpoint, so the resumed run would not equal any single run.
+        raise ConfigError(f"--steps {given['steps']}: a run with --lr-schedule "
+                          f"{saved['lr_schedule']} cannot be extended on resume (its LR decays "
+                          f"over the saved --steps {saved.get('steps')}); start a new run")
     return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
 
 
@@ -396,6 +444,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path) -
         return _error("run", e, 1)
     finally:
         progress.close()
+    _summary(writer, d)
     print(d)
     return 0
 
@@ -408,6 +457,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
         _check_inputs(cfg)
         _check_topology(cfg)
+        _check_watch(cfg)
     except ConfigError as e:
         return _error("run", e, 2)
 
@@ -417,6 +467,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _error("run", f"the rl-kernel checkout {SRC_DIR} has uncommitted changes "
                              f"({len(files)} path(s), e.g. {files[0].strip()!r}); commit them so "
                              "the run can be reproduced from its commit, or pass --allow-dirty", 2)
+    _warn(config_warnings(cfg))
     if src is not None:
         return _cmd_resume(cfg, git, src)
     try:
@@ -471,6 +522,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _restore_sigterm(previous_sigterm)
         progress.close()
     _publish(tmp, final)
+    _summary(writer, final)
     print(final)
     return 0
 
@@ -488,8 +540,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if _debug():
             raise
         return _error("compare", e, 2)
-    print(format_report(report))
+    print(format_report(report, quiet=args.quiet))
     return report.exit_code
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rlkernel.runner.report import ReportError, write_report
+
+    try:
+        paths = write_report(args.runs, args.out)
+    except ReportError as e:
+        if _debug():
+            raise
+        return _error("report", e, 2)
+    for p in paths:
+        print(p)
+    return 0
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:

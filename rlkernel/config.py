@@ -36,6 +36,8 @@ DTYPES = ("bf16", "fp32")
 MODES = ("invariant", "native")
 ON_NONFINITE = ("stop", "skip")
 DEVICES = ("cpu", "cuda")
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 SEED_LIMIT = 2**63
 FP32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 1e-6
@@ -97,7 +99,31 @@ class RunConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (>= 0; 0 disables it)."""
     clip_eps: float = 0.2
-    """PPO ratio clipping: the ratio is clipped to [1 - eps, 1 + eps]."""
+    """PPO ratio clipping: the ratio is clipped to [1 - eps, 1 + eps] (each side unless
+    --clip-eps-low/--clip-eps-high). Acts only with several updates per rollout batch."""
+
+    # ---- policy updates per rollout batch (issue 13): epochs, mini-batches, clip, loss, LR
+    ppo_epochs: int = 1
+    """Passes over each step's rollout samples. With one pass and one mini-batch the update is
+    exactly on-policy (importance ratio 1), so the clip range cannot act."""
+    mini_batches: int = 1
+    """Optimizer updates per pass: the step's samples are cut, in sample order, into this many
+    equal mini-batches (must divide --n-prompts x --n-samples-per-prompt). Old logprobs are
+    always the rollout's."""
+    clip_eps_low: float | None = None
+    """Lower PPO clip range: the ratio is clipped below at 1 - eps_low (finite >= 0). None: --clip-eps."""
+    clip_eps_high: float | None = None
+    """Upper PPO clip range: the ratio is clipped above at 1 + eps_high (finite >= 0); DAPO's
+    clip-higher (Yu et al. 2025, arXiv 2503.14476) uses 0.28 with eps_low 0.2. None: --clip-eps."""
+    loss_agg: str = "token-mean"
+    """How per-token losses form a mini-batch's loss, normalised once over the whole mini-batch:
+    token-mean (sum / response tokens), seq-mean-token-sum (sum / samples) or
+    seq-mean-token-mean (mean over samples of each sample's token mean)."""
+    lr_warmup_steps: int = 0
+    """Optimizer updates of linear LR warmup (update k <= W uses lr*k/W); < the run's updates."""
+    lr_schedule: str = "constant"
+    """LR after warmup, over the run's optimizer updates (--steps x --ppo-epochs x --mini-batches):
+    constant, cosine (to 0; Loshchilov & Hutter, arXiv 1608.03983, no restarts) or linear (to 0)."""
 
     # ---- optimizer (AdamW on fp32 master weights)
     lr: float = 1e-5
@@ -157,6 +183,9 @@ class RunConfig:
     require_updates: bool = False
     """Fail the run if an applied update leaves the weights unchanged (a step skipped by
     --on-nonfinite skip is recorded as update_skipped, not failed)."""
+    tensorboard: bool = False
+    """Also write the per-step metrics as TensorBoard events into RUN_DIR/tensorboard (needs the
+    tensorboard package: pip install 'rl-kernel[tensorboard]')."""
     device: str = "cpu"
     """cpu or cuda. Bitwise identity is promised within one backend, not across backends."""
 
@@ -173,6 +202,26 @@ class RunConfig:
     def samples_per_step(self) -> int:
         """Rollout samples per step: n_prompts * n_samples_per_prompt."""
         return self.n_prompts * self.n_samples_per_prompt
+
+    @property
+    def clip_low(self) -> float:
+        """Lower clip range in use: --clip-eps-low, else --clip-eps."""
+        return self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+
+    @property
+    def clip_high(self) -> float:
+        """Upper clip range in use: --clip-eps-high, else --clip-eps."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per RL step: ppo_epochs * mini_batches."""
+        return self.ppo_epochs * self.mini_batches
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer updates of the whole run (the LR schedule's horizon)."""
+        return self.steps * self.updates_per_step
 
     @property
     def train_world_size(self) -> int:
@@ -312,7 +361,7 @@ def _validate(c: RunConfig) -> None:
     for f in ("model", "prompts", "run_dir", "resume"):
         _check_path(c, f)
     _check_int(c, "save_every", 0)
-    for f in ("sp", "recompute", "allow_dirty", "require_updates"):
+    for f in ("sp", "recompute", "allow_dirty", "require_updates", "tensorboard"):
         _check_bool(c, f)
     _check_int(c, "model_seed", 0, SEED_LIMIT)
     _check_int(c, "seed", 0, SEED_LIMIT)
@@ -354,3 +403,29 @@ def _validate(c: RunConfig) -> None:
         raise _fail("token_budget", c.token_budget,
                     f"must be >= --max-prompt-len + --max-response-len = {need} "
                     "(one whole sample must fit in one microbatch)")
+    _validate_updates(c)
+
+
+def _validate_updates(c: RunConfig) -> None:
+    """--ppo-epochs, --mini-batches, --clip-eps-low/high, --loss-agg and the LR schedule."""
+    _check_int(c, "ppo_epochs", 1)
+    _check_int(c, "mini_batches", 1)
+    n = c.samples_per_step
+    if n % c.mini_batches:
+        # List the divisors only for sizes a person types; never loop over a huge n.
+        divisors = (", ".join(str(d) for d in range(1, n + 1) if n % d == 0) if n <= 4096
+                    else f"a divisor of {n}")
+        raise _fail("mini_batches", c.mini_batches,
+                    f"must divide the samples per step (--n-prompts {c.n_prompts} x "
+                    f"--n-samples-per-prompt {c.n_samples_per_prompt} = {n}); allowed: {divisors}")
+    for f in ("clip_eps_low", "clip_eps_high"):
+        if getattr(c, f) is not None:
+            _check_float(c, f, "nonneg")
+    _check_choice(c, "loss_agg", LOSS_AGGS)
+    _check_choice(c, "lr_schedule", LR_SCHEDULES)
+    _check_int(c, "lr_warmup_steps", 0)
+    if c.lr_warmup_steps and c.lr_warmup_steps >= c.total_updates:
+        raise _fail("lr_warmup_steps", c.lr_warmup_steps,
+                    f"must be < the run's optimizer updates (--steps {c.steps} x --ppo-epochs "
+                    f"{c.ppo_epochs} x --mini-batches {c.mini_batches} = {c.total_updates}), "
+                    "or the learning rate never reaches --lr")

@@ -36,6 +36,12 @@ REVIEWED_RUN_FLAGS = {
     "--tp", "--cp", "--sp", "--recompute", "--rollout-tp", "--rollout-cp",
     "--run-dir", "--allow-dirty", "--require-updates", "--device", "--save-every", "--resume",
 }
+# Issue 13 (items 3, 4): updates per rollout batch, clip range, loss aggregation, LR schedule,
+# TensorBoard.
+REVIEWED_RUN_FLAGS |= {
+    "--ppo-epochs", "--mini-batches", "--clip-eps-low", "--clip-eps-high", "--loss-agg",
+    "--lr-warmup-steps", "--lr-schedule", "--tensorboard",
+}
 
 
 def _step(i: int) -> dict:
@@ -112,6 +118,23 @@ BAD = [
     (["--steps", "0"], "--steps", "0", ">= 1"),
     (["--model", "no/such/model-dir"], "--model", "no/such/model-dir", "directory"),
     (["--prompts", "no-such-prompts.jsonl"], "--prompts", "no-such-prompts.jsonl", "JSONL"),
+]
+# Issue 13: the update-loop flags.
+BAD += [
+    (["--mini-batches", "3"], "--mini-batches", "3", "allowed: 1, 2, 4, 8, 16"),
+    (["--mini-batches", "0"], "--mini-batches", "0", ">= 1"),
+    (["--n-prompts", "3", "--mini-batches", "5"], "--mini-batches", "5",
+     "--n-prompts 3 x --n-samples-per-prompt 4 = 12); allowed: 1, 2, 3, 4, 6, 12"),
+    (["--ppo-epochs", "0"], "--ppo-epochs", "0", ">= 1"),
+    (["--clip-eps-low", "-0.1"], "--clip-eps-low", "-0.1", "finite number >= 0"),
+    (["--clip-eps-high", "nan"], "--clip-eps-high", "nan", "finite number >= 0"),
+    (["--clip-eps-high", "inf"], "--clip-eps-high", "inf", "finite number >= 0"),
+    (["--loss-agg", "sum"], "--loss-agg", "sum",
+     "token-mean, seq-mean-token-sum, seq-mean-token-mean"),
+    (["--lr-schedule", "step"], "--lr-schedule", "step", "constant, cosine, linear"),
+    (["--lr-warmup-steps", "-1"], "--lr-warmup-steps", "-1", ">= 0"),
+    (["--lr-warmup-steps", "4", "--steps", "2", "--mini-batches", "2"], "--lr-warmup-steps", "4",
+     "--steps 2 x --ppo-epochs 1 x --mini-batches 2 = 4"),
 ]
 
 
@@ -370,3 +393,56 @@ def test_write_json_atomic_non_finite(tmp_path):
     assert json.loads((tmp_path / "x.json").read_text()) == {"a": ["inf", "-inf", "nan", 0.1],
                                                              "b": [1, 2]}
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 13: settings that cannot act are warned about; --tensorboard needs its package
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--save-every", "5", "--steps", "2"], "--save-every 5 > --steps 2"),
+    (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1"),
+    (["--clip-eps-high", "0.28"], "--ppo-epochs or --mini-batches"),
+    (["--clip-eps", "0.1"], "cannot act with one update"),
+])
+def test_setting_that_cannot_act_warns_one_line_and_runs(capsys, cwd, loop, argv, needle):
+    """A valid setting that can do nothing == one 'warning' line on stderr, and the run goes on."""
+    code, _, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
+    assert len(warnings) == 1 and needle in warnings[0], err
+    assert len(loop.calls) == 1
+
+
+def test_settings_that_act_do_not_warn(capsys, cwd, loop):
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--clip-eps-high", "0.28", "--ppo-epochs",
+                       "2", "--save-every", "2", "--steps", "2")
+    assert code == 0 and "warning" not in err
+
+
+def test_tensorboard_missing_is_a_usage_error(capsys, cwd, loop, monkeypatch):
+    """--tensorboard without the package == exit 2 before any work, one line naming the fix."""
+    import rlkernel.runner.metrics as metrics
+
+    monkeypatch.setattr(metrics, "tensorboard_missing", lambda: "no module named 'tensorboard'")
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--tensorboard")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("rlk run: error: --tensorboard: ") and "rl-kernel[tensorboard]" in line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+def test_resume_cannot_extend_a_decaying_lr_schedule(capsys, cwd, loop):
+    """--resume --steps N of a cosine run: refused (its LR horizon is the saved --steps)."""
+    assert rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--lr-schedule", "cosine")[0] == 0
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--resume", "r", "--steps", "4")
+    assert code == 2
+    assert "--lr-schedule cosine" in err and "--steps 4" in err and len(err.strip().splitlines()) == 1
+
+
+def test_optional_float_flags_parse_as_floats():
+    """--clip-eps-low/high are `float | None` fields: the flag gives a float, absent keeps None."""
+    args = cli.build_parser().parse_args(["run", "--clip-eps-high", "0.28"])
+    assert args.clip_eps_high == 0.28 and not hasattr(args, "clip_eps_low")
+    cfg = RunConfig(clip_eps=0.3, clip_eps_high=0.28)
+    assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.28)

@@ -179,3 +179,31 @@ def test_evidence_file_is_valid_strict_json(tmp_path):
     a = write_run(tmp_path / "a", [s])
     ev = json.loads((a / "evidence.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert ev["steps"][0]["grad_norm"] == "inf" and ev["complete"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# --quiet (issue 13)
+
+
+def test_quiet_prints_only_differences_and_the_verdict(tmp_path, capsys):
+    """--quiet: the differing fields, then the verdict; no paths, info or identical fields."""
+    s = _step(1)
+    s["kl"] = 0.5
+    s["tensor_hashes"]["model.layers.3.w"] = "e" * 64
+    a = write_run(tmp_path / "a", [_step(0), _step(1)], tp=2)
+    b = write_run(tmp_path / "b", [_step(0), s], tp=4)
+    code = cli.main(["compare", "--quiet", str(a), str(b)])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    assert len(out) == 3, out
+    # fields in record order: tensor_hashes comes before kl
+    assert out[0].startswith("step 1") and "tensor_hashes" in out[0] and "model.layers.3.w" in out[0]
+    assert out[1].startswith("step 1") and " kl " in out[1] and "0.5" in out[1]
+    assert out[2] == "DIFFERENT: 2 fields differ"
+
+
+def test_quiet_identical_prints_the_verdict_only(tmp_path, capsys):
+    a = write_run(tmp_path / "a", [_step(0)], tp=2)
+    b = write_run(tmp_path / "b", [_step(0)], tp=4)
+    assert cli.main(["compare", "--quiet", str(a), str(b)]) == 0
+    assert capsys.readouterr().out == "IDENTICAL\n"

@@ -93,7 +93,9 @@ def assert_nothing_left(env, root: pathlib.Path, kept: str | None) -> None:
         assert not root.exists(), f"{root} left behind"  # nor the parent the CLI made for it
         return
     assert sorted(p.name for p in root.iterdir()) == [kept]
-    assert sorted(p.name for p in (root / kept).iterdir()) == ["evidence.json", "manifest.json"]
+    # evidence, manifest and the watch files of the recorded steps (runner/metrics.py); no temp file
+    assert sorted(p.name for p in (root / kept).iterdir()) == [
+        "completions.jsonl", "evidence.json", "manifest.json", "metrics.jsonl"]
 
 
 def evidence(run_dir: pathlib.Path) -> dict:
@@ -516,7 +518,7 @@ def test_engine_fault_on_one_rank_names_the_rank(capfd, env, tmp_path, monkeypat
     assert seen == found_by, audit["problems"]
     if "flip-bit" in spec:
         name = spec.split("tensor=")[1].split(":")[0]
-        assert all(f"1 of 24 tensors" in p and name in p for p in audit["problems"])
+        assert all("1 of 24 tensors" in p and name in p for p in audit["problems"])
     assert_nothing_left(env, root, "r")
 
 

@@ -5,7 +5,8 @@ Chain checked here (transformers is the reference implementation, float64 the or
   2. our fp32 gradient of the RL loss (PPO-clip policy term + KL to a reference policy + entropy
      bonus, normalised by the response-token count) == float64 autograd of the same loss through
      transformers' Qwen3 on the same weights and batch, within 1e-5 relative per tensor
-     (tied and untied embeddings, every KL estimator).
+     (tied and untied embeddings, every KL estimator; every --loss-agg with the decoupled clip
+     range of DAPO).
   3. our first AdamW update == torch.optim.AdamW's on the same gradients (tolerance: same formula,
      different but equally valid rounding order).
 """
@@ -86,11 +87,17 @@ def test_logits_match_transformers(tied):
             assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
-def _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs: LossCoefs):
-    """float64 autograd of the same RL loss through transformers' Qwen3."""
+def _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs: LossCoefs,
+                     agg: str = "token-mean"):
+    """float64 autograd of the same RL loss through transformers' Qwen3.
+
+    agg, from its definition (N response tokens, S samples, R_s tokens of sample s):
+    token-mean sum/N; seq-mean-token-sum sum/S; seq-mean-token-mean (sum_s sum_t/R_s)/S.
+    """
     hf = _hf(cfg, pol_w, torch.float64)
     hf_ref = _hf(cfg, ref_w, torch.float64)
     n_tok = sum(len(r) for _, r in seqs)
+    n_seq = len(seqs)
     total = torch.zeros((), dtype=torch.float64)
     for (p, r), adv, old in zip(seqs, advs, old_lps):
         ids = torch.tensor([p + r])
@@ -102,11 +109,12 @@ def _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs: LossCoefs):
         with torch.no_grad():
             ref_lp = torch.log_softmax(hf_ref(ids).logits[0, rows] / T, -1).gather(1, tgt[:, None])[:, 0]
         ratio = torch.exp(lp - old.double())
-        pg = -torch.minimum(ratio * adv, ratio.clamp(1 - coefs.clip_eps, 1 + coefs.clip_eps) * adv)
+        pg = -torch.minimum(ratio * adv, ratio.clamp(1 - coefs.clip_low, 1 + coefs.clip_high) * adv)
         d = lp - ref_lp
         kl = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[coefs.kl_estimator]
-        total = total + (pg + coefs.kl_coef * kl - coefs.entropy_coef * ent).sum()
-    (total / n_tok).backward()
+        seq = (pg + coefs.kl_coef * kl - coefs.entropy_coef * ent).sum()
+        total = total + (seq / len(r) if agg == "seq-mean-token-mean" else seq)
+    (total / (n_tok if agg == "token-mean" else n_seq)).backward()
     named = dict(hf.named_parameters())
     out = {n: named[n].grad for n in param_shapes(cfg)}
     if cfg.tie_word_embeddings:
@@ -117,13 +125,34 @@ def _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs: LossCoefs):
 @pytest.mark.parametrize("tied,estimator", [(True, "k3"), (False, "k1"), (True, "k2")])
 def test_rl_gradient_matches_float64_transformers(tied, estimator):
     """our fp32 RL-loss gradient == float64 autograd through transformers (1e-5 rel per tensor)."""
+    _check_gradient(tied, LossCoefs(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01,
+                                    kl_estimator=estimator))
+
+
+@pytest.mark.parametrize("tied,agg", [(True, "token-mean"), (False, "seq-mean-token-sum"),
+                                      (True, "seq-mean-token-mean")])
+def test_loss_aggregation_gradient_matches_float64_transformers(tied, agg):
+    """--loss-agg AGG with the decoupled clip [1-0.2, 1+0.28]: our fp32 gradient == float64
+    autograd through transformers of the loss as defined (1e-5 rel per tensor). The token budget
+    cuts the mini-batch into several microbatches: the normalisation is over all of it."""
+    _check_gradient(tied, LossCoefs(clip_eps=0.1, kl_coef=0.05, entropy_coef=0.01,
+                                    kl_estimator="k3", clip_eps_low=0.2, clip_eps_high=0.28), agg)
+
+
+SHIFTS = (0.0, 0.5, -0.5, -0.2151, 0.1625)
+"""old - new logprob per token: ratios 1, 0.61, 1.65, 1.24 and 0.85. 1.24 is clipped by a
+symmetric 0.2 but not by eps_high 0.28, and 0.85 by eps 0.1 but not by eps_low 0.2, so the
+decoupled bounds decide gradients here."""
+
+
+def _check_gradient(tied: bool, coefs: LossCoefs, agg: str = "token-mean") -> None:
     cfg = tiny().replace(tie_word_embeddings=tied)
     pol_w, ref_w = _weights(cfg, 1), _weights(cfg, 2)
     seqs, advs = _batch(cfg, 3)
     policy, ref = _ours(cfg, pol_w), _ours(cfg, ref_w)
     ref.requires_grad_(False)
-    # Old logprobs: the policy's own, shifted by 0 / ±0.5 so tokens land unclipped and clipped,
-    # far from the clip boundary (fp32 and float64 pick the same branch).
+    # Old logprobs: the policy's own, shifted (SHIFTS) so tokens land unclipped and clipped,
+    # far from the clip boundaries (fp32 and float64 pick the same branch).
     with torch.no_grad():
         lay = packed_layout([p + r for p, r in seqs], 128, 257)
         h = policy.hidden(lay)
@@ -133,16 +162,15 @@ def test_rl_gradient_matches_float64_transformers(tied, estimator):
         rows = torch.arange(o + len(p) - 1, o + len(p) + len(r) - 1)
         with torch.no_grad():
             lp, _ = policy.token_logprobs(h[rows], torch.tensor(r), T)
-        shift = torch.tensor([(0.0, 0.5, -0.5)[j % 3] for j in range(len(r))])
+        shift = torch.tensor([SHIFTS[j % len(SHIFTS)] for j in range(len(r))])
         old_lps.append((lp + shift).float())
-    coefs = LossCoefs(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, kl_estimator=estimator)
     samples = [TrainSample(i, tuple(p), tuple(r), old, a)
                for i, ((p, r), old, a) in enumerate(zip(seqs, old_lps, advs))]
     # A small token budget forces several microbatches: accumulation is part of what is checked.
     compute_gradients(policy, ref, samples, temperature=T, coefs=coefs, token_budget=40,
-                      pad_id=257, exp=invariant_exp)
+                      pad_id=257, exp=invariant_exp, agg=agg)
     ours = gradients(policy)
-    want = _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs)
+    want = _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs, agg)
     for name, g in want.items():
         err = (ours[name].double() - g).norm() / g.norm()
         assert err < 1e-5, f"{name}: relative error {err:.3g}"

@@ -9,7 +9,8 @@ two topologies of one run are *expected* to differ in config and to be identical
 
 Does not: read tensors or checkpoints (only evidence.json / manifest.json), or tolerate anything.
 
-Run: `rlk compare runs/A runs/B` (exit 0 identical, 1 different, 2 unreadable run);
+Run: `rlk compare runs/A runs/B` (exit 0 identical, 1 different, 2 unreadable run; `--quiet`
+prints only the differing fields and the verdict);
 tests: `.venv/bin/python -m pytest -q tests/test_compare.py`.
 """
 
@@ -250,16 +251,18 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     return report
 
 
-def format_report(report: CompareReport) -> str:
+def format_report(report: CompareReport, quiet: bool = False) -> str:
     """Human-readable report: run paths, manifest information, one line per field, the verdict.
 
+    quiet: only the fields that differ, then the verdict (no paths, no information lines).
     The last line is "IDENTICAL" or "DIFFERENT: N fields differ".
     """
-    lines = [f"A: {report.a}", f"B: {report.b}"]
-    lines += [f"info  {s}" for s in report.info]
-    width = max((len(r.where) for r in report.results), default=0)
-    name_width = max((len(r.name) for r in report.results), default=0)
-    for r in report.results:
+    shown = [r for r in report.results if not (quiet and r.same)]
+    lines = [] if quiet else [f"A: {report.a}", f"B: {report.b}"]
+    lines += [] if quiet else [f"info  {s}" for s in report.info]
+    width = max((len(r.where) for r in shown), default=0)
+    name_width = max((len(r.name) for r in shown), default=0)
+    for r in shown:
         lines.append(f"{r.where:<{width}}  {r.name:<{name_width}}  {r.detail}")
     n = report.n_differences
     if n == 0:

@@ -274,8 +274,10 @@ class EvidenceWriter:
         Records are free-form JSON dicts from the loop; expected keys: step, grad_norm,
         grad_norm_hex, grad_nonfinite, update_skipped, version, tensor_hashes, version_changed,
         tokens_hash, n_samples, n_response_tokens, logprob_mismatches, logprob_tokens, rewards,
-        reward_mean, loss, pg_loss, kl, entropy, weight_audit {"ok", "problems"}, timings
-        {"rollout_s", "train_s", "export_audit_s", "step_s"}, resources {"peak_gpu_mem_gib"}.
+        reward_mean, loss, pg_loss, kl, entropy, clip_frac, lr, weight_audit {"ok", "problems"},
+        timings {"rollout_s", "train_s", "export_audit_s", "step_s"}, resources
+        {"peak_gpu_mem_gib"}; with several optimizer updates per step, updates [one record per
+        update, train/ppo.py Update.record].
         `rlk compare` compares every key except timings and resources, so anything
         non-deterministic belongs under one of those.
         Raises TypeError if `step` is not a dict, RuntimeError after `finish`.

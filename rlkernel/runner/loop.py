@@ -34,10 +34,12 @@ from rlkernel.runner import faults
 from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, latest_checkpoint,
                                             save_checkpoint)
 from rlkernel.runner.evidence import EvidenceWriter, Progress
+from rlkernel.runner.watch import NullWatch, RunWatch, completion_rows
 from rlkernel.train.grpo import group_advantages
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.optimizer import AdamW, AdamWParams
-from rlkernel.train.step import TrainSample, compute_gradients, gradients
+from rlkernel.train.ppo import UpdatePlan, train_on_rollout
+from rlkernel.train.step import TrainSample
 from rlkernel.weights.sync import merge_problems, sync_weights
 
 
@@ -71,6 +73,22 @@ def _encode_all(cfg: RunConfig, source, tok) -> list[list[list[int]]]:
             batch.append(ids)
         out.append(batch)
     return out
+
+
+def _describe_model(cfg: RunConfig, mcfg) -> str:
+    where = cfg.model if cfg.model else f"embedded tiny Qwen3 (--model-seed {cfg.model_seed})"
+    return (f"{where}: {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
+            f"vocab {mcfg.vocab_size}")
+
+
+def _describe_prompts(cfg: RunConfig) -> str:
+    return cfg.prompts if cfg.prompts else "built-in arithmetic task (exact-match reward)"
+
+
+def _describe_device(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(dev)})"
+    return "cpu"
 
 
 def _few(names: list[str], limit: int = 8) -> str:
@@ -198,11 +216,34 @@ def _restore(opt: AdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None
     policy.load_master_shards(opt.master)
 
 
+def _watch(cfg: RunConfig, writer: EvidenceWriter | None, run_dir: pathlib.Path):
+    """Rank 0's RunWatch (console + metrics files), a NullWatch elsewhere."""
+    if writer is None:
+        return NullWatch()
+    start = latest_checkpoint(pathlib.Path(cfg.resume)).next_step if cfg.resume else 0
+    if writer.progress is not None:
+        console = writer.progress.console
+    else:
+        from rich.console import Console
+        console = Console(stderr=True, highlight=False)
+    return RunWatch(cfg, run_dir, console, start)
+
+
 def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
          run_dir: pathlib.Path) -> None:
+    watch = _watch(cfg, writer, run_dir)
+    try:
+        _run_steps(cfg, topo, comms, writer, run_dir, watch)
+    finally:
+        watch.close()
+
+
+def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
+               run_dir: pathlib.Path, watch) -> None:
     ops = ops_for(cfg.mode)
     exp = invariant_exp if cfg.mode == "invariant" else torch.exp
     pdtype = _DTYPES[cfg.dtype]
+    watch.phase(f"loading {cfg.model or 'the embedded tiny model'}")
     mcfg, tensors = _load_model(cfg)
     tok = load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size, eos_token_id=mcfg.eos_token_id)
     source = prompt_source(cfg.prompts, n_prompts_per_step=cfg.n_prompts, steps=cfg.steps,
@@ -230,8 +271,14 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
                 AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay))
     counted = {n for n in policy.logical_params()
                if topo.cp_rank == 0 and counts_for_norm(n, mcfg, topo.tp, topo.tp_rank)}
-    coefs = LossCoefs(cfg.clip_eps, cfg.kl_coef, cfg.entropy_coef, cfg.kl_estimator)
+    coefs = LossCoefs(cfg.clip_eps, cfg.kl_coef, cfg.entropy_coef, cfg.kl_estimator,
+                      cfg.clip_eps_low, cfg.clip_eps_high)
+    plan = UpdatePlan.from_config(cfg)
     sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_response_len, cfg.seed, tok.eos_id)
+    watch.startup(model=_describe_model(cfg, mcfg),
+                  n_params=sum(t.numel() for t in tensors.values()),
+                  tokenizer=type(tok).__name__, prompts=_describe_prompts(cfg), world=topo.world,
+                  device=_describe_device(dev))
 
     def audit_sync(tamper=None, load=None, previous=None):
         a = sync_weights(policy.export_tensors(), engine, tamper, load, previous)
@@ -254,6 +301,8 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         return _stop(topo, f"initial weight sync failed: {audit.problems[0]}")
     version = audit.version
     for step in range(start, cfg.steps):
+        watch.step_started(step)
+        watch.phase("rollout")
         t0 = time.perf_counter()
         prompts = source.batch(step)
         g = cfg.n_samples_per_prompt
@@ -261,23 +310,27 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
                     for j in range(len(prompts)) for k in range(g)]
         completions = rollout.generate(requests, sp)
         t1 = time.perf_counter()
+        watch.phase("reward")
         rewards = [reward(tok.decode(c.response_ids), prompts[i // g].label)
                    for i, c in enumerate(completions)]
         adv = group_advantages(rewards, g)
+        if not cfg.kl_coef and not cfg.entropy_coef and not any(adv):
+            watch.zero_gradient(step)
         samples = [TrainSample(c.sample_id, c.prompt_ids, tuple(c.response_ids),
                                c.logprob_tensor(), a) for c, a in zip(completions, adv)]
-        stats = compute_gradients(policy, ref, samples, temperature=cfg.temperature, coefs=coefs,
-                                  token_budget=cfg.token_budget, pad_id=tok.pad_id, exp=exp)
-        grads = gradients(policy)
-        faults.corrupt_grads(step, topo.rank, grads)  # test hook (RLK_FAULT); no-op when unset
-        faults.maybe_die(step, topo.rank)  # test hook (RLK_FAULT); no-op when unset
-        gstats = opt.clip(grads, cfg.clip_grad, counted, comms.world)
-        skipped = bool(gstats.nonfinite)
-        diverged = []
-        if not skipped:
-            opt.step(grads)
-            policy.load_master_shards(opt.master)
-            diverged = [n for n, t in opt.master.items() if not torch.isfinite(t).all()]
+
+        def after_backward(grads, step=step):
+            faults.corrupt_grads(step, topo.rank, grads)  # test hook (RLK_FAULT); no-op unset
+            faults.maybe_die(step, topo.rank)  # test hook (RLK_FAULT); no-op when unset
+
+        done = train_on_rollout(
+            policy, ref, opt, samples, plan, first_update=step * plan.updates_per_step,
+            temperature=cfg.temperature, coefs=coefs, token_budget=cfg.token_budget,
+            pad_id=tok.pad_id, exp=exp, counted=counted, comm=comms.world,
+            after_backward=after_backward,
+            on_update=lambda i, n: watch.phase(f"train, update {i + 1}/{n}"))
+        gstats, skipped = done.grad, done.skipped
+        watch.phase("sync")
         t2 = time.perf_counter()
         # tamper, load: test hooks (RLK_FAULT), None when unset; `version` is what the engine
         # served until now, so a stale engine is named as such.
@@ -292,23 +345,28 @@ def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             "nonfinite_ranks": {n: list(r) for n, r in gstats.nonfinite_ranks.items()},
             **audit.record(), "version_changed": audit.version != version,
             "tokens_hash": _tokens_hash(completions),
-            "n_samples": len(completions), "n_response_tokens": stats.n_tokens,
-            "n_microbatches": stats.n_microbatches,
-            "logprob_mismatches": stats.logprob_mismatches,
-            "logprob_tokens": stats.logprob_compared,   # pairs actually compared
+            "n_samples": len(completions), "n_response_tokens": done.n_response_tokens,
+            "n_microbatches": done.n_microbatches,
+            "logprob_mismatches": done.logprob_mismatches,
+            "logprob_tokens": done.logprob_tokens,   # (trainer, rollout) pairs actually compared
             "rewards": rewards, "reward_mean": exact_sum(rewards) / len(rewards),
-            "loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl, "entropy": stats.entropy,
+            "loss": done.mean("loss"), "pg_loss": done.mean("pg_loss"), "kl": done.mean("kl"),
+            "entropy": done.mean("entropy"),
+            "clip_frac": done.clip_frac, "lr": done.updates[0].lr,
             "timings": {"rollout_s": t1 - t0, "train_s": t2 - t1, "export_audit_s": t3 - t2,
                         "step_s": t3 - t0},
             "resources": {"peak_gpu_mem_gib": peak},
         }
+        if plan.updates_per_step > 1:  # every optimizer update of the step, in order
+            rec["updates"] = [u.record() for u in done.updates]
         if writer is not None:
             writer.record_step(rec)
-        bad = comms.world.all_gather_object(diverged, "diverged-weights")
-        if any(bad):
-            names = sorted(set().union(*map(set, bad)))
-            return _stop(topo, f"step {step}: the update made {_few(names)} non-finite; the run "
-                               "diverged (lower --lr, or --clip-grad)")
+        watch.record(rec, completion_rows(step, prompts, completions,
+                                          [tok.decode(c.response_ids) for c in completions],
+                                          rewards, adv, g))
+        if done.diverged:
+            return _stop(topo, f"step {step}: the update made {_few(done.diverged)} non-finite; "
+                               "the run diverged (lower --lr, or --clip-grad)")
         if skipped and cfg.on_nonfinite == "stop":
             where = _few([f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
                           for n, r in gstats.nonfinite_ranks.items()])

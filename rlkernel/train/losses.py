@@ -37,12 +37,26 @@ def invariant_exp(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LossCoefs:
-    """clip_eps > 0, kl_coef >= 0, entropy_coef >= 0, kl_estimator in {k1, k2, k3}."""
+    """clip_eps > 0, kl_coef >= 0, entropy_coef >= 0, kl_estimator in {k1, k2, k3}.
+
+    clip_eps_low / clip_eps_high (finite >= 0, None = clip_eps) clip the ratio to
+    [1 - low, 1 + high]: DAPO's decoupled clip (Yu et al. 2025, arXiv 2503.14476 §3.1).
+    """
 
     clip_eps: float
     kl_coef: float
     entropy_coef: float
     kl_estimator: str
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
 def kl_terms(lp: torch.Tensor, ref_lp: torch.Tensor, estimator: str, exp=invariant_exp):
@@ -59,18 +73,22 @@ def kl_terms(lp: torch.Tensor, ref_lp: torch.Tensor, estimator: str, exp=invaria
 
 
 def token_losses(lp, old_lp, ref_lp, entropy, adv, c: LossCoefs, exp=invariant_exp):
-    """(total, pg, kl) per token [N] fp32.
+    """(total, pg, kl, clipped) per token [N]: three fp32 tensors and a bool mask.
 
     lp: current-policy logprobs (differentiable); old_lp: the rollout's logprobs; ref_lp: the
     reference policy's; entropy: per-token entropy (differentiable); adv: per-token advantage.
-    total = pg + kl_coef·kl − entropy_coef·entropy, pg = −min(r·A, clip(r, 1−ε, 1+ε)·A).
+    total = pg + kl_coef·kl − entropy_coef·entropy, pg = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A).
+    clipped: the clipped term is strictly the smaller one, so the token's policy gradient is 0
+    (the "clip fraction" of PPO implementations counts these tokens).
     """
     ratio = exp(lp - old_lp)
-    pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - c.clip_eps, 1.0 + c.clip_eps) * adv)
+    unclipped = ratio * adv
+    clipped_obj = torch.clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high) * adv
+    pg = -torch.minimum(unclipped, clipped_obj)
     kl = kl_terms(lp, ref_lp, c.kl_estimator, exp)
     total = pg
     if c.kl_coef:
         total = total + c.kl_coef * kl
     if c.entropy_coef:
         total = total - c.entropy_coef * entropy
-    return total, pg, kl
+    return total, pg, kl, (clipped_obj < unclipped).detach()

@@ -7,7 +7,8 @@ max_norm / (norm + 1e-6) when it is below 1 (as torch.nn.utils.clip_grad_norm_).
 elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths may round
 differently — so an element's update never depends on the shard it sits in.
 The model's weights are the masters rounded to the parameter dtype.
-Does not: shard optimizer state (rlkernel/distributed) or schedule the learning rate.
+Does not: shard optimizer state (rlkernel/distributed) or schedule the learning rate (step()
+takes each update's rate; rlkernel/train/schedule.py computes it).
 """
 
 from __future__ import annotations
@@ -92,20 +93,25 @@ class AdamW:
         return GradStats(norm, coef, tuple(bad), bad)
 
     @torch.no_grad()
-    def step(self, grads: dict[str, torch.Tensor]) -> None:
-        """One AdamW update of every master from fp32 grads (same names)."""
+    def step(self, grads: dict[str, torch.Tensor], lr: float | None = None) -> None:
+        """One AdamW update of every master from fp32 grads (same names).
+
+        lr: this update's learning rate (a Python float, e.g. from train/schedule.py; the same on
+        every rank); None: the constant hp.lr.
+        """
         hp = self.hp
+        lr = hp.lr if lr is None else lr
         self.steps += 1
         bc1 = 1.0 - hp.beta1 ** self.steps
         bc2_sqrt = math.sqrt(1.0 - hp.beta2 ** self.steps)
-        step_size = hp.lr / bc1
+        step_size = lr / bc1
         for n, p in self.master.items():
             g = grads[n].to(torch.float32)
             m = self.exp_avg[n].mul_(hp.beta1).add_(g * (1.0 - hp.beta1))
             v = self.exp_avg_sq[n].mul_(hp.beta2).add_((g * g) * (1.0 - hp.beta2))
             denom = (torch.sqrt(v) / bc2_sqrt) + hp.eps
             if hp.weight_decay:
-                p.mul_(1.0 - hp.lr * hp.weight_decay)
+                p.mul_(1.0 - lr * hp.weight_decay)
             p.sub_((m / denom) * step_size)
 
     @torch.no_grad()

@@ -4,8 +4,9 @@ Samples are packed in logical order by the token budget (data/packing.py); each 
 one padded token stream. Row t of a sample predicts token t+1, so the rows that predict response
 tokens carry the loss. The trainer's logprobs of those tokens are compared byte for byte with the
 rollout's (the train/rollout mismatch count of the evidence). The loss is normalised once by the
-step's logical response-token count N: every token's gradient coefficient is exactly 1/N, so the
-backward needs no reduction, and microbatch gradients accumulate in logical order.
+mini-batch's logical response-token count N (or per sample, --loss-agg): every token's gradient
+coefficient is fixed before the first microbatch, so the backward needs no reduction, and
+microbatch gradients accumulate in logical order.
 Does not: clip or update (train/optimizer.py).
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkernel.config import LOSS_AGGS
 from rlkernel.data.packing import pack_by_budget, padded_stream_len
 from rlkernel.distributed.parallel import cp_local_rows
 from rlkernel.model.layout import cp_local_layout, packed_layout
@@ -36,9 +38,10 @@ class TrainSample:
 
 @dataclass(frozen=True)
 class StepStats:
-    """Exact means over the step's N response tokens, the logprob byte-mismatch count and the
-    number of (trainer, rollout) logprob pairs actually compared (counted where they are compared,
-    over every CP rank: N when every response token is compared once)."""
+    """One mini-batch's loss terms, aggregated like the loss (--loss-agg: exact sums divided
+    once), the train/rollout logprob byte-mismatch count, the number of (trainer, rollout)
+    logprob pairs actually compared (counted where they are compared, over every CP rank: N when
+    every response token is compared once), and how many tokens the PPO clip cut off."""
 
     n_tokens: int
     loss: float
@@ -48,6 +51,47 @@ class StepStats:
     logprob_mismatches: int
     n_microbatches: int
     logprob_compared: int
+    n_clipped: int = 0
+
+
+def agg_weights(lengths: list[int], agg: str) -> list[float]:
+    """Gradient coefficient w_s of every response token of sample s (float64), per sample.
+
+    lengths: response tokens R_s of each sample of one mini-batch, the set the loss is
+    normalised over (never a microbatch or a rank's share). The mini-batch loss is
+    sum_s sum_t w_s * l_st with, for N = sum R_s and S = samples with R_s > 0:
+      token-mean           w_s = 1 / N          (DAPO's token-level loss, arXiv 2503.14476 §3.3)
+      seq-mean-token-sum   w_s = 1 / S
+      seq-mean-token-mean  w_s = 1 / (S * R_s)  (GRPO's per-sample mean, arXiv 2402.03300 eq. 3)
+    Each w_s is one division of exact integers, hence the same on every rank. A sample without
+    response tokens gets 0. Raises ValueError on an unknown agg or when N == 0.
+    """
+    n_tok = sum(lengths)
+    n_seq = sum(1 for r in lengths if r > 0)
+    if n_tok == 0:
+        raise ValueError("no response tokens to train on")
+    if agg == "token-mean":
+        return [1.0 / n_tok for _ in lengths]
+    if agg == "seq-mean-token-sum":
+        return [1.0 / n_seq for _ in lengths]
+    if agg == "seq-mean-token-mean":
+        return [1.0 / (n_seq * r) if r else 0.0 for r in lengths]
+    raise ValueError(f"--loss-agg {agg!r} is not known; allowed: {', '.join(LOSS_AGGS)}")
+
+
+def aggregate(values: list[float], sample_of: list[int], lengths: list[int], agg: str) -> float:
+    """The --loss-agg mean of per-token values (any order) whose samples are `sample_of`:
+    exact sums (numerics/exact.py), each divided once, so any split over ranks gives the same
+    bits. seq-mean-token-mean takes each sample's exact sum / R_s, then their exact sum / S."""
+    n_seq = sum(1 for r in lengths if r > 0)
+    if agg == "token-mean":
+        return exact_sum(values) / sum(lengths)
+    if agg == "seq-mean-token-sum":
+        return exact_sum(values) / n_seq
+    per: dict[int, list[float]] = {}
+    for v, s in zip(values, sample_of):
+        per.setdefault(s, []).append(v)
+    return exact_sum(exact_sum(per[s]) / lengths[s] for s in per) / n_seq
 
 
 def loss_rows(group: list[TrainSample], stream_len: int):
@@ -69,34 +113,58 @@ def loss_rows(group: list[TrainSample], stream_len: int):
     return targets, mask, old, adv
 
 
-def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
-                      *, temperature: float, coefs: LossCoefs, token_budget: int, pad_id: int,
-                      exp) -> StepStats:
-    """Accumulate d(loss)/dθ into policy's .grad (fp32; zeroed first) and return the stats.
+def _row_samples(group: list[TrainSample], index: list[int], stream_len: int) -> torch.Tensor:
+    """[L] long: for each row that predicts a response token, the mini-batch index of its
+    sample (`index[i]` for group[i]); -1 elsewhere."""
+    who = torch.full((stream_len,), -1, dtype=torch.long)
+    off = 0
+    for s, i in zip(group, index):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        who[off + p - 1:off + p + r - 1] = i
+        off += p + r
+    return who
 
-    Raises ValueError if there is no response token or a sample exceeds the token budget.
-    """
-    n_tok = sum(len(s.response_ids) for s in samples)
-    if n_tok == 0:
-        raise ValueError("no response tokens to train on")
+
+def _microbatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], groups: list[list[int]],
+                  pad_id: int):
+    """Per microbatch, in logical order: (layout, target ids [L'], loss rows [n] long, rollout
+    logprobs [n] fp32, advantages [n] fp32, sample index [n] long), L' the rows this CP rank
+    holds and n its rows that predict a response token."""
     pc = policy.pc
-    policy.zero_grad(set_to_none=True)
-    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
-    vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
-    mismatches = compared = 0
     for g in groups:
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
         lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
-        per_row = loss_rows(group, lay.tokens.shape[0])
+        per_row = (*loss_rows(group, lay.tokens.shape[0]), _row_samples(group, g, lay.tokens.shape[0]))
         if pc.cp.size > 1:
             local = cp_local_rows(pc, torch.arange(lay.tokens.shape[0]))
             lay = cp_local_layout(lay, local)
             per_row = tuple(t[local] for t in per_row)
-        dev = policy.device
-        targets, mask, old, adv = (t.to(dev) for t in per_row)
+        targets, mask, old, adv, who = (t.to(policy.device) for t in per_row)
         rows = mask.nonzero(as_tuple=True)[0]
-        old, adv = old[rows], adv[rows]
+        yield lay, targets, rows, old[rows], adv[rows], who[rows]
+
+
+def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
+                      *, temperature: float, coefs: LossCoefs, token_budget: int, pad_id: int,
+                      exp, agg: str = "token-mean") -> StepStats:
+    """Accumulate d(loss)/dθ into policy's .grad (fp32; zeroed first) and return the stats.
+
+    `samples` is one mini-batch; its loss is normalised over all of it by `agg` (agg_weights), so
+    every token's gradient coefficient is fixed before the first microbatch and backward needs no
+    reduction. Raises ValueError if there is no response token or a sample exceeds the budget.
+    """
+    lengths = [len(s.response_ids) for s in samples]
+    weights = agg_weights(lengths, agg)
+    pc = policy.pc
+    policy.zero_grad(set_to_none=True)
+    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    # fp32 coefficient per sample: the float64 weight rounded once (token-mean: fp32(1/N)).
+    w32 = torch.tensor(weights, dtype=torch.float32, device=policy.device)
+    vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
+    sample_of: list[int] = []
+    mismatches = compared = clipped = 0
+    for lay, targets, rows, old, adv, who in _microbatches(policy, samples, groups, pad_id):
         lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
         with torch.no_grad():
             ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
@@ -104,20 +172,41 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         differs = lp.detach().view(torch.int32) != old.view(torch.int32)
         mismatches += int(differs.sum().item())
         compared += differs.numel()
-        total, pg, kl = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
-        coef = torch.full_like(total, 1.0 / n_tok)
-        torch.autograd.backward(total, grad_tensors=coef)
+        total, pg, kl, cut = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
+        torch.autograd.backward(total, grad_tensors=w32[who])
+        clipped += int(cut.sum().item())
         for key, t in (("total", total), ("pg", pg), ("kl", kl), ("ent", ent)):
             vals[key].extend(t.detach().double().tolist())
+        sample_of.extend(who.tolist())
     policy.ops.sync_grads(policy)
     # Every CP rank holds part of the tokens (TP ranks hold copies): gather, then exact sums.
-    everyone = pc.cp.all_gather_object((vals, mismatches, compared), "step-stats")
-    merged = {k: [x for v, _, _ in everyone for x in v[k]] for k in vals}
-    mismatches = sum(m for _, m, _ in everyone)
-    compared = sum(c for _, _, c in everyone)
-    mean = {k: exact_sum(v) / n_tok for k, v in merged.items()}
-    return StepStats(n_tok, mean["total"], mean["pg"], mean["kl"], mean["ent"], mismatches,
-                     len(groups), compared)
+    everyone = pc.cp.all_gather_object((vals, sample_of, mismatches, compared, clipped),
+                                       "step-stats")
+    merged = {k: [x for e in everyone for x in e[0][k]] for k in vals}
+    who_all = [s for e in everyone for s in e[1]]
+    mean = {k: aggregate(v, who_all, lengths, agg) for k, v in merged.items()}
+    return StepStats(sum(lengths), mean["total"], mean["pg"], mean["kl"], mean["ent"],
+                     sum(e[2] for e in everyone), len(groups), sum(e[3] for e in everyone),
+                     sum(e[4] for e in everyone))
+
+
+@torch.no_grad()
+def rollout_mismatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], *,
+                       temperature: float, token_budget: int, pad_id: int) -> tuple[int, int]:
+    """(mismatches, pairs compared): train/rollout logprob byte mismatches over the response
+    tokens of `samples`, and how many pairs were compared (over every CP rank), from a
+    forward pass of the policy as it is now (no gradient), packed as compute_gradients packs;
+    collective over the CP group. Used before the first update of a step, for the mini-batches
+    that compute_gradients will only see after the policy has moved."""
+    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    n = compared = 0
+    for lay, targets, rows, old, _, _ in _microbatches(policy, samples, groups, pad_id):
+        lp, _ = policy.token_logprobs(policy.hidden(lay), targets, temperature)
+        differs = lp[rows].view(torch.int32) != old.view(torch.int32)
+        n += int(differs.sum().item())
+        compared += differs.numel()
+    everyone = policy.pc.cp.all_gather_object((n, compared), "mismatch-count")
+    return sum(e[0] for e in everyone), sum(e[1] for e in everyone)
 
 
 @torch.no_grad()
