@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel.data.packing import pack_by_budget, padded_stream_len
-from rlkernel.distributed.parallel import cp_local_rows
-from rlkernel.model.layout import cp_local_layout, packed_layout
+from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows
+from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum
 from rlkernel.train.losses import LossCoefs, token_losses
@@ -78,18 +78,10 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         raise ValueError("no response tokens to train on")
     pc = policy.pc
     policy.zero_grad(set_to_none=True)
-    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
     vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
     mismatches = 0
-    for g in groups:
-        group = [samples[i] for i in g]
-        seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
-        lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
-        per_row = loss_rows(group, lay.tokens.shape[0])
-        if pc.cp.size > 1:
-            local = cp_local_rows(pc, torch.arange(lay.tokens.shape[0]))
-            lay = cp_local_layout(lay, local)
-            per_row = tuple(t[local] for t in per_row)
+    mbs = microbatches(samples, token_budget, pad_id, pc)
+    for lay, per_row, _ in mbs:
         dev = policy.device
         targets, mask, old, adv = (t.to(dev) for t in per_row)
         rows = mask.nonzero(as_tuple=True)[0]
@@ -111,7 +103,31 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     mismatches = sum(m for _, m in everyone)
     mean = {k: exact_sum(v) / n_tok for k, v in merged.items()}
     return StepStats(n_tok, mean["total"], mean["pg"], mean["kl"], mean["ent"], mismatches,
-                     len(groups))
+                     len(mbs))
+
+
+def microbatches(samples: list[TrainSample], token_budget: int, pad_id: int,
+                 pc: ParallelCtx) -> list[tuple[StreamLayout, tuple[torch.Tensor, ...], torch.Tensor]]:
+    """The step's microbatches as this rank holds them, in logical order (what compute_gradients
+    runs): per microbatch (layout of this rank's rows — the CP-local view under CP —, loss_rows
+    (targets, mask, rollout logprob, advantage) of those rows, logical stream row [Lc] long of
+    each). Packing depends only on the samples and the token budget, never on the topology.
+    Raises ValueError if a sample exceeds the token budget.
+    """
+    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    out = []
+    for g in groups:
+        group = [samples[i] for i in g]
+        seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
+        lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
+        per_row = loss_rows(group, lay.tokens.shape[0])
+        local = torch.arange(lay.tokens.shape[0])
+        if pc.cp.size > 1:
+            local = cp_local_rows(pc, local)
+            lay = cp_local_layout(lay, local)
+            per_row = tuple(t[local] for t in per_row)
+        out.append((lay, per_row, local))
+    return out
 
 
 @torch.no_grad()
