@@ -346,3 +346,23 @@ def test_write_json_atomic_non_finite(tmp_path):
     assert json.loads((tmp_path / "x.json").read_text()) == {"a": ["inf", "-inf", "nan", 0.1],
                                                              "b": [1, 2]}
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+@pytest.mark.parametrize("head_dim, refused", [(12, True), (8, True), (512, True), (16, False),
+                                               (128, False)])
+def test_cuda_refuses_a_head_dim_the_triton_attention_cannot_tile(tmp_path, head_dim, refused):
+    """--device cuda with a model whose head_dim is not a power of two in [16, 256] is refused
+    before any process starts, naming the flag, the value and the file; CPU accepts the model."""
+    from rlkernel.model.config import tiny
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny().replace(head_dim=head_dim).to_hf_dict()))
+    cli._check_topology(RunConfig(model=str(tmp_path)))
+    cuda = RunConfig(model=str(tmp_path), device="cuda")
+    if not refused:
+        cli._check_topology(cuda)
+        return
+    with pytest.raises(ConfigError) as info:
+        cli._check_topology(cuda)
+    msg = str(info.value)
+    assert msg.startswith(f"--device cuda: head_dim={head_dim} of {tmp_path}/config.json"), msg
+    assert "allowed for this model: --device cpu" in msg
