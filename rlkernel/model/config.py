@@ -30,9 +30,12 @@ class Qwen3Config:
     num_attention_heads: int
     """Query heads. Multiple of VIRTUAL_TP so every virtual TP shard owns whole heads."""
     num_key_value_heads: int
-    """KV heads (GQA). Divides num_attention_heads."""
+    """KV heads (GQA). Divides num_attention_heads. Any TP must divide it (KV heads split) or be a
+    multiple of it (each KV head replicated whole over TP / kv_heads ranks)."""
     head_dim: int
-    """Per-head width (Qwen3 decouples it from hidden_size / heads)."""
+    """Per-head width (Qwen3 decouples it from hidden_size / heads). Even (RoPE rotates pairs);
+    kv_heads·head_dim need not be a multiple of VIRTUAL_TP (the dX virtual shards of k/v are cut
+    by floor bounds, kernels/matmul.virtual_shard_rows). --device cuda: a power of two in [16, 256]."""
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
