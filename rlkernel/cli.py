@@ -158,13 +158,17 @@ def _check_inputs(cfg: RunConfig) -> None:
 
 def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
     """The model's architecture for the topology check; None when --model's config.json cannot
-    be read (the checkpoint loader then reports it, with its own message, before any step)."""
+    be read (the checkpoint loader then reports it, with its own message, before any step).
+    Raises ConfigError for a readable config whose shape the kernels cannot run exactly
+    (model/config.validate_model_config), before any process starts."""
     if cfg.model is None:
         return tiny()
     path = pathlib.Path(cfg.model) / "config.json"
     try:
         d = json.loads(path.read_text())
         return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
+    except ConfigError:
+        raise
     except (OSError, ValueError):
         return None
 
