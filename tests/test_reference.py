@@ -86,10 +86,11 @@ def test_logits_match_transformers(tied):
             assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
-def _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs: LossCoefs):
-    """float64 autograd of the same RL loss through transformers' Qwen3."""
-    hf = _hf(cfg, pol_w, torch.float64)
-    hf_ref = _hf(cfg, ref_w, torch.float64)
+def _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs: LossCoefs,
+                     dtype: torch.dtype = torch.float64):
+    """float64 (or `dtype`) autograd of the same RL loss through transformers' Qwen3."""
+    hf = _hf(cfg, pol_w, dtype)
+    hf_ref = _hf(cfg, ref_w, dtype)
     n_tok = sum(len(r) for _, r in seqs)
     total = torch.zeros((), dtype=torch.float64)
     for (p, r), adv, old in zip(seqs, advs, old_lps):

@@ -11,8 +11,9 @@ a multiple of 8, KV heads not dividing them, TP not fitting the heads, SP at TP1
   restatement of the contract, so over- and under-refusal both fail).
 - accepted, chain of equalities:
     (a) TP1/CP1 fp32 gradients of the RL loss (in this process) ≈ float64 autograd of the same
-        loss through transformers' Qwen3 (tests/test_reference.py's oracle), 1e-5 relative per
-        tensor;
+        loss through transformers' Qwen3 (tests/test_reference.py's oracle): relative error per
+        tensor below max(1e-5, 8 × the error of transformers' own fp32 autograd) — the bugs
+        this guards against were 0.4-0.6;
     (b) on tp·cp real gloo processes, on EVERY rank: per-token logprobs, every gradient, the exact
         grad norm, loss, entropy and the weights after one AdamW update == (a)'s run, by bytes
         (tests/topology_probe.py).
@@ -115,14 +116,19 @@ def _check(m: dict, tp: int, cp: int, sp: bool) -> None:
                              f"tp={tp} cp={cp} sp={sp}"
     job = _job(mcfg)
     base = single_process(job)
-    want = _reference_grads(mcfg, job.policy_w, job.ref_w,
-                            [(list(s.prompt_ids), list(s.response_ids)) for s in job.samples],
-                            [s.advantage for s in job.samples],
-                            [s.rollout_logprobs for s in job.samples], COEFS)
+    batch = ([(list(s.prompt_ids), list(s.response_ids)) for s in job.samples],
+             [s.advantage for s in job.samples], [s.rollout_logprobs for s in job.samples], COEFS)
+    want = _reference_grads(mcfg, job.policy_w, job.ref_w, *batch)
+    hf32 = _reference_grads(mcfg, job.policy_w, job.ref_w, *batch, dtype=torch.float32)
     ours = base["steps"][0]["grads"]
     for name, g in want.items():
         err = ((ours[name].double() - g).norm() / g.norm()).item()
-        assert err < 1e-5, f"{m}: TP1 {name} is {err:.3g} (relative) from float64 transformers"
+        err_hf32 = ((hf32[name].double() - g).norm() / g.norm()).item()
+        # Random shapes can be ill-conditioned (head_dim 2: Q-norm grads cancel; transformers' own
+        # fp32 is 1.9e-5 off there), so fp32 gets what fp32 autograd gets, with margin.
+        tol = max(1e-5, 8 * err_hf32)
+        assert err < tol, f"{m}: TP1 {name} is {err:.3g} (relative) from float64 transformers, " \
+                          f"above {tol:.3g} (transformers' own fp32: {err_hf32:.3g})"
     if (tp, cp, sp) != (1, 1, False):
         with tempfile.TemporaryDirectory() as d:
             got = run_layout(d, job, tp, cp, sp)
@@ -194,8 +200,10 @@ _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_
 @example(case=(_m(8, 24, 2), (4, 1, False)))
 # refused: 3 KV heads cannot be split or replicated whole over 2 ranks
 @example(case=(_m(8, 24, 3), (2, 1, False)))
+# ill-conditioned Q-norm gradient (head_dim 2): needs the fp32-relative tolerance of (a)
+@example(case=(_m(2, 8, 2, layers=2, tied=False), (1, 1, False)))
 def test_accepted_shapes_and_topologies_match_float64_and_tp1_bytes(case):
-    """accepted (shape, topology): TP1 grads ≈ float64 transformers (1e-5 rel) and every rank's
+    """accepted (shape, topology): TP1 grads ≈ float64 transformers (see (a)) and every rank's
     logprobs/grads/norm/weights == TP1 bytes; refused: ConfigError naming the value, exactly
     where the contract says so."""
     _check(case[0], *case[1])
