@@ -205,26 +205,37 @@ def _check_inputs(cfg: RunConfig) -> None:
 
 def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
     """The model's architecture for the topology check; None when --model's config.json cannot
-    be read (the checkpoint loader then reports it, with its own message, before any step)."""
+    be read (the checkpoint loader then reports it, with its own message, before any step).
+    Raises ConfigError for a readable config whose shape the kernels cannot run exactly
+    (model/config.validate_model_config), before any process starts."""
     if cfg.model is None:
         return tiny()
     path = pathlib.Path(cfg.model) / "config.json"
     try:
         d = json.loads(path.read_text())
         return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
+    except ConfigError:
+        raise
     except (OSError, ValueError):
         return None
 
 
 def _check_topology(cfg: RunConfig) -> None:
-    """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE, and
-    the longest sample against the model's positions. Runs before any process starts or
-    directory is made. Raises ConfigError."""
+    """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE, the
+    longest sample against the model's positions, and --device cuda against the head_dim the
+    CUDA kernels take. Runs before any process starts or directory is made. Raises ConfigError."""
     m = _model_shape(cfg)
+    where = f"{cfg.model}/config.json" if cfg.model is not None else "the embedded tiny model"
+    # The Triton attention kernel tiles a head as tl.arange(0, head_dim): a power of two. Refused
+    # here, not at step 0 after every rank has loaded the model.
+    if m is not None and cfg.device == "cuda" and (m.head_dim & (m.head_dim - 1)
+                                                   or not 16 <= m.head_dim <= 256):
+        raise ConfigError(f"--device cuda: head_dim={m.head_dim} of {where} must be a power of "
+                          "two in [16, 256] for the CUDA attention kernel; allowed for this "
+                          "model: --device cpu")
     # RoPE tables grow on demand, so nothing downstream refuses positions past the model's
     # max_position_embeddings: a too-long sample would silently run out of the trained range.
     if m is not None and cfg.max_prompt_len + cfg.max_response_len > m.max_position_embeddings:
-        where = f"{cfg.model}/config.json" if cfg.model is not None else "the embedded tiny model"
         raise ConfigError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
                           f"{cfg.max_response_len} = {cfg.max_prompt_len + cfg.max_response_len}: "
                           f"must be <= max_position_embeddings={m.max_position_embeddings} of "

@@ -446,3 +446,46 @@ def test_optional_float_flags_parse_as_floats():
     assert args.clip_eps_high == 0.28 and not hasattr(args, "clip_eps_low")
     cfg = RunConfig(clip_eps=0.3, clip_eps_high=0.28)
     assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.28)
+
+
+@pytest.mark.parametrize("head_dim, refused", [(12, True), (8, True), (512, True), (16, False),
+                                               (128, False)])
+def test_cuda_refuses_a_head_dim_the_triton_attention_cannot_tile(tmp_path, head_dim, refused):
+    """--device cuda with a model whose head_dim is not a power of two in [16, 256] is refused
+    before any process starts, naming the flag, the value and the file; CPU accepts the model."""
+    from rlkernel.model.config import tiny
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny().replace(head_dim=head_dim).to_hf_dict()))
+    cli._check_topology(RunConfig(model=str(tmp_path)))
+    cuda = RunConfig(model=str(tmp_path), device="cuda")
+    if not refused:
+        cli._check_topology(cuda)
+        return
+    with pytest.raises(ConfigError) as info:
+        cli._check_topology(cuda)
+    msg = str(info.value)
+    assert msg.startswith(f"--device cuda: head_dim={head_dim} of {tmp_path}/config.json"), msg
+    assert "allowed for this model: --device cpu" in msg
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(num_attention_heads=12, num_key_value_heads=4), "num_attention_heads=12 must be a multiple"),
+    (dict(head_dim=5), "head_dim=5 must be even"),
+    (dict(num_key_value_heads=3), "num_key_value_heads=3 must divide num_attention_heads=8"),
+])
+def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_process(
+        capsys, tmp_path, change, words):
+    """rlk run --model DIR whose config.json has a refused shape: exit 2 naming the file, the
+    field and the value; no process starts and no run directory is made."""
+    from rlkernel.model.config import tiny
+
+    model = tmp_path / "m"
+    model.mkdir()
+    hf = tiny().to_hf_dict() | change
+    (model / "config.json").write_text(json.dumps(hf))
+    run_dir = tmp_path / "r"
+    code, _, err = rlk(capsys, "run", "--model", str(model), "--allow-dirty", "--run-dir",
+                       str(run_dir))
+    assert code == 2, err
+    assert f"{model}/config.json: model config: {words}" in err, err
+    assert not run_dir.exists()

@@ -1,10 +1,11 @@
 """The model end to end on two GPUs over NCCL: every layout gives the bytes of TP1/CP1 (issue 10.1).
 
 Two chains, each with a native-mode negative control:
-1. The topology probe of tests/test_topology.py (two training steps of a fixed batch) on CUDA,
-   one GPU per rank, process group `cpu:gloo,cuda:nccl`: TP2, CP2 and TP2+SP each give every
-   gradient, the exact grad norm, loss, entropy and the weights after two AdamW updates of the TP1
-   run, bytewise. Hence any two of them agree.
+1. The topology probe (tests/topology_probe.py: two training steps of test_topology's fixed batch)
+   on CUDA, one GPU per rank, process group `cpu:gloo,cuda:nccl`: TP2, CP2 and TP2+SP give, on
+   every rank, the per-token logprobs, every gradient, the exact grad norm, loss, entropy and the
+   weights after two AdamW updates of the TP1 run (one GPU, no process group), bytewise. Hence
+   any two of them agree.
 2. `rlk run --device cuda` (tiny model, 2 steps) at TP1, TP2/rollout-TP2, CP2/rollout-CP2 and
    TP2+SP/rollout-TP1: `rlk compare` says IDENTICAL for each against TP1 (sampled tokens, grad
    norms, every tensor hash after every update) and every step has 0 train/rollout logprob
@@ -21,8 +22,8 @@ import pytest
 import torch
 
 from rlkernel.cli import main
-from test_topology import _assert_identical
-from test_topology import _run as probe
+from test_topology import JOB
+from topology_probe import assert_same_bytes, run_layout, single_process
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
@@ -30,26 +31,26 @@ LAYOUTS = [(2, 1, False), (1, 2, False), (2, 1, True)]
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    return probe(tmp_path_factory.mktemp("cuda-base"), 1, 1, False, device="cuda")
+def baseline():
+    return single_process(JOB, device="cuda")
 
 
 @pytest.mark.parametrize("tp,cp,sp", LAYOUTS)
 def test_cuda_layout_matches_tp1_on_two_gpus(tmp_path, baseline, tp, cp, sp):
-    """Every gradient, grad norm, loss, entropy and the weights after 2 AdamW steps at (tp, cp,
-    sp) on 2 GPUs over NCCL == the TP1 run on one GPU, bytes."""
-    got = probe(tmp_path, tp, cp, sp, device="cuda")
-    _assert_identical(got, baseline, f"cuda TP{tp}/CP{cp}/SP{sp}")
+    """On every rank: per-token logprobs, every gradient, grad norm, loss, entropy and the weights
+    after 2 AdamW steps at (tp, cp, sp) on 2 GPUs over NCCL == the TP1 run on one GPU, bytes."""
+    got = run_layout(tmp_path, JOB, tp, cp, sp, device="cuda")
+    assert_same_bytes(got, baseline, f"cuda TP{tp}/CP{cp}/SP{sp}")
 
 
 def test_cuda_control_native_tp2_differs(tmp_path):
     """Negative control: stock ops + NCCL SUM all-reduces at TP2 differ from native TP1 (same
     computation: gradients agree to fp32 rounding, not bitwise)."""
-    one = probe(tmp_path, 1, 1, False, "native", device="cuda")
-    two = probe(tmp_path, 2, 1, False, "native", device="cuda")
+    one = single_process(JOB, "native", device="cuda")
+    two = run_layout(tmp_path, JOB, 2, 1, False, "native", device="cuda")
     with pytest.raises(AssertionError):
-        _assert_identical(two, one, "cuda native")
-    g1, g2 = one["steps"][0]["grads"], two["steps"][0]["grads"]
+        assert_same_bytes(two, one, "cuda native")
+    g1, g2 = one["steps"][0]["grads"], two[0]["steps"][0]["grads"]
     for n in g1:
         assert ((g1[n] - g2[n]).norm() / g1[n].norm().clamp(min=1e-30)).item() < 1e-4, n
 

@@ -246,12 +246,14 @@ def test_attention_grads_on_zigzag_cp_ranks_equal_single_process_bytes(cp):
                 assert_bitwise(gk[i, :, :n], rk[i, :, :n])
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_attention_kv_head_replicated_over_tp_ranks_gives_single_process_bytes(tp):
-    """One KV head shared by 4 query heads, TP = tp ranks each holding 4/tp query heads and a replica
-    of the KV head: with kv_comm over those ranks, every rank's dK and dV == single-process bytes
-    (head tree finished across ranks, then scaled), and its heads' out/dQ == the matching rows."""
-    hq, hkv = 4, 1
+@pytest.mark.parametrize("tp,hq", [(2, 4), (4, 4), (2, 12), (4, 12)])
+def test_attention_kv_head_replicated_over_tp_ranks_gives_single_process_bytes(tp, hq):
+    """One KV head shared by hq query heads, TP = tp ranks each holding hq/tp query heads and a
+    replica of the KV head: with kv_comm over those ranks, every rank's dK and dV ==
+    single-process bytes (head tree finished across ranks, then scaled), and its heads' out/dQ ==
+    the matching rows. hq = 12 gives 6 or 3 heads per rank (issue 10: 24 query / 2 KV heads at
+    TP4), parts a bottom-up pairwise head tree would cut across."""
+    hkv = 1
     q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack(ATTN_LENGTHS, seed=86, hq=hq)
     k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
     d_out = randn(*q.shape, seed=87)

@@ -256,12 +256,14 @@ def test_rms_norm_grads_on_zigzag_cp_ranks_equal_single_process_bytes(cp):
         assert_bitwise(dx, ref_dx[cp_local_rows(L, cp, r)])
 
 
-@pytest.mark.parametrize("tp,replicas", [(2, 1), (4, 1), (4, 2)])
-def test_rms_norm_head_tree_over_tp_ranks_equals_single_process_bytes(tp, replicas):
-    """Q/K-norm weight grad with heads split over TP: rank j holds heads of its shard (K-norm:
-    replicated over `replicas` consecutive ranks); with head_comm over the TP ranks the dW on every
-    rank == the single-process dW over all heads (pairwise head tree), bitwise."""
-    L, heads, D = 256, 4 // replicas, 16
+@pytest.mark.parametrize("tp,replicas,heads", [(2, 1, 4), (4, 1, 4), (4, 2, 2), (4, 1, 24),
+                                               (8, 1, 24), (8, 4, 2)])
+def test_rms_norm_head_tree_over_tp_ranks_equals_single_process_bytes(tp, replicas, heads):
+    """Q/K-norm weight grad with `heads` heads split over TP: rank j holds heads of its shard
+    (K-norm: replicated over `replicas` consecutive ranks); with head_comm over the TP ranks the dW
+    on every rank == the single-process dW over all heads (pairwise head tree), bitwise — also
+    for 24 query heads as 6 or 3 per rank (issue 10: not power-of-two parts)."""
+    L, D = 256, 16
     x, dy = randn(L, heads, D, seed=113), randn(L, heads, D, seed=114)
     w = 1 + randn(D, seed=115, scale=0.1)
 

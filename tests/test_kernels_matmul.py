@@ -36,6 +36,7 @@ from rlkernel.kernels.matmul import (
     token_leaf_partials,
     token_tree_grad_weight,
     tree_grad_weight,
+    virtual_shard_rows,
 )
 from rlkernel.numerics.trees import tree_combine, tree_sum
 from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
@@ -146,18 +147,45 @@ def test_row_parallel_nt_equals_tree_over_partials_computed_as_1_2_4_8_groups():
         row_parallel_nt(randn(2, 12, seed=0), randn(3, 12, seed=1))
 
 
-def test_column_parallel_dx_equals_tree_over_1_2_4_8_rank_groups():
-    """column_parallel_dx(dy, w) == tree over t groups (t = 1, 2, 4, 8), group g owning N slice g
-    and computing column_parallel_dx(dy[:, slice], w[slice], shards=8/t) locally (TP=t)."""
-    dy, w = randn(40, 96, seed=19), randn(96, 72, seed=20)
+@pytest.mark.parametrize("n", [96, 12])
+def test_column_parallel_dx_equals_tree_over_1_2_4_8_rank_groups(n):
+    """column_parallel_dx(dy, w) == tree over t groups (t = 1, 2, 4, 8), group g owning the rows
+    virtual_shard_rows(N, t)[g] and computing column_parallel_dx(dy[:, rows], w[rows], 8/t)
+    locally (TP=t) — also for N = 12, not a multiple of the 8 virtual shards (k/v projections of
+    kv_heads·head_dim = 1·12: shards of 1 or 2 rows)."""
+    dy, w = randn(40, n, seed=19), randn(n, 72, seed=20)
     full = column_parallel_dx(dy, w)
     for t in (1, 2, 4, 8):
-        ng = 96 // t
-        groups = [column_parallel_dx(dy[:, g * ng:(g + 1) * ng], w[g * ng:(g + 1) * ng], shards=8 // t)
-                  for g in range(t)]
-        assert_bitwise(tree_sum(torch.stack(groups), 0), full)
+        groups = [column_parallel_dx(dy[:, a:b], w[a:b], shards=8 // t)
+                  for a, b in virtual_shard_rows(n, t)]
+        assert_bitwise(tree_combine(groups), full)
     with pytest.raises(ValueError):
-        column_parallel_dx(randn(2, 12, seed=0), randn(12, 3, seed=1))
+        column_parallel_dx(dy[:, :0], w[:0])
+
+
+def test_virtual_shard_rows_are_the_same_cut_at_every_tp():
+    """virtual_shard_rows(N, 8): floor bounds, sizes differing by at most one, empty shards when
+    N < 8; the aligned block of 8/t shards of rank r starts at ⌊r·N/t⌋ for every t | 8; and a
+    block of exactly N/t rows cut locally into 8/t shards gives the global bounds shifted."""
+    assert virtual_shard_rows(12) == ((0, 1), (1, 3), (3, 4), (4, 6), (6, 7), (7, 9), (9, 10),
+                                      (10, 12))
+    assert virtual_shard_rows(3) == ((0, 0), (0, 0), (0, 1), (1, 1), (1, 1), (1, 2), (2, 2),
+                                     (2, 3))
+    for n in range(1, 70):
+        b = virtual_shard_rows(n)
+        assert b[0][0] == 0 and b[-1][1] == n
+        assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert max(y - x for x, y in b) - min(y - x for x, y in b) <= 1
+        for t in (1, 2, 4, 8):
+            per = 8 // t
+            for r in range(t):
+                assert b[r * per][0] == r * n // t
+                if n % t == 0:
+                    local = virtual_shard_rows(n // t, per)
+                    assert tuple((x + r * n // t, y + r * n // t) for x, y in local) == \
+                        b[r * per:(r + 1) * per]
+    with pytest.raises(ValueError):
+        virtual_shard_rows(-1)
 
 
 def test_negative_control_stock_tp_split_of_the_reduction_dimension_changes_bits():
@@ -339,6 +367,36 @@ def test_fused_column_parallel_linear_tp_ranks_tree_to_the_tp1_bytes(tp):
             assert_bitwise(a, b[s])
         rank_dx.append(dx)
     assert_bitwise(tree_sum(torch.stack(rank_dx), 0), dx1)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_fused_column_parallel_linear_with_a_replicated_12_row_kv_head_trees_to_the_tp1_bytes(tp):
+    """q (64 rows) + k, v of one KV head with head_dim 12 (12 rows: not a multiple of the 8
+    virtual shards): TP1 dX (default shard_rows: virtual_shard_rows, shards of 1 or 2 k/v rows)
+    is within 1e-5·max|ref| of float64 — no row dropped — and TP rank j of tp, holding q rows j
+    and the whole KV head (replicated) but owning only its virtual shards' k/v rows
+    (shard_rows = virtual_shard_rows(12)[j·8/tp : (j+1)·8/tp]), returns a local dX subtree; the
+    tree over ranks == TP1 dX, bitwise."""
+    L, K = 128, 24
+    ns = (64, 12, 12)
+    x = randn(L, K, seed=190)
+    ws = [randn(n, K, seed=191 + i, scale=0.3) for i, n in enumerate(ns)]
+    dys = [randn(L, n, seed=195 + i) for i, n in enumerate(ns)]
+    _, dx1, _ = _fused_column_grads(x, ws, dys)
+    ref_dx = sum(dy.double() @ w.double() for dy, w in zip(dys, ws))
+    assert_near(dx1, ref_dx, atol=1e-5 * float(ref_dx.abs().max()))
+    per = VIRTUAL_TP // tp
+    rank_dx = []
+    for j in range(tp):
+        q_rows = slice(j * 64 // tp, (j + 1) * 64 // tp)
+        kv_rows = virtual_shard_rows(12)[j * per:(j + 1) * per]
+        _, dx, _ = _fused_column_grads(
+            x, [ws[0][q_rows], ws[1], ws[2]], [dys[0][:, q_rows], dys[1], dys[2]],
+            shard_rows=[virtual_shard_rows(64 // tp, per), kv_rows, kv_rows], local_shards=per)
+        rank_dx.append(dx)
+    assert_bitwise(tree_combine(rank_dx), dx1)
+    with pytest.raises(ValueError):   # a range outside the weight's rows
+        column_parallel_linear(x, [ws[1]], shard_rows=[[(0, 13)]], local_shards=1)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

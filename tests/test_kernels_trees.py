@@ -21,7 +21,7 @@ from kernel_helpers import (
     randn,
 )
 
-from rlkernel.numerics.trees import tree_combine, tree_sum, tree_sum_subtrees
+from rlkernel.numerics.trees import tree_combine, tree_sum, tree_sum_halving, tree_sum_subtrees
 
 # ================================================================== trees
 
@@ -153,3 +153,47 @@ def test_tree_combine_of_rank_subtrees_with_holes_equals_full_combine():
         assert_bitwise(tree_combine(parts), full)
 
 
+
+
+def np_halving_sum(vals: list) -> np.float32:
+    """Reference halving tree in numpy fp32: first ⌈n/2⌉ + last ⌊n/2⌋, recursively."""
+    if len(vals) == 1:
+        return np.float32(vals[0])
+    m = (len(vals) + 1) // 2
+    return np.float32(np_halving_sum(vals[:m]) + np_halving_sum(vals[m:]))
+
+
+def test_tree_sum_halving_equals_reference_and_tree_sum_at_powers_of_two():
+    """tree_sum_halving over n = 1..40 == the numpy fp32 halving tree, bitwise; for n a power of
+    two it == tree_sum (both the complete binary tree)."""
+    for n in range(1, 41):
+        x = randn(n, 5, seed=200 + n, scale=1e3)
+        got = tree_sum_halving(x, 0)
+        want = [np_halving_sum(x[:, j].tolist()) for j in range(5)]
+        assert torch.equal(bits(got), bits(torch.tensor(np.array(want, dtype=np.float32)))), n
+        if n & (n - 1) == 0:
+            assert_bitwise(got, tree_sum(x, 0))
+    with pytest.raises(ValueError):
+        tree_sum_halving(torch.zeros(0, 3), 0)
+
+
+@pytest.mark.parametrize("n", [12, 24, 6, 40])
+def test_tree_sum_halving_of_equal_power_of_two_parts_equals_whole(n):
+    """For every 2**k dividing n (GQA heads of a group split over the TP ranks replicating its KV
+    head: 12 = 2×6 = 4×3): tree_combine of tree_sum_halving over each equal part == the halving
+    tree over all n, bitwise, on any dim."""
+    x = randn(7, n, 3, seed=300 + n, scale=1e3)
+    whole = tree_sum_halving(x, 1)
+    parts = 1
+    while n % parts == 0:
+        per = n // parts
+        assert_bitwise(tree_combine([tree_sum_halving(x[:, i * per:(i + 1) * per], 1)
+                                     for i in range(parts)]), whole)
+        parts *= 2
+
+
+def test_negative_control_pairwise_tree_sum_is_not_split_invariant_for_12_as_2x6():
+    """Negative control (the issue-10 GQA bug): the bottom-up tree_sum over 12 heads != the tree of
+    two tree_sums over 6 + 6 (it pairs across the cut), so the old head sum changed with TP."""
+    x = randn(12, 4096, seed=400, scale=1e3)
+    assert_stock_differs(tree_combine([tree_sum(x[:6], 0), tree_sum(x[6:], 0)]), tree_sum(x, 0))

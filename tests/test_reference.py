@@ -88,14 +88,14 @@ def test_logits_match_transformers(tied):
 
 
 def _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs: LossCoefs,
-                     agg: str = "token-mean"):
-    """float64 autograd of the same RL loss through transformers' Qwen3.
+                     agg: str = "token-mean", dtype: torch.dtype = torch.float64):
+    """float64 (or `dtype`) autograd of the same RL loss through transformers' Qwen3.
 
     agg, from its definition (N response tokens, S samples, R_s tokens of sample s):
     token-mean sum/N; seq-mean-token-sum sum/S; seq-mean-token-mean (sum_s sum_t/R_s)/S.
     """
-    hf = _hf(cfg, pol_w, torch.float64)
-    hf_ref = _hf(cfg, ref_w, torch.float64)
+    hf = _hf(cfg, pol_w, dtype)
+    hf_ref = _hf(cfg, ref_w, dtype)
     n_tok = sum(len(r) for _, r in seqs)
     n_seq = len(seqs)
     total = torch.zeros((), dtype=torch.float64)

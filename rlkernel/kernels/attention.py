@@ -12,7 +12,13 @@ prefill, chunked prefill, KV-cache decode, any batch and any padding give identi
 Backward (recompute, p = exp(s − lse)): dQ reduces over keys in the same block/key order; dK and
 dV reduce over queries, which is a token reduction: queries are summed in stream order inside
 each fine token leaf of the microbatch, leaves combined by the pairwise tree over their global
-leaf index (absent leaves skipped), then query heads of a GQA group by the pairwise tree.
+leaf index (absent leaves skipped), then the G query heads of a GQA group by the halving tree
+(numerics/trees.tree_sum_halving). Why halving: when TP exceeds the KV heads, the rep = TP/Hkv
+ranks sharing a KV head hold G/rep consecutive query heads each (e.g. 24 query / 2 KV heads at
+TP4: 12 heads as 6 + 6), and only the halving tree has those equal parts as subtrees for every
+G, so each rank reduces its part locally and `kv_comm` finishes the same tree. (When the group
+spans 2**k whole virtual-TP shards, its top k levels are those shards; for a power-of-two G it is
+the plain pairwise tree, so such models keep their bits.)
 Layout: per-sample padded [S, heads, T, D]; rlkernel/model gathers it from the token stream.
 Devices: on CPU both directions are the torch code below; on CUDA the forward dispatches to the
 Triton kernel (kernels/triton_attention.py) and the backward runs this file's torch code on the GPU.
@@ -27,7 +33,7 @@ from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import TOKEN_LEAVES, seq_matmul
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokentree import TokenTree
-from rlkernel.numerics.trees import tree_sum
+from rlkernel.numerics.trees import tree_sum, tree_sum_halving
 from rlkernel.spec import ATTN_KV_BLOCK
 
 _NEG_INF = float("-inf")
@@ -194,10 +200,11 @@ class _Attention(torch.autograd.Function):
         ds_all = torch.cat(ds_all, -1)
         m, f0, slot, nf = _leaf_layout(q_idx, ctx.stream_len)
         tree = ctx.tree
-        # Token tree per query head first, then the heads of a GQA group by the pairwise
-        # (virtual-TP) tree: locally, then across the TP ranks replicating this KV head.
-        dv = tree_sum(_token_tree_over_queries(p_all, dog, slot, m, f0, nf, tree), 2)
-        dk = tree_sum(_token_tree_over_queries(ds_all, qg, slot, m, f0, nf, tree), 2)
+        # Token tree per query head first, then the heads of a GQA group by the halving tree:
+        # this rank's equal part of the group locally, then across the TP ranks replicating
+        # this KV head (rank order = head order), which finish the same tree.
+        dv = tree_sum_halving(_token_tree_over_queries(p_all, dog, slot, m, f0, nf, tree), 2)
+        dk = tree_sum_halving(_token_tree_over_queries(ds_all, qg, slot, m, f0, nf, tree), 2)
         if ctx.kv_comm is not None and ctx.kv_comm.size > 1:
             dv = ctx.kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
             dk = ctx.kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
@@ -216,7 +223,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     For a gradient: q_idx [S, Tq] long, each query's index in the microbatch token stream (−1 =
     padding), and stream_len, that stream's padded length (multiple of TOKEN_LEAVES).
     Under CP, q holds this rank's queries only (q_idx their global stream indices) and `tree` the
-    rank's token segments; k/v hold whole sequences. `kv_comm`: TP ranks replicating this KV head.
+    rank's token segments; k/v hold whole sequences. `kv_comm`: the TP ranks replicating this KV
+    head (a power-of-two count), in head order, each holding 1/kv_comm.size of the group's heads.
     Returns [S, Hq, Tq, D] fp32. Raises ValueError on a stream length the token tree cannot cut.
     """
     return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), q_idx, stream_len, tree, kv_comm)

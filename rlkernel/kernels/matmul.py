@@ -14,7 +14,11 @@ Canonical reductions (DESIGN.md §1):
 - column-parallel forward: one full-K sequence per output (`seq_matmul`).
 - row-parallel forward: K cut into VIRTUAL_TP shards, each shard a sequential-K partial, the
   partials summed by the pairwise tree (`rlkernel.numerics.trees`): TP=t owns aligned subtrees.
-- column-parallel dX: the same virtual-TP tree over N shards; row-parallel dX: local.
+- column-parallel dX: the same virtual-TP tree over N shards; row-parallel dX: local. N need not
+  be a multiple of VIRTUAL_TP (k/v projections: N = kv_heads·head_dim, e.g. 12): virtual shard s
+  holds rows [⌊s·N/8⌋, ⌊(s+1)·N/8⌋) (`virtual_shard_rows`), so shards differ by at most one row,
+  empty shards are skipped (never added as zeros), and TP rank r of t owns exactly the rows
+  [⌊r·N/t⌋, ⌊(r+1)·N/t⌋) — the same cut whatever t.
 - dW = dYᵀ·X of every linear: the token tree — the microbatch stream of L tokens (L % TOKEN_LEAVES
   == 0) is cut into TOKEN_LEAVES equal fine leaves, tokens summed in order inside a leaf, leaves
   combined by the pairwise tree.
@@ -30,7 +34,7 @@ import torch
 from typing import Sequence
 
 from rlkernel.distributed.tokentree import TokenTree
-from rlkernel.numerics.trees import tree_sum
+from rlkernel.numerics.trees import tree_combine, tree_sum
 from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
 
 _CHUNK_ELEMS = 1 << 24  # bound on the [.., M, N] working set of one elementwise step
@@ -99,20 +103,35 @@ def row_parallel_partials(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUA
                         for s in range(shards)])
 
 
+def virtual_shard_rows(n: int, shards: int = VIRTUAL_TP) -> tuple[tuple[int, int], ...]:
+    """Canonical rows of each virtual shard when N rows are cut into `shards`: shard s holds
+    [⌊s·n/shards⌋, ⌊(s+1)·n/shards⌋) — equal parts when shards divides n, else parts that differ
+    by one row (some empty when n < shards).
+
+    Why floor bounds: for any t dividing `shards`, the aligned block of shards/t shards of rank r
+    covers rows [⌊r·n/t⌋, ⌊(r+1)·n/t⌋), and cutting a block of exactly n/t rows locally by this
+    rule gives the global bounds shifted: the split is the same at every TP degree.
+    Raises ValueError for n < 0 or shards < 1.
+    """
+    if n < 0 or shards < 1:
+        raise ValueError(f"virtual_shard_rows: n={n} must be >= 0 and shards={shards} >= 1")
+    return tuple((s * n // shards, (s + 1) * n // shards) for s in range(shards))
+
+
 def column_parallel_dx(dy: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
     """dX = dY @ W for a column-parallel weight: N cut into virtual-TP shards, tree-summed.
 
-    dy [M, N], w [N, K] -> [M, K] fp32. N % shards == 0.
+    dy [M, N], w [N, K] -> [M, K] fp32. Any N >= 1: shard s holds the rows of
+    `virtual_shard_rows(N, shards)`; empty shards (N < shards) are absent leaves of the tree.
     """
     n = w.shape[0]
-    if n % shards:
-        raise ValueError(f"column-parallel linear: N={n} is not a multiple of virtual_tp={shards}")
-    ns = n // shards
-    if dy.is_cuda:
+    if n < 1:
+        raise ValueError(f"column-parallel linear: N={n} rows; at least one is needed")
+    if dy.is_cuda and n % shards == 0:   # one launch; the same shards as the loop below
         return tree_sum(_triton().column_dx_partials(dy, w, shards), 0)
-    parts = torch.stack([seq_matmul(dy[:, s * ns:(s + 1) * ns], w[s * ns:(s + 1) * ns])
-                         for s in range(shards)])
-    return tree_sum(parts, 0)
+    parts = [seq_matmul(dy[:, a:b], w[a:b]) if b > a else None
+             for a, b in virtual_shard_rows(n, shards)]
+    return tree_combine(parts)  # type: ignore[return-value]  (n >= 1: some shard has a row)
 
 
 def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
@@ -154,9 +173,9 @@ def tree_grad_weight(dy: torch.Tensor, x: torch.Tensor, tree: TokenTree | None) 
 
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, owned, local_shards, tree, *ws):
+    def forward(ctx, x, shard_rows, tree, *ws):
         ctx.save_for_backward(x, *ws)
-        ctx.owned, ctx.local_shards, ctx.tree = owned, local_shards, tree
+        ctx.shard_rows, ctx.tree = shard_rows, tree
         return tuple(linear_nt(x, w) for w in ws)
 
     @staticmethod
@@ -164,21 +183,24 @@ class _ColumnParallelLinear(torch.autograd.Function):
         x, *ws = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            # Per local virtual shard: the fused projections' partials added in fixed order,
-            # then the local subtree; the TP tree all-reduce (parallel.enter_tp) finishes it.
+            # Per local virtual shard: the fused projections' partials added in fixed order
+            # (a projection with no row in the shard is skipped, not added as zeros), then the
+            # local subtree; the TP tree all-reduce (parallel.enter_tp) finishes it.
             parts = []
-            for s in range(ctx.local_shards):
+            for s in range(len(ctx.shard_rows[0])):
                 acc = None
-                for dy, w, (r0, r1) in zip(dys, ws, ctx.owned):
-                    n = (r1 - r0) // ctx.local_shards
-                    a, b = r0 + s * n, r0 + (s + 1) * n
-                    p = seq_matmul(dy[:, a:b], w[a:b])
-                    acc = p if acc is None else acc + p
+                for dy, w, rows in zip(dys, ws, ctx.shard_rows):
+                    a, b = rows[s]
+                    if b > a:
+                        p = seq_matmul(dy[:, a:b], w[a:b])
+                        acc = p if acc is None else acc + p
                 parts.append(acc)
-            dx = tree_sum(torch.stack(parts), 0)
-        dws = tuple(tree_grad_weight(dy, x, ctx.tree).to(w.dtype) if ctx.needs_input_grad[4 + i]
+            dx = tree_combine(parts)
+            if dx is None:   # this rank owns no row of any projection (N < TP): no partial
+                dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        dws = tuple(tree_grad_weight(dy, x, ctx.tree).to(w.dtype) if ctx.needs_input_grad[3 + i]
                     else None for i, (dy, w) in enumerate(zip(dys, ws)))
-        return (dx, None, None, None) + dws
+        return (dx, None, None) + dws
 
 
 class _RowParallelLinear(torch.autograd.Function):
@@ -197,18 +219,31 @@ class _RowParallelLinear(torch.autograd.Function):
 
 
 def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
-                           owned: Sequence[tuple[int, int]] | None = None,
+                           shard_rows: Sequence[Sequence[tuple[int, int]]] | None = None,
                            local_shards: int = VIRTUAL_TP, tree: TokenTree | None = None):
     """Invariant y_i = x·w_iᵀ for projections sharing x (QKV, gate/up, LM head).
 
     x [M, K] fp32, weights [N_i, K] (this rank's rows) -> tuple of [M, N_i] fp32.
-    Backward: dX is this rank's *local subtree* of the virtual-TP tree — per virtual shard the
-    projections' partials in order, shards of `owned` rows (default: all rows, cut into
-    `local_shards`), tree-summed; `parallel.enter_tp` finishes it across TP. dW by the token tree
+    Backward: dX is this rank's *local subtree* of the virtual-TP tree over its `local_shards`
+    virtual shards: per shard, the projections' partials over that shard's rows added in order,
+    then the shards tree-summed; `parallel.enter_tp` finishes it across TP. `shard_rows[i][s]` =
+    (start, stop) local rows of weight i in local shard s (model/sharding.dx_shard_rows: the
+    canonical `virtual_shard_rows` of the logical tensor, which also says which rows of a
+    replicated KV head this rank owns); default `virtual_shard_rows(N_i, local_shards)`, the
+    canonical cut whenever the rank holds exactly its 1/TP block of rows. dW by the token tree
     (`tree`; the local stream length must be a multiple of its leaves).
+    Raises ValueError when shard_rows does not give `local_shards` in-range row ranges per weight.
     """
-    owned = tuple(owned) if owned is not None else tuple((0, w.shape[0]) for w in weights)
-    return _ColumnParallelLinear.apply(x, owned, local_shards, tree, *weights)
+    if shard_rows is None:
+        shard_rows = [virtual_shard_rows(w.shape[0], local_shards) for w in weights]
+    shard_rows = tuple(tuple((int(a), int(b)) for a, b in rows) for rows in shard_rows)
+    if len(shard_rows) != len(weights) or any(
+            len(rows) != local_shards or any(not 0 <= a <= b <= w.shape[0] for a, b in rows)
+            for rows, w in zip(shard_rows, weights)):
+        raise ValueError(f"column_parallel_linear: shard_rows {shard_rows} must give "
+                         f"{local_shards} row ranges inside each weight of rows "
+                         f"{[w.shape[0] for w in weights]}")
+    return _ColumnParallelLinear.apply(x, shard_rows, tree, *weights)
 
 
 def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, *, local_shards: int = VIRTUAL_TP,

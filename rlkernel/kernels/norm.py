@@ -5,7 +5,9 @@ pairwise tree over H (kernels/matmul.py explains why elementwise steps are path-
 a token's output never depends on other tokens. Backward:
     dx = r·(g − x̂·tree_sum(g·x̂)/H),  g = dy·w,  x̂ = x·r          (per token)
     dw = token tree over the stream (fine leaves, in order inside a leaf), then — for the per-head
-         norm — the pairwise tree over heads (the virtual-TP tree, since TP splits heads).
+         norm — the pairwise tree over all heads in head order: TP ranks all-gather their heads'
+         sums first, so the tree is the same however TP splits the heads (24 heads as 6 or 3
+         per rank included).
 Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
 Devices: the per-token statistic r runs in the Triton kernel on CUDA (kernels/triton_norm.py) and in
 torch ops on CPU; the rest (scaling, backward, the dW trees) is torch ops on either device.
@@ -35,7 +37,8 @@ def _leaf_sums(v: torch.Tensor, leaves: int) -> torch.Tensor:
 
 
 def _head_tree(per_head: torch.Tensor, comm: Comm | None, replicas: int) -> torch.Tensor:
-    """Sum [heads_local, D] over all heads by the pairwise (virtual-TP) tree across `comm`.
+    """Sum [heads_local, D] over all heads of `comm`: gather every rank's heads in rank (= head)
+    order, then one pairwise tree over all of them, so the split never shapes the tree.
 
     With KV heads replicated over `replicas` consecutive ranks, each head is taken once.
     """

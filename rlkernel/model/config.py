@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rlkernel.config import ConfigError
 from rlkernel.spec import VIRTUAL_CP, VIRTUAL_TP  # noqa: F401  (re-exported)
 
 
@@ -29,9 +30,12 @@ class Qwen3Config:
     num_attention_heads: int
     """Query heads. Multiple of VIRTUAL_TP so every virtual TP shard owns whole heads."""
     num_key_value_heads: int
-    """KV heads (GQA). Divides num_attention_heads."""
+    """KV heads (GQA). Divides num_attention_heads. Any TP must divide it (KV heads split) or be a
+    multiple of it (each KV head replicated whole over TP / kv_heads ranks)."""
     head_dim: int
-    """Per-head width (Qwen3 decouples it from hidden_size / heads)."""
+    """Per-head width (Qwen3 decouples it from hidden_size / heads). Even (RoPE rotates pairs);
+    kv_heads·head_dim need not be a multiple of VIRTUAL_TP (the dX virtual shards of k/v are cut
+    by floor bounds, kernels/matmul.virtual_shard_rows). --device cuda: a power of two in [16, 256]."""
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
@@ -164,35 +168,36 @@ class Qwen3Config:
                 bos_token_id=token_id("bos_token_id"),
                 eos_token_id=token_id("eos_token_id"),
             )
-        except ValueError as e:
+        except ValueError as e:   # a ConfigError (validate_model_config) stays one
             msg = str(e)
-            raise ValueError(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
+            raise type(e)(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
 
     def replace(self, **changes: Any) -> "Qwen3Config":
         return dataclasses.replace(self, **changes)
 
 
 def validate_model_config(c: Qwen3Config) -> None:
-    """Reject configs the canonical contract cannot shard; the message names field and fix."""
+    """Reject configs the canonical contract cannot shard. Raises ConfigError (a ValueError) whose
+    message names the field, its value and what is allowed."""
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = getattr(c, name)
         if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"model config: {name}={v!r} must be a positive integer")
+            raise ConfigError(f"model config: {name}={v!r} must be a positive integer")
     if c.head_dim % 2:
-        raise ValueError(f"model config: head_dim={c.head_dim} must be even (RoPE rotates pairs)")
+        raise ConfigError(f"model config: head_dim={c.head_dim} must be even (RoPE rotates pairs)")
     if c.num_attention_heads % c.num_key_value_heads:
-        raise ValueError(f"model config: num_key_value_heads={c.num_key_value_heads} must divide "
-                         f"num_attention_heads={c.num_attention_heads}")
+        raise ConfigError(f"model config: num_key_value_heads={c.num_key_value_heads} must divide "
+                          f"num_attention_heads={c.num_attention_heads}")
     for name in ("vocab_size", "intermediate_size", "num_attention_heads"):
         v = getattr(c, name)
         if v % VIRTUAL_TP:
-            raise ValueError(f"model config: {name}={v} must be a multiple of virtual_tp={VIRTUAL_TP} "
-                             "(each virtual TP shard owns an equal whole part)")
+            raise ConfigError(f"model config: {name}={v} must be a multiple of virtual_tp="
+                              f"{VIRTUAL_TP} (each virtual TP shard owns an equal whole part)")
     if not (math.isfinite(c.rope_theta) and c.rope_theta > 0):
-        raise ValueError(f"model config: rope_theta={c.rope_theta} must be finite and > 0")
+        raise ConfigError(f"model config: rope_theta={c.rope_theta} must be finite and > 0")
     if not (math.isfinite(c.rms_norm_eps) and c.rms_norm_eps > 0):
-        raise ValueError(f"model config: rms_norm_eps={c.rms_norm_eps} must be finite and > 0")
+        raise ConfigError(f"model config: rms_norm_eps={c.rms_norm_eps} must be finite and > 0")
 
 
 def tiny() -> Qwen3Config:

@@ -51,8 +51,8 @@ class InvariantOps:
         return norm.rms_norm(x, w, eps, tree=tree, head_comm=head_comm, replicas=replicas)
 
     @staticmethod
-    def col(x, ws, owned, local_shards, pc: ParallelCtx):
-        return matmul.column_parallel_linear(par.enter_tp(x, pc), ws, owned=owned,
+    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx):
+        return matmul.column_parallel_linear(par.enter_tp(x, pc), ws, shard_rows=shard_rows,
                                              local_shards=local_shards, tree=pc.tok)
 
     @staticmethod
@@ -155,7 +155,7 @@ class NativeOps:
         return w * (x * torch.rsqrt(var + eps))
 
     @staticmethod
-    def col(x, ws, owned, local_shards, pc: ParallelCtx):
+    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx):
         tp = pc.tp
         if pc.sp:
             x = pair(x, lambda t: _all_gather(t, tp, 0), lambda g: _reduce_scatter(g, tp, 0))

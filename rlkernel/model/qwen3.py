@@ -25,7 +25,8 @@ from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.kernels.rope import RopeTable, apply_rope
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
-from rlkernel.model.sharding import kv_replicas, local_tensor, logical_tensor, shard_of
+from rlkernel.model.sharding import (dx_shard_rows, kv_replicas, local_tensor, logical_tensor,
+                                     shard_of)
 from rlkernel.spec import ATTN_KV_BLOCK
 from rlkernel.weights.hashing import same_bytes
 
@@ -88,14 +89,16 @@ class Attention(nn.Module):
         self.o_proj = _Weight(cfg.hidden_size, self.heads * d)
         self.q_norm = _Weight(d)
         self.k_norm = _Weight(d)
-        kv = shard_of("k_proj.weight", cfg, tp, pc.tp.rank)
-        self.owned = ((0, self.heads * d), (kv.own0, kv.own1), (kv.own0, kv.own1))
+        # Rows of each virtual shard in the dX tree (k/v: kv_heads·D rows need not split in 8
+        # equal parts, and a replicated KV head is owned in disjoint parts by its ranks).
+        self.dx_rows = tuple(dx_shard_rows(f"self_attn.{n}.weight", cfg, tp, pc.tp.rank)
+                             for n in ("q_proj", "k_proj", "v_proj"))
 
     def forward(self, x: torch.Tensor, lay: StreamLayout, cos, sin, cache: KVCache | None):
         c, ops, pc = self.cfg, self.ops, self.pc
         shards = VIRTUAL_TP // pc.tp.size
         q, k, v = ops.col(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
-                          self.owned, shards, pc)                       # [Lc, heads·D]
+                          self.dx_rows, shards, pc)                       # [Lc, heads·D]
         n = q.shape[0]
         q = ops.norm(q.view(n, self.heads, c.head_dim), self.q_norm.weight, c.rms_norm_eps,
                      pc.tok, pc.tp, 1)

@@ -4,8 +4,11 @@
   TP equal contiguous parts — rank r owns virtual-TP shards [r·8/t, (r+1)·8/t);
 - row-parallel (o_proj, down_proj): dim 1 split the same way;
 - k/v when TP exceeds the KV heads: rank r holds its KV head whole (replicated over t/Hkv ranks)
-  but *owns* (for the dX tree) only rows [r·N/t, (r+1)·N/t) of the logical tensor;
+  but *owns* (for the dX tree) only rows [⌊r·N/t⌋, ⌊(r+1)·N/t⌋) of the logical tensor;
 - norms: replicated.
+The dX tree of a column-parallel weight cuts its N logical rows into VIRTUAL_TP virtual shards by
+`kernels.matmul.virtual_shard_rows` (floor bounds, so N = kv_heads·head_dim need not be a multiple
+of 8); `dx_shard_rows` gives a rank the local rows of each shard it owns.
 `local_tensor` cuts a logical tensor for a rank; `logical_tensor` reassembles it from all ranks'
 shards (exact, rank order). Does not: communicate by itself (the caller passes the gathered list).
 """
@@ -16,19 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkernel.model.config import Qwen3Config
+from rlkernel.kernels.matmul import virtual_shard_rows
+from rlkernel.model.config import VIRTUAL_TP, Qwen3Config
 
 
 @dataclass(frozen=True)
 class Shard:
-    """kind: 'rows' | 'cols' | 'kv' | 'replicated'; start/stop along the split dim (this rank);
-    own0/own1: rows this rank owns for the virtual-TP dX tree, relative to its local rows."""
+    """kind: 'rows' | 'cols' | 'kv' | 'replicated'; start/stop along the split dim (this rank)."""
 
     kind: str
     start: int
     stop: int
-    own0: int = 0
-    own1: int = 0
 
 
 def kv_replicas(cfg: Qwen3Config, tp: int) -> int:
@@ -36,26 +37,48 @@ def kv_replicas(cfg: Qwen3Config, tp: int) -> int:
     return max(1, tp // cfg.num_key_value_heads)
 
 
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 2)[-2] if name.endswith(".weight") else name
+
+
+def _rows(leaf: str, cfg: Qwen3Config) -> int:
+    return {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size,
+            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}.get(
+                leaf, cfg.vocab_size)
+
+
 def shard_of(name: str, cfg: Qwen3Config, tp: int, r: int) -> Shard:
     """This rank's part of logical parameter `name` (Hugging Face name)."""
-    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name
+    leaf = _leaf(name)
     if leaf in ("o_proj", "down_proj"):
         k = cfg.q_size if leaf == "o_proj" else cfg.intermediate_size
         return Shard("cols", r * k // tp, (r + 1) * k // tp)
-    if leaf in ("k_proj", "v_proj"):
-        n = cfg.kv_size
-        if tp <= cfg.num_key_value_heads:
-            return Shard("rows", r * n // tp, (r + 1) * n // tp, 0, n // tp)
-        rep = kv_replicas(cfg, tp)
-        head = r // rep
-        d = cfg.head_dim
-        own0 = r * n // tp - head * d
-        return Shard("kv", head * d, (head + 1) * d, own0, own0 + n // tp)
-    if leaf in ("q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
-        n = {"q_proj": cfg.q_size, "gate_proj": cfg.intermediate_size,
-             "up_proj": cfg.intermediate_size}.get(leaf, cfg.vocab_size)
-        return Shard("rows", r * n // tp, (r + 1) * n // tp, 0, n // tp)
+    if leaf in ("k_proj", "v_proj") and tp > cfg.num_key_value_heads:
+        head, d = r // kv_replicas(cfg, tp), cfg.head_dim
+        return Shard("kv", head * d, (head + 1) * d)
+    if leaf in _COLUMN:
+        n = _rows(leaf, cfg)
+        return Shard("rows", r * n // tp, (r + 1) * n // tp)
     return Shard("replicated", 0, 0)
+
+
+def dx_shard_rows(name: str, cfg: Qwen3Config, tp: int, r: int) -> tuple[tuple[int, int], ...]:
+    """Local (start, stop) rows of each of the VIRTUAL_TP/tp virtual shards TP rank r owns in the
+    dX tree of column-parallel weight `name`: virtual shard v (v = r·8/t + s) holds the logical
+    rows virtual_shard_rows(N)[v], here shifted to this rank's local tensor. For a replicated KV
+    head those rows lie inside the head, so the ranks sharing a head own disjoint parts of it.
+    Raises ValueError for a parameter that is not column-parallel.
+    """
+    leaf = _leaf(name)
+    if leaf not in _COLUMN:
+        raise ValueError(f"dx_shard_rows: {name} is not a column-parallel weight")
+    per = VIRTUAL_TP // tp
+    start = shard_of(name, cfg, tp, r).start
+    bounds = virtual_shard_rows(_rows(leaf, cfg))[r * per:(r + 1) * per]
+    return tuple((a - start, b - start) for a, b in bounds)
 
 
 def local_tensor(name: str, t: torch.Tensor, cfg: Qwen3Config, tp: int, r: int) -> torch.Tensor:

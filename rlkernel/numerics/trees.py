@@ -6,6 +6,9 @@ block of 2**k leaves is a subtree: a rank that owns such a block can reduce it l
 collective can finish the same tree (DESIGN.md §1, virtual-TP and token trees).
 `tree_combine` is the same tree over a list of tensors with optional holes (absent leaves are
 skipped, never replaced by a zero, so the sign of a zero never depends on who owns what).
+`tree_sum_halving` is the top-down halving tree: for a length that is not a power of two it is
+the tree whose top levels still cut the dim into any 2**k equal parts (GQA query heads split over
+the TP ranks that replicate their KV head, e.g. 12 heads as 2 × 6 or 4 × 3).
 
 Does not: communicate. The distributed halves live in rlkernel/distributed/.
 """
@@ -30,6 +33,26 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         s = x[..., 0:even:2] + x[..., 1:even:2]
         x = torch.cat([s, x[..., even:]], dim=-1) if n % 2 else s
     return x[..., 0]
+
+
+def tree_sum_halving(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum `x` over `dim` by the top-down halving tree; the dim is removed.
+
+    Shapes: x [..., n, ...] (n >= 1) -> [...]; dtype kept. sum(a..b) = sum(first ⌈n/2⌉) +
+    sum(last ⌊n/2⌋), recursively. Why not `tree_sum`: when 2**k divides n, the top k levels of
+    this tree cut the dim into 2**k equal contiguous parts, so holders of those parts can reduce
+    them locally and finish with `tree_combine` over the 2**k partials (in order) — the same bits
+    for every such split. The bottom-up `tree_sum` has that property only when each part's length
+    is a power of two (it pairs heads 4 and 5 of 12, across the 6|6 cut). For a power-of-two n both
+    are the complete binary tree, so they agree bit for bit there.
+    """
+    n = x.shape[dim]
+    if n < 1:
+        raise ValueError(f"tree_sum_halving: cannot sum an empty dim (length {n})")
+    if n & (n - 1) == 0:
+        return tree_sum(x, dim)   # the complete binary tree: identical, and vectorised
+    m = (n + 1) // 2
+    return tree_sum_halving(x.narrow(dim, 0, m), dim) + tree_sum_halving(x.narrow(dim, m, n - m), dim)
 
 
 def tree_combine(leaves: Sequence[torch.Tensor | None]) -> torch.Tensor | None:

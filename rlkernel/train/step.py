@@ -18,8 +18,8 @@ import torch
 
 from rlkernel.config import LOSS_AGGS
 from rlkernel.data.packing import pack_by_budget, padded_stream_len
-from rlkernel.distributed.parallel import cp_local_rows
-from rlkernel.model.layout import cp_local_layout, packed_layout
+from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows
+from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum
 from rlkernel.train.losses import LossCoefs, token_losses
@@ -125,21 +125,37 @@ def _row_samples(group: list[TrainSample], index: list[int], stream_len: int) ->
     return who
 
 
-def _microbatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], groups: list[list[int]],
-                  pad_id: int):
-    """Per microbatch, in logical order: (layout, target ids [L'], loss rows [n] long, rollout
-    logprobs [n] fp32, advantages [n] fp32, sample index [n] long), L' the rows this CP rank
-    holds and n its rows that predict a response token."""
-    pc = policy.pc
+def microbatches(samples: list[TrainSample], token_budget: int, pad_id: int,
+                 pc: ParallelCtx) -> list[tuple[StreamLayout, tuple[torch.Tensor, ...], torch.Tensor]]:
+    """The microbatches of `samples` as this rank holds them, in logical order (what
+    compute_gradients runs): per microbatch (layout of this rank's rows — the CP-local view under
+    CP —, per row: (target id, loss mask, rollout logprob, advantage, index in `samples` of the
+    row's sample or -1), logical stream row [Lc] long of each). Packing depends only on the
+    samples and the token budget, never on the topology.
+    Raises ValueError if a sample exceeds the token budget.
+    """
+    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    out = []
     for g in groups:
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
         lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
-        per_row = (*loss_rows(group, lay.tokens.shape[0]), _row_samples(group, g, lay.tokens.shape[0]))
+        n_rows = lay.tokens.shape[0]
+        per_row = (*loss_rows(group, n_rows), _row_samples(group, g, n_rows))
+        local = torch.arange(n_rows)
         if pc.cp.size > 1:
-            local = cp_local_rows(pc, torch.arange(lay.tokens.shape[0]))
+            local = cp_local_rows(pc, local)
             lay = cp_local_layout(lay, local)
             per_row = tuple(t[local] for t in per_row)
+        out.append((lay, per_row, local))
+    return out
+
+
+def _loss_rows_on_device(policy: Qwen3ForCausalLM, mbs):
+    """Per microbatch of `microbatches`: (layout, target ids [L'], loss rows [n] long, rollout
+    logprobs [n] fp32, advantages [n] fp32, sample index [n] long) on the policy's device, n the
+    rows this rank holds that predict a response token."""
+    for lay, per_row, _ in mbs:
         targets, mask, old, adv, who = (t.to(policy.device) for t in per_row)
         rows = mask.nonzero(as_tuple=True)[0]
         yield lay, targets, rows, old[rows], adv[rows], who[rows]
@@ -158,13 +174,13 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     weights = agg_weights(lengths, agg)
     pc = policy.pc
     policy.zero_grad(set_to_none=True)
-    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    mbs = microbatches(samples, token_budget, pad_id, pc)
     # fp32 coefficient per sample: the float64 weight rounded once (token-mean: fp32(1/N)).
     w32 = torch.tensor(weights, dtype=torch.float32, device=policy.device)
     vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
     sample_of: list[int] = []
     mismatches = compared = clipped = 0
-    for lay, targets, rows, old, adv, who in _microbatches(policy, samples, groups, pad_id):
+    for lay, targets, rows, old, adv, who in _loss_rows_on_device(policy, mbs):
         lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
         with torch.no_grad():
             ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
@@ -186,7 +202,7 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     who_all = [s for e in everyone for s in e[1]]
     mean = {k: aggregate(v, who_all, lengths, agg) for k, v in merged.items()}
     return StepStats(sum(lengths), mean["total"], mean["pg"], mean["kl"], mean["ent"],
-                     sum(e[2] for e in everyone), len(groups), sum(e[3] for e in everyone),
+                     sum(e[2] for e in everyone), len(mbs), sum(e[3] for e in everyone),
                      sum(e[4] for e in everyone))
 
 
@@ -198,9 +214,9 @@ def rollout_mismatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], *,
     forward pass of the policy as it is now (no gradient), packed as compute_gradients packs;
     collective over the CP group. Used before the first update of a step, for the mini-batches
     that compute_gradients will only see after the policy has moved."""
-    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    mbs = microbatches(samples, token_budget, pad_id, policy.pc)
     n = compared = 0
-    for lay, targets, rows, old, _, _ in _microbatches(policy, samples, groups, pad_id):
+    for lay, targets, rows, old, _, _ in _loss_rows_on_device(policy, mbs):
         lp, _ = policy.token_logprobs(policy.hidden(lay), targets, temperature)
         differs = lp[rows].view(torch.int32) != old.view(torch.int32)
         n += int(differs.sum().item())
