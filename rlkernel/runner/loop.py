@@ -10,6 +10,7 @@ Does not: decide the topology (config + distributed/topology.py) or create the r
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -281,9 +282,13 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
                   device=_describe_device(dev))
 
     def audit_sync(tamper=None, load=None, previous=None):
-        a = sync_weights(policy.export_tensors(), engine, tamper, load, previous)
+        t0 = time.perf_counter()
+        exported = policy.export_tensors()
+        export_s = time.perf_counter() - t0
+        a = sync_weights(exported, engine, tamper, load, previous)
         problems = comms.world.all_gather_object(list(a.problems), "audit-problems")
-        return a.__class__(a.version, a.tensor_hashes, merge_problems(problems))
+        return dataclasses.replace(a, problems=merge_problems(problems),
+                                   timings={"trainer_export_s": export_s, **a.timings})
 
     start = 0
     if cfg.resume:
@@ -354,7 +359,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             "entropy": done.mean("entropy"),
             "clip_frac": done.clip_frac, "lr": done.updates[0].lr,
             "timings": {"rollout_s": t1 - t0, "train_s": t2 - t1, "export_audit_s": t3 - t2,
-                        "step_s": t3 - t0},
+                        "step_s": t3 - t0, "sync": audit.timings},
             "resources": {"peak_gpu_mem_gib": peak},
         }
         if plan.updates_per_step > 1:  # every optimizer update of the step, in order

@@ -1,9 +1,10 @@
-"""Weight sync with an audit: export → serialise → reload into the rollout engine → compare.
+"""Weight sync with an audit: export → copy to the rollout engine → load → compare.
 
-After every update the trainer exports its logical weights (parameter dtype), they travel as one
-safetensors blob (what a real sync would send), the rollout engine loads them, and every rank
-checks, naming each tensor it finds wrong:
-  transit — the received copy has the trainer's dtype, shape and per-tensor SHA-256;
+After every update the trainer exports its logical weights (parameter dtype); the engine, which
+runs in the trainer's processes, receives its own copy of each tensor (a memory-to-memory copy,
+no serialisation), loads it, and every rank checks, naming each tensor it finds wrong:
+  transit — the received copy has the trainer's dtype, shape and bytes (a byte comparison; a
+            differing tensor is hashed on this failure path to name what arrived);
   version — what this rank's engine computes with after the load (its parameters, reassembled
             over rollout TP with this rank's own copy of every replicated tensor, and never
             rounded into a value they do not hold) hashes to the trainer's per-tensor SHA-256
@@ -11,18 +12,19 @@ checks, naming each tensor it finds wrong:
             found (and says so when it is the one served before: a load that did not happen);
   reload  — for each tensor the version check flags, whether this rank's own shard is, byte
             for byte, what loading the received copy puts there: names the rank at fault.
-Nothing is silently tolerated. Cost per step: SHA-256 over the logical weights three times (the
-trainer's copy, the received copy, the engine's), the export's exactness check (one dtype round
-trip); no second serialisation, and the reload check runs only on the failure path.
+Nothing is silently tolerated. Cost per step: SHA-256 over the logical weights twice (the
+trainer's copy and the engine's, each on a thread pool), one byte comparison of the received
+copy, the export's exactness check (one dtype round trip); the reload check runs only on the
+failure path.
 Does not: move weights between processes (rlkernel/distributed) or decide what to do on failure (loop).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
-import safetensors.torch
 import torch
 
 from rlkernel.weights.hashing import (compare_hashes, same_bytes, state_hashes, tensor_hash,
@@ -36,6 +38,9 @@ class SyncAudit:
     version: str
     tensor_hashes: dict[str, str]
     problems: tuple[str, ...]
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent on this rank: trainer_hash_s, copy_load_s (the transfer and the engine's
+    load), engine_export_s (reading back what the engine holds), engine_hash_s, check_s."""
 
     @property
     def ok(self) -> bool:
@@ -67,13 +72,12 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     runs: under rollout TP it is a collective that the peers are waiting in).
     Returns: the trainer's version and hashes and the problems found (empty = ok).
     """
+    clock = _Clock()
     hashes = state_hashes(exported)
     version = version_hash(hashes)
-    blob = safetensors.torch.save({n: t.contiguous() for n, t in exported.items()})
-    loaded = safetensors.torch.load(blob)
-    # safetensors returns names sorted; restore the canonical order (extras last) before hashing.
-    received = {n: loaded[n] for n in exported if n in loaded}
-    received.update({n: t for n, t in loaded.items() if n not in received})
+    clock.lap("trainer_hash_s")
+    # The transfer: the engine gets a copy it owns (the trainer may update its tensors next).
+    received = {n: t.clone() for n, t in exported.items()}
     if tamper is not None:
         tamper(received)
     problems = [f"tensor {n!r} arrived as {_meta(received[n])}, expected {_meta(t)}"
@@ -87,9 +91,13 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     except (ValueError, RuntimeError) as e:
         problems.append(f"rollout engine rejected the weights: {e}")
         rejected = True
+    clock.lap("copy_load_s")
     # Export even after a rejected load: under rollout TP the export is a collective, and a rank
     # whose copy was bad must make the same calls as its peers (or they would wait for it).
-    found = state_hashes(engine.exported_weights())
+    held = engine.exported_weights()
+    clock.lap("engine_export_s")
+    found = state_hashes(held)
+    clock.lap("engine_hash_s")
     if not rejected:
         problems += _version_problems(hashes, version, found, previous)
         # The version check saw this rank's own copy of every tensor, so where it passes every
@@ -97,11 +105,33 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
         sent = {n: t for n, t in received.items() if n in exported and _same_meta(t, exported[n])
                 and found.get(n) != hashes[n]}
         problems += _reload_problems(engine, sent, version)
-    problems += compare_hashes(hashes, state_hashes(received))
-    return SyncAudit(version, hashes, tuple(dict.fromkeys(problems)))
+    problems += compare_hashes(hashes, _received_hashes(received, exported, hashes))
+    clock.lap("check_s")
+    return SyncAudit(version, hashes, tuple(dict.fromkeys(problems)), clock.laps)
+
+
+class _Clock:
+    """Named wall-clock laps (seconds) of one sync, for the evidence's timings."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now
 
 
 _DETAILED = 3  # tensors described in full per problem line; the rest are counted
+
+
+def _received_hashes(received: dict[str, torch.Tensor], exported: dict[str, torch.Tensor],
+                     hashes: dict[str, str]) -> dict[str, str]:
+    """Per-tensor hashes of the received copy (its order): the trainer's hash where the bytes are
+    the trainer's (compared exactly, no hashing), else the received tensor's own SHA-256."""
+    return {n: hashes[n] if n in exported and same_bytes(t, exported[n]) else tensor_hash(t)
+            for n, t in received.items()}
 
 
 def _reload_problems(engine, sent: dict[str, torch.Tensor], version: str) -> list[str]:

@@ -1,0 +1,102 @@
+"""Weight sync + audit (rlkernel/weights/sync.py) on one GPU: time per sync, split into its parts,
+against the previous design measured in the same process.
+
+For each preset: a policy and a rollout engine on the GPU with the same random weights (bf16
+parameters), then `repeats` syncs of the trainer's export into the engine: the median total and
+the median of each lap (trainer export, trainer hash, copy + load, engine export, engine hash,
+checks). "previous" times what the sync did before this version on the same export: a
+safetensors serialise/deserialise round trip and three serial SHA-256 passes. Finally a flipped
+bit in the engine's received copy must be named by the audit.
+
+Run (repository root, on the GPU machine):
+    PYTHONPATH=. python3 benchmarks/bench_weight_sync.py [--presets qwen3-0.6b qwen3-1.7b] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import safetensors.torch
+import torch
+
+from benchmarks.common import dump, env, require_cuda
+from rlkernel.model.checkpoint import init_weights
+from rlkernel.model.config import PRESETS
+from rlkernel.model.ops import InvariantOps
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.rollout.engine import RolloutEngine
+from rlkernel.weights.hashing import tensor_hash
+from rlkernel.weights.sync import sync_weights
+
+
+def _previous_design(exported: dict[str, torch.Tensor]) -> float:
+    """Seconds for what the old sync did besides load/export: blob round trip + 3 serial hashes."""
+    t0 = time.perf_counter()
+    blob = safetensors.torch.save({n: t.contiguous() for n, t in exported.items()})
+    received = safetensors.torch.load(blob)
+    for d in (exported, received, exported):
+        for t in d.values():
+            tensor_hash(t)
+    return time.perf_counter() - t0
+
+
+def _flip_is_named(policy, engine) -> bool:
+    name = next(iter(policy.logical_params()))
+
+    def flip(received: dict[str, torch.Tensor]) -> None:
+        received[name].view(torch.int16).view(-1)[0] ^= 1
+
+    audit = sync_weights(policy.export_tensors(), engine, flip)
+    return (not audit.ok) and any(name in p for p in audit.problems)
+
+
+def bench(preset: str, repeats: int) -> dict:
+    cfg = PRESETS[preset]()
+    weights = init_weights(cfg, 0)
+    policy = Qwen3ForCausalLM(cfg, InvariantOps, torch.bfloat16).to("cuda")
+    policy.load_tensors(weights)
+    engine = RolloutEngine(cfg, InvariantOps, torch.bfloat16, pad_id=0, device=torch.device("cuda"))
+    del weights
+    totals, laps = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        exported = policy.export_tensors()
+        export_s = time.perf_counter() - t0
+        audit = sync_weights(exported, engine)
+        torch.cuda.synchronize()
+        totals.append(time.perf_counter() - t0)
+        laps.append({"trainer_export_s": export_s, **audit.timings})
+        assert audit.ok, audit.problems
+    previous = [_previous_design(exported) for _ in range(2)]
+    n_bytes = sum(t.numel() * t.element_size() for t in exported.values())
+    return {
+        "preset": preset, "params": sum(t.numel() for t in exported.values()),
+        "bytes": n_bytes, "repeats": repeats,
+        "sync_audit_s": statistics.median(totals),
+        "laps_s": {k: statistics.median(lap[k] for lap in laps) for k in laps[0]},
+        "previous_serialise_and_hash_s": min(previous),
+        "flipped_bit_named": _flip_is_named(policy, engine),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    require_cuda()
+    rows = []
+    for p in a.presets:
+        row = bench(p, a.repeats)
+        print(row, flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    dump(a.out, {"env": env(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
