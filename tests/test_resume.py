@@ -122,3 +122,22 @@ def test_resume_refuses_changed_numerics_and_missing_checkpoints(tmp_path, capsy
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
     assert (d / "evidence.json").read_bytes() == before
+
+
+def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrupted):
+    """Resuming at evidence step 1 of 3 prints one "resuming ... at step 2/3" line, then progress
+    "step 2/3", "step 3/3" (not 1/3); the replaced RUN/final holds the same bytes as the
+    uninterrupted run's."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    for name in ("step-000002", "step-000003"):
+        shutil.rmtree(d / "checkpoints" / name)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"rlk run: resuming {d} from checkpoints/step-000001 at step 2/3 (evidence "
+                      "step 1; the 1 step(s) before it are kept)")
+    assert [ln.split("  ")[0] for ln in err[1:]] == ["step 2/3", "step 3/3"]
+    for f in ("model.safetensors", "rlk_weights.json"):
+        assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no staging left
