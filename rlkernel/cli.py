@@ -15,7 +15,8 @@ Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/
 or set any global torch state; nothing happens at import.
 
 Run: `rlk run --steps 2`; `rlk compare runs/A runs/B`; `rlk init-model --preset tiny --seed 0
---out m/`; `rlk export runs/A --out hf/`. Set RLK_DEBUG=1 to get the traceback instead of a one-line error.
+--out m/`; `rlk export runs/A --out hf/`. Set RLK_DEBUG=1 to get the traceback instead of a
+one-line error.
 Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
 """
 
@@ -97,7 +98,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `rlk` parser with its three subcommands."""
+    """The `rlk` parser with its four subcommands."""
     parser = argparse.ArgumentParser(
         prog="rlk", description="Bitwise-reproducible RL post-training across parallel topologies.")
     parser.add_argument("--version", action="version", version=_version())
@@ -523,7 +524,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 e.code if isinstance(e.code, int) else 1)
         _publish(tmp, final)
         return _interrupted(e, final, writer.n_steps)
-    except BaseException:  # a bug or Ctrl-C: keep whatever was written, under the final name
+    except BaseException:  # a bug: keep whatever was written, under the final name, and raise
         if tmp.exists():
             _publish(tmp, final)
             print(f"rlk run: partial run kept in {final}", file=sys.stderr)

@@ -129,7 +129,8 @@ def parse_jsonl(data: bytes, name: str, *, input_key: str = "prompt",
             msg = str(e) if isinstance(e, ValueError) else "nested too deeply"
             raise PromptFileError(f"{where}: invalid JSON ({msg}); {fmt}") from None
         if not isinstance(obj, dict):
-            raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}; {fmt}")
+            raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}; "
+                                  f"{fmt}")
         prompts.append(_record(obj, where, len(prompts), input_key, label_key, fmt))
     if not prompts:
         raise PromptFileError(f"{name}: no prompts (the file is empty or only blank lines); {fmt}")
@@ -233,9 +234,11 @@ def read_prompt_file(path: str | os.PathLike) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise PromptFileError(f"{path}: file not found; give the path of a JSONL or Parquet prompt file") from None
+        raise PromptFileError(f"{path}: file not found; give the path of a JSONL or Parquet "
+                              "prompt file") from None
     except OSError as e:
-        raise PromptFileError(f"{path}: cannot read ({e.strerror or e}); give a readable JSONL or Parquet file") from None
+        raise PromptFileError(f"{path}: cannot read ({e.strerror or e}); give a readable JSONL or "
+                              "Parquet file") from None
 
 
 def load_jsonl(path: str | os.PathLike, **keys: str) -> list[Prompt]:

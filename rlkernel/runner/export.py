@@ -63,7 +63,8 @@ def _fsync_dir(d: pathlib.Path) -> None:
 
 
 def save_final_weights(run_dir: str | os.PathLike, cfg: Qwen3Config,
-                       tensors: dict[str, torch.Tensor], *, step: int, version: str) -> pathlib.Path:
+                       tensors: dict[str, torch.Tensor], *, step: int,
+                       version: str) -> pathlib.Path:
     """Write RUN/final (see module doc) from `tensors` (logical, parameter dtype, CPU), the
     weights after evidence step `step`, whose Merkle root the loop recorded as `version`.
 
@@ -188,7 +189,8 @@ def _tokenizer_files(config: dict, manifest: dict, cfg: Qwen3Config) -> dict[str
     return files
 
 
-def _load_weights(src: pathlib.Path, cfg: Qwen3Config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_weights(src: pathlib.Path, cfg: Qwen3Config,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Parameter-dtype logical tensors of final/ or of a checkpoint's fp32 masters."""
     if src.name == FINAL_DIR:
         try:
@@ -209,7 +211,8 @@ def _load_weights(src: pathlib.Path, cfg: Qwen3Config, dtype: torch.dtype) -> di
     return out
 
 
-def export_run(run: str | os.PathLike, out: str | os.PathLike, step: int | None = None) -> Exported:
+def export_run(run: str | os.PathLike, out: str | os.PathLike,
+               step: int | None = None) -> Exported:
     """Export the weights of `run` after evidence step `step` (None: the final weights of a
     complete run) to the Hugging Face directory `out`, verified against the run's evidence.
 

@@ -3,9 +3,9 @@ reload + audit → evidence, once per step (DESIGN.md §2), on one process or on
 
 Every rank runs the same loop on its shards; rank 0 writes the evidence and calls the reward
 function (rewards are broadcast, so every rank computes advantages from the same list); when all
-steps are done rank 0 keeps the final weights in RUN/final (rlkernel/runner/export.py). Everything that can be
-checked is checked before the first step (model, tokenizer, every prompt of every step). Each
-step's evidence is written atomically as soon as the step ends.
+steps are done rank 0 keeps the final weights in RUN/final (rlkernel/runner/export.py).
+Everything that can be checked is checked before the first step (model, tokenizer, every prompt
+of every step). Each step's evidence is written atomically as soon as the step ends.
 Does not: decide the topology (config + distributed/topology.py) or create the run directory (cli.py).
 """
 
