@@ -86,7 +86,11 @@ def assert_nothing_left(env, root: pathlib.Path, kept: str | None) -> None:
         assert not root.exists(), f"{root} left behind"  # nor the parent the CLI made for it
         return
     assert sorted(p.name for p in root.iterdir()) == [kept]
-    assert sorted(p.name for p in (root / kept).iterdir()) == ["evidence.json", "manifest.json"]
+    # A run that finished all its steps also keeps its weights (final/); a stopped one does not.
+    complete = evidence(root / kept)["complete"]
+    assert sorted(p.name for p in (root / kept).iterdir()) == (
+        ["evidence.json", "final", "manifest.json"] if complete
+        else ["evidence.json", "manifest.json"])
 
 
 def evidence(run_dir: pathlib.Path) -> dict:
