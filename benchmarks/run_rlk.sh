@@ -10,7 +10,6 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 model=${RLK_MODEL_DIR:-/tmp/qwen3-0.6b-seed0}
 if [ ! -f "$model/config.json" ]; then
   python3 -m rlkernel.cli init-model --preset qwen3-0.6b --seed 0 --out "$model"
-  python3 benchmarks/make_tokenizer.py "$model"     # stand-in tokenizer: every sampled id decodes
 fi
 for mode in invariant native; do
   rm -rf "$out/run_$mode"

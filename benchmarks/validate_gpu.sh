@@ -19,7 +19,6 @@ fi
 model=${RLK_MODEL_DIR:-/tmp/qwen3-0.6b-seed0}
 if [ ! -f "$model/config.json" ]; then
   rlk init-model --preset qwen3-0.6b --seed 0 --out "$model" >/dev/null
-  python3 benchmarks/make_tokenizer.py "$model"
 fi
 args=(--model "$model" --device cuda --steps 2 --require-updates --temperature 0.7 --top-p 0.95
       --max-response-len 64 --n-prompts 4 --n-samples-per-prompt 4 --kl-coef 0.01

@@ -1,14 +1,15 @@
-"""`rlk`, the command line: `rlk run`, `rlk compare`, `rlk report`, `rlk init-model`.
+"""`rlk`, the command line: `rlk run`, `rlk compare`, `rlk report`, `rlk init-model`, `rlk export`.
 
 `rlk run` turns flags into a validated RunConfig (one flag per field, generated from the dataclass
-so the two cannot drift), checks the environment (model dir, prompts file, git state), hashes
-every input into the manifest (runner/inputs.py), writes the run into `<dir>.tmp-<pid>` and
+so the two cannot drift), checks the environment (model dir, prompts file, reward, git state),
+hashes every input into the manifest (runner/inputs.py), writes the run into `<dir>.tmp-<pid>` and
 renames it to its final name when the loop returns or fails after its first step. A failure before
 the first step that is the user's (ValueError/OSError: a bad model or prompts file) leaves nothing
 on disk. `--resume <dir>` of a SIGKILLed run finds its `<dir>.tmp-<pid>` (pid gone) and renames it
-first. Every usage error, argparse's included, is one line. Exit codes: 0 ok, 1 the run or command
-failed, 2 bad usage (invalid flag value, missing input, dirty checkout, occupied run dir, changed
-inputs on resume).
+first. Every usage error, argparse's included, is one line; an unknown flag gets a "did you mean"
+suggestion. Exit codes: 0 ok, 1 the run or command failed, 2 bad usage (invalid flag value,
+missing input, dirty checkout, occupied run dir, changed inputs on resume), 130 Ctrl-C (one line:
+what was kept and how to resume).
 
 The topology (--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
 torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.py).
@@ -17,7 +18,8 @@ Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/
 or set any global torch state; nothing happens at import.
 
 Run: `rlk run --steps 2`; `rlk compare [--quiet] runs/A runs/B`; `rlk report runs/A runs/B --out
-plots/`; `rlk init-model --preset tiny --seed 0 --out m/`. Set RLK_DEBUG=1 to get the traceback instead of a one-line error.
+plots/`; `rlk init-model --preset tiny --seed 0 --out m/`; `rlk export runs/A --out hf/`. Set
+RLK_DEBUG=1 to get the traceback instead of a one-line error.
 Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import difflib
 import glob
 import json
 import os
@@ -85,6 +88,15 @@ def _number(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
 
 
+# Spellings users bring from TRL/verl/OpenRLHF, accepted as second names of our flags (messages
+# name the field's own flag). Reviewed like flags: tests/test_cli_config.py lists them.
+RUN_FLAG_ALIASES = {
+    "lr": ("--learning-rate",),
+    "n_samples_per_prompt": ("--num-generations",),
+    "temperature": ("--rollout-temperature",),
+}
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """One flag per RunConfig field. Defaults are left to the dataclass (SUPPRESS), and values are
     not constrained here (no argparse `choices`), so every check and message lives in RunConfig."""
@@ -93,14 +105,15 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RunConfig):
         kind = _unoptional(hints[f.name])
         text = docs.get(f.name, "")
+        names = (flag_name(f.name), *RUN_FLAG_ALIASES.get(f.name, ()))
         if kind is bool:
-            p.add_argument(flag_name(f.name), dest=f.name, action="store_true",
+            p.add_argument(*names, dest=f.name, action="store_true",
                            default=argparse.SUPPRESS, help=text.replace("%", "%%"))
             continue
         conv = {int: _integer, float: _number}.get(kind, str)
         metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
         help_text = f"{text} (default: {f.default})".replace("%", "%%")
-        p.add_argument(flag_name(f.name), dest=f.name, type=conv, metavar=metavar,
+        p.add_argument(*names, dest=f.name, type=conv, metavar=metavar,
                        default=argparse.SUPPRESS, help=help_text)
 
 
@@ -110,10 +123,22 @@ def _unoptional(kind):
     return args[0] if len(args) == 1 and type(None) in typing.get_args(kind) else kind
 
 
+def _version() -> str:
+    """`rlk --version`: the package and torch versions, without importing torch (slow)."""
+    import importlib.metadata
+
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"rlk {rlkernel.__version__} (torch {torch_version}, python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `rlk` parser with its subcommands."""
     parser = _Parser(
         prog="rlk", description="Bitwise-reproducible RL post-training across parallel topologies.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run RL training and write its evidence",
@@ -144,20 +169,69 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True, metavar="DIR",
                       help="output directory (must not exist, or be empty)")
     init.set_defaults(func=cmd_init_model)
+
+    exp = sub.add_parser(
+        "export", help="write a run's trained weights as a Hugging Face model directory",
+        description="Write the weights of RUN after a step (default: the final weights) as a "
+                    "Hugging Face directory (config.json, model.safetensors in the parameter "
+                    "dtype, the input model's tokenizer files), after checking every tensor "
+                    "against the SHA-256 the run recorded. Steps with weights: the last one "
+                    "(RUN/final) and those with a --save-every checkpoint.")
+    exp.add_argument("run", metavar="RUN", help="run directory written by rlk run")
+    exp.add_argument("--step", type=int, default=None, metavar="N",
+                     help="evidence step (from 0) whose weights to export (default: the final "
+                          "weights of a complete run)")
+    exp.add_argument("--out", required=True, metavar="DIR",
+                     help="output directory (must not exist, or be empty)")
+    exp.set_defaults(func=cmd_export)
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    """The parser of subcommand `name` (the top-level parser for None)."""
+    for action in parser._actions:  # argparse keeps subparsers only there
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
+def _unknown_args(parser: argparse.ArgumentParser, command: str | None,
+                  extras: list[str]) -> int:
+    """One line for the first argument nobody took, with the closest flag when there is one."""
+    sub = _subparser(parser, command)
+    where = f"rlk {command}" if command else "rlk"
+    arg = extras[0]
+    if arg.startswith("-"):
+        flag = arg.split("=", 1)[0]
+        known = sorted({s for a in sub._actions for s in a.option_strings})
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"{where} --help lists every flag"
+        msg = f"unknown flag {flag}; {hint}"
+    else:
+        msg = f"unexpected argument {arg!r}; see {where} --help"
+    print(f"{where}: error: {msg}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `rlk`. Returns the exit code (argparse usage errors included)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, or an argparse usage error (already printed)
+        args, extras = parser.parse_known_args(argv)
+    except SystemExit as e:  # --help, --version, or an argparse usage error (already printed)
         return e.code if isinstance(e.code, int) else 2
+    if extras:
+        return _unknown_args(parser, getattr(args, "command", None), extras)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # outside a run (rlk run reports its own): one line, no traceback
+        if _debug():
+            raise
+        print(f"rlk {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,13 +268,40 @@ def _check_inputs(cfg: RunConfig) -> None:
                           "directory (config.json, *.safetensors), or leave out --model for the "
                           "embedded tiny model")
     if cfg.prompts is not None and not pathlib.Path(cfg.prompts).is_file():
-        raise ConfigError(f"--prompts {cfg.prompts!r}: no such file; give a JSONL prompts file, "
-                          "or leave out --prompts for the built-in arithmetic task")
+        raise ConfigError(f"--prompts {cfg.prompts!r}: no such file; give a JSONL or Parquet "
+                          "prompts file, or leave out --prompts for the built-in arithmetic task")
     if cfg.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--device 'cuda': no CUDA device is available here; allowed: cpu")
+
+
+def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
+    """Load what the run reads besides weights, before any work: the reward function, the
+    prompts file's keys, the chat template (rendered once). Returns the manifest's additions
+    {"reward": ..., "tokenizer_files": ...}. Raises ConfigError naming the flag and the value."""
+    from rlkernel.data.chat import ChatTemplateError, load_chat_template
+    from rlkernel.data.prompts import PromptFileError, check_prompt_keys
+    from rlkernel.data.rewards import RewardError, load_reward
+    from rlkernel.runner.export import tokenizer_file_hashes
+
+    try:
+        reward = load_reward(cfg.reward)
+        if cfg.prompts is not None:
+            check_prompt_keys(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
+        if cfg.apply_chat_template:
+            load_chat_template(cfg.model).render("probe")
+        tokenizer_files = tokenizer_file_hashes(cfg.model)
+    except PromptFileError as e:
+        raise ConfigError(f"--prompts: {e}") from None
+    except ChatTemplateError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith("--") else f"--apply-chat-template: {msg}") \
+            from None
+    except (RewardError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    return {"reward": reward.describe(), "tokenizer_files": tokenizer_files}
 
 
 def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
@@ -415,7 +516,38 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
 
 
-def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path) -> int:
+def _resume_hint(d: pathlib.Path) -> str:
+    """How to continue the run in `d`, or why it cannot be continued."""
+    from rlkernel.runner.checkpointing import checkpoint_dirs
+
+    if checkpoint_dirs(d):
+        return f"resume with: rlk run --resume {d}"
+    return "not resumable: it has no checkpoint (runs keep them with --save-every N)"
+
+
+def _interrupted(e: BaseException, d: pathlib.Path, n_steps: int) -> int:
+    """One line for Ctrl-C (KeyboardInterrupt) or SIGTERM (SystemExit from _exit_on_sigterm)
+    during a run whose directory `d` holds `n_steps` steps; returns the exit code."""
+    what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "terminated"
+    print(f"rlk run: {what} after {n_steps} step(s); partial run kept in {d}; "
+          f"{_resume_hint(d)}", file=sys.stderr)
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else 1
+    return 130
+
+
+def _check_reward_unchanged(saved: dict[str, typing.Any], reward: dict[str, typing.Any]) -> None:
+    """A resumed run must score with the same reward code: its source hash is in the manifest."""
+    before = saved.get("reward")
+    if isinstance(before, dict) and before.get("source_sha256") != reward["source_sha256"]:
+        raise ConfigError(f"--resume: the reward function's source {reward['source_file']} changed "
+                          f"since the run started (SHA-256 {str(before.get('source_sha256'))[:12]}"
+                          f"... then, {reward['source_sha256'][:12]}... now); restore it to "
+                          "resume, or start a new run")
+
+
+def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
+                inputs: dict[str, typing.Any]) -> int:
     from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
     from rlkernel.runner.evidence import utc_now, versions
     from rlkernel.runner.loop import run_loop
@@ -425,6 +557,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path) -
         ck = latest_checkpoint(src)
         manifest = json.loads((src / "manifest.json").read_text())
         check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
+        _check_reward_unchanged(manifest, inputs["reward"])
     except (ResumeError, OSError, ValueError) as e:
         return _error("run", e, 2)
     if src != d:  # a killed run's temporary directory: publish it under the name it was given
@@ -442,8 +575,13 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path) -
     manifest.setdefault("resumes", []).append(
         {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()
                                                 if old.get(k) != v},
-         "git": git, "versions": versions(), "utc": utc_now()})
+         "git": git, "versions": versions(), "utc": utc_now(), **inputs})
+    print(f"rlk run: resuming {d} from {ck.path.relative_to(src)} at step {ck.next_step + 1}/"
+          f"{cfg.steps} (evidence step {ck.next_step}; the {ck.next_step} step(s) before it "
+          "are kept)", file=sys.stderr)
     progress = Progress(total=cfg.steps)
+    writer: EvidenceWriter | None = None
+    previous_sigterm = _exit_on_sigterm()
     try:
         writer = EvidenceWriter.resume(d, manifest, ck.next_step, progress)
         run_loop(cfg, d, writer)
@@ -453,7 +591,12 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path) -
         if _debug():
             raise
         return _error("run", e, 1)
+    except (KeyboardInterrupt, SystemExit) as e:
+        if _debug():
+            raise
+        return _interrupted(e, d, writer.n_steps if writer is not None else ck.next_step)
     finally:
+        _restore_sigterm(previous_sigterm)
         progress.close()
     _summary(writer, d)
     print(d)
@@ -469,18 +612,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         _check_inputs(cfg)
         _check_topology(cfg)
         _check_watch(cfg)
+        inputs = _check_data(cfg)
     except ConfigError as e:
         return _error("run", e, 2)
 
     git = git_state(SRC_DIR)
     if git["dirty"] and not cfg.allow_dirty:
         files = git["dirty_files"]
-        return _error("run", f"the rl-kernel checkout {SRC_DIR} has uncommitted changes "
-                             f"({len(files)} path(s), e.g. {files[0].strip()!r}); commit them so "
-                             "the run can be reproduced from its commit, or pass --allow-dirty", 2)
+        return _error("run", f"the rl-kernel checkout {SRC_DIR} has uncommitted changes to its "
+                             f"tracked files or package ({len(files)} path(s), e.g. "
+                             f"{files[0].strip()!r}); commit them so the run can be reproduced "
+                             "from its commit, or pass --allow-dirty (the diff is then recorded "
+                             "in the manifest)", 2)
     _warn(config_warnings(cfg))
     if src is not None:
-        return _cmd_resume(cfg, git, src)
+        return _cmd_resume(cfg, git, src, inputs)
     try:
         final = _choose_run_dir(cfg)
     except ConfigError as e:
@@ -488,7 +634,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
 
-    manifest = build_manifest(cfg, git)
+    manifest = {**build_manifest(cfg, git), **inputs}
     if launcher_world_size() is not None and os.environ.get("RANK", "0") != "0":
         return _run_follower_rank(cfg, manifest)
     try:  # every input's SHA-256 (for --resume), the vocab rule, the weights' stored dtypes
@@ -524,7 +670,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise
         _error("run", f"{e} (evidence of {writer.n_steps} step(s) kept in {final})", 1)
         return 1
-    except BaseException:  # a bug or Ctrl-C: keep whatever was written, under the final name
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, or SIGTERM via _exit_on_sigterm
+        if _debug():
+            raise
+        if writer is None or writer.n_steps == 0:  # nothing worth keeping yet
+            _discard(tmp, created)
+            print("rlk run: interrupted before the first step; nothing kept", file=sys.stderr)
+            return 130 if isinstance(e, KeyboardInterrupt) else (
+                e.code if isinstance(e.code, int) else 1)
+        _publish(tmp, final)
+        return _interrupted(e, final, writer.n_steps)
+    except BaseException:  # a bug: keep whatever was written, under the final name, and raise
         if tmp.exists():
             _publish(tmp, final)
             print(f"rlk run: partial run kept in {final}", file=sys.stderr)
@@ -539,7 +695,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# rlk compare / rlk init-model
+# rlk compare / rlk init-model / rlk export
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -585,6 +741,26 @@ def cmd_init_model(args: argparse.Namespace) -> int:
             raise
         return _error("init-model", e, 1)
     print(out)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlkernel.runner.export import ExportError, ExportUsageError, export_run
+
+    try:
+        info = export_run(args.run, args.out, args.step)
+    except ExportUsageError as e:
+        if _debug():
+            raise
+        return _error("export", e, 2)
+    except (ExportError, OSError) as e:
+        if _debug():
+            raise
+        return _error("export", e, 1)
+    print(f"rlk export: step {info.step} of {args.run} from {info.source.name}: "
+          f"{info.n_tensors} tensors match the run's recorded SHA-256 (version "
+          f"{info.version[:12]}...); {info.seconds:.1f}s", file=sys.stderr)
+    print(info.out)
     return 0
 
 

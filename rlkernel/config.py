@@ -61,7 +61,21 @@ class RunConfig:
     model_seed: int = 0
     """Seed of the random initialisation of the embedded tiny model (ignored with --model)."""
     prompts: str | None = None
-    """JSONL prompts file. None: the built-in verifiable arithmetic task."""
+    """Prompts file: JSONL (one object per line) or Parquet (needs pyarrow), read by
+    --input-key/--label-key. None: the built-in verifiable arithmetic task."""
+
+    # ---- rewards and prompt data (issue 13)
+    reward: str | None = None
+    """Reward function MODULE:FUNC or path/to/file.py:FUNC, called as FUNC(prompt, completion,
+    label) -> finite float on rank 0 (results broadcast); its source file's SHA-256 goes into the
+    manifest. None: the built-in exact match."""
+    input_key: str = "prompt"
+    """Key (JSONL) or column (Parquet) of the prompt text in --prompts."""
+    label_key: str = "label"
+    """Key or column of the label in --prompts (with the default, "answer" is accepted too)."""
+    apply_chat_template: bool = False
+    """Render each prompt as one user message through the model's chat template
+    (tokenizer_config.json chat_template or chat_template.jinja), with the generation prompt."""
 
     # ---- RL loop
     steps: int = 2
@@ -385,6 +399,7 @@ def _validate(c: RunConfig) -> None:
     _check_choice(c, "mode", MODES)
     _check_choice(c, "on_nonfinite", ON_NONFINITE)
     _check_choice(c, "device", DEVICES)
+    _validate_data(c)
 
     for f, virtual in (("tp", VIRTUAL_TP), ("rollout_tp", VIRTUAL_TP),
                        ("cp", VIRTUAL_CP), ("rollout_cp", VIRTUAL_CP)):
@@ -429,3 +444,29 @@ def _validate_updates(c: RunConfig) -> None:
                     f"must be < the run's optimizer updates (--steps {c.steps} x --ppo-epochs "
                     f"{c.ppo_epochs} x --mini-batches {c.mini_batches} = {c.total_updates}), "
                     "or the learning rate never reaches --lr")
+
+
+# Built-in defaults of --input-key/--label-key: a changed key needs a --prompts file to act on.
+_DEFAULT_KEYS = {"input_key": "prompt", "label_key": "label"}
+
+
+def _validate_data(c: RunConfig) -> None:
+    """--reward syntax (not whether it imports: the CLI loads it), --input-key/--label-key,
+    --apply-chat-template."""
+    _check_bool(c, "apply_chat_template")
+    if c.reward is not None:
+        if not isinstance(c.reward, str) or ":" not in c.reward:
+            raise _fail("reward", c.reward, "must be MODULE:FUNC or path/to/file.py:FUNC")
+        where, func = c.reward.rsplit(":", 1)
+        if not where or not all(part.isidentifier() for part in func.split(".")):
+            raise _fail("reward", c.reward, "must be MODULE:FUNC or path/to/file.py:FUNC, FUNC a "
+                                            "Python name (dotted for a class attribute)")
+    for f in ("input_key", "label_key"):
+        v = getattr(c, f)
+        if not isinstance(v, str) or not v:
+            raise _fail(f, v, "must be a non-empty key name")
+        if c.prompts is None and v != _DEFAULT_KEYS[f]:
+            raise _fail(f, v, "only applies to a --prompts file; give --prompts FILE or leave "
+                              f"out {flag_name(f)}")
+    if c.input_key == c.label_key:
+        raise _fail("label_key", c.label_key, f"must differ from --input-key {c.input_key!r}")

@@ -35,6 +35,8 @@ REVIEWED_RUN_FLAGS = {
     "--token-budget", "--dtype", "--mode",
     "--tp", "--cp", "--sp", "--recompute", "--rollout-tp", "--rollout-cp",
     "--run-dir", "--allow-dirty", "--require-updates", "--device", "--save-every", "--resume",
+    # issue 13: user rewards and prompt data
+    "--reward", "--input-key", "--label-key", "--apply-chat-template",
 }
 # Issue 13 (items 3, 4): updates per rollout batch, clip range, loss aggregation, LR schedule,
 # TensorBoard.
@@ -42,6 +44,9 @@ REVIEWED_RUN_FLAGS |= {
     "--ppo-epochs", "--mini-batches", "--clip-eps-low", "--clip-eps-high", "--loss-agg",
     "--lr-warmup-steps", "--lr-schedule", "--tensorboard",
 }
+# Second spellings of reviewed flags (cli.RUN_FLAG_ALIASES): not in the usage line, still surface.
+REVIEWED_RUN_ALIASES = {"--learning-rate": "--lr", "--num-generations": "--n-samples-per-prompt",
+                        "--rollout-temperature": "--temperature"}
 
 
 def _step(i: int) -> dict:
@@ -192,6 +197,48 @@ def test_run_flags_are_exactly_the_reviewed_list(capsys):
     flags = set(re.findall(r"\[(-{1,2}[a-z0-9-]+)", usage)) | {"--help"}
     assert flags - REVIEWED_RUN_FLAGS == set(), "unreviewed flag(s)"
     assert REVIEWED_RUN_FLAGS - flags == set(), "reviewed flag(s) gone"
+
+
+def test_aliases_are_exactly_the_reviewed_list_and_set_the_same_field(capsys, cwd, loop):
+    """Every option string of `rlk run` == REVIEWED_RUN_FLAGS | REVIEWED_RUN_ALIASES, and
+    `--learning-rate X` == `--lr X` (same field, same value) for each alias."""
+    run = cli._subparser(cli.build_parser(), "run")
+    strings = {s for a in run._actions for s in a.option_strings}
+    assert strings == REVIEWED_RUN_FLAGS | set(REVIEWED_RUN_ALIASES)
+    for alias, flag in REVIEWED_RUN_ALIASES.items():
+        a = cli.build_parser().parse_args(["run", alias, "3"])
+        b = cli.build_parser().parse_args(["run", flag, "3"])
+        assert vars(a) == vars(b)
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["run", "--lerning-rate", "1"], "rlk run: error: unknown flag --lerning-rate; did you mean "
+                                     "--learning-rate?"),
+    (["run", "--num-generatons=4"], "rlk run: error: unknown flag --num-generatons; did you mean "
+                                    "--num-generations?"),
+    (["run", "--kl-coeff", "0.1"], "rlk run: error: unknown flag --kl-coeff; did you mean "
+                                   "--kl-coef?"),
+    (["run", "--zzzz"], "rlk run: error: unknown flag --zzzz; rlk run --help lists every flag"),
+    (["run", "stray"], "rlk run: error: unexpected argument 'stray'; see rlk run --help"),
+    (["export", "r", "--out", "o", "--stp", "1"], "rlk export: error: unknown flag --stp; did "
+                                                  "you mean --step?"),
+])
+def test_unknown_flag_is_one_line_with_a_suggestion_exit_2(capsys, cwd, loop, argv, line):
+    """An unknown flag == exit 2, one stderr line naming it and the closest real flag; no run."""
+    code, out, err = rlk(capsys, *argv)
+    assert (code, out, err.strip().splitlines()) == (2, "", [line])
+    assert loop.calls == [] and list(cwd.iterdir()) == []
+
+
+def test_version(capsys):
+    """`rlk --version` prints the package and torch versions, exit 0."""
+    import importlib.metadata
+
+    import rlkernel
+    code, out, _ = rlk(capsys, "--version")
+    assert code == 0
+    assert out.strip().startswith(f"rlk {rlkernel.__version__} (torch "
+                                  f"{importlib.metadata.version('torch')}")
 
 
 def test_every_config_field_is_a_flag_with_a_docstring():
@@ -385,7 +432,76 @@ def test_git_state_of_a_checkout(tmp_path):
     (repo / "rlkernel" / "__init__.py").write_text("x = 1\n")
     assert git_state(repo)["dirty"] is True
     assert git_state(tmp_path / "src" / "runs")["commit"] is None  # rlkernel not tracked there
-    assert git_state(tmp_path) == {"commit": None, "dirty": None, "dirty_files": []}
+    assert git_state(tmp_path) == {"commit": None, "dirty": None, "dirty_files": [],
+                                   "diff": None, "diff_sha256": None,
+                                   "untracked_package_files": {}}
+
+
+def test_git_state_ignores_the_users_untracked_files_and_records_the_diff(tmp_path):
+    """Untracked files outside the package (a model or prompts folder) == clean; an untracked
+    file inside rlkernel/ == dirty (it would be imported), recorded with its SHA-256; a tracked
+    change == dirty, with `git diff HEAD` text and its SHA-256 in the state."""
+    import hashlib
+
+    repo = tmp_path / "src"
+    (repo / "rlkernel").mkdir(parents=True)
+    (repo / "rlkernel" / "__init__.py").write_text("")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (repo / "my-model").mkdir()
+    (repo / "my-model" / "config.json").write_text("{}")
+    (repo / "prompts.jsonl").write_text("{}\n")
+    st = git_state(repo)
+    assert st["dirty"] is False and st["dirty_files"] == [] and st["diff"] == ""
+    (repo / "rlkernel" / "extra.py").write_text("X = 1\n")
+    st = git_state(repo)
+    assert st["dirty"] is True and st["dirty_files"] == ["?? rlkernel/extra.py"]
+    assert st["untracked_package_files"] == {
+        "rlkernel/extra.py": hashlib.sha256(b"X = 1\n").hexdigest()}
+    (repo / "rlkernel" / "extra.py").unlink()
+    (repo / "rlkernel" / "__init__.py").write_text("y = 2\n")
+    st = git_state(repo)
+    assert st["dirty"] is True and st["dirty_files"] == [" M rlkernel/__init__.py"]
+    assert "+y = 2" in st["diff"]
+    assert st["diff_sha256"] == hashlib.sha256(st["diff"].encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C and resume lines
+
+
+@pytest.mark.parametrize("save_every,hint", [
+    (0, "not resumable: it has no checkpoint (runs keep them with --save-every N)"),
+    (1, "resume with: rlk run --resume r")])
+def test_ctrl_c_is_one_line_with_the_resume_hint(capsys, cwd, loop, save_every, hint):
+    """Ctrl-C after a recorded step == exit 130, one stderr line (no traceback) saying what was
+    kept and how to resume (or why it cannot be); the run directory keeps the step."""
+    def interrupted(cfg, run_dir, writer):
+        _fake_loop(cfg.__class__(steps=1, allow_dirty=True), run_dir, writer)
+        if cfg.save_every:
+            (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    loop.set(interrupted)
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--steps", "3",
+                         "--save-every", str(save_every))
+    lines = [ln for ln in err.splitlines() if not ln.startswith("step ")]
+    assert code == 130 and out == ""
+    assert lines == [f"rlk run: interrupted (Ctrl-C) after 1 step(s); partial run kept in r; {hint}"]
+    ev = json.loads((cwd / "r" / "evidence.json").read_text())
+    assert ev["complete"] is False and len(ev["steps"]) == 1
+
+
+def test_ctrl_c_before_the_first_step_keeps_nothing(capsys, cwd, loop):
+    def interrupted(cfg, run_dir, writer):
+        raise KeyboardInterrupt
+
+    loop.set(interrupted)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/r")
+    assert code == 130
+    assert err.strip().splitlines() == ["rlk run: interrupted before the first step; nothing kept"]
+    assert list(cwd.iterdir()) == []
 
 
 def test_write_json_atomic_non_finite(tmp_path):

@@ -302,3 +302,160 @@ def test_prompt_source_errors(tmp_path):
         prompt_source(None, n_prompts_per_step=1, steps=0, seed=0)
     with pytest.raises(PromptFileError, match="file not found"):
         prompt_source(os.fspath(tmp_path / "nope.jsonl"), n_prompts_per_step=1, steps=1, seed=0)
+
+
+# ---------------------------------------------------------------- issue 13: keys, Parquet
+
+def _parquet(path: Path, columns: dict) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_jsonl_with_input_and_label_keys(tmp_path):
+    """--input-key question --label-key solution: those keys are read; "answer" is no fallback
+    for a non-default label key; messages name the keys."""
+    path = _write(tmp_path, '{"question": "q1", "solution": 5, "prompt": "no"}\n'
+                            '{"question": "q2", "solution": "x"}\n', name="k.jsonl")
+    got = load_jsonl(path, input_key="question", label_key="solution")
+    assert got == [Prompt(0, "q1", "5"), Prompt(1, "q2", "x")]
+    with pytest.raises(PromptFileError, match=r'k.jsonl:1: missing "solution"; each non-blank '
+                                              r'line must be one JSON object like \{"question"'):
+        load_jsonl(_write(tmp_path, '{"question": "q", "answer": "a"}\n', name="k.jsonl"),
+                   input_key="question", label_key="solution")
+
+
+def test_parquet_prompts_equal_jsonl_prompts(tmp_path):
+    """The same records as Parquet and as JSONL give the same Prompts (text, label, index) and
+    prompt_source hashes the Parquet file's bytes."""
+    texts, labels = ["Compute 1+1=", "héllo", "x"], ["2", "3", "4"]
+    pq_path = _parquet(tmp_path / "p.parquet", {"q": texts, "a": [2, 3, 4], "other": [0, 0, 0]})
+    jl = _write(tmp_path, "".join(json.dumps({"q": t, "a": int(lab)}) + "\n"
+                                  for t, lab in zip(texts, labels)))
+    src = prompt_source(pq_path, n_prompts_per_step=3, steps=1, seed=0, input_key="q",
+                        label_key="a")
+    assert src.batch(0) == load_jsonl(jl, input_key="q", label_key="a")
+    assert src.batch(0)[1].where == f"{pq_path}: row 1"
+    assert src.describe()["sha256"] == hashlib.sha256(pq_path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("columns,keys,words", [
+    ({"prompt": ["a", None], "label": ["1", "2"]}, {}, 'row 1: "prompt" must be a string, got NoneType'),
+    ({"prompt": ["a", "b"], "label": [1.5, float("inf")]}, {}, 'row 1: "label" is the number inf'),
+    ({"prompt": ["a"], "label": [[1]]}, {}, 'row 0: "label" must be a string or a number, got list'),
+    ({"text": ["a"], "label": ["1"]}, {}, "no column \"prompt\"; the file has columns ['text', 'label']"),
+    ({"prompt": ["a"], "sol": ["1"]}, {}, 'no column "label" or "answer"'),
+    ({"prompt": ["a"], "answer": ["1"]}, {"label_key": "gold"}, 'no column "gold"'),
+    ("empty", {}, "no rows"),
+])
+def test_parquet_errors_name_file_row_and_column(tmp_path, columns, keys, words):
+    if columns == "empty":
+        pa = pytest.importorskip("pyarrow")
+        columns = {k: pa.array([], type="string") for k in ("prompt", "label")}
+    path = _parquet(tmp_path / "bad.parquet", columns)
+    with pytest.raises(PromptFileError) as e:
+        prompt_source(path, n_prompts_per_step=1, steps=1, seed=0, **keys)
+    assert str(e.value).startswith(str(path)) and words in str(e.value)
+
+
+def test_parquet_without_pyarrow_names_the_install_command(tmp_path, monkeypatch):
+    import sys as _sys
+
+    path = _parquet(tmp_path / "p.parquet", {"prompt": ["a"], "label": ["1"]})
+    monkeypatch.setitem(_sys.modules, "pyarrow.parquet", None)  # import now raises ImportError
+    with pytest.raises(PromptFileError) as e:
+        prompt_source(path, n_prompts_per_step=1, steps=1, seed=0)
+    assert "pip install 'rl-kernel[parquet]'" in str(e.value) and str(path) in str(e.value)
+
+
+def test_check_prompt_keys_reads_only_the_header(tmp_path):
+    """check_prompt_keys: a bad key in record 1 (JSONL) or in the schema (Parquet) is caught;
+    a bad record further down is left to the full parse."""
+    from rlkernel.data.prompts import check_prompt_keys
+
+    ok_then_bad = _write(tmp_path, '\ufeff\n{"q": "a", "a": "1"}\n{"q": 3, "a": "1"}\n')
+    check_prompt_keys(ok_then_bad, input_key="q", label_key="a")
+    with pytest.raises(PromptFileError, match=r":2: missing \"prompt\""):
+        check_prompt_keys(ok_then_bad, input_key="prompt", label_key="a")
+    pq_path = _parquet(tmp_path / "p.parquet", {"q": ["a"], "a": ["1"]})
+    check_prompt_keys(pq_path, input_key="q", label_key="a")
+    with pytest.raises(PromptFileError, match="no column 'prompt' or 'label'"):
+        check_prompt_keys(pq_path, input_key="prompt", label_key="label")
+
+
+def test_run_on_a_parquet_file_with_keys(tmp_path, capsys):
+    """rlk run --prompts x.parquet --input-key question --label-key gold: a complete run; a
+    missing column is exit 2 naming it, before any work."""
+    from rlkernel.cli import main
+
+    path = _parquet(tmp_path / "x.parquet", {"question": ["Compute 1+2=", "Compute 2*3="],
+                                              "gold": ["3", "6"]})
+    run = tmp_path / "run"
+    args = ["run", "--prompts", str(path), "--steps", "1", "--n-prompts", "2",
+            "--n-samples-per-prompt", "2", "--max-response-len", "4", "--allow-dirty"]
+    assert main([*args, "--input-key", "question", "--label-key", "gold", "--run-dir",
+                 str(run)]) == 0
+    assert json.loads((run / "evidence.json").read_text())["complete"] is True
+    capsys.readouterr()
+    assert main([*args, "--input-key", "q", "--label-key", "gold", "--run-dir",
+                 str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no column 'q'" in err[0] and "'question'" in err[0]
+    assert not (tmp_path / "r2").exists()
+
+
+def test_keys_without_a_prompts_file_are_refused():
+    from rlkernel.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="--input-key 'q': only applies to a --prompts file"):
+        RunConfig(input_key="q")
+    with pytest.raises(ConfigError, match="--label-key 'prompt': must differ from --input-key"):
+        RunConfig(prompts="p.jsonl", label_key="prompt")
+
+
+# ---------------------------------------------------------------- issue 13: stand-in tokenizer
+
+def test_standin_byte_layout_equals_the_byte_tokenizer(tmp_path):
+    """The stand-in for vocab 264 / EOS 256: encode == ByteTokenizer.encode (UTF-8 bytes), and
+    decode == ByteTokenizer.decode (stops at EOS, reserved ids decode to nothing)."""
+    from rlkernel.data.tokenizer import byte_symbols, standin_tokenizer_files
+
+    assert set(byte_symbols()) == set(pre_tokenizers.ByteLevel.alphabet())
+    for name, data in standin_tokenizer_files(264, 256).items():
+        (tmp_path / name).write_bytes(data)
+    hf, b = load_tokenizer(tmp_path, vocab_size=264, eos_token_id=256), ByteTokenizer()
+    assert isinstance(hf, HFTokenizer) and (hf.vocab_size, hf.eos_id, hf.pad_id) == (264, 256, 257)
+    for text in ["Compute 37+45=", "héllo wörld", "日本語 🙂", "a\nb\x00c \t  x", "<|pad"]:
+        assert hf.encode(text) == b.encode(text)
+    ids = b.encode("ok é") + [258, 263, 257, 65, 256, 66]
+    assert hf.decode(ids) == b.decode(ids) == "ok éA"
+
+
+def test_init_model_qwen_preset_tokenizer_serves_rlk_run(tmp_path):
+    """The qwen3-0.6b stand-in (written by rlk init-model; weights not made here): load_tokenizer
+    accepts it for that model (ids < 151936, EOS 151645 = <|im_end|>), bytes round-trip, and it
+    carries a ChatML template."""
+    from rlkernel.data.chat import load_chat_template
+    from rlkernel.data.tokenizer import standin_tokenizer_files
+    from rlkernel.model.config import qwen3_0_6b
+
+    cfg = qwen3_0_6b()
+    for name, data in standin_tokenizer_files(cfg.vocab_size, cfg.eos_token_id).items():
+        (tmp_path / name).write_bytes(data)
+    tok = load_tokenizer(tmp_path, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id)
+    assert tok.vocab_size == cfg.vocab_size and tok.eos_id == 151645
+    assert tok.encode("héllo") == list("héllo".encode())
+    assert tok.decode(tok.encode("héllo") + [151645, 65]) == "héllo"
+    rendered = load_chat_template(tmp_path).render("hi")
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode(rendered)[0] == 151644
+
+
+def test_init_model_writes_a_tokenizer(tmp_path):
+    """rlk init-model --preset tiny: tokenizer.json + tokenizer_config.json beside the weights."""
+    from rlkernel.model.checkpoint import init_model
+
+    out = init_model("tiny", 0, tmp_path / "m")
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors",
+                                               "tokenizer.json", "tokenizer_config.json"}

@@ -93,9 +93,12 @@ def assert_nothing_left(env, root: pathlib.Path, kept: str | None) -> None:
         assert not root.exists(), f"{root} left behind"  # nor the parent the CLI made for it
         return
     assert sorted(p.name for p in root.iterdir()) == [kept]
-    # evidence, manifest and the watch files of the recorded steps (runner/metrics.py); no temp file
-    assert sorted(p.name for p in (root / kept).iterdir()) == [
-        "completions.jsonl", "evidence.json", "manifest.json", "metrics.jsonl"]
+    # evidence, manifest and the watch files of the recorded steps (runner/metrics.py); a run
+    # that finished all its steps also keeps its weights (final/); no temp file
+    complete = evidence(root / kept)["complete"]
+    assert sorted(p.name for p in (root / kept).iterdir()) == (
+        ["completions.jsonl", "evidence.json"] + (["final"] if complete else [])
+        + ["manifest.json", "metrics.jsonl"])
 
 
 def evidence(run_dir: pathlib.Path) -> dict:

@@ -206,4 +206,47 @@ def test_resume_finds_a_killed_runs_tmp_dir_only_when_its_process_is_gone(tmp_pa
     shutil.rmtree(tmp_path / f"run.tmp-{dead[1].pid}")
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrupted):
+    """Resuming at evidence step 1 of 3 prints one "resuming ... at step 2/3" line, then progress
+    "step 2/3", "step 3/3" (not 1/3); the replaced RUN/final holds the same bytes as the
+    uninterrupted run's."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    for name in ("step-000002", "step-000003"):
+        shutil.rmtree(d / "checkpoints" / name)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"rlk run: resuming {d} from checkpoints/step-000001 at step 2/3 (evidence "
+                      "step 1; the 1 step(s) before it are kept)")
+    assert [ln.split("  ")[0] for ln in err[1:]] == ["step 2/3", "step 3/3"]
+    for f in ("model.safetensors", "rlk_weights.json"):
+        assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no staging left
+
+
+def test_ctrl_c_prints_one_line_whose_resume_command_works(tmp_path, capsys, uninterrupted):
+    """SIGINT to the `rlk run` process group after step 1's checkpoint: exit 130, stderr has no traceback and
+    ends with one line "... resume with: rlk run --resume D"; running that command gives a run
+    IDENTICAL to the uninterrupted one."""
+    d = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
+                             str(d)], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any((p / "checkpoints" / "step-000001").is_dir() for p in d.parent.glob(f"{d.name}*")):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before Ctrl-C landed")
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rlk run: interrupted (Ctrl-C) after ")
+    assert last.endswith(f"; partial run kept in {d}; resume with: rlk run --resume {d}")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
     _identical(capsys, uninterrupted, d)

@@ -3,7 +3,7 @@
 `arithmetic_prompts` generates problems like "Compute 37+45=" / "82" from `random.Random(seed)`,
 so a seed fully determines them. `reward` is exact match: no partial credit, no tolerance, and the
 same response always scores the same, so rewards are evidence that two runs can compare.
-`prompt_source` hands out each step's prompts from a JSONL file or from the task.
+`prompt_source` hands out each step's prompts from a JSONL or Parquet file or from the task.
 
 Does not: shuffle file prompts (they cycle in file order), format chat templates, repeat prompts
 for GRPO groups (the RL loop does that), or call out to a model or a sandbox to grade.
@@ -18,7 +18,7 @@ import os
 import random
 import re
 
-from rlkernel.data.prompts import Prompt, parse_jsonl, read_prompt_file
+from rlkernel.data.prompts import Prompt, parse_prompts, read_prompt_file
 
 # re.ASCII: only 0-9 count as digits (\d would also match e.g. Arabic-Indic digits).
 _INT = re.compile(r"-?\d+", re.ASCII)
@@ -103,9 +103,10 @@ class PromptSource:
 
 
 def prompt_source(prompts_path: str | os.PathLike | None, *, n_prompts_per_step: int, steps: int,
-                  seed: int) -> PromptSource:
-    """Prompts from the JSONL file `prompts_path`, or `n_prompts_per_step * steps` arithmetic
-    prompts generated from `seed` when it is None (`seed` is unused for a file).
+                  seed: int, input_key: str = "prompt", label_key: str = "label") -> PromptSource:
+    """Prompts from the JSONL or Parquet file `prompts_path` (read by `input_key`/`label_key`,
+    rlkernel/data/prompts.py), or `n_prompts_per_step * steps` arithmetic prompts generated from
+    `seed` when it is None (`seed` and the keys are unused then).
 
     The file is read once; its SHA-256 is of exactly the bytes that were parsed.
     Raises ValueError for n_prompts_per_step < 1 or steps < 1, PromptFileError for a bad file.
@@ -118,7 +119,8 @@ def prompt_source(prompts_path: str | os.PathLike | None, *, n_prompts_per_step:
         desc = {"source": "task:arithmetic", "count": len(prompts), "seed": seed}
     else:
         data = read_prompt_file(prompts_path)
-        prompts = parse_jsonl(data, os.fspath(prompts_path))
+        prompts = parse_prompts(data, os.fspath(prompts_path), input_key=input_key,
+                                label_key=label_key)
         desc = {"source": os.fspath(prompts_path), "count": len(prompts),
                 "sha256": hashlib.sha256(data).hexdigest()}
     return PromptSource(prompts, n_prompts_per_step=n_prompts_per_step, steps=steps, description=desc)

@@ -5,7 +5,12 @@ Both classes share one small interface: `vocab_size`, `eos_id`, `pad_id`, `name`
 directory and checks that every id the tokenizer can produce is a valid row of the model's
 embedding, so a bad pairing fails at start-up rather than as an index error mid-rollout.
 
-Does not: apply chat templates, add BOS/special tokens on encode, pad or batch, or download anything.
+`standin_tokenizer_files` writes a byte-level tokenizer.json (+ tokenizer_config.json) for a
+randomly initialised model (`rlk init-model`) or a run of the embedded tiny model (`rlk export`),
+so such a directory loads with `rlk run --model` and with transformers' AutoTokenizer.
+
+Does not: apply chat templates (rlkernel/data/chat.py), add BOS/special tokens on encode, pad or
+batch, or download anything.
 Decoding is for logs and rewards only; training and rollout work on ids, never on re-encoded text.
 
 Run its tests with: .venv/bin/python -m pytest -q tests/test_data.py
@@ -17,7 +22,9 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from tokenizers import Tokenizer
+import json
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 # Byte tokenizer layout: ids 0..255 are raw UTF-8 bytes, then specials, then reserved ids.
 BYTE_VOCAB_SIZE = 264
@@ -158,3 +165,92 @@ def load_tokenizer(model_dir: str | os.PathLike | None, *, vocab_size: int,
                          f"(id bound {tok.vocab_size}) but the model's vocab_size is {vocab_size}; "
                          f"every token id must be < vocab_size")
     return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# stand-in tokenizer files for models without a real tokenizer
+
+QWEN_SPECIALS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+"""Qwen3's special tokens at their real ids, so a stand-in for a Qwen3-shaped model keeps its EOS."""
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+"""ChatML, the turn format of Qwen models, for stand-ins that have its special tokens."""
+
+
+def byte_symbols() -> list[str]:
+    """The 256 printable characters that byte-level BPE uses for bytes 0..255 (index = byte).
+
+    Printable Latin-1 bytes stand for themselves; the others (controls, space, DEL, NBSP, soft
+    hyphen) take the characters U+0100, U+0101, ... in byte order. This is the mapping the
+    `tokenizers` ByteLevel pre-tokenizer and decoder apply, so a vocabulary keyed by these
+    characters gives byte b the id we choose for it.
+    """
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) \
+        | set(range(0xAE, 0xFF + 1))
+    out, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def _standin_specials(vocab_size: int, eos_token_id: int | None) -> tuple[dict[int, str], bool]:
+    """(id -> special token, whether ids not listed are reserved specials) for a stand-in."""
+    if eos_token_id in (None, BYTE_EOS_ID) and vocab_size >= BYTE_MIN_MODEL_VOCAB:
+        # The byte tokenizer's layout: 256 EOS, 257 pad, the rest reserved (decode to nothing).
+        return {BYTE_EOS_ID: "<|endoftext|>", BYTE_PAD_ID: "<|pad|>"}, True
+    if vocab_size > max(QWEN_SPECIALS) and eos_token_id in QWEN_SPECIALS:
+        return dict(QWEN_SPECIALS), False
+    if eos_token_id is None or not 256 <= eos_token_id < vocab_size:
+        raise ValueError(f"a stand-in byte tokenizer needs ids 0..255 for bytes and an EOS id in "
+                         f"[256, vocab_size={vocab_size}); the model's eos_token_id is "
+                         f"{eos_token_id!r}")
+    return {eos_token_id: "<|endoftext|>"}, False
+
+
+def standin_tokenizer_files(vocab_size: int, eos_token_id: int | None) -> dict[str, bytes]:
+    """{"tokenizer.json": ..., "tokenizer_config.json": ...} of a byte-level stand-in tokenizer.
+
+    Ids 0..255 are the bytes (id = byte value, as in ByteTokenizer), with no merges, so text
+    encodes to its UTF-8 bytes. Special tokens: with eos_token_id 256 (or None) the byte
+    tokenizer's layout (256 "<|endoftext|>", 257 "<|pad|>", every further id a reserved special
+    token that decodes to nothing), so it encodes and decodes as ByteTokenizer does; for a
+    Qwen3-shaped vocab, Qwen3's <|endoftext|> / <|im_start|> / <|im_end|> at their real ids and
+    a ChatML chat template; otherwise "<|endoftext|>" at eos_token_id. Every other id is a filler
+    token "<|xN|>" (so any id a random model samples decodes). Deterministic bytes.
+
+    Raises ValueError when vocab_size < 257 or eos_token_id is not an id in [256, vocab_size).
+    """
+    if vocab_size <= 256:
+        raise ValueError(f"a stand-in byte tokenizer needs vocab_size > 256 (256 bytes + EOS), "
+                         f"got {vocab_size}")
+    specials, reserved = _standin_specials(vocab_size, eos_token_id)
+    vocab = {ch: i for i, ch in enumerate(byte_symbols())}
+    for i in range(256, vocab_size):
+        if i not in specials:
+            specials_name = f"<|reserved_{i}|>" if reserved else f"<|x{i}|>"
+            if reserved:
+                specials[i] = specials_name
+            else:
+                vocab[specials_name] = i
+    vocab.update({t: i for i, t in specials.items()})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for _, t in sorted(specials.items())])
+    eos = specials[BYTE_EOS_ID if reserved else (eos_token_id or BYTE_EOS_ID)]
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                    "pad_token": specials[BYTE_PAD_ID] if reserved else eos,
+                    "clean_up_tokenization_spaces": False, "add_bos_token": False}
+    if "<|im_start|>" in specials.values():
+        config["chat_template"] = CHATML_TEMPLATE
+    return {"tokenizer.json": tok.to_str().encode("utf-8"),
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8")}

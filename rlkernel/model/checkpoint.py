@@ -7,8 +7,8 @@ are keyed by their Hugging Face names; the set of names and shapes is exactly
 `CheckpointError` naming the file and the tensor, never a silent partial load.
 
 Does not: shard for tensor/context parallelism (each parameter loads its own shard elsewhere,
-STYLE.md §9), convert dtypes (tensors come back as stored), write tokenizer or generation
-files, or touch the network. Test: `python -m pytest -q tests/test_checkpoint.py`.
+STYLE.md §9), convert dtypes (tensors come back as stored), make tokenizer files (a caller
+passes them to `save_checkpoint` as `extra_files`), or touch the network. Test: `python -m pytest -q tests/test_checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
-                    tensors: dict[str, torch.Tensor]) -> None:
-    """Write `config.json` and `model.safetensors` into `out_dir`, all or nothing.
+                    tensors: dict[str, torch.Tensor],
+                    extra_files: dict[str, bytes] | None = None) -> None:
+    """Write `config.json`, `model.safetensors` and `extra_files` into `out_dir`, all or nothing.
 
     Both files are written and fsynced in a sibling temp dir (`.<name>.tmp-*`), which is then
     renamed onto `out_dir` (POSIX rename replaces an empty directory atomically), so a reader
@@ -54,6 +55,8 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
         (transformers 5 loads with dtype="auto", i.e. casts to the config's dtype).
       tensors: name -> tensor, exactly the names and shapes of `param_shapes(cfg)`; any device,
         one dtype for all, from float32 / bfloat16 / float16. Not modified.
+      extra_files: plain file name -> bytes, written beside them (tokenizer files, metadata);
+        a name with a path separator, or config.json / model.safetensors, is refused.
     Raises CheckpointError: `out_dir` exists and is not an empty directory; a tensor is missing,
       extra, of the wrong shape or dtype; the dtypes are mixed; the final rename fails.
     """
@@ -71,6 +74,11 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
                               "dtype, so all tensors must share it")
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = dtypes[0]
+    extra = dict(extra_files or {})
+    bad = [n for n in extra if Path(n).name != n or n in (".", "..", CONFIG_NAME, WEIGHTS_NAME)]
+    if bad:
+        raise CheckpointError(f"{out}: extra file name(s) {bad} not allowed; allowed: plain file "
+                              f"names other than {CONFIG_NAME} and {WEIGHTS_NAME}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -82,6 +90,9 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
         weights_path = tmp / WEIGHTS_NAME
         save_file(_host_tensors(cfg, tensors), str(weights_path), metadata={"format": "pt"})
         _fsync(weights_path)
+        for name, data in extra.items():
+            (tmp / name).write_bytes(data)
+            _fsync(tmp / name)
         _fsync(tmp)
         try:
             os.replace(tmp, out)
@@ -188,6 +199,13 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
     # clone: safetensors returns views of a memory-mapped file; a later in-place rewrite of that
     # file would otherwise crash this process with SIGBUS or silently change the weights.
     return cfg, {name: tensors[name].clone() for name in param_shapes(cfg)}
+
+
+def read_model_config(model_dir: str | os.PathLike) -> Qwen3Config:
+    """The Qwen3Config of `model_dir`/config.json, without reading any weights.
+
+    Raises CheckpointError naming the file (missing, not JSON, not a dense Qwen3 config)."""
+    return _read_config(Path(model_dir) / CONFIG_NAME)
 
 
 def _read_json(path: Path):
@@ -421,7 +439,9 @@ def init_weights(cfg: Qwen3Config, seed: int,
 
 
 def init_model(preset_name: str, seed: int, out_dir: str | os.PathLike) -> Path:
-    """`init_weights(preset(preset_name), seed)` in bfloat16, saved with `save_checkpoint`.
+    """`init_weights(preset(preset_name), seed)` in bfloat16, saved with `save_checkpoint`
+    together with a stand-in byte-level tokenizer (rlkernel/data/tokenizer.py
+    `standin_tokenizer_files`), so `rlk run --model out_dir` works on it.
 
     Returns the checkpoint directory. Raises ValueError for an unknown preset or bad seed, and
     CheckpointError when `out_dir` exists and is not empty (checked before any weights are made).
@@ -431,5 +451,8 @@ def init_model(preset_name: str, seed: int, out_dir: str | os.PathLike) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: refusing to write a checkpoint into an existing "
                               "non-empty path; allowed: a new or empty directory")
-    save_checkpoint(out, cfg, init_weights(cfg, seed))
+    from rlkernel.data.tokenizer import standin_tokenizer_files
+
+    save_checkpoint(out, cfg, init_weights(cfg, seed),
+                    extra_files=standin_tokenizer_files(cfg.vocab_size, cfg.eos_token_id))
     return out

@@ -94,6 +94,31 @@ def _load(path: pathlib.Path) -> Checkpoint:
                       str(meta["version"]), path)
 
 
+def read_checkpoint(path: pathlib.Path) -> Checkpoint:
+    """The checkpoint in directory `path`, verified against its SHA-256.
+
+    Raises ResumeError naming the file when it is corrupted or unreadable.
+    """
+    try:
+        return _load(pathlib.Path(path))
+    except ResumeError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise ResumeError(f"{path}: unreadable checkpoint ({e})") from None
+
+
+def checkpoint_dirs(run_dir: pathlib.Path) -> dict[int, pathlib.Path]:
+    """next_step -> directory of every finished (renamed into place) checkpoint of `run_dir`,
+    by directory name; contents are verified only when read."""
+    root = pathlib.Path(run_dir) / CKPT_DIR
+    out = {}
+    for p in sorted(root.glob("step-*")) if root.is_dir() else []:
+        digits = p.name.removeprefix("step-")
+        if p.is_dir() and digits.isdigit():
+            out[int(digits)] = p
+    return out
+
+
 def latest_checkpoint(run_dir: pathlib.Path) -> Checkpoint:
     """The newest complete, verified checkpoint of `run_dir`.
 

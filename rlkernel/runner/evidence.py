@@ -19,6 +19,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py tests/test_compar
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -150,29 +151,50 @@ def _git(src_dir: pathlib.Path, *args: str) -> str | None:
     return p.stdout if p.returncode == 0 else None
 
 
+DIFF_LIMIT = 1 << 20
+"""Most characters of `git diff` kept in the manifest; its SHA-256 always covers all of it."""
+
+
 def git_state(src_dir: str | os.PathLike) -> dict[str, Any]:
     """Git commit and dirty state of the rl-kernel source checkout at `src_dir`.
 
-    `src_dir` is the directory holding the `rlkernel` package. Returns {"commit": sha, "dirty":
-    bool, "dirty_files": [porcelain lines]} or, when `src_dir` is not a git checkout of rl-kernel
+    `src_dir` is the directory holding the `rlkernel` package. Dirty means a tracked file under
+    `src_dir` differs from HEAD, or an untracked (not ignored) file sits inside the `rlkernel`
+    package (it would be imported); other untracked files (a model or prompts folder, runs/) are
+    the user's and do not count. Returns {"commit": sha, "dirty": bool, "dirty_files": [porcelain
+    lines], "diff": `git diff HEAD --binary` text of the tracked changes (None past DIFF_LIMIT
+    characters), "diff_sha256": hex SHA-256 of that whole text, "untracked_package_files":
+    {path: SHA-256 of its bytes}} or, when `src_dir` is not a git checkout of rl-kernel
     (installed from a wheel, git missing, or the package is not tracked by the enclosing repo),
-    {"commit": None, "dirty": None, "dirty_files": []}. Only `src_dir` and below is inspected;
-    untracked files under `<src_dir>/runs/` do not count. Never raises for git failures.
+    the same keys with None (and [] / {}). Never raises for git failures.
     """
     src = pathlib.Path(src_dir).resolve()
-    unknown: dict[str, Any] = {"commit": None, "dirty": None, "dirty_files": []}
+    unknown: dict[str, Any] = {"commit": None, "dirty": None, "dirty_files": [], "diff": None,
+                               "diff_sha256": None, "untracked_package_files": {}}
     # A venv inside some other repo would otherwise report that repo's state.
     if _git(src, "ls-files", "--error-unmatch", "--", "rlkernel/__init__.py") is None:
         return unknown
     commit = _git(src, "rev-parse", "HEAD")
-    status = _git(src, "status", "--porcelain", "--untracked-files=normal", "--", ".")
-    prefix = _git(src, "rev-parse", "--show-prefix")
-    if commit is None or status is None or prefix is None:
+    tracked = _git(src, "status", "--porcelain", "--untracked-files=no", "--", ".")
+    package = _git(src, "status", "--porcelain", "--untracked-files=all", "--", "rlkernel")
+    diff = _git(src, "diff", "HEAD", "--binary", "--", ".")
+    top = _git(src, "rev-parse", "--show-toplevel")  # porcelain paths are relative to it
+    if commit is None or tracked is None or package is None or diff is None or top is None:
         return unknown
-    runs = prefix.strip() + "runs/"
-    dirty = [line for line in status.splitlines()
-             if line and not (line.startswith("?? ") and line[3:].lstrip('"').startswith(runs))]
-    return {"commit": commit.strip(), "dirty": bool(dirty), "dirty_files": dirty}
+    untracked = [line for line in package.splitlines() if line.startswith("?? ")]
+    dirty = [line for line in tracked.splitlines() if line] + untracked
+    hashes = {}
+    for line in untracked:
+        rel = line[3:].strip('"')
+        try:
+            data = (pathlib.Path(top.strip()) / rel).read_bytes()
+            hashes[rel] = hashlib.sha256(data).hexdigest()
+        except OSError:
+            hashes[rel] = None
+    return {"commit": commit.strip(), "dirty": bool(dirty), "dirty_files": dirty,
+            "diff": diff if len(diff) <= DIFF_LIMIT else None,
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest(),
+            "untracked_package_files": hashes}
 
 
 def utc_now() -> str:
@@ -311,6 +333,8 @@ class EvidenceWriter:
         data = json.loads((w.run_dir / "evidence.json").read_text())
         w.init = data.get("init")
         w.steps = list(data.get("steps") or [])[:upto]
+        if progress is not None:  # progress counts on from the kept steps ("step 4/6", not 1/6)
+            progress.done = upto
         w.complete = False
         w.summary = None
         write_json_atomic(w.run_dir / "manifest.json", w.manifest)

@@ -1,9 +1,11 @@
 """The RL loop of `rlk run`: rollout → rewards/advantages → train → AdamW → weight export +
 reload + audit → evidence, once per step (DESIGN.md §2), on one process or on tp·cp ranks.
 
-Every rank runs the same loop on its shards; rank 0 writes the evidence. Everything that can be
-checked is checked before the first step (model, tokenizer, every prompt of every step). Each
-step's evidence is written atomically as soon as the step ends.
+Every rank runs the same loop on its shards; rank 0 writes the evidence and calls the reward
+function (rewards are broadcast, so every rank computes advantages from the same list); when all
+steps are done rank 0 keeps the final weights in RUN/final (rlkernel/runner/export.py).
+Everything that can be checked is checked before the first step (model, tokenizer, every prompt
+of every step). Each step's evidence is written atomically as soon as the step ends.
 Does not: decide the topology (config + distributed/topology.py) or create the run directory (cli.py).
 """
 
@@ -19,7 +21,9 @@ import time
 import torch
 
 from rlkernel.config import RunConfig
-from rlkernel.data.tasks import prompt_source, reward
+from rlkernel.data.chat import load_chat_template
+from rlkernel.data.rewards import load_reward, score_on_rank0
+from rlkernel.data.tasks import prompt_source
 from rlkernel.data.tokenizer import load_tokenizer
 from rlkernel.distributed.context import build_contexts
 from rlkernel.distributed.parallel import ParallelCtx
@@ -36,6 +40,7 @@ from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, latest_check
                                             save_checkpoint)
 from rlkernel.runner.evidence import EvidenceWriter, Progress
 from rlkernel.runner.watch import NullWatch, RunWatch, completion_rows
+from rlkernel.runner.export import save_final_weights
 from rlkernel.train.grpo import group_advantages
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.optimizer import AdamW, AdamWParams
@@ -58,14 +63,15 @@ def _load_model(cfg: RunConfig):
     return load_checkpoint(cfg.model)
 
 
-def _encode_all(cfg: RunConfig, source, tok) -> list[list[list[int]]]:
-    """Token ids of every prompt of every step; ValueError naming the prompt if one is unusable."""
+def _encode_all(cfg: RunConfig, source, tok, chat=None) -> list[list[list[int]]]:
+    """Token ids of every prompt of every step, through the chat template `chat` when given;
+    ValueError naming the prompt if one is unusable."""
     out = []
     for step in range(cfg.steps):
         batch = []
         for p in source.batch(step):
             name = f"{p.where}: prompt" if p.where else f"prompt {p.index}"  # FILE:LINE if a file
-            ids = tok.encode(p.text)
+            ids = tok.encode(p.text if chat is None else chat.render(p.text))
             if not ids:
                 raise ValueError(f"{name} encodes to no tokens")
             if len(ids) > cfg.max_prompt_len:
@@ -248,8 +254,10 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     mcfg, tensors = _load_model(cfg)
     tok = load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size, eos_token_id=mcfg.eos_token_id)
     source = prompt_source(cfg.prompts, n_prompts_per_step=cfg.n_prompts, steps=cfg.steps,
-                           seed=cfg.seed)
-    encoded = _encode_all(cfg, source, tok)
+                           seed=cfg.seed, input_key=cfg.input_key, label_key=cfg.label_key)
+    chat = load_chat_template(cfg.model) if cfg.apply_chat_template else None
+    encoded = _encode_all(cfg, source, tok, chat)
+    reward_fn = load_reward(cfg.reward)
     if topo.world > 1:
         train_pc, roll_pc = build_contexts(topo, comms, mcfg)
     else:
@@ -316,8 +324,11 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         completions = rollout.generate(requests, sp)
         t1 = time.perf_counter()
         watch.phase("reward")
-        rewards = [reward(tok.decode(c.response_ids), prompts[i // g].label)
-                   for i, c in enumerate(completions)]
+        # Rank 0 scores, in sample order, and broadcasts (a user reward need not be deterministic).
+        rewards = score_on_rank0(reward_fn, [(prompts[i // g].text, tok.decode(c.response_ids),
+                                              prompts[i // g].label, c.sample_id)
+                                             for i, c in enumerate(completions)],
+                                 topo.rank, comms.world)
         adv = group_advantages(rewards, g)
         if not cfg.kl_coef and not cfg.entropy_coef and not any(adv):
             watch.zero_gradient(step)
@@ -390,3 +401,8 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             state = _opt_state(opt, policy)
             if topo.rank == 0:
                 save_checkpoint(run_dir, step + 1, opt.steps, state, version)
+    # Keep the weights after the last step for `rlk export`: every rank exports (an all-gather
+    # under TP), rank 0 writes RUN/final.
+    final = policy.export_tensors()
+    if topo.rank == 0:
+        save_final_weights(run_dir, mcfg, final, step=cfg.steps - 1, version=version)
