@@ -62,7 +62,7 @@ def _token_logprobs(policy: Qwen3ForCausalLM, job: Job) -> dict[tuple[int, int],
     out = {}
     for i, (lay, (targets, mask, *_), local) in enumerate(
             microbatches(job.samples, job.token_budget, job.pad_id, policy.pc)):
-        lp, _ = policy.token_logprobs(policy.hidden(lay), targets, T)
+        lp, _ = policy.token_logprobs(policy.hidden(lay), targets.to(policy.device), T)
         for row in mask.nonzero(as_tuple=True)[0].tolist():
             out[(i, int(local[row]))] = lp[row].to("cpu", copy=True)
     return out
