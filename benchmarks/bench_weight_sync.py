@@ -1,5 +1,8 @@
 """Weight sync + audit (rlkernel/weights/sync.py) on one GPU: time per sync, split into its parts,
 against the previous design measured in the same process.
+The weights stay on the GPU: the engine gets a device copy, its read-back is compared byte for
+byte with the trainer's export there, and only the trainer's export is hashed (8 MiB chunks on
+a thread pool, each copied to the host inside its task).
 
 For each preset: a policy and a rollout engine on the GPU with the same random weights (bf16
 parameters), then `repeats` syncs of the trainer's export into the engine: the median total and
@@ -48,7 +51,7 @@ def _flip_is_named(policy, engine) -> bool:
     def flip(received: dict[str, torch.Tensor]) -> None:
         received[name].view(torch.int16).view(-1)[0] ^= 1
 
-    audit = sync_weights(policy.export_tensors(), engine, flip)
+    audit = sync_weights(policy.export_tensors(on_device=True), engine, flip)
     return (not audit.ok) and any(name in p for p in audit.problems)
 
 
@@ -63,20 +66,27 @@ def bench(preset: str, repeats: int) -> dict:
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        exported = policy.export_tensors()
+        exported = policy.export_tensors(on_device=True)
         export_s = time.perf_counter() - t0
         audit = sync_weights(exported, engine)
         torch.cuda.synchronize()
         totals.append(time.perf_counter() - t0)
         laps.append({"trainer_export_s": export_s, **audit.timings})
         assert audit.ok, audit.problems
-    previous = [_previous_design(exported) for _ in range(2)]
+    host = {n: t.cpu() for n, t in exported.items()}   # the old path exported to the host
+    previous = [_previous_design(host) for _ in range(2)]
+    del host
     n_bytes = sum(t.numel() * t.element_size() for t in exported.values())
     return {
         "preset": preset, "params": sum(t.numel() for t in exported.values()),
         "bytes": n_bytes, "repeats": repeats,
         "sync_audit_s": statistics.median(totals),
         "laps_s": {k: statistics.median(lap[k] for lap in laps) for k in laps[0]},
+        "transfer_s": statistics.median(lap["trainer_export_s"] + lap["copy_load_s"]
+                                        + lap["engine_export_s"] for lap in laps),
+        "hashing_s": statistics.median(lap["trainer_hash_s"] for lap in laps),
+        "checks_s": statistics.median(lap["engine_check_s"] + lap["check_s"] for lap in laps),
+        "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "previous_serialise_and_hash_s": min(previous),
         "flipped_bit_named": _flip_is_named(policy, engine),
     }
@@ -91,9 +101,11 @@ def main() -> None:
     require_cuda()
     rows = []
     for p in a.presets:
+        torch.cuda.reset_peak_memory_stats()
         row = bench(p, a.repeats)
         print(row, flush=True)
         rows.append(row)
+        dump(a.out, {"env": env(), "rows": rows})   # keep what finished if a later preset fails
         torch.cuda.empty_cache()
     dump(a.out, {"env": env(), "rows": rows})
 
