@@ -516,12 +516,36 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
 
 
+def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path) -> None:
+    """Refuse --resume of a run whose evidence already holds every step of --steps (nothing to
+    do), and name evidence.json when it cannot be read. Raises ValueError."""
+    path = src / "evidence.json"
+    try:
+        evidence = json.loads(path.read_text())
+        steps = evidence.get("steps") if isinstance(evidence, dict) else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence ({e})") from None
+    if not isinstance(steps, list):
+        raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
+    if evidence.get("complete") and len(steps) >= cfg.steps:
+        raise ValueError(f"--resume {str(d)!r}: the run is already complete ({len(steps)}/"
+                         f"{cfg.steps} steps); to go on, extend it with --steps N "
+                         f"(N > {len(steps)})")
+
+
 def _resume_hint(d: pathlib.Path) -> str:
     """How to continue the run in `d`, or why it cannot be continued."""
     from rlkernel.runner.checkpointing import checkpoint_dirs
 
     if checkpoint_dirs(d):
         return f"resume with: rlk run --resume {d}"
+    try:
+        every = json.loads((d / "manifest.json").read_text())["config"].get("save_every")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        every = None
+    if every:
+        return (f"not resumable: no checkpoint was written yet (--save-every {every} writes the "
+                f"first after step {every})")
     return "not resumable: it has no checkpoint (runs keep them with --save-every N)"
 
 
@@ -555,6 +579,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     d = pathlib.Path(cfg.resume)
     try:
         ck = latest_checkpoint(src)
+        _check_not_finished(src, cfg, d)
         manifest = json.loads((src / "manifest.json").read_text())
         check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])

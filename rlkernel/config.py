@@ -351,6 +351,9 @@ def _check_float(c: RunConfig, field: str, rule: str) -> None:
         finite = False
     if not (finite and allowed[1](v)):
         raise _fail(field, v, f"must be {allowed[0]}")
+    if abs(v) > FP32_MAX:   # the losses, the optimizer and the sampler compute in fp32
+        raise _fail(field, v, f"must be {allowed[0]} within the fp32 range (at most "
+                              f"{FP32_MAX:.8g})")
 
 
 def _check_choice(c: RunConfig, field: str, choices: tuple[str, ...]) -> None:
@@ -421,10 +424,32 @@ def _validate(c: RunConfig) -> None:
     _validate_updates(c)
 
 
+SIZE_LIMITS = {"steps": 10**6, "n_prompts": 2**16, "n_samples_per_prompt": 2**12,
+               "ppo_epochs": 2**10}
+"""Largest accepted value of each count flag: far beyond any run of this code, small enough that
+a mistyped value is refused at once instead of exhausting memory while prompts are prepared."""
+MAX_RUN_PROMPTS = 2**20
+"""Most prompts in one run (--steps x --n-prompts): every one is generated and encoded (and
+checked) before the first step, about 10-20 s per million on one core."""
+
+
+def _validate_sizes(c: RunConfig) -> None:
+    """Upper bounds of the count flags (SIZE_LIMITS, MAX_RUN_PROMPTS)."""
+    for f, hi in SIZE_LIMITS.items():
+        if getattr(c, f) > hi:
+            raise _fail(f, getattr(c, f), f"must be at most {hi:,}")
+    if c.steps * c.n_prompts > MAX_RUN_PROMPTS:
+        raise _fail("steps", c.steps, f"with --n-prompts {c.n_prompts} makes "
+                                      f"{c.steps * c.n_prompts:,} prompts; at most "
+                                      f"{MAX_RUN_PROMPTS:,} prompts fit one run (every prompt is "
+                                      "prepared before step 1): fewer steps or prompts per step")
+
+
 def _validate_updates(c: RunConfig) -> None:
     """--ppo-epochs, --mini-batches, --clip-eps-low/high, --loss-agg and the LR schedule."""
     _check_int(c, "ppo_epochs", 1)
     _check_int(c, "mini_batches", 1)
+    _validate_sizes(c)
     n = c.samples_per_step
     if n % c.mini_batches:
         # List the divisors only for sizes a person types; never loop over a huge n.

@@ -473,13 +473,16 @@ def test_git_state_ignores_the_users_untracked_files_and_records_the_diff(tmp_pa
 
 @pytest.mark.parametrize("save_every,hint", [
     (0, "not resumable: it has no checkpoint (runs keep them with --save-every N)"),
-    (1, "resume with: rlk run --resume r")])
+    (1, "resume with: rlk run --resume r"),
+    (2, "not resumable: no checkpoint was written yet (--save-every 2 writes the first after "
+        "step 2)")])
 def test_ctrl_c_is_one_line_with_the_resume_hint(capsys, cwd, loop, save_every, hint):
     """Ctrl-C after a recorded step == exit 130, one stderr line (no traceback) saying what was
-    kept and how to resume (or why it cannot be); the run directory keeps the step."""
+    kept and how to resume (or why it cannot be: no --save-every, or none written yet); the run
+    directory keeps the step."""
     def interrupted(cfg, run_dir, writer):
         _fake_loop(cfg.__class__(steps=1, allow_dirty=True), run_dir, writer)
-        if cfg.save_every:
+        if cfg.save_every == 1:
             (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
         raise KeyboardInterrupt
 
@@ -605,3 +608,56 @@ def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_pro
     assert code == 2, err
     assert f"{model}/config.json: model config: {words}" in err, err
     assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# upper bounds: a mistyped huge value is refused at once
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--clip-eps", "1e39", "--clip-eps 1e+39: must be a finite number > 0 within the fp32 range"),
+    ("--clip-eps-high", "1e39", "--clip-eps-high 1e+39: must be a finite number >= 0 within the "
+                                "fp32 range"),
+    ("--kl-coef", "3.5e38", "--kl-coef 3.5e+38: must be a finite number >= 0 within the fp32"),
+    ("--steps", "99999999999999999999999", "--steps 99999999999999999999999: must be at most "
+                                           "1,000,000"),
+    ("--n-prompts", "1000000000", "--n-prompts 1000000000: must be at most 65,536"),
+    ("--n-samples-per-prompt", "1000000000", "must be at most 4,096"),
+    ("--ppo-epochs", "1000000000", "--ppo-epochs 1000000000: must be at most 1,024")])
+def test_huge_values_are_refused_before_any_work(capsys, cwd, flag, value, want):
+    """Values beyond fp32 (which the losses would overflow in step 0) and counts no run needs
+    (which would exhaust memory preparing prompts) get one line and exit 2, no run directory."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", flag, value)
+    assert code == 2 and want in err and len(err.strip().splitlines()) == 1
+    assert not (cwd / "r").exists()
+
+
+def test_prompts_per_run_are_bounded(capsys, cwd):
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--steps", "100000",
+                       "--n-prompts", "64")
+    assert code == 2 and "6,400,000 prompts; at most 1,048,576" in err
+    from rlkernel.config import RunConfig
+    assert RunConfig(steps=16384, n_prompts=64).steps == 16384   # exactly 2**20: accepted
+
+
+def test_signals_wait_for_the_end_of_a_step_record():
+    """SIGINT inside _signals_deferred (recording a step and its checkpoint) is delivered when the
+    block ends, not in the middle; outside it (the control) it interrupts at once."""
+    import os
+    import signal
+
+    from rlkernel.runner.loop import _signals_deferred
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with _signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):   # bytecodes where a Python signal handler would run
+                reached.append(1)
+            reached.append("end")
+    assert reached[-1] == "end"
+    reached.clear()
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10**6):
+            reached.append(1)
+    assert len(reached) < 10**6

@@ -130,6 +130,23 @@ def test_resume_refuses_changed_numerics_and_missing_checkpoints(tmp_path, capsy
     assert (d / "evidence.json").read_bytes() == before
 
 
+def test_resume_refuses_a_finished_run_and_names_unreadable_evidence(tmp_path, capsys,
+                                                                     uninterrupted):
+    """--resume of a run that already holds all its steps: exit 2, "already complete", nothing
+    rewritten; an evidence.json that is not JSON is named (exit 2), not a bare parser message."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    before = {f: (d / f).read_bytes() for f in ("evidence.json", "manifest.json")}
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
+    assert "already complete (3/3 steps); to go on, extend it with --steps N (N > 3)" in \
+        capsys.readouterr().err
+    assert {f: (d / f).read_bytes() for f in before} == before
+    (d / "evidence.json").write_text("{")
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err
+    assert f"{d / 'evidence.json'} cannot be read as evidence" in err
+
+
 def _run_with_inputs(tmp_path):
     """A 1-step run of an init-model checkpoint on a prompts file, checkpointed after step 1."""
     model, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"

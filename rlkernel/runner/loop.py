@@ -11,11 +11,14 @@ Does not: decide the topology (config + distributed/topology.py) or create the r
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
+import signal
+import threading
 import time
 
 import torch
@@ -375,34 +378,69 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         }
         if plan.updates_per_step > 1:  # every optimizer update of the step, in order
             rec["updates"] = [u.record() for u in done.updates]
-        if writer is not None:
-            writer.record_step(rec)
-        watch.record(rec, completion_rows(step, prompts, completions,
-                                          [tok.decode(c.response_ids) for c in completions],
-                                          rewards, adv, g))
-        if done.diverged:
-            return _stop(topo, f"step {step}: the update made {_few(done.diverged)} non-finite; "
-                               "the run diverged (lower --lr, or --clip-grad)")
-        if skipped and cfg.on_nonfinite == "stop":
-            where = _few([f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
-                          for n, r in gstats.nonfinite_ranks.items()])
-            return _stop(topo, f"step {step}: non-finite gradient in {where}; update not "
-                               "applied, run stopped (--on-nonfinite stop)")
-        if not audit.ok:
-            return _stop(topo, f"step {step}: weight sync audit failed: "
-                               f"{'; '.join(audit.problems)}")
-        if cfg.require_updates and not skipped and audit.version == version:
-            why = ("the gradient was exactly 0 (all advantages 0 and no KL/entropy term?)"
-                   if gstats.norm == 0.0 else "the update was below bf16 resolution (raise --lr?)")
-            return _stop(topo, f"step {step}: --require-updates: the weight version did not "
-                               f"change after the update: {why}")
+        with _signals_deferred():   # the step's evidence, metrics and checkpoint land together
+            stop = _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done,
+                                audit, version, completion_rows(
+                                    step, prompts, completions,
+                                    [tok.decode(c.response_ids) for c in completions],
+                                    rewards, adv, g))
+        if stop:
+            return
         version = audit.version
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            state = _opt_state(opt, policy)
-            if topo.rank == 0:
-                save_checkpoint(run_dir, step + 1, opt.steps, state, version)
     # Keep the weights after the last step for `rlk export`: every rank exports (an all-gather
     # under TP), rank 0 writes RUN/final.
     final = policy.export_tensors()
     if topo.rank == 0:
         save_final_weights(run_dir, mcfg, final, step=cfg.steps - 1, version=version)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM (main thread only) until the block ends: a Ctrl-C just after a step's
+    line is printed must not leave that step recorded without its checkpoint. A signal that
+    arrives meanwhile is delivered, as usual, when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audit, version,
+                 rows):
+    """Record step rec (evidence, metrics, completions), run the end-of-step checks, and save
+    the checkpoint when one is due. Returns whether the run stops here (`_stop`: rank 0 raises
+    RunAborted, the other ranks get True)."""
+    step, gstats, skipped = rec["step"], done.grad, rec["update_skipped"]
+    if writer is not None:
+        writer.record_step(rec)
+    watch.record(rec, rows)
+    if done.diverged:
+        _stop(topo, f"step {step}: the update made {_few(done.diverged)} non-finite; "
+                    "the run diverged (lower --lr, or --clip-grad)")
+        return True
+    if skipped and cfg.on_nonfinite == "stop":
+        where = _few([f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
+                      for n, r in gstats.nonfinite_ranks.items()])
+        _stop(topo, f"step {step}: non-finite gradient in {where}; update not "
+                    "applied, run stopped (--on-nonfinite stop)")
+        return True
+    if not audit.ok:
+        _stop(topo, f"step {step}: weight sync audit failed: "
+                    f"{'; '.join(audit.problems)}")
+        return True
+    if cfg.require_updates and not skipped and audit.version == version:
+        why = ("the gradient was exactly 0 (all advantages 0 and no KL/entropy term?)"
+               if gstats.norm == 0.0 else "the update was below bf16 resolution (raise --lr?)")
+        _stop(topo, f"step {step}: --require-updates: the weight version did not "
+                    f"change after the update: {why}")
+        return True
+    if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        state = _opt_state(opt, policy)
+        if topo.rank == 0:
+            save_checkpoint(run_dir, step + 1, opt.steps, state, audit.version)
+    return False
