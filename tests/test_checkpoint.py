@@ -177,6 +177,9 @@ def test_save_load_round_trip_is_bytewise(tmp_path, dtype):
     save_checkpoint(tmp_path / "ck", cfg, tensors)
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp dir left behind
     assert sorted(os.listdir(tmp_path / "ck")) == ["config.json", "model.safetensors"]
+    modes = {f: (tmp_path / "ck" / f).stat().st_mode & 0o777
+             for f in ("config.json", "model.safetensors")}
+    assert modes["model.safetensors"] == modes["config.json"]   # shared alike (was 0600)
     stored = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert stored["torch_dtype"] == str(dtype).removeprefix("torch.")
     cfg2, loaded = load_checkpoint(tmp_path / "ck")

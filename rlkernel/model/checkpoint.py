@@ -89,6 +89,11 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
         _fsync(cfg_path)
         weights_path = tmp / WEIGHTS_NAME
         save_file(_host_tensors(cfg, tensors), str(weights_path), metadata={"format": "pt"})
+        # safetensors creates the file 0600; a model directory is meant to be shared like the
+        # config beside it, so give it the umask's usual mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(weights_path, 0o666 & ~umask)
         _fsync(weights_path)
         for name, data in extra.items():
             (tmp / name).write_bytes(data)
