@@ -44,7 +44,8 @@ def _rec(step: int, **extra) -> dict:
            "entropy": 5.5, "clip_frac": 0.0, "grad_norm": 0.75, "lr": 1e-5,
            "logprob_mismatches": 0, "logprob_tokens": 40, "update_skipped": False,
            "version_changed": True,
-           "timings": {"rollout_s": 2.0, "train_s": 1.5, "export_audit_s": 0.5, "step_s": 4.0},
+           "timings": {"rollout_s": 2.0, "reward_s": 0.25, "train_s": 1.5, "export_audit_s": 0.5,
+                       "step_s": 4.0},
            "resources": {"peak_gpu_mem_gib": None}}
     rec.update(extra)
     return rec
@@ -60,7 +61,8 @@ def test_metrics_row_is_derived_from_the_evidence_record():
     assert row["reward_std"] == 0.5  # population std of [1, 0, 0, 1]
     assert row["response_len_mean"] == 10.0
     assert row["tokens_per_s"] == 10.0 and row["rollout_tokens_per_s"] == 20.0
-    assert (row["rollout_s"], row["train_s"], row["sync_s"], row["step_s"]) == (2.0, 1.5, 0.5, 4.0)
+    assert (row["rollout_s"], row["reward_s"], row["train_s"], row["sync_s"], row["step_s"]) == \
+        (2.0, 0.25, 1.5, 0.5, 4.0)
     assert row["grad_norms"] == [0.75, 0.5]
     assert "peak_gpu_mem_gib" not in row  # None on CPU: left out
     # evidence.json's strings for non-finite floats are read back as floats

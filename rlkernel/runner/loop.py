@@ -332,6 +332,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
                                               prompts[i // g].label, c.sample_id)
                                              for i, c in enumerate(completions)],
                                  topo.rank, comms.world)
+        t_reward = time.perf_counter()
         adv = group_advantages(rewards, g)
         if not cfg.kl_coef and not cfg.entropy_coef and not any(adv):
             watch.zero_gradient(step)
@@ -372,7 +373,8 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             "loss": done.mean("loss"), "pg_loss": done.mean("pg_loss"), "kl": done.mean("kl"),
             "entropy": done.mean("entropy"),
             "clip_frac": done.clip_frac, "lr": done.updates[0].lr,
-            "timings": {"rollout_s": t1 - t0, "train_s": t2 - t1, "export_audit_s": t3 - t2,
+            "timings": {"rollout_s": t1 - t0, "reward_s": t_reward - t1,
+                        "train_s": t2 - t_reward, "export_audit_s": t3 - t2,
                         "step_s": t3 - t0, "sync": audit.timings},
             "resources": {"peak_gpu_mem_gib": peak},
         }

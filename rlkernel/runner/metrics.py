@@ -18,7 +18,8 @@ metrics.jsonl, one object per step (floats as JSON numbers; NaN/Inf as "nan"/"in
   over the step's updates); clip_frac (clipped tokens / tokens over the updates); grad_norm (first
   update), grad_norms (every update, when a step makes several); lr (first update);
   logprob_mismatches, logprob_tokens; tokens_per_s (response tokens / step seconds),
-  rollout_tokens_per_s; rollout_s, train_s, sync_s (export + reload + audit), step_s;
+  rollout_tokens_per_s; rollout_s, reward_s (scoring, e.g. a --reward function), train_s,
+  sync_s (export + reload + audit), step_s;
   update_skipped, version_changed, peak_gpu_mem_gib.
 completions.jsonl, one object per sample: step, sample_id, prompt, response (decoded text),
   reward, advantage, response_tokens, finish_reason.
@@ -90,6 +91,7 @@ def metrics_row(rec: dict[str, Any]) -> dict[str, Any]:
     row["tokens_per_s"] = _div(n_tok, step_s)
     row["rollout_tokens_per_s"] = _div(n_tok, rollout_s)
     row["rollout_s"], row["train_s"] = rollout_s, _num(t.get("train_s"))
+    row["reward_s"] = _num(t.get("reward_s"))
     row["sync_s"], row["step_s"] = _num(t.get("export_audit_s")), step_s
     row["peak_gpu_mem_gib"] = _num((rec.get("resources") or {}).get("peak_gpu_mem_gib"))
     return {k: v for k, v in row.items() if v is not None}
@@ -203,6 +205,7 @@ _TB_TAGS = {
     "grad_norm": "optim/grad_norm", "lr": "optim/lr",
     "logprob_mismatches": "audit/logprob_mismatches", "logprob_tokens": "audit/logprob_tokens",
     "tokens_per_s": "perf/tokens_per_s", "rollout_tokens_per_s": "perf/rollout_tokens_per_s",
-    "rollout_s": "time/rollout_s", "train_s": "time/train_s", "sync_s": "time/sync_s",
+    "rollout_s": "time/rollout_s", "reward_s": "time/reward_s", "train_s": "time/train_s",
+    "sync_s": "time/sync_s",
     "step_s": "time/step_s", "peak_gpu_mem_gib": "perf/peak_gpu_mem_gib",
 }
