@@ -39,6 +39,8 @@ class StreamLayout:
     stream_len: int | None = None
     kv_idx: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
+    pos_bound: int | None = None
+    """Host-known bound > every position (None: read from `positions`, a host sync on CUDA)."""
 
     @property
     def n_samples(self) -> int:
@@ -59,7 +61,8 @@ class StreamLayout:
         def mv(t):
             return None if t is None else t.to(device)
         return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
-                            mv(self.kv_len), self.stream_len, mv(self.kv_idx), mv(self.g_idx))
+                            mv(self.kv_len), self.stream_len, mv(self.kv_idx), mv(self.g_idx),
+                            self.pos_bound)
 
 
 def packed_layout(seqs: list[list[int]], stream_len: int, pad_id: int) -> StreamLayout:
