@@ -232,6 +232,7 @@ class RolloutEngine:
                       "pool_blocks": n_blocks * pc.cp.size, "peak_blocks": bm.peak_used,
                       "shared_block_refs": bm.shared_refs, "cow_copies": bm.cow_copies,
                       "blocks_saved": bm.shared_refs - bm.cow_copies, "block_positions": self.block,
+                      "admissions": sched.admissions,
                       "peak_kv_bytes_per_rank": max(bm.peak_used // pc.cp.size, 1) *
                       PagedKVCache.bytes_per_block(c.num_hidden_layers, self.block,
                                                    self._kv_heads(), c.head_dim)}

@@ -61,6 +61,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk or max_step_tokens
         self.preemptions = 0
         self.steps = 0
+        self.admissions: list[tuple[int, int, int]] = []
+        """(step, slot, sequences already running) of every admission, in order."""
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -95,10 +97,11 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting.popleft()
-            if self.bm.share and any(r.prefilling and r.prompt == seq.prompt for r in self.running):
+            shared = self.bm.lookup(seq)
+            if (self.bm.share and len(shared) * self.bm.block < len(seq.prompt)
+                    and any(r.prefilling and r.prompt == seq.prompt for r in self.running)):
                 skipped.append(seq)                # share the prompt once it is computed
                 continue
-            shared = self.bm.lookup(seq)
             self.bm.attach(seq, shared)
             n = self._chunk_len(seq, budget)
             if not self.bm.can_write(seq, seq.n_computed, n):
@@ -107,6 +110,7 @@ class Scheduler:
                 self.waiting.appendleft(seq)
                 break
             copies += self.bm.prepare_write(seq, seq.n_computed, n)
+            self.admissions.append((self.steps, seq.slot, len(self.running)))
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.n_computed, n, seq.n_computed + n == seq.num_tokens))
             budget -= n
