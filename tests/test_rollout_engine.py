@@ -22,6 +22,7 @@ from rollout_helpers import CFG, PAD, W, bits, engine, group, requests, sp
 from rlkernel.model.layout import chunk_layout
 from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.model.qwen3 import KVCache, Qwen3ForCausalLM
+from rlkernel.rollout.engine import Request
 from rlkernel.rollout.kv_cache import PagedKVCache
 from rlkernel.rollout.sampler import sample_tokens
 from rlkernel.train.step import TrainSample, trainer_logprobs
@@ -261,3 +262,16 @@ def test_bad_engine_settings_are_refused(kw, words):
     with pytest.raises(ValueError) as e:
         engine(InvariantOps, **kw)
     assert words in str(e.value)
+
+
+def test_per_request_length_cap():
+    """Request.max_new_tokens caps each sample on its own: a sample capped at 4 is the first 4
+    tokens (and logprob bits) of the same sample with the call's cap of 10; cap 0 is refused."""
+    reqs = requests(3, start=190)
+    full = [bits(c) for c in engine(InvariantOps).generate(reqs, sp(10, eos=999))]
+    capped = [Request(r.sample_id, r.prompt_ids, m) for r, m in zip(reqs, (4, None, 7))]
+    got = [bits(c) for c in engine(InvariantOps).generate(capped, sp(10, eos=999))]
+    for (t, lp, _), (ft, flp, _), n in zip(got, full, (4, 10, 7)):
+        assert (t, lp) == (ft[:n], flp[:n])
+    with pytest.raises(ValueError, match="sample 190: max_new_tokens=0 must be an integer >= 1"):
+        engine(InvariantOps).generate([Request(190, (1, 2), 0)], SP)

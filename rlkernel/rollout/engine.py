@@ -19,11 +19,15 @@ scattered in), every step's inputs are gathered from it on the device, per-step 
 one pinned host→device copy, sampled logprobs go to a preallocated device buffer, and EOS is
 decided on the device; the host reads the EOS flags every `check_every` steps only to retire
 sequences early (tokens past an EOS are computed and dropped; they never reach another sample).
-Does not: CUDA graphs; a paged attention kernel (rows gather their blocks, then the dense
-kernel runs: simple and byte-identical, at the cost of a K/V copy per layer); split prefill
-across rollout-CP ranks (under rollout CP every rank computes every query and stores only its
-own KV blocks, so KV memory per rank is ~1/CP but compute is replicated); remove the host syncs
-inside the model's forward (to_samples / to_stream indexing, the CPU embedding path).
+Attention reads K/V through the block table (kernels/paged_attention.py: on CUDA the Triton
+forward kernel compiled with PAGED; on CPU the blocks gathered in table order), so no dense copy
+of the cache is made per layer on CUDA.
+Does not: CUDA graphs; split prefill across rollout-CP ranks (under rollout CP every rank
+computes every query and stores only its own KV blocks — KV memory per rank ~1/CP, compute
+replicated — and each layer gathers the prefix across the CP group by an exact owner pick);
+Triton sampling (the counter-based sampler runs as torch ops on the device, float64, in row
+chunks); validate the sampler's inputs per step (non-finite rows are flagged on the device and
+raised at the next host check).
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ from rlkernel.spec import ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK
 
 @dataclass(frozen=True)
 class Request:
-    """One sample to generate: a global sample id (keys the sampling noise) and its prompt ids."""
+    """One sample to generate: a global sample id (keys the sampling noise), its prompt ids and
+    optionally its own response length cap (None: SamplingParams.max_new_tokens)."""
 
     sample_id: int
     prompt_ids: tuple[int, ...]
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -100,6 +106,8 @@ class RolloutEngine:
     prefix_sharing: samples with the same prompt share its computed KV blocks (default True).
     check_every: steps between host reads of the on-device EOS flags (default 16).
     block_shuffle_seed: permute the free lists (tests: placement must not matter).
+    paged_kernel: attention reads K/V through the block table (CUDA: the paged Triton kernel);
+        False gathers each row's blocks first and runs the dense kernel. Same bytes either way.
     The pool exists only during `generate` (freed at its end, for the trainer).
     """
 
@@ -108,7 +116,8 @@ class RolloutEngine:
                  pc: ParallelCtx | None = None, live_vocab: int | None = None, *,
                  max_step_tokens: int = 8192, max_seqs: int = 256, kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.5, prefix_sharing: bool = True,
-                 check_every: int = 16, block_shuffle_seed: int | None = None) -> None:
+                 check_every: int = 16, block_shuffle_seed: int | None = None,
+                 paged_kernel: bool = True) -> None:
         """live_vocab: the tokenizer's id bound when below cfg.vocab_size (a padded vocabulary):
         ids >= it get probability 0 in the canonical log-softmax and are never sampled.
         ValueError on a scheduling or memory setting outside its range (named)."""
@@ -130,6 +139,7 @@ class RolloutEngine:
         self.kv_blocks, self.gpu_memory_utilization = kv_blocks, float(gpu_memory_utilization)
         self.prefix_sharing, self.check_every = prefix_sharing, check_every
         self.block_shuffle_seed = block_shuffle_seed
+        self.paged_kernel = paged_kernel
         self.block = CUDA_ATTN_KV_BLOCK if self.model.device.type == "cuda" else ATTN_KV_BLOCK
         self.stats: dict = {}
         """Bookkeeping of the last `generate`: steps, preemptions, blocks, sharing, KV bytes."""
@@ -200,10 +210,14 @@ class RolloutEngine:
         for r in requests:
             if not r.prompt_ids:
                 raise ValueError(f"sample {r.sample_id}: empty prompt")
+            m = r.max_new_tokens
+            if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+                raise ValueError(f"sample {r.sample_id}: max_new_tokens={m!r} must be an integer "
+                                 f">= 1 or None")
         if not requests:
             return []
         pc, dev = self.model.pc, self.model.device
-        seqs = [Sequence(i, r.sample_id, tuple(r.prompt_ids), sp.max_new_tokens)
+        seqs = [Sequence(i, r.sample_id, tuple(r.prompt_ids), r.max_new_tokens or sp.max_new_tokens)
                 for i, r in enumerate(requests)]
         probe = BlockManager(1, self.block, pc.cp.size)
         n_blocks = self._pool_blocks(seqs, probe)
@@ -212,13 +226,14 @@ class RolloutEngine:
         sched = Scheduler(seqs, bm, self.max_step_tokens, self.max_seqs, self.prefill_chunk)
         c = self.cfg
         cache = PagedKVCache(c.num_hidden_layers, n_blocks, self.block, self._kv_heads(),
-                             c.head_dim, dev, pc.cp)
-        width = max(len(s.prompt) for s in seqs) + sp.max_new_tokens
+                             c.head_dim, dev, pc.cp, self.paged_kernel)
+        width = max(s.capacity for s in seqs)
+        max_new = max(s.max_new for s in seqs)
         host_tok = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         for s in seqs:
             host_tok[s.slot, :len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
         bufs = _Buffers(host_tok.to(dev),
-                        torch.zeros(len(seqs), sp.max_new_tokens, dtype=torch.float32, device=dev),
+                        torch.zeros(len(seqs), max_new, dtype=torch.float32, device=dev),
                         torch.zeros(len(seqs), dtype=torch.bool, device=dev),
                         torch.zeros((), dtype=torch.bool, device=dev))
         while sched.has_work():
@@ -266,7 +281,7 @@ class RolloutEngine:
         if not plan.chunks:
             return
         meta = _step_metadata(plan, self.block, cache, self.model.pc.cp,
-                              bufs.tokens.shape[1], sp.max_new_tokens)
+                              bufs.tokens.shape[1], bufs.logprobs.shape[1])
         dev = self.model.device
         t = _upload(meta.arrays, dev)
         if plan.copies:
