@@ -142,10 +142,12 @@ class BlockManager:
         if not self.share:
             return
         for b, bid in enumerate(seq.blocks):
+            if bid in self.key_of:
+                continue
             key = self.prefix_key(seq, b)
             if key is None or seq.n_computed < len(key):
                 return
-            if bid not in self.key_of and key not in self.registry:
+            if key not in self.registry:
                 self.registry[key] = bid
                 self.key_of[bid] = key
 

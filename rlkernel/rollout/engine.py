@@ -60,17 +60,18 @@ class Request:
 
 @dataclass
 class Completion:
-    """Generated response: token ids, their fp32 logprobs [n] and why generation stopped."""
+    """Generated response: token ids, their fp32 logprobs [n] (CPU, a tensor of its own, so a
+    completion pickles small) and why generation stopped ("eos" or "length")."""
 
     sample_id: int
     prompt_ids: tuple[int, ...]
     response_ids: list[int] = field(default_factory=list)
-    logprobs: list[torch.Tensor] = field(default_factory=list)
+    logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     finish_reason: str = ""
 
     def logprob_tensor(self) -> torch.Tensor:
         """[n] fp32 logprobs of response_ids."""
-        return torch.stack(self.logprobs) if self.logprobs else torch.zeros(0)
+        return self.logprobs
 
 
 @dataclass(frozen=True)
@@ -260,8 +261,7 @@ class RolloutEngine:
         n, reason = len(resp), "length"
         if sp.eos_id in resp:
             n, reason = resp.index(sp.eos_id) + 1, "eos"
-        return Completion(r.sample_id, r.prompt_ids, resp[:n], list(lps[s.slot, :n].unbind()),
-                          reason)
+        return Completion(r.sample_id, r.prompt_ids, resp[:n], lps[s.slot, :n].clone(), reason)
 
     def _host_check(self, sched: Scheduler, bufs: "_Buffers") -> None:
         """The occasional host read: raise on a non-finite logprob row, retire sequences whose

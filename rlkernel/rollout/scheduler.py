@@ -124,7 +124,8 @@ class Scheduler:
         done = []
         for c in plan.chunks:
             c.seq.n_computed = c.start + c.n
-            self.bm.register(c.seq)
+            if c.start < len(c.seq.prompt):        # only prompt blocks are ever registered
+                self.bm.register(c.seq)
             if c.samples:
                 c.seq.n_generated += 1
                 if c.seq.n_generated >= c.seq.max_new:
