@@ -164,3 +164,15 @@ def test_group_prompt_is_prefilled_once():
         prompt_fed += sum(max(0, min(c.start + c.n, 10) - c.start) for c in plan.chunks)
     assert prompt_fed == 10 + 7 * 1
     assert sched.bm.shared_refs == 7 * 3 and sched.bm.cow_copies == 7
+
+
+def test_retire_removes_a_waiting_sequence_and_frees_nothing_twice():
+    """An EOS found for a preempted (waiting) sequence retires it from the queue."""
+    seqs = [_seq(0, range(6), max_new=7), _seq(1, range(6), max_new=7)]
+    sched = Scheduler(seqs, BlockManager(10, 4), max_step_tokens=64, max_seqs=1)
+    sched.postprocess(sched.schedule())
+    assert seqs[1] in sched.waiting
+    sched.retire(seqs[1])
+    assert seqs[1].finished and seqs[1] not in sched.waiting and sched.bm.used == 2
+    list(_drive(sched))
+    assert seqs[0].n_generated == 7 and seqs[1].n_generated == 0 and sched.bm.used == 0

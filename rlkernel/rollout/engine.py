@@ -270,7 +270,7 @@ class RolloutEngine:
             raise ValueError("rollout: a sampled row's logprobs contain NaN or +inf, or no finite "
                              "entry (non-finite weights or activations)")
         done = bufs.done.cpu()
-        for seq in list(sched.running):
+        for seq in [*sched.running, *sched.waiting]:
             if done[seq.slot]:
                 sched.retire(seq)
 

@@ -141,4 +141,6 @@ class Scheduler:
         seq.finished = True
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:                  # preempted after its EOS was sampled
+            self.waiting.remove(seq)
         self.bm.release(seq)
