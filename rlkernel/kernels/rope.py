@@ -25,6 +25,7 @@ class RopeTable:
         self.inv_freq = [1.0 / (theta ** (2 * i / head_dim)) for i in range(half)]
         self.cos = torch.empty(0, head_dim, dtype=torch.float32)
         self.sin = torch.empty(0, head_dim, dtype=torch.float32)
+        self._dev: tuple[torch.Tensor, torch.Tensor] | None = None   # cos/sin on a device
 
     def _extend(self, n: int) -> None:
         start = self.cos.shape[0]
@@ -38,9 +39,21 @@ class RopeTable:
         self.cos = torch.cat([self.cos, torch.tensor(rows_c, dtype=torch.float64).float()])
         self.sin = torch.cat([self.sin, torch.tensor(rows_s, dtype=torch.float64).float()])
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin rows for integer positions [...] -> [..., head_dim] fp32 each (pos < 0 -> row 0)."""
+    def lookup(self, positions: torch.Tensor,
+               bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows for integer positions [...] -> [..., head_dim] fp32 each (pos < 0 -> row 0).
+
+        bound: a host-known int > every position; given, the lookup is a gather on the positions'
+        device from a copy of the table there (the same values), with no host sync.
+        """
         pos = positions.clamp(min=0)
+        if bound is not None:
+            if bound > self.cos.shape[0]:
+                self._extend(max(bound, 2 * self.cos.shape[0], 256))
+            dev = positions.device
+            if self._dev is None or self._dev[0].device != dev or self._dev[0].shape != self.cos.shape:
+                self._dev = (self.cos.to(dev), self.sin.to(dev))
+            return self._dev[0][pos], self._dev[1][pos]
         need = int(pos.max().item()) + 1 if pos.numel() else 0
         if need > self.cos.shape[0]:
             self._extend(max(need, 2 * self.cos.shape[0], 256))

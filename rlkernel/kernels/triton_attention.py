@@ -23,6 +23,8 @@ KV head. Split-KV decode is not used (batch × KV heads already fill the GPU at 
 Returns lse = m + log(l) in the [S, Hkv, G, Tq] layout of kernels/attention.py, so the torch-op
 backward there can run on the forward's statistics.
 
+`paged_attention_forward` runs the same kernel with K/V read through a block table (paged KV
+cache of the rollout engine): only the addresses change (PAGED is a compile-time switch).
 Does not: backward (kernels/attention.py recomputes on the GPU with torch ops), CP gathering.
 """
 
@@ -47,13 +49,27 @@ _TILES = {
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN,
+def _block_base(kbase, vbase, TABLE, s, s_ts, s_tb, s_ks, s_vs, j0, j,
+                BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """K/V base pointers of the key block starting at j0 and the key offsets inside it."""
+    if PAGED:
+        blk = tl.load(TABLE + s * s_ts + (j0 // BLOCK_N) * s_tb).to(tl.int64)
+        return kbase + blk * s_ks, vbase + blk * s_vs, tl.arange(0, BLOCK_N).to(tl.int64)
+    else:
+        return kbase, vbase, j.to(tl.int64)
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN, TABLE,
                      s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd,
                      s_vs, s_vh, s_vt, s_vd, s_os, s_oh, s_ot, s_od,
-                     s_ls, s_lh, s_lg, s_lt, s_ps, s_pt,
+                     s_ls, s_lh, s_lg, s_lt, s_ps, s_pt, s_ts, s_tb,
                      Tq, Tk, HKV, n_tiles, scale,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK_N: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr):
+    # PAGED: K/V are block pools [blocks, BLOCK_N, Hkv, D] (s_ks = the block stride) and key
+    # block b of sample s is pool block TABLE[s, b]; otherwise K/V are [S, Hkv, Tk, D]. Only the
+    # addresses differ: the same blocks are visited in the same order with the same operations.
     tile = n_tiles - 1 - tl.program_id(0)          # longest (latest) query tiles first
     sh = tl.program_id(1)
     s = (sh // HKV).to(tl.int64)
@@ -70,8 +86,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN,
     head = (hk * G + g).to(tl.int64)
     q = tl.load(Q + s * s_qs + head[:, None] * s_qh + t.to(tl.int64)[:, None] * s_qt
                 + dd[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
-    kbase = K + s * s_ks + hk.to(tl.int64) * s_kh
-    vbase = V + s * s_vs + hk.to(tl.int64) * s_vh
+    if PAGED:
+        kbase = K + hk.to(tl.int64) * s_kh
+        vbase = V + hk.to(tl.int64) * s_vh
+    else:
+        kbase = K + s * s_ks + hk.to(tl.int64) * s_kh
+        vbase = V + s * s_vs + hk.to(tl.int64) * s_vh
     ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32).to(Q.dtype.element_ty)
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -82,12 +102,14 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN,
     n_full = (tl.minimum(tl.min(tl.where(live, last, 1 << 30), 0), Tk - 1) + 1) // BLOCK_N
     for j0 in range(0, n_full * BLOCK_N, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        k = tl.load(kbase + j.to(tl.int64)[None, :] * s_kt + dd[:, None] * s_kd)      # [D, BN]
+        kb, vb, jj = _block_base(kbase, vbase, TABLE, s, s_ts, s_tb, s_ks, s_vs, j0, j,
+                                 BLOCK_N, PAGED)
+        k = tl.load(kb + jj[None, :] * s_kt + dd[:, None] * s_kd)                   # [D, BN]
         sc = tl.dot(q, k, input_precision=PREC) * scale
         m_new = tl.maximum(m, tl.max(sc, 1))
         p = tl.exp(sc - m_new[:, None]).to(Q.dtype.element_ty)
         alpha = tl.exp(m - m_new)
-        v = tl.load(vbase + j.to(tl.int64)[:, None] * s_vt + dd[None, :] * s_vd)      # [BN, D]
+        v = tl.load(vb + jj[:, None] * s_vt + dd[None, :] * s_vd)                   # [BN, D]
         psum = tl.max(tl.dot(p, ones, input_precision=PREC), 1)
         pv = tl.dot(p, v, input_precision=PREC)
         l = l * alpha + psum
@@ -96,7 +118,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN,
     for j0 in range(n_full * BLOCK_N, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         k_ok = j < kvl
-        k = tl.load(kbase + j.to(tl.int64)[None, :] * s_kt + dd[:, None] * s_kd,
+        kb, vb, jj = _block_base(kbase, vbase, TABLE, s, s_ts, s_tb, s_ks, s_vs, j0, j,
+                                 BLOCK_N, PAGED)
+        k = tl.load(kb + jj[None, :] * s_kt + dd[:, None] * s_kd,
                     mask=k_ok[None, :], other=0.0)                             # [D, BN]
         qk = tl.dot(q, k, input_precision=PREC)                                # [BM, BN]
         vis = (j[None, :] <= pos[:, None]) & k_ok[None, :]
@@ -106,7 +130,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN,
         m_safe = tl.where(row_any, m_new, 0.0)
         p = tl.exp(sc - m_safe[:, None]).to(Q.dtype.element_ty)
         alpha = tl.exp(tl.where(row_any, m - m_safe, 0.0))
-        v = tl.load(vbase + j.to(tl.int64)[:, None] * s_vt + dd[None, :] * s_vd,
+        v = tl.load(vb + jj[:, None] * s_vt + dd[None, :] * s_vd,
                     mask=k_ok[:, None], other=0.0)                             # [BN, D]
         psum = tl.max(tl.dot(p, ones, input_precision=PREC), 1)                # 16 equal columns
         pv = tl.dot(p, v, input_precision=PREC)
@@ -134,14 +158,43 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     `tile` = (BLOCK_M, num_warps, num_stages) overrides the table (tests). ValueError on bad input.
     """
     check_cuda("attention", q, k, v, q_pos, kv_len)
+    if (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]) or v.shape != k.shape:
+        raise ValueError(f"attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} do not form a GQA problem")
+    sk, sv = k.stride(), v.stride()
+    return _launch(q, k, v, q_pos, kv_len, scale, tile, k.shape[1], k.shape[2],
+                   sk, sv, None)
+
+
+def paged_attention_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                            table: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+                            scale: float, tile: tuple[int, int, int] | None = None):
+    """`attention_forward` with keys read through a block table (vLLM's PagedAttention, Kwon et
+    al. 2023 §4.1): k_pool/v_pool [blocks, KV_BLOCK, Hkv, D], table [S, nb] long (pool block
+    of each sample's key block b; only blocks below ceil(kv_len / KV_BLOCK) are read). Same
+    blocks, same order, same operations as `attention_forward` on the gathered keys, so the
+    same bytes. ValueError on bad input (a pool block size other than KV_BLOCK included)."""
+    check_cuda("paged attention", q, k_pool, v_pool, table, q_pos, kv_len)
+    if (k_pool.dim() != 4 or k_pool.shape[1] != KV_BLOCK or v_pool.shape != k_pool.shape
+            or k_pool.shape[3] != q.shape[3] or table.dim() != 2
+            or table.shape[0] != q.shape[0]):
+        raise ValueError(f"paged attention: q {tuple(q.shape)}, pools {tuple(k_pool.shape)} / "
+                         f"{tuple(v_pool.shape)}, table {tuple(table.shape)}: pools must be "
+                         f"[blocks, {KV_BLOCK}, Hkv, D] and the table [S, nb]")
+    sk, sv = k_pool.stride(), v_pool.stride()
+    # Kernel stride order (sample/block, head, position, dim) from the pool's (block, pos, head, dim).
+    return _launch(q, k_pool, v_pool, q_pos, kv_len, scale, tile, k_pool.shape[2],
+                   table.shape[1] * KV_BLOCK, (sk[0], sk[2], sk[1], sk[3]),
+                   (sv[0], sv[2], sv[1], sv[3]), table)
+
+
+def _launch(q, k, v, q_pos, kv_len, scale, tile, hkv, tk, sk, sv, table):
     if q.dtype not in _TILES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"attention: q/k/v must share dtype float32 or bfloat16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     s_, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    if (k.shape[0], k.shape[3]) != (s_, d) or v.shape != k.shape or hq % hkv:
-        raise ValueError(f"attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)} do not form a GQA problem")
+    if hq % hkv:
+        raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} KV heads")
     if d & (d - 1) or not 16 <= d <= 256:
         raise ValueError(f"attention: head_dim {d} must be a power of two in [16, 256]")
     if tuple(q_pos.shape) != (s_, tq) or tuple(kv_len.shape) != (s_,):
@@ -158,11 +211,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     bm, warps, stages = tile
     n_tiles = triton.cdiv(rows, bm)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
+    paged = table is not None
+    tb = table if paged else kv_len                         # unused pointer when not paged
+    st = table.stride() if paged else (0, 0)
     with device_ctx(q):
         _attn_fwd_kernel[(n_tiles, s_ * hkv)](
-            q, k, v, out, lse, q_pos, kv_len,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *q_pos.stride(),
+            q, k, v, out, lse, q_pos, kv_len, tb,
+            *q.stride(), *sk, *sv, *out.stride(), *lse.stride(), *q_pos.stride(), *st,
             tq, tk, hkv, n_tiles, float(scale),
-            G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec,
+            G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec, PAGED=paged,
             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out, lse

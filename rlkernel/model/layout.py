@@ -39,6 +39,8 @@ class StreamLayout:
     stream_len: int | None = None
     kv_idx: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
+    pos_bound: int | None = None
+    """Host-known bound > every position (None: read from `positions`, a host sync on CUDA)."""
 
     @property
     def n_samples(self) -> int:
@@ -59,7 +61,8 @@ class StreamLayout:
         def mv(t):
             return None if t is None else t.to(device)
         return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
-                            mv(self.kv_len), self.stream_len, mv(self.kv_idx), mv(self.g_idx))
+                            mv(self.kv_len), self.stream_len, mv(self.kv_idx), mv(self.g_idx),
+                            self.pos_bound)
 
 
 def packed_layout(seqs: list[list[int]], stream_len: int, pad_id: int) -> StreamLayout:
@@ -116,9 +119,13 @@ class _ToSamples(torch.autograd.Function):
         ctx.save_for_backward(q_idx)
         ctx.n_rows = x.shape[0]
         valid = q_idx >= 0
-        out = x.new_zeros(q_idx.shape + x.shape[1:])
-        out[valid] = x[q_idx[valid]]
-        return out
+        if x.shape[0] == 0:
+            return x.new_zeros(q_idx.shape + x.shape[1:])
+        # A gather and a select, not boolean indexing: no data-dependent shape, so no host sync
+        # on CUDA (the rollout engine's decode loop). Same bytes: valid slots copy, others +0.
+        rows = x[q_idx.clamp(min=0).reshape(-1)].view(q_idx.shape + x.shape[1:])
+        mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
+        return torch.where(mask, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -134,9 +141,11 @@ class _ToStream(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
         ctx.save_for_backward(q_idx)
         valid = q_idx >= 0
-        out = y.new_zeros((n_rows,) + y.shape[2:])
-        out[q_idx[valid]] = y[valid]
-        return out
+        # Empty slots land in an extra dump row (dropped): no boolean indexing, no host sync.
+        out = y.new_zeros((n_rows + 1,) + y.shape[2:])
+        idx = torch.where(valid, q_idx, torch.full_like(q_idx, n_rows)).reshape(-1)
+        out.index_copy_(0, idx, y.reshape((-1,) + y.shape[2:]))
+        return out[:n_rows]
 
     @staticmethod
     def backward(ctx, dx: torch.Tensor):

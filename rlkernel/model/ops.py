@@ -19,7 +19,8 @@ from rlkernel.distributed import parallel as par
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.parallel import collective_pair as pair
-from rlkernel.kernels import activation, attention, embedding, logprobs, matmul, norm
+from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, norm,
+                              paged_attention)
 
 
 class InvariantOps:
@@ -64,6 +65,12 @@ class InvariantOps:
     def attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len, pc: ParallelCtx):
         return attention.attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len,
                                    tree=pc.tok, kv_comm=pc.kv)
+
+    @staticmethod
+    def paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk, pc: ParallelCtx):
+        """Rollout attention through a block table (no gradient, no CP): the bytes of
+        `attention` on the gathered keys (kernels/paged_attention.py)."""
+        return paged_attention.paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk)
 
     @staticmethod
     def sync_grads(model) -> None:

@@ -58,6 +58,18 @@ class KVCache:
         self.k[layer][s_idx, :, pos] = k[mine].detach()
         self.v[layer][s_idx, :, pos] = v[mine].detach()
 
+    def attend(self, layer: int, ops, qs, ks, vs, lay: StreamLayout, scale: float, pc):
+        """Store this pass's keys/values ks, vs [S, Hkv, T, D] (slot t of sample s at position
+        lay.q_pos[s, t]), then `ops.attention` of qs [S, Hq, T, D] over every sample's keys of
+        positions [0, max kv_len). The interface the paged cache (rollout/kv_cache.py) shares."""
+        valid = lay.q_pos >= 0
+        s_idx, t_idx = valid.nonzero(as_tuple=True)
+        pos = lay.q_pos[s_idx, t_idx]
+        self.write(layer, s_idx, pos, ks[s_idx, :, t_idx], vs[s_idx, :, t_idx])
+        k, v = self.read(layer, int(lay.kv_len.max().item()))
+        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, lay.tree_idx,
+                             lay.stream_len, pc)
+
     def read(self, layer: int, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions [0, tk) of every sample: [S, Hkv, tk, D] each."""
         k, v = self.k[layer][:, :, :tk], self.v[layer][:, :, :tk]
@@ -94,7 +106,7 @@ class Attention(nn.Module):
         self.dx_rows = tuple(dx_shard_rows(f"self_attn.{n}.weight", cfg, tp, pc.tp.rank)
                              for n in ("q_proj", "k_proj", "v_proj"))
 
-    def forward(self, x: torch.Tensor, lay: StreamLayout, cos, sin, cache: KVCache | None):
+    def forward(self, x: torch.Tensor, lay: StreamLayout, cos, sin, cache):
         c, ops, pc = self.cfg, self.ops, self.pc
         shards = VIRTUAL_TP // pc.tp.size
         q, k, v = ops.col(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
@@ -112,27 +124,26 @@ class Attention(nn.Module):
         qs = to_samples(q, lay.q_idx).transpose(1, 2)                    # [S, heads, T, D]
         ks = to_samples(k_all, lay.keys_idx).transpose(1, 2)            # [S, kv_heads, T, D]
         vs = to_samples(v_all, lay.keys_idx).transpose(1, 2)
-        if cache is not None:
-            ks, vs = self._write_cache(cache, ks, vs, lay)
         scale = 1.0 / math.sqrt(c.head_dim)
-        o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, lay.tree_idx, lay.stream_len,
-                          pc)
+        if cache is not None and lay.kv_idx is None:
+            # The cache stores this pass's keys and attends over every key of each row (a
+            # paged cache may read them through its block table instead of a dense copy).
+            o = cache.attend(self.layer, ops, qs, ks, vs, lay, scale, pc)
+        else:
+            if cache is not None:
+                ks, vs = self._write_cache(cache, ks, vs, lay)
+            o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, lay.tree_idx,
+                              lay.stream_len, pc)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc)
 
     def _write_cache(self, cache: KVCache, ks, vs, lay: StreamLayout):
-        if lay.kv_idx is not None:
-            # CP prefill: every key of the prompt arrived by the CP gather; store the owned
-            # blocks and attend to the gathered keys directly.
-            valid = lay.kv_idx >= 0
-            s_idx, j = valid.nonzero(as_tuple=True)
-            cache.write(self.layer, s_idx, j, ks[s_idx, :, j], vs[s_idx, :, j])
-            return ks, vs
-        valid = lay.q_pos >= 0
-        s_idx, t_idx = valid.nonzero(as_tuple=True)
-        pos = lay.q_pos[s_idx, t_idx]
-        cache.write(self.layer, s_idx, pos, ks[s_idx, :, t_idx], vs[s_idx, :, t_idx])
-        return cache.read(self.layer, int(lay.kv_len.max().item()))
+        # CP prefill: every key of the prompt arrived by the CP gather; store the owned blocks
+        # and attend to the gathered keys directly.
+        valid = lay.kv_idx >= 0
+        s_idx, j = valid.nonzero(as_tuple=True)
+        cache.write(self.layer, s_idx, j, ks[s_idx, :, j], vs[s_idx, :, j])
+        return ks, vs
 
 
 class MLP(nn.Module):
@@ -272,10 +283,11 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     # -- forward -----------------------------------------------------------------------------
-    def hidden(self, lay: StreamLayout, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-normed hidden states of this rank's rows: [Ls, H] fp32 (SP slice under SP)."""
+    def hidden(self, lay: StreamLayout, cache=None) -> torch.Tensor:
+        """Final-normed hidden states of this rank's rows: [Ls, H] fp32 (SP slice under SP).
+        cache: a KVCache, or rollout/kv_cache.PagedKVCache (anything with `attend`)."""
         lay = lay.to(self.device)
-        cos, sin = self.rope.lookup(lay.positions)
+        cos, sin = self.rope.lookup(lay.positions, lay.pos_bound)
         w = self.model.embed_tokens.weight
         x = self.ops.embed(lay.tokens, w, self.pc.tp.rank * w.shape[0], self.pc)
         for layer in self.model.layers:

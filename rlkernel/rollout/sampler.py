@@ -35,7 +35,7 @@ import torch
 
 from rlkernel.kernels.elementwise import exp64, log64
 
-__all__ = ["counter_uniform", "sample_tokens", "sampled_logprobs"]
+__all__ = ["counter_uniform", "invalid_rows", "sample_tokens", "sampled_logprobs"]
 
 _MASK64 = (1 << 64) - 1
 # splitmix64 constants (Steele, Lea & Flood 2014; public-domain reference by S. Vigna).
@@ -213,6 +213,7 @@ def sample_tokens(
     sample_ids: torch.Tensor,
     positions: torch.Tensor,
     top_p: float,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Draw one token per row from canonical logprobs, batch-invariantly.
 
@@ -223,6 +224,11 @@ def sample_tokens(
         sample_ids: integer tensor [S]: the logical sample id of each row.
         positions: integer tensor [S]: the position (token index) being sampled in each row.
         top_p: nucleus mass in (0, 1]; 1.0 keeps every token (no sort).
+        validate: check the values of logprobs (NaN, +inf, rows without a finite entry, row
+            sums). Each check reads a result on the host — a device sync on CUDA — so the
+            rollout engine passes False and checks the same conditions itself on the device
+            (`invalid_rows`), reading the flags once every few steps. Shapes, dtypes and top_p
+            are checked either way. The drawn tokens do not depend on this flag.
 
     Returns:
         int64 tensor [S] of token ids on ``logprobs``' device.
@@ -254,7 +260,7 @@ def sample_tokens(
         )
     if V < 1:
         raise ValueError("logprobs must have a non-empty vocabulary dimension")
-    if torch.isnan(logprobs).any() or torch.isposinf(logprobs).any():
+    if validate and (torch.isnan(logprobs).any() or torch.isposinf(logprobs).any()):
         raise ValueError("logprobs contain NaN or +inf")
     sid = sid.to(logprobs.device)
     pos = pos.to(logprobs.device)
@@ -263,13 +269,13 @@ def sample_tokens(
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)
         lp = logprobs[r0:r1].to(torch.float64)
-        if not torch.isfinite(lp).any(dim=-1).all():
+        if validate and not torch.isfinite(lp).any(dim=-1).all():
             raise ValueError("every row of logprobs needs at least one finite entry")
         if tp < 1.0:
             p = exp64(lp)
             # Guard for the int64 fixed-point sum (overflow needs a row sum >= 8); any log-softmax
             # row sums to ~1. Float summation order does not matter at this margin.
-            if (p.sum(dim=-1) > 4.0).any():
+            if validate and (p.sum(dim=-1) > 4.0).any():
                 raise ValueError("logprobs rows do not look normalised (sum of exp > 4)")
             keep = _top_p_keep_mask(p, tp)
         else:
@@ -281,6 +287,14 @@ def sample_tokens(
             score = torch.where(keep, score, torch.full_like(score, float("-inf")))
         out[r0:r1] = _argmax_lowest_id(score)
     return out
+
+
+def invalid_rows(logprobs: torch.Tensor) -> torch.Tensor:
+    """[S] bool on logprobs' device, without a host sync: rows with a NaN or +inf, or with no
+    finite entry (what `sample_tokens(validate=True)` rejects in a log-softmax row; the sum
+    guard there is for inputs that are not a log-softmax)."""
+    return (torch.isnan(logprobs).any(-1) | torch.isposinf(logprobs).any(-1)
+            | ~torch.isfinite(logprobs).any(-1))
 
 
 def sampled_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
