@@ -115,8 +115,7 @@ class Attention(nn.Module):
         if cache is not None:
             ks, vs = self._write_cache(cache, ks, vs, lay)
         scale = 1.0 / math.sqrt(c.head_dim)
-        o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, lay.tree_idx, lay.stream_len,
-                          pc)
+        o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc)
 

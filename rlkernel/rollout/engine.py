@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlkernel.data.packing import padded_stream_len
-from rlkernel.distributed.parallel import ParallelCtx, cp_assemble, cp_local_rows
+from rlkernel.distributed.parallel import ParallelCtx, cp_assemble, cp_local_rows, stream_multiple
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.layout import chunk_layout, cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import KVCache, Qwen3ForCausalLM
@@ -132,7 +131,7 @@ class RolloutEngine:
         its blocks of the cache, and the last prompt rows are gathered (output gather).
         Returns [S, H] hidden of each prompt's last token."""
         pc = self.model.pc
-        lay = packed_layout(prompts, padded_stream_len(sum(map(len, prompts))), self.pad_id)
+        lay = packed_layout(prompts, self.pad_id, stream_multiple(pc))
         local = cp_local_rows(pc, torch.arange(lay.tokens.shape[0]))
         h_local = self.model.hidden(cp_local_layout(lay, local), cache)
         h_full = cp_assemble(pc, pc.cp.all_gather(h_local.contiguous(), "prefill-output-gather"))
