@@ -286,7 +286,7 @@ FLAG_FIELDS = [f for f in ("model_seed", "steps", "seed", "n_prompts", "n_sample
                            "temperature", "top_p", "max_response_len", "max_prompt_len",
                            "kl_coef", "kl_estimator", "entropy_coef", "clip_eps", "lr",
                            "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
-                           "token_budget", "dtype", "mode", "tp", "cp", "rollout_tp",
+                           "micro_batch_tokens", "dtype", "mode", "dp", "tp", "cp", "rollout_tp",
                            "rollout_cp", "device", "model", "prompts", "on_nonfinite",
                            "save_every")
                if f in RUN_FIELDS]
@@ -325,8 +325,11 @@ def test_rlk_run_flags_fuzzed(pairs, switches):
     (["--rollout-tp", "4"], "--rollout-tp 4 × --rollout-cp 1 = 4 must divide the training world"),
     (["--tp", "2", "--rollout-tp", "8"], "must divide the training world --tp 2"),
     (["--rollout-cp", "4"], "--rollout-cp 4 = 4 must divide the training world"),
-    (["--token-budget", "100"], "--token-budget 100: must be >= --max-prompt-len"),
-    (["--max-prompt-len", "4000", "--max-response-len", "200", "--token-budget", "5000"],
+    (["--micro-batch-tokens", "100"], "--micro-batch-tokens 100: must be >= --max-prompt-len"),
+    (["--token-budget", "100"], "--micro-batch-tokens 100: must be >= --max-prompt-len"),
+    (["--dp", "6"], "--dp 6: must divide virtual_dp=8; allowed: 1, 2, 4, 8"),
+    (["--dp", "2", "--tp", "2", "--rollout-tp", "8"], "must divide the training world --dp 2"),
+    (["--max-prompt-len", "4000", "--max-response-len", "200", "--micro-batch-tokens", "5000"],
      "must be <= max_position_embeddings=4096"),
     (["--top-p", "0"], "--top-p 0.0: must be a number in (0, 1]"),
     (["--temperature", "inf"], "--temperature inf: must be a finite number > 0"),

@@ -1,0 +1,193 @@
+"""The cost of DP- and microbatch-invariant gradients (issue 14), on the CPU.
+
+Three measurements, each printed and (with --out) written as JSON:
+1. One weight gradient dW = dYᵀ·X over a stream (kernel level, one process): stock BLAS
+   (`dy.t() @ x`, what native mode's autograd runs), our leaf partials alone (16 tokens per leaf,
+   sequential fp32), and partials + the exact fixed-point accumulation + the one rounding — the
+   whole canonical token reduction. Median of repeats.
+2. A training step's gradients of the tiny model at DP1 and DP2 (gloo processes):
+   compute_gradients in --mode invariant (every gradient into the GradSink, integer all-reduce
+   over DP at the end) vs --mode native (fp32 autograd accumulation, SUM all-reduce over DP), and
+   the gradient reduction alone (sink finish vs native sync_grads), median per rank-0 step.
+3. Memory of the canonical order: the sink's accumulators are fixedpoint.N_COLS int64 per
+   parameter element (vs 4 bytes of an fp32 .grad), held for a mini-batch; accumulate_'s
+   transient float64 bins per chunk; and what that is for the tiny model and Qwen3-0.6B.
+
+Run (repository root, CPU): PYTHONPATH=. .venv/bin/python benchmarks/bench_dp_accumulation.py
+[--out FILE.json] [--repeats N]. On a shared 2-core machine expect ±20% between runs.
+Does not: touch the GPU (the CUDA kernels' cost is benchmarks/run_all.sh's job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+from rlkernel.numerics import fixedpoint as fx
+
+REPEATS = 5
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_kernel(repeats: int) -> list[dict]:
+    from rlkernel.kernels.matmul import accumulate_grad_weight_, token_leaf_partials
+    from rlkernel.spec import TOKEN_LEAF
+
+    rows = []
+    for n, k, length in ((128, 64, 2048), (512, 512, 1024)):
+        g = torch.Generator().manual_seed(0)
+        dy = torch.randn(length, n, generator=g) * 1e-3
+        x = torch.randn(length, k, generator=g)
+        t_blas = _median_s(lambda: dy.t() @ x, repeats)
+        t_part = _median_s(lambda: token_leaf_partials(dy, x, length // TOKEN_LEAF), repeats)
+
+        def exact():
+            return fx.round_fp32(accumulate_grad_weight_(fx.zeros((n, k)), dy, x))
+        t_exact = _median_s(exact, repeats)
+        row = {"N": n, "K": k, "tokens": length, "blas_ms": 1e3 * t_blas,
+               "leaf_partials_ms": 1e3 * t_part, "partials_exact_ms": 1e3 * t_exact,
+               "exact_over_partials": t_exact / t_part, "exact_over_blas": t_exact / t_blas}
+        rows.append(row)
+        print(f"dW [{n}x{k}] over {length} tokens: BLAS {row['blas_ms']:.2f} ms | leaf partials "
+              f"{row['leaf_partials_ms']:.2f} ms | partials + exact sum {row['partials_exact_ms']:.2f}"
+              f" ms (x{row['exact_over_partials']:.2f} of the partials, x{row['exact_over_blas']:.0f}"
+              " of BLAS)", flush=True)
+    return rows
+
+
+def _batch():
+    from rlkernel.train.step import TrainSample
+
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(16):
+        p, r = 12 + i % 5, 20 + (7 * i) % 30
+        out.append(TrainSample(i, tuple(torch.randint(32, 127, (p,), generator=g).tolist()),
+                               tuple(torch.randint(0, 264, (r,), generator=g).tolist()),
+                               -4.0 - torch.rand(r, generator=g), float(torch.randn(1, generator=g))))
+    return out
+
+
+def _step_rank(rank: int, mode: str, dp: int, repeats: int, out: str) -> None:
+    """One rank: `repeats` timed compute_gradients on the same batch; the reduction timed apart."""
+    import torch.distributed as dist
+
+    from rlkernel.config import RunConfig
+    from rlkernel.distributed.context import build_contexts
+    from rlkernel.distributed.topology import Topology, build_comms
+    from rlkernel.model.checkpoint import init_weights
+    from rlkernel.model.config import tiny
+    from rlkernel.model.ops import ops_for
+    from rlkernel.model.qwen3 import Qwen3ForCausalLM
+    from rlkernel.train.losses import LossCoefs, invariant_exp
+    from rlkernel.train.step import compute_gradients
+
+    cfg = RunConfig(dp=dp, mode=mode)
+    topo = Topology.from_config(cfg, rank, dist.get_world_size())
+    mcfg = tiny()
+    pc, _ = build_contexts(topo, build_comms(topo), mcfg)
+    ops = ops_for(mode)
+    policy = Qwen3ForCausalLM(mcfg, ops, torch.bfloat16, pc)
+    policy.load_tensors(init_weights(mcfg, 0))
+    ref = Qwen3ForCausalLM(mcfg, ops, torch.bfloat16, pc)
+    ref.load_tensors(init_weights(mcfg, 1))
+    ref.requires_grad_(False)
+    sync_s: list[float] = []
+    real_sync = ops.sync_grads
+
+    def timed_sync(model):
+        t0 = time.perf_counter()
+        real_sync(model)
+        sync_s.append(time.perf_counter() - t0)
+    ops.sync_grads = staticmethod(timed_sync)
+    samples = _batch()
+    step_s = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        compute_gradients(policy, ref, samples, temperature=0.7,
+                          coefs=LossCoefs(0.2, 0.05, 0.01, "k3"), micro_batch_tokens=4096,
+                          pad_id=257, exp=invariant_exp if mode == "invariant" else torch.exp)
+        step_s.append(time.perf_counter() - t0)
+    ops.sync_grads = staticmethod(real_sync)
+    if rank == 0:
+        with open(out, "wb") as f:
+            pickle.dump({"step_s": statistics.median(step_s[1:]),
+                         "sync_s": statistics.median(sync_s[1:])}, f)
+
+
+def bench_steps(repeats: int) -> list[dict]:
+    from rlkernel.distributed.launch import launch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for dp in (1, 2):
+            got = {}
+            for mode in ("invariant", "native"):
+                path = os.path.join(d, f"{mode}-{dp}.pkl")
+                launch(_step_rank, (mode, dp, repeats, path), world_size=dp, timeout_s=900)
+                with open(path, "rb") as f:
+                    got[mode] = pickle.load(f)
+            row = {"dp": dp, "invariant_step_s": got["invariant"]["step_s"],
+                   "native_step_s": got["native"]["step_s"],
+                   "invariant_reduce_s": got["invariant"]["sync_s"],
+                   "native_reduce_s": got["native"]["sync_s"]}
+            row["step_ratio"] = row["invariant_step_s"] / row["native_step_s"]
+            rows.append(row)
+            print(f"tiny model, 16 samples, DP{dp}: compute_gradients invariant "
+                  f"{row['invariant_step_s']:.2f} s vs native {row['native_step_s']:.2f} s "
+                  f"(x{row['step_ratio']:.1f}); gradient reduction: sink finish (exact, int64 "
+                  f"all-reduce, rounding) {1e3 * row['invariant_reduce_s']:.1f} ms vs native SUM "
+                  f"all-reduce {1e3 * row['native_reduce_s']:.1f} ms", flush=True)
+    return rows
+
+
+def bench_memory() -> dict:
+    from rlkernel.model.config import param_shapes, qwen3_0_6b, tiny
+
+    per_elem = fx.N_COLS * 8
+    out = {"accumulator_bytes_per_element": per_elem, "fp32_grad_bytes_per_element": 4,
+           "bins_bytes_per_chunk_element": 8 * 16, "chunk_elements": "<= 2**22 values"}
+    for name, cfg in (("tiny", tiny()), ("qwen3-0.6b", qwen3_0_6b())):
+        n = sum(torch.Size(s).numel() for s in param_shapes(cfg).values())
+        out[name] = {"params": n, "accumulators_GiB": n * per_elem / 2**30,
+                     "fp32_grads_GiB": n * 4 / 2**30}
+        print(f"{name}: {n:,} parameters -> sink accumulators {n * per_elem / 2**30:.3f} GiB "
+              f"per rank (fp32 grads: {n * 4 / 2**30:.3f} GiB), i.e. +{per_elem - 4} bytes per "
+              "element while a mini-batch accumulates", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    result = {"env": {"torch": torch.__version__, "python": platform.python_version(),
+                      "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
+              "kernel": bench_kernel(args.repeats), "steps": bench_steps(args.repeats),
+              "memory": bench_memory()}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
