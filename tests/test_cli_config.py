@@ -180,7 +180,7 @@ def test_bad_value_exits_2_names_flag_value_allowed_and_creates_nothing(
     (["run", "--top-p", "abc"], "--top-p", "'abc' is not a number"),
     (["run", "--seed", ""], "--seed", "'' is not an integer"),
     (["run", "--steps"], "--steps", "expected one argument"),
-    (["run", "--no-such-flag"], "--no-such-flag", "unrecognized"),
+    (["run", "--no-such-flag"], "--no-such-flag", "unknown flag"),
     (["init-model", "--preset", "tiny", "--out", "m", "--seed", "x"], "--seed", "not an integer"),
 ])
 def test_argparse_errors_are_one_line_naming_the_flag(capsys, cwd, loop, argv, flag, value):

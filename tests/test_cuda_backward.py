@@ -21,8 +21,9 @@ import torch
 from kernel_helpers import assert_bitwise, n_diff, randn
 from rlkernel.kernels.activation import swiglu
 from rlkernel.kernels.matmul import column_parallel_dx
-from rlkernel.kernels.norm import rms_norm
-from test_kernels_attention import ATTN_LENGTHS, _attn_grads, _pack, _stock_sdpa
+from test_kernels_attention import (ATTN_LENGTHS, _attn_grads, _pack,
+                                    stock_sdpa_grads_alone_and_batched)
+from test_kernels_elementwise_norm import assert_rms_rows_invariant
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -55,40 +56,17 @@ def test_cuda_negative_control_stock_sdpa_grads_alone_vs_batched_differ():
     """Negative control: torch SDPA autograd on CUDA gives other dQ/dK/dV bytes for the 66-token
     sample alone than inside the padded batch."""
     (q, k, v, q_pos, kv_len, _, _, d_out), _ = _packed_args()
-    i, n = 2, ATTN_LENGTHS[2]
-
-    def grads(qq, kk, vv, pos, kl, do):
-        qq, kk, vv = (t.clone().requires_grad_() for t in (qq, kk, vv))
-        _stock_sdpa(qq, kk, vv, pos, kl).backward(do)
-        return qq.grad[..., :n, :], kk.grad[..., :n, :], vv.grad[..., :n, :]
-
-    batched = grads(q, k, v, q_pos, kv_len, d_out)
-    alone = grads(q[i:i + 1, :, :n], k[i:i + 1, :, :n], v[i:i + 1, :, :n], q_pos[i:i + 1, :n],
-                  kv_len[i:i + 1], d_out[i:i + 1, :, :n])
-    assert sum(n_diff(a[0], b[i]) for a, b in zip(alone, batched)) > 0
+    alone, batched = stock_sdpa_grads_alone_and_batched(q, k, v, q_pos, kv_len, d_out, 2)
+    assert sum(n_diff(a, b) for a, b in zip(alone, batched)) > 0
 
 
 @pytest.mark.parametrize("shape", [(300, 1024), (300, 8, 128)])
 def test_cuda_rms_norm_dx_of_a_row_alone_equals_in_batch_and_at_offset(shape):
     """RMSNorm forward and dX on CUDA: rows at batch 1, 7, 64 == the same rows inside a 283-row
     batch == shifted by 17 rows, bitwise."""
-    x, w, dy = _cuda(randn(*shape, seed=33), 1 + randn(shape[-1], seed=34, scale=0.1),
-                     randn(*shape, seed=35))
-
-    def fwd_bwd(rows):
-        xx = x[rows].clone().requires_grad_()
-        y = rms_norm(xx, w, 1e-6)
-        y.backward(dy[rows])
-        return y.detach(), xx.grad
-
-    ref_y, ref_dx = fwd_bwd(slice(17, 300))
-    for m in (1, 7, 64):
-        y, dx = fwd_bwd(slice(17, 17 + m))
-        assert_bitwise(y, ref_y[:m])
-        assert_bitwise(dx, ref_dx[:m])
-    y, dx = fwd_bwd(slice(0, 300))
-    assert_bitwise(y[17:], ref_y)
-    assert_bitwise(dx[17:], ref_dx)
+    assert_rms_rows_invariant(*_cuda(randn(*shape, seed=33),
+                                     1 + randn(shape[-1], seed=34, scale=0.1),
+                                     randn(*shape, seed=35)))
 
 
 def test_cuda_swiglu_grads_of_a_row_alone_equal_in_batch():

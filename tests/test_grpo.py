@@ -1,5 +1,6 @@
 """GRPO advantages (rlkernel/train/grpo.py): equal rewards give exactly 0, others match a float64
-oracle, and the bits do not depend on where a group sits in the batch.
+oracle and, bit for bit, the exact formula rounded once (a float std is told apart), and the bits
+do not depend on where a group sits in the batch.
 
 Run: `.venv/bin/python -m pytest -q tests/test_grpo.py`.
 """
@@ -8,9 +9,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rlkernel.train.grpo import group_advantages
@@ -56,3 +58,49 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="sample 1 .*nan.*finite"):
         group_advantages([1.0, math.nan], 2)
     assert group_advantages([5.0, -3.0], 1) == [0.0, 0.0]
+
+
+def _exact_formula(rewards: list[float], n: int, eps: float = 1e-4) -> list[float]:
+    """The documented formula, restated with rationals: (r_i − mean) and the Bessel variance are
+    exact and each rounded once to float64; std = sqrt(that float64)."""
+    out = []
+    for g in range(0, len(rewards), n):
+        grp = [Fraction(r) for r in rewards[g:g + n]]
+        mean = sum(grp, Fraction(0)) / n
+        var = sum(((r - mean) ** 2 for r in grp), Fraction(0)) / (n - 1)
+        std = math.sqrt(float(var))
+        out.extend(float(r - mean) / (std + 1e-4) for r in grp)
+    return out
+
+
+# Groups of typical rewards where a float std (two-pass, rounded mean) is 1 ulp off the exact one.
+ULP_GROUPS = [[0.7, 0.1, 0.3, 0.9, 0.5, 0.2, 0.8, 0.6], [1 / 3, 2 / 3, 1.0, 0.0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rewards=st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0, 1 / 3, -0.7, 3.0]),
+                        min_size=2, max_size=16))
+@example(rewards=ULP_GROUPS[0])
+@example(rewards=ULP_GROUPS[1])
+def test_advantage_bits_equal_the_exact_deviation_and_variance_rounded_once(rewards):
+    """group_advantages(r, n) == the exact formula (rationals, one rounding each), compared as
+    float64 hex — no tolerance (ARCHITECTURE.md "Advantages": deviations and variance are exact
+    rationals rounded once). A float mean or std (torch.std, statistics.stdev) agrees only within
+    a tolerance, so test_advantages_match_float64_oracle_... cannot tell it from the exact one."""
+    n = len(rewards)
+    got = group_advantages(rewards, n)
+    assert [a.hex() for a in got] == [a.hex() for a in _exact_formula(rewards, n)]
+
+
+def test_negative_control_float_std_gives_other_advantage_bits():
+    """Negative control for the test above: the same formula with torch.std's float64 std (the
+    usual GRPO code) gives different advantage bits on ULP_GROUPS, so those examples can tell a
+    float std from the exact one."""
+    import torch
+
+    for grp in ULP_GROUPS:
+        n = len(grp)
+        mean = sum((Fraction(r) for r in grp), Fraction(0)) / n
+        std = float(torch.tensor(grp, dtype=torch.float64).std())
+        stock = [float(Fraction(r) - mean) / (std + 1e-4) for r in grp]
+        assert [a.hex() for a in stock] != [a.hex() for a in _exact_formula(grp, n)], grp

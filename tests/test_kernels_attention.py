@@ -295,12 +295,10 @@ def test_negative_control_stock_attention_dk_changes_with_cp_query_split_and_hea
     assert_stock_differs(dk(slice(0, 100), slice(0, 2)) + dk(slice(0, 100), slice(2, 4)), full)
 
 
-def test_negative_control_stock_sdpa_grads_of_a_sample_alone_vs_in_the_packed_batch():
-    """Negative control for the alone-vs-batch grad test: torch SDPA autograd (same packed inputs)
-    gives different dQ/dK/dV bytes for the 66-token sample alone (exact length) vs in the batch."""
-    q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack(ATTN_LENGTHS, seed=76)
-    d_out = randn(*q.shape, seed=77)
-    i, n = 2, ATTN_LENGTHS[2]
+def stock_sdpa_grads_alone_and_batched(q, k, v, q_pos, kv_len, d_out, i: int):
+    """(dQ, dK, dV) of sample i's n = kv_len[i] rows from torch SDPA autograd, computed alone
+    (exact length) and inside the packed batch: (alone tuple [Hq|Hkv, n, D], batched tuple)."""
+    n = int(kv_len[i])
 
     def grads(qq, kk, vv, pos, kl, do):
         qq, kk, vv = (t.clone().requires_grad_() for t in (qq, kk, vv))
@@ -310,5 +308,14 @@ def test_negative_control_stock_sdpa_grads_of_a_sample_alone_vs_in_the_packed_ba
     batched = grads(q, k, v, q_pos, kv_len, d_out)
     alone = grads(q[i:i + 1, :, :n], k[i:i + 1, :, :n], v[i:i + 1, :, :n], q_pos[i:i + 1, :n],
                   kv_len[i:i + 1], d_out[i:i + 1, :, :n])
+    return tuple(a[0] for a in alone), tuple(b[i] for b in batched)
+
+
+def test_negative_control_stock_sdpa_grads_of_a_sample_alone_vs_in_the_packed_batch():
+    """Negative control for the alone-vs-batch grad test: torch SDPA autograd (same packed inputs)
+    gives different dQ/dK/dV bytes for the 66-token sample alone (exact length) vs in the batch."""
+    q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack(ATTN_LENGTHS, seed=76)
+    alone, batched = stock_sdpa_grads_alone_and_batched(q, k, v, q_pos, kv_len,
+                                                        randn(*q.shape, seed=77), 2)
     for a, b in zip(alone, batched):
-        assert_stock_differs(a[0], b[i])
+        assert_stock_differs(a, b)

@@ -60,6 +60,48 @@ def test_log_softmax_and_token_logprobs_entropy_vs_float64():
         log_softmax(randn(2, 12, seed=0), 1.0)  # 12 % 8 shards
 
 
+
+def _quotient_oracle(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = logits / T as the correctly rounded fp32 quotient of fp32 logits and fp32(T): the
+    float64 quotient of two fp32 values rounded once to fp32 (exact: 53 >= 2·24 + 2 bits, so the
+    double rounding is innocuous)."""
+    t32 = float(torch.tensor(temperature, dtype=torch.float32))
+    return (logits.double() / t32).float()
+
+
+@pytest.mark.parametrize("live", [None, 3001])
+def test_temperature_is_the_correctly_rounded_fp32_quotient_logits_over_t(live):
+    """DESIGN.md §1: temperature is applied as `logits / T` in fp32. For T in {0.7, 0.6, 1.3}:
+    log_softmax(logits, T) == log_softmax(z, 1.0), token_logprobs_entropy(logits, y, T) ==
+    token_logprobs_entropy(z, y, 1.0) and the fused linear_token_logprobs_entropy(h, w, y, T) ==
+    token_logprobs_entropy(z(h·wᵀ), y, 1.0), all bitwise, where z is the correctly rounded
+    quotient (`_quotient_oracle`) and T = 1.0 divides exactly; also with a padded vocabulary.
+    (Trainer/rollout agreement and the float64 tolerance tests hold for any consistent scaling,
+    e.g. multiplying by 1/T; this pins the spec's operation.)"""
+    N, H, V = 32, 24, 4096
+    logits = randn(N, V, seed=156, scale=4)
+    tgt = torch.randint(0, V if live is None else live, (N,), generator=gen(157))
+    h, w = randn(N, H, seed=158), randn(V, H, seed=159, scale=0.5)
+    for T in (0.7, 0.6, 1.3):
+        z = _quotient_oracle(logits, T)
+        assert_bitwise(log_softmax(logits, T, live_vocab=live), log_softmax(z, 1.0, live_vocab=live))
+        for a, b in zip(token_logprobs_entropy(logits, tgt, T, live_vocab=live),
+                        token_logprobs_entropy(z, tgt, 1.0, live_vocab=live)):
+            assert_bitwise(a, b)
+        zf = _quotient_oracle(linear_nt(h, w), T)
+        for a, b in zip(linear_token_logprobs_entropy(h, w, tgt, T, live_vocab=live),
+                        token_logprobs_entropy(zf, tgt, 1.0, live_vocab=live)):
+            assert_bitwise(a.detach(), b)
+
+
+def test_negative_control_reciprocal_temperature_changes_log_softmax_bits():
+    """Negative control: z = logits · fp32(1/T) (what torch's CUDA `x / scalar` computes) gives
+    other log-softmax bytes than logits / T for these inputs, so the test above can tell them."""
+    logits = randn(32, 4096, seed=156, scale=4)
+    for T in (0.7, 0.6, 1.3):
+        assert_stock_differs(log_softmax(logits * (1.0 / T), 1.0), log_softmax(logits, T))
+
+
 def test_token_logprobs_entropy_backward_vs_float64():
     """d(Σ g_lp·logprob + g_ent·entropy)/dlogits agrees with float64 autograd (<= 1e-5 of max|ref|)."""
     N, V, T = 16, 1024, 0.8

@@ -148,7 +148,7 @@ def test_resume_refuses_inputs_that_changed_naming_the_file(tmp_path, capsys):
     d, model, prompts = _run_with_inputs(tmp_path)
     files = json.loads((d / "manifest.json").read_text())["inputs"]["files"]
     assert set(files) == {str(prompts), str(model / "config.json"),
-                          str(model / "model.safetensors")}
+                          str(model / "model.safetensors"), str(model / "tokenizer.json")}
     assert files[str(prompts)] == hashlib.sha256(prompts.read_bytes()).hexdigest()
     before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
     capsys.readouterr()
@@ -221,7 +221,9 @@ def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrup
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (f"rlk run: resuming {d} from checkpoints/step-000001 at step 2/3 (evidence "
                       "step 1; the 1 step(s) before it are kept)")
-    assert [ln.split("  ")[0] for ln in err[1:]] == ["step 2/3", "step 3/3"]
+    # Then the start-up lines and the closing summary (runner/watch.py); the progress lines:
+    assert [ln.split("  ")[0] for ln in err[1:] if ln.startswith("step ")] == ["step 2/3",
+                                                                             "step 3/3"]
     for f in ("model.safetensors", "rlk_weights.json"):
         assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
     assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no staging left

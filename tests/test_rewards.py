@@ -146,7 +146,8 @@ def test_a_failing_reward_stops_the_run_with_one_line(rewards_file, tmp_path, ca
     d = tmp_path / "run"
     assert main(["run", *SMALL, "--steps", "1", "--reward", f"{rewards_file}:boom",
                  "--run-dir", str(d)]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    # The start-up lines (model, ranks, ...) come first; the failure is one error line.
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if " error: " in ln]
     assert err == [f"rlk run: error: reward {rewards_file}:boom raised KeyError: 'no such "
                    f"rubric' on sample 0 (completion {err[0].split('(completion ')[1]}"]
     assert not d.exists()

@@ -55,7 +55,8 @@ def baseline():
     return single_process(JOB)
 
 
-CI_SUBSET = [(2, 1, True), (1, 2, False), (2, 2, True), (4, 2, True)]
+# (2, 1, False): the non-SP TP all-reduces (mutation testing found them uncovered without it).
+CI_SUBSET = [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 2, True)]
 FULL = [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 1, True), (1, 4, False),
         (4, 2, True), (2, 4, False), (8, 1, True), (1, 1, False)]
 

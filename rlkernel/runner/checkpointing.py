@@ -47,7 +47,8 @@ class Checkpoint:
     path: pathlib.Path
 
 
-def _fsync_dir(d: pathlib.Path) -> None:
+def fsync_dir(d: pathlib.Path) -> None:
+    """Make a rename or a new file in directory `d` durable (fsync of the directory)."""
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -76,11 +77,11 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 

@@ -29,12 +29,14 @@ import pathlib
 import shutil
 import time
 from dataclasses import dataclass
+
 import torch
 
 from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_model_config,
                                        save_checkpoint)
 from rlkernel.model.config import Qwen3Config, param_shapes, tiny
-from rlkernel.runner.checkpointing import ResumeError, checkpoint_dirs, read_checkpoint
+from rlkernel.runner.checkpointing import (ResumeError, checkpoint_dirs, fsync_dir,
+                                          read_checkpoint)
 from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
 
 FINAL_DIR = "final"
@@ -52,14 +54,6 @@ class ExportError(ValueError):
 
 class ExportUsageError(ExportError):
     """A bad `rlk export` argument (run directory, --step, --out): exit 2."""
-
-
-def _fsync_dir(d: pathlib.Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_final_weights(run_dir: str | os.PathLike, cfg: Qwen3Config,
@@ -83,7 +77,7 @@ def save_final_weights(run_dir: str | os.PathLike, cfg: Qwen3Config,
         old = run_dir / f".{FINAL_DIR}.old-{os.getpid()}"
         os.rename(final, old)
     os.rename(staging, final)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
