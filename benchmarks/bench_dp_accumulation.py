@@ -159,18 +159,29 @@ def bench_steps(repeats: int) -> list[dict]:
 
 
 def bench_memory() -> dict:
-    from rlkernel.model.config import param_shapes, qwen3_0_6b, tiny
+    """Accumulator bytes per rank for the presets: N_COLS int64 per element of the parameters a
+    rank holds (its TP shard: params / TP), for the whole mini-batch, next to 4-byte fp32 grads,
+    ZeRO-1's optimizer state (12 bytes / DP) and bf16 weights (2 bytes)."""
+    from rlkernel.model.config import param_shapes, qwen3_0_6b, qwen3_1_7b, qwen3_8b, tiny
 
     per_elem = fx.N_COLS * 8
     out = {"accumulator_bytes_per_element": per_elem, "fp32_grad_bytes_per_element": 4,
            "bins_bytes_per_chunk_element": 8 * 16, "chunk_elements": "<= 2**22 values"}
-    for name, cfg in (("tiny", tiny()), ("qwen3-0.6b", qwen3_0_6b())):
+    gib = 2 ** 30
+    for name, cfg in (("tiny", tiny()), ("qwen3-0.6b", qwen3_0_6b()),
+                      ("qwen3-1.7b", qwen3_1_7b()), ("qwen3-8b", qwen3_8b())):
         n = sum(torch.Size(s).numel() for s in param_shapes(cfg).values())
-        out[name] = {"params": n, "accumulators_GiB": n * per_elem / 2**30,
-                     "fp32_grads_GiB": n * 4 / 2**30}
-        print(f"{name}: {n:,} parameters -> sink accumulators {n * per_elem / 2**30:.3f} GiB "
-              f"per rank (fp32 grads: {n * 4 / 2**30:.3f} GiB), i.e. +{per_elem - 4} bytes per "
-              "element while a mini-batch accumulates", flush=True)
+        row = {"params": n}
+        for tp in (1, 8):
+            row[f"tp{tp}_accumulators_GiB"] = n / tp * per_elem / gib
+            row[f"tp{tp}_fp32_grads_GiB"] = n / tp * 4 / gib
+        row["dp8_tp1_zero1_optimizer_GiB"] = n * 12 / 8 / gib
+        out[name] = row
+        print(f"{name}: {n:,} parameters -> exact accumulators per rank {row['tp1_accumulators_GiB']:.1f}"
+              f" GiB at TP1, {row['tp8_accumulators_GiB']:.1f} GiB at TP8 (fp32 grads: "
+              f"{row['tp1_fp32_grads_GiB']:.1f} / {row['tp8_fp32_grads_GiB']:.2f} GiB; ZeRO-1 "
+              f"optimizer state at DP8 TP1: {row['dp8_tp1_zero1_optimizer_GiB']:.1f} GiB)",
+              flush=True)
     return out
 
 

@@ -172,6 +172,28 @@ def test_token_dw_equals_cp_ranks_adding_their_leaves_exactly(tm):
     assert _rel(full, dy.double().t() @ x.double()) < 1e-6
 
 
+def test_fixedpoint_on_cuda_equals_cpu_bytes_and_ignores_order():
+    """numerics/fixedpoint on CUDA tensors: the exact sum rounded once is the CPU's bytes (it
+    depends on the multiset of values only), for rows in any order and for two accumulators
+    added, with values over many binades, ±0 and an Inf column. Negative control: torch.sum on
+    CUDA of the same rows reversed changes bytes."""
+    from rlkernel.numerics import fixedpoint as fx
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4096, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (4096, 64),
+                                                                      generator=g).float())
+    x[:, 0] = 0.0
+    x[7, 1] = float("inf")
+    want = fx.exact_sum_fp32(x)
+    xc = x.to(DEV)
+    assert _same(fx.exact_sum_fp32(xc).cpu(), want)
+    assert _same(fx.exact_sum_fp32(xc.flip(0)).cpu(), want)
+    a = fx.accumulate_(fx.zeros((64,), DEV), xc[:1000])
+    b = fx.accumulate_(fx.zeros((64,), DEV), xc[1000:])
+    assert a.is_cuda and _same(fx.round_fp32(a + b).cpu(), want)
+    y = torch.randn(4096, 64, device=DEV, generator=_gen(12))
+    assert not _same(y.sum(0), y.flip(0).sum(0))
+
+
 # ---------------------------------------------------------------------------------- attention
 def _attn_inputs(dtype, s_=3, hq=8, hkv=2, t=300, d=128, seed=10):
     g = _gen(seed)

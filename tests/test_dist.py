@@ -617,11 +617,15 @@ def test_rlk_run_refuses_tp_that_splits_kv_heads(capsys, cwd, tmp_path):
     assert list(cwd.iterdir()) == []
 
 
-def test_rlk_run_refuses_world_size_that_is_not_tp_times_cp(capsys, cwd, monkeypatch):
+def test_rlk_run_refuses_world_size_that_is_not_dp_times_tp_times_cp(capsys, cwd, monkeypatch):
+    """Under torchrun, WORLD_SIZE must be DP × TP × CP: 6 processes for --tp 2 --cp 4 (8), and
+    for --dp 2 --tp 2 (4), are refused before anything is written, naming every factor."""
     for k, v in dict(RANK="0", WORLD_SIZE="6", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(k, v)
     code, err = _rlk_run(capsys, "--tp", "2", "--cp", "4")
-    assert code == 2 and "WORLD_SIZE=6 but --tp 2 × --cp 4 = 8" in err
+    assert code == 2 and "WORLD_SIZE=6 but --dp 1 × --tp 2 × --cp 4 = 8" in err
+    code, err = _rlk_run(capsys, "--dp", "2", "--tp", "2")
+    assert code == 2 and "WORLD_SIZE=6 but --dp 2 × --tp 2 × --cp 1 = 4" in err
     assert list(cwd.iterdir()) == []
 
 

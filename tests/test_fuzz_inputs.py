@@ -323,7 +323,7 @@ def test_rlk_run_flags_fuzzed(pairs, switches):
     (["--cp", "16"], "--cp 16: must divide virtual_cp=8"),
     (["--sp"], "--sp (with --tp 1)"),
     (["--rollout-tp", "4"], "--rollout-tp 4 × --rollout-cp 1 = 4 must divide the training world"),
-    (["--tp", "2", "--rollout-tp", "8"], "must divide the training world --tp 2"),
+    (["--tp", "2", "--rollout-tp", "8"], "must divide the training world --dp 1 × --tp 2"),
     (["--rollout-cp", "4"], "--rollout-cp 4 = 4 must divide the training world"),
     (["--micro-batch-tokens", "100"], "--micro-batch-tokens 100: must be >= --max-prompt-len"),
     (["--token-budget", "100"], "--micro-batch-tokens 100: must be >= --max-prompt-len"),
