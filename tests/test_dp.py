@@ -196,6 +196,31 @@ def test_grad_sink_refuses_foreign_tensors_and_mixed_scopes_and_stray_autograd_g
         InvariantOps.sync_grads(policy)
 
 
+def test_grad_sink_finishes_in_buckets_to_the_exact_sums(monkeypatch):
+    """GradSink.finish cuts accumulators into buckets (small tensors share one, large ones are
+    cut, an empty one is skipped): with 7-element buckets each gradient still == the exact sum of
+    what was accumulated (fixedpoint.exact_sum_fp32), bytes, shapes kept, canonical order."""
+    from rlkernel.distributed import tokensum
+    from rlkernel.numerics import fixedpoint as fx
+
+    monkeypatch.setattr(tokensum, "_BUCKET_ROWS", 7)
+    assert tokensum._buckets([("a", 12), ("b", 2), ("c", 0), ("d", 15)]) == [
+        [("a", 0, 7)], [("a", 7, 12), ("b", 0, 2)], [("d", 0, 7)], [("d", 7, 14)], [("d", 14, 15)]]
+    params = {"a": torch.zeros(3, 4), "b": torch.zeros(2), "c": torch.zeros(0, 4),
+              "d": torch.zeros(5, 3)}
+    sink = tokensum.GradSink.single()
+    sink.begin(params)
+    g = torch.Generator().manual_seed(0)
+    want = {}
+    for n, p in params.items():
+        x = torch.randn(9, *p.shape, generator=g)
+        fx.accumulate_(sink.accumulator(p, "dp_cp"), x)
+        want[n] = fx.exact_sum_fp32(x)
+    got = sink.finish()
+    assert list(got) == list(params)
+    assert all(torch.equal(got[n].view(torch.int32), want[n].view(torch.int32)) for n in params)
+
+
 # ---------------------------------------------------------------------------------------------
 # `rlk run` end to end: evidence, compare, resume
 

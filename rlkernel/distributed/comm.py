@@ -115,16 +115,19 @@ class Comm:
         """
         return tree_combine(self.all_gather(partial, op))
 
-    def sum_ints(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
         """Elementwise SUM of an int64 tensor over the group, identical on every rank; exact in
-        any order (the caller keeps values far from int64 overflow). Returns a new tensor
-        (`t` itself in a one-rank group). Raises TypeError for other dtypes."""
+        any order (the caller keeps values far from int64 overflow). Returns a new tensor, or
+        with `inplace` (t contiguous) t itself, overwritten; `t` itself in a one-rank group.
+        Raises TypeError for other dtypes, ValueError for a non-contiguous `inplace` tensor."""
         if t.dtype != torch.int64:
             raise TypeError(f"sum_ints({op!r}) expects int64, got {t.dtype}")
+        if inplace and not t.is_contiguous():
+            raise ValueError(f"sum_ints({op!r}, inplace=True) needs a contiguous tensor")
         self._validate(op, t)
         if self.size == 1:
             return t
-        out = t.contiguous().clone()
+        out = t if inplace else t.contiguous().clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 

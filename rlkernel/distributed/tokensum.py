@@ -94,25 +94,62 @@ class GradSink:
     def finish(self) -> dict[str, torch.Tensor]:
         """Close the sink: sum every accumulator over its scope's ranks (integers: exact, any
         order), round each element once. Returns fp32 gradients by name, canonical order;
-        parameters no kernel touched on any rank get zeros. Collective over both scope groups."""
+        parameters no kernel touched on any rank get none. Collective over both scope groups.
+
+        Memory: accumulators are all-reduced in place and freed as they are rounded, in buckets
+        of at most _BUCKET_ROWS elements (small tensors share one, large ones are cut), so the
+        transient beyond the accumulators themselves is a few bucket copies, not a second set."""
         self.open = False
         out: dict[str, torch.Tensor] = {}
         for scope in SCOPES:
+            # Every rank must reduce the same list in the same buckets; the signature check of
+            # each collective catches a rank whose kernels saw another set of weights.
             names = [n for n in self._order if self._scope.get(n) == scope]
-            # Every rank must reduce the same list; the signature check of the collective
-            # catches a rank whose kernels saw another set of weights.
-            if not names:
-                continue
-            flat = torch.cat([self._acc[n].reshape(-1, fx.N_COLS) for n in names])
-            flat = self.groups[scope].sum_ints(flat, f"grad-sink:{scope}")
-            vals = fx.round_fp32(flat)
-            i = 0
             for n in names:
-                k = self._acc[n][..., 0].numel()
-                out[n] = vals[i:i + k].reshape(self._acc[n].shape[:-1])
-                i += k
+                if self._acc[n].numel() == 0:   # e.g. a TP rank that owns no row of it
+                    out[n] = torch.zeros(self._acc[n].shape[:-1], device=self._acc[n].device)
+            for bucket in _buckets([(n, self._acc[n][..., 0].numel()) for n in names]):
+                self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
         self._acc = {}
-        return out
+        return {n: out[n] for n in self._order if n in out}
+
+    def _finish_bucket(self, bucket: list[tuple[str, int, int]], comm: Comm, op: str,
+                       out: dict[str, torch.Tensor]) -> None:
+        """All-reduce and round one bucket of (name, first element, end) accumulator slices."""
+        flats = [self._acc[n].view(-1, fx.N_COLS)[a:b] for n, a, b in bucket]
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        vals = fx.round_fp32(comm.sum_ints(flat, op, inplace=True))
+        i = 0
+        for n, a, b in bucket:
+            acc = self._acc[n]
+            if n not in out:
+                out[n] = torch.empty(acc.shape[:-1], dtype=torch.float32, device=acc.device)
+            out[n].view(-1)[a:b] = vals[i:i + b - a]
+            i += b - a
+            if b == acc[..., 0].numel():
+                del self._acc[n]     # fully rounded: free it before the next bucket
+
+
+_BUCKET_ROWS = 1 << 21
+"""Accumulator elements per finishing all-reduce (218 MB of int64 digits)."""
+
+
+def _buckets(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:
+    """Cut tensors of `sizes` (name, elements), in order, into buckets of at most _BUCKET_ROWS
+    elements: (name, first element, end) slices; a tensor larger than a bucket is cut."""
+    out: list[list[tuple[str, int, int]]] = [[]]
+    room = _BUCKET_ROWS
+    for name, n in sizes:
+        a = 0
+        while a < n:
+            if room == 0:
+                out.append([])
+                room = _BUCKET_ROWS
+            b = min(n, a + room)
+            out[-1].append((name, a, b))
+            room -= b - a
+            a = b
+    return [b for b in out if b]
 
 
 @dataclass(frozen=True)
