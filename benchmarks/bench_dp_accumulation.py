@@ -5,13 +5,16 @@ Three measurements, each printed and (with --out) written as JSON:
    (`dy.t() @ x`, what native mode's autograd runs), our leaf partials alone (16 tokens per leaf,
    sequential fp32), and partials + the exact fixed-point accumulation + the one rounding — the
    whole canonical token reduction. Median of repeats.
-2. A training step's gradients of the tiny model at DP1 and DP2 (gloo processes):
-   compute_gradients in --mode invariant (every gradient into the GradSink, integer all-reduce
-   over DP at the end) vs --mode native (fp32 autograd accumulation, SUM all-reduce over DP), and
-   the gradient reduction alone (sink finish vs native sync_grads), median per rank-0 step.
+2. A training step's gradients of the tiny model at DP1 and DP2 (gloo processes), whole-step
+   and 72-token microbatches (one sample each): compute_gradients in --mode invariant (every
+   gradient into the GradSink, integer all-reduce over DP at the end) vs --mode native (fp32
+   autograd accumulation, SUM all-reduce over DP); the time inside the exact accumulator
+   (fixedpoint.accumulate_ + round_fp32) within the invariant step; and the end-of-mini-batch
+   reduction alone (sink finish vs native sync_grads), medians of rank 0.
 3. Memory of the canonical order: the sink's accumulators are fixedpoint.N_COLS int64 per
    parameter element (vs 4 bytes of an fp32 .grad), held for a mini-batch; accumulate_'s
-   transient float64 bins per chunk; and what that is for the tiny model and Qwen3-0.6B.
+   transient float64 bins per chunk; and what that is per rank for the qwen3 presets (0.6b, 1.7b,
+   8b) at TP1 and TP8.
 
 Run (repository root, CPU): PYTHONPATH=. .venv/bin/python benchmarks/bench_dp_accumulation.py
 [--out FILE.json] [--repeats N]. On a shared 2-core machine expect ±20% between runs.
@@ -85,7 +88,7 @@ def _batch():
     return out
 
 
-def _step_rank(rank: int, mode: str, dp: int, repeats: int, out: str) -> None:
+def _step_rank(rank: int, mode: str, dp: int, micro: int, repeats: int, out: str) -> None:
     """One rank: `repeats` timed compute_gradients on the same batch; the reduction timed apart."""
     import torch.distributed as dist
 
@@ -117,19 +120,39 @@ def _step_rank(rank: int, mode: str, dp: int, repeats: int, out: str) -> None:
         real_sync(model)
         sync_s.append(time.perf_counter() - t0)
     ops.sync_grads = staticmethod(timed_sync)
+    # Time spent inside the exact accumulator (fixedpoint.accumulate_ and round_fp32; callers
+    # reach them through the module, so wrapping the module attributes sees every call).
+    exact = [0.0]
+    real_acc, real_round = fx.accumulate_, fx.round_fp32
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                exact[0] += time.perf_counter() - t0
+        return wrapper
+    fx.accumulate_, fx.round_fp32 = timed(real_acc), timed(real_round)
     samples = _batch()
-    step_s = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        compute_gradients(policy, ref, samples, temperature=0.7,
-                          coefs=LossCoefs(0.2, 0.05, 0.01, "k3"), micro_batch_tokens=4096,
-                          pad_id=257, exp=invariant_exp if mode == "invariant" else torch.exp)
-        step_s.append(time.perf_counter() - t0)
-    ops.sync_grads = staticmethod(real_sync)
+    step_s, exact_s = [], []
+    try:
+        for _ in range(repeats + 1):
+            exact[0] = 0.0
+            t0 = time.perf_counter()
+            compute_gradients(policy, ref, samples, temperature=0.7,
+                              coefs=LossCoefs(0.2, 0.05, 0.01, "k3"), micro_batch_tokens=micro,
+                              pad_id=257, exp=invariant_exp if mode == "invariant" else torch.exp)
+            step_s.append(time.perf_counter() - t0)
+            exact_s.append(exact[0])
+    finally:
+        ops.sync_grads = staticmethod(real_sync)
+        fx.accumulate_, fx.round_fp32 = real_acc, real_round
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump({"step_s": statistics.median(step_s[1:]),
-                         "sync_s": statistics.median(sync_s[1:])}, f)
+                         "sync_s": statistics.median(sync_s[1:]),
+                         "exact_s": statistics.median(exact_s[1:])}, f)
 
 
 def bench_steps(repeats: int) -> list[dict]:
@@ -137,24 +160,28 @@ def bench_steps(repeats: int) -> list[dict]:
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        for dp in (1, 2):
+        for dp, micro in ((1, 4096), (2, 4096), (1, 72)):
             got = {}
             for mode in ("invariant", "native"):
-                path = os.path.join(d, f"{mode}-{dp}.pkl")
-                launch(_step_rank, (mode, dp, repeats, path), world_size=dp, timeout_s=900)
+                path = os.path.join(d, f"{mode}-{dp}-{micro}.pkl")
+                launch(_step_rank, (mode, dp, micro, repeats, path), world_size=dp,
+                       timeout_s=900)
                 with open(path, "rb") as f:
                     got[mode] = pickle.load(f)
-            row = {"dp": dp, "invariant_step_s": got["invariant"]["step_s"],
-                   "native_step_s": got["native"]["step_s"],
-                   "invariant_reduce_s": got["invariant"]["sync_s"],
-                   "native_reduce_s": got["native"]["sync_s"]}
+            inv, nat = got["invariant"], got["native"]
+            row = {"dp": dp, "micro_batch_tokens": micro, "invariant_step_s": inv["step_s"],
+                   "native_step_s": nat["step_s"], "invariant_exact_s": inv["exact_s"],
+                   "invariant_reduce_s": inv["sync_s"], "native_reduce_s": nat["sync_s"]}
             row["step_ratio"] = row["invariant_step_s"] / row["native_step_s"]
+            row["exact_share"] = row["invariant_exact_s"] / row["invariant_step_s"]
             rows.append(row)
-            print(f"tiny model, 16 samples, DP{dp}: compute_gradients invariant "
-                  f"{row['invariant_step_s']:.2f} s vs native {row['native_step_s']:.2f} s "
-                  f"(x{row['step_ratio']:.1f}); gradient reduction: sink finish (exact, int64 "
-                  f"all-reduce, rounding) {1e3 * row['invariant_reduce_s']:.1f} ms vs native SUM "
-                  f"all-reduce {1e3 * row['native_reduce_s']:.1f} ms", flush=True)
+            print(f"tiny model, 16 samples, DP{dp}, --micro-batch-tokens {micro}: "
+                  f"compute_gradients invariant {row['invariant_step_s']:.2f} s (of which exact "
+                  f"accumulation + rounding {row['invariant_exact_s']:.2f} s = "
+                  f"{100 * row['exact_share']:.0f}%) vs native {row['native_step_s']:.2f} s "
+                  f"(x{row['step_ratio']:.1f}); end-of-mini-batch gradient reduction: sink finish "
+                  f"(int64 all-reduce + rounding) {1e3 * row['invariant_reduce_s']:.1f} ms vs "
+                  f"native SUM all-reduce {1e3 * row['native_reduce_s']:.1f} ms", flush=True)
     return rows
 
 
