@@ -21,6 +21,7 @@ from rlkernel.model import checkpoint as ckpt
 from rlkernel.model.checkpoint import (CheckpointError, init_model, init_weights, load_checkpoint,
                                        save_checkpoint)
 from rlkernel.model.config import param_shapes, tiny
+from rlkernel.weights import hashing
 from rlkernel.weights.hashing import compare_hashes, state_hashes, tensor_hash, version_hash
 
 EMB, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -52,11 +53,37 @@ def write_raw(d: Path, cfg_dict: dict, tensors: dict[str, torch.Tensor]) -> Path
 # hashing
 
 
+def _documented_hash(t: torch.Tensor, dtype: bytes, shape: bytes, chunk: int) -> str:
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    digests = b"".join(hashlib.sha256(raw[a:a + chunk]).digest() for a in range(0, len(raw), chunk))
+    return hashlib.sha256(b"rlk-tensor-v2\0" + dtype + b"\0" + shape + b"\0"
+                          + str(chunk).encode() + b"\0" + digests).hexdigest()
+
+
 def test_tensor_hash_is_the_documented_sha256():
     t = torch.tensor([[1.0, -0.0, 2.5]], dtype=torch.bfloat16)
-    raw = t.view(torch.int16).numpy().tobytes()
-    want = hashlib.sha256(b"rlk-tensor-v1\0" + b"bfloat16\0" + b"1,3\0" + raw).hexdigest()
-    assert tensor_hash(t) == want
+    assert tensor_hash(t) == _documented_hash(t, b"bfloat16", b"1,3", hashing.HASH_CHUNK_BYTES)
+    empty = torch.zeros(0, 4)
+    assert tensor_hash(empty) == hashlib.sha256(b"rlk-tensor-v2\0float32\0" b"0,4\0"
+                                                + str(hashing.HASH_CHUNK_BYTES).encode()
+                                                + b"\0").hexdigest()
+
+
+@pytest.mark.parametrize("chunk", [2, 6, 7, 64])
+def test_tensor_hash_chunks_cover_every_byte_once(monkeypatch, chunk):
+    """Chunk boundaries inside and between elements, a short last chunk, one chunk: the hash is
+    the documented two-level SHA-256, state_hashes (chunks on a thread pool) agrees with it, and a
+    flipped bit in the last byte of any chunk changes it (no byte skipped at a boundary)."""
+    monkeypatch.setattr(hashing, "HASH_CHUNK_BYTES", chunk)
+    t = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))   # 60 bytes
+    h = tensor_hash(t)
+    assert h == _documented_hash(t, b"float32", b"5,3", chunk)
+    many = {"a": t, "b": t.to(torch.bfloat16), "c": torch.arange(7, dtype=torch.int8)}
+    assert hashing.state_hashes(many) == {n: tensor_hash(x) for n, x in many.items()}
+    for end in range(chunk, 61, chunk):
+        flipped = t.clone()
+        flipped.reshape(-1).view(torch.uint8)[end - 1] ^= 1
+        assert tensor_hash(flipped) != h
 
 
 def test_tensor_hash_stable_across_copies_layouts_and_calls():

@@ -234,9 +234,12 @@ class Qwen3ForCausalLM(nn.Module):
             p.copy_(masters[name].to(self.param_dtype).to(torch.float32))
 
     @torch.no_grad()
-    def export_tensors(self, as_held: bool = False) -> dict[str, torch.Tensor]:
-        """Logical weights in param_dtype on the CPU, reassembled from every TP rank's shard; a
-        tensor replicated across TP ranks (norms, shared KV heads) from its first holder.
+    def export_tensors(self, as_held: bool = False,
+                       on_device: bool = False) -> dict[str, torch.Tensor]:
+        """Logical weights in param_dtype (copies this model does not share), reassembled from
+        every TP rank's shard; a tensor replicated across TP ranks (norms, shared KV heads) from
+        its first holder. On the CPU, or with `on_device` on the model's device (the weight sync:
+        no round trip through host memory).
 
         With `as_held`, the weights exactly as this rank computes with them (the rollout audit):
         replicated tensors from this rank's own copy, and a tensor holding a value param_dtype
@@ -257,7 +260,7 @@ class Qwen3ForCausalLM(nn.Module):
             # the forward computes with it: only an exact conversion may stand for the tensor.
             if as_held and not same_bytes(t.to(held.dtype), held):
                 t = held
-            out[n] = t.cpu().clone()
+            out[n] = t.clone() if on_device else t.cpu().clone()
         return out
 
     def lm_head_weight(self) -> torch.Tensor:

@@ -77,9 +77,9 @@ class RolloutEngine:
     def exported_weights(self) -> dict[str, torch.Tensor]:
         """The logical tensors this rank's engine now computes with (for the weight audit):
         reassembled from every rollout-TP rank's shard, replicated tensors from this rank's own
-        copy, in param_dtype unless a value needs more (Qwen3's export_tensors). Collective over
-        the rollout-TP group."""
-        return self.model.export_tensors(as_held=True)
+        copy, in param_dtype unless a value needs more (Qwen3's export_tensors), on the engine's
+        device. Collective over the rollout-TP group."""
+        return self.model.export_tensors(as_held=True, on_device=True)
 
     def held_weights(self) -> dict[str, torch.Tensor]:
         """This rank's own parameters by logical name: the very tensors its forward reads (its

@@ -299,7 +299,7 @@ class EvidenceWriter:
         reward_mean, loss, pg_loss, kl, entropy, clip_frac, lr, weight_audit {"ok", "problems"},
         timings {"rollout_s", "train_s", "export_audit_s", "step_s", "sync" (rank 0's split of
         export_audit_s: trainer_export_s, trainer_hash_s, copy_load_s, engine_export_s,
-        engine_hash_s, check_s)}, resources
+        engine_check_s, check_s)}, resources
         {"peak_gpu_mem_gib"}; with several optimizer updates per step, updates [one record per
         update, train/ppo.py Update.record].
         `rlk compare` compares every key except timings and resources, so anything

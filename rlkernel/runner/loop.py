@@ -294,7 +294,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
 
     def audit_sync(tamper=None, load=None, previous=None):
         t0 = time.perf_counter()
-        exported = policy.export_tensors()
+        exported = policy.export_tensors(on_device=True)
         export_s = time.perf_counter() - t0
         a = sync_weights(exported, engine, tamper, load, previous)
         problems = comms.world.all_gather_object(list(a.problems), "audit-problems")

@@ -21,8 +21,23 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 # Bumped if the byte layout hashed below ever changes, so old and new hashes can never match.
-_TENSOR_HASH_DOMAIN = b"rlk-tensor-v1\0"
+_TENSOR_HASH_DOMAIN = b"rlk-tensor-v2\0"
+HASH_CHUNK_BYTES = 8 << 20
+"""A tensor's bytes are digested in chunks of this many bytes (the last may be shorter), so one
+large tensor (an embedding) hashes on many cores and a GPU tensor streams to the host in pieces."""
 _HASH_THREADS = max(1, min(32, os.cpu_count() or 1))
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a flat uint8 tensor of its row-major bytes, on t's device (a contiguous copy only
+    when t is not contiguous). Raises ValueError for sparse or quantized tensors."""
+    if t.layout != torch.strided or t.is_quantized:
+        raise ValueError(f"tensor_hash: only dense (strided) tensors can be hashed, got layout "
+                         f"{t.layout} {'(quantized)' if t.is_quantized else ''}".rstrip())
+    # resolve_conj/resolve_neg: lazily conjugated/negated views must hash as what they read as.
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    # reshape(-1) makes 0-d tensors 1-d so the uint8 view is legal; no copy for contiguous input.
+    return t.reshape(-1).view(torch.uint8)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -32,15 +47,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     (`Tensor.view(torch.uint8)`), never converted through a float type. Raises ValueError for
     sparse, quantized or other non-strided tensors, which have no single byte layout.
     """
-    if t.layout != torch.strided or t.is_quantized:
-        raise ValueError(f"tensor_hash: only dense (strided) tensors can be hashed, got layout "
-                         f"{t.layout} {'(quantized)' if t.is_quantized else ''}".rstrip())
-    t = t.detach()
-    # resolve_conj/resolve_neg: lazily conjugated/negated views must hash as what they read as.
-    t = t.resolve_conj().resolve_neg().to("cpu").contiguous()
-    # reshape(-1) makes 0-d tensors 1-d so the uint8 view is legal; no copy for contiguous input.
-    flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(_flat_bytes(t).cpu().numpy()).cast("B")
 
 
 # Integer dtypes of each element size: a same-size view compares bit patterns, never float values.
@@ -65,13 +72,34 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(bits), b.view(bits))
 
 
+def _header(t: torch.Tensor) -> bytes:
+    return (_TENSOR_HASH_DOMAIN + str(t.dtype).removeprefix("torch.").encode() + b"\0"
+            + ",".join(str(s) for s in t.shape).encode() + b"\0"
+            + str(HASH_CHUNK_BYTES).encode() + b"\0")
+
+
+def _chunk_spans(n_bytes: int) -> list[tuple[int, int]]:
+    return [(a, min(a + HASH_CHUNK_BYTES, n_bytes)) for a in range(0, n_bytes, HASH_CHUNK_BYTES)]
+
+
+def _chunk_digest(flat: torch.Tensor, span: tuple[int, int]) -> bytes:
+    """SHA-256 of flat[a:b] (uint8), copied to the host first when it lives on a GPU."""
+    piece = flat[span[0]:span[1]]
+    if piece.device.type != "cpu":
+        piece = piece.cpu()
+    return hashlib.sha256(memoryview(piece.numpy()).cast("B")).digest()
+
+
 def tensor_hash(t: torch.Tensor) -> str:
     """Hex SHA-256 of one tensor: equal iff dtype, shape and every byte are equal.
 
-    Hashed input, in order:
-      b"rlk-tensor-v1\\0", the dtype name without "torch." (e.g. b"bfloat16") + b"\\0",
-      the shape as decimal sizes joined by "," (b"" for a 0-d tensor) + b"\\0",
-      then the raw element bytes in row-major order (see `tensor_bytes`).
+    Definition (a two-level SHA-256, so chunks can be digested in parallel):
+      chunk digests: the raw element bytes in row-major order (see `tensor_bytes`) cut into
+        chunks of HASH_CHUNK_BYTES (8 MiB; the last may be shorter; none for an empty tensor),
+        each digested with SHA-256 (32 raw bytes);
+      tensor hash: SHA-256 of b"rlk-tensor-v2\\0", the dtype name without "torch."
+        (e.g. b"bfloat16") + b"\\0", the shape as decimal sizes joined by "," (b"" for a 0-d
+        tensor) + b"\\0", the chunk size in decimal + b"\\0", then the chunk digests in order.
     The header makes a dtype or shape change (same bytes, e.g. a bf16 tensor viewed as int16, or
     a reshape) change the hash. Device, strides, requires_grad and storage offset do not count.
 
@@ -79,29 +107,34 @@ def tensor_hash(t: torch.Tensor) -> str:
     Returns: 64 lowercase hex characters.
     Raises: ValueError for sparse or quantized tensors.
     """
-    data = tensor_bytes(t)
-    h = hashlib.sha256(_TENSOR_HASH_DOMAIN)
-    h.update(str(t.dtype).removeprefix("torch.").encode() + b"\0")
-    h.update(",".join(str(s) for s in t.shape).encode() + b"\0")
-    h.update(data)
+    flat = _flat_bytes(t)
+    h = hashlib.sha256(_header(t))
+    for span in _chunk_spans(flat.numel()):
+        h.update(_chunk_digest(flat, span))
     return h.hexdigest()
 
 
 def state_hashes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """`tensor_hash` of every tensor, keeping the dict's (canonical) order.
 
-    Tensors are hashed on a thread pool (hashlib releases the GIL while it digests a buffer), so
-    a model's weights hash at about cores × one core's SHA-256 rate; the results do not depend
-    on the scheduling, each hash being a pure function of its own tensor.
+    Every chunk of every tensor is digested on one thread pool (hashlib releases the GIL while it
+    digests a buffer, and a GPU chunk's copy to the host runs inside its task), so a model's
+    weights hash at about cores × one core's SHA-256 rate whatever the size of its largest
+    tensor; the results do not depend on the scheduling, each digest being a pure function of
+    its own chunk.
     """
-    items = list(tensors.items())
-    if len(items) < 2:
-        return {name: tensor_hash(t) for name, t in items}
-    # Largest first: the biggest tensor (an embedding) bounds the wall time, so start it early.
-    order = sorted(range(len(items)), key=lambda i: -items[i][1].numel() * items[i][1].element_size())
-    with ThreadPoolExecutor(max_workers=min(len(items), _HASH_THREADS)) as pool:
-        digests = dict(zip(order, pool.map(lambda i: tensor_hash(items[i][1]), order)))
-    return {items[i][0]: digests[i] for i in range(len(items))}
+    flats = {name: _flat_bytes(t) for name, t in tensors.items()}
+    tasks = [(name, span) for name, flat in flats.items() for span in _chunk_spans(flat.numel())]
+    if len(tasks) < 2:
+        digests = [_chunk_digest(flats[n], span) for n, span in tasks]
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(tasks), _HASH_THREADS)) as pool:
+            digests = list(pool.map(lambda task: _chunk_digest(flats[task[0]], task[1]), tasks))
+    per_tensor: dict[str, list[bytes]] = {name: [] for name in tensors}
+    for (name, _), d in zip(tasks, digests):
+        per_tensor[name].append(d)
+    return {name: hashlib.sha256(_header(t) + b"".join(per_tensor[name])).hexdigest()
+            for name, t in tensors.items()}
 
 
 def version_hash(hashes: dict[str, str]) -> str:

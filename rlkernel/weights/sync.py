@@ -1,21 +1,25 @@
 """Weight sync with an audit: export → copy to the rollout engine → load → compare.
 
 After every update the trainer exports its logical weights (parameter dtype); the engine, which
-runs in the trainer's processes, receives its own copy of each tensor (a memory-to-memory copy,
-no serialisation), loads it, and every rank checks, naming each tensor it finds wrong:
+runs in the trainer's processes, receives its own copy of each tensor (a copy on the device the
+weights live on: no serialisation, no trip through host memory), loads it, and every rank checks,
+naming each tensor it finds wrong:
   transit — the received copy has the trainer's dtype, shape and bytes (a byte comparison; a
             differing tensor is hashed on this failure path to name what arrived);
   version — what this rank's engine computes with after the load (its parameters, reassembled
             over rollout TP with this rank's own copy of every replicated tensor, and never
-            rounded into a value they do not hold) hashes to the trainer's per-tensor SHA-256
-            and so to its version, the Merkle root over them; the problem names the version
-            found (and says so when it is the one served before: a load that did not happen);
+            rounded into a value they do not hold) has the trainer's bytes, tensor by tensor, and
+            so the trainer's per-tensor SHA-256 and version (the Merkle root over them). Bytes are
+            compared on the device; a tensor that differs is hashed, so the problem names the
+            version found (and says so when it is the one served before: a load that did not
+            happen);
   reload  — for each tensor the version check flags, whether this rank's own shard is, byte
             for byte, what loading the received copy puts there: names the rank at fault.
-Nothing is silently tolerated. Cost per step: SHA-256 over the logical weights twice (the
-trainer's copy and the engine's, each on a thread pool), one byte comparison of the received
-copy, the export's exactness check (one dtype round trip); the reload check runs only on the
-failure path.
+Nothing is silently tolerated. Cost per step: one SHA-256 pass over the trainer's logical
+weights (8 MiB chunks on a thread pool, weights/hashing.py; the hashes go into the evidence),
+two device copies and two byte comparisons (received copy, engine's read-back), the export's
+exactness check (one dtype round trip); hashing of the engine's tensors and the reload check run
+only on the failure path.
 Does not: move weights between processes (rlkernel/distributed) or decide what to do on failure (loop).
 """
 
@@ -40,7 +44,8 @@ class SyncAudit:
     problems: tuple[str, ...]
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent on this rank: trainer_hash_s, copy_load_s (the transfer and the engine's
-    load), engine_export_s (reading back what the engine holds), engine_hash_s, check_s."""
+    load), engine_export_s (reading back what the engine holds), engine_check_s (its bytes against
+    the trainer's), check_s (the received copy's bytes; the failure path)."""
 
     @property
     def ok(self) -> bool:
@@ -96,8 +101,9 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     # whose copy was bad must make the same calls as its peers (or they would wait for it).
     held = engine.exported_weights()
     clock.lap("engine_export_s")
-    found = state_hashes(held)
-    clock.lap("engine_hash_s")
+    # Equal bytes are equal hashes: only a tensor that differs needs its own SHA-256.
+    found = _received_hashes(held, exported, hashes)
+    clock.lap("engine_check_s")
     if not rejected:
         problems += _version_problems(hashes, version, found, previous)
         # The version check saw this rank's own copy of every tensor, so where it passes every
@@ -128,10 +134,11 @@ _DETAILED = 3  # tensors described in full per problem line; the rest are counte
 
 def _received_hashes(received: dict[str, torch.Tensor], exported: dict[str, torch.Tensor],
                      hashes: dict[str, str]) -> dict[str, str]:
-    """Per-tensor hashes of the received copy (its order): the trainer's hash where the bytes are
-    the trainer's (compared exactly, no hashing), else the received tensor's own SHA-256."""
-    return {n: hashes[n] if n in exported and same_bytes(t, exported[n]) else tensor_hash(t)
-            for n, t in received.items()}
+    """Per-tensor hashes of `received` (the engine's copy or read-back, in its order): the
+    trainer's hash where the bytes are the trainer's (compared exactly, no hashing), else the
+    tensor's own SHA-256."""
+    return {n: hashes[n] if n in exported and same_bytes(t.to(exported[n].device), exported[n])
+            else tensor_hash(t) for n, t in received.items()}
 
 
 def _reload_problems(engine, sent: dict[str, torch.Tensor], version: str) -> list[str]:
