@@ -11,7 +11,7 @@ suggestion. Exit codes: 0 ok, 1 the run or command failed, 2 bad usage (invalid 
 missing input, dirty checkout, occupied run dir, changed inputs on resume), 130 Ctrl-C (one line:
 what was kept and how to resume).
 
-The topology (--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
+The topology (--dp/--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
 torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.py).
 
 Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/distributed/launch.py),
@@ -94,6 +94,9 @@ RUN_FLAG_ALIASES = {
     "lr": ("--learning-rate",),
     "n_samples_per_prompt": ("--num-generations",),
     "temperature": ("--rollout-temperature",),
+    # The name before issue 14, when the microbatch size was part of the canonical spec; it is
+    # a memory knob now, so old command lines keep working and mean the same memory.
+    "micro_batch_tokens": ("--token-budget",),
 }
 
 
@@ -345,7 +348,7 @@ def _check_topology(cfg: RunConfig) -> None:
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
     validate_topology(cfg.tp, cfg.cp, cfg.sp, cfg.rollout_tp, cfg.rollout_cp,
-                      world=launcher_world_size(), **heads)
+                      world=launcher_world_size(), dp=cfg.dp, **heads)
 
 
 def _check_watch(cfg: RunConfig) -> None:
@@ -438,8 +441,9 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
 
 # Settings a resumed run may give again: where (on which ranks) and how it runs, not what it
 # computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
-RESUME_MAY_CHANGE = frozenset({"tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
-                               "steps", "save_every", "allow_dirty", "resume", "tensorboard"})
+RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
+                               "micro_batch_tokens", "steps", "save_every", "allow_dirty",
+                               "resume", "tensorboard"})
 
 
 def _pid_of(tmp: pathlib.Path) -> int | None:

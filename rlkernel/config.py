@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_VOCAB_CHUNK,
-                           MATMUL_ORDER, TOKEN_LEAVES, VIRTUAL_CP, VIRTUAL_TP)
+                           MATMUL_ORDER, TOKEN_LEAF, VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -38,6 +38,13 @@ ON_NONFINITE = ("stop", "skip")
 DEVICES = ("cpu", "cuda")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+TOKEN_REDUCTION = (
+    "every token reduction (weight gradients, norm weights, embedding rows, attention dK/dV) sums "
+    f"the tokens of each leaf of {TOKEN_LEAF} consecutive positions of one sample in position "
+    "order in fp32, adds the leaf partials exactly in fixed point and rounds once to fp32 "
+    "(round-half-even) per mini-batch; so it depends on the samples of the mini-batch and their "
+    "tokens only, not on --micro-batch-tokens, --dp, --tp, --cp, --sp, packing, padding or the "
+    "order samples are added in")
 SEED_LIMIT = 2**63
 FP32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 1e-6
@@ -156,9 +163,10 @@ class RunConfig:
     on_nonfinite: str = "stop"
     """A NaN/Inf in any gradient (never clipped away): stop (record the step, exit 1 naming the
     parameters) or skip (no update on any rank that step, recorded as update_skipped; go on)."""
-    token_budget: int = 4096
-    """Most logical tokens per training microbatch (canonical spec: changing it changes the numbers).
-    Must hold one whole sample: >= max_prompt_len + max_response_len."""
+    micro_batch_tokens: int = 4096
+    """Most logical tokens one training forward/backward holds (a memory knob: the gradients are
+    the same bits for any value). Must hold one whole sample: >= max_prompt_len +
+    max_response_len."""
 
     # ---- numerics
     dtype: str = "bf16"
@@ -167,6 +175,10 @@ class RunConfig:
     """invariant: the canonical kernels and collectives; native: stock torch ops (the baseline)."""
 
     # ---- topology
+    dp: int = 1
+    """Data-parallel replicas (world = dp x tp x cp): each trains on its share of every
+    mini-batch and serves its share of the rollout; a divisor of virtual_dp (8) and of the samples
+    of a mini-batch. Gradients, weights and evidence are the same bits for every such dp."""
     tp: int = 1
     """Trainer tensor-parallel degree; a divisor of virtual_tp (8)."""
     cp: int = 1
@@ -239,8 +251,13 @@ class RunConfig:
 
     @property
     def train_world_size(self) -> int:
-        """Trainer ranks: tp * cp (DP is 1 for now)."""
-        return self.tp * self.cp
+        """Trainer ranks: dp * tp * cp."""
+        return self.dp * self.tp * self.cp
+
+    @property
+    def mini_batch_size(self) -> int:
+        """Samples per optimizer update: samples_per_step / mini_batches."""
+        return self.samples_per_step // self.mini_batches
 
     @property
     def rollout_world_size(self) -> int:
@@ -273,12 +290,13 @@ class RunConfig:
         spec = {
             "virtual_tp": VIRTUAL_TP,
             "virtual_cp": VIRTUAL_CP,
-            "token_budget": self.token_budget,
+            "virtual_dp": VIRTUAL_DP,
             "backend": self.device,
             "matmul": MATMUL_ORDER,
             "attention_kv_block": ATTN_KV_BLOCK,
             "vocab_shards": VIRTUAL_TP,
-            "token_leaves": TOKEN_LEAVES,
+            "token_leaf": TOKEN_LEAF,
+            "token_reduction": TOKEN_REDUCTION,
         }
         if self.device == "cuda":
             spec.update(matmul=f"sequential-K fp32 accumulate, BLOCK_K {CUDA_BLOCK_K}",
@@ -383,7 +401,7 @@ def _validate(c: RunConfig) -> None:
     _check_int(c, "model_seed", 0, SEED_LIMIT)
     _check_int(c, "seed", 0, SEED_LIMIT)
     for f in ("steps", "n_prompts", "n_samples_per_prompt", "max_response_len", "max_prompt_len",
-              "token_budget"):
+              "micro_batch_tokens"):
         _check_int(c, f, 1)
     for f in ("temperature", "clip_eps", "lr", "adam_eps"):
         _check_float(c, f, "pos")
@@ -417,11 +435,12 @@ def _validate(c: RunConfig) -> None:
                           "or leave out --sp")
 
     need = c.max_prompt_len + c.max_response_len
-    if c.token_budget < need:
-        raise _fail("token_budget", c.token_budget,
+    if c.micro_batch_tokens < need:
+        raise _fail("micro_batch_tokens", c.micro_batch_tokens,
                     f"must be >= --max-prompt-len + --max-response-len = {need} "
                     "(one whole sample must fit in one microbatch)")
     _validate_updates(c)
+    _validate_dp(c)
 
 
 SIZE_LIMITS = {"steps": 10**6, "n_prompts": 2**16, "n_samples_per_prompt": 2**12,
@@ -469,6 +488,29 @@ def _validate_updates(c: RunConfig) -> None:
                     f"must be < the run's optimizer updates (--steps {c.steps} x --ppo-epochs "
                     f"{c.ppo_epochs} x --mini-batches {c.mini_batches} = {c.total_updates}), "
                     "or the learning rate never reaches --lr")
+
+
+def _divisors_text(n: int) -> str:
+    """The divisors of n for a message, listed only for sizes a person types."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) if n <= 4096 \
+        else f"a divisor of {n}"
+
+
+def _validate_dp(c: RunConfig) -> None:
+    """--dp: a divisor of virtual_dp and of the samples of every mini-batch."""
+    _check_int(c, "dp", 1)
+    if VIRTUAL_DP % c.dp:
+        raise _fail("dp", c.dp, f"must divide virtual_dp={VIRTUAL_DP}; allowed: "
+                                f"{_divisors_text(VIRTUAL_DP)}")
+    n, m = c.samples_per_step, c.mini_batch_size
+    ok = [d for d in range(1, VIRTUAL_DP + 1) if VIRTUAL_DP % d == 0 and m % d == 0]
+    if m % c.dp:
+        what = (f"the samples per step (--n-prompts {c.n_prompts} x --n-samples-per-prompt "
+                f"{c.n_samples_per_prompt} = {n})" if c.mini_batches == 1 else
+                f"the samples per mini-batch ({n} samples per step / --mini-batches "
+                f"{c.mini_batches} = {m})")
+        raise _fail("dp", c.dp, f"must divide {what}, so every DP replica trains on as many "
+                                f"samples; allowed: {', '.join(map(str, ok))}")
 
 
 # Built-in defaults of --input-key/--label-key: a changed key needs a --prompts file to act on.

@@ -6,9 +6,13 @@ Changing any of them is a different numerical run; all are recorded in every man
 VIRTUAL_TP = 8
 """Every TP-sharded reduction is a fixed binary tree over this many virtual shards."""
 VIRTUAL_CP = 8
-"""Token reductions use trees whose leaf groups any CP dividing this can own whole."""
-TOKEN_LEAVES = 128
-"""Fine token leaves per microbatch stream: 2·VIRTUAL_CP CP leaves × 8 SP sub-leaves."""
+"""CP degrees the contract covers: any CP dividing this (zig-zag segments of whole token leaves)."""
+VIRTUAL_DP = 8
+"""DP degrees the contract covers: any DP dividing this (and the samples of a mini-batch)."""
+TOKEN_LEAF = 16
+"""Tokens per leaf of every token reduction: a leaf is TOKEN_LEAF consecutive tokens of one sample
+(sample-relative positions), summed in order in fp32; leaves are then added exactly
+(numerics/fixedpoint.py), so microbatches, DP/CP/SP ranks and padding cannot change a gradient."""
 ATTN_KV_BLOCK = 16
 """Keys per online-softmax block of attention, at absolute positions."""
 MATMUL_ORDER = "sequential-K fp32"

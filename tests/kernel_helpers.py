@@ -10,7 +10,7 @@ Every invariance test carries a negative control: the stock torch path in the sa
 asserted to *differ* (so the test can fail). Where no failing stock control exists on this CPU
 (AVX512, torch 2.13, 2 threads) the test says so in its docstring instead of faking one.
 CP/TP splits of token and head reductions run as in-process ranks (threads, `ThreadComm`) through
-the kernels' own `tree=` / `kv_comm=` / `head_comm=` arguments; multi-process gloo runs are the
+the kernels' own `tok=` / `kv_comm=` / `head_comm=` arguments; multi-process gloo runs are the
 distributed tests' job.
 """
 
@@ -21,7 +21,8 @@ import threading
 import torch
 
 from rlkernel.distributed.comm import Comm
-from rlkernel.distributed.tokentree import TokenTree, cp_segments
+from rlkernel.distributed.parallel import cp_segments
+from rlkernel.distributed.tokensum import TokenSum
 
 U32 = 2.0**-24  # unit roundoff of fp32
 NAN, INF = float("nan"), float("inf")
@@ -86,10 +87,10 @@ def assert_within_sum_bound(got: torch.Tensor, ref: torch.Tensor, absref: torch.
 
 
 # ------------------------------------------------------------------ in-process ranks
-# The kernels take a TokenTree / Comm for their cross-rank reductions. To test the CP/TP contract
-# without processes, ranks run as threads and `ThreadComm` implements the two primitives every
-# Comm collective is built on (all_gather, all_gather_object) with a barrier. The kernels' own
-# tree code (TokenTree.finish, Comm.tree_all_reduce) is what runs.
+# The kernels take a TokenSum / Comm for their cross-rank reductions. To test the CP/TP contract
+# without processes, ranks run as threads and `ThreadComm` implements the primitives every Comm
+# collective is built on (all_gather, all_gather_object, the integer sum) with a barrier. The
+# kernels' own code (TokenSum.result/exact_sum, Comm.tree_all_reduce) is what runs.
 
 
 class _ThreadGroup:
@@ -119,6 +120,9 @@ class ThreadComm(Comm):
     def all_gather_object(self, obj, op):
         return self._g.exchange(self.rank, op, obj)
 
+    def sum_ints(self, t, op):
+        return torch.stack(self.all_gather(t, op)).sum(0)   # int64: exact in any order
+
 
 def run_ranks(n: int, fn):
     """fn(rank, comm) on n threads sharing one ThreadComm group -> [result of rank 0..n-1]."""
@@ -143,9 +147,9 @@ def run_ranks(n: int, fn):
     return results
 
 
-def cp_tree(comm: Comm, cp: int) -> TokenTree:
-    """Zig-zag CP token tree: 2·cp segments, rank r owns segments r and 2cp−1−r (tokentree.py)."""
-    return TokenTree(comm, 2 * cp, tuple(cp_segments(cp, r) for r in range(cp)))
+def cp_tree(comm: Comm, cp: int) -> TokenSum:
+    """The token reductions of a CP rank: the other tokens are on `comm`'s ranks (no sink)."""
+    return TokenSum(comm)
 
 
 def cp_local_rows(length: int, cp: int, rank: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ import types
 import pytest
 
 from rlkernel import cli
-from rlkernel.config import ATTN_KV_BLOCK, TOKEN_LEAVES, ConfigError, RunConfig, field_docs, flag_name
+from rlkernel.config import (ATTN_KV_BLOCK, TOKEN_LEAF, TOKEN_REDUCTION, ConfigError, RunConfig,
+                             field_docs, flag_name)
 from rlkernel.runner.evidence import git_state, write_json_atomic
 
 # The reviewed `rlk run` surface (STYLE.md §12). Adding a flag means adding it here, in review.
@@ -44,9 +45,13 @@ REVIEWED_RUN_FLAGS |= {
     "--ppo-epochs", "--mini-batches", "--clip-eps-low", "--clip-eps-high", "--loss-agg",
     "--lr-warmup-steps", "--lr-schedule", "--tensorboard",
 }
+# Issue 14: data parallelism; the microbatch size became a memory knob (--token-budget, its old
+# name, stays as an alias).
+REVIEWED_RUN_FLAGS = (REVIEWED_RUN_FLAGS - {"--token-budget"}) | {"--dp", "--micro-batch-tokens"}
 # Second spellings of reviewed flags (cli.RUN_FLAG_ALIASES): not in the usage line, still surface.
 REVIEWED_RUN_ALIASES = {"--learning-rate": "--lr", "--num-generations": "--n-samples-per-prompt",
-                        "--rollout-temperature": "--temperature"}
+                        "--rollout-temperature": "--temperature",
+                        "--token-budget": "--micro-batch-tokens"}
 
 
 def _step(i: int) -> dict:
@@ -140,6 +145,18 @@ BAD += [
     (["--lr-warmup-steps", "-1"], "--lr-warmup-steps", "-1", ">= 0"),
     (["--lr-warmup-steps", "4", "--steps", "2", "--mini-batches", "2"], "--lr-warmup-steps", "4",
      "--steps 2 x --ppo-epochs 1 x --mini-batches 2 = 4"),
+]
+# Issue 14: data parallelism.
+BAD += [
+    (["--dp", "3"], "--dp", "3", "virtual_dp=8; allowed: 1, 2, 4, 8"),
+    (["--dp", "0"], "--dp", "0", ">= 1"),
+    (["--dp", "8", "--n-prompts", "3"], "--dp", "8",
+     "--n-prompts 3 x --n-samples-per-prompt 4 = 12), so every DP replica trains on as many "
+     "samples; allowed: 1, 2, 4"),
+    (["--dp", "4", "--mini-batches", "8"], "--dp", "4",
+     "samples per mini-batch (16 samples per step / --mini-batches 8 = 2)"),
+    (["--micro-batch-tokens", "100"], "--micro-batch-tokens", "100", ">= --max-prompt-len"),
+    (["--token-budget", "100"], "--micro-batch-tokens", "100", "one whole sample"),
 ]
 
 
@@ -258,7 +275,8 @@ def test_every_config_field_is_a_flag_with_a_docstring():
     {"seed": -1}, {"seed": 2**63}, {"model_seed": -1}, {"adam_beta1": 1.0}, {"adam_beta2": -0.1},
     {"clip_grad": -1.0}, {"clip_grad": math.inf}, {"adam_eps": 0.0}, {"dtype": "fp16"},
     {"mode": "fast"}, {"device": "mps"}, {"rollout_tp": 6}, {"rollout_cp": 0}, {"model": ""},
-    {"token_budget": 100}, {"weight_decay": -1e-9}, {"clip_eps": 0.0},
+    {"micro_batch_tokens": 100}, {"weight_decay": -1e-9}, {"clip_eps": 0.0}, {"dp": 16},
+    {"dp": 0}, {"dp": True},
 ])
 def test_invalid_config_raises_config_error_naming_the_flag(kw):
     (name, value), = kw.items()
@@ -282,10 +300,15 @@ def test_config_keeps_values_verbatim_and_derives_in_properties():
 
 
 def test_canonical_spec():
-    spec = RunConfig(token_budget=512, device="cpu").canonical_spec()
-    assert spec == {"virtual_tp": 8, "virtual_cp": 8, "token_budget": 512, "backend": "cpu",
+    """The spec records what the gradients depend on; --micro-batch-tokens and --dp are not in it
+    (they never change a number), so two runs differing only there have the same spec."""
+    spec = RunConfig(micro_batch_tokens=512, device="cpu").canonical_spec()
+    assert spec == {"virtual_tp": 8, "virtual_cp": 8, "virtual_dp": 8, "backend": "cpu",
                     "matmul": "sequential-K fp32", "attention_kv_block": ATTN_KV_BLOCK,
-                    "vocab_shards": 8, "token_leaves": TOKEN_LEAVES}
+                    "vocab_shards": 8, "token_leaf": TOKEN_LEAF,
+                    "token_reduction": TOKEN_REDUCTION}
+    assert "--micro-batch-tokens" in TOKEN_REDUCTION and "--dp" in TOKEN_REDUCTION
+    assert RunConfig(micro_batch_tokens=4096, dp=2).canonical_spec() == spec
 
 
 def test_fingerprint_depends_on_every_value():

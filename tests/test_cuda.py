@@ -155,20 +155,43 @@ def test_column_dx_tree_equals_tp_rank_subtrees(tm):
     assert _rel(full, dy.double() @ w.double()) < 1e-6
 
 
-def test_token_tree_dw_equals_cp_ranks_reducing_aligned_leaf_groups(tm):
-    """dW by the token tree == each of 2/4/8 ranks reducing its aligned leaves, then the tree."""
-    from rlkernel.kernels.matmul import token_leaf_partials, token_tree_grad_weight
-    from rlkernel.numerics.trees import tree_sum
+def test_token_dw_equals_cp_ranks_adding_their_leaves_exactly(tm):
+    """dW by the exact token sum == each of 2/4/8 ranks accumulating its own leaves, the integer
+    accumulators added (any split of whole leaves gives the same bytes)."""
+    from rlkernel.kernels.matmul import accumulate_grad_weight_, token_grad_weight
+    from rlkernel.numerics import fixedpoint as fx
     g = _gen(9)
     dy = torch.randn(512, 96, device=DEV, generator=g)
     x = torch.randn(512, 80, device=DEV, generator=g)
-    full = token_tree_grad_weight(dy, x)
+    full = token_grad_weight(dy, x)
     for c in (2, 4, 8):
         per = 512 // c
-        locs = [tree_sum(token_leaf_partials(dy[r * per:(r + 1) * per], x[r * per:(r + 1) * per],
-                                             128 // c), 0) for r in range(c)]
-        assert _same(tree_sum(torch.stack(locs), 0), full), c
+        accs = [accumulate_grad_weight_(fx.zeros((96, 80), DEV), dy[r * per:(r + 1) * per],
+                                        x[r * per:(r + 1) * per]) for r in range(c)]
+        assert _same(fx.round_fp32(torch.stack(accs).sum(0)), full), c
     assert _rel(full, dy.double().t() @ x.double()) < 1e-6
+
+
+def test_fixedpoint_on_cuda_equals_cpu_bytes_and_ignores_order():
+    """numerics/fixedpoint on CUDA tensors: the exact sum rounded once is the CPU's bytes (it
+    depends on the multiset of values only), for rows in any order and for two accumulators
+    added, with values over many binades, ±0 and an Inf column. Negative control: torch.sum on
+    CUDA of the same rows reversed changes bytes."""
+    from rlkernel.numerics import fixedpoint as fx
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4096, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (4096, 64),
+                                                                      generator=g).float())
+    x[:, 0] = 0.0
+    x[7, 1] = float("inf")
+    want = fx.exact_sum_fp32(x)
+    xc = x.to(DEV)
+    assert _same(fx.exact_sum_fp32(xc).cpu(), want)
+    assert _same(fx.exact_sum_fp32(xc.flip(0)).cpu(), want)
+    a = fx.accumulate_(fx.zeros((64,), DEV), xc[:1000])
+    b = fx.accumulate_(fx.zeros((64,), DEV), xc[1000:])
+    assert a.is_cuda and _same(fx.round_fp32(a + b).cpu(), want)
+    y = torch.randn(4096, 64, device=DEV, generator=_gen(12))
+    assert not _same(y.sum(0), y.flip(0).sum(0))
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -274,9 +297,7 @@ def test_attention_autograd_through_cuda_forward_matches_float64():
     q = torch.randn(s_, hq, t, d, device=DEV, generator=g, requires_grad=True)
     k = torch.randn(s_, hkv, t, d, device=DEV, generator=g, requires_grad=True)
     v = torch.randn(s_, hkv, t, d, device=DEV, generator=g, requires_grad=True)
-    q_idx = torch.arange(s_ * t, device=DEV).reshape(s_, t)
-    out = attention(q, k, v, _pos(s_, t), torch.full((s_,), t, device=DEV), 1 / math.sqrt(d),
-                    q_idx, s_ * t)
+    out = attention(q, k, v, _pos(s_, t), torch.full((s_,), t, device=DEV), 1 / math.sqrt(d))
     dout = torch.randn(out.shape, device=DEV, generator=g)
     out.backward(dout)
     qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))

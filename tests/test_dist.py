@@ -370,6 +370,11 @@ INVALID = [
     (dict(tp=2, rollout_tp=4), {}, ["--rollout-tp 4 × --rollout-cp 1 = 4", "--tp 2 × --cp 1 = 2",
                                     "allowed products: 1, 2"]),
     (dict(tp=2, cp=2, rollout_cp=8), {}, ["--rollout-cp 8 = 8", "--tp 2 × --cp 2 = 4"]),
+    # issue 14: data parallelism
+    (dict(dp=3), {}, ["--dp 3", "virtual_dp=8", "allowed: 1, 2, 4, 8"]),
+    (dict(dp=0), {}, ["--dp 0", ">= 1"]),
+    (dict(dp=2, tp=2, world=8), {}, ["WORLD_SIZE=8", "--dp 2 × --tp 2 × --cp 1 = 4"]),
+    (dict(dp=2, rollout_tp=4), {}, ["--rollout-tp 4", "--dp 2 × --tp 1 × --cp 1 = 2"]),
 ]
 
 
@@ -390,6 +395,8 @@ VALID = [
     (dict(tp=4, cp=2, rollout_tp=2, rollout_cp=2), dict(num_attention_heads=8,
                                                          num_key_value_heads=1)),
     (dict(tp=2), dict(num_attention_heads=24, num_key_value_heads=6)),
+    (dict(dp=2, tp=2, world=4), dict(num_attention_heads=8, num_key_value_heads=2)),
+    (dict(dp=8, rollout_tp=8, world=8), dict(num_attention_heads=8, num_key_value_heads=2)),
 ]
 
 
@@ -426,6 +433,30 @@ def test_topology_ranks_and_groups_follow_the_documented_layout():
         assert tr.group_ranks("rollout_dp").index(r) == tr.rollout_dp_rank
     with pytest.raises(ConfigError, match="WORLD_SIZE=6"):
         Topology(world=6, rank=0, tp=2, cp=4)
+    with pytest.raises(ConfigError, match="--dp 3"):
+        Topology(world=3, rank=0, dp=3)
+
+
+def test_dp_topology_layout_and_groups():
+    """rank = dp_rank * tp * cp + cp_rank * tp + tp_rank; tp/cp/tp_cp groups stay inside a DP
+    replica; "dp" joins the ranks of one (tp_rank, cp_rank), "dp_cp" those of one tp_rank (the
+    ranks that hold the other tokens of a mini-batch); rollout replicas span the whole world."""
+    t = Topology(world=8, rank=0, dp=2, tp=2, cp=2)
+    assert [(t.at(r).dp_rank, t.at(r).cp_rank, t.at(r).tp_rank) for r in range(8)] == \
+        [(d, c, p) for d in range(2) for c in range(2) for p in range(2)]
+    g = t.groups()
+    assert g["tp"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert g["cp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert g["tp_cp"] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert g["dp"] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert g["dp_cp"] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert g["rollout_dp"] == [tuple(range(8))] and t.rollout_dp == 8
+    for r in range(8):
+        tr = t.at(r)
+        assert tr.group_ranks("dp").index(r) == tr.dp_rank
+        assert tr.group_ranks("tp").index(r) == tr.tp_rank
+        assert tr.group_ranks("cp").index(r) == tr.cp_rank
+        assert tr.group_ranks("dp_cp").index(r) == tr.dp_rank * 2 + tr.cp_rank
     with pytest.raises(ConfigError, match="rank 4"):
         Topology(world=4, rank=4, tp=2, cp=2)
 
@@ -485,18 +516,20 @@ def test_negative_control_contiguous_or_r_plus_cp_split_is_unbalanced(cp):
 
 def test_single_comms_are_one_rank_groups():
     c = single_comms()
-    for kind in ("world", "tp", "cp", "tp_cp", "rollout_tp", "rollout_cp", "rollout_dp"):
+    for kind in ("world", "tp", "cp", "tp_cp", "rollout_tp", "rollout_cp", "rollout_dp", "dp",
+                 "dp_cp"):
         comm = c.group(kind)
         assert comm.size == 1 and comm.rank == 0 and comm.group is None
         x = torch.randn(3)
         assert comm.tree_all_reduce(x, "x").equal(x)
 
 
-def _comms_rank(rank: int, out: str) -> None:
-    topo = Topology(world=4, rank=rank, tp=2, cp=2, rollout_tp=2, rollout_cp=1)
+def _comms_rank(rank: int, out: str, dp: int = 1) -> None:
+    topo = Topology(world=4, rank=rank, dp=dp, tp=2, cp=2 // dp, rollout_tp=2, rollout_cp=1)
     comms = build_comms(topo)
     seen = {}
-    for kind in ("world", "tp", "cp", "tp_cp", "rollout_tp", "rollout_cp", "rollout_dp"):
+    for kind in ("world", "tp", "cp", "tp_cp", "rollout_tp", "rollout_cp", "rollout_dp", "dp",
+                 "dp_cp"):
         comm = comms.group(kind)
         # the group really connects the ranks it claims, in that order
         members = comm.all_gather(torch.tensor([rank]), f"who-{kind}")
@@ -511,7 +544,23 @@ def test_build_comms_on_4_ranks_tp2_cp2(tmp_path):
     launch(_comms_rank, (str(tmp_path),), world_size=4, timeout_s=20)
     expect = {"world": [(0, 1, 2, 3)], "tp": [(0, 1), (2, 3)], "cp": [(0, 2), (1, 3)],
               "tp_cp": [(0, 1, 2, 3)], "rollout_tp": [(0, 1), (2, 3)],
-              "rollout_cp": [(0,), (1,), (2,), (3,)], "rollout_dp": [(0, 2), (1, 3)]}
+              "rollout_cp": [(0,), (1,), (2,), (3,)], "rollout_dp": [(0, 2), (1, 3)],
+              "dp": [(0,), (1,), (2,), (3,)], "dp_cp": [(0, 2), (1, 3)]}
+    _check_groups(tmp_path, expect)
+
+
+def test_build_comms_on_4_ranks_dp2_tp2(tmp_path):
+    """dp 2, tp 2 on 4 ranks: TP groups (0,1) (2,3) and tp_cp the same (one per DP replica); DP
+    groups (0,2) (1,3), dp_cp the same (CP 1); CP one rank each. Gathers return the members."""
+    launch(_comms_rank, (str(tmp_path), 2), world_size=4, timeout_s=20)
+    expect = {"world": [(0, 1, 2, 3)], "tp": [(0, 1), (2, 3)], "cp": [(0,), (1,), (2,), (3,)],
+              "tp_cp": [(0, 1), (2, 3)], "rollout_tp": [(0, 1), (2, 3)],
+              "rollout_cp": [(0,), (1,), (2,), (3,)], "rollout_dp": [(0, 2), (1, 3)],
+              "dp": [(0, 2), (1, 3)], "dp_cp": [(0, 2), (1, 3)]}
+    _check_groups(tmp_path, expect)
+
+
+def _check_groups(tmp_path, expect: dict) -> None:
     for r in range(4):
         seen = torch.load(tmp_path / f"rank{r}.pt")
         for kind, groups in expect.items():
@@ -568,11 +617,15 @@ def test_rlk_run_refuses_tp_that_splits_kv_heads(capsys, cwd, tmp_path):
     assert list(cwd.iterdir()) == []
 
 
-def test_rlk_run_refuses_world_size_that_is_not_tp_times_cp(capsys, cwd, monkeypatch):
+def test_rlk_run_refuses_world_size_that_is_not_dp_times_tp_times_cp(capsys, cwd, monkeypatch):
+    """Under torchrun, WORLD_SIZE must be DP × TP × CP: 6 processes for --tp 2 --cp 4 (8), and
+    for --dp 2 --tp 2 (4), are refused before anything is written, naming every factor."""
     for k, v in dict(RANK="0", WORLD_SIZE="6", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(k, v)
     code, err = _rlk_run(capsys, "--tp", "2", "--cp", "4")
-    assert code == 2 and "WORLD_SIZE=6 but --tp 2 × --cp 4 = 8" in err
+    assert code == 2 and "WORLD_SIZE=6 but --dp 1 × --tp 2 × --cp 4 = 8" in err
+    code, err = _rlk_run(capsys, "--dp", "2", "--tp", "2")
+    assert code == 2 and "WORLD_SIZE=6 but --dp 2 × --tp 2 × --cp 1 = 4" in err
     assert list(cwd.iterdir()) == []
 
 

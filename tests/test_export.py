@@ -89,7 +89,7 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(run, tmp_pat
     assert tok(text, add_special_tokens=False)["input_ids"] == ids
     assert tok.eos_token_id == 256 and tok.pad_token_id == 257
     with torch.no_grad():
-        lay = packed_layout([ids], 64, 257)
+        lay = packed_layout([ids], 257)
         mine = ours.logits(ours.hidden(lay))[:len(ids)].double()
         ref = hf(torch.tensor([ids])).logits[0].double()
     assert torch.allclose(mine, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())

@@ -25,9 +25,9 @@ from kernel_helpers import (
     run_ranks,
 )
 
-from rlkernel.distributed.tokentree import cp_segments
+from rlkernel.distributed.parallel import cp_segments
 from rlkernel.kernels.attention import attention, attention_forward
-from rlkernel.spec import TOKEN_LEAVES
+from rlkernel.spec import TOKEN_LEAF
 
 # ================================================================== attention
 
@@ -35,11 +35,12 @@ HQ, HKV, HD = 4, 2, 16
 SCALE = 1.0 / math.sqrt(HD)
 
 
-def _pack(lengths, tq=None, tk=None, seed=70, fill=NAN, stream_len=None, hq=HQ):
-    """Samples packed back to back in one stream: per-sample padded q/k/v, q_pos, kv_len, q_idx.
+def _pack(lengths, tq=None, tk=None, seed=70, fill=NAN, hq=HQ):
+    """Samples packed in one stream as the trainer packs them (each starting at a multiple of
+    TOKEN_LEAF): per-sample padded q/k/v, q_pos, kv_len, q_idx (stream row of each query).
 
     Padding q/k/v slots are `fill` (NaN: they must not matter). Returns (q, k, v, q_pos, kv_len,
-    q_idx, stream_len, per-sample clean q/k/v list)."""
+    q_idx, stream_len (a multiple of 256), per-sample clean q/k/v list)."""
     s_ = len(lengths)
     tq = tq or max(lengths)
     tk = tk or tq
@@ -55,9 +56,9 @@ def _pack(lengths, tq=None, tk=None, seed=70, fill=NAN, stream_len=None, hq=HQ):
         q[i, :, :n], k[i, :, :n], v[i, :, :n] = qs, ks, vs
         q_pos[i, :n] = torch.arange(n)
         q_idx[i, :n] = off + torch.arange(n)
-        off += n
+        off += -(-n // TOKEN_LEAF) * TOKEN_LEAF
         samples.append((qs, ks, vs))
-    stream_len = stream_len or -(-off // TOKEN_LEAVES) * TOKEN_LEAVES
+    stream_len = -(-off // 256) * 256
     return q, k, v, q_pos, torch.tensor(lengths), q_idx, stream_len, samples
 
 
@@ -72,14 +73,14 @@ def _attn_oracle64(q, k, v):
 
 
 def test_attention_forward_and_backward_vs_float64_packed_stream():
-    """attention() on 3 samples of lengths 37, 20, 71 packed in a 256-token stream (2 tokens per
-    leaf; NaN in every padding slot) matches float64 causal GQA attention: out within 2e-6,
+    """attention() on 3 samples of lengths 37, 20, 71 (NaN in every padding slot) matches float64
+    causal GQA attention: out within 2e-6,
     dQ/dK/dV within 1e-5 of max|ref|; padding query rows are 0 and padding key slots get 0 grads."""
     lengths = [37, 20, 71]
     q, k, v, q_pos, kv_len, q_idx, _, samples = _pack(lengths)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     d_out = randn(*q.shape, seed=71)
-    out = attention(q, k, v, q_pos, kv_len, SCALE, q_idx, 256)
+    out = attention(q, k, v, q_pos, kv_len, SCALE)
     out.backward(d_out)
     for i, (n, (qs, ks, vs)) in enumerate(zip(lengths, samples)):
         q64, k64, v64 = (t.double().requires_grad_() for t in (qs, ks, vs))
@@ -192,21 +193,21 @@ def test_negative_control_stock_sdpa_prefill_vs_chunked_vs_decode_and_alone_vs_b
 
 
 def _attn_grads(q, k, v, q_pos, kv_len, q_idx, sl, d_out, qsel, rows=slice(None), **kw):
-    """(out, dQ, dK, dV) of attention() for the queries selected by qsel (others become padding)."""
+    """(out, dQ, dK, dV) of attention() for the queries selected by qsel (others become padding).
+    q_idx/sl (the stream layout) only decide qsel: the kernel's leaves come from positions."""
     qq, kk, vv = (t[rows].clone().requires_grad_() for t in (q, k, v))
     pos = torch.where(qsel[rows], q_pos[rows], -1)
-    idx = torch.where(qsel[rows], q_idx[rows], -1)
-    out = attention(qq, kk, vv, pos, kv_len[rows], SCALE, idx, sl, **kw)
+    out = attention(qq, kk, vv, pos, kv_len[rows], SCALE, **kw)
     out.backward(d_out[rows])
     return out.detach(), qq.grad, kk.grad, vv.grad
 
 
-ATTN_LENGTHS = [100, 90, 66]  # packed back to back: a 256-token stream, 2 tokens per leaf
+ATTN_LENGTHS = [100, 90, 66]  # leaf-aligned in a 512-row stream
 
 
 def test_attention_sample_grads_alone_equal_grads_in_the_packed_batch():
-    """Each sample's dQ/dK/dV computed alone (S=1, its own q_idx in the stream) == its grads in the
-    3-sample packed batch, bitwise."""
+    """Each sample's dQ/dK/dV computed alone (S=1) == its grads in the 3-sample packed batch,
+    bitwise."""
     q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack(ATTN_LENGTHS, seed=76)
     d_out = randn(*q.shape, seed=77)
     args = (q, k, v, q_pos, kv_len, q_idx, sl, d_out)
@@ -220,9 +221,9 @@ def test_attention_sample_grads_alone_equal_grads_in_the_packed_batch():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_grads_on_zigzag_cp_ranks_equal_single_process_bytes(cp):
     """GQA attention (4 query heads, 2 KV heads) under CP: each of cp in-process ranks holds only the
-    queries of its zig-zag segments (others padding), all keys, and tree=its TokenTree; then on
-    every rank dK and dV == the single-process grads, and its queries' dQ and outputs == the
-    single-process rows, bitwise."""
+    queries of its zig-zag segments (whole leaves; others padding), all keys, and tok=its
+    TokenSum; then on every rank dK and dV == the single-process grads, and its queries' dQ and
+    outputs == the single-process rows, bitwise."""
     q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack(ATTN_LENGTHS, seed=76)
     d_out = randn(*q.shape, seed=77)
     args = (q, k, v, q_pos, kv_len, q_idx, sl, d_out)
@@ -234,7 +235,7 @@ def test_attention_grads_on_zigzag_cp_ranks_equal_single_process_bytes(cp):
         return torch.isin(segment, torch.tensor(cp_segments(cp, r))) & (q_idx >= 0)
 
     def rank(r, comm):
-        return _attn_grads(*args, mine(r), tree=cp_tree(comm, cp))
+        return _attn_grads(*args, mine(r), tok=cp_tree(comm, cp))
 
     for r, (out, dq, dk, dv) in enumerate(run_ranks(cp, rank)):
         sel = mine(r)[:, None, :, None].expand_as(out)
@@ -318,15 +319,3 @@ def test_negative_control_stock_sdpa_grads_of_a_sample_alone_vs_in_the_packed_ba
                                                         randn(*q.shape, seed=77), 2)
     for a, b in zip(alone, batched):
         assert_stock_differs(a, b)
-
-
-def test_attention_backward_requires_stream_layout():
-    """attention backward without q_idx/stream_len raises RuntimeError; a stream length that is not
-    a multiple of 128 leaves raises ValueError."""
-    q, k, v, q_pos, kv_len, q_idx, _, _ = _pack([20], seed=82)
-    qq = q.clone().requires_grad_()
-    with pytest.raises(RuntimeError):
-        attention(qq, k, v, q_pos, kv_len, SCALE).sum().backward()
-    qq = q.clone().requires_grad_()
-    with pytest.raises(ValueError):
-        attention(qq, k, v, q_pos, kv_len, SCALE, q_idx, 100).sum().backward()

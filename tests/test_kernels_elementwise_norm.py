@@ -240,7 +240,7 @@ def test_rms_norm_dw_identical_for_streams_differing_only_in_padding_rows_x():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_rms_norm_grads_on_zigzag_cp_ranks_equal_single_process_bytes(cp):
     """Per-head RMSNorm (x [512, 4, 16]) under CP: each in-process rank runs rms_norm on its zig-zag
-    local stream with tree=its TokenTree; its dW == the single-process dW and its dX == the matching
+    local stream with tok=its TokenSum; its dW == the single-process dW and its dX == the matching
     rows of the single-process dX, bitwise."""
     L = 512
     x, dy = randn(L, 4, 16, seed=110), randn(L, 4, 16, seed=111)
@@ -254,7 +254,7 @@ def test_rms_norm_grads_on_zigzag_cp_ranks_equal_single_process_bytes(cp):
     ref_dx, ref_dw = grads(slice(None))
 
     def rank(r, comm):
-        return grads(cp_local_rows(L, cp, r), tree=cp_tree(comm, cp))
+        return grads(cp_local_rows(L, cp, r), tok=cp_tree(comm, cp))
 
     for r, (dx, dw) in enumerate(run_ranks(cp, rank)):
         assert_bitwise(dw, ref_dw)
@@ -266,8 +266,9 @@ def test_rms_norm_grads_on_zigzag_cp_ranks_equal_single_process_bytes(cp):
 def test_rms_norm_head_tree_over_tp_ranks_equals_single_process_bytes(tp, replicas, heads):
     """Q/K-norm weight grad with `heads` heads split over TP: rank j holds heads of its shard
     (K-norm: replicated over `replicas` consecutive ranks); with head_comm over the TP ranks the dW
-    on every rank == the single-process dW over all heads (pairwise head tree), bitwise — also
-    for 24 query heads as 6 or 3 per rank (issue 10: not power-of-two parts)."""
+    on every rank == the single-process dW over all heads (every (leaf, head) partial added
+    exactly, each replicated head by its first holder only), bitwise — also for 24 query heads as
+    6 or 3 per rank (issue 10: not power-of-two parts)."""
     L, D = 256, 16
     x, dy = randn(L, heads, D, seed=113), randn(L, heads, D, seed=114)
     w = 1 + randn(D, seed=115, scale=0.1)

@@ -1,4 +1,5 @@
-"""Tests for the batch-invariant matmul, column-/row-parallel linears and token-tree dW (kernels/matmul.py) (DESIGN.md §1, §5 "Unit").
+"""Tests for the batch-invariant matmul, column-/row-parallel linears and the exact token-sum dW
+(kernels/matmul.py) (DESIGN.md §1, §5 "Unit").
 
 Checked two ways: against a float64 oracle with a tolerance, and against itself under batch /
 offset / shard / rank-split changes bitwise (`assert_bitwise`), each with a negative control that
@@ -33,13 +34,15 @@ from rlkernel.kernels.matmul import (
     row_parallel_nt,
     row_parallel_partials,
     seq_matmul,
+    accumulate_grad_weight_,
+    grad_weight,
+    token_grad_weight,
     token_leaf_partials,
-    token_tree_grad_weight,
-    tree_grad_weight,
     virtual_shard_rows,
 )
+from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics.trees import tree_combine, tree_sum
-from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
+from rlkernel.spec import TOKEN_LEAF, VIRTUAL_TP
 
 # ================================================================== matmul
 
@@ -120,14 +123,14 @@ def test_negative_control_stock_matmul_columns_change_when_N_is_split():
 
 
 def test_seq_matmul_chunking_of_rows_does_not_change_bits(monkeypatch):
-    """seq_matmul / token_tree_grad_weight cut work into chunks above _CHUNK_ELEMS; forcing tiny
+    """seq_matmul / token_grad_weight cut work into chunks above _CHUNK_ELEMS; forcing tiny
     chunks gives the same bytes as no chunking. (Internal knob: no stock analogue to control.)"""
     a, b = randn(2, 37, 40, seed=13), randn(40, 29, seed=14)
     dy, x = randn(256, 24, seed=15), randn(256, 16, seed=16)
-    ref, ref_dw = seq_matmul(a, b), token_tree_grad_weight(dy, x)
+    ref, ref_dw = seq_matmul(a, b), token_grad_weight(dy, x)
     monkeypatch.setattr(matmul_mod, "_CHUNK_ELEMS", 64)
     assert_bitwise(seq_matmul(a, b), ref)
-    assert_bitwise(token_tree_grad_weight(dy, x), ref_dw)
+    assert_bitwise(token_grad_weight(dy, x), ref_dw)
 
 
 def test_row_parallel_nt_equals_tree_over_partials_computed_as_1_2_4_8_groups():
@@ -209,48 +212,55 @@ def test_row_parallel_and_column_dx_vs_float64_oracle():
                             dy.double().abs() @ w.double().abs(), 96)
 
 
-L_TOK = 512  # stream length: 128 leaves of 4 tokens
+L_TOK = 512  # stream length: 32 leaves of TOKEN_LEAF = 16 tokens
 
 
 def _dw_inputs():
     return randn(L_TOK, 48, seed=24), randn(L_TOK, 40, seed=25)
 
 
-def test_token_tree_grad_weight_equals_tree_over_leaf_partials_and_float64():
-    """token_tree_grad_weight(dy, x) == tree_sum(token_leaf_partials(dy, x), 0) bitwise, has shape
-    [N, K], is within γ_{L/128 + 7} Σ|terms| of float64 dyᵀx; a stream length that is not a
-    multiple of 128 leaves raises ValueError."""
+def _leaf_acc(dy, x):
+    """The exact accumulator of a stream's dW (the integer state a rank sends)."""
+    return accumulate_grad_weight_(fx.zeros((dy.shape[1], x.shape[1])), dy, x)
+
+
+def test_token_grad_weight_is_the_exact_sum_of_leaf_partials_rounded_once_and_float64():
+    """token_grad_weight(dy, x) == fixedpoint.exact_sum_fp32(token_leaf_partials(dy, x, L/16))
+    bitwise (each leaf: 16 tokens in order), has shape [N, K], is within γ_{16} Σ|terms| of float64
+    dyᵀx (only the in-leaf fp32 adds round; the exact sum and its one rounding add ≤ u); a stream
+    that is not whole leaves raises ValueError."""
     dy, x = _dw_inputs()
-    dw = token_tree_grad_weight(dy, x)
-    parts = token_leaf_partials(dy, x)
-    assert parts.shape == (TOKEN_LEAVES, 48, 40) and dw.shape == (48, 40)
-    assert_bitwise(dw, tree_sum(parts, 0))
+    dw = token_grad_weight(dy, x)
+    parts = token_leaf_partials(dy, x, L_TOK // TOKEN_LEAF)
+    assert parts.shape == (L_TOK // TOKEN_LEAF, 48, 40) and dw.shape == (48, 40)
+    assert_bitwise(dw, fx.exact_sum_fp32(parts))
     assert_within_sum_bound(dw, dy.double().t() @ x.double(),
-                            dy.double().abs().t() @ x.double().abs(), L_TOK // TOKEN_LEAVES + 7)
+                            dy.double().abs().t() @ x.double().abs(), TOKEN_LEAF + 1)
     with pytest.raises(ValueError):
-        token_tree_grad_weight(dy[:100], x[:100])
+        token_grad_weight(dy[:100], x[:100])
 
 
-@pytest.mark.parametrize("cp", [2, 4, 8])
-def test_token_tree_dw_equals_cp_split_each_rank_reducing_its_aligned_leaves(cp):
-    """dW of the stream == tree over CP pieces, where piece r (contiguous L/cp tokens) computes its
-    leaves' partials with token_leaf_partials(.., leaves=128/cp) on its slice and tree-sums them
-    locally; also == the zig-zag layout (rank r owns leaf groups r and 2cp-1-r, each group sent as
-    its own subtree partial, finished by tree_combine over the 2cp group slots)."""
+def test_token_dw_of_any_grouping_and_order_of_whole_leaves_equals_the_stream():
+    """dW is a function of the SET of leaves: cutting the stream's 32 leaves into any groups
+    (microbatches of 1, 3, 4 or 32 leaves, or DP/CP ranks), shuffling their order, accumulating
+    each group separately and adding the integer accumulators gives the stream's bytes.
+    Negative control: the same groups summed as fp32 partials per group (what per-microbatch
+    accumulation does) differ from the ungrouped fp32 sum."""
     dy, x = _dw_inputs()
-    full = token_tree_grad_weight(dy, x)
-    c = L_TOK // cp
-    pieces = [tree_sum(token_leaf_partials(dy[r * c:(r + 1) * c], x[r * c:(r + 1) * c],
-                                           leaves=TOKEN_LEAVES // cp), 0) for r in range(cp)]
-    assert_bitwise(tree_sum(torch.stack(pieces), 0), full)
-    # zig-zag: 2cp groups, rank r sends groups r and 2cp-1-r
-    ng, gl = 2 * cp, L_TOK // (2 * cp)
-    slots: list[torch.Tensor | None] = [None] * ng
-    for r in range(cp):
-        for grp in (r, ng - 1 - r):
-            slots[grp] = token_tree_grad_weight(dy[grp * gl:(grp + 1) * gl], x[grp * gl:(grp + 1) * gl],
-                                                leaves=TOKEN_LEAVES // ng)
-    assert_bitwise(tree_combine(slots), full)
+    full = token_grad_weight(dy, x)
+    leaves = L_TOK // TOKEN_LEAF
+    perm = torch.randperm(leaves, generator=torch.Generator().manual_seed(3)).tolist()
+    for size in (1, 3, 4, leaves):
+        groups = [perm[i:i + size] for i in range(0, leaves, size)]
+        total = fx.zeros((48, 40))
+        for g in groups:
+            rows = torch.cat([torch.arange(j * TOKEN_LEAF, (j + 1) * TOKEN_LEAF) for j in g])
+            total += _leaf_acc(dy[rows], x[rows])
+        assert_bitwise(fx.round_fp32(total), full)
+    parts = token_leaf_partials(dy, x, leaves)
+    whole = parts.sum(0)
+    grouped = torch.stack([parts[i:i + 3].sum(0) for i in range(0, leaves, 3)]).sum(0)
+    assert_stock_differs(whole, grouped)
 
 
 def test_negative_control_stock_dw_changes_with_cp_split():
@@ -264,20 +274,20 @@ def test_negative_control_stock_dw_changes_with_cp_split():
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
-def test_tree_grad_weight_on_zigzag_cp_ranks_equals_single_process_bytes(cp):
-    """tree_grad_weight(dy_local, x_local, tree) on each of cp in-process ranks (zig-zag segments,
-    TokenTree.finish over the ranks) == token_tree_grad_weight(dy, x) of the whole stream, on every
-    rank, bitwise; the same through row_parallel_linear(.., tree=tree)'s weight grad."""
+def test_grad_weight_on_zigzag_cp_ranks_equals_single_process_bytes(cp):
+    """grad_weight(dy_local, x_local, w, tok) on each of cp in-process ranks (zig-zag segments,
+    accumulators summed over the ranks as integers) == token_grad_weight(dy, x) of the whole
+    stream, on every rank, bitwise; the same through row_parallel_linear(.., tok=tok)'s dW."""
     dy, x = _dw_inputs()
     w = randn(48, 40, seed=27, scale=0.2)
-    ref = token_tree_grad_weight(dy, x)
+    ref = token_grad_weight(dy, x)
 
     def rank(r, comm):
         rows = cp_local_rows(L_TOK, cp, r)
-        tree = cp_tree(comm, cp)
-        direct = tree_grad_weight(dy[rows], x[rows], tree)
+        tok = cp_tree(comm, cp)
+        direct = grad_weight(dy[rows], x[rows], w, tok)
         ww = w.clone().requires_grad_()
-        row_parallel_linear(x[rows], ww, tree=tree).backward(dy[rows])
+        row_parallel_linear(x[rows], ww, tok=tok).backward(dy[rows])
         return direct, ww.grad
 
     for direct, via_linear in run_ranks(cp, rank):
@@ -285,9 +295,9 @@ def test_tree_grad_weight_on_zigzag_cp_ranks_equals_single_process_bytes(cp):
         assert_bitwise(via_linear, ref)
 
 
-def test_token_tree_dw_identical_for_streams_differing_only_in_padding_rows_x():
+def test_token_dw_identical_for_streams_differing_only_in_padding_rows_x():
     """Two streams of equal length whose last 100 rows are padding (dY = 0) and differ only in those
-    rows' X values give identical dW bytes.
+    rows' X values give identical dW bytes; so does the stream cut before its all-padding leaves.
 
     No failing stock control: stock dyᵀ @ x also gives identical bytes here (the GEMM's order does
     not depend on values, and 0·x adds an exact ±0), so this test has no negative twin."""
@@ -296,7 +306,8 @@ def test_token_tree_dw_identical_for_streams_differing_only_in_padding_rows_x():
     dy[-100:] = 0.0
     x2 = x.clone()
     x2[-100:] = randn(100, 40, seed=26, scale=1e4)
-    assert_bitwise(token_tree_grad_weight(dy, x), token_tree_grad_weight(dy, x2))
+    assert_bitwise(token_grad_weight(dy, x), token_grad_weight(dy, x2))
+    assert_bitwise(token_grad_weight(dy[:416], x[:416]), token_grad_weight(dy, x))
 
 
 @pytest.mark.parametrize("which", ["column", "row"])
@@ -305,7 +316,7 @@ def test_parallel_linear_autograd_vs_float64_and_equals_the_invariant_kernels(wh
     shards local, no token-tree communicator): forward and backward (dX, dW) agree with float64
     torch autograd (max error <= 1e-5 of max|ref|, median relative error < 1e-6), and are bitwise
     the invariant kernels: y = linear_nt / row_parallel_nt; dX = column_parallel_dx(dy, w)
-    (column) or linear_nt(dy, wᵀ) (row); dW = token_tree_grad_weight(dy, x)."""
+    (column) or linear_nt(dy, wᵀ) (row); dW = token_grad_weight(dy, x)."""
     L, K, N = 256, 64, 48
     x = randn(L, K, seed=27).requires_grad_()
     w = randn(N, K, seed=28, scale=0.2).requires_grad_()
@@ -329,7 +340,7 @@ def test_parallel_linear_autograd_vs_float64_and_equals_the_invariant_kernels(wh
     else:
         assert_bitwise(y.detach(), row_parallel_nt(xd, wd))
         assert_bitwise(x.grad, linear_nt(dy, wd.t()))
-    assert_bitwise(w.grad, token_tree_grad_weight(dy, xd))
+    assert_bitwise(w.grad, token_grad_weight(dy, xd))
 
 
 def _fused_column_grads(x, ws, dys, **kw):

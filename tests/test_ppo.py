@@ -158,7 +158,7 @@ def _on_policy(policy, samples):
 
 def _train(policy, ref, opt, samples, plan, coefs=COEFS, first_update=0):
     return train_on_rollout(policy, ref, opt, samples, plan, first_update=first_update,
-                            temperature=T, coefs=coefs, token_budget=96, pad_id=PAD,
+                            temperature=T, coefs=coefs, micro_batch_tokens=96, pad_id=PAD,
                             exp=invariant_exp)
 
 
@@ -185,7 +185,7 @@ def test_epochs_and_mini_batches_follow_the_documented_order():
     halves = [samples[:2], samples[2:]]
     for k in range(4):
         stats = compute_gradients(p2, r2, halves[k % 2], temperature=T, coefs=COEFS,
-                                  token_budget=96, pad_id=PAD, exp=invariant_exp,
+                                  micro_batch_tokens=96, pad_id=PAD, exp=invariant_exp,
                                   agg="seq-mean-token-mean")
         grads = gradients(p2)
         gs = o2.clip(grads, 1.0)
@@ -209,7 +209,7 @@ def test_one_update_is_the_old_on_policy_step():
     done = _train(p1, r1, o1, samples, plan, coefs=LossCoefs(0.2, 0.05, 0.01, "k3"))
     p2, r2, o2 = _models()
     stats = compute_gradients(p2, r2, samples, temperature=T, coefs=LossCoefs(0.2, 0.05, 0.01, "k3"),
-                              token_budget=96, pad_id=PAD, exp=invariant_exp)
+                              micro_batch_tokens=96, pad_id=PAD, exp=invariant_exp)
     grads = gradients(p2)
     gs = o2.clip(grads, 1.0)
     o2.step(grads)
@@ -283,7 +283,7 @@ def _probe(rank: int, cfg: RunConfig, out_path: str) -> None:
     counted = {n for n in policy.logical_params()
                if topo.cp_rank == 0 and counts_for_norm(n, mcfg, topo.tp, topo.tp_rank)}
     done = train_on_rollout(policy, ref, opt, _batch(), PLAN, first_update=4, temperature=T,
-                            coefs=COEFS, token_budget=96, pad_id=PAD, exp=invariant_exp,
+                            coefs=COEFS, micro_batch_tokens=96, pad_id=PAD, exp=invariant_exp,
                             counted=counted, comm=comms.world)
     weights = policy.export_tensors()
     if rank == 0:

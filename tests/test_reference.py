@@ -77,7 +77,7 @@ def test_logits_match_transformers(tied):
     tensors = _weights(cfg, 0)
     ours, hf = _ours(cfg, tensors), _hf(cfg, tensors, torch.float32)
     seqs = [list(range(3, 40)), list(range(100, 131)), [7] * 50]
-    lay = packed_layout(seqs, 128, 257)
+    lay = packed_layout(seqs, 257)
     with torch.no_grad():
         logits = ours.logits(ours.hidden(lay))
         for i, s in enumerate(seqs):
@@ -154,7 +154,7 @@ def _check_gradient(tied: bool, coefs: LossCoefs, agg: str = "token-mean") -> No
     # Old logprobs: the policy's own, shifted (SHIFTS) so tokens land unclipped and clipped,
     # far from the clip boundaries (fp32 and float64 pick the same branch).
     with torch.no_grad():
-        lay = packed_layout([p + r for p, r in seqs], 128, 257)
+        lay = packed_layout([p + r for p, r in seqs], 257)
         h = policy.hidden(lay)
     old_lps = []
     for i, (p, r) in enumerate(seqs):
@@ -167,7 +167,7 @@ def _check_gradient(tied: bool, coefs: LossCoefs, agg: str = "token-mean") -> No
     samples = [TrainSample(i, tuple(p), tuple(r), old, a)
                for i, ((p, r), old, a) in enumerate(zip(seqs, old_lps, advs))]
     # A small token budget forces several microbatches: accumulation is part of what is checked.
-    compute_gradients(policy, ref, samples, temperature=T, coefs=coefs, token_budget=40,
+    compute_gradients(policy, ref, samples, temperature=T, coefs=coefs, micro_batch_tokens=40,
                       pad_id=257, exp=invariant_exp, agg=agg)
     ours = gradients(policy)
     want = _reference_grads(cfg, pol_w, ref_w, seqs, advs, old_lps, coefs, agg)

@@ -142,7 +142,8 @@ def test_acceptance_command(tmp_path):
     assert cfg["allow_dirty"] is True and cfg["run_dir"] == str(run_dir)
     assert manifest["canonical_spec"]["virtual_tp"] == 8
     assert manifest["canonical_spec"]["virtual_cp"] == 8
-    assert manifest["canonical_spec"]["token_budget"] == cfg["token_budget"]
+    assert manifest["canonical_spec"]["token_leaf"] == 16
+    assert "micro_batch_tokens" not in manifest["canonical_spec"]
     assert manifest["canonical_spec"]["backend"] == "cpu"
     import torch
 

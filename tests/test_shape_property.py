@@ -93,7 +93,7 @@ def _job(mcfg: Qwen3Config) -> Job:
                            lp + torch.tensor([(0.0, 0.5, -0.5)[j % 3] for j in range(len(lp))]),
                            s.advantage) for s, lp in zip(samples, lps)]
     return Job(mcfg=mcfg, policy_w=pol_w, ref_w=ref_w, samples=samples, steps=1,
-               token_budget=BUDGET, pad_id=pad)
+               micro_batch_tokens=BUDGET, pad_id=pad)
 
 
 def _check(m: dict, tp: int, cp: int, sp: bool) -> None:

@@ -40,7 +40,7 @@ def _batch() -> list[TrainSample]:
 
 
 JOB = Job(mcfg=MODEL, policy_w=init_weights(MODEL, 0), ref_w=init_weights(MODEL, 1),
-          samples=_batch(), steps=2, token_budget=96, pad_id=257)
+          samples=_batch(), steps=2, micro_batch_tokens=96, pad_id=257)
 
 
 def _run(tmp_path, tp: int, cp: int, sp: bool, mode: str = "invariant",

@@ -47,7 +47,8 @@ def _samples() -> list[TrainSample]:
 def _stats(samples, pc: ParallelCtx | None = None):
     ref = _model(pc).requires_grad_(False)
     return compute_gradients(_model(pc), ref, samples, temperature=SP.temperature,
-                             coefs=LossCoefs(0.2, 0.0, 0.0, "k1"), token_budget=512, pad_id=257,
+                             coefs=LossCoefs(0.2, 0.0, 0.0, "k1"), micro_batch_tokens=512,
+                             pad_id=257,
                              exp=invariant_exp)
 
 

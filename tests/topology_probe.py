@@ -1,15 +1,16 @@
 """Run training steps of one Qwen3 config on real gloo processes and record what EVERY rank computed.
 
-Shared by tests/test_topology.py (the topology matrix) and tests/test_shape_property.py (random
-model shapes × topologies). `run_layout` starts tp·cp processes (rlkernel.distributed.launch);
-each rank runs `steps` steps of compute_gradients + exact-norm clip + AdamW on a fixed batch and
-pickles its own record:
-    per step: per-token logprobs of the loss rows this rank holds (keyed by microbatch and
-    logical stream row), every gradient reassembled to its logical tensor, the exact grad norm,
-    loss and entropy; after the steps: the exported weights.
+Shared by tests/test_topology.py (the topology matrix), tests/test_dp.py (the DP × microbatch
+matrix) and tests/test_shape_property.py (random model shapes × topologies). `run_layout` starts
+dp·tp·cp processes (rlkernel.distributed.launch); each rank runs `steps` steps of
+compute_gradients + exact-norm clip + (ZeRO-1) AdamW on a fixed batch and pickles its own record:
+    per step: per-token logprobs of the loss rows this rank holds (keyed by sample and position),
+    every gradient reassembled to its logical tensor, the exact grad norm, loss and entropy;
+    after the steps: the exported weights.
 `assert_same_bytes` compares each rank's record with a baseline by bytes (int32 views, hex of
-floats), never with a tolerance; every logical token must be held by some CP rank of each TP rank.
-`single_process` runs the same steps in this process (TP1/CP1, no process group), the baseline.
+floats), never with a tolerance; every logical token must be held by some (DP, CP) rank of each
+TP rank. `single_process` runs the same steps in this process (DP1/TP1/CP1, no process group),
+the baseline.
 
 Footgun: `probe` is pickled by reference for spawned ranks, so this module must stay importable
 as `topology_probe` (pytest puts tests/ on sys.path, and spawn passes sys.path to children).
@@ -23,14 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel.config import RunConfig
+from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.launch import launch
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.model.sharding import counts_for_norm, logical_tensor
 from rlkernel.train.losses import LossCoefs, invariant_exp
-from rlkernel.train.optimizer import AdamW, AdamWParams
-from rlkernel.train.step import compute_gradients, gradients, microbatches
+from rlkernel.train.optimizer import AdamWParams
+from rlkernel.train.step import compute_gradients, dp_share, gradients, microbatches
+from rlkernel.train.zero import ZeroAdamW
 
 T = 0.7
 COEFS = LossCoefs(clip_eps=0.2, kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3")
@@ -45,7 +48,7 @@ class Job:
     ref_w: dict
     samples: list
     steps: int = 2
-    token_budget: int = 96
+    micro_batch_tokens: int = 96
     pad_id: int = 257
 
 
@@ -57,14 +60,15 @@ def _logical_grads(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _token_logprobs(policy: Qwen3ForCausalLM, job: Job) -> dict[tuple[int, int], torch.Tensor]:
-    """{(microbatch, logical stream row): fp32 logprob} of the loss rows this rank holds, from the
-    layouts compute_gradients runs (train.step.microbatches)."""
+    """{(sample index, position of the row): fp32 logprob} of the loss rows this rank holds, from
+    the layouts compute_gradients runs (train.step.dp_share + microbatches)."""
     out = {}
-    for i, (lay, (targets, mask, *_), local) in enumerate(
-            microbatches(job.samples, job.token_budget, job.pad_id, policy.pc)):
+    share = list(dp_share(len(job.samples), policy.pc.dp))
+    for lay, (targets, mask, _, _, who), _ in microbatches(
+            [job.samples[i] for i in share], job.micro_batch_tokens, job.pad_id, policy.pc, share):
         lp, _ = policy.token_logprobs(policy.hidden(lay), targets.to(policy.device), T)
         for row in mask.nonzero(as_tuple=True)[0].tolist():
-            out[(i, int(local[row]))] = lp[row].to("cpu", copy=True)
+            out[(int(who[row]), int(lay.positions[row]))] = lp[row].to("cpu", copy=True)
     return out
 
 
@@ -73,13 +77,14 @@ def _steps(policy, ref, job: Job, exp, opt, counted, world_comm) -> dict:
     for _ in range(job.steps):
         lps = _token_logprobs(policy, job)
         stats = compute_gradients(policy, ref, job.samples, temperature=T, coefs=COEFS,
-                                  token_budget=job.token_budget, pad_id=job.pad_id, exp=exp)
+                                  micro_batch_tokens=job.micro_batch_tokens, pad_id=job.pad_id,
+                                  exp=exp)
         grads = _logical_grads(policy)
         gs = opt.clip(gradients(policy), 1.0, counted, world_comm)
         record["steps"].append({"grads": grads, "norm": gs.norm, "loss": stats.loss,
                                 "entropy": stats.entropy, "logprobs": lps})
         opt.step(gradients(policy))
-        policy.load_master_shards(opt.master)
+        policy.load_master_shards(opt.weights(policy.param_dtype))
     record["weights"] = policy.export_tensors()
     return record
 
@@ -107,39 +112,47 @@ def probe(rank: int, cfg: RunConfig, job: Job, out_dir: str) -> None:
     pc, _ = build_contexts(topo, comms, job.mcfg)
     policy, ref = _models(job, cfg.mode, pc, cfg.recompute, cfg.device)
     exp = invariant_exp if cfg.mode == "invariant" else torch.exp
-    opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()}, AdamWParams(lr=1e-3))
+    opt = ZeroAdamW({n: p.detach() for n, p in policy.logical_params().items()},
+                    AdamWParams(lr=1e-3), comms.dp)
     counted = {n for n in policy.logical_params()
                if topo.cp_rank == 0 and counts_for_norm(n, job.mcfg, topo.tp, topo.tp_rank)}
     record = _steps(policy, ref, job, exp, opt, counted, comms.world)
-    record["where"] = (topo.tp_rank, topo.cp_rank)
+    record["where"] = (topo.tp_rank, topo.cp_rank, topo.dp_rank)
+    record["optimizer_bytes"] = opt.optimizer_bytes()
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump(record, f)
 
 
 def run_layout(out_dir, job: Job, tp: int, cp: int, sp: bool, mode: str = "invariant",
-               recompute: bool = False, device: str = "cpu") -> list[dict]:
-    """Every rank's record of `job` on tp·cp real processes (rank order); on CUDA one GPU per
+               recompute: bool = False, device: str = "cpu", dp: int = 1) -> list[dict]:
+    """Every rank's record of `job` on dp·tp·cp real processes (rank order); on CUDA one GPU per
     rank, the process group carrying CUDA tensors over NCCL and CPU tensors over gloo."""
-    cfg = RunConfig(tp=tp, cp=cp, sp=sp, mode=mode, dtype="fp32", recompute=recompute,
-                    device=device)
+    cfg = RunConfig(dp=dp, tp=tp, cp=cp, sp=sp, mode=mode, dtype="fp32", recompute=recompute,
+                    device=device, n_prompts=len(job.samples), n_samples_per_prompt=1)
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-    launch(probe, (cfg, job, str(out_dir)), world_size=tp * cp, backend=backend, timeout_s=300)
+    world = dp * tp * cp
+    launch(probe, (cfg, job, str(out_dir)), world_size=world, backend=backend, timeout_s=300)
     out = []
-    for r in range(tp * cp):
+    for r in range(world):
         with open(f"{out_dir}/rank{r}.pkl", "rb") as f:
             out.append(pickle.load(f))
     return out
 
 
 def single_process(job: Job, mode: str = "invariant", device: str = "cpu") -> dict:
-    """The record of `job` in this process: TP1/CP1, no process group."""
+    """The record of `job` in this process: DP1/TP1/CP1, no process group."""
     from rlkernel.distributed.parallel import ParallelCtx
     from rlkernel.distributed.topology import single_comms
 
+    comms = single_comms()
     policy, ref = _models(job, mode, ParallelCtx.single(), False, device)
     exp = invariant_exp if mode == "invariant" else torch.exp
-    opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()}, AdamWParams(lr=1e-3))
-    return _steps(policy, ref, job, exp, opt, set(policy.logical_params()), single_comms().world)
+    opt = ZeroAdamW({n: p.detach() for n, p in policy.logical_params().items()},
+                    AdamWParams(lr=1e-3), Comm.single("dp"))
+    record = _steps(policy, ref, job, exp, opt, set(policy.logical_params()), comms.world)
+    record["where"] = (0, 0, 0)   # (tp_rank, cp_rank, dp_rank), as a launched rank records it
+    record["optimizer_bytes"] = opt.optimizer_bytes()
+    return record
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -150,7 +163,8 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def assert_same_bytes(got: list[dict], want: dict, label: str) -> None:
     """Every rank's record == `want` by bytes: per-token logprobs of the rows it holds (and every
-    token held by one CP rank of each TP rank), gradients, norm, loss, entropy, final weights."""
+    token held by one (DP, CP) rank of each TP rank), gradients, norm, loss, entropy, final
+    weights."""
     for rank, g_rec in enumerate(got):
         where = f"{label} rank {rank} (tp_rank, cp_rank) = {g_rec['where']}"
         for s, (g, w) in enumerate(zip(g_rec["steps"], want["steps"], strict=True)):
@@ -169,5 +183,5 @@ def assert_same_bytes(got: list[dict], want: dict, label: str) -> None:
     for t in tp_ranks:
         for s, w in enumerate(want["steps"]):
             held = set().union(*(r["steps"][s]["logprobs"] for r in got if r["where"][0] == t))
-            assert held == set(w["logprobs"]), f"{label} tp_rank {t} step {s}: the CP ranks " \
+            assert held == set(w["logprobs"]), f"{label} tp_rank {t} step {s}: the DP/CP ranks " \
                 f"hold {len(held)} loss tokens, the baseline {len(w['logprobs'])}"

@@ -1,10 +1,12 @@
 """Deterministic collectives over one process group, with call validation.
 
-Every reduction across ranks is finished by the *canonical tree*, never by the backend's reduce:
-ranks exchange their aligned-subtree partials with an all-gather (exact bytes), and every rank
-sums them by the same pairwise tree (rlkernel/numerics/trees.py), so all ranks hold identical bits
-and the result equals the single-process tree (DESIGN.md §1). All-gathers concatenate in logical
-(rank) order.
+Every floating-point reduction across ranks is finished by the *canonical tree*, never by the
+backend's reduce: ranks exchange their aligned-subtree partials with an all-gather (exact bytes),
+and every rank sums them by the same pairwise tree (rlkernel/numerics/trees.py), so all ranks hold
+identical bits and the result equals the single-process tree (DESIGN.md §1). All-gathers
+concatenate in logical (rank) order. The one backend reduction used is `sum_ints`, a SUM of
+integers (exact fixed-point gradient accumulators): integer addition is associative, so the
+backend's order cannot change the result.
 
 Each call first exchanges a signature — call counter, operation name, shape, dtype — and raises
 CollectiveMismatch naming both sides if any rank is making a different call, instead of hanging
@@ -112,6 +114,22 @@ class Comm:
         equals the single-process tree over all leaves.
         """
         return tree_combine(self.all_gather(partial, op))
+
+    def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
+        """Elementwise SUM of an int64 tensor over the group, identical on every rank; exact in
+        any order (the caller keeps values far from int64 overflow). Returns a new tensor, or
+        with `inplace` (t contiguous) t itself, overwritten; `t` itself in a one-rank group.
+        Raises TypeError for other dtypes, ValueError for a non-contiguous `inplace` tensor."""
+        if t.dtype != torch.int64:
+            raise TypeError(f"sum_ints({op!r}) expects int64, got {t.dtype}")
+        if inplace and not t.is_contiguous():
+            raise ValueError(f"sum_ints({op!r}, inplace=True) needs a contiguous tensor")
+        self._validate(op, t)
+        if self.size == 1:
+            return t
+        out = t if inplace else t.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
 
     def tree_reduce_scatter(self, partial: torch.Tensor, op: str, dim: int = 0) -> torch.Tensor:
         """tree_all_reduce, then this rank's equal slice along `dim` (rank order)."""

@@ -1,7 +1,9 @@
 """Build the training and rollout ParallelCtx of this rank from the topology and its groups.
 
 Adds what only the model config knows: the groups of TP ranks that replicate one KV head (when
-TP exceeds the KV heads), and the token trees (CP zig-zag segments; SP sub-segments).
+TP exceeds the KV heads), and how token reductions are finished (distributed/tokensum.py): the
+training context carries the policy's GradSink (its accumulators summed over DP × CP, or over the
+world for SP-sharded norm weights and Q/K-norm head sums).
 Collective: every rank calls it, in the same order (torch creates groups collectively).
 """
 
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx
-from rlkernel.distributed.tokentree import TokenTree, cp_segments, sp_segments
+from rlkernel.distributed.tokensum import GradSink, TokenSum
 from rlkernel.distributed.topology import Comms, Topology
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.sharding import kv_replicas
@@ -35,15 +37,11 @@ def build_contexts(topo: Topology, comms: Comms, cfg: Qwen3Config) -> tuple[Para
     train_kv = _kv_comms(groups["tp"], kv_replicas(cfg, topo.tp), topo.rank, "kv")
     roll_kv = _kv_comms(groups["rollout_tp"], kv_replicas(cfg, topo.rollout_tp), topo.rank,
                         "rollout_kv")
-    c, t = topo.cp, topo.tp
-    tok = TokenTree(comms.cp, 2 * c, tuple(cp_segments(c, r) for r in range(c)))
-    if topo.sp:
-        owned = tuple(sp_segments(c, rr // t, t, rr % t) for rr in range(c * t))
-        tok_sp = TokenTree(comms.tp_cp, c * t, owned)
-    else:
-        tok_sp = tok
-    train = ParallelCtx(comms.tp, train_kv, comms.cp, topo.sp, tok, tok_sp)
-    p = topo.rollout_cp
-    roll_tok = TokenTree(comms.rollout_cp, 2 * p, tuple(cp_segments(p, r) for r in range(p)))
+    sink = GradSink({"dp_cp": comms.dp_cp, "world": comms.world})
+    tok = TokenSum(comms.cp, "dp_cp", sink)
+    # Under SP the TP ranks hold different tokens too: norm weights sum over the whole world.
+    tok_sp = TokenSum(comms.tp_cp, "world", sink) if topo.sp else tok
+    train = ParallelCtx(comms.tp, train_kv, comms.cp, topo.sp, tok, tok_sp, comms.dp)
+    roll_tok = TokenSum(comms.rollout_cp)
     rollout = ParallelCtx(comms.rollout_tp, roll_kv, comms.rollout_cp, False, roll_tok, roll_tok)
     return train, rollout

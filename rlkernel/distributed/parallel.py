@@ -1,7 +1,8 @@
 """Parallel context and the autograd pairs that move activations between layouts.
 
 `ParallelCtx` is what a model layer receives instead of reading a global world (STYLE.md §4):
-its TP group, the TP ranks sharing its KV head, its CP group, and the token trees of its streams.
+its TP group, the TP ranks sharing its KV head, its CP group, and how its token reductions are
+finished (distributed/tokensum.py).
 `ParallelCtx.single()` is the one-process context; TP1 and TP8 run the same code paths.
 
 Autograd pairs (forward ↔ backward), every sum finished by the canonical tree (comm.py):
@@ -12,37 +13,46 @@ Autograd pairs (forward ↔ backward), every sum finished by the canonical tree 
 - select_vocab_owner: exact owner pick of vocab-parallel embedding rows ↔ owner mask.
 - sp_scatter: own sequence slice ↔ all-gather.
 - cp_gather_stream: all-gather of CP-local streams into the logical stream ↔ own rows; the
-  consumer (attention) finishes its own token tree, so every rank already holds the whole grad.
+  consumer (attention) finishes its own token reduction, so every rank already holds the whole grad.
+CP layout: a stream of L rows (L a multiple of 2·CP·TOKEN_LEAF, so cuts fall between leaves) is cut
+into 2·CP equal segments; CP rank r holds segments r and 2·CP−1−r (zig-zag, causal load balance, as
+Megatron's CP), in that order, as its local stream.
 Does not: create groups (topology.py) or shard parameters (model/sharding.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rlkernel.distributed.comm import Comm
-from rlkernel.distributed.tokentree import TokenTree, cp_segments
+from rlkernel.distributed.tokensum import GradSink, TokenSum
+from rlkernel.spec import TOKEN_LEAF
 
 
 @dataclass(frozen=True)
 class ParallelCtx:
     """tp: TP group; kv: TP ranks replicating this rank's KV head (size 1 if KV heads are split);
-    cp: CP group; sp: sequence parallel on; tok: token tree of the CP-local stream (finished over
-    cp); tok_sp: token tree of SP slices (finished over tp×cp; == tok when sp is off)."""
+    cp: CP group; sp: sequence parallel on; tok: token reductions of the CP-local stream (other
+    tokens on the CP ranks); tok_sp: of SP slices (other tokens on the TP×CP ranks; == tok when
+    sp is off)."""
 
     tp: Comm
     kv: Comm
     cp: Comm
     sp: bool
-    tok: TokenTree
-    tok_sp: TokenTree
+    tok: TokenSum
+    tok_sp: TokenSum
+    dp: Comm = field(default_factory=lambda: Comm.single("dp"))
+    """The DP group (same tp_rank and cp_rank); only native mode's SUM all-reduce uses it."""
 
     @classmethod
-    def single(cls) -> "ParallelCtx":
-        tree = TokenTree.single()
-        return cls(Comm.single("tp"), Comm.single("kv"), Comm.single("cp"), False, tree, tree)
+    def single(cls, sink: GradSink | None = None) -> "ParallelCtx":
+        """The one-process context, with `sink` (default: a fresh one-process GradSink), so a
+        one-process policy accumulates its gradients exactly like a distributed one."""
+        tok = TokenSum(Comm.single("tokens"), "dp_cp", sink or GradSink.single())
+        return cls(Comm.single("tp"), Comm.single("kv"), Comm.single("cp"), False, tok, tok)
 
 
 class _Pair(torch.autograd.Function):
@@ -65,6 +75,17 @@ def collective_pair(x: torch.Tensor, fwd, bwd) -> torch.Tensor:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t.view_as(t)
+
+
+def stream_multiple(pc: ParallelCtx) -> int:
+    """What a packed stream's length must be a multiple of under pc's CP/SP layout, so that every
+    CP segment and SP slice holds whole token leaves: TOKEN_LEAF · 2·CP · (TP under SP)."""
+    return TOKEN_LEAF * 2 * pc.cp.size * (pc.tp.size if pc.sp else 1)
+
+
+def cp_segments(cp: int, cp_rank: int) -> tuple[int, int]:
+    """Segment ids (of 2·cp) held by CP rank `cp_rank`, in local-stream order (zig-zag)."""
+    return (cp_rank, 2 * cp - 1 - cp_rank)
 
 
 def rows_of_rank(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
@@ -137,6 +158,6 @@ def sp_scatter(x: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
 def cp_gather_stream(x: torch.Tensor, pc: ParallelCtx) -> torch.Tensor:
     if pc.cp.size == 1:
         return x
-    # The consumer (attention) finishes its token tree, so every rank holds the whole gradient.
+    # The consumer (attention) finishes its token sum, so every rank holds the whole gradient.
     return collective_pair(x, lambda t: cp_assemble(pc, pc.cp.all_gather(t, "cp-gather")),
                            lambda g: cp_local_rows(pc, g))

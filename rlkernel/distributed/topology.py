@@ -1,8 +1,14 @@
 """The one topology object: parallel degrees, rank layouts, their validation, and the groups.
 
-Training layout (DP is 1 for now, so world = tp * cp): TP is the inner, contiguous dimension,
+Training layout (world = dp * tp * cp): TP is the inner, contiguous dimension, DP the outer,
 
-    rank = cp_rank * tp + tp_rank      e.g. tp 2, cp 2: TP groups (0,1) (2,3), CP groups (0,2) (1,3)
+    rank = dp_rank * tp * cp + cp_rank * tp + tp_rank
+    e.g. dp 2, tp 2, cp 1: TP groups (0,1) (2,3), DP groups (0,2) (1,3); tp 2, cp 2: TP groups
+    (0,1) (2,3), CP groups (0,2) (1,3)
+
+Each DP replica (tp * cp consecutive ranks) trains on its share of a mini-batch's samples; its
+weight-gradient accumulators are summed over the DP × CP ranks with the same tp_rank ("dp_cp") or
+over the world (distributed/tokensum.py), and AdamW state is sharded over "dp" (train/zero.py).
 
 Rollout layout, on the same processes: ranks are cut into world // (rollout_tp * rollout_cp)
 rollout data-parallel replicas of consecutive ranks; inside replica g,
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlkernel.config import ConfigError
-from rlkernel.spec import VIRTUAL_CP, VIRTUAL_TP
+from rlkernel.spec import VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP
 
 if TYPE_CHECKING:
     from rlkernel.distributed.comm import Comm
@@ -92,15 +98,19 @@ def _check_degree(flag: str, v: object) -> int:
 def validate_topology(tp: int, cp: int, sp: bool, rollout_tp: int, rollout_cp: int, *,
                       world: int | None, num_attention_heads: int | None = None,
                       num_key_value_heads: int | None = None, vocab_size: int | None = None,
-                      intermediate_size: int | None = None) -> None:
+                      intermediate_size: int | None = None, dp: int = 1) -> None:
     """Refuse a topology the canonical contract or the model cannot run. Raises ConfigError.
 
     world: the number of processes when it is imposed from outside (torchrun's WORLD_SIZE); None
-    when rl-kernel starts tp * cp processes itself. Model sizes are checked only when given.
+    when rl-kernel starts dp * tp * cp processes itself. Model sizes are checked only when given.
+    (That DP divides the samples of a mini-batch is checked by config.RunConfig, which knows them.)
     """
-    for flag, v in (("--tp", tp), ("--cp", cp), ("--rollout-tp", rollout_tp),
+    for flag, v in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--rollout-tp", rollout_tp),
                     ("--rollout-cp", rollout_cp)):
         _check_degree(flag, v)
+    if VIRTUAL_DP % dp:
+        raise ConfigError(f"--dp {dp}: must divide virtual_dp={VIRTUAL_DP}; "
+                          f"allowed: {_join(_divisors(VIRTUAL_DP))}")
     if not isinstance(sp, bool):
         raise ConfigError(f"--sp {sp!r}: must be a bool")
     model = (num_attention_heads, num_key_value_heads, vocab_size, intermediate_size)
@@ -120,16 +130,16 @@ def validate_topology(tp: int, cp: int, sp: bool, rollout_tp: int, rollout_cp: i
         raise ConfigError("--sp (with --tp 1): sequence parallelism splits sequences across the "
                           "TP group, so it needs --tp > 1; allowed: --sp with --tp 2, 4 or 8, "
                           "or leave out --sp")
-    train = tp * cp
+    train = dp * tp * cp
     if world is not None and world != train:
-        raise ConfigError(f"WORLD_SIZE={world} but --tp {tp} × --cp {cp} = {train}: the number of "
-                          f"processes must equal the training world; start {train} processes, or "
-                          f"choose --tp and --cp whose product is {world}")
+        raise ConfigError(f"WORLD_SIZE={world} but --dp {dp} × --tp {tp} × --cp {cp} = {train}: "
+                          f"the number of processes must equal the training world; start {train} "
+                          f"processes, or choose --dp, --tp and --cp whose product is {world}")
     if train % (rollout_tp * rollout_cp):
         raise ConfigError(f"--rollout-tp {rollout_tp} × --rollout-cp {rollout_cp} = "
-                          f"{rollout_tp * rollout_cp} must divide the training world --tp {tp} × "
-                          f"--cp {cp} = {train} (rollout replicas run on the training processes); "
-                          f"allowed products: {_join(_divisors(train))}")
+                          f"{rollout_tp * rollout_cp} must divide the training world --dp {dp} × "
+                          f"--tp {tp} × --cp {cp} = {train} (rollout replicas run on the training "
+                          f"processes); allowed products: {_join(_divisors(train))}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,9 +147,10 @@ class Topology:
     """Degrees and this process's place in the training and rollout layouts (see module doc)."""
 
     world: int
-    """Processes in the job; equals tp * cp (DP is 1 for now)."""
+    """Processes in the job; equals dp * tp * cp."""
     rank: int
     """This process's global rank, in [0, world)."""
+    dp: int = 1
     tp: int = 1
     cp: int = 1
     sp: bool = False
@@ -148,7 +159,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         validate_topology(self.tp, self.cp, self.sp, self.rollout_tp, self.rollout_cp,
-                          world=self.world)
+                          world=self.world, dp=self.dp)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) \
                 or not 0 <= self.rank < self.world:
             raise ConfigError(f"rank {self.rank!r}: must be an integer in [0, {self.world})")
@@ -156,7 +167,7 @@ class Topology:
     @classmethod
     def from_config(cls, cfg, rank: int, world: int) -> "Topology":
         """The topology of a RunConfig (rlkernel/config.py) seen from `rank`."""
-        return cls(world=world, rank=rank, tp=cfg.tp, cp=cfg.cp, sp=cfg.sp,
+        return cls(world=world, rank=rank, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp, sp=cfg.sp,
                    rollout_tp=cfg.rollout_tp, rollout_cp=cfg.rollout_cp)
 
     def at(self, rank: int) -> "Topology":
@@ -170,7 +181,11 @@ class Topology:
 
     @property
     def cp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank % (self.tp * self.cp) // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.cp)
 
     # ---- rollout layout
     @property
@@ -202,18 +217,25 @@ class Topology:
         Key order and list order are the fixed creation order of build_comms. Every rank is in
         exactly one group of each kind.
         """
-        tp, cp, w = self.tp, self.cp, self.world
+        tp, cp, dp, w = self.tp, self.cp, self.dp, self.world
+        tc = tp * cp
         rs, rtp, rcp = self.rollout_size, self.rollout_tp, self.rollout_cp
         return {
             "world": [tuple(range(w))],
-            "tp": [tuple(c * tp + t for t in range(tp)) for c in range(cp)],
-            "cp": [tuple(c * tp + t for c in range(cp)) for t in range(tp)],
-            "tp_cp": [tuple(range(tp * cp))],
+            "tp": [tuple(d * tc + c * tp + t for t in range(tp)) for d in range(dp)
+                   for c in range(cp)],
+            "cp": [tuple(d * tc + c * tp + t for c in range(cp)) for d in range(dp)
+                   for t in range(tp)],
+            "tp_cp": [tuple(range(d * tc, (d + 1) * tc)) for d in range(dp)],
             "rollout_tp": [tuple(g * rs + c * rtp + t for t in range(rtp))
                            for g in range(self.rollout_dp) for c in range(rcp)],
             "rollout_cp": [tuple(g * rs + c * rtp + t for c in range(rcp))
                            for g in range(self.rollout_dp) for t in range(rtp)],
             "rollout_dp": [tuple(g * rs + i for g in range(self.rollout_dp)) for i in range(rs)],
+            "dp": [tuple(d * tc + c * tp + t for d in range(dp)) for c in range(cp)
+                   for t in range(tp)],
+            "dp_cp": [tuple(d * tc + c * tp + t for d in range(dp) for c in range(cp))
+                      for t in range(tp)],
         }
 
     def group_ranks(self, kind: str) -> tuple[int, ...]:
@@ -232,10 +254,14 @@ class Comms:
     tp: Comm
     cp: Comm
     tp_cp: Comm
-    """The whole training group; its rank order is the training rank."""
+    """This rank's DP replica (tp * cp ranks)."""
     rollout_tp: Comm
     rollout_cp: Comm
     rollout_dp: Comm
+    dp: Comm
+    """The ranks with this rank's (tp_rank, cp_rank), one per DP replica."""
+    dp_cp: Comm
+    """The ranks with this rank's tp_rank: they hold the other tokens of a mini-batch."""
 
     def group(self, kind: str) -> Comm:
         """The Comm of a group kind by name ("tp", "rollout_cp", ...)."""

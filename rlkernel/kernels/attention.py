@@ -10,10 +10,11 @@ A key contributes only if it is visible (key ≤ query position and < kv_len): i
 untouched. So a query's bits depend only on its own q, the keys at positions ≤ its own and B:
 prefill, chunked prefill, KV-cache decode, any batch and any padding give identical bytes.
 Backward (recompute, p = exp(s − lse)): dQ reduces over keys in the same block/key order; dK and
-dV reduce over queries, which is a token reduction: queries are summed in stream order inside
-each fine token leaf of the microbatch, leaves combined by the pairwise tree over their global
-leaf index (absent leaves skipped), then the G query heads of a GQA group by the halving tree
-(numerics/trees.tree_sum_halving). Why halving: when TP exceeds the KV heads, the rep = TP/Hkv
+dV reduce over queries, which is a token reduction (distributed/tokensum.py): queries are summed
+in position order inside each leaf of TOKEN_LEAF positions of their own sample (leaf = position
+// TOKEN_LEAF, so packing never moves a query to another leaf), the leaf partials added exactly
+over this rank's leaves and the CP ranks' (`tok.exact_sum`) and rounded once, then the G query
+heads of a GQA group by the halving tree (numerics/trees.tree_sum_halving). Why halving: when TP exceeds the KV heads, the rep = TP/Hkv
 ranks sharing a KV head hold G/rep consecutive query heads each (e.g. 24 query / 2 KV heads at
 TP4: 12 heads as 6 + 6), and only the halving tree has those equal parts as subtrees for every
 G, so each rank reduces its part locally and `kv_comm` finishes the same tree. (When the group
@@ -30,11 +31,11 @@ from __future__ import annotations
 import torch
 
 from rlkernel.kernels.elementwise import exp32, log32
-from rlkernel.kernels.matmul import TOKEN_LEAVES, seq_matmul
+from rlkernel.kernels.matmul import seq_matmul
 from rlkernel.distributed.comm import Comm
-from rlkernel.distributed.tokentree import TokenTree
+from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.numerics.trees import tree_sum, tree_sum_halving
-from rlkernel.spec import ATTN_KV_BLOCK
+from rlkernel.spec import ATTN_KV_BLOCK, TOKEN_LEAF
 
 _NEG_INF = float("-inf")
 
@@ -101,78 +102,50 @@ def attention_forward(q, k, v, q_pos, kv_len, scale):
     return out.reshape(s_, hq, tq, d), lse
 
 
-def _leaf_layout(q_idx: torch.Tensor, stream_len: int):
-    """Per sample: shifted slots so that query slot i sits at leaf (idx // m), offset (idx % m)."""
-    m = stream_len // TOKEN_LEAVES
-    if stream_len % TOKEN_LEAVES or m == 0:
-        raise ValueError(f"attention backward: stream length {stream_len} is not a positive "
-                         f"multiple of {TOKEN_LEAVES} token leaves")
-    valid = q_idx >= 0
-    first = torch.where(valid, q_idx, torch.full_like(q_idx, 1 << 62)).amin(1)   # [S]
-    first = torch.where(valid.any(1), first, torch.zeros_like(first))
-    f0 = torch.div(first, m, rounding_mode="floor")
-    slot = torch.where(valid, q_idx - f0[:, None] * m, torch.full_like(q_idx, -1))
-    nf = int(torch.div(slot.amax(), m, rounding_mode="floor").item()) + 1 if valid.any() else 1
-    return m, f0, slot, nf
+def _sum_over_queries(w, x, q_pos, tok: TokenSum):
+    """Σ over queries of w[..., t, j]·x[..., t, :] by the canonical token reduction.
 
-
-def _token_tree_over_queries(w, x, slot, m, f0, nf, tree: TokenTree):
-    """Σ over queries of w[..., t, j]·x[..., t, :] by the canonical token tree.
-
-    w [S,H,G,Tq,Tk], x [S,H,G,Tq,D], slot [S,Tq] (shifted stream slot, −1 = none) -> [S,H,G,Tk,D].
-    Leaves this rank does not hold are absent here and finished across `tree`'s ranks.
+    w [S,H,G,Tq,Tk], x [S,H,G,Tq,D], q_pos [S,Tq] (absolute position, −1 = none) -> [S,H,G,Tk,D]:
+    per sample, queries in position order inside each leaf of TOKEN_LEAF positions (absent
+    positions skipped), then every leaf partial of every rank of `tok.comm` added exactly.
     """
     s_, h, g, tq, tk = w.shape
     d = x.shape[-1]
-    width = nf * m
-    valid = slot >= 0
-    sl = torch.where(valid, slot, torch.full_like(slot, width))        # pad rows -> dump slot
     dev = w.device
+    valid = q_pos >= 0
+    nf = int(q_pos.amax().item()) // TOKEN_LEAF + 1 if bool(valid.any()) else 1
+    width = nf * TOKEN_LEAF
+    sl = torch.where(valid, q_pos, torch.full_like(q_pos, width))       # padding -> dump slot
     wq = torch.zeros(s_, h, g, width + 1, tk, device=dev)
     xq = torch.zeros(s_, h, g, width + 1, d, device=dev)
-    idx_w = sl[:, None, None, :, None].expand(s_, h, g, tq, tk)
-    idx_x = sl[:, None, None, :, None].expand(s_, h, g, tq, d)
-    wq.scatter_(3, idx_w, w)
-    xq.scatter_(3, idx_x, x)
+    wq.scatter_(3, sl[:, None, None, :, None].expand(s_, h, g, tq, tk), w)
+    xq.scatter_(3, sl[:, None, None, :, None].expand(s_, h, g, tq, d), x)
     present = torch.zeros(s_, width + 1, dtype=torch.bool, device=dev)
     present.scatter_(1, sl, valid)
-    wq = wq[:, :, :, :width].reshape(s_, h, g, nf, m, tk)
-    xq = xq[:, :, :, :width].reshape(s_, h, g, nf, m, d)
-    present = present[:, :width].reshape(s_, nf, m)
+    wq = wq[:, :, :, :width].reshape(s_, h, g, nf, TOKEN_LEAF, tk)
+    xq = xq[:, :, :, :width].reshape(s_, h, g, nf, TOKEN_LEAF, d)
+    present = present[:, :width].reshape(s_, nf, TOKEN_LEAF)
     acc = torch.zeros(s_, h, g, nf, tk, d, device=dev)
-    for i in range(m):
+    for i in range(TOKEN_LEAF):
         cand = acc + wq[..., i, :, None] * xq[..., i, None, :]
         acc = torch.where(present[:, None, None, :, i, None, None], cand, acc)
-    leaf_has = present.any(-1).cpu()                                    # [S, nf]
-    local_of = {tree.global_leaf(i): i for i in range(tree.local_leaves)}
-    items = []
-    for si in range(s_):
-        leaves: list[torch.Tensor | None] = [None] * tree.local_leaves
-        for f in range(nf):
-            if leaf_has[si, f]:
-                gl = int(f0[si]) + f
-                if gl not in local_of:
-                    raise RuntimeError(f"attention backward: query leaf {gl} is not held here")
-                leaves[local_of[gl]] = acc[si, :, :, f]
-        items.append(leaves)
-    return tree.finish_sparse(items, (h, g, tk, d), dev, "token-tree-attention")
+    # A leaf with no query here is all zeros, which adds nothing to an exact sum.
+    return tok.exact_sum(acc.movedim(3, 0), "token-sum-attention")
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, kv_len, scale, q_idx, stream_len, tree, kv_comm):
+    def forward(ctx, q, k, v, q_pos, kv_len, scale, tok, kv_comm):
         out, lse = attention_forward(q, k, v, q_pos, kv_len, scale)
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, kv_len, q_idx)
-        ctx.scale, ctx.stream_len = scale, stream_len
-        ctx.tree, ctx.kv_comm = tree or TokenTree.single(), kv_comm
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, kv_len)
+        ctx.scale = scale
+        ctx.tok, ctx.kv_comm = tok or TokenSum.single(), kv_comm
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse, q_pos, kv_len, q_idx = ctx.saved_tensors
+        q, k, v, out, lse, q_pos, kv_len = ctx.saved_tensors
         scale = ctx.scale
-        if q_idx is None or ctx.stream_len is None:
-            raise RuntimeError("attention backward needs the token-stream layout (q_idx, stream_len)")
         s_, hq, tq, d = q.shape
         hkv, tk = k.shape[1], k.shape[2]
         g = hq // hkv
@@ -198,33 +171,29 @@ class _Attention(torch.autograd.Function):
         dq = dq * scale
         p_all = torch.cat(p_all, -1)
         ds_all = torch.cat(ds_all, -1)
-        m, f0, slot, nf = _leaf_layout(q_idx, ctx.stream_len)
-        tree = ctx.tree
-        # Token tree per query head first, then the heads of a GQA group by the halving tree:
-        # this rank's equal part of the group locally, then across the TP ranks replicating
-        # this KV head (rank order = head order), which finish the same tree.
-        dv = tree_sum_halving(_token_tree_over_queries(p_all, dog, slot, m, f0, nf, tree), 2)
-        dk = tree_sum_halving(_token_tree_over_queries(ds_all, qg, slot, m, f0, nf, tree), 2)
+        tok = ctx.tok
+        # Token reduction per query head first, then the heads of a GQA group by the halving
+        # tree: this rank's equal part of the group locally, then across the TP ranks
+        # replicating this KV head (rank order = head order), which finish the same tree.
+        dv = tree_sum_halving(_sum_over_queries(p_all, dog, q_pos, tok), 2)
+        dk = tree_sum_halving(_sum_over_queries(ds_all, qg, q_pos, tok), 2)
         if ctx.kv_comm is not None and ctx.kv_comm.size > 1:
             dv = ctx.kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
             dk = ctx.kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
         dk = dk * scale
-        return dq.reshape(s_, hq, tq, d), dk, dv, None, None, None, None, None, None, None
+        return dq.reshape(s_, hq, tq, d), dk, dv, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-              kv_len: torch.Tensor, scale: float, q_idx: torch.Tensor | None = None,
-              stream_len: int | None = None, tree: TokenTree | None = None,
+              kv_len: torch.Tensor, scale: float, tok: TokenSum | None = None,
               kv_comm: Comm | None = None) -> torch.Tensor:
     """Invariant causal GQA attention.
 
     q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D] fp32; q_pos [S, Tq] long absolute positions (−1 = padding
     slot, output 0); kv_len [S] long valid keys per sample; scale = 1/sqrt(D) (float).
-    For a gradient: q_idx [S, Tq] long, each query's index in the microbatch token stream (−1 =
-    padding), and stream_len, that stream's padded length (multiple of TOKEN_LEAVES).
-    Under CP, q holds this rank's queries only (q_idx their global stream indices) and `tree` the
-    rank's token segments; k/v hold whole sequences. `kv_comm`: the TP ranks replicating this KV
-    head (a power-of-two count), in head order, each holding 1/kv_comm.size of the group's heads.
-    Returns [S, Hq, Tq, D] fp32. Raises ValueError on a stream length the token tree cannot cut.
+    Under CP, q holds this rank's queries only (whole leaves of TOKEN_LEAF positions of each
+    sample) and `tok.comm` is the CP group that holds the others; k/v hold whole sequences.
+    `kv_comm`: the TP ranks replicating this KV head (a power-of-two count), in head order, each
+    holding 1/kv_comm.size of the group's heads. Returns [S, Hq, Tq, D] fp32.
     """
-    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), q_idx, stream_len, tree, kv_comm)
+    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), tok, kv_comm)

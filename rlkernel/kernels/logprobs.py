@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel.distributed.tokentree import TokenTree
+from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels.elementwise import exp32, log32
-from rlkernel.kernels.matmul import column_parallel_dx, linear_nt, tree_grad_weight
+from rlkernel.kernels.matmul import column_parallel_dx, grad_weight, linear_nt
 from rlkernel.spec import VIRTUAL_TP
 from rlkernel.numerics.trees import tree_sum
 
@@ -131,7 +131,7 @@ def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, temperature, shards, tree, live_vocab):
+    def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab):
         if h.is_cuda:
             from rlkernel.kernels import triton_logprobs
             m, s, t, z_y = triton_logprobs.linear_shard_stats(h, w, targets, temperature, shards,
@@ -144,7 +144,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             lse, ent = _forward_stats(z, shards)
             z_y = z.gather(1, targets[:, None])[:, 0]
         ctx.save_for_backward(h, w, targets, lse, ent)
-        ctx.temperature, ctx.shards, ctx.tree = temperature, shards, tree
+        ctx.temperature, ctx.shards, ctx.tok, ctx.param = temperature, shards, tok, w
         ctx.live_vocab = live_vocab
         return z_y - lse, ent
 
@@ -156,25 +156,24 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         dlogits = _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature)
         del z
         dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
-        dw = (tree_grad_weight(dlogits, h, ctx.tree).to(w.dtype) if ctx.needs_input_grad[1]
-              else None)
+        dw = grad_weight(dlogits, h, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
         return dh, dw, None, None, None, None, None
 
 
 def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                                   temperature: float, shards: int = VIRTUAL_TP,
-                                  tree: TokenTree | None = None, live_vocab: int | None = None):
+                                  tok: TokenSum | None = None, live_vocab: int | None = None):
     """token_logprobs_entropy(h @ wᵀ, targets, T, live_vocab=...) without keeping the logits.
 
     h [N, H] fp32, w [V, H] fp32 (the full vocab: TP = 1), targets [N] long, temperature > 0,
     live_vocab in [1, V] or None (= V) -> (logprobs [N], entropy [N]) fp32, bitwise equal to the
     unfused path on the column-parallel logits. Backward: d logits recomputed once per call; dh by
-    the virtual-TP tree over vocab shards, dW by the token tree (`tree`; N a multiple of its
-    leaves), as the LM head's own backward. On CUDA the forward's extra memory is O(N · shards).
+    the virtual-TP tree over vocab shards, dW by the token reduction through `tok` (N a multiple
+    of TOKEN_LEAF), as the LM head's own backward. On CUDA the forward's extra memory is O(N · shards).
     ValueError: live_vocab out of range.
     """
     check_live_vocab(live_vocab, w.shape[0])
-    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tree, live_vocab)
+    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tok, live_vocab)
 
 
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,

@@ -19,9 +19,9 @@ Canonical reductions (DESIGN.md §1):
   holds rows [⌊s·N/8⌋, ⌊(s+1)·N/8⌋) (`virtual_shard_rows`), so shards differ by at most one row,
   empty shards are skipped (never added as zeros), and TP rank r of t owns exactly the rows
   [⌊r·N/t⌋, ⌊(r+1)·N/t⌋) — the same cut whatever t.
-- dW = dYᵀ·X of every linear: the token tree — the microbatch stream of L tokens (L % TOKEN_LEAVES
-  == 0) is cut into TOKEN_LEAVES equal fine leaves, tokens summed in order inside a leaf, leaves
-  combined by the pairwise tree.
+- dW = dYᵀ·X of every linear: a token reduction (distributed/tokensum.py) — the local stream is
+  cut into leaves of TOKEN_LEAF tokens (each inside one sample), tokens summed in order inside a
+  leaf (`token_leaf_partials`), the leaf partials added exactly and rounded once.
 
 CUDA tensors dispatch to the Triton kernels of kernels/triton_matmul.py (same contract, its own
 bits); the trees stay here. Does not: communicate (rlkernel/distributed/ adds the collectives).
@@ -33,9 +33,10 @@ import torch
 
 from typing import Sequence
 
-from rlkernel.distributed.tokentree import TokenTree
+from rlkernel.distributed.tokensum import TokenSum, leaves_of
+from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics.trees import tree_combine, tree_sum
-from rlkernel.spec import TOKEN_LEAVES, VIRTUAL_TP
+from rlkernel.spec import VIRTUAL_TP
 
 _CHUNK_ELEMS = 1 << 24  # bound on the [.., M, N] working set of one elementwise step
 _CUDA_CHUNK_ELEMS = 1 << 28  # bound on the per-leaf dW partials of one Triton launch (1 GiB)
@@ -134,14 +135,14 @@ def column_parallel_dx(dy: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_
     return tree_combine(parts)  # type: ignore[return-value]  (n >= 1: some shard has a row)
 
 
-def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
+def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int) -> torch.Tensor:
     """Per-leaf dWᵀ partials of dW = dYᵀ·X: [leaves, N, K] fp32, tokens in order inside a leaf.
 
-    dy [L, N], x [L, K], L % leaves == 0 (the padded microbatch stream).
+    dy [L, N], x [L, K], L % leaves == 0 (leaf i = rows [i·L/leaves, (i+1)·L/leaves)).
     """
     n_tok = dy.shape[0]
     if n_tok % leaves:
-        raise ValueError(f"token tree: stream length {n_tok} is not a multiple of {leaves} leaves")
+        raise ValueError(f"token leaves: stream length {n_tok} is not a multiple of {leaves} leaves")
     if dy.is_cuda:
         return _triton().token_leaf_partials(dy, x, leaves)
     m = n_tok // leaves
@@ -151,31 +152,42 @@ def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_L
     return seq_matmul(dyl.transpose(1, 2), xl)
 
 
-def token_tree_grad_weight(dy: torch.Tensor, x: torch.Tensor, leaves: int = TOKEN_LEAVES) -> torch.Tensor:
-    """dW = dYᵀ·X by the canonical token tree. dy [L, N], x [L, K] -> [N, K] fp32."""
+def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """acc [N, K, N_COLS] += exact Σ over the TOKEN_LEAF leaves of the stream of their dWᵀ
+    partials (dy [L, N], x [L, K], L a multiple of TOKEN_LEAF); returns acc."""
+    leaves = leaves_of(dy.shape[0])
     n = dy.shape[1]
     chunk = _CUDA_CHUNK_ELEMS if dy.is_cuda else _CHUNK_ELEMS   # rows of dW are independent
     rows = max(1, chunk // max(1, leaves * x.shape[1]))
-    outs = [tree_sum(token_leaf_partials(dy[:, i:i + rows], x, leaves), 0)
-            for i in range(0, n, rows)]
-    return torch.cat(outs, dim=0)
+    for i in range(0, n, rows):
+        fx.accumulate_(acc[i:i + rows], token_leaf_partials(dy[:, i:i + rows], x, leaves))
+    return acc
 
 
-def tree_grad_weight(dy: torch.Tensor, x: torch.Tensor, tree: TokenTree | None) -> torch.Tensor:
-    """dW = dYᵀ·X over the stream by the canonical token tree, finished across `tree`'s ranks.
+def token_grad_weight(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ·X over one stream on one rank, by the canonical token reduction (leaf partials
+    added exactly, rounded once). dy [L, N], x [L, K] (L % TOKEN_LEAF == 0) -> [N, K] fp32."""
+    acc = fx.zeros((dy.shape[1], x.shape[1]), dy.device)
+    return fx.round_fp32(accumulate_grad_weight_(acc, dy, x))
 
-    dy [L, N], x [L, K] (L = this rank's local stream) -> [N, K] fp32.
-    """
-    if tree is None or (tree.comm.size == 1 and tree.n_segments == 1):
-        return token_tree_grad_weight(dy, x)
-    return tree.finish(token_leaf_partials(dy, x, tree.local_leaves), "token-tree-dw")
+
+def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                tok: TokenSum | None) -> torch.Tensor | None:
+    """w's gradient dW = dYᵀ·X through `tok` (distributed/tokensum.py): None when tok's sink is
+    open (the sink keeps the exact sum), else the exact sum over this rank's leaves and tok.comm,
+    rounded, in w's dtype. dy [L, N], x [L, K] (L = this rank's local stream), w [N, K]."""
+    tok = tok or TokenSum.single()
+    acc = accumulate_grad_weight_(tok.accumulator(w), dy, x)
+    return tok.result(w, acc, "token-sum-dw")
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard_rows, tree, *ws):
+    def forward(ctx, x, shard_rows, tok, *ws):
         ctx.save_for_backward(x, *ws)
-        ctx.shard_rows, ctx.tree = shard_rows, tree
+        # The parameters themselves key the gradient sink: saved tensors may come back as other
+        # objects (activation checkpointing unpacks recomputed ones).
+        ctx.shard_rows, ctx.tok, ctx.params = shard_rows, tok, ws
         return tuple(linear_nt(x, w) for w in ws)
 
     @staticmethod
@@ -198,29 +210,29 @@ class _ColumnParallelLinear(torch.autograd.Function):
             dx = tree_combine(parts)
             if dx is None:   # this rank owns no row of any projection (N < TP): no partial
                 dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        dws = tuple(tree_grad_weight(dy, x, ctx.tree).to(w.dtype) if ctx.needs_input_grad[3 + i]
-                    else None for i, (dy, w) in enumerate(zip(dys, ws)))
+        dws = tuple(grad_weight(dy, x, w, ctx.tok) if ctx.needs_input_grad[3 + i]
+                    else None for i, (dy, w) in enumerate(zip(dys, ctx.params)))
         return (dx, None, None) + dws
 
 
 class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, local_shards, tree):
+    def forward(ctx, x, w, local_shards, tok):
         ctx.save_for_backward(x, w)
-        ctx.tree = tree
+        ctx.tok, ctx.param = tok, w   # the parameter keys the sink (see _ColumnParallelLinear)
         return tree_sum(row_parallel_partials(x, w, local_shards), 0)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         dx = linear_nt(dy, w.t()) if ctx.needs_input_grad[0] else None
-        dw = tree_grad_weight(dy, x, ctx.tree).to(w.dtype) if ctx.needs_input_grad[1] else None
+        dw = grad_weight(dy, x, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
 
 
 def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
                            shard_rows: Sequence[Sequence[tuple[int, int]]] | None = None,
-                           local_shards: int = VIRTUAL_TP, tree: TokenTree | None = None):
+                           local_shards: int = VIRTUAL_TP, tok: TokenSum | None = None):
     """Invariant y_i = x·w_iᵀ for projections sharing x (QKV, gate/up, LM head).
 
     x [M, K] fp32, weights [N_i, K] (this rank's rows) -> tuple of [M, N_i] fp32.
@@ -230,8 +242,8 @@ def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
     (start, stop) local rows of weight i in local shard s (model/sharding.dx_shard_rows: the
     canonical `virtual_shard_rows` of the logical tensor, which also says which rows of a
     replicated KV head this rank owns); default `virtual_shard_rows(N_i, local_shards)`, the
-    canonical cut whenever the rank holds exactly its 1/TP block of rows. dW by the token tree
-    (`tree`; the local stream length must be a multiple of its leaves).
+    canonical cut whenever the rank holds exactly its 1/TP block of rows. dW by the token
+    reduction through `tok` (the local stream a multiple of TOKEN_LEAF rows).
     Raises ValueError when shard_rows does not give `local_shards` in-range row ranges per weight.
     """
     if shard_rows is None:
@@ -243,15 +255,15 @@ def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
         raise ValueError(f"column_parallel_linear: shard_rows {shard_rows} must give "
                          f"{local_shards} row ranges inside each weight of rows "
                          f"{[w.shape[0] for w in weights]}")
-    return _ColumnParallelLinear.apply(x, shard_rows, tree, *weights)
+    return _ColumnParallelLinear.apply(x, shard_rows, tok, *weights)
 
 
 def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, *, local_shards: int = VIRTUAL_TP,
-                        tree: TokenTree | None = None) -> torch.Tensor:
+                        tok: TokenSum | None = None) -> torch.Tensor:
     """This rank's subtree of y = x·wᵀ with K cut into virtual-TP shards (o_proj, down_proj).
 
     x [M, K_local] fp32, w [N, K_local] (K_local = local_shards shards) -> [M, N] fp32 partial;
     `parallel.exit_row` finishes the tree across TP (TP=1: the result). Backward: dX local
-    (sequential over N), dW by the token tree.
+    (sequential over N), dW by the token reduction through `tok`.
     """
-    return _RowParallelLinear.apply(x, w, local_shards, tree)
+    return _RowParallelLinear.apply(x, w, local_shards, tok)

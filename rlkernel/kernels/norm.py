@@ -4,13 +4,14 @@ Forward per token: r = 1/sqrt(tree_sum(x²)/H + eps); y = (x·r)·w — the mean
 pairwise tree over H (kernels/matmul.py explains why elementwise steps are path-independent), so
 a token's output never depends on other tokens. Backward:
     dx = r·(g − x̂·tree_sum(g·x̂)/H),  g = dy·w,  x̂ = x·r          (per token)
-    dw = token tree over the stream (fine leaves, in order inside a leaf), then — for the per-head
-         norm — the pairwise tree over all heads in head order: TP ranks all-gather their heads'
-         sums first, so the tree is the same however TP splits the heads (24 heads as 6 or 3
-         per rank included).
+    dw = token reduction (distributed/tokensum.py): per leaf of TOKEN_LEAF tokens the sum in
+         order (per head, for the per-head norm), then every (leaf, head) partial added exactly
+         and rounded once — so however TP splits the heads (24 heads as 6 or 3 per rank) or
+         CP/SP/DP split the tokens, the same exact sum; KV heads replicated over TP ranks count
+         once (their first holder adds them).
 Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
 Devices: the per-token statistic r runs in the Triton kernel on CUDA (kernels/triton_norm.py) and in
-torch ops on CPU; the rest (scaling, backward, the dW trees) is torch ops on either device.
+torch ops on CPU; the rest (scaling, backward, the dW sums) is torch ops on either device.
 Does not: communicate.
 """
 
@@ -19,33 +20,19 @@ from __future__ import annotations
 import torch
 
 from rlkernel.distributed.comm import Comm
-from rlkernel.distributed.tokentree import TokenTree
+from rlkernel.distributed.tokensum import TokenSum, leaves_of
 from rlkernel.kernels.elementwise import rsqrt32
+from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics.trees import tree_sum
 
 
-def _leaf_sums(v: torch.Tensor, leaves: int) -> torch.Tensor:
-    """Per-leaf sums of v [L, ...] (tokens in order inside a leaf) -> [leaves, ...]."""
-    n_tok = v.shape[0]
-    if n_tok % leaves:
-        raise ValueError(f"token tree: stream length {n_tok} is not a multiple of {leaves} leaves")
-    vl = v.reshape(leaves, n_tok // leaves, *v.shape[1:])
+def _leaf_sums(v: torch.Tensor) -> torch.Tensor:
+    """Per-leaf sums of v [L, ...] (TOKEN_LEAF tokens in order inside a leaf) -> [L/TOKEN_LEAF, ...]."""
+    vl = v.reshape(leaves_of(v.shape[0]), -1, *v.shape[1:])
     acc = vl[:, 0].clone()
     for i in range(1, vl.shape[1]):
         acc.add_(vl[:, i])
     return acc
-
-
-def _head_tree(per_head: torch.Tensor, comm: Comm | None, replicas: int) -> torch.Tensor:
-    """Sum [heads_local, D] over all heads of `comm`: gather every rank's heads in rank (= head)
-    order, then one pairwise tree over all of them, so the split never shapes the tree.
-
-    With KV heads replicated over `replicas` consecutive ranks, each head is taken once.
-    """
-    if comm is None or comm.size == 1:
-        return tree_sum(per_head, 0)
-    parts = comm.all_gather(per_head.contiguous(), "norm-head-tree")
-    return tree_sum(torch.cat(parts[::replicas], 0), 0)
 
 
 def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,11 +47,12 @@ def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, eps, tree, head_comm, replicas):
+    def forward(ctx, x, w, eps, tok, head_comm, replicas):
         x = x.to(torch.float32)
         r, xh = _rms_stats(x, eps)
         ctx.save_for_backward(xh, r, w)
-        ctx.tree, ctx.head_comm, ctx.replicas = tree, head_comm, replicas
+        # The parameter itself keys the gradient sink (saved tensors may be recomputed copies).
+        ctx.tok, ctx.head_comm, ctx.replicas, ctx.param = tok, head_comm, replicas, w
         return xh * w.to(torch.float32)
 
     @staticmethod
@@ -76,18 +64,22 @@ class _RMSNorm(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             per_tok = (dy * xh).reshape(xh.shape[0], -1, h)   # [L, heads or 1, H]
-            tree = ctx.tree or TokenTree.single()
-            per_head = tree.finish(_leaf_sums(per_tok, tree.local_leaves), "token-tree-norm")
-            dw = _head_tree(per_head, ctx.head_comm, ctx.replicas).to(w.dtype)
+            tok, heads = ctx.tok or TokenSum.single(), ctx.head_comm
+            acc = tok.accumulator(ctx.param, heads)
+            # A KV head replicated over `replicas` TP ranks is added by its first holder only.
+            if heads is None or heads.rank % ctx.replicas == 0:
+                fx.accumulate_(acc, _leaf_sums(per_tok).reshape(-1, h))   # every (leaf, head)
+            dw = tok.result(ctx.param, acc, "token-sum-norm", heads)
         return dx, dw, None, None, None, None
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, tree: TokenTree | None = None,
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, tok: TokenSum | None = None,
              head_comm: Comm | None = None, replicas: int = 1) -> torch.Tensor:
     """RMSNorm over the last dim. x [L, H] or [L, heads, D] fp32, w [H] or [D] -> same shape, fp32.
 
-    dim 0 must be this rank's token stream when a weight gradient is taken (its length a multiple
-    of `tree`'s local leaves). Per-head norms (Q/K norm) sum their heads by the pairwise tree
-    across `head_comm` (TP), KV heads replicated over `replicas` ranks counted once.
+    dim 0 must be this rank's token stream when a weight gradient is taken (a multiple of
+    TOKEN_LEAF rows); dW goes through `tok` (distributed/tokensum.py). Per-head norms (Q/K norm)
+    add their heads into the same exact sum, across `head_comm` (TP), KV heads replicated over
+    `replicas` ranks counted once. Raises ValueError on a stream that is not whole leaves.
     """
-    return _RMSNorm.apply(x, w, eps, tree, head_comm, replicas)
+    return _RMSNorm.apply(x, w, eps, tok, head_comm, replicas)

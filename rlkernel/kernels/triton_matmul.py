@@ -201,7 +201,7 @@ def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int) -> torch
     """
     n_tok = dy.shape[0]
     if n_tok % leaves:
-        raise ValueError(f"token tree: stream length {n_tok} is not a multiple of {leaves} leaves")
+        raise ValueError(f"token leaves: stream length {n_tok} is not a multiple of {leaves} leaves")
     a = dy.to(torch.float32).unflatten(0, (leaves, n_tok // leaves)).transpose(1, 2)  # [l, N, m]
     b = x.to(torch.float32).unflatten(0, (leaves, n_tok // leaves))                    # [l, m, K]
     return bmm(a, b)

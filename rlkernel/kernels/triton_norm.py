@@ -9,7 +9,7 @@ tile, the warp layout or the other rows. Division and square root are the correc
 float64: different backend, different bits, both invariant).
 
 Does not: apply the weight or run the backward (kernels/norm.py does both with torch ops on the
-returned x̂ and r, so the weight gradient keeps its token tree).
+returned x̂ and r, so the weight gradient keeps its token reduction).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkernel.spec import TOKEN_LEAF
 
 @dataclass(frozen=True)
 class StreamLayout:
@@ -24,11 +25,8 @@ class StreamLayout:
     q_idx [S, T] long: stream row of slot t of sample s, −1 for empty slots.
     q_pos [S, T] long: absolute position of that slot, −1 for empty slots.
     kv_len [S] long: keys of each sample visible after this pass (cache length for decode).
-    stream_len: padded length of the whole (logical) stream when the pass is differentiated
-        (L % TOKEN_LEAVES == 0), else None.
     kv_idx [S, Tk] long: row of key slot t in the *logical* stream (CP gathers it); None = q_idx.
-    g_idx [S, T] long: logical-stream index of each query slot (the token-tree leaf of the
-        query); None = q_idx. Under CP, q_idx indexes this rank's local rows, these the logical.
+        Under CP, q_idx indexes this rank's local rows, kv_idx the logical ones.
     """
 
     tokens: torch.Tensor
@@ -36,9 +34,7 @@ class StreamLayout:
     q_idx: torch.Tensor
     q_pos: torch.Tensor
     kv_len: torch.Tensor
-    stream_len: int | None = None
     kv_idx: torch.Tensor | None = None
-    g_idx: torch.Tensor | None = None
     pos_bound: int | None = None
     """Host-known bound > every position (None: read from `positions`, a host sync on CUDA)."""
 
@@ -50,10 +46,6 @@ class StreamLayout:
     def keys_idx(self) -> torch.Tensor:
         return self.q_idx if self.kv_idx is None else self.kv_idx
 
-    @property
-    def tree_idx(self) -> torch.Tensor:
-        return self.q_idx if self.g_idx is None else self.g_idx
-
     def to(self, device: torch.device) -> "StreamLayout":
         """The same layout with its index tensors on `device`."""
         if self.tokens.device == torch.device(device):
@@ -61,33 +53,50 @@ class StreamLayout:
         def mv(t):
             return None if t is None else t.to(device)
         return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
-                            mv(self.kv_len), self.stream_len, mv(self.kv_idx), mv(self.g_idx),
-                            self.pos_bound)
+                            mv(self.kv_len), mv(self.kv_idx), self.pos_bound)
 
 
-def packed_layout(seqs: list[list[int]], stream_len: int, pad_id: int) -> StreamLayout:
-    """Training layout: sequences packed back to back from row 0, padding only at the end.
+def sample_offsets(lengths: list[int]) -> list[int]:
+    """Stream row where each sample starts in a packed stream: samples back to back, each
+    starting at a multiple of TOKEN_LEAF (so a token leaf never holds two samples)."""
+    out, off = [], 0
+    for n in lengths:
+        out.append(off)
+        off += -(-n // TOKEN_LEAF) * TOKEN_LEAF
+    return out
 
-    seqs: token ids per sample (positions start at 0 each). stream_len >= total tokens.
+
+def packed_len(lengths: list[int], multiple: int) -> int:
+    """Rows of the packed stream of samples of `lengths`: the leaf-aligned samples, padded at the
+    end to a positive multiple of `multiple` (itself a multiple of TOKEN_LEAF; ValueError)."""
+    if multiple < 1 or multiple % TOKEN_LEAF:
+        raise ValueError(f"packed_len: multiple {multiple} is not a multiple of "
+                         f"TOKEN_LEAF={TOKEN_LEAF}")
+    used = sum(-(-n // TOKEN_LEAF) * TOKEN_LEAF for n in lengths)
+    return max(1, -(-used // multiple)) * multiple
+
+
+def packed_layout(seqs: list[list[int]], pad_id: int, multiple: int = TOKEN_LEAF) -> StreamLayout:
+    """Training (and CP prefill) layout: sample i starts at row sample_offsets(...)[i] (a multiple
+    of TOKEN_LEAF), padding fills the gaps and the end up to packed_len(lengths, multiple) rows.
+
+    seqs: token ids per sample (positions start at 0 each). Padding rows hold pad_id at position
+    0 and belong to no sample: they never shift a real token, and their gradient rows are zero.
     """
-    total = sum(len(s) for s in seqs)
-    if total > stream_len:
-        raise ValueError(f"packed_layout: {total} tokens do not fit a stream of {stream_len}")
+    stream_len = packed_len([len(s) for s in seqs], multiple)
     t_max = max(len(s) for s in seqs)
     tokens = torch.full((stream_len,), pad_id, dtype=torch.long)
     positions = torch.zeros(stream_len, dtype=torch.long)
     q_idx = torch.full((len(seqs), t_max), -1, dtype=torch.long)
     q_pos = torch.full((len(seqs), t_max), -1, dtype=torch.long)
-    off = 0
-    for i, s in enumerate(seqs):
+    for i, (s, off) in enumerate(zip(seqs, sample_offsets([len(s) for s in seqs]))):
         n = len(s)
         tokens[off:off + n] = torch.tensor(s, dtype=torch.long)
         positions[off:off + n] = torch.arange(n)
         q_idx[i, :n] = torch.arange(off, off + n)
         q_pos[i, :n] = torch.arange(n)
-        off += n
     kv_len = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len, stream_len)
+    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len)
 
 
 def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> StreamLayout:
@@ -110,7 +119,7 @@ def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> Str
         q_idx[i, :n] = rows
         q_pos[i, :n] = torch.arange(st, st + n)
     kv_len = torch.tensor([st + len(c) for c, st in zip(chunks, starts)], dtype=torch.long)
-    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len, None)
+    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len)
 
 
 class _ToSamples(torch.autograd.Function):
@@ -171,7 +180,7 @@ def cp_local_layout(lay: StreamLayout, local_rows: torch.Tensor) -> StreamLayout
 
     local_rows [Lc] long: logical-stream rows this rank holds, in local order (its zig-zag
     segments). Tokens/positions are cut to those rows; each sample's query slots keep the
-    positions held here (q_idx -> local row, g_idx -> logical row); keys stay logical (kv_idx).
+    positions held here (q_idx -> local row); keys stay logical (kv_idx).
     """
     n = lay.tokens.shape[0]
     local_of = torch.full((n,), -1, dtype=torch.long)
@@ -180,13 +189,11 @@ def cp_local_layout(lay: StreamLayout, local_rows: torch.Tensor) -> StreamLayout
     t_loc = max(1, int(here.sum(1).max().item()))
     s_n = lay.q_idx.shape[0]
     q_idx = torch.full((s_n, t_loc), -1, dtype=torch.long)
-    g_idx = torch.full((s_n, t_loc), -1, dtype=torch.long)
     q_pos = torch.full((s_n, t_loc), -1, dtype=torch.long)
     for s in range(s_n):
         slots = here[s].nonzero(as_tuple=True)[0]
         k = slots.numel()
-        g_idx[s, :k] = lay.q_idx[s, slots]
         q_idx[s, :k] = local_of[lay.q_idx[s, slots]]
         q_pos[s, :k] = lay.q_pos[s, slots]
     return StreamLayout(lay.tokens[local_rows], lay.positions[local_rows], q_idx, q_pos,
-                        lay.kv_len, lay.stream_len, lay.q_idx, g_idx)
+                        lay.kv_len, lay.q_idx)

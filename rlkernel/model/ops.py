@@ -5,7 +5,9 @@ Both take the same arguments (including the ParallelCtx) and return fp32 tensors
 layouts, so the model code is identical and the cost of invariance is measured side by side
 (DESIGN.md §2). Native is what a user would otherwise run: BLAS matmul, torch RMSNorm
 arithmetic, F.silu, SDPA, torch.log_softmax, autograd backward, and SUM all-reduces whose order
-belongs to the backend; its token-partial gradients are summed after backward (`sync_grads`).
+belongs to the backend; its token-partial gradients are summed after backward (`sync_grads`),
+over CP, then DP (and TP where TP ranks hold different tokens or heads), per microbatch as
+autograd accumulates them — what DP training normally does.
 Does not: choose a device backend (CUDA kernels plug in behind the kernel functions).
 """
 
@@ -37,34 +39,42 @@ class InvariantOps:
     @staticmethod
     def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx, live_vocab=None):
         """Fused LM head + logprobs (TP = 1): the unfused path's bytes, no [L, V] logits kept."""
-        return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tree=pc.tok,
+        return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tok=pc.tok,
                                                       live_vocab=live_vocab)
 
     @staticmethod
     def embed(ids, w, offset, pc: ParallelCtx):
-        x = embedding.embed(ids, w, offset=offset, tree=pc.tok)
+        x = embedding.embed(ids, w, offset=offset, tok=pc.tok)
         if pc.tp.size > 1:
             x = par.select_vocab_owner(x, torch.div(ids, w.shape[0], rounding_mode="floor"), pc)
         return par.sp_scatter(x, pc)
 
     @staticmethod
-    def norm(x, w, eps, tree, head_comm=None, replicas=1):
-        return norm.rms_norm(x, w, eps, tree=tree, head_comm=head_comm, replicas=replicas)
+    def norm(x, w, eps, tok, head_comm=None, replicas=1):
+        return norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas)
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx):
         return matmul.column_parallel_linear(par.enter_tp(x, pc), ws, shard_rows=shard_rows,
-                                             local_shards=local_shards, tree=pc.tok)
+                                             local_shards=local_shards, tok=pc.tok)
 
     @staticmethod
     def row(x, w, local_shards, pc: ParallelCtx):
         return par.exit_row(matmul.row_parallel_linear(x, w, local_shards=local_shards,
-                                                       tree=pc.tok), pc)
+                                                       tok=pc.tok), pc)
 
     @staticmethod
-    def attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len, pc: ParallelCtx):
-        return attention.attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len,
-                                   tree=pc.tok, kv_comm=pc.kv)
+    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx):
+        return attention.attention(q, k, v, q_pos, kv_len, scale, tok=pc.tok, kv_comm=pc.kv)
+
+    @staticmethod
+    def begin_grads(model) -> None:
+        """Zero the gradients and open the policy's GradSink: until `sync_grads`, every weight
+        gradient of every backward is added exactly into it (distributed/tokensum.py)."""
+        model.zero_grad(set_to_none=True)
+        sink = model.pc.tok.sink
+        if sink is not None:
+            sink.begin(model.logical_params())
 
     @staticmethod
     def paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk, pc: ParallelCtx):
@@ -74,7 +84,17 @@ class InvariantOps:
 
     @staticmethod
     def sync_grads(model) -> None:
-        """Nothing to do: every gradient is finished by canonical trees inside backward."""
+        """Close the sink: its exact sums over every microbatch and rank, rounded once, become
+        the parameters' .grad (fp32). Raises RuntimeError if autograd left a gradient of its
+        own on a parameter (a use that bypassed the kernels, which the sink would miss)."""
+        sink = model.pc.tok.sink
+        if sink is None or not sink.open:
+            return
+        grads = sink.finish()
+        for n, p in model.logical_params().items():
+            if p.grad is not None:
+                raise RuntimeError(f"{n}: autograd accumulated a gradient outside the kernels")
+            p.grad = grads.get(n)
 
 
 # -- stock collectives with autograd (native mode) -----------------------------------------------
@@ -157,7 +177,7 @@ class NativeOps:
         return NativeOps.sp_scatter(x, pc)
 
     @staticmethod
-    def norm(x, w, eps, tree, head_comm=None, replicas=1):
+    def norm(x, w, eps, tok, head_comm=None, replicas=1):
         var = x.pow(2).mean(-1, keepdim=True)
         return w * (x * torch.rsqrt(var + eps))
 
@@ -178,7 +198,7 @@ class NativeOps:
         return pair(y, lambda t: _all_reduce(t, tp), lambda g: g) if tp.size > 1 else y
 
     @staticmethod
-    def attention(q, k, v, q_pos, kv_len, scale, q_gidx, stream_len, pc: ParallelCtx):
+    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx):
         g = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(g, dim=1)
         v = v.repeat_interleave(g, dim=1)
@@ -190,6 +210,10 @@ class NativeOps:
         return out * row[:, None, :, None]
 
     @staticmethod
+    def begin_grads(model) -> None:
+        model.zero_grad(set_to_none=True)
+
+    @staticmethod
     def sync_grads(model) -> None:
         """Sum the token-partial gradients the stock path leaves on each rank (backend order)."""
         pc = model.pc
@@ -199,6 +223,8 @@ class NativeOps:
             g = p.grad
             if pc.cp.size > 1:
                 dist.all_reduce(g, group=pc.cp.group)
+            if pc.dp.size > 1:
+                dist.all_reduce(g, group=pc.dp.group)
             leaf = name.rsplit(".", 2)[-2]
             if leaf in ("q_norm", "k_norm") and pc.tp.size > 1:
                 dist.all_reduce(g, group=pc.tp.group)

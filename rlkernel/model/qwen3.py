@@ -67,8 +67,7 @@ class KVCache:
         pos = lay.q_pos[s_idx, t_idx]
         self.write(layer, s_idx, pos, ks[s_idx, :, t_idx], vs[s_idx, :, t_idx])
         k, v = self.read(layer, int(lay.kv_len.max().item()))
-        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, lay.tree_idx,
-                             lay.stream_len, pc)
+        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc)
 
     def read(self, layer: int, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions [0, tk) of every sample: [S, Hkv, tk, D] each."""
@@ -132,8 +131,7 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 ks, vs = self._write_cache(cache, ks, vs, lay)
-            o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, lay.tree_idx,
-                              lay.stream_len, pc)
+            o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc)
 

@@ -3,7 +3,7 @@
 `tree_sum` reduces a dimension pairwise (adjacent pairs, level by level; an odd last element is
 carried up unchanged). For a power-of-two length that is the complete binary tree, so any aligned
 block of 2**k leaves is a subtree: a rank that owns such a block can reduce it locally and a tree
-collective can finish the same tree (DESIGN.md §1, virtual-TP and token trees).
+collective can finish the same tree (DESIGN.md §1, virtual-TP trees).
 `tree_combine` is the same tree over a list of tensors with optional holes (absent leaves are
 skipped, never replaced by a zero, so the sign of a zero never depends on who owns what).
 `tree_sum_halving` is the top-down halving tree: for a length that is not a power of two it is

@@ -82,5 +82,4 @@ class PagedKVCache:
             owner = owner[None, None, :, None].expand_as(k).contiguous()
             k = self.comm.select_owner(k.contiguous(), owner, "paged-kv-k")
             v = self.comm.select_owner(v.contiguous(), owner, "paged-kv-v")
-        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, lay.tree_idx,
-                             lay.stream_len, pc)
+        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc)

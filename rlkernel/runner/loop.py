@@ -1,5 +1,5 @@
 """The RL loop of `rlk run`: rollout → rewards/advantages → train → AdamW → weight export +
-reload + audit → evidence, once per step (DESIGN.md §2), on one process or on tp·cp ranks.
+reload + audit → evidence, once per step (DESIGN.md §2), on one process or on dp·tp·cp ranks.
 
 Every rank runs the same loop on its shards; rank 0 writes the evidence and calls the reward
 function (rewards are broadcast, so every rank computes advantages from the same list); when all
@@ -46,7 +46,8 @@ from rlkernel.runner.watch import NullWatch, RunWatch, completion_rows
 from rlkernel.runner.export import save_final_weights
 from rlkernel.train.grpo import group_advantages
 from rlkernel.train.losses import LossCoefs, invariant_exp
-from rlkernel.train.optimizer import AdamW, AdamWParams
+from rlkernel.train.optimizer import AdamWParams
+from rlkernel.train.zero import ZeroAdamW
 from rlkernel.train.ppo import UpdatePlan, train_on_rollout
 from rlkernel.train.step import TrainSample
 from rlkernel.weights.sync import merge_problems, sync_weights
@@ -115,13 +116,13 @@ def _tokens_hash(completions) -> str:
 def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> None:
     """Run cfg.steps RL steps, recording init and per-step evidence through `writer`.
 
-    One process when tp·cp == 1 (and not under torchrun), else tp·cp ranks
+    One process when dp·tp·cp == 1 (and not under torchrun), else dp·tp·cp ranks
     (rlkernel/distributed/launch.py).
     Raises ValueError (bad inputs, before any step), RunAborted (a failed check, after the failing
     step's evidence is written; also a rank lost to a signal or a hang), or the launcher's
     RankFailure naming the rank that raised.
     """
-    world = cfg.tp * cfg.cp
+    world = cfg.train_world_size
     faults.check(cfg.steps, world)  # test hook: reject a bad RLK_FAULT before anything starts
     if world == 1 and launcher_world_size() is None:
         from rlkernel.distributed.topology import Topology, single_comms
@@ -129,7 +130,7 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
         return
     from rlkernel.distributed.launch import RankFailure, launch
     # On CUDA the group must carry CPU tensors too (collective signatures, audit problem lists,
-    # exact-norm limbs, token-tree presence masks): NCCL alone rejects them.
+    # exact-norm limbs): NCCL alone rejects them.
     backend = "cpu:gloo,cuda:nccl" if cfg.device == "cuda" else "gloo"
     try:
         launch(_rank_main, (cfg, str(run_dir), writer.manifest), world_size=world,
@@ -195,8 +196,9 @@ class _Rollout:
         return [c for p in parts if p is not None for c in p]
 
 
-def _opt_state(opt: AdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
-    """Logical (unsharded) fp32 masters and moments, reassembled from every TP rank."""
+def _opt_state(opt: ZeroAdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """Logical (unsharded) fp32 masters and moments, reassembled from every DP rank's chunks
+    (ZeroAdamW.state_tensors) and every TP rank's shard. Collective."""
     out = {}
     for key, t in opt.state_tensors().items():      # "master/<param>", "exp_avg/<param>", ...
         parts = policy.pc.tp.all_gather(t, f"ckpt:{key}")
@@ -204,8 +206,8 @@ def _opt_state(opt: AdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def _restore(opt: AdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None:
-    """Load a checkpoint's logical state as this rank's shards (any topology)."""
+def _restore(opt: ZeroAdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None:
+    """Load a checkpoint's logical state as this rank's shards and chunks (any topology)."""
     shapes = param_shapes(policy.cfg)
     for kind in ("master", "exp_avg", "exp_avg_sq"):
         for n, shape in shapes.items():
@@ -223,7 +225,7 @@ def _restore(opt: AdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None
         opt.load_state(shards("master"), shards("exp_avg"), shards("exp_avg_sq"), ck.opt_steps)
     except KeyError as e:
         raise ResumeError(f"{ck.path}: checkpoint lacks tensor {e}") from None
-    policy.load_master_shards(opt.master)
+    policy.load_master_shards(opt.weights(policy.param_dtype))
 
 
 def _watch(cfg: RunConfig, writer: EvidenceWriter | None, run_dir: pathlib.Path):
@@ -264,7 +266,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     if topo.world > 1:
         train_pc, roll_pc = build_contexts(topo, comms, mcfg)
     else:
-        train_pc = roll_pc = ParallelCtx.single()
+        train_pc, roll_pc = ParallelCtx.single(), ParallelCtx.single()
 
     dev = torch.device(cfg.device)
     # Padded vocabulary (embedding rows past the tokenizer's ids): those ids get probability 0
@@ -279,8 +281,9 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc,
                            live_vocab=live)
     rollout = _Rollout(engine, topo, comms)
-    opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()},
-                AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay))
+    opt = ZeroAdamW({n: p.detach() for n, p in policy.logical_params().items()},
+                    AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
+                                cfg.weight_decay), comms.dp)
     counted = {n for n in policy.logical_params()
                if topo.cp_rank == 0 and counts_for_norm(n, mcfg, topo.tp, topo.tp_rank)}
     coefs = LossCoefs(cfg.clip_eps, cfg.kl_coef, cfg.entropy_coef, cfg.kl_estimator,
@@ -345,7 +348,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
 
         done = train_on_rollout(
             policy, ref, opt, samples, plan, first_update=step * plan.updates_per_step,
-            temperature=cfg.temperature, coefs=coefs, token_budget=cfg.token_budget,
+            temperature=cfg.temperature, coefs=coefs, micro_batch_tokens=cfg.micro_batch_tokens,
             pad_id=tok.pad_id, exp=exp, counted=counted, comm=comms.world,
             after_backward=after_backward,
             on_update=lambda i, n: watch.phase(f"train, update {i + 1}/{n}"))
@@ -366,7 +369,6 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             **audit.record(), "version_changed": audit.version != version,
             "tokens_hash": _tokens_hash(completions),
             "n_samples": len(completions), "n_response_tokens": done.n_response_tokens,
-            "n_microbatches": done.n_microbatches,
             "logprob_mismatches": done.logprob_mismatches,
             "logprob_tokens": done.logprob_tokens,   # (trainer, rollout) pairs actually compared
             "rewards": rewards, "reward_mean": exact_sum(rewards) / len(rewards),
@@ -376,7 +378,9 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
             "timings": {"rollout_s": t1 - t0, "reward_s": t_reward - t1,
                         "train_s": t2 - t_reward, "export_audit_s": t3 - t2,
                         "step_s": t3 - t0, "sync": audit.timings},
-            "resources": {"peak_gpu_mem_gib": peak},
+            # How the step ran, not what it computed (not compared): microbatches depend on
+            # --micro-batch-tokens and --dp, the peak memory on the device.
+            "resources": {"peak_gpu_mem_gib": peak, "microbatches_rank0": done.n_microbatches},
         }
         if plan.updates_per_step > 1:  # every optimizer update of the step, in order
             rec["updates"] = [u.record() for u in done.updates]

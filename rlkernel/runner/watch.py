@@ -152,7 +152,7 @@ class RunWatch(NullWatch):
                 device: str) -> None:
         """The start-up lines (see module doc); called once the inputs are loaded and checked."""
         c = self.cfg
-        ranks = (f"{world} rank{'s' if world > 1 else ''}: trainer TP{c.tp} x CP{c.cp}"
+        ranks = (f"{world} rank{'s' if world > 1 else ''}: trainer DP{c.dp} x TP{c.tp} x CP{c.cp}"
                  f"{' +SP' if c.sp else ''}, rollout TP{c.rollout_tp} x CP{c.rollout_cp} "
                  f"({world // (c.rollout_tp * c.rollout_cp)} replica(s))")
         lr = f"lr {c.lr:g} {c.lr_schedule}" + (f", {c.lr_warmup_steps} warmup updates"

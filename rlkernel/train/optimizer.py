@@ -7,8 +7,8 @@ max_norm / (norm + 1e-6) when it is below 1 (as torch.nn.utils.clip_grad_norm_).
 elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths may round
 differently — so an element's update never depends on the shard it sits in.
 The model's weights are the masters rounded to the parameter dtype.
-Does not: shard optimizer state (rlkernel/distributed) or schedule the learning rate (step()
-takes each update's rate; rlkernel/train/schedule.py computes it).
+Does not: shard optimizer state (train/zero.py wraps this class for that) or schedule the
+learning rate (step() takes each update's rate; rlkernel/train/schedule.py computes it).
 """
 
 from __future__ import annotations
@@ -43,18 +43,24 @@ class GradStats:
 
 
 def grad_norm(grads: dict[str, torch.Tensor], counted: set[str] | None = None,
-              comm: Comm | None = None) -> tuple[float, dict[str, tuple[int, ...]]]:
+              comm: Comm | None = None, parts: dict[str, torch.Tensor] | None = None
+              ) -> tuple[float, dict[str, tuple[int, ...]]]:
     """Exact L2 norm of all gradients (float64) and the tensors holding NaN/Inf: name -> the
     global ranks where they do (sorted by name; every rank gets the same answer).
 
     Sharded runs: each rank adds the tensors in `counted` (each logical element exactly once
-    over the job) and the integer bins of every rank in `comm` are added as integers.
+    over the job) and the integer bins of every rank in `comm` are added as integers. `parts`:
+    the piece of each counted tensor this rank adds (ZeRO chunks; default the whole tensor);
+    non-finite values are looked for in whole tensors all the same.
     """
     acc = ExactSumOfSquares()
     bad: set[str] = set()
     for name, g in grads.items():
         if counted is None or name in counted:
-            acc.add_(g, name)
+            part = g if parts is None else parts[name]
+            acc.add_(part, name)
+            if part is not g and not torch.isfinite(g).all():
+                bad.add(name)
         elif not torch.isfinite(g).all():
             bad.add(name)
     bad.update(acc.nonfinite_names)
@@ -79,9 +85,10 @@ class AdamW:
         self.steps = 0
 
     def clip(self, grads: dict[str, torch.Tensor], max_norm: float, counted: set[str] | None = None,
-             comm: Comm | None = None) -> GradStats:
-        """Scale grads in place to norm <= max_norm (0 = no clipping); returns the exact stats."""
-        norm, bad = grad_norm(grads, counted, comm)
+             comm: Comm | None = None, parts: dict[str, torch.Tensor] | None = None) -> GradStats:
+        """Scale grads in place to norm <= max_norm (0 = no clipping); returns the exact stats.
+        counted/comm/parts: as grad_norm."""
+        norm, bad = grad_norm(grads, counted, comm, parts)
         coef = 1.0
         if max_norm > 0 and math.isfinite(norm):
             coef = min(1.0, max_norm / (norm + 1e-6))
@@ -122,6 +129,11 @@ class AdamW:
             self.exp_avg[n].copy_(exp_avg[n])
             self.exp_avg_sq[n].copy_(exp_avg_sq[n])
         self.steps = steps
+
+    def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The masters by name (whole tensors): what Qwen3ForCausalLM.load_master_shards rounds
+        to the parameter dtype `dtype` (the same interface as train/zero.ZeroAdamW)."""
+        return self.master
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Masters and moments by name, for checkpoints and audits."""

@@ -32,6 +32,7 @@ from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum, float_hex
 from rlkernel.train.losses import LossCoefs
 from rlkernel.train.optimizer import AdamW, GradStats
+from rlkernel.train.zero import ZeroAdamW
 from rlkernel.train.schedule import learning_rate
 from rlkernel.train.step import (StepStats, TrainSample, compute_gradients, gradients,
                                  rollout_mismatches)
@@ -137,10 +138,10 @@ def mini_batches(samples: list[TrainSample], m: int) -> list[list[TrainSample]]:
     return [samples[i * k:(i + 1) * k] for i in range(m)]
 
 
-def train_on_rollout(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, opt: AdamW,
+def train_on_rollout(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, opt: AdamW | ZeroAdamW,
                      samples: list[TrainSample], plan: UpdatePlan, *, first_update: int,
-                     temperature: float, coefs: LossCoefs, token_budget: int, pad_id: int, exp,
-                     counted: set[str] | None = None, comm: Comm | None = None,
+                     temperature: float, coefs: LossCoefs, micro_batch_tokens: int, pad_id: int,
+                     exp, counted: set[str] | None = None, comm: Comm | None = None,
                      after_backward: Callable[[dict[str, torch.Tensor]], None] | None = None,
                      on_update: Callable[[int, int], None] | None = None) -> StepUpdates:
     """Run the step's updates (module doc) on policy/opt; policy's weights follow the masters.
@@ -155,9 +156,9 @@ def train_on_rollout(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, opt: AdamW
     n = plan.updates_per_step
     mismatches = compared = 0
     if len(batches) > 1:  # checked now, while the policy still has the rollout's weights
-        mismatches, compared = rollout_mismatches(policy, [s for b in batches[1:] for s in b],
-                                        temperature=temperature, token_budget=token_budget,
-                                        pad_id=pad_id)
+        mismatches, compared = rollout_mismatches(
+            policy, [s for b in batches[1:] for s in b], temperature=temperature,
+            micro_batch_tokens=micro_batch_tokens, pad_id=pad_id)
     updates: list[Update] = []
     diverged: list[str] = []
     for i in range(n):
@@ -165,7 +166,7 @@ def train_on_rollout(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, opt: AdamW
         if on_update is not None:
             on_update(i, n)
         stats = compute_gradients(policy, ref, batches[m], temperature=temperature, coefs=coefs,
-                                  token_budget=token_budget, pad_id=pad_id, exp=exp,
+                                  micro_batch_tokens=micro_batch_tokens, pad_id=pad_id, exp=exp,
                                   agg=plan.loss_agg)
         if i == 0:
             mismatches += stats.logprob_mismatches
@@ -181,7 +182,7 @@ def train_on_rollout(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, opt: AdamW
         if not applied:
             break
         opt.step(grads, lr=lr)
-        policy.load_master_shards(opt.master)
+        policy.load_master_shards(opt.weights(policy.param_dtype))
         mine = [name for name, t in opt.master.items() if not torch.isfinite(t).all()]
         everyone = [mine] if comm is None or comm.size == 1 else \
             comm.all_gather_object(mine, "diverged-weights")

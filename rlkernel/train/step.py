@@ -1,13 +1,17 @@
-"""One policy-gradient step's gradients: pack, forward, per-token losses, canonical backward.
+"""One policy-gradient step's gradients: share, pack, forward, per-token losses, exact backward.
 
-Samples are packed in logical order by the token budget (data/packing.py); each microbatch is
-one padded token stream. Row t of a sample predicts token t+1, so the rows that predict response
-tokens carry the loss. The trainer's logprobs of those tokens are compared byte for byte with the
-rollout's (the train/rollout mismatch count of the evidence). The loss is normalised once by the
-mini-batch's logical response-token count N (or per sample, --loss-agg): every token's gradient
-coefficient is fixed before the first microbatch, so the backward needs no reduction, and
-microbatch gradients accumulate in logical order.
-Does not: clip or update (train/optimizer.py).
+DP rank d of D takes samples [d·n/D, (d+1)·n/D) of the mini-batch (logical order); its samples are
+packed in order into microbatches of at most --micro-batch-tokens tokens (data/packing.py), each
+one token stream whose samples start at multiples of TOKEN_LEAF (model/layout.py). Row t of a
+sample predicts token t+1, so the rows that predict response tokens carry the loss. The trainer's
+logprobs of those tokens are compared byte for byte with the rollout's (the train/rollout
+mismatch count of the evidence). The loss is normalised once over the WHOLE mini-batch (its
+response-token count N, or per sample, --loss-agg), never per microbatch or rank: every token's
+gradient coefficient is fixed before the first microbatch. Every weight gradient of every
+microbatch is added exactly into the policy's GradSink and rounded once after the last one, summed
+over DP and CP ranks as integers (distributed/tokensum.py): so D and the microbatch size never
+change a bit (in --mode native autograd accumulates fp32 per microbatch and SUM all-reduces).
+Does not: clip or update (train/optimizer.py, train/zero.py).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel.config import LOSS_AGGS
-from rlkernel.data.packing import pack_by_budget, padded_stream_len
-from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows
-from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout
+from rlkernel.data.packing import pack_by_budget
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows, stream_multiple
+from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout, sample_offsets
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum
 from rlkernel.train.losses import LossCoefs, token_losses
@@ -94,22 +99,25 @@ def aggregate(values: list[float], sample_of: list[int], lengths: list[int], agg
     return exact_sum(exact_sum(per[s]) / lengths[s] for s in per) / n_seq
 
 
+def _offsets(group: list[TrainSample]) -> list[int]:
+    return sample_offsets([len(s.prompt_ids) + len(s.response_ids) for s in group])
+
+
 def loss_rows(group: list[TrainSample], stream_len: int):
-    """Per row of the packed stream of `group`: target id [L] long, loss mask [L] bool (rows
-    that predict a response token), rollout logprob [L] fp32, advantage [L] fp32."""
+    """Per row of the packed stream of `group` (model/layout.packed_layout, stream_len rows):
+    target id [L] long, loss mask [L] bool (rows that predict a response token), rollout
+    logprob [L] fp32, advantage [L] fp32."""
     targets = torch.zeros(stream_len, dtype=torch.long)
     mask = torch.zeros(stream_len, dtype=torch.bool)
     old = torch.zeros(stream_len, dtype=torch.float32)
     adv = torch.zeros(stream_len, dtype=torch.float32)
-    off = 0
-    for s in group:
+    for s, off in zip(group, _offsets(group)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         idx = torch.arange(off + p - 1, off + p + r - 1)
         targets[idx] = torch.tensor(s.response_ids, dtype=torch.long)
         mask[idx] = True
         old[idx] = s.rollout_logprobs.to(torch.float32)
         adv[idx] = s.advantage
-        off += p + r
     return targets, mask, old, adv
 
 
@@ -117,31 +125,42 @@ def _row_samples(group: list[TrainSample], index: list[int], stream_len: int) ->
     """[L] long: for each row that predicts a response token, the mini-batch index of its
     sample (`index[i]` for group[i]); -1 elsewhere."""
     who = torch.full((stream_len,), -1, dtype=torch.long)
-    off = 0
-    for s, i in zip(group, index):
+    for s, i, off in zip(group, index, _offsets(group)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         who[off + p - 1:off + p + r - 1] = i
-        off += p + r
     return who
 
 
-def microbatches(samples: list[TrainSample], token_budget: int, pad_id: int,
-                 pc: ParallelCtx) -> list[tuple[StreamLayout, tuple[torch.Tensor, ...], torch.Tensor]]:
+def dp_share(n: int, dp: Comm) -> range:
+    """Indices of the mini-batch samples DP rank dp.rank trains on: [d·n/D, (d+1)·n/D).
+    Raises ValueError when D does not divide n (config.RunConfig refuses such a run first)."""
+    if n % dp.size:
+        raise ValueError(f"--dp {dp.size} must divide the {n} samples of a mini-batch")
+    k = n // dp.size
+    return range(dp.rank * k, (dp.rank + 1) * k)
+
+
+def microbatches(samples: list[TrainSample], micro_batch_tokens: int, pad_id: int,
+                 pc: ParallelCtx, index: list[int] | None = None
+                 ) -> list[tuple[StreamLayout, tuple[torch.Tensor, ...], torch.Tensor]]:
     """The microbatches of `samples` as this rank holds them, in logical order (what
     compute_gradients runs): per microbatch (layout of this rank's rows — the CP-local view under
-    CP —, per row: (target id, loss mask, rollout logprob, advantage, index in `samples` of the
-    row's sample or -1), logical stream row [Lc] long of each). Packing depends only on the
-    samples and the token budget, never on the topology.
-    Raises ValueError if a sample exceeds the token budget.
+    CP —, per row: (target id, loss mask, rollout logprob, advantage, mini-batch index of the
+    row's sample or -1), logical stream row [Lc] long of each). `index[i]`: the mini-batch index
+    of samples[i] (default i). Grouping depends only on the samples and micro_batch_tokens; the
+    stream's end padding on the CP/SP layout (parallel.stream_multiple). Neither changes a number.
+    Raises ValueError if a sample exceeds micro_batch_tokens.
     """
-    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples], token_budget)
+    index = list(range(len(samples))) if index is None else index
+    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                            micro_batch_tokens)
     out = []
     for g in groups:
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
-        lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
+        lay = packed_layout(seqs, pad_id, stream_multiple(pc))
         n_rows = lay.tokens.shape[0]
-        per_row = (*loss_rows(group, n_rows), _row_samples(group, g, n_rows))
+        per_row = (*loss_rows(group, n_rows), _row_samples(group, [index[i] for i in g], n_rows))
         local = torch.arange(n_rows)
         if pc.cp.size > 1:
             local = cp_local_rows(pc, local)
@@ -161,20 +180,29 @@ def _loss_rows_on_device(policy: Qwen3ForCausalLM, mbs):
         yield lay, targets, rows, old[rows], adv[rows], who[rows]
 
 
-def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
-                      *, temperature: float, coefs: LossCoefs, token_budget: int, pad_id: int,
-                      exp, agg: str = "token-mean") -> StepStats:
-    """Accumulate d(loss)/dθ into policy's .grad (fp32; zeroed first) and return the stats.
+def _everyone(pc: ParallelCtx, obj, op: str) -> list:
+    """obj of every rank holding other tokens of the mini-batch (CP ranks, then DP replicas)."""
+    return [x for part in pc.dp.all_gather_object(pc.cp.all_gather_object(obj, op), op + ":dp")
+            for x in part]
 
-    `samples` is one mini-batch; its loss is normalised over all of it by `agg` (agg_weights), so
-    every token's gradient coefficient is fixed before the first microbatch and backward needs no
-    reduction. Raises ValueError if there is no response token or a sample exceeds the budget.
+
+def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
+                      *, temperature: float, coefs: LossCoefs, micro_batch_tokens: int,
+                      pad_id: int, exp, agg: str = "token-mean") -> StepStats:
+    """Set policy's .grad to d(loss)/dθ of the mini-batch `samples` (fp32) and return its stats.
+
+    Every rank passes the whole mini-batch; this rank's DP replica trains on its share
+    (dp_share). The loss is normalised over all of it by `agg` (agg_weights), so every token's
+    gradient coefficient is fixed before the first microbatch. Collective over the policy's
+    groups. Raises ValueError if there is no response token, a sample exceeds
+    micro_batch_tokens, or DP does not divide the samples.
     """
     lengths = [len(s.response_ids) for s in samples]
     weights = agg_weights(lengths, agg)
     pc = policy.pc
-    policy.zero_grad(set_to_none=True)
-    mbs = microbatches(samples, token_budget, pad_id, pc)
+    share = list(dp_share(len(samples), pc.dp))
+    policy.ops.begin_grads(policy)
+    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, pc, share)
     # fp32 coefficient per sample: the float64 weight rounded once (token-mean: fp32(1/N)).
     w32 = torch.tensor(weights, dtype=torch.float32, device=policy.device)
     vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
@@ -195,9 +223,9 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
             vals[key].extend(t.detach().double().tolist())
         sample_of.extend(who.tolist())
     policy.ops.sync_grads(policy)
-    # Every CP rank holds part of the tokens (TP ranks hold copies): gather, then exact sums.
-    everyone = pc.cp.all_gather_object((vals, sample_of, mismatches, compared, clipped),
-                                       "step-stats")
+    # Every CP rank and DP replica holds part of the tokens (TP ranks hold copies): gather,
+    # then exact sums.
+    everyone = _everyone(pc, (vals, sample_of, mismatches, compared, clipped), "step-stats")
     merged = {k: [x for e in everyone for x in e[0][k]] for k in vals}
     who_all = [s for e in everyone for s in e[1]]
     mean = {k: aggregate(v, who_all, lengths, agg) for k, v in merged.items()}
@@ -208,20 +236,23 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
 
 @torch.no_grad()
 def rollout_mismatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], *,
-                       temperature: float, token_budget: int, pad_id: int) -> tuple[int, int]:
+                       temperature: float, micro_batch_tokens: int,
+                       pad_id: int) -> tuple[int, int]:
     """(mismatches, pairs compared): train/rollout logprob byte mismatches over the response
-    tokens of `samples`, and how many pairs were compared (over every CP rank), from a
-    forward pass of the policy as it is now (no gradient), packed as compute_gradients packs;
-    collective over the CP group. Used before the first update of a step, for the mini-batches
-    that compute_gradients will only see after the policy has moved."""
-    mbs = microbatches(samples, token_budget, pad_id, policy.pc)
+    tokens of `samples`, and how many pairs were compared (over every CP rank and DP replica:
+    each checks its dp_share), from a forward pass of the policy as it is now (no gradient),
+    packed as compute_gradients packs; collective over the CP and DP groups. Used before the
+    first update of a step, for the mini-batches that compute_gradients will only see after the
+    policy has moved."""
+    share = list(dp_share(len(samples), policy.pc.dp))
+    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, policy.pc)
     n = compared = 0
     for lay, targets, rows, old, _, _ in _loss_rows_on_device(policy, mbs):
         lp, _ = policy.token_logprobs(policy.hidden(lay), targets, temperature)
         differs = lp[rows].view(torch.int32) != old.view(torch.int32)
         n += int(differs.sum().item())
         compared += differs.numel()
-    everyone = policy.pc.cp.all_gather_object((n, compared), "mismatch-count")
+    everyone = _everyone(policy.pc, (n, compared), "mismatch-count")
     return sum(e[0] for e in everyone), sum(e[1] for e in everyone)
 
 
@@ -231,7 +262,7 @@ def trainer_logprobs(policy: Qwen3ForCausalLM, samples: list[TrainSample], tempe
     """The trainer's logprobs of each sample's response tokens ([R_i] fp32 per sample, CPU),
     computed the way compute_gradients does: one packed stream, no KV cache (single process)."""
     seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
-    lay = packed_layout(seqs, padded_stream_len(sum(map(len, seqs))), pad_id)
+    lay = packed_layout(seqs, pad_id)
     targets, mask, _, _ = loss_rows(samples, lay.tokens.shape[0])
     lp, _ = policy.token_logprobs(policy.hidden(lay), targets.to(policy.device), temperature)
     return list(lp.cpu()[mask].split([len(s.response_ids) for s in samples]))
