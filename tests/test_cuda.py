@@ -173,22 +173,30 @@ def test_token_dw_equals_cp_ranks_adding_their_leaves_exactly(tm):
 
 
 def test_fixedpoint_on_cuda_equals_cpu_bytes_and_ignores_order():
-    """numerics/fixedpoint on CUDA tensors: the exact sum rounded once is the CPU's bytes (it
-    depends on the multiset of values only), for rows in any order and for two accumulators
-    added, with values over many binades, ±0 and an Inf column. Negative control: torch.sum on
-    CUDA of the same rows reversed changes bytes."""
+    """numerics/fixedpoint on CUDA tensors: the accumulator holds the CPU's exact integer and the
+    sum rounded once is the CPU's bytes, for rows in any order and for two accumulators added.
+    Column j draws its values from binades around 2**(j - 140), so every exponent bin of the
+    accumulator decides some column's result (a wrong scale in one bin changes that column:
+    torch.ldexp on CUDA did so for 2**54); plus ±0 and an Inf column. Negative control: torch.sum
+    on CUDA of the same rows reversed changes bytes."""
     from rlkernel.numerics import fixedpoint as fx
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(4096, 64, generator=g) * torch.exp2(torch.randint(-60, 60, (4096, 64),
-                                                                      generator=g).float())
+    cols = 260     # 2**(j - 140): subnormals up to 2**119 (x 8 at most: finite in fp32)
+    scale = torch.exp2(torch.arange(cols, dtype=torch.float64) - 140)
+    jitter = torch.exp2(torch.randint(-3, 4, (4096, cols), generator=g).double())
+    x = (torch.randn(4096, cols, generator=g, dtype=torch.float64) * scale * jitter).float()
     x[:, 0] = 0.0
-    x[7, 1] = float("inf")
-    want = fx.exact_sum_fp32(x)
+    x[::2, 1] = -0.0
+    x[7, 2] = float("inf")
+    want_acc = fx.normalise_(fx.accumulate_(fx.zeros((cols,)), x))
+    want = fx.round_fp32(want_acc)
     xc = x.to(DEV)
-    assert _same(fx.exact_sum_fp32(xc).cpu(), want)
+    got_acc = fx.accumulate_(fx.zeros((cols,), DEV), xc)
+    assert torch.equal(fx.normalise_(got_acc).cpu(), want_acc)
+    assert _same(fx.round_fp32(got_acc).cpu(), want)
     assert _same(fx.exact_sum_fp32(xc.flip(0)).cpu(), want)
-    a = fx.accumulate_(fx.zeros((64,), DEV), xc[:1000])
-    b = fx.accumulate_(fx.zeros((64,), DEV), xc[1000:])
+    a = fx.accumulate_(fx.zeros((cols,), DEV), xc[:1000])
+    b = fx.accumulate_(fx.zeros((cols,), DEV), xc[1000:])
     assert a.is_cuda and _same(fx.round_fp32(a + b).cpu(), want)
     y = torch.randn(4096, 64, device=DEV, generator=_gen(12))
     assert not _same(y.sum(0), y.flip(0).sum(0))

@@ -111,7 +111,7 @@ def _add_chunk(flat: torch.Tensor, x: torch.Tensor) -> None:
             flat[:, _NINF] += (inf & (s < 0)).to(torch.int64)
             s = torch.where(nan | inf, torch.zeros_like(s), s)
         unit = max(_BIN_FIELDS * j, 1) - 150     # u_b = 2**unit
-        n_int = torch.ldexp(s, torch.tensor(float(-unit), dtype=torch.float64)).to(torch.int64)
+        n_int = (s * 2.0 ** -unit).to(torch.int64)   # a power of two: the product is exact
         shift = unit + 149                      # position of u_b in units of 2**-149
         q, r = divmod(shift, DIGIT_BITS)
         sign = torch.where(n_int < 0, -1, 1)
@@ -135,9 +135,19 @@ def normalise_(acc: torch.Tensor) -> torch.Tensor:
 
 
 def _bit_length(x: torch.Tensor) -> torch.Tensor:
-    """Bit length of non-negative int64 values below 2**31 (0 for 0), exactly (via float64)."""
-    _, e = torch.frexp(x.to(torch.float64))     # x < 2**31 is exact in float64
-    return torch.where(x > 0, e.to(torch.int64), torch.zeros_like(x))
+    """Bit length of non-negative int64 values below 2**31 (0 for 0), exactly: the exponent
+    field of x as float64 (x < 2**31 converts exactly), read from the bits."""
+    e = (x.to(torch.float64).view(torch.int64) >> 52) - 1022
+    return torch.where(x > 0, e, torch.zeros_like(x))
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e as float64 for int64 e in the normal range [-1022, 1023], built from the bits.
+
+    Why not torch.ldexp / exp2: on CUDA they are computed through pow/exp2 in floating point and
+    were measured (H200, torch 2.11) to return a value other than 2**54 for e = 54, which made
+    the device accumulator inexact; a power of two written into the exponent field is exact."""
+    return ((e + 1023) << 52).view(torch.float64)
 
 
 def round_fp32(acc: torch.Tensor) -> torch.Tensor:
@@ -173,7 +183,7 @@ def round_fp32(acc: torch.Tensor) -> torch.Tensor:
     odd = (q & 1) != 0
     q = q + half * (sticky | odd).to(torch.int64)
     exp = s + (t - 1) * DIGIT_BITS + _UNIT_EXP
-    val = torch.ldexp(q.to(torch.float64), exp.to(torch.float64)).to(torch.float32)
+    val = (q.to(torch.float64) * _pow2(exp)).to(torch.float32)   # q < 2**25: exact product
     val = torch.where(over, torch.full_like(val, float("inf")), val)
     val = torch.where(neg, -val, val)
     val = torch.where(top < 0, torch.zeros_like(val), val)
