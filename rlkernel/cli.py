@@ -604,6 +604,8 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
         {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()
                                                 if old.get(k) != v},
          "git": git, "versions": versions(), "utc": utc_now(), **inputs})
+    for why in ck.skipped:   # a newer checkpoint that is half written or corrupt
+        print(f"rlk run: skipped checkpoint {why}", file=sys.stderr)
     print(f"rlk run: resuming {d} from {ck.path.relative_to(src)} at step {ck.next_step + 1}/"
           f"{cfg.steps} (evidence step {ck.next_step}; the {ck.next_step} step(s) before it "
           "are kept)", file=sys.stderr)

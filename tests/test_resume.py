@@ -112,8 +112,11 @@ def test_half_written_and_corrupt_checkpoints_are_never_loaded(tmp_path, capsys,
     data = bytearray(state.read_bytes())
     data[-1] ^= 1
     state.write_bytes(bytes(data))
-    assert latest_checkpoint(d).next_step == 1
+    found = latest_checkpoint(d)
+    assert found.next_step == 1 and [w.split(":")[0] for w in found.skipped] == ["step-000002"]
+    capsys.readouterr()
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    assert "rlk run: skipped checkpoint step-000002: " in capsys.readouterr().err   # said, not silent
     _identical(capsys, uninterrupted, d)
 
 
