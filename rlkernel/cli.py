@@ -520,9 +520,12 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
 
 
-def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path) -> None:
-    """Refuse --resume of a run whose evidence already holds every step of --steps (nothing to
-    do), and name evidence.json when it cannot be read. Raises ValueError."""
+def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
+                        next_step: int) -> None:
+    """Refuse --resume when its checkpoint (`next_step`) already ends the run's --steps and the
+    evidence holds them all (nothing to do; an earlier checkpoint, e.g. after a corrupt last
+    one, re-runs the steps after it), and name evidence.json when it cannot be read.
+    Raises ValueError."""
     path = src / "evidence.json"
     try:
         evidence = json.loads(path.read_text())
@@ -531,7 +534,7 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path) -> N
         raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence ({e})") from None
     if not isinstance(steps, list):
         raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
-    if evidence.get("complete") and len(steps) >= cfg.steps:
+    if next_step >= cfg.steps and evidence.get("complete") and len(steps) >= cfg.steps:
         raise ValueError(f"--resume {str(d)!r}: the run is already complete ({len(steps)}/"
                          f"{cfg.steps} steps); to go on, extend it with --steps N "
                          f"(N > {len(steps)})")
@@ -583,7 +586,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     d = pathlib.Path(cfg.resume)
     try:
         ck = latest_checkpoint(src)
-        _check_not_finished(src, cfg, d)
+        _check_not_finished(src, cfg, d, ck.next_step)
         manifest = json.loads((src / "manifest.json").read_text())
         check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])
@@ -605,6 +608,8 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
         {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()
                                                 if old.get(k) != v},
          "git": git, "versions": versions(), "utc": utc_now(), **inputs})
+    for why in ck.skipped:   # a newer checkpoint that is half written or corrupt
+        print(f"rlk run: skipped checkpoint {why}", file=sys.stderr)
     print(f"rlk run: resuming {d} from {ck.path.relative_to(src)} at step {ck.next_step + 1}/"
           f"{cfg.steps} (evidence step {ck.next_step}; the {ck.next_step} step(s) before it "
           "are kept)", file=sys.stderr)

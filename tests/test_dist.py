@@ -279,7 +279,10 @@ def _sleep_rank(rank: int, out: str) -> None:
 
 
 _PARENT = """
-import sys
+import signal, sys
+# A shell's background job starts with SIGINT ignored, and Python keeps it so: act like a
+# terminal's foreground process, which is what this test is about.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 import test_dist
 from rlkernel.distributed.launch import launch

@@ -112,8 +112,11 @@ def test_half_written_and_corrupt_checkpoints_are_never_loaded(tmp_path, capsys,
     data = bytearray(state.read_bytes())
     data[-1] ^= 1
     state.write_bytes(bytes(data))
-    assert latest_checkpoint(d).next_step == 1
+    found = latest_checkpoint(d)
+    assert found.next_step == 1 and [w.split(":")[0] for w in found.skipped] == ["step-000002"]
+    capsys.readouterr()
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    assert "rlk run: skipped checkpoint step-000002: " in capsys.readouterr().err   # said, not silent
     _identical(capsys, uninterrupted, d)
 
 
@@ -216,8 +219,9 @@ def test_resume_finds_a_killed_runs_tmp_dir_only_when_its_process_is_gone(tmp_pa
     for p in dead:
         p.wait()
     shutil.rmtree(mine)
-    for p in dead:
+    for p in dead:   # killed before the end: the last checkpoint was not written yet
         shutil.copytree(uninterrupted, tmp_path / f"run.tmp-{p.pid}")
+        shutil.rmtree(tmp_path / f"run.tmp-{p.pid}" / "checkpoints" / "step-000003")
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
     assert "several killed runs" in capsys.readouterr().err
     shutil.rmtree(tmp_path / f"run.tmp-{dead[1].pid}")

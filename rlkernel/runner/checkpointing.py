@@ -14,6 +14,7 @@ Does not: decide when to save (loop.py) or merge configs (cli.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,13 +39,15 @@ class ResumeError(ValueError):
 class Checkpoint:
     """next_step: the first step still to run; opt_steps: AdamW updates applied so far;
     tensors: logical fp32 tensors named master/<p>, exp_avg/<p>, exp_avg_sq/<p>;
-    version: weight version after step next_step − 1 (checked on resume); path: its directory."""
+    version: weight version after step next_step − 1 (checked on resume); path: its directory;
+    skipped: newer checkpoints `latest_checkpoint` passed over, "NAME: why" each."""
 
     next_step: int
     opt_steps: int
     tensors: dict[str, torch.Tensor]
     version: str
     path: pathlib.Path
+    skipped: tuple[str, ...] = ()
 
 
 def fsync_dir(d: pathlib.Path) -> None:
@@ -121,7 +124,8 @@ def checkpoint_dirs(run_dir: pathlib.Path) -> dict[int, pathlib.Path]:
 
 
 def latest_checkpoint(run_dir: pathlib.Path) -> Checkpoint:
-    """The newest complete, verified checkpoint of `run_dir`.
+    """The newest complete, verified checkpoint of `run_dir` (the newer ones it passed over, and
+    why, in its `skipped`).
 
     Raises ResumeError naming the directory when there is none (listing why each was skipped).
     """
@@ -131,7 +135,7 @@ def latest_checkpoint(run_dir: pathlib.Path) -> Checkpoint:
     skipped = []
     for p in cands:
         try:
-            return _load(p)
+            return dataclasses.replace(_load(p), skipped=tuple(skipped))
         # TypeError: a meta.json of the wrong shape (e.g. a list); SafetensorError (not a
         # ValueError): a state file that matches its SHA-256 but does not parse.
         except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:

@@ -404,16 +404,24 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
 def _signals_deferred():
     """Hold SIGINT/SIGTERM (main thread only) until the block ends: a Ctrl-C just after a step's
     line is printed must not leave that step recorded without its checkpoint. A signal that
-    arrives meanwhile is delivered, as usual, when the block ends."""
+    arrives meanwhile is re-raised, to the handler that was in place, when the block ends; an
+    ignored signal stays ignored. (A thread signal mask would not do: the kernel may deliver
+    the signal to another thread, e.g. a torch worker, and Python still runs it at once.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    pending: list[int] = []
+    held = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) not in (signal.SIG_IGN, None):
+            held[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            signal.raise_signal(sig)
 
 
 def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audit, version,

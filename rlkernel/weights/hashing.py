@@ -40,16 +40,6 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of `t` in row-major order (a CPU, contiguous copy when needed).
-
-    Works for every dense dtype, bf16 and fp8 included: the tensor is reinterpreted as uint8
-    (`Tensor.view(torch.uint8)`), never converted through a float type. Raises ValueError for
-    sparse, quantized or other non-strided tensors, which have no single byte layout.
-    """
-    return memoryview(_flat_bytes(t).cpu().numpy()).cast("B")
-
-
 # Integer dtypes of each element size: a same-size view compares bit patterns, never float values.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -94,9 +84,10 @@ def tensor_hash(t: torch.Tensor) -> str:
     """Hex SHA-256 of one tensor: equal iff dtype, shape and every byte are equal.
 
     Definition (a two-level SHA-256, so chunks can be digested in parallel):
-      chunk digests: the raw element bytes in row-major order (see `tensor_bytes`) cut into
-        chunks of HASH_CHUNK_BYTES (8 MiB; the last may be shorter; none for an empty tensor),
-        each digested with SHA-256 (32 raw bytes);
+      chunk digests: the raw element bytes in row-major order (`Tensor.view(torch.uint8)`,
+        never a float conversion, so NaN payloads, -0.0 and bf16 patterns count) cut into chunks
+        of HASH_CHUNK_BYTES (8 MiB; the last may be shorter; none for an empty tensor), each
+        digested with SHA-256 (32 raw bytes);
       tensor hash: SHA-256 of b"rlk-tensor-v2\\0", the dtype name without "torch."
         (e.g. b"bfloat16") + b"\\0", the shape as decimal sizes joined by "," (b"" for a 0-d
         tensor) + b"\\0", the chunk size in decimal + b"\\0", then the chunk digests in order.
@@ -107,11 +98,7 @@ def tensor_hash(t: torch.Tensor) -> str:
     Returns: 64 lowercase hex characters.
     Raises: ValueError for sparse or quantized tensors.
     """
-    flat = _flat_bytes(t)
-    h = hashlib.sha256(_header(t))
-    for span in _chunk_spans(flat.numel()):
-        h.update(_chunk_digest(flat, span))
-    return h.hexdigest()
+    return state_hashes({"": t})[""]
 
 
 def state_hashes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
