@@ -3,7 +3,7 @@
 # random qwen3-0.6b checkpoint at TP1, TP2/rollout-TP2, CP2/rollout-CP2 and DP2 (ZeRO-1, 1-sample
 # microbatches; invariant) and TP1 vs TP2, TP1 vs DP2 (native controls), each pair compared with
 # `rlk compare` (peak GPU memory of rank 0 per run: summarize_runs.py). Needs two GPUs for the
-# multi-rank parts. Usage (repository root): bash benchmarks/validate_gpu.sh OUTDIR [tests|runs|all]
+# multi-rank parts. RLK_LAYOUTS picks a subset of the runs (names as below). Usage (repository root): bash benchmarks/validate_gpu.sh OUTDIR [tests|runs|all]
 set -uo pipefail
 out=${1:?usage: validate_gpu.sh OUTDIR [tests|runs|all]}
 what=${2:-all}
@@ -30,7 +30,8 @@ declare -A layouts=([tp1]="" [tp2-rtp2]="--tp 2 --rollout-tp 2" [cp2-rcp2]="--cp
                     [dp2]="--dp 2 --micro-batch-tokens 320"
                     [native-tp1]="--mode native" [native-tp2]="--mode native --tp 2 --rollout-tp 2"
                     [native-dp2]="--mode native --dp 2 --micro-batch-tokens 320")
-for name in tp1 tp2-rtp2 cp2-rcp2 dp2 native-tp1 native-tp2 native-dp2; do
+names=${RLK_LAYOUTS:-tp1 tp2-rtp2 cp2-rcp2 dp2 native-tp1 native-tp2 native-dp2}
+for name in $names; do
   echo "== rlk run $name"
   # shellcheck disable=SC2086
   timeout "${RLK_TIMEOUT:-300}" python3 -m rlkernel.cli run "${args[@]}" ${layouts[$name]} \
@@ -40,6 +41,7 @@ done
   for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "tp1 dp2" "native-tp1 native-tp2" \
               "native-tp1 native-dp2"; do
     set -- $pair
+    [ -d "$runs/$1" ] && [ -d "$runs/$2" ] || continue
     echo "== rlk compare $1 $2"
     rlk compare "$runs/$1" "$runs/$2" | tail -12
     echo "exit ${PIPESTATUS[0]}"
