@@ -30,9 +30,12 @@ sum beyond the fp32 range rounds to ±Inf as IEEE does.
 Prior art: Kulisch's exact (long) accumulator; Demmel–Nguyen's reproducible summation (ReproBLAS)
 bins by exponent in the same spirit but is not exact. Written from the definitions above.
 
-Cost: ~5 vector ops and one float64 `index_add_` per added value, ~15 per element and non-empty
-bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element. Does not: communicate (callers sum accumulators across ranks).
-Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py`.
+CUDA tensors go to one Triton kernel (triton_fixedpoint.py) that holds the bins in registers and
+gives the same integer; this torch path is the reference and the CPU backend.
+Cost (torch path): ~5 vector ops and one float64 `index_add_` per added value, ~15 per element
+and non-empty bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element.
+Does not: communicate (callers sum accumulators across ranks).
+Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_fixedpoint_triton.py`.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return acc
     flat = acc.view(m, N_COLS)
     vals = x.detach().to(torch.float32).reshape(n, m)
+    if acc.is_cuda:   # one Triton pass, same integer (tests/test_fixedpoint_triton.py)
+        from rlkernel.numerics import triton_fixedpoint
+        triton_fixedpoint.accumulate_(flat, vals)
+        return acc
     rows = max(1, min(_BIN_ROWS, _CHUNK // m))
     for i, start in enumerate(range(0, n, rows)):
         if i and i % _NORMALISE_EVERY == 0:
