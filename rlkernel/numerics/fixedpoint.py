@@ -79,14 +79,22 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if acc.is_cuda:   # one Triton pass, same integer (tests/test_fixedpoint_triton.py)
         from rlkernel.numerics import triton_fixedpoint
         triton_fixedpoint.accumulate_(flat, vals)
-        return acc
+    else:
+        accumulate_torch_(flat, vals)
+    return acc
+
+
+def accumulate_torch_(flat: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """The torch path of `accumulate_` on any device: flat [m, N_COLS] += exact Σ of vals [n, m]
+    fp32 over dim 0, then normalise. The CPU backend and the reference of the CUDA kernel
+    (benchmarks/bench_fixedpoint.py times it on CUDA). Returns flat."""
+    n, m = vals.shape
     rows = max(1, min(_BIN_ROWS, _CHUNK // m))
     for i, start in enumerate(range(0, n, rows)):
         if i and i % _NORMALISE_EVERY == 0:
-            normalise_(acc)
+            normalise_(flat)
         _add_chunk(flat, vals[start:start + rows])
-    normalise_(acc)
-    return acc
+    return normalise_(flat)
 
 
 _BIN_FIELDS = 16          # fp32 exponent fields per float64 bin
