@@ -21,7 +21,10 @@ representation):
 Bounds (int64): a loaded row is normalised first (its digits < 2**31 except the signed top).
 |n_j| < 2**52; its low part (n_j & MASK) << r < 2**61 and high part (n_j >> 31) << r, |.| < 2**51,
 add < 2**31, < 2**32 and <= 2**20 to digits q, q+1, q+2. At most 16 bins add to a digit: < 2**36,
-so no digit nears 2**63 before the next carry pass. Flag counts are int32 per launch (k < 2**31).
+so no digit nears 2**63 before the next carry pass. Flag counts are int32 per segment (<= SEG).
+Cost per value (SASS for sm_90, BLOCK 128, 4 warps: 70-72 registers, no spills): ~86 instructions,
+16 of them float64 adds (one compare, two selects and an add per bin); UNROLL = 8 row loads are
+issued before they are used.
 
 Does not: run on CPU (fixedpoint.py is the reference and dispatches here for CUDA tensors; under
 TRITON_INTERPRET=1 the kernel runs on CPU tensors for tests), take other dtypes than fp32 (the
