@@ -18,7 +18,8 @@ Three measurements, each printed and (with --out) written as JSON:
 
 Run (repository root, CPU): PYTHONPATH=. .venv/bin/python benchmarks/bench_dp_accumulation.py
 [--out FILE.json] [--repeats N]. On a shared 2-core machine expect ±20% between runs.
-Does not: touch the GPU (the CUDA kernels' cost is benchmarks/run_all.sh's job).
+Does not: touch the GPU (the CUDA kernels' cost is benchmarks/run_all.sh's job; the CUDA exact
+accumulator alone: benchmarks/bench_fixedpoint.py).
 """
 
 from __future__ import annotations

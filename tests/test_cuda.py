@@ -202,6 +202,68 @@ def test_fixedpoint_on_cuda_equals_cpu_bytes_and_ignores_order():
     assert not _same(y.sum(0), y.flip(0).sum(0))
 
 
+def _fx_wide(k: int, m: int, seed: int) -> torch.Tensor:
+    """fp32 [k, m] on the CPU: randn times 2**[-60, 40) per value, with NaN, ±Inf and subnormal
+    values sprinkled over rows 3, 5, 6 and 9."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(k, m, generator=g)
+    x *= torch.exp2(torch.randint(-60, 40, (k, m), generator=g, dtype=torch.int32).float())
+    x[3, ::9973] = float("nan")
+    x[5, ::7919] = float("inf")
+    x[6, ::7919] = float("-inf")
+    x[9, ::1000] = 1e-45
+    return x
+
+
+def test_fixedpoint_triton_kernel_equals_cpu_torch_path_large():
+    """x [64, 1_000_003] (magnitudes 2**-60..2**40, NaN/±Inf/subnormals), then 7 more rows on
+    the same accumulator: accumulate_ on CUDA (the Triton kernel) == the CPU torch path, bytewise
+    on all int64 columns, and so is the rounded sum. The kernel called directly with other launch
+    shapes (BLOCK, warps) and on a column-major copy of x gives the same bytes."""
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    m = 1_000_003
+    x = _fx_wide(64, m, 13)
+    more = -2.0 * x[:7].flip(0)
+    want1 = fx.accumulate_(fx.zeros((m,)), x)
+    want2 = fx.accumulate_(want1.clone(), more)
+    xc = x.to(DEV)
+    got = fx.accumulate_(fx.zeros((m,), DEV), xc)
+    assert torch.equal(got.cpu(), want1)
+    assert torch.equal(fx.accumulate_(got, more.to(DEV)).cpu(), want2)
+    assert _same(fx.round_fp32(got).cpu(), fx.round_fp32(want2))
+    for block, warps in ((32, 1), (64, 2), (256, 8)):
+        acc = tfx.accumulate_(fx.zeros((m,), DEV), xc, block=block, num_warps=warps)
+        assert torch.equal(acc.cpu(), want1), (block, warps)
+    col_major = xc[:, :200_000].t().contiguous().t()          # strides (1, 64)
+    acc = tfx.accumulate_(fx.zeros((200_000,), DEV), col_major)
+    assert torch.equal(acc.cpu(), want1[:200_000])           # elements are independent
+
+
+def test_fixedpoint_triton_kernel_every_bin_and_several_flushes():
+    """The kernel == the CPU torch path bytewise for (a) x [64, 260], column j around
+    2**(j − 140) (every exponent bin, subnormals, ±0, an Inf), and (b) k = 2·2**13 + 37 rows of
+    values at the top of bins 7 and 15 with an odd multiple of the bin unit every 64th row: each
+    flush's float64 bin sum sits just below its 2**52-unit exactness bound, over three flushes."""
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    g = torch.Generator().manual_seed(14)
+    scale = torch.exp2(torch.arange(260, dtype=torch.float64) - 140)
+    x = (torch.randn(64, 260, generator=g, dtype=torch.float64) * scale).float()
+    x[:, 0], x[::2, 1], x[7, 2] = 0.0, -0.0, float("inf")
+    k = 2 * tfx.SEG + 37
+    y = _fx_wide(k, 300, 15)
+    odd = (torch.arange(k) % 64) == 63
+    for c, field, sign in ((0, 127, 1.0), (1, 254, -1.0)):
+        top = sign * (2.0 - 2.0**-23) * 2.0 ** (field - 127)
+        low = sign * (1.0 + 2.0**-23) * 2.0 ** (field - 15 - 127)
+        y[:, c] = torch.where(odd, torch.tensor(low), torch.tensor(top)).float()
+    for v in (x, y):
+        want = fx.accumulate_(fx.zeros(v.shape[1:]), v)
+        got = tfx.accumulate_(fx.zeros(v.shape[1:], DEV), v.to(DEV))
+        assert torch.equal(got.cpu(), want)
+
+
 # ---------------------------------------------------------------------------------- attention
 def _attn_inputs(dtype, s_=3, hq=8, hkv=2, t=300, d=128, seed=10):
     g = _gen(seed)

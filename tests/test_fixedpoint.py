@@ -125,3 +125,20 @@ def test_bad_accumulators_are_refused():
         fx.accumulate_(fx.zeros((3,)), torch.ones(2, 4))
     with pytest.raises(ValueError):
         fx.round_fp32(torch.zeros(3, 2, dtype=torch.int64))
+
+
+def test_nonfinite_counts_depend_only_on_the_multiset():
+    """The NaN/+Inf/−Inf columns count values, so one accumulator over x == the integer sum of
+    accumulators over single rows, bytewise (digits AND counts), and the digits keep the finite
+    values that sit beside an Inf (here 3e38 in the top bin). Rows: 2 x +Inf, +Inf with −Inf,
+    NaN, finite."""
+    x = torch.tensor([[math.inf, math.inf, math.nan, 3e38],
+                      [math.inf, -math.inf, 1.0, 3e38],
+                      [3e38, 2.0, math.nan, -1.0]])
+    one = fx.accumulate_(fx.zeros((4,)), x)
+    rows = fx.normalise_(torch.stack([fx.accumulate_(fx.zeros((4,)), x[i:i + 1])
+                                      for i in range(3)]).sum(0))
+    assert torch.equal(one, rows)
+    assert one[:, fx.N_DIGITS:].tolist() == [[0, 2, 0], [0, 1, 1], [2, 0, 0], [0, 0, 0]]
+    finite = fx.accumulate_(fx.zeros((4,)), torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+    assert torch.equal(one[:, :fx.N_DIGITS], finite[:, :fx.N_DIGITS])

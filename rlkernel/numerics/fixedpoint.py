@@ -12,7 +12,9 @@ Representation: a finite fp32 x is ±M·2**E' units of 2**-149 (M < 2**24 the si
 implicit bit, E' = max(e, 1) − 1 in [0, 253] from the biased exponent field e), an integer below
 2**277. It is cut into base-2**31 digits held in int64: M·2**(E' mod 31) (< 2**54) goes to digits
 q = E' // 31 and up. N_DIGITS = 10 digits span 310 bits, so a sum of up to 2**33 values of the
-largest magnitude still fits. Three more columns count NaN, +Inf and −Inf. An accumulator is
+largest magnitude still fits. Three more columns count the NaN, +Inf and −Inf values added (the
+digits hold the exact sum of the finite ones), so every column is a function of the multiset of
+values. An accumulator is
 int64 [..., N_COLS], kept carry-normalised by `accumulate_` (`normalise_`); sums of accumulators
 (an all-gather + sum across ranks) stay exact.
 Adding (`_add_chunk`): values are first summed exactly in float64 per exponent bin (16 exponent
@@ -28,9 +30,12 @@ sum beyond the fp32 range rounds to ±Inf as IEEE does.
 Prior art: Kulisch's exact (long) accumulator; Demmel–Nguyen's reproducible summation (ReproBLAS)
 bins by exponent in the same spirit but is not exact. Written from the definitions above.
 
-Cost: ~5 vector ops and one float64 `index_add_` per added value, ~15 per element and non-empty
-bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element. Does not: communicate (callers sum accumulators across ranks).
-Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py`.
+CUDA tensors go to one Triton kernel (triton_fixedpoint.py) that holds the bins in registers and
+gives the same integer; this torch path is the reference and the CPU backend.
+Cost (torch path): ~5 vector ops and one float64 `index_add_` per added value, ~15 per element
+and non-empty bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element.
+Does not: communicate (callers sum accumulators across ranks).
+Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_fixedpoint_triton.py`.
 """
 
 from __future__ import annotations
@@ -71,13 +76,25 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return acc
     flat = acc.view(m, N_COLS)
     vals = x.detach().to(torch.float32).reshape(n, m)
+    if acc.is_cuda:   # one Triton pass, same integer (tests/test_fixedpoint_triton.py)
+        from rlkernel.numerics import triton_fixedpoint
+        triton_fixedpoint.accumulate_(flat, vals)
+    else:
+        accumulate_torch_(flat, vals)
+    return acc
+
+
+def accumulate_torch_(flat: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """The torch path of `accumulate_` on any device: flat [m, N_COLS] += exact Σ of vals [n, m]
+    fp32 over dim 0, then normalise. The CPU backend and the reference of the CUDA kernel
+    (benchmarks/bench_fixedpoint.py times it on CUDA). Returns flat."""
+    n, m = vals.shape
     rows = max(1, min(_BIN_ROWS, _CHUNK // m))
     for i, start in enumerate(range(0, n, rows)):
         if i and i % _NORMALISE_EVERY == 0:
-            normalise_(acc)
+            normalise_(flat)
         _add_chunk(flat, vals[start:start + rows])
-    normalise_(acc)
-    return acc
+    return normalise_(flat)
 
 
 _BIN_FIELDS = 16          # fp32 exponent fields per float64 bin
@@ -99,17 +116,15 @@ def _add_chunk(flat: torch.Tensor, x: torch.Tensor) -> None:
     b = (bits >> (23 + 4)) & (_N_BINS - 1)      # exponent field // 16 (sign bit masked off)
     idx = torch.arange(0, m * _N_BINS, _N_BINS, device=x.device, dtype=torch.int64) + b
     bins = torch.zeros(m * _N_BINS, dtype=torch.float64, device=x.device)
-    bins.index_add_(0, idx.reshape(-1), x.to(torch.float64).reshape(-1))
+    x64 = x.to(torch.float64)
+    bins.index_add_(0, idx.reshape(-1), x64.reshape(-1))
     bins = bins.view(m, _N_BINS)
-    active = (bins != 0).any(0).nonzero().flatten().tolist()
+    active = (bins != 0).any(0).nonzero().flatten().tolist()   # NaN/Inf make bin 15 non-zero
     for j in active:
         s = bins[:, j]
-        if j == _N_BINS - 1:   # fields 240..255 hold Inf/NaN: their float64 sum says which
-            nan, inf = torch.isnan(s), torch.isinf(s)
-            flat[:, _NAN] += nan.to(torch.int64)
-            flat[:, _PINF] += (inf & (s > 0)).to(torch.int64)
-            flat[:, _NINF] += (inf & (s < 0)).to(torch.int64)
-            s = torch.where(nan | inf, torch.zeros_like(s), s)
+        if j == _N_BINS - 1:   # fields 240..255: the top finite binades, and Inf/NaN (255)
+            _count_nonfinite(flat, x)
+            s = torch.where((b == j) & torch.isfinite(x), x64, torch.zeros_like(x64)).sum(0)
         unit = max(_BIN_FIELDS * j, 1) - 150     # u_b = 2**unit
         n_int = (s * 2.0 ** -unit).to(torch.int64)   # a power of two: the product is exact
         shift = unit + 149                      # position of u_b in units of 2**-149
@@ -121,6 +136,17 @@ def _add_chunk(flat: torch.Tensor, x: torch.Tensor) -> None:
         flat[:, q] += (a & _MASK) * sign
         flat[:, q + 1] += ((a >> DIGIT_BITS) + (c & _MASK)) * sign
         flat[:, q + 2] += (c >> DIGIT_BITS) * sign
+
+
+def _count_nonfinite(flat: torch.Tensor, x: torch.Tensor) -> None:
+    """flat[:, NaN/+Inf/−Inf columns] += how many values of x [k, m] are NaN, +Inf, −Inf.
+
+    Counted per value (not per bin sum, which cannot tell Inf + Inf from Inf, nor +Inf − Inf
+    from NaN), so the columns, like the digits, depend only on the multiset of values: the CUDA
+    kernel (triton_fixedpoint.py) counts the same way in any chunking."""
+    flat[:, _NAN] += torch.isnan(x).sum(0)
+    flat[:, _PINF] += (x == float("inf")).sum(0)
+    flat[:, _NINF] += (x == float("-inf")).sum(0)
 
 
 def normalise_(acc: torch.Tensor) -> torch.Tensor:
