@@ -300,6 +300,17 @@ def test_pool_too_small_under_gpu_memory_utilization_names_flag_and_bytes():
     assert bits(ok.generate([TARGET], SP)[0]) == _alone(InvariantOps)
 
 
+def test_engine_default_is_the_run_default():
+    """RolloutEngine's gpu_memory_utilization default == RunConfig's (rlk run passes its value)."""
+    import inspect
+
+    from rlkernel.config import RunConfig
+    from rlkernel.rollout.engine import RolloutEngine
+
+    default = inspect.signature(RolloutEngine).parameters["gpu_memory_utilization"].default
+    assert default == RunConfig().gpu_memory_utilization == 0.5
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization=0.0 must be a fraction in (0, 1]"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
