@@ -46,6 +46,8 @@ TOKEN_REDUCTION = (
     "tokens only, not on --micro-batch-tokens, --dp, --tp, --cp, --sp, packing, padding or the "
     "order samples are added in")
 SEED_LIMIT = 2**63
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
+"""--gpu-memory-utilization when not given: the rollout engine's own default (RolloutEngine)."""
 FP32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 1e-6
 """Smallest --temperature: z = logits / T is fp32 in rollout and trainer, so T must keep it finite.
@@ -192,6 +194,18 @@ class RunConfig:
     """Rollout-engine tensor-parallel degree; a divisor of virtual_tp (8)."""
     rollout_cp: int = 1
     """Rollout-engine context-parallel degree; a divisor of virtual_cp (8)."""
+
+    # ---- rollout memory (issue 12)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    """Fraction in (0, 1] of the CUDA memory free when each step's rollout starts that the
+    rollout's paged KV pool may take (free as torch.cuda.mem_get_info reports it: the weights,
+    the optimizer state and memory torch keeps cached already count as used, so unlike vLLM's
+    flag of this name it is not a fraction of the total). The pool is freed when the rollout
+    ends; the rest of the free memory is for the step's activations and logits. A memory knob
+    only: the pool's size changes scheduling and preemption, never a sample's bytes. If one
+    sample (prompt + --max-response-len) cannot fit, the run stops naming the bytes it needs and
+    the bytes the pool has. --device cpu: no effect (the CPU pool holds every sample of the step
+    at once; a value other than the default is warned about)."""
 
     # ---- run bookkeeping
     run_dir: str | None = None
@@ -413,6 +427,7 @@ def _validate(c: RunConfig) -> None:
     for f in ("kl_coef", "entropy_coef", "weight_decay", "clip_grad"):
         _check_float(c, f, "nonneg")
     _check_float(c, "top_p", "unit_open0")
+    _check_float(c, "gpu_memory_utilization", "unit_open0")
     _check_float(c, "adam_beta1", "unit_open1")
     _check_float(c, "adam_beta2", "unit_open1")
     _check_choice(c, "kl_estimator", KL_ESTIMATORS)

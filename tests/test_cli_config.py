@@ -48,6 +48,8 @@ REVIEWED_RUN_FLAGS |= {
 # Issue 14: data parallelism; the microbatch size became a memory knob (--token-budget, its old
 # name, stays as an alias).
 REVIEWED_RUN_FLAGS = (REVIEWED_RUN_FLAGS - {"--token-budget"}) | {"--dp", "--micro-batch-tokens"}
+# Issue 12: the rollout KV pool's share of free GPU memory.
+REVIEWED_RUN_FLAGS |= {"--gpu-memory-utilization"}
 # Second spellings of reviewed flags (cli.RUN_FLAG_ALIASES): not in the usage line, still surface.
 REVIEWED_RUN_ALIASES = {"--learning-rate": "--lr", "--num-generations": "--n-samples-per-prompt",
                         "--rollout-temperature": "--temperature",
@@ -158,6 +160,11 @@ BAD += [
     (["--micro-batch-tokens", "100"], "--micro-batch-tokens", "100", ">= --max-prompt-len"),
     (["--token-budget", "100"], "--micro-batch-tokens", "100", "one whole sample"),
 ]
+# Issue 12: the KV pool's fraction of free GPU memory: finite, in (0, 1].
+BAD += [([f"--gpu-memory-utilization={v}"], "--gpu-memory-utilization", shown,
+         "a number in (0, 1]")
+        for v, shown in (("0", "0.0"), ("-0.5", "-0.5"), ("1.5", "1.5"), ("nan", "nan"),
+                         ("inf", "inf"), ("-inf", "-inf"))]
 
 
 @pytest.mark.parametrize("argv,flag,value,allowed", BAD, ids=[" ".join(b[0]) for b in BAD])
@@ -200,6 +207,17 @@ def test_help_says_which_logprob_is_recorded_under_top_p(capsys):
     text = " ".join(out.split())
     assert code == 0 and "full-vocabulary log-softmax of logits / T" in text
     assert "untruncated policy" in text
+
+
+def test_help_says_what_gpu_memory_utilization_is_a_fraction_of(capsys):
+    """`rlk run --help` shows --gpu-memory-utilization X: a fraction of the free CUDA memory (not
+    vLLM's total), default 0.5, no effect on CPU."""
+    code, out, _ = rlk(capsys, "run", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "--gpu-memory-utilization X" in text
+    for words in ("Fraction in (0, 1] of the CUDA memory free when each step's rollout starts",
+                  "not a fraction of the total", "--device cpu: no effect", "(default: 0.5)"):
+        assert words in text, words
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +294,10 @@ def test_every_config_field_is_a_flag_with_a_docstring():
     {"clip_grad": -1.0}, {"clip_grad": math.inf}, {"adam_eps": 0.0}, {"dtype": "fp16"},
     {"mode": "fast"}, {"device": "mps"}, {"rollout_tp": 6}, {"rollout_cp": 0}, {"model": ""},
     {"micro_batch_tokens": 100}, {"weight_decay": -1e-9}, {"clip_eps": 0.0}, {"dp": 16},
-    {"dp": 0}, {"dp": True},
+    {"dp": 0}, {"dp": True}, {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": -0.1},
+    {"gpu_memory_utilization": 1.0000001}, {"gpu_memory_utilization": math.nan},
+    {"gpu_memory_utilization": math.inf}, {"gpu_memory_utilization": True},
+    {"gpu_memory_utilization": "0.5"}, {"gpu_memory_utilization": 10**400},
 ])
 def test_invalid_config_raises_config_error_naming_the_flag(kw):
     (name, value), = kw.items()
@@ -554,6 +575,54 @@ def test_setting_that_cannot_act_warns_one_line_and_runs(capsys, cwd, loop, argv
     warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
     assert len(warnings) == 1 and needle in warnings[0], err
     assert len(loop.calls) == 1
+
+
+def test_gpu_memory_utilization_on_cpu_warns_and_is_recorded(capsys, cwd, loop):
+    """--device cpu --gpu-memory-utilization 0.8 == one warning (the CPU pool ignores it), the run
+    goes on, and the manifest's config holds 0.8 verbatim; the default value does not warn."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--gpu-memory-utilization", "0.8")
+    assert code == 0, err
+    (w,) = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
+    assert "--gpu-memory-utilization 0.8 has no effect with --device cpu" in w
+    manifest = json.loads((cwd / out.strip() / "manifest.json").read_text())
+    assert manifest["config"]["gpu_memory_utilization"] == 0.8
+    assert "gpu_memory_utilization" not in json.dumps(manifest["canonical_spec"])
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--gpu-memory-utilization", "0.5")
+    assert code == 0 and "warning" not in err
+
+
+def test_gpu_memory_utilization_reaches_the_rollout_engine(capsys, cwd, monkeypatch):
+    """rlk run --gpu-memory-utilization 0.7 == RolloutEngine(..., gpu_memory_utilization=0.7) in
+    the real loop (stopped there by a stand-in engine: exit 1, nothing left on disk)."""
+    import rlkernel.runner.loop as loop_mod
+
+    seen = []
+
+    def stand_in(*args, **kw):
+        seen.append(kw.get("gpu_memory_utilization"))
+        raise ValueError("stand-in engine: stop before step 0")
+
+    monkeypatch.setattr(loop_mod, "RolloutEngine", stand_in)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--steps", "1", "--n-prompts", "1",
+                       "--gpu-memory-utilization", "0.7")
+    assert seen == [0.7]
+    assert code == 1 and "stand-in engine" in err
+    assert list(cwd.iterdir()) == []
+
+
+def test_resume_may_change_gpu_memory_utilization(tmp_path):
+    """--resume --gpu-memory-utilization F is allowed (a memory knob, like --micro-batch-tokens),
+    also for a run whose manifest predates the flag; --seed still cannot change."""
+    d = tmp_path / "r"
+    d.mkdir()
+    saved = RunConfig().to_dict()
+    del saved["gpu_memory_utilization"]                      # a manifest from before issue 12
+    (d / "manifest.json").write_text(json.dumps({"config": saved}))
+    cfg = cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9}, d)
+    assert cfg.gpu_memory_utilization == 0.9 and cfg.seed == saved["seed"]
+    assert cli._resume_config({"resume": str(d)}, d).gpu_memory_utilization == 0.5
+    with pytest.raises(ConfigError, match="--seed"):
+        cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9, "seed": 7}, d)
 
 
 def test_settings_that_act_do_not_warn(capsys, cwd, loop):

@@ -6,6 +6,8 @@ batch, (c) with its KV in other physical blocks, (d) with its prompt's blocks sh
 GRPO group or not, (e) under other per-step token budgets and prefill chunk sizes, (f) preempted
 and recomputed, (g) with the host checking EOS every step or rarely; and (h) equal to a dense-KV
 reference loop; (i) the trainer's recomputed logprobs equal the rollout's under all of that.
+Pool sizing: kv_blocks, or gpu_memory_utilization × free device memory (stood in on CPU), with
+a ValueError naming the numbers when one sequence cannot fit.
 Each invariance has a negative control that must differ: the stock ops (`--mode native`), or for
 (c) a cache that reads blocks in physical instead of logical order.
 Run: `.venv/bin/python -m pytest -q tests/test_rollout_engine.py` (about 3 minutes on 2 cores).
@@ -249,9 +251,70 @@ def test_pool_too_small_names_the_numbers():
     assert bits(engine(InvariantOps, kv_blocks=need).generate(reqs, SP)[0]) == _alone(InvariantOps)
 
 
+def _per_block() -> int:
+    """Bytes of one KV block of the tiny model on CPU (all layers, K and V, fp32)."""
+    return PagedKVCache.bytes_per_block(CFG.num_hidden_layers, 16, CFG.num_key_value_heads,
+                                        CFG.head_dim)
+
+
+def _with_free(e, free: int):
+    """Engine `e` (CPU) sizing its pool as on CUDA, from `free` bytes of free device memory."""
+    e._free_bytes = lambda: free
+    return e
+
+
+def test_gpu_memory_utilization_sizes_the_pool_and_keeps_bytes():
+    """With F·free bytes the pool is floor(F·free / bytes per block) blocks (capped at what the
+    call can use): F = 0.06 of 100.99 blocks' bytes == 6 blocks, tight enough to preempt; every
+    sample's bytes == the CPU default pool (every sequence at once). The flag is a memory knob
+    only, as kv_blocks is (test_preemption_recompute_keeps_bytes, test_kv_in_other_physical_blocks)."""
+    reqs = requests(8, start=120, lo=10, hi=30)
+    free = 101 * _per_block() - 1
+    tight = _with_free(engine(InvariantOps, gpu_memory_utilization=0.06), free)
+    got = [bits(c) for c in tight.generate(reqs, SP)]
+    assert tight.stats["pool_blocks"] == 6 and tight.stats["preemptions"] > 0
+    ample = _with_free(engine(InvariantOps, gpu_memory_utilization=1.0), free)
+    assert [bits(c) for c in ample.generate(reqs, SP)] == got
+    assert ample.stats["pool_blocks"] < 100 and ample.stats["preemptions"] == 0  # capped at use
+    cpu = engine(InvariantOps, gpu_memory_utilization=0.06)                       # no stand-in:
+    assert [bits(c) for c in cpu.generate(reqs, SP)] == got                       # CPU ignores F
+    assert cpu.stats["pool_blocks"] == ample.stats["pool_blocks"]
+
+
+def test_pool_too_small_under_gpu_memory_utilization_names_flag_and_bytes():
+    """F·free below one sequence's blocks: one ValueError naming --gpu-memory-utilization and its
+    value, the free bytes, the bytes the sequence needs and the bytes the pool has, and the fixes
+    (raise the flag, lower --max-response-len); one byte more per block of F·free runs it."""
+    need = -(-(len(TARGET.prompt_ids) + 9) // 16)
+    pb = _per_block()
+    free = 2 * need * pb - 2                     # 0.5 · free = need blocks' bytes - 1
+    with pytest.raises(ValueError) as e:
+        _with_free(engine(InvariantOps, gpu_memory_utilization=0.5), free).generate([TARGET], SP)
+    msg = str(e.value)
+    for part in (f"sample {TARGET.sample_id}", f"{need} blocks of 16 positions",
+                 f"= {need * pb} bytes per sequence", f"{need - 1} blocks = {(need - 1) * pb} "
+                 f"bytes available", f"--gpu-memory-utilization 0.5 × {free} bytes free",
+                 "raise --gpu-memory-utilization", "lower --max-response-len"):
+        assert part in msg, (part, msg)
+    ok = _with_free(engine(InvariantOps, gpu_memory_utilization=0.5), free + 2)
+    assert bits(ok.generate([TARGET], SP)[0]) == _alone(InvariantOps)
+
+
+def test_engine_default_is_the_run_default():
+    """RolloutEngine's gpu_memory_utilization default == RunConfig's (rlk run passes its value)."""
+    import inspect
+
+    from rlkernel.config import RunConfig
+    from rlkernel.rollout.engine import RolloutEngine
+
+    default = inspect.signature(RolloutEngine).parameters["gpu_memory_utilization"].default
+    assert default == RunConfig().gpu_memory_utilization == 0.5
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization=0.0 must be a fraction in (0, 1]"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
+    (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization=nan"),
     (dict(max_seqs=0), "max_seqs=0 must be an integer >= 1"),
     (dict(max_step_tokens=2.5), "max_step_tokens=2.5"),
     (dict(kv_blocks=0), "kv_blocks=0 must be an integer >= 1 or None"),

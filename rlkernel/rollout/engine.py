@@ -102,8 +102,12 @@ class RolloutEngine:
     max_seqs: sequences in the running batch (default 256).
     kv_blocks: physical KV blocks per rank. None: on CUDA, gpu_memory_utilization × the free
         device memory at each `generate` call; on CPU, as many as the call can use.
-    gpu_memory_utilization: fraction in (0, 1] of free CUDA memory for the KV pool (default 0.5;
-        the step's gathered K/V, logits and the trainer need the rest).
+    gpu_memory_utilization: fraction in (0, 1] of the CUDA memory free at each `generate` call
+        (torch.cuda.mem_get_info: what the driver reports free, so memory torch's allocator
+        keeps cached counts as used) that the KV pool may take (default 0.5; the step's gathered
+        K/V, logits and the trainer need the rest). Not vLLM's meaning (a fraction of the total
+        memory): here the weights and optimizer state are already allocated when it is applied.
+        `rlk run --gpu-memory-utilization`. Ignored on CPU and with kv_blocks.
     prefix_sharing: samples with the same prompt share its computed KV blocks (default True).
     check_every: steps between host reads of the on-device EOS flags (default 16).
     block_shuffle_seed: permute the free lists (tests: placement must not matter).
@@ -168,6 +172,13 @@ class RolloutEngine:
     def _kv_heads(self) -> int:
         return self.model.model.layers[0].self_attn.kv_heads
 
+    def _free_bytes(self) -> int | None:
+        """Device memory free now, in bytes (CUDA); None on CPU, where the pool is sized by the
+        call. The one place the engine asks the device (tests stand in a number on CPU)."""
+        if self.model.device.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(self.model.device)[0]
+
     def _pool_blocks(self, seqs: list[Sequence], bm_probe: BlockManager) -> int:
         """Physical blocks per rank for this call; ValueError when one sequence cannot fit."""
         c, pc = self.cfg, self.model.pc
@@ -178,25 +189,28 @@ class RolloutEngine:
         one = max(max(n) for n in needs)
         useful = max(sum(n[p] for n in needs) for p in range(bm_probe.pools))
         if self.kv_blocks is not None:
-            cap, source = self.kv_blocks, f"kv_blocks={self.kv_blocks}"
-        elif self.model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.model.device)
+            cap, source, knob = self.kv_blocks, f"kv_blocks={self.kv_blocks}", "kv_blocks"
+        elif (free := self._free_bytes()) is not None:
             cap = int(self.gpu_memory_utilization * free) // per_block
             for comm in (pc.tp, pc.cp):      # every rank of the replica must plan the same pool
                 if comm.size > 1:
                     cap = min(comm.all_gather_object(cap, "kv-pool-size"))
-            source = (f"gpu_memory_utilization={self.gpu_memory_utilization} of "
-                      f"{free / 2**30:.2f} GiB free")
+            source = (f"--gpu-memory-utilization {self.gpu_memory_utilization} × {free} bytes "
+                      f"free ({free / 2**30:.2f} GiB)"
+                      + (", the smallest pool of the rollout TP/CP ranks" if pc.tp.size > 1
+                         or pc.cp.size > 1 else ""))
+            knob = "--gpu-memory-utilization (engine: gpu_memory_utilization)"
         else:
-            cap, source = useful, "CPU default: every sequence at once"
+            cap, source, knob = useful, "CPU default: every sequence at once", "kv_blocks"
         if one > cap:
             worst = max(seqs, key=lambda s: s.capacity)
             raise ValueError(
                 f"KV pool too small: sample {worst.sample_id} needs {len(worst.prompt)} prompt + "
                 f"{worst.max_new - 1} fed response positions = {worst.capacity - 1} positions = "
-                f"{one} blocks of {self.block} positions per rank ({per_block} bytes each), "
-                f"but the pool has {cap} blocks ({source}); raise kv_blocks / "
-                f"gpu_memory_utilization or lower max_new_tokens / the prompt length")
+                f"{one} blocks of {self.block} positions per rank ({per_block} bytes each) = "
+                f"{one * per_block} bytes per sequence per rank, but the pool has {cap} blocks = "
+                f"{cap * per_block} bytes available ({source}); raise {knob}, or lower "
+                f"--max-response-len (engine: max_new_tokens) or the prompt length")
         return min(cap, useful)
 
     # -- generate --------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import pathlib
 import re
 from typing import Any
 
+from rlkernel.config import DEFAULT_GPU_MEMORY_UTILIZATION
+
 TMP_SUFFIX = re.compile(r"\.tmp-\d+$")
 """cli.py writes a fresh run into `<final>.tmp-<pid>` and renames it at the end."""
 
@@ -49,6 +51,10 @@ def config_warnings(cfg) -> list[str]:
         out.append("--clip-eps/--clip-eps-low/--clip-eps-high cannot act with one update per "
                    "rollout batch (the importance ratio is 1, exactly in --mode invariant); give "
                    "--ppo-epochs or --mini-batches > 1")
+    if cfg.device == "cpu" and cfg.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+        out.append(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} has no effect with "
+                   "--device cpu: the CPU rollout's KV pool holds every sample of the step at "
+                   "once")
     return out
 
 
