@@ -49,8 +49,8 @@ def _batch() -> list[TrainSample]:
     return out
 
 
-def _job(micro: str) -> Job:
-    return Job(mcfg=MODEL, policy_w=init_weights(MODEL, 0), ref_w=init_weights(MODEL, 1),
+def _job(micro: str, model=MODEL) -> Job:
+    return Job(mcfg=model, policy_w=init_weights(model, 0), ref_w=init_weights(model, 1),
                samples=_batch(), steps=2, micro_batch_tokens=MICRO[micro], pad_id=257)
 
 
@@ -136,16 +136,17 @@ def test_zero1_optimizer_memory_per_rank_falls_with_dp(tmp_path, baseline):
 # ---------------------------------------------------------------------------------------------
 # in one process: the microbatch size, and the GradSink's guards
 
-def _grads_one_process(micro: str, mode: str = "invariant", dtype=torch.float32) -> dict:
+def _grads_one_process(micro: str, mode: str = "invariant", dtype=torch.float32,
+                       model=MODEL) -> dict:
     from rlkernel.model.ops import ops_for
     from rlkernel.model.qwen3 import Qwen3ForCausalLM
     from rlkernel.train.losses import LossCoefs, invariant_exp
     from rlkernel.train.step import compute_gradients, gradients
 
-    job = _job(micro)
-    policy = Qwen3ForCausalLM(MODEL, ops_for(mode), dtype)
+    job = _job(micro, model)
+    policy = Qwen3ForCausalLM(model, ops_for(mode), dtype)
     policy.load_tensors(job.policy_w)
-    ref = Qwen3ForCausalLM(MODEL, ops_for(mode), dtype)
+    ref = Qwen3ForCausalLM(model, ops_for(mode), dtype)
     ref.load_tensors(job.ref_w)
     ref.requires_grad_(False)
     compute_gradients(policy, ref, job.samples, temperature=0.7,
@@ -169,6 +170,60 @@ def test_microbatch_size_does_not_change_a_gradient_bit_in_one_process():
         assert _differing(_grads_one_process(micro, dtype=torch.bfloat16), whole) == [], micro
     assert _differing(_grads_one_process("1 sample", "native"),
                       _grads_one_process("whole step", "native"))
+
+
+def _sink_spy(monkeypatch) -> list[tuple[bool, set, set]]:
+    """Record (direct, names with a persistent accumulator, names finished in the backward) at
+    every GradSink.finish."""
+    from rlkernel.distributed import tokensum
+
+    seen: list[tuple[bool, set, set]] = []
+    orig = tokensum.GradSink.finish
+
+    def finish(self):
+        seen.append((self.direct, set(self._acc), set(self._done)))
+        return orig(self)
+
+    monkeypatch.setattr(tokensum.GradSink, "finish", finish)
+    return seen
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_microbatch_finishes_weights_in_their_backward_with_the_same_bytes(monkeypatch, tied):
+    """Direct mode (one microbatch per rank): every weight's gradient is finished inside its
+    backward and no mini-batch accumulator is kept, except the tied embedding's (the lookup and
+    the LM head both add to it); 1-sample microbatches keep an accumulator for every weight. The
+    gradients are identical (int32 views), also when direct mode cuts every weight into 64-element
+    row chunks (the embedding's vocab rows included). Untied: lm_head and embedding are direct."""
+    from rlkernel.distributed import tokensum
+
+    model = MODEL.replace(tie_word_embeddings=tied)
+    seen = _sink_spy(monkeypatch)
+    whole = _grads_one_process("whole step", model=model)
+    keep = {"model.embed_tokens.weight"} if tied else set()
+    assert ("lm_head.weight" in whole) is not tied
+    assert seen[-1] == (True, keep, set(whole) - keep)
+    one = _grads_one_process("1 sample", model=model)
+    assert seen[-1] == (False, set(one), set())
+    assert _differing(one, whole) == []
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 64)
+    assert _differing(_grads_one_process("whole step", model=model), whole) == []
+
+
+def test_direct_mode_refuses_a_weight_finished_twice():
+    """A weight that reaches a second kernel in a direct-mode mini-batch (a use that was not
+    declared in `keep`) raises instead of losing one use's gradient."""
+    from rlkernel.distributed.tokensum import GradSink
+
+    sink = GradSink.single()
+    w = torch.nn.Parameter(torch.zeros(4))
+    sink.begin({"w": w}, direct=True)
+    sink.finish_direct(w, "dp_cp", lambda a, b, acc: None, "test")
+    with pytest.raises(RuntimeError, match="second kernel"):
+        sink.finish_direct(w, "dp_cp", lambda a, b, acc: None, "test")
+    with pytest.raises(RuntimeError, match="finished directly"):
+        sink.accumulator(w, "dp_cp")
+    assert torch.equal(sink.finish()["w"], torch.zeros(4))
 
 
 def test_grad_sink_refuses_foreign_tensors_and_mixed_scopes_and_stray_autograd_grads():

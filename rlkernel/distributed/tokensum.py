@@ -53,6 +53,12 @@ class GradSink:
     groups: {"dp_cp": Comm, "world": Comm} of this rank (topology groups, rank order = layout).
     Between `begin` and `finish` the sink is open: kernels add leaf partials to the accumulator
     of each weight (int64 [*w.shape, fixedpoint.N_COLS]) instead of returning a gradient.
+    Direct mode (`begin(direct=True)`, when every rank's share of the mini-batch is ONE
+    microbatch): a weight's leaves are all in the one backward that reaches it, so its kernel
+    finishes the gradient there (`finish_direct`: row chunks summed over the scope group and
+    rounded) and the sink keeps only the fp32 result — no 104-byte accumulator per element lives
+    for the mini-batch. The bytes are those of the persistent path (same exact sum, rounded once).
+    Weights used more than once per forward (`keep`, e.g. tied embeddings) stay persistent.
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
@@ -64,26 +70,72 @@ class GradSink:
         self._names: dict[int, str] = {}
         self._acc: dict[str, torch.Tensor] = {}
         self._scope: dict[str, str] = {}
+        self._done: dict[str, torch.Tensor] = {}
+        self.direct = False
+        self._keep: frozenset[str] = frozenset()
 
     @classmethod
     def single(cls) -> "GradSink":
         """The sink of a one-process run."""
         return cls({s: Comm.single(s) for s in SCOPES})
 
-    def begin(self, params: dict[str, torch.Tensor]) -> None:
-        """Open the sink for a mini-batch of `params` (name -> parameter, canonical order)."""
+    def begin(self, params: dict[str, torch.Tensor], *, direct: bool = False,
+              keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """Open the sink for a mini-batch of `params` (name -> parameter, canonical order).
+
+        direct: every rank of both scope groups runs exactly one microbatch (one backward) in
+        this mini-batch, so gradients may be finished inside it (class doc); `keep`: names that
+        stay persistent anyway (used more than once per forward). All ranks must agree."""
         self._names = {id(p): n for n, p in params.items()}
         self._order = list(params)
-        self._acc, self._scope = {}, {}
+        self._acc, self._scope, self._done = {}, {}, {}
+        self.direct, self._keep = direct, frozenset(keep)
         self.open = True
 
-    def accumulator(self, w: torch.Tensor, scope: str) -> torch.Tensor:
-        """The mini-batch accumulator of parameter w (created at zero on first use). A weight must
-        be reduced over one scope throughout (RuntimeError otherwise, or for a foreign tensor)."""
+    def _name(self, w: torch.Tensor) -> str:
         name = self._names.get(id(w))
         if name is None:
             raise RuntimeError("GradSink: a kernel reported a gradient for a tensor that is not a "
                                "parameter of the model being trained")
+        return name
+
+    def is_direct(self, w: torch.Tensor) -> bool:
+        """Whether w's kernel finishes its gradient itself (`finish_direct`) in this mini-batch."""
+        return self.open and self.direct and self._name(w) not in self._keep
+
+    def finish_direct(self, w: torch.Tensor, scope: str, add_rows, op: str) -> None:
+        """Finish parameter w's gradient now (direct mode): for row chunks [a, b) of w (at most
+        DIRECT_CHUNK_ELEMS elements; the cut depends on w's shape only, so every rank of the
+        group runs the same collectives), `add_rows(a, b, acc)` adds this rank's leaf partials of
+        those rows into a zero accumulator int64 [b - a, *w.shape[1:], N_COLS]; the chunk is
+        summed over the scope group (integers: exact) and rounded once into an fp32 gradient the
+        sink keeps. RuntimeError for a weight finished twice (a second use in the same backward
+        would be lost: such weights belong in `keep`)."""
+        name = self._name(w)
+        if name in self._done:
+            raise RuntimeError(f"GradSink: {name} reached a second kernel in one direct-mode "
+                               "mini-batch; a weight used more than once per forward must be "
+                               "kept persistent (begin(keep=...))")
+        comm = self.groups[scope]
+        out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        n = w.shape[0] if w.dim() else 1
+        per_row = max(1, w[0].numel() if w.dim() and n else 1)
+        rows = max(1, DIRECT_CHUNK_ELEMS // per_row)
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            acc = fx.zeros((b - a, *w.shape[1:]), w.device)
+            add_rows(a, b, acc)
+            out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
+        self._done[name] = out
+        self._scope[name] = scope
+
+    def accumulator(self, w: torch.Tensor, scope: str) -> torch.Tensor:
+        """The mini-batch accumulator of parameter w (created at zero on first use). A weight must
+        be reduced over one scope throughout (RuntimeError otherwise, or for a foreign tensor)."""
+        name = self._name(w)
+        if name in self._done:
+            raise RuntimeError(f"GradSink: {name} was finished directly and reached another "
+                               "kernel in the same mini-batch")
         if name not in self._acc:
             self._acc[name] = fx.zeros(w.shape, w.device)
             self._scope[name] = scope
@@ -104,13 +156,15 @@ class GradSink:
         for scope in SCOPES:
             # Every rank must reduce the same list in the same buckets; the signature check of
             # each collective catches a rank whose kernels saw another set of weights.
-            names = [n for n in self._order if self._scope.get(n) == scope]
+            names = [n for n in self._order if self._scope.get(n) == scope and n in self._acc]
             for n in names:
                 if self._acc[n].numel() == 0:   # e.g. a TP rank that owns no row of it
                     out[n] = torch.zeros(self._acc[n].shape[:-1], device=self._acc[n].device)
             for bucket in _buckets([(n, self._acc[n][..., 0].numel()) for n in names]):
                 self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
         self._acc = {}
+        out.update(self._done)
+        self._done = {}
         return {n: out[n] for n in self._order if n in out}
 
     def _finish_bucket(self, bucket: list[tuple[str, int, int]], comm: Comm, op: str,
@@ -132,6 +186,8 @@ class GradSink:
 
 _BUCKET_ROWS = 1 << 21
 """Accumulator elements per finishing all-reduce (218 MB of int64 digits)."""
+DIRECT_CHUNK_ELEMS = 1 << 23
+"""Gradient elements finished per chunk in direct mode (a transient 872 MB accumulator)."""
 
 
 def _buckets(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:
@@ -169,12 +225,23 @@ class TokenSum:
     def single(cls) -> "TokenSum":
         return cls(Comm.single("tokens"))
 
+    def _scope_for(self, heads: Comm | None) -> str:
+        return "world" if heads is not None and heads.size > 1 else self.scope
+
+    def finish_now(self, w: torch.Tensor, add_rows, op: str, heads: Comm | None = None) -> bool:
+        """In the open sink's direct mode, finish w's gradient here (GradSink.finish_direct with
+        `add_rows(a, b, acc)` adding this rank's leaf partials of w's rows [a, b)) and return
+        True: the kernel then returns no gradient to autograd. False (nothing done) otherwise."""
+        if self.sink is None or not self.sink.is_direct(w):
+            return False
+        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op)
+        return True
+
     def accumulator(self, w: torch.Tensor, heads: Comm | None = None) -> torch.Tensor:
         """Integer accumulator [*w.shape, N_COLS] for w's gradient: the open sink's (persistent)
         or a fresh zero one. `heads`: the TP group when w sums over heads that TP splits."""
         if self.sink is not None and self.sink.open:
-            scope = "world" if heads is not None and heads.size > 1 else self.scope
-            return self.sink.accumulator(w, scope)
+            return self.sink.accumulator(w, self._scope_for(heads))
         return fx.zeros(w.shape, w.device)
 
     def result(self, w: torch.Tensor, acc: torch.Tensor, op: str,

@@ -67,6 +67,9 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         (ids,) = ctx.saved_tensors
         tok = ctx.tok or TokenSum.single()
+        if tok.finish_now(ctx.w, lambda a, b, acc: accumulate_embedding_grad_(
+                acc, ids, dy, ctx.offset + a), "token-sum-embedding"):
+            return None, None, None, None
         acc = accumulate_embedding_grad_(tok.accumulator(ctx.w), ids, dy, ctx.offset)
         return None, tok.result(ctx.w, acc, "token-sum-embedding"), None, None
 

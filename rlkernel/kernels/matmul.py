@@ -177,6 +177,9 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     open (the sink keeps the exact sum), else the exact sum over this rank's leaves and tok.comm,
     rounded, in w's dtype. dy [L, N], x [L, K] (L = this rank's local stream), w [N, K]."""
     tok = tok or TokenSum.single()
+    if tok.finish_now(w, lambda a, b, acc: accumulate_grad_weight_(acc, dy[:, a:b], x),
+                      "token-sum-dw"):
+        return None
     acc = accumulate_grad_weight_(tok.accumulator(w), dy, x)
     return tok.result(w, acc, "token-sum-dw")
 

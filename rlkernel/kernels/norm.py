@@ -65,11 +65,18 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             per_tok = (dy * xh).reshape(xh.shape[0], -1, h)   # [L, heads or 1, H]
             tok, heads = ctx.tok or TokenSum.single(), ctx.head_comm
-            acc = tok.accumulator(ctx.param, heads)
             # A KV head replicated over `replicas` TP ranks is added by its first holder only.
-            if heads is None or heads.rank % ctx.replicas == 0:
-                fx.accumulate_(acc, _leaf_sums(per_tok).reshape(-1, h))   # every (leaf, head)
-            dw = tok.result(ctx.param, acc, "token-sum-norm", heads)
+            part = (_leaf_sums(per_tok).reshape(-1, h)              # every (leaf, head)
+                    if heads is None or heads.rank % ctx.replicas == 0 else None)
+
+            def add(a: int, b: int, acc: torch.Tensor) -> None:
+                if part is not None:
+                    fx.accumulate_(acc, part[:, a:b])
+
+            if not tok.finish_now(ctx.param, add, "token-sum-norm", heads):
+                acc = tok.accumulator(ctx.param, heads)
+                add(0, h, acc)
+                dw = tok.result(ctx.param, acc, "token-sum-norm", heads)
         return dx, dw, None, None, None, None
 
 

@@ -68,13 +68,17 @@ class InvariantOps:
         return attention.attention(q, k, v, q_pos, kv_len, scale, tok=pc.tok, kv_comm=pc.kv)
 
     @staticmethod
-    def begin_grads(model) -> None:
+    def begin_grads(model, direct: bool = False) -> None:
         """Zero the gradients and open the policy's GradSink: until `sync_grads`, every weight
-        gradient of every backward is added exactly into it (distributed/tokensum.py)."""
+        gradient of every backward is added exactly into it (distributed/tokensum.py).
+        direct: every rank runs one microbatch in this mini-batch, so weights are finished in
+        their backward (no persistent accumulators) except a tied embedding, which two kernels
+        (lookup and LM head) add to."""
         model.zero_grad(set_to_none=True)
         sink = model.pc.tok.sink
         if sink is not None:
-            sink.begin(model.logical_params())
+            keep = {"model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else set()
+            sink.begin(model.logical_params(), direct=direct, keep=keep)
 
     @staticmethod
     def paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk, pc: ParallelCtx):
@@ -210,7 +214,7 @@ class NativeOps:
         return out * row[:, None, :, None]
 
     @staticmethod
-    def begin_grads(model) -> None:
+    def begin_grads(model, direct: bool = False) -> None:
         model.zero_grad(set_to_none=True)
 
     @staticmethod

@@ -201,8 +201,11 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     weights = agg_weights(lengths, agg)
     pc = policy.pc
     share = list(dp_share(len(samples), pc.dp))
-    policy.ops.begin_grads(policy)
     mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, pc, share)
+    # One microbatch on every DP replica (CP/TP ranks share their replica's grouping): weights
+    # can be finished inside the backward, without mini-batch accumulators. Same bytes.
+    counts = pc.dp.all_gather_object(len(mbs), "microbatch-count")
+    policy.ops.begin_grads(policy, direct=all(c == 1 for c in counts))
     # fp32 coefficient per sample: the float64 weight rounded once (token-mean: fp32(1/N)).
     w32 = torch.tensor(weights, dtype=torch.float32, device=policy.device)
     vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
