@@ -27,7 +27,7 @@ args=(--model "$model" --device cuda --steps 2 --require-updates --temperature 0
 runs=$out/runs
 rm -rf "$runs"; mkdir -p "$runs"
 declare -A layouts=([tp1]="" [tp2-rtp2]="--tp 2 --rollout-tp 2" [cp2-rcp2]="--cp 2 --rollout-cp 2"
-                    [dp2]="--dp 2 --micro-batch-tokens 320"
+                    [dp2]="--dp 2 --micro-batch-tokens 320" [dp2-whole]="--dp 2"
                     [native-tp1]="--mode native" [native-tp2]="--mode native --tp 2 --rollout-tp 2"
                     [native-dp2]="--mode native --dp 2 --micro-batch-tokens 320")
 names=${RLK_LAYOUTS:-tp1 tp2-rtp2 cp2-rcp2 dp2 native-tp1 native-tp2 native-dp2}
@@ -38,7 +38,7 @@ for name in $names; do
     --run-dir "$runs/$name" 2>&1 | tail -4
 done
 {
-  for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "tp1 dp2" "native-tp1 native-tp2" \
+  for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "tp1 dp2" "tp1 dp2-whole" "native-tp1 native-tp2" \
               "native-tp1 native-dp2"; do
     set -- $pair
     [ -d "$runs/$1" ] && [ -d "$runs/$2" ] || continue
