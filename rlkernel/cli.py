@@ -65,7 +65,14 @@ def _error(cmd: str, msg: object, code: int) -> int:
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors: `rlk run: error: --steps: '1.5' is not an integer (see
-    rlk run --help)` instead of the whole usage block (README: bad flags give one line)."""
+    rlk run --help)` instead of the whole usage block (README: bad flags give one line).
+    Prefixes of long flags are not accepted (`--temp 0.7` is an error, not `--temperature`): a
+    recorded run must name exactly the flags it was given, and a later flag sharing a prefix
+    would silently change what an old command line means."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         text = " ".join(message.split()).removeprefix("argument ")
@@ -207,8 +214,10 @@ def _unknown_args(parser: argparse.ArgumentParser, command: str | None,
     if arg.startswith("-"):
         flag = arg.split("=", 1)[0]
         known = sorted({s for a in sub._actions for s in a.option_strings})
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else f"{where} --help lists every flag"
+        longer = [k for k in known if flag.startswith("--") and k.startswith(flag)]
+        close = longer or difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = (f"did you mean {' or '.join(close)}? (flags are not abbreviated)" if longer
+                else f"did you mean {close[0]}?" if close else f"{where} --help lists every flag")
         msg = f"unknown flag {flag}; {hint}"
     else:
         msg = f"unexpected argument {arg!r}; see {where} --help"

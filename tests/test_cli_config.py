@@ -253,13 +253,16 @@ def test_aliases_are_exactly_the_reviewed_list_and_set_the_same_field(capsys, cw
                                     "--num-generations?"),
     (["run", "--kl-coeff", "0.1"], "rlk run: error: unknown flag --kl-coeff; did you mean "
                                    "--kl-coef?"),
+    (["run", "--temp", "0.7"], "rlk run: error: unknown flag --temp; did you mean "
+                               "--temperature? (flags are not abbreviated)"),
     (["run", "--zzzz"], "rlk run: error: unknown flag --zzzz; rlk run --help lists every flag"),
     (["run", "stray"], "rlk run: error: unexpected argument 'stray'; see rlk run --help"),
     (["export", "r", "--out", "o", "--stp", "1"], "rlk export: error: unknown flag --stp; did "
                                                   "you mean --step?"),
 ])
 def test_unknown_flag_is_one_line_with_a_suggestion_exit_2(capsys, cwd, loop, argv, line):
-    """An unknown flag == exit 2, one stderr line naming it and the closest real flag; no run."""
+    """An unknown flag == exit 2, one stderr line naming it and the closest real flag; no run.
+    A prefix of a flag is unknown too (argparse would expand `--temp` to `--temperature`)."""
     code, out, err = rlk(capsys, *argv)
     assert (code, out, err.strip().splitlines()) == (2, "", [line])
     assert loop.calls == [] and list(cwd.iterdir()) == []
