@@ -237,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "run":
+        try:
+            _one_spelling(sys.argv[1:] if argv is None else argv)
+        except ConfigError as e:
+            return _error("run", e, 2)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # outside a run (rlk run reports its own): one line, no traceback
@@ -356,8 +361,45 @@ def _check_topology(cfg: RunConfig) -> None:
     heads = {} if m is None else dict(
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
+    world = launcher_world_size()
     validate_topology(cfg.tp, cfg.cp, cfg.sp, cfg.rollout_tp, cfg.rollout_cp,
-                      world=launcher_world_size(), dp=cfg.dp, **heads)
+                      world=world, dp=cfg.dp, **heads)
+    if world is None:
+        _check_local_world(cfg)
+
+
+def max_local_ranks(device: str) -> int:
+    """Most ranks `rlk run` starts on this machine itself (without torchrun): one per GPU on
+    CUDA; on CPU max(8, 4 × cores) gloo processes (each holds a torch runtime and a model copy)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def _check_local_world(cfg: RunConfig) -> None:
+    world = cfg.dp * cfg.tp * cfg.cp
+    most = max_local_ranks(cfg.device)
+    if most == 0:   # --device cuda without a visible GPU: the device check names that
+        return
+    if world > most:
+        where = (f"{most} CUDA device(s) visible" if cfg.device == "cuda"
+                 else f"{os.cpu_count() or 1} CPU core(s): at most {most} local ranks")
+        raise ConfigError(f"--dp {cfg.dp} × --tp {cfg.tp} × --cp {cfg.cp} = {world} ranks, but "
+                          f"this machine has {where}; allowed: a world of at most {most} here, "
+                          "or start the ranks with torchrun across machines")
+
+
+def _one_spelling(argv: list[str]) -> None:
+    """A flag and its alias (e.g. --micro-batch-tokens and --token-budget) set one field: given
+    both, the last would silently win. Raises ConfigError naming both."""
+    for field_name, aliases in RUN_FLAG_ALIASES.items():
+        names = (flag_name(field_name), *aliases)
+        used = sorted({a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in names})
+        if len(used) > 1:
+            raise ConfigError(f"{' and '.join(used)} set the same value ({flag_name(field_name)}); "
+                              "give only one of them")
 
 
 def _check_watch(cfg: RunConfig) -> None:

@@ -215,9 +215,10 @@ class RunConfig:
     RUN_DIR/checkpoints after every N steps; 0 = never."""
     resume: str | None = None
     """Continue the run in this directory (or the RUN.tmp-<pid> a killed run left) from its last
-    complete checkpoint. Its saved config is used; only --tp/--cp/--sp/--recompute/--rollout-tp/
-    --rollout-cp, --steps (to extend), --save-every and --allow-dirty may be given again; its
-    inputs (model files, tokenizer, prompts) must hash as recorded."""
+    complete checkpoint. Its saved config is used; only the layout and memory flags (--dp/--tp/
+    --cp/--sp/--recompute/--rollout-tp/--rollout-cp, --micro-batch-tokens,
+    --gpu-memory-utilization), --steps (to extend), --save-every, --tensorboard and --allow-dirty
+    may be given again; its inputs (model files, tokenizer, prompts) must hash as recorded."""
     allow_dirty: bool = False
     """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
     require_updates: bool = False
@@ -459,7 +460,7 @@ def _validate(c: RunConfig) -> None:
 
 
 SIZE_LIMITS = {"steps": 10**6, "n_prompts": 2**16, "n_samples_per_prompt": 2**12,
-               "ppo_epochs": 2**10}
+               "ppo_epochs": 2**10, "micro_batch_tokens": 2**31}
 """Largest accepted value of each count flag: far beyond any run of this code, small enough that
 a mistyped value is refused at once instead of exhausting memory while prompts are prepared."""
 MAX_RUN_PROMPTS = 2**20

@@ -761,3 +761,37 @@ def test_signals_wait_for_the_end_of_a_step_record():
         assert len(reached) < 10**6
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# from a breaker pass: two spellings of one flag, the local world, huge microbatches
+
+
+@pytest.mark.parametrize("argv", [["--token-budget", "64", "--micro-batch-tokens", "128"],
+                                  ["--micro-batch-tokens=128", "--token-budget=128"]])
+def test_a_flag_and_its_alias_together_are_refused(capsys, cwd, loop, argv):
+    """--token-budget is --micro-batch-tokens' old name: both given (even with equal values) is
+    one line, exit 2, before any work (the last would silently win)."""
+    code, out, err = rlk(capsys, "run", *argv)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "rlk run: error: --micro-batch-tokens and --token-budget set the same value "
+        "(--micro-batch-tokens); give only one of them"]
+    assert loop.calls == [] and list(cwd.iterdir()) == []
+
+
+def test_more_local_ranks_than_the_machine_takes_are_refused(capsys, cwd, loop, monkeypatch):
+    """`rlk run` spawns dp·tp·cp processes itself: beyond max_local_ranks (CPU: max(8, 4 ×
+    cores)) it refuses up front, naming the world and the limit; at the limit it runs."""
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    code, _, err = rlk(capsys, "run", "--dp", "8", "--tp", "8", "--cp", "8")
+    assert code == 2 and loop.calls == [] and list(cwd.iterdir()) == []
+    assert ("--dp 8 × --tp 8 × --cp 8 = 512 ranks, but this machine has 2 CPU core(s): at most "
+            "8 local ranks") in err
+    assert rlk(capsys, "run", "--dp", "2", "--tp", "2", "--cp", "2", "--allow-dirty")[0] == 0
+    assert len(loop.calls) == 1
+
+
+def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
+    code, _, err = rlk(capsys, "run", "--micro-batch-tokens", str(2**31 + 1))
+    assert code == 2 and "must be at most 2,147,483,648" in err and loop.calls == []

@@ -132,9 +132,14 @@ def validate_topology(tp: int, cp: int, sp: bool, rollout_tp: int, rollout_cp: i
                           "or leave out --sp")
     train = dp * tp * cp
     if world is not None and world != train:
+        reachable = VIRTUAL_DP * VIRTUAL_TP * VIRTUAL_CP % world == 0   # degrees divide 8 each
+        fix = (f"choose --dp, --tp and --cp whose product is {world}" if reachable else
+               f"start a number of processes that is a product of allowed degrees (--dp, --tp, "
+               f"--cp each divide 8, so a power of two up to "
+               f"{VIRTUAL_DP * VIRTUAL_TP * VIRTUAL_CP}); {world} is not")
         raise ConfigError(f"WORLD_SIZE={world} but --dp {dp} × --tp {tp} × --cp {cp} = {train}: "
                           f"the number of processes must equal the training world; start {train} "
-                          f"processes, or choose --dp, --tp and --cp whose product is {world}")
+                          f"processes, or {fix}")
     if train % (rollout_tp * rollout_cp):
         raise ConfigError(f"--rollout-tp {rollout_tp} × --rollout-cp {rollout_cp} = "
                           f"{rollout_tp * rollout_cp} must divide the training world --dp {dp} × "

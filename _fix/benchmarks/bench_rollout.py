@@ -1,0 +1,229 @@
+"""Rollout throughput on one GPU (issue 12, items 1-2): the invariant engine, the native engine
+and transformers `generate` in the same process, on the same random weights.
+
+Item 1 (the small-model serving benchmark, as nano-vllm's bench.py and vLLM's throughput bench
+run it): `--n-seqs` sequences with prompt and output lengths uniform in [--len-lo, --len-hi]
+(fixed seed), random prompt ids, EOS ignored (every sample generates its full length).
+Reported: output tokens / wall seconds of one `generate` call over all sequences, for
+  invariant  RolloutEngine with rlkernel.model.ops.InvariantOps (the product),
+  native     the same engine with NativeOps (stock torch ops: cuBLAS, SDPA),
+  hf         transformers Qwen3ForCausalLM.generate in bf16 (sdpa attention), all prompts in one
+             left-padded batch, max_new_tokens = the longest output; its tok/s counts the same
+             useful tokens as the engines (tokens past a sample's length are waste it pays for).
+Item 2 (GRPO shape): --grpo-prompts prompts × --grpo-samples samples × --grpo-new new tokens
+(prompt length --grpo-prompt-len), invariant engine, with and without prefix sharing: tok/s,
+the KV pool's peak (blocks in use × bytes per block) and torch's peak allocated memory.
+Every arm runs a small warm-up generate first (Triton compiles), then is timed once.
+
+Results are written to --out after every arm, so a run stopped by a time limit keeps what it
+measured; --time-limit-s skips arms not yet started past that many seconds.
+Run (repository root, on the GPU machine; --parts / --arms / --grpo-sharing split the work into
+runs that each fit a time budget; the throughput is not known yet, so start with --quick):
+    PYTHONPATH=. python3 benchmarks/bench_rollout.py --quick --out rollout_quick.json
+    PYTHONPATH=. python3 benchmarks/bench_rollout.py --parts serve --time-limit-s 300 --out s.json
+    PYTHONPATH=. python3 benchmarks/bench_rollout.py --parts grpo --grpo-sharing on --out g1.json
+    PYTHONPATH=. python3 benchmarks/bench_rollout.py --parts grpo --grpo-sharing off --out g0.json
+Does not: measure anything meaningful without CUDA (`--device cpu --preset tiny` is a logic smoke
+run), or check tokens (tests/test_cuda_rollout.py does, bitwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import dump, env, require_cuda
+from rlkernel.model.checkpoint import init_weights
+from rlkernel.model.config import PRESETS
+from rlkernel.model.ops import InvariantOps, NativeOps
+from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
+
+_OPS = {"invariant": InvariantOps, "native": NativeOps}
+
+
+def _serve_requests(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[Request]:
+    """n requests, prompt and output lengths uniform in [lo, hi], random ids (fixed seed)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        m = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        out.append(Request(i, tuple(torch.randint(0, vocab, (p,), generator=g).tolist()), m))
+    return out
+
+
+def _grpo_requests(prompts: int, samples: int, plen: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for j in range(prompts):
+        ids = tuple(torch.randint(0, vocab, (plen,), generator=g).tolist())
+        out += [Request(j * samples + k, ids) for k in range(samples)]
+    return out
+
+
+def _sp(max_new: int) -> SamplingParams:
+    # eos_id -1 is never sampled: EOS ignored, every sample runs to its length.
+    return SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new, seed=0, eos_id=-1)
+
+
+def _engine(cfg, weights, mode: str, args, **kw) -> RolloutEngine:
+    e = RolloutEngine(cfg, _OPS[mode], torch.bfloat16, pad_id=0, device=torch.device(args.device),
+                      max_seqs=args.max_seqs, max_step_tokens=args.max_step_tokens,
+                      gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+    e.load_weights(weights)
+    e.generate(_serve_requests(4, 16, 32, cfg.vocab_size, 99), _sp(16))      # warm-up
+    return e
+
+
+def _timed(engine: RolloutEngine, reqs, max_new: int) -> dict:
+    cuda = engine.model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    t0 = time.perf_counter()
+    comps = engine.generate(reqs, _sp(max_new))
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = sum(len(c.response_ids) for c in comps)
+    expect = sum(r.max_new_tokens or max_new for r in reqs)
+    assert n_out == expect, f"{n_out} tokens generated, {expect} expected (EOS must be ignored)"
+    st = engine.stats
+    return {"seconds": dt, "output_tokens": n_out, "tok_per_s": n_out / dt,
+            "steps": st["steps"], "preemptions": st["preemptions"],
+            "pool_blocks": st["pool_blocks"], "peak_blocks": st["peak_blocks"],
+            "blocks_saved": st["blocks_saved"], "cow_copies": st["cow_copies"],
+            "peak_kv_pool_bytes": st["peak_kv_bytes_per_rank"],
+            "peak_allocated_over_weights_bytes": (torch.cuda.max_memory_allocated() - base
+                                                  if cuda else None)}
+
+
+def _hf_generate(cfg, weights, reqs, device: str) -> dict:
+    import transformers
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "torch_dtype")}
+    hcfg = transformers.Qwen3Config(**d)
+    hcfg._attn_implementation = "sdpa"
+    m = transformers.Qwen3ForCausalLM(hcfg).to(torch.bfloat16)
+    sd = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    if cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    m.load_state_dict(sd, strict=False)
+    m = m.to(device).eval()
+    longest = max(len(r.prompt_ids) for r in reqs)
+    ids = torch.zeros(len(reqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(reqs), longest, dtype=torch.long)
+    for i, r in enumerate(reqs):                       # left padding
+        ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+        mask[i, longest - len(r.prompt_ids):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    max_new = max(r.max_new_tokens for r in reqs)
+    # min_new_tokens = max_new_tokens masks EOS until the end: EOS ignored, as for the engines.
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
+    with torch.no_grad():
+        m.generate(input_ids=ids[:4, -16:], attention_mask=mask[:4, -16:], max_new_tokens=8,
+                   min_new_tokens=8, **kw)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                         min_new_tokens=max_new, **kw)
+        _sync(device)
+    dt = time.perf_counter() - t0
+    useful = sum(r.max_new_tokens for r in reqs)
+    return {"seconds": dt, "output_tokens": useful, "tok_per_s": useful / dt,
+            "generated_incl_waste": int(out.shape[0] * (out.shape[1] - longest)),
+            "note": "one padded batch, max_new_tokens = longest output; tok/s counts useful tokens"}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _out_of_time(args, t_start: float, result: dict, what: str) -> bool:
+    if args.time_limit_s is not None and time.perf_counter() - t_start > args.time_limit_s:
+        result["skipped"].append(what)
+        print("skipped (time limit):", what, flush=True)
+        return True
+    return False
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
+    ap.add_argument("--parts", nargs="+", default=["serve", "grpo"], choices=["serve", "grpo"])
+    ap.add_argument("--arms", nargs="+", default=["invariant", "native", "hf"],
+                    choices=["invariant", "native", "hf"])
+    ap.add_argument("--n-seqs", type=int, default=256)
+    ap.add_argument("--len-lo", type=int, default=100)
+    ap.add_argument("--len-hi", type=int, default=1024)
+    ap.add_argument("--grpo-prompts", type=int, default=64)
+    ap.add_argument("--grpo-samples", type=int, default=8)
+    ap.add_argument("--grpo-new", type=int, default=512)
+    ap.add_argument("--grpo-prompt-len", type=int, default=256)
+    ap.add_argument("--grpo-sharing", nargs="+", default=["on", "off"], choices=["on", "off"],
+                    help="prefix sharing arms of the GRPO shape (one per run keeps runs short)")
+    ap.add_argument("--time-limit-s", type=float, default=None,
+                    help="skip arms not yet started once this many seconds have passed")
+    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--max-step-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--quick", action="store_true",
+                    help="32 sequences of 64-256 tokens; GRPO 8 x 8 x 128 (a smoke run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda", help="cpu: a logic smoke run (--preset tiny)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        require_cuda()
+    if args.quick:
+        args.n_seqs, args.len_lo, args.len_hi = 32, 64, 256
+        args.grpo_prompts, args.grpo_new, args.grpo_prompt_len = 8, 128, 128
+    t_start = time.perf_counter()
+    cfg = PRESETS[args.preset]()
+    weights = init_weights(cfg, 0)
+    result = {"env": env() if args.device == "cuda" else {"device": "cpu"}, "args": vars(args),
+              "skipped": []}
+    if "serve" in args.parts:
+        reqs = _serve_requests(args.n_seqs, args.len_lo, args.len_hi, cfg.vocab_size, args.seed)
+        serve = {}
+        for arm in args.arms:
+            if _out_of_time(args, t_start, result, f"serve {arm}"):
+                continue
+            if arm == "hf":
+                serve[arm] = _hf_generate(cfg, weights, reqs, args.device)
+            else:
+                eng = _engine(cfg, weights, arm, args)
+                serve[arm] = _timed(eng, reqs, args.len_hi)
+                del eng
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            print(arm, f"{serve[arm]['tok_per_s']:.0f} tok/s", flush=True)
+            dump(args.out, {**result, "serve": serve})          # partial results survive a kill
+        if "invariant" in serve and "native" in serve:
+            serve["invariant_over_native"] = serve["invariant"]["tok_per_s"] / serve["native"]["tok_per_s"]
+        result["serve"] = serve
+    if "grpo" in args.parts:
+        reqs = _grpo_requests(args.grpo_prompts, args.grpo_samples, args.grpo_prompt_len,
+                              cfg.vocab_size, args.seed + 1)
+        grpo = {}
+        for arm in args.grpo_sharing:
+            name = "shared" if arm == "on" else "unshared"
+            if _out_of_time(args, t_start, result, f"grpo {name}"):
+                continue
+            eng = _engine(cfg, weights, "invariant", args, prefix_sharing=arm == "on")
+            grpo[name] = _timed(eng, reqs, args.grpo_new)
+            del eng
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            print("grpo", name, f"{grpo[name]['tok_per_s']:.0f} tok/s", flush=True)
+            dump(args.out, {**result, "grpo": grpo})
+        result["grpo"] = grpo
+    dump(args.out, result)
+    print(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,802 @@
+"""`rlk`, the command line: `rlk run`, `rlk compare`, `rlk report`, `rlk init-model`, `rlk export`.
+
+`rlk run` turns flags into a validated RunConfig (one flag per field, generated from the dataclass
+so the two cannot drift), checks the environment (model dir, prompts file, reward, git state),
+hashes every input into the manifest (runner/inputs.py), writes the run into `<dir>.tmp-<pid>` and
+renames it to its final name when the loop returns or fails after its first step. A failure before
+the first step that is the user's (ValueError/OSError: a bad model or prompts file) leaves nothing
+on disk. `--resume <dir>` of a SIGKILLed run finds its `<dir>.tmp-<pid>` (pid gone) and renames it
+first. Every usage error, argparse's included, is one line; an unknown flag gets a "did you mean"
+suggestion. Exit codes: 0 ok, 1 the run or command failed, 2 bad usage (invalid flag value,
+missing input, dirty checkout, occupied run dir, changed inputs on resume), 130 Ctrl-C (one line:
+what was kept and how to resume).
+
+The topology (--dp/--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
+torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.py).
+
+Does not: run the RL loop (rlkernel/runner/loop.py), launch processes (rlkernel/distributed/launch.py),
+or set any global torch state; nothing happens at import.
+
+Run: `rlk run --steps 2`; `rlk compare [--quiet] runs/A runs/B`; `rlk report runs/A runs/B --out
+plots/`; `rlk init-model --preset tiny --seed 0 --out m/`; `rlk export runs/A --out hf/`. Set
+RLK_DEBUG=1 to get the traceback instead of a one-line error.
+Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import difflib
+import glob
+import json
+import os
+import pathlib
+import shutil
+import sys
+import typing
+
+import rlkernel
+from rlkernel.config import SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name
+from rlkernel.distributed.topology import launcher_world_size, validate_topology
+from rlkernel.model.config import PRESETS, Qwen3Config, tiny
+from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
+from rlkernel.runner.inputs import check_unchanged, describe_inputs, startup_notes
+from rlkernel.runner.watch import config_warnings, summary_lines
+
+SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
+"""The directory that holds the rlkernel package: the checkout whose git state is recorded."""
+
+
+def _debug() -> bool:
+    return os.environ.get("RLK_DEBUG", "") not in ("", "0")
+
+
+def _error(cmd: str, msg: object, code: int) -> int:
+    text = " ".join(str(msg).split()) or type(msg).__name__
+    print(f"rlk {cmd}: error: {text}", file=sys.stderr)
+    return code
+
+
+# ---------------------------------------------------------------------------------------------
+# parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `rlk run: error: --steps: '1.5' is not an integer (see
+    rlk run --help)` instead of the whole usage block (README: bad flags give one line)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        text = " ".join(message.split()).removeprefix("argument ")
+        self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+
+
+def _integer(value: str) -> int:
+    """An int flag value; ArgumentTypeError (argparse names the flag) for '1.5', 'x', ''."""
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+
+
+def _number(value: str) -> float:
+    """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+
+
+# Spellings users bring from TRL/verl/OpenRLHF, accepted as second names of our flags (messages
+# name the field's own flag). Reviewed like flags: tests/test_cli_config.py lists them.
+RUN_FLAG_ALIASES = {
+    "lr": ("--learning-rate",),
+    "n_samples_per_prompt": ("--num-generations",),
+    "temperature": ("--rollout-temperature",),
+    # The name before issue 14, when the microbatch size was part of the canonical spec; it is
+    # a memory knob now, so old command lines keep working and mean the same memory.
+    "micro_batch_tokens": ("--token-budget",),
+}
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field. Defaults are left to the dataclass (SUPPRESS), and values are
+    not constrained here (no argparse `choices`), so every check and message lives in RunConfig."""
+    hints = typing.get_type_hints(RunConfig)
+    docs = field_docs()
+    for f in dataclasses.fields(RunConfig):
+        kind = _unoptional(hints[f.name])
+        text = docs.get(f.name, "")
+        names = (flag_name(f.name), *RUN_FLAG_ALIASES.get(f.name, ()))
+        if kind is bool:
+            p.add_argument(*names, dest=f.name, action="store_true",
+                           default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+            continue
+        conv = {int: _integer, float: _number}.get(kind, str)
+        metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
+        help_text = f"{text} (default: {f.default})".replace("%", "%%")
+        p.add_argument(*names, dest=f.name, type=conv, metavar=metavar,
+                       default=argparse.SUPPRESS, help=help_text)
+
+
+def _unoptional(kind):
+    """`float | None` -> float (a flag gives the value; leaving it out keeps the None default)."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in typing.get_args(kind) else kind
+
+
+def _version() -> str:
+    """`rlk --version`: the package and torch versions, without importing torch (slow)."""
+    import importlib.metadata
+
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"rlk {rlkernel.__version__} (torch {torch_version}, python {sys.version.split()[0]})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `rlk` parser with its subcommands."""
+    parser = _Parser(
+        prog="rlk", description="Bitwise-reproducible RL post-training across parallel topologies.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run RL training and write its evidence",
+                         description="Run RL training; writes manifest.json and evidence.json.")
+    _add_run_flags(run)
+    run.set_defaults(func=cmd_run)
+
+    cmp = sub.add_parser("compare", help="compare the evidence of two runs (exit 0 iff identical)",
+                         description="Compare two runs field by field; exit 0 iff identical.")
+    cmp.add_argument("run_a", metavar="RUN_A")
+    cmp.add_argument("run_b", metavar="RUN_B")
+    cmp.add_argument("--quiet", action="store_true",
+                     help="print only the fields that differ and the verdict line")
+    cmp.set_defaults(func=cmd_compare)
+
+    rep = sub.add_parser("report", help="draw PNG plots of the per-step metrics of runs",
+                         description="Plot the per-step metrics (metrics.jsonl, else "
+                                     "evidence.json) of one or several runs as PNG files.")
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    rep.add_argument("--out", required=True, metavar="DIR",
+                     help="output directory (created if missing; PNGs in it are replaced)")
+    rep.set_defaults(func=cmd_report)
+
+    init = sub.add_parser("init-model", help="write a randomly initialised model directory",
+                          description="Write a Hugging Face-layout model with random weights.")
+    init.add_argument("--preset", required=True, choices=list(PRESETS), help="model shapes")
+    init.add_argument("--seed", type=_integer, default=0, help="initialisation seed (default: 0)")
+    init.add_argument("--out", required=True, metavar="DIR",
+                      help="output directory (must not exist, or be empty)")
+    init.set_defaults(func=cmd_init_model)
+
+    exp = sub.add_parser(
+        "export", help="write a run's trained weights as a Hugging Face model directory",
+        description="Write the weights of RUN after a step (default: the final weights) as a "
+                    "Hugging Face directory (config.json, model.safetensors in the parameter "
+                    "dtype, the input model's tokenizer files), after checking every tensor "
+                    "against the SHA-256 the run recorded. Steps with weights: the last one "
+                    "(RUN/final) and those with a --save-every checkpoint.")
+    exp.add_argument("run", metavar="RUN", help="run directory written by rlk run")
+    exp.add_argument("--step", type=int, default=None, metavar="N",
+                     help="evidence step (from 0) whose weights to export (default: the final "
+                          "weights of a complete run)")
+    exp.add_argument("--out", required=True, metavar="DIR",
+                     help="output directory (must not exist, or be empty)")
+    exp.set_defaults(func=cmd_export)
+    return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    """The parser of subcommand `name` (the top-level parser for None)."""
+    for action in parser._actions:  # argparse keeps subparsers only there
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
+def _unknown_args(parser: argparse.ArgumentParser, command: str | None,
+                  extras: list[str]) -> int:
+    """One line for the first argument nobody took, with the closest flag when there is one."""
+    sub = _subparser(parser, command)
+    where = f"rlk {command}" if command else "rlk"
+    arg = extras[0]
+    if arg.startswith("-"):
+        flag = arg.split("=", 1)[0]
+        known = sorted({s for a in sub._actions for s in a.option_strings})
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"{where} --help lists every flag"
+        msg = f"unknown flag {flag}; {hint}"
+    else:
+        msg = f"unexpected argument {arg!r}; see {where} --help"
+    print(f"{where}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `rlk`. Returns the exit code (argparse usage errors included)."""
+    parser = build_parser()
+    try:
+        args, extras = parser.parse_known_args(argv)
+    except SystemExit as e:  # --help, --version, or an argparse usage error (already printed)
+        return e.code if isinstance(e.code, int) else 2
+    if extras:
+        return _unknown_args(parser, getattr(args, "command", None), extras)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # outside a run (rlk run reports its own): one line, no traceback
+        if _debug():
+            raise
+        print(f"rlk {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------------------------
+# rlk run
+
+
+def _dir_is_free(d: pathlib.Path) -> bool:
+    return not d.exists() or (d.is_dir() and not any(d.iterdir()))
+
+
+def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
+    """Final run directory. Raises ConfigError when --run-dir is occupied."""
+    if cfg.run_dir is not None:
+        d = pathlib.Path(cfg.run_dir)
+        if d.resolve() == pathlib.Path.cwd().resolve():
+            raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
+                              "current one")
+        if not _dir_is_free(d):
+            raise ConfigError(f"--run-dir {cfg.run_dir!r}: exists and is not an empty directory; "
+                              "give a new or empty directory")
+        return d
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = pathlib.Path("runs") / f"{stamp}-{cfg.fingerprint()[:10]}"
+    d, n = base, 1
+    while d.exists():  # same config started twice within one second
+        d, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return d
+
+
+def _check_inputs(cfg: RunConfig) -> None:
+    """Cheap existence checks before any work. Raises ConfigError."""
+    if cfg.model is not None and not pathlib.Path(cfg.model).is_dir():
+        raise ConfigError(f"--model {cfg.model!r}: no such directory; give a Hugging Face model "
+                          "directory (config.json, *.safetensors), or leave out --model for the "
+                          "embedded tiny model")
+    if cfg.prompts is not None and not pathlib.Path(cfg.prompts).is_file():
+        raise ConfigError(f"--prompts {cfg.prompts!r}: no such file; give a JSONL or Parquet "
+                          "prompts file, or leave out --prompts for the built-in arithmetic task")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device 'cuda': no CUDA device is available here; allowed: cpu")
+
+
+def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
+    """Load what the run reads besides weights, before any work: the reward function, the
+    prompts file's keys, the chat template (rendered once). Returns the manifest's additions
+    {"reward": ..., "tokenizer_files": ...}. Raises ConfigError naming the flag and the value."""
+    from rlkernel.data.chat import ChatTemplateError, load_chat_template
+    from rlkernel.data.prompts import PromptFileError, check_prompt_keys
+    from rlkernel.data.rewards import RewardError, load_reward
+    from rlkernel.runner.export import tokenizer_file_hashes
+
+    try:
+        reward = load_reward(cfg.reward)
+        if cfg.prompts is not None:
+            check_prompt_keys(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
+        if cfg.apply_chat_template:
+            load_chat_template(cfg.model).render("probe")
+        tokenizer_files = tokenizer_file_hashes(cfg.model)
+    except PromptFileError as e:
+        raise ConfigError(f"--prompts: {e}") from None
+    except ChatTemplateError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith("--") else f"--apply-chat-template: {msg}") \
+            from None
+    except (RewardError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    return {"reward": reward.describe(), "tokenizer_files": tokenizer_files}
+
+
+def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
+    """The model's architecture for the topology check; None when --model's config.json cannot
+    be read (the checkpoint loader then reports it, with its own message, before any step).
+    Raises ConfigError for a readable config whose shape the kernels cannot run exactly
+    (model/config.validate_model_config), before any process starts."""
+    if cfg.model is None:
+        return tiny()
+    path = pathlib.Path(cfg.model) / "config.json"
+    try:
+        d = json.loads(path.read_text())
+        return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
+    except ConfigError:
+        raise
+    except (OSError, ValueError):
+        return None
+
+
+def _check_topology(cfg: RunConfig) -> None:
+    """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE, the
+    longest sample against the model's positions, and --device cuda against the head_dim the
+    CUDA kernels take. Runs before any process starts or directory is made. Raises ConfigError."""
+    m = _model_shape(cfg)
+    where = f"{cfg.model}/config.json" if cfg.model is not None else "the embedded tiny model"
+    # The Triton attention kernel tiles a head as tl.arange(0, head_dim): a power of two. Refused
+    # here, not at step 0 after every rank has loaded the model.
+    if m is not None and cfg.device == "cuda" and (m.head_dim & (m.head_dim - 1)
+                                                   or not 16 <= m.head_dim <= 256):
+        raise ConfigError(f"--device cuda: head_dim={m.head_dim} of {where} must be a power of "
+                          "two in [16, 256] for the CUDA attention kernel; allowed for this "
+                          "model: --device cpu")
+    # RoPE tables grow on demand, so nothing downstream refuses positions past the model's
+    # max_position_embeddings: a too-long sample would silently run out of the trained range.
+    if m is not None and cfg.max_prompt_len + cfg.max_response_len > m.max_position_embeddings:
+        raise ConfigError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
+                          f"{cfg.max_response_len} = {cfg.max_prompt_len + cfg.max_response_len}: "
+                          f"must be <= max_position_embeddings={m.max_position_embeddings} of "
+                          f"{where}")
+    heads = {} if m is None else dict(
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+        vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
+    validate_topology(cfg.tp, cfg.cp, cfg.sp, cfg.rollout_tp, cfg.rollout_cp,
+                      world=launcher_world_size(), dp=cfg.dp, **heads)
+
+
+def _check_watch(cfg: RunConfig) -> None:
+    """--tensorboard needs its package: refuse before any work rather than fail after step 0."""
+    if cfg.tensorboard:
+        from rlkernel.runner.metrics import tensorboard_missing
+
+        why = tensorboard_missing()
+        if why:
+            raise ConfigError(f"--tensorboard: {why}; install it with pip install "
+                              "'rl-kernel[tensorboard]' (or pip install tensorboard), or leave "
+                              "out --tensorboard")
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        print(f"rlk run: warning: {line}", file=sys.stderr)
+
+
+def _summary(writer: EvidenceWriter | None, run_dir: pathlib.Path) -> None:
+    """The closing lines of a finished run (stderr; stdout keeps only the run directory)."""
+    if writer is not None:
+        for line in summary_lines(writer.steps, run_dir):
+            print(line, file=sys.stderr)
+
+
+def _missing_ancestors(d: pathlib.Path) -> list[pathlib.Path]:
+    """Ancestors of `d` that do not exist yet, deepest first (mkdir(parents=True) creates them)."""
+    out = []
+    for parent in d.absolute().parents:
+        if parent.exists():
+            break
+        out.append(parent)
+    return out
+
+
+def _discard(tmp: pathlib.Path, created: list[pathlib.Path]) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    for parent in created:  # deepest first; only the empty ones we made
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
+def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    if final.is_dir() and not any(final.iterdir()):
+        final.rmdir()  # an empty --run-dir given by the user: take its place
+    os.rename(tmp, final)
+
+
+def _exit_on_sigterm():
+    """Treat SIGTERM like Ctrl-C: unwind, so a partial run is published (not left as .tmp-*).
+
+    Returns the previous handler (None when not on the main thread) for `_restore_sigterm`.
+    """
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _restore_sigterm(previous) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
+    """A non-zero rank under torchrun: run the loop, keep no files (rank 0 writes the evidence)."""
+    import tempfile
+
+    from rlkernel.runner.loop import run_loop
+
+    with tempfile.TemporaryDirectory(prefix="rlk-rank-") as d:
+        try:
+            run_loop(cfg, pathlib.Path(d), EvidenceWriter(d, manifest))
+        except (ValueError, OSError) as e:
+            if _debug():
+                raise
+            return _error("run", e, 1)
+    return 0
+
+
+# Settings a resumed run may give again: where (on which ranks) and how it runs, not what it
+# computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
+RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
+                               "micro_batch_tokens", "gpu_memory_utilization", "steps",
+                               "save_every", "allow_dirty", "resume", "tensorboard"})
+
+
+def _pid_of(tmp: pathlib.Path) -> int | None:
+    pid = tmp.name.rpartition(".tmp-")[2]
+    return int(pid) if pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _resume_source(d: pathlib.Path) -> pathlib.Path:
+    """Where --resume's run lies: `d` itself, or — when `d` has no manifest — the `d.tmp-<pid>`
+    a killed `rlk run` left behind (a run is published under its name only when it ends; SIGKILL
+    leaves it under the temporary one). Raises ConfigError when that process still runs, or when
+    several killed runs left one (which to continue is the user's call)."""
+    if (d / "manifest.json").exists() or not d.parent.is_dir():
+        return d
+    left = sorted(p for p in d.parent.glob(f"{glob.escape(d.name)}.tmp-*")
+                  if p.is_dir() and _pid_of(p) is not None and (p / "manifest.json").is_file())
+    running = [p for p in left if _alive(_pid_of(p))]
+    if running:
+        raise ConfigError(f"--resume {str(d)!r}: its run is still going in {running[0]} (pid "
+                          f"{_pid_of(running[0])} is alive); wait for it to end, or stop it "
+                          f"(if that pid is no rlk run, rename the directory to {d} yourself)")
+    if len(left) > 1:
+        raise ConfigError(f"--resume {str(d)!r}: several killed runs left "
+                          f"{', '.join(map(str, left))}; rename the one to continue to {d}")
+    return left[0] if left else d
+
+
+def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig:
+    """The saved config of --resume's run (read from `src`, see _resume_source) with the allowed
+    flags applied."""
+    d = pathlib.Path(given["resume"])
+    try:
+        saved = json.loads((src / "manifest.json").read_text())["config"]
+        if not isinstance(saved, dict):  # e.g. "config": [] would crash in saved.get below
+            raise TypeError(saved)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
+                          "written by rlk run") from None
+    try:  # validate the saved config itself, before comparing its values with the flags
+        RunConfig.from_dict(saved)
+    except ConfigError as e:
+        raise ConfigError(f"--resume {str(d)!r}: manifest.json holds an invalid config: {e}") from None
+    was = saved.get("device", "cpu")
+    if given.get("device", was) != was:
+        raise ConfigError(f"--device {given['device']!r}: a resumed run cannot change backend "
+                          f"(saved --device {was!r}); bitwise identity is promised within one "
+                          f"backend only, so its evidence would mix {was} and {given['device']} "
+                          f"steps; resume with --device {was}, or start a new run")
+    changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and given[k] != saved.get(k))
+    if changed:
+        what = ", ".join(f"{flag_name(k)} (saved {saved.get(k)!r})" for k in changed)
+        raise ConfigError(f"--resume: {what} cannot change when resuming; only "
+                          f"{', '.join(sorted(flag_name(k) for k in RESUME_MAY_CHANGE))} may")
+    if given.get("steps", saved.get("steps", 1)) < saved.get("steps", 1):
+        raise ConfigError(f"--steps {given['steps']}: a resumed run can only be extended "
+                          f"(saved --steps {saved.get('steps')})")
+    if given.get("steps", saved.get("steps")) != saved.get("steps") and \
+            saved.get("lr_schedule", "constant") != "constant":
+        # The schedule's horizon is the run's update count: extending it would change the LR
+        # of steps after the checkpoint, so the resumed run would not equal any single run.
+        raise ConfigError(f"--steps {given['steps']}: a run with --lr-schedule "
+                          f"{saved['lr_schedule']} cannot be extended on resume (its LR decays "
+                          f"over the saved --steps {saved.get('steps')}); start a new run")
+    return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
+
+
+def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
+                        next_step: int) -> None:
+    """Refuse --resume when its checkpoint (`next_step`) already ends the run's --steps and the
+    evidence holds them all (nothing to do; an earlier checkpoint, e.g. after a corrupt last
+    one, re-runs the steps after it), and name evidence.json when it cannot be read.
+    Raises ValueError."""
+    path = src / "evidence.json"
+    try:
+        evidence = json.loads(path.read_text())
+        steps = evidence.get("steps") if isinstance(evidence, dict) else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence ({e})") from None
+    if not isinstance(steps, list):
+        raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
+    if next_step >= cfg.steps and evidence.get("complete") and len(steps) >= cfg.steps:
+        raise ValueError(f"--resume {str(d)!r}: the run is already complete ({len(steps)}/"
+                         f"{cfg.steps} steps); to go on, extend it with --steps N "
+                         f"(N > {len(steps)})")
+
+
+def _resume_hint(d: pathlib.Path) -> str:
+    """How to continue the run in `d`, or why it cannot be continued."""
+    from rlkernel.runner.checkpointing import checkpoint_dirs
+
+    if checkpoint_dirs(d):
+        return f"resume with: rlk run --resume {d}"
+    try:
+        every = json.loads((d / "manifest.json").read_text())["config"].get("save_every")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        every = None
+    if every:
+        return (f"not resumable: no checkpoint was written yet (--save-every {every} writes the "
+                f"first after step {every})")
+    return "not resumable: it has no checkpoint (runs keep them with --save-every N)"
+
+
+def _interrupted(e: BaseException, d: pathlib.Path, n_steps: int) -> int:
+    """One line for Ctrl-C (KeyboardInterrupt) or SIGTERM (SystemExit from _exit_on_sigterm)
+    during a run whose directory `d` holds `n_steps` steps; returns the exit code."""
+    what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "terminated"
+    print(f"rlk run: {what} after {n_steps} step(s); partial run kept in {d}; "
+          f"{_resume_hint(d)}", file=sys.stderr)
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else 1
+    return 130
+
+
+def _check_reward_unchanged(saved: dict[str, typing.Any], reward: dict[str, typing.Any]) -> None:
+    """A resumed run must score with the same reward code: its source hash is in the manifest."""
+    before = saved.get("reward")
+    if isinstance(before, dict) and before.get("source_sha256") != reward["source_sha256"]:
+        raise ConfigError(f"--resume: the reward function's source {reward['source_file']} changed "
+                          f"since the run started (SHA-256 {str(before.get('source_sha256'))[:12]}"
+                          f"... then, {reward['source_sha256'][:12]}... now); restore it to "
+                          "resume, or start a new run")
+
+
+def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
+                inputs: dict[str, typing.Any]) -> int:
+    from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
+    from rlkernel.runner.evidence import utc_now, versions
+    from rlkernel.runner.loop import run_loop
+
+    d = pathlib.Path(cfg.resume)
+    try:
+        ck = latest_checkpoint(src)
+        _check_not_finished(src, cfg, d, ck.next_step)
+        manifest = json.loads((src / "manifest.json").read_text())
+        check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
+        _check_reward_unchanged(manifest, inputs["reward"])
+    except (ResumeError, OSError, ValueError) as e:
+        return _error("run", e, 2)
+    if src != d:  # a killed run's temporary directory: publish it under the name it was given
+        try:
+            _publish(src, d)
+        except OSError as e:
+            return _error("run", f"--resume {str(d)!r}: cannot rename {src} (left by a killed "
+                                 f"run) to it ({e.strerror or e}); move {d} away first", 2)
+        print(f"rlk run: {src} (left by a killed run) is now {d}", file=sys.stderr)
+    # The manifest's config is the one the run now follows (e.g. the extended --steps); what
+    # changed, from which step, and with which code and versions is kept in "resumes".
+    old = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    new = cfg.to_dict()
+    manifest["config"] = new
+    manifest.setdefault("resumes", []).append(
+        {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()
+                                                if old.get(k) != v},
+         "git": git, "versions": versions(), "utc": utc_now(), **inputs})
+    for why in ck.skipped:   # a newer checkpoint that is half written or corrupt
+        print(f"rlk run: skipped checkpoint {why}", file=sys.stderr)
+    print(f"rlk run: resuming {d} from {ck.path.relative_to(src)} at step {ck.next_step + 1}/"
+          f"{cfg.steps} (evidence step {ck.next_step}; the {ck.next_step} step(s) before it "
+          "are kept)", file=sys.stderr)
+    progress = Progress(total=cfg.steps)
+    writer: EvidenceWriter | None = None
+    previous_sigterm = _exit_on_sigterm()
+    try:
+        writer = EvidenceWriter.resume(d, manifest, ck.next_step, progress)
+        run_loop(cfg, d, writer)
+        if not writer.complete:
+            writer.finish({"steps": writer.n_steps})
+    except (ValueError, OSError) as e:
+        if _debug():
+            raise
+        return _error("run", e, 1)
+    except (KeyboardInterrupt, SystemExit) as e:
+        if _debug():
+            raise
+        return _interrupted(e, d, writer.n_steps if writer is not None else ck.next_step)
+    finally:
+        _restore_sigterm(previous_sigterm)
+        progress.close()
+    _summary(writer, d)
+    print(d)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    try:
+        given = {k: v for k, v in vars(args).items() if k in names}
+        src = _resume_source(pathlib.Path(given["resume"])) if given.get("resume") else None
+        cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
+        _check_inputs(cfg)
+        _check_topology(cfg)
+        _check_watch(cfg)
+        inputs = _check_data(cfg)
+    except ConfigError as e:
+        return _error("run", e, 2)
+
+    git = git_state(SRC_DIR)
+    if git["dirty"] and not cfg.allow_dirty:
+        files = git["dirty_files"]
+        return _error("run", f"the rl-kernel checkout {SRC_DIR} has uncommitted changes to its "
+                             f"tracked files or package ({len(files)} path(s), e.g. "
+                             f"{files[0].strip()!r}); commit them so the run can be reproduced "
+                             "from its commit, or pass --allow-dirty (the diff is then recorded "
+                             "in the manifest)", 2)
+    _warn(config_warnings(cfg))
+    if src is not None:
+        return _cmd_resume(cfg, git, src, inputs)
+    try:
+        final = _choose_run_dir(cfg)
+    except ConfigError as e:
+        return _error("run", e, 2)
+
+    from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
+
+    manifest = {**build_manifest(cfg, git), **inputs}
+    if launcher_world_size() is not None and os.environ.get("RANK", "0") != "0":
+        return _run_follower_rank(cfg, manifest)
+    try:  # every input's SHA-256 (for --resume), the vocab rule, the weights' stored dtypes
+        manifest["inputs"] = describe_inputs(cfg, _model_shape(cfg))
+    except ConfigError as e:
+        return _error("run", e, 2)
+    for note in startup_notes(cfg, manifest["inputs"]):
+        print(f"rlk run: note: {note}", file=sys.stderr)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    created = _missing_ancestors(tmp)
+    progress = Progress(total=cfg.steps)
+    writer: EvidenceWriter | None = None
+    previous_sigterm = _exit_on_sigterm()
+    try:
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:  # e.g. a parent is a file or read-only: name the flag, usage error
+            _discard(tmp, created)
+            return _error("run", f"--run-dir {str(final)!r}: cannot create {tmp} "
+                                 f"({e.strerror or e}); give a writable new directory", 2)
+        writer = EvidenceWriter(tmp, manifest, progress)
+        run_loop(cfg, tmp, writer)
+        if not writer.complete:
+            writer.finish({"steps": writer.n_steps})
+    except (ValueError, OSError) as e:
+        if writer is None or writer.n_steps == 0:
+            _discard(tmp, created)
+            if _debug():
+                raise
+            return _error("run", e, 1)
+        _publish(tmp, final)
+        if _debug():
+            raise
+        _error("run", f"{e} (evidence of {writer.n_steps} step(s) kept in {final})", 1)
+        return 1
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, or SIGTERM via _exit_on_sigterm
+        if _debug():
+            raise
+        if writer is None or writer.n_steps == 0:  # nothing worth keeping yet
+            _discard(tmp, created)
+            print("rlk run: interrupted before the first step; nothing kept", file=sys.stderr)
+            return 130 if isinstance(e, KeyboardInterrupt) else (
+                e.code if isinstance(e.code, int) else 1)
+        _publish(tmp, final)
+        return _interrupted(e, final, writer.n_steps)
+    except BaseException:  # a bug: keep whatever was written, under the final name, and raise
+        if tmp.exists():
+            _publish(tmp, final)
+            print(f"rlk run: partial run kept in {final}", file=sys.stderr)
+        raise
+    finally:
+        _restore_sigterm(previous_sigterm)
+        progress.close()
+    _publish(tmp, final)
+    _summary(writer, final)
+    print(final)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# rlk compare / rlk init-model / rlk export
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rlkernel.runner.compare import CompareError, compare_runs, format_report
+
+    try:
+        report = compare_runs(args.run_a, args.run_b)
+    except CompareError as e:
+        if _debug():
+            raise
+        return _error("compare", e, 2)
+    print(format_report(report, quiet=args.quiet))
+    return report.exit_code
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rlkernel.runner.report import ReportError, write_report
+
+    try:
+        paths = write_report(args.runs, args.out)
+    except ReportError as e:
+        if _debug():
+            raise
+        return _error("report", e, 2)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    if not 0 <= args.seed < SEED_LIMIT:
+        return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
+    out = pathlib.Path(args.out)
+    if not _dir_is_free(out):
+        return _error("init-model", f"--out {args.out!r}: exists and is not an empty directory; "
+                                    "give a new or empty directory", 2)
+    from rlkernel.model.checkpoint import init_model
+
+    try:
+        init_model(args.preset, args.seed, out)
+    except (ValueError, OSError) as e:
+        if _debug():
+            raise
+        return _error("init-model", e, 1)
+    print(out)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlkernel.runner.export import ExportError, ExportUsageError, export_run
+
+    try:
+        info = export_run(args.run, args.out, args.step)
+    except ExportUsageError as e:
+        if _debug():
+            raise
+        return _error("export", e, 2)
+    except (ExportError, OSError) as e:
+        if _debug():
+            raise
+        return _error("export", e, 1)
+    print(f"rlk export: step {info.step} of {args.run} from {info.source.name}: "
+          f"{info.n_tensors} tensors match the run's recorded SHA-256 (version "
+          f"{info.version[:12]}...); {info.seconds:.1f}s", file=sys.stderr)
+    print(info.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Deterministic collectives over one process group, with call validation.
+
+Every floating-point reduction across ranks is finished by the *canonical tree*, never by the
+backend's reduce: ranks exchange their aligned-subtree partials with an all-gather (exact bytes),
+and every rank sums them by the same pairwise tree (rlkernel/numerics/trees.py), so all ranks hold
+identical bits and the result equals the single-process tree (DESIGN.md §1). All-gathers
+concatenate in logical (rank) order. The one backend reduction used is `sum_ints`, a SUM of
+integers (exact fixed-point gradient accumulators): integer addition is associative, so the
+backend's order cannot change the result.
+
+Each call first exchanges a signature — call counter, operation name, shape, dtype — and raises
+CollectiveMismatch naming both sides if any rank is making a different call, instead of hanging
+or silently mixing tensors. Every wait is bounded by the process group's timeout.
+A `Comm` of size 1 (`Comm.single`) runs the same code paths without a process group, so TP=1 and
+TP=8 execute the same model code.
+Does not: create groups or processes (rlkernel/distributed/topology.py, launch.py).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlkernel.numerics.trees import tree_combine
+
+_SIG_LEN = 14
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+           torch.bool, torch.uint8, torch.int16, torch.int8]
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks of one group made different collective calls (order, op, shape or dtype)."""
+
+
+class Comm:
+    """A process group seen from one rank: `rank` in [0, size), `ranks` the global ranks in order."""
+
+    def __init__(self, name: str, group: Any, ranks: Sequence[int], rank: int) -> None:
+        self.name = name
+        self.group = group
+        self.ranks = tuple(ranks)
+        self.rank = rank
+        self.size = len(self.ranks)
+        self._calls = 0
+
+    @classmethod
+    def single(cls, name: str = "local") -> "Comm":
+        """A one-rank group: collectives are local copies and the trees run over one partial."""
+        return cls(name, None, (0,), 0)
+
+    # -- validation -------------------------------------------------------------------------
+    def _signature(self, op: str, t: torch.Tensor | None) -> torch.Tensor:
+        sig = torch.zeros(_SIG_LEN, dtype=torch.int64)
+        sig[0] = self._calls
+        sig[1] = zlib.crc32(op.encode())
+        if t is not None:
+            sig[2] = t.dim()
+            sig[3] = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
+            for i, s in enumerate(t.shape[:_SIG_LEN - 4]):
+                sig[4 + i] = s
+        return sig
+
+    def _describe(self, sig: torch.Tensor) -> str:
+        nd = int(sig[2])
+        return f"call #{int(sig[0])} op-crc {int(sig[1])} shape {tuple(int(x) for x in sig[4:4 + nd])}"
+
+    def _validate(self, op: str, t: torch.Tensor | None) -> None:
+        self._calls += 1
+        if self.size == 1:
+            return
+        mine = self._signature(op, t)
+        dev = t.device if t is not None and t.is_cuda else torch.device("cpu")
+        got = [torch.empty_like(mine, device=dev) for _ in range(self.size)]
+        dist.all_gather(got, mine.to(dev), group=self.group)
+        for r, s in enumerate(got):
+            if not torch.equal(s.cpu(), mine):
+                raise CollectiveMismatch(
+                    f"{self.name} group {self.ranks}: rank {self.ranks[self.rank]} called {op!r} "
+                    f"({self._describe(mine)}) but rank {self.ranks[r]} made a different call "
+                    f"({self._describe(s.cpu())})")
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_gather(self, t: torch.Tensor, op: str) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype everywhere), in rank order. Exact."""
+        self._validate(op, t)
+        t = t.contiguous()
+        if self.size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.group)
+        return out
+
+    def all_gather_cat(self, t: torch.Tensor, op: str, dim: int = 0) -> torch.Tensor:
+        """Concatenation of every rank's `t` along `dim`, in rank order (logical order)."""
+        parts = self.all_gather(t, op)
+        return parts[0] if self.size == 1 else torch.cat(parts, dim=dim)
+
+    def all_gather_object(self, obj: Any, op: str) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order."""
+        self._validate(op, None)
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def tree_all_reduce(self, partial: torch.Tensor, op: str) -> torch.Tensor:
+        """Pairwise-tree sum of every rank's partial (rank r = leaf r); identical bits on all ranks.
+
+        Each rank's partial must be its aligned subtree of the canonical tree, so the result
+        equals the single-process tree over all leaves.
+        """
+        return tree_combine(self.all_gather(partial, op))
+
+    def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
+        """Elementwise SUM of an int64 tensor over the group, identical on every rank; exact in
+        any order (the caller keeps values far from int64 overflow). Returns a new tensor, or
+        with `inplace` (t contiguous) t itself, overwritten; `t` itself in a one-rank group.
+        Raises TypeError for other dtypes, ValueError for a non-contiguous `inplace` tensor."""
+        if t.dtype != torch.int64:
+            raise TypeError(f"sum_ints({op!r}) expects int64, got {t.dtype}")
+        if inplace and not t.is_contiguous():
+            raise ValueError(f"sum_ints({op!r}, inplace=True) needs a contiguous tensor")
+        self._validate(op, t)
+        if self.size == 1:
+            return t
+        out = t if inplace else t.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def tree_reduce_scatter(self, partial: torch.Tensor, op: str, dim: int = 0) -> torch.Tensor:
+        """tree_all_reduce, then this rank's equal slice along `dim` (rank order)."""
+        full = self.tree_all_reduce(partial, op)
+        n = full.shape[dim] // self.size
+        return full.narrow(dim, self.rank * n, n)
+
+    def select_owner(self, t: torch.Tensor, owner: torch.Tensor, op: str) -> torch.Tensor:
+        """Element-wise pick the value of the rank named by `owner` (int64, t's shape) — exact.
+
+        Used where exactly one rank holds a value (vocab-parallel lookups, target logits), so no
+        sum with zeros can flip the sign of a zero.
+        """
+        parts = self.all_gather(t, op)
+        if self.size == 1:
+            return parts[0]
+        stacked = torch.stack(parts)
+        return stacked.gather(0, owner.unsqueeze(0).to(stacked.device))[0]

@@ -1,0 +1,263 @@
+"""Token reductions of a backward pass: exact sums over sample-relative token leaves.
+
+Every reduction over tokens in the backward — dW = dYᵀ·X of every linear, RMSNorm and Q/K-norm
+weights, embedding rows, attention dK/dV over queries — is defined the same way:
+  - a *leaf* is TOKEN_LEAF consecutive tokens of ONE sample, at sample-relative positions
+    [j·TOKEN_LEAF, (j+1)·TOKEN_LEAF) (the packer starts every sample at a multiple of TOKEN_LEAF
+    and CP/SP cut streams only there, so a rank always holds whole leaves);
+  - inside a leaf, tokens are summed in position order in fp32 (the kernel's sequential loop);
+  - the leaf partials are added EXACTLY (rlkernel/numerics/fixedpoint.py) and rounded once.
+Exact addition is associative, so the result depends only on the set of (sample, leaf) partials:
+not on which microbatch, CP/SP rank or DP rank held a leaf, nor on packing or padding (a padding
+row adds exact zeros). That is why weight gradients are invariant to DP size and microbatch size
+as well as to TP/CP/SP (DESIGN.md §1, the "exact fixed-point accumulation" step).
+
+`TokenSum` is what a kernel receives: the group holding the other tokens of its stream (`comm`)
+and, in training, the `GradSink` of the policy. A kernel asks `accumulator(w)` for the integer
+accumulator of weight w, adds its leaf partials with `fixedpoint.accumulate_`, and calls
+`result(w, acc)`: with an open sink the accumulator *is* the sink's (it keeps growing over every
+microbatch of the mini-batch) and the kernel returns no gradient to autograd; without one, the
+accumulator is summed over `comm` and rounded, and the kernel returns that fp32 gradient.
+`GradSink.finish` ends a mini-batch: per scope, one integer all-reduce of the accumulators over
+the ranks that hold the other tokens (DP × CP, or the whole world where TP ranks hold different
+tokens or heads: SP-sharded norm weights, Q/K-norm head sums), then one rounding per element.
+Does not: move activations (rlkernel/distributed/parallel.py) or choose leaves (data/packing.py).
+Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_kernels_matmul.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlkernel.distributed.comm import Comm
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.spec import TOKEN_LEAF
+
+SCOPES = ("dp_cp", "world")
+"""Groups a weight's accumulator is summed over at the end of a mini-batch (topology groups)."""
+
+
+def leaves_of(n_tokens: int) -> int:
+    """Leaves of a local token stream of n_tokens rows (a multiple of TOKEN_LEAF; ValueError)."""
+    if n_tokens % TOKEN_LEAF:
+        raise ValueError(f"token leaves: a stream of {n_tokens} rows is not a multiple of "
+                         f"TOKEN_LEAF={TOKEN_LEAF} (streams are packed in whole leaves)")
+    return n_tokens // TOKEN_LEAF
+
+
+class GradSink:
+    """Exact weight-gradient accumulators of one mini-batch, over microbatches and ranks.
+
+    groups: {"dp_cp": Comm, "world": Comm} of this rank (topology groups, rank order = layout).
+    Between `begin` and `finish` the sink is open: kernels add leaf partials to the accumulator
+    of each weight (int64 [*w.shape, fixedpoint.N_COLS]) instead of returning a gradient.
+    Direct mode (`begin(direct=True)`, when every rank's share of the mini-batch is ONE
+    microbatch): a weight's leaves are all in the one backward that reaches it, so its kernel
+    finishes the gradient there (`finish_direct`: row chunks summed over the scope group and
+    rounded) and the sink keeps only the fp32 result — no 104-byte accumulator per element lives
+    for the mini-batch. The bytes are those of the persistent path (same exact sum, rounded once).
+    Weights used more than once per forward (`keep`, e.g. tied embeddings) stay persistent.
+    """
+
+    def __init__(self, groups: dict[str, Comm]) -> None:
+        missing = [s for s in SCOPES if s not in groups]
+        if missing:
+            raise ValueError(f"GradSink: no group for scope(s) {missing}")
+        self.groups = groups
+        self.open = False
+        self._names: dict[int, str] = {}
+        self._acc: dict[str, torch.Tensor] = {}
+        self._scope: dict[str, str] = {}
+        self._done: dict[str, torch.Tensor] = {}
+        self.direct = False
+        self._keep: frozenset[str] = frozenset()
+
+    @classmethod
+    def single(cls) -> "GradSink":
+        """The sink of a one-process run."""
+        return cls({s: Comm.single(s) for s in SCOPES})
+
+    def begin(self, params: dict[str, torch.Tensor], *, direct: bool = False,
+              keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """Open the sink for a mini-batch of `params` (name -> parameter, canonical order).
+
+        direct: every rank of both scope groups runs exactly one microbatch (one backward) in
+        this mini-batch, so gradients may be finished inside it (class doc); `keep`: names that
+        stay persistent anyway (used more than once per forward). All ranks must agree."""
+        self._names = {id(p): n for n, p in params.items()}
+        self._order = list(params)
+        self._acc, self._scope, self._done = {}, {}, {}
+        self.direct, self._keep = direct, frozenset(keep)
+        self.open = True
+
+    def _name(self, w: torch.Tensor) -> str:
+        name = self._names.get(id(w))
+        if name is None:
+            raise RuntimeError("GradSink: a kernel reported a gradient for a tensor that is not a "
+                               "parameter of the model being trained")
+        return name
+
+    def is_direct(self, w: torch.Tensor) -> bool:
+        """Whether w's kernel finishes its gradient itself (`finish_direct`) in this mini-batch."""
+        return self.open and self.direct and self._name(w) not in self._keep
+
+    def finish_direct(self, w: torch.Tensor, scope: str, add_rows, op: str) -> None:
+        """Finish parameter w's gradient now (direct mode): for row chunks [a, b) of w (at most
+        DIRECT_CHUNK_ELEMS elements; the cut depends on w's shape only, so every rank of the
+        group runs the same collectives), `add_rows(a, b, acc)` adds this rank's leaf partials of
+        those rows into a zero accumulator int64 [b - a, *w.shape[1:], N_COLS]; the chunk is
+        summed over the scope group (integers: exact) and rounded once into an fp32 gradient the
+        sink keeps. RuntimeError for a weight finished twice (a second use in the same backward
+        would be lost: such weights belong in `keep`)."""
+        name = self._name(w)
+        if name in self._done:
+            raise RuntimeError(f"GradSink: {name} reached a second kernel in one direct-mode "
+                               "mini-batch; a weight used more than once per forward must be "
+                               "kept persistent (begin(keep=...))")
+        comm = self.groups[scope]
+        out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        n = w.shape[0] if w.dim() else 1
+        per_row = max(1, w[0].numel() if w.dim() and n else 1)
+        rows = max(1, DIRECT_CHUNK_ELEMS // per_row)
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            acc = fx.zeros((b - a, *w.shape[1:]), w.device)
+            add_rows(a, b, acc)
+            out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
+        self._done[name] = out
+        self._scope[name] = scope
+
+    def accumulator(self, w: torch.Tensor, scope: str) -> torch.Tensor:
+        """The mini-batch accumulator of parameter w (created at zero on first use). A weight must
+        be reduced over one scope throughout (RuntimeError otherwise, or for a foreign tensor)."""
+        name = self._name(w)
+        if name in self._done:
+            raise RuntimeError(f"GradSink: {name} was finished directly and reached another "
+                               "kernel in the same mini-batch")
+        if name not in self._acc:
+            self._acc[name] = fx.zeros(w.shape, w.device)
+            self._scope[name] = scope
+        elif self._scope[name] != scope:
+            raise RuntimeError(f"GradSink: {name} reduced over {self._scope[name]} and {scope}")
+        return self._acc[name]
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Close the sink: sum every accumulator over its scope's ranks (integers: exact, any
+        order), round each element once. Returns fp32 gradients by name, canonical order;
+        parameters no kernel touched on any rank get none. Collective over both scope groups.
+
+        Memory: accumulators are all-reduced in place and freed as they are rounded, in buckets
+        of at most _BUCKET_ROWS elements (small tensors share one, large ones are cut), so the
+        transient beyond the accumulators themselves is a few bucket copies, not a second set."""
+        self.open = False
+        out: dict[str, torch.Tensor] = {}
+        for scope in SCOPES:
+            # Every rank must reduce the same list in the same buckets; the signature check of
+            # each collective catches a rank whose kernels saw another set of weights.
+            names = [n for n in self._order if self._scope.get(n) == scope and n in self._acc]
+            for n in names:
+                if self._acc[n].numel() == 0:   # e.g. a TP rank that owns no row of it
+                    out[n] = torch.zeros(self._acc[n].shape[:-1], device=self._acc[n].device)
+            for bucket in _buckets([(n, self._acc[n][..., 0].numel()) for n in names]):
+                self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
+        self._acc = {}
+        out.update(self._done)
+        self._done = {}
+        return {n: out[n] for n in self._order if n in out}
+
+    def _finish_bucket(self, bucket: list[tuple[str, int, int]], comm: Comm, op: str,
+                       out: dict[str, torch.Tensor]) -> None:
+        """All-reduce and round one bucket of (name, first element, end) accumulator slices."""
+        flats = [self._acc[n].view(-1, fx.N_COLS)[a:b] for n, a, b in bucket]
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        vals = fx.round_fp32(comm.sum_ints(flat, op, inplace=True))
+        i = 0
+        for n, a, b in bucket:
+            acc = self._acc[n]
+            if n not in out:
+                out[n] = torch.empty(acc.shape[:-1], dtype=torch.float32, device=acc.device)
+            out[n].view(-1)[a:b] = vals[i:i + b - a]
+            i += b - a
+            if b == acc[..., 0].numel():
+                del self._acc[n]     # fully rounded: free it before the next bucket
+
+
+_BUCKET_ROWS = 1 << 21
+"""Accumulator elements per finishing all-reduce (218 MB of int64 digits)."""
+DIRECT_CHUNK_ELEMS = 1 << 23
+"""Gradient elements finished per chunk in direct mode (a transient 872 MB accumulator)."""
+
+
+def _buckets(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:
+    """Cut tensors of `sizes` (name, elements), in order, into buckets of at most _BUCKET_ROWS
+    elements: (name, first element, end) slices; a tensor larger than a bucket is cut."""
+    out: list[list[tuple[str, int, int]]] = [[]]
+    room = _BUCKET_ROWS
+    for name, n in sizes:
+        a = 0
+        while a < n:
+            if room == 0:
+                out.append([])
+                room = _BUCKET_ROWS
+            b = min(n, a + room)
+            out[-1].append((name, a, b))
+            room -= b - a
+            a = b
+    return [b for b in out if b]
+
+
+@dataclass(frozen=True)
+class TokenSum:
+    """How a kernel's token reductions are finished (see module doc).
+
+    comm: the ranks that hold the other tokens of this stream (CP, or TP×CP for SP slices).
+    scope: the GradSink scope of weights reduced through this TokenSum ("dp_cp" or "world").
+    sink: the policy's GradSink in training passes; None elsewhere.
+    """
+
+    comm: Comm
+    scope: str = "dp_cp"
+    sink: GradSink | None = field(default=None, compare=False)
+
+    @classmethod
+    def single(cls) -> "TokenSum":
+        return cls(Comm.single("tokens"))
+
+    def _scope_for(self, heads: Comm | None) -> str:
+        return "world" if heads is not None and heads.size > 1 else self.scope
+
+    def finish_now(self, w: torch.Tensor, add_rows, op: str, heads: Comm | None = None) -> bool:
+        """In the open sink's direct mode, finish w's gradient here (GradSink.finish_direct with
+        `add_rows(a, b, acc)` adding this rank's leaf partials of w's rows [a, b)) and return
+        True: the kernel then returns no gradient to autograd. False (nothing done) otherwise."""
+        if self.sink is None or not self.sink.is_direct(w):
+            return False
+        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op)
+        return True
+
+    def accumulator(self, w: torch.Tensor, heads: Comm | None = None) -> torch.Tensor:
+        """Integer accumulator [*w.shape, N_COLS] for w's gradient: the open sink's (persistent)
+        or a fresh zero one. `heads`: the TP group when w sums over heads that TP splits."""
+        if self.sink is not None and self.sink.open:
+            return self.sink.accumulator(w, self._scope_for(heads))
+        return fx.zeros(w.shape, w.device)
+
+    def result(self, w: torch.Tensor, acc: torch.Tensor, op: str,
+               heads: Comm | None = None) -> torch.Tensor | None:
+        """What the kernel returns as w's gradient: None with an open sink (it holds acc), else
+        acc summed over `comm` (and `heads`) and rounded: fp32 of w's shape, in w's dtype."""
+        if self.sink is not None and self.sink.open:
+            return None
+        acc = self.comm.sum_ints(acc, op)
+        if heads is not None and heads.size > 1:
+            acc = heads.sum_ints(acc, op + ":heads")
+        return fx.round_fp32(acc).to(w.dtype)
+
+    def exact_sum(self, partials: torch.Tensor, op: str) -> torch.Tensor:
+        """Exact sum over dim 0 of this rank's leaf partials and over every rank of `comm`,
+        rounded once: [n, *S] fp32 -> [*S] fp32, identical on every rank (activation gradients,
+        e.g. attention dK/dV; never kept in the sink)."""
+        acc = fx.accumulate_(fx.zeros(partials.shape[1:], partials.device), partials)
+        return fx.round_fp32(self.comm.sum_ints(acc, op))

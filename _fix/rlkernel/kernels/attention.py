@@ -1,0 +1,199 @@
+"""Causal GQA attention over fixed KV blocks at absolute positions, forward and backward.
+
+Forward, per query (one online-softmax update per block, blocks in order; Milakov & Gimelshein,
+"Online normalizer calculation for softmax", 2018; Dao et al., FlashAttention, 2022):
+    block b covers keys [b·B, (b+1)·B) of the query's own sequence, B = ATTN_KV_BLOCK;
+    s = (q·k, sequential over D)·scale; masked keys -> −inf;  m' = max(m, max s)
+    p = exp(s − m');  l = l·e^{m−m'} + tree_sum(p);  acc = acc·e^{m−m'} + Σ_j p_j·v_j (in key order)
+A key contributes only if it is visible (key ≤ query position and < kv_len): invisible keys are
+*skipped* with a select, never added as a zero, and a block with no visible key leaves the state
+untouched. So a query's bits depend only on its own q, the keys at positions ≤ its own and B:
+prefill, chunked prefill, KV-cache decode, any batch and any padding give identical bytes.
+Backward (recompute, p = exp(s − lse)): dQ reduces over keys in the same block/key order; dK and
+dV reduce over queries, which is a token reduction (distributed/tokensum.py): queries are summed
+in position order inside each leaf of TOKEN_LEAF positions of their own sample (leaf = position
+// TOKEN_LEAF, so packing never moves a query to another leaf), the leaf partials added exactly
+over this rank's leaves and the CP ranks' (`tok.exact_sum`) and rounded once, then the G query
+heads of a GQA group by the halving tree (numerics/trees.tree_sum_halving). Why halving: when TP exceeds the KV heads, the rep = TP/Hkv
+ranks sharing a KV head hold G/rep consecutive query heads each (e.g. 24 query / 2 KV heads at
+TP4: 12 heads as 6 + 6), and only the halving tree has those equal parts as subtrees for every
+G, so each rank reduces its part locally and `kv_comm` finishes the same tree. (When the group
+spans 2**k whole virtual-TP shards, its top k levels are those shards; for a power-of-two G it is
+the plain pairwise tree, so such models keep their bits.)
+Layout: per-sample padded [S, heads, T, D]; rlkernel/model gathers it from the token stream.
+Devices: on CPU both directions are the torch code below; on CUDA the forward dispatches to the
+Triton kernel (kernels/triton_attention.py) and the backward runs this file's torch code on the GPU.
+Does not: communicate (CP gathers K/V in rlkernel/distributed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.kernels.elementwise import exp32, log32
+from rlkernel.kernels.matmul import seq_matmul
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.tokensum import TokenSum
+from rlkernel.numerics.trees import tree_sum, tree_sum_halving
+from rlkernel.spec import ATTN_KV_BLOCK, TOKEN_LEAF
+
+_NEG_INF = float("-inf")
+
+
+def _visible(q_pos: torch.Tensor, kv_len: torch.Tensor, j0: int, n: int) -> torch.Tensor:
+    """[S, Tq, n] bool: key j0+i visible to each query."""
+    j = torch.arange(j0, j0 + n, device=q_pos.device)
+    return (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+
+
+def _scores(qg: torch.Tensor, kb: torch.Tensor, scale: float, vis: torch.Tensor) -> torch.Tensor:
+    s = seq_matmul(qg, kb.transpose(-1, -2)) * scale
+    return torch.where(vis, s, torch.full_like(s, _NEG_INF))
+
+
+def _skip_sum(acc: torch.Tensor, w: torch.Tensor, x: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """acc + Σ_j w[..., j]·x[..., j, :] in j order, adding only where vis[..., j] (in place)."""
+    for j in range(w.shape[-1]):
+        cand = acc + w[..., j:j + 1] * x[..., j, :].unsqueeze(-2)
+        acc = torch.where(vis[..., j:j + 1], cand, acc)
+    return acc
+
+
+def _blocks(tk: int) -> range:
+    return range(0, tk, ATTN_KV_BLOCK)
+
+
+def attention_forward(q, k, v, q_pos, kv_len, scale):
+    """Returns (out [S, Hq, Tq, D], lse [S, Hkv, G, Tq]) — see module doc.
+
+    CUDA tensors run the Triton kernel of kernels/triton_attention.py (its own KV block size).
+    """
+    if q.is_cuda:
+        from rlkernel.kernels import triton_attention
+        return triton_attention.attention_forward(q, k, v, q_pos, kv_len, scale)
+    s_, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(s_, hkv, g, tq, d)
+    dev = q.device
+    m = torch.full((s_, hkv, g, tq), _NEG_INF, device=dev)
+    l = torch.zeros(s_, hkv, g, tq, device=dev)
+    acc = torch.zeros(s_, hkv, g, tq, d, device=dev)
+    for j0 in _blocks(tk):
+        n = min(ATTN_KV_BLOCK, tk - j0)
+        vis = _visible(q_pos, kv_len, j0, n)[:, None, None]          # [S,1,1,Tq,n]
+        kb = k[:, :, None, j0:j0 + n]                                  # [S,Hkv,1,n,D]
+        vb = v[:, :, None, j0:j0 + n]
+        s = _scores(qg, kb, scale, vis)
+        row = vis.any(-1)                                              # [S,1,1,Tq]
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(row, m_new, torch.zeros_like(m_new))
+        p = exp32(s - m_safe[..., None])
+        alpha = exp32(torch.where(row, m - m_safe, torch.zeros_like(m)))
+        pv = _skip_sum(torch.zeros_like(acc), p, vb.unsqueeze(-3).squeeze(-3).expand(
+            s_, hkv, g, n, d), vis.expand(s_, hkv, g, tq, n))
+        l = torch.where(row, l * alpha + tree_sum(p, -1), l)
+        acc = torch.where(row[..., None], acc * alpha[..., None] + pv, acc)
+        m = torch.where(row, m_new, m)
+    has = l > 0
+    out = torch.where(has[..., None], acc / torch.where(has, l, torch.ones_like(l))[..., None],
+                      torch.zeros_like(acc))
+    lse = torch.where(has, m + log32(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
+    return out.reshape(s_, hq, tq, d), lse
+
+
+def _sum_over_queries(w, x, q_pos, tok: TokenSum):
+    """Σ over queries of w[..., t, j]·x[..., t, :] by the canonical token reduction.
+
+    w [S,H,G,Tq,Tk], x [S,H,G,Tq,D], q_pos [S,Tq] (absolute position, −1 = none) -> [S,H,G,Tk,D]:
+    per sample, queries in position order inside each leaf of TOKEN_LEAF positions (absent
+    positions skipped), then every leaf partial of every rank of `tok.comm` added exactly.
+    """
+    s_, h, g, tq, tk = w.shape
+    d = x.shape[-1]
+    dev = w.device
+    valid = q_pos >= 0
+    nf = int(q_pos.amax().item()) // TOKEN_LEAF + 1 if bool(valid.any()) else 1
+    width = nf * TOKEN_LEAF
+    sl = torch.where(valid, q_pos, torch.full_like(q_pos, width))       # padding -> dump slot
+    wq = torch.zeros(s_, h, g, width + 1, tk, device=dev)
+    xq = torch.zeros(s_, h, g, width + 1, d, device=dev)
+    wq.scatter_(3, sl[:, None, None, :, None].expand(s_, h, g, tq, tk), w)
+    xq.scatter_(3, sl[:, None, None, :, None].expand(s_, h, g, tq, d), x)
+    present = torch.zeros(s_, width + 1, dtype=torch.bool, device=dev)
+    present.scatter_(1, sl, valid)
+    wq = wq[:, :, :, :width].reshape(s_, h, g, nf, TOKEN_LEAF, tk)
+    xq = xq[:, :, :, :width].reshape(s_, h, g, nf, TOKEN_LEAF, d)
+    present = present[:, :width].reshape(s_, nf, TOKEN_LEAF)
+    acc = torch.zeros(s_, h, g, nf, tk, d, device=dev)
+    for i in range(TOKEN_LEAF):
+        cand = acc + wq[..., i, :, None] * xq[..., i, None, :]
+        acc = torch.where(present[:, None, None, :, i, None, None], cand, acc)
+    # A leaf with no query here is all zeros, which adds nothing to an exact sum.
+    return tok.exact_sum(acc.movedim(3, 0), "token-sum-attention")
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, kv_len, scale, tok, kv_comm):
+        out, lse = attention_forward(q, k, v, q_pos, kv_len, scale)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, kv_len)
+        ctx.scale = scale
+        ctx.tok, ctx.kv_comm = tok or TokenSum.single(), kv_comm
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, q_pos, kv_len = ctx.saved_tensors
+        scale = ctx.scale
+        s_, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        g = hq // hkv
+        qg = q.reshape(s_, hkv, g, tq, d)
+        dog = d_out.reshape(s_, hkv, g, tq, d).to(torch.float32)
+        og = out.reshape(s_, hkv, g, tq, d)
+        delta = tree_sum(dog * og, -1)
+        dq = torch.zeros_like(qg)
+        p_all, ds_all = [], []
+        for j0 in _blocks(tk):
+            n = min(ATTN_KV_BLOCK, tk - j0)
+            vis = _visible(q_pos, kv_len, j0, n)[:, None, None].expand(s_, hkv, g, tq, n)
+            kb = k[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
+            vb = v[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
+            s = _scores(qg, kb, scale, vis)
+            p = exp32(s - lse[..., None])
+            p = torch.where(vis, p, torch.zeros_like(p))
+            dp = seq_matmul(dog, vb.transpose(-1, -2))
+            ds = torch.where(vis, p * (dp - delta[..., None]), torch.zeros_like(p))
+            dq = _skip_sum(dq, ds, kb, vis)
+            p_all.append(p)
+            ds_all.append(ds)
+        dq = dq * scale
+        p_all = torch.cat(p_all, -1)
+        ds_all = torch.cat(ds_all, -1)
+        tok = ctx.tok
+        # Token reduction per query head first, then the heads of a GQA group by the halving
+        # tree: this rank's equal part of the group locally, then across the TP ranks
+        # replicating this KV head (rank order = head order), which finish the same tree.
+        dv = tree_sum_halving(_sum_over_queries(p_all, dog, q_pos, tok), 2)
+        dk = tree_sum_halving(_sum_over_queries(ds_all, qg, q_pos, tok), 2)
+        if ctx.kv_comm is not None and ctx.kv_comm.size > 1:
+            dv = ctx.kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
+            dk = ctx.kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
+        dk = dk * scale
+        return dq.reshape(s_, hq, tq, d), dk, dv, None, None, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              kv_len: torch.Tensor, scale: float, tok: TokenSum | None = None,
+              kv_comm: Comm | None = None) -> torch.Tensor:
+    """Invariant causal GQA attention.
+
+    q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D] fp32; q_pos [S, Tq] long absolute positions (−1 = padding
+    slot, output 0); kv_len [S] long valid keys per sample; scale = 1/sqrt(D) (float).
+    Under CP, q holds this rank's queries only (whole leaves of TOKEN_LEAF positions of each
+    sample) and `tok.comm` is the CP group that holds the others; k/v hold whole sequences.
+    `kv_comm`: the TP ranks replicating this KV head (a power-of-two count), in head order, each
+    holding 1/kv_comm.size of the group's heads. Returns [S, Hq, Tq, D] fp32.
+    """
+    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), tok, kv_comm)

@@ -1,0 +1,201 @@
+"""Vocab-sharded log-softmax: token logprobs and entropy of logits / T, with backward.
+CPU reference here; CUDA tensors dispatch to the Triton kernels.
+
+z = logits / T in fp32 (the same division in rollout and trainer, DESIGN.md §3). The vocab is cut
+into VIRTUAL_TP equal shards; per shard, in a fixed order: m = max z, s = Σ exp(z − m) and
+t = Σ exp(z − m)·z (pairwise trees over the shard). Shards merge by the pairwise tree with
+    m = max(m₁, m₂);  s = s₁·e^{m₁−m} + s₂·e^{m₂−m};  t likewise,
+so a vocab-parallel TP group can merge rank subtrees with a tree all-reduce and get the same bits.
+Then lse = m + log s, logprob(y) = z_y − lse, entropy = lse − t/s.
+Padded vocabularies: with `live_vocab` = n < V (a tokenizer with fewer ids than the model's
+embedding rows, e.g. 151,669 of Qwen3's 151,936), z of every id ≥ n is −inf — a select by global id
+on the full-vocab row, so the same on every TP rank, in rollout and trainer — and those ids have
+probability exactly 0: never sampled, no gradient, and no mass in lse or entropy.
+Backward (per token, elementwise; p = exp(z − lse)):
+    dz = g_lp·(onehot(y) − p) − g_ent·p·(z − lse + H);   dlogits = dz / T
+`linear_token_logprobs_entropy` fuses the LM head: on CUDA its forward never forms the
+[tokens, vocab] logits (kernels/triton_logprobs.py, the same bits as the unfused path); its backward
+recomputes the logits of the call once, transiently. CUDA tensors use the Triton statistics kernel
+(its own chunk order; the shard tree and the formulas above are shared).
+Does not: communicate (a vocab-parallel TP group uses the unfused path on gathered logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.distributed.tokensum import TokenSum
+from rlkernel.kernels.elementwise import exp32, log32
+from rlkernel.kernels.matmul import column_parallel_dx, grad_weight, linear_nt
+from rlkernel.spec import VIRTUAL_TP
+from rlkernel.numerics.trees import tree_sum
+
+
+def _shard_stats(z: torch.Tensor, shards: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, v = z.shape
+    if v % shards:
+        raise ValueError(f"log-softmax: vocab {v} is not a multiple of {shards} vocab shards")
+    if z.is_cuda:   # the Triton kernel (kernels/triton_logprobs.py): CUDA chunk order
+        from rlkernel.kernels import triton_logprobs
+        return triton_logprobs.shard_stats(z, 1.0, shards)[:3]
+    zs = z.reshape(n, shards, v // shards)
+    m = zs.amax(-1)
+    # −inf logits (masked tokens) contribute exactly 0 to s and t; an all-masked shard has m = −inf.
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = exp32(zs - m_safe[..., None])
+    ez = torch.where(e > 0, e * zs, torch.zeros_like(e))
+    return m, tree_sum(e, -1), tree_sum(ez, -1)
+
+
+def _merge(a, b):
+    (m1, s1, t1), (m2, s2, t2) = a, b
+    m = torch.maximum(m1, m2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    f1, f2 = exp32(m1 - m_safe), exp32(m2 - m_safe)
+    return m, s1 * f1 + s2 * f2, t1 * f1 + t2 * f2
+
+
+def merge_shard_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
+    """Pairwise-tree merge over the shard dim (last) of per-shard (max, sumexp, Σe·z) -> [N] each."""
+    level = [(m[..., i], s[..., i], t[..., i]) for i in range(m.shape[-1])]
+    while len(level) > 1:
+        nxt = [_merge(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
+
+
+def check_live_vocab(live_vocab: int | None, vocab: int) -> int:
+    """The live-id bound n of a [*, vocab] row: `vocab` when None; ValueError unless 1 <= n <= V."""
+    if live_vocab is None:
+        return vocab
+    if (isinstance(live_vocab, bool) or not isinstance(live_vocab, int)
+            or not 1 <= live_vocab <= vocab):
+        raise ValueError(f"live_vocab {live_vocab!r} must be an integer in [1, {vocab}] (the "
+                         f"model's vocab)")
+    return live_vocab
+
+
+def _div_t(logits: torch.Tensor, temperature: float, live_vocab: int | None = None) -> torch.Tensor:
+    """z = logits / T, correctly rounded, with z = −inf for ids >= live_vocab (a select: exact).
+    On CUDA by the Triton kernel: torch's CUDA `x / scalar` multiplies by the reciprocal, which
+    the fused kernel (div_rn) would not reproduce."""
+    live = check_live_vocab(live_vocab, logits.shape[-1])
+    if logits.is_cuda:
+        from rlkernel.kernels import triton_logprobs
+        z = triton_logprobs.div_scalar(logits, temperature)
+    else:
+        z = logits / temperature
+    if live < z.shape[-1]:
+        z[..., live:] = float("-inf")
+    return z
+
+
+def _forward_stats(z: torch.Tensor, shards: int):
+    m, s, t = merge_shard_stats(*_shard_stats(z, shards))
+    lse = m + log32(s)
+    ent = lse - t / s
+    return lse, ent
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, shards: int,
+                live_vocab: int | None):
+        z = _div_t(logits.to(torch.float32), temperature, live_vocab)
+        lse, ent = _forward_stats(z, shards)
+        lp = z.gather(1, targets[:, None])[:, 0] - lse
+        ctx.save_for_backward(z, targets, lse, ent)
+        ctx.temperature = temperature
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
+        z, targets, lse, ent = ctx.saved_tensors
+        return _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature), None, None, None, None
+
+
+def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
+    """d loss / d logits [N, V] from z = logits / T and the forward's lse, entropy [N]; a masked
+    id (z = −inf) has p = 0, so its d logit is ±0."""
+    logp = z - lse[:, None]
+    p = exp32(logp)
+    dz = -(g_lp[:, None] * p)
+    dz.scatter_add_(1, targets[:, None], g_lp[:, None])
+    if g_ent is not None:
+        pl = torch.where(p > 0, p * (logp + ent[:, None]), torch.zeros_like(p))
+        dz = dz - g_ent[:, None] * pl
+    return dz / temperature
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab):
+        if h.is_cuda:
+            from rlkernel.kernels import triton_logprobs
+            m, s, t, z_y = triton_logprobs.linear_shard_stats(h, w, targets, temperature, shards,
+                                                              live_vocab)
+            m, s, t = merge_shard_stats(m, s, t)
+            lse = m + log32(s)
+            ent = lse - t / s
+        else:
+            z = _div_t(linear_nt(h, w), temperature, live_vocab)
+            lse, ent = _forward_stats(z, shards)
+            z_y = z.gather(1, targets[:, None])[:, 0]
+        ctx.save_for_backward(h, w, targets, lse, ent)
+        ctx.temperature, ctx.shards, ctx.tok, ctx.param = temperature, shards, tok, w
+        ctx.live_vocab = live_vocab
+        return z_y - lse, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
+        h, w, targets, lse, ent = ctx.saved_tensors
+        # recomputed, masked the same way: the same bits as forward
+        z = _div_t(linear_nt(h, w), ctx.temperature, ctx.live_vocab)
+        dlogits = _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature)
+        del z
+        dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
+        dw = grad_weight(dlogits, h, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None, None, None
+
+
+def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                                  temperature: float, shards: int = VIRTUAL_TP,
+                                  tok: TokenSum | None = None, live_vocab: int | None = None):
+    """token_logprobs_entropy(h @ wᵀ, targets, T, live_vocab=...) without keeping the logits.
+
+    h [N, H] fp32, w [V, H] fp32 (the full vocab: TP = 1), targets [N] long, temperature > 0,
+    live_vocab in [1, V] or None (= V) -> (logprobs [N], entropy [N]) fp32, bitwise equal to the
+    unfused path on the column-parallel logits. Backward: d logits recomputed once per call; dh by
+    the virtual-TP tree over vocab shards, dW by the token reduction through `tok` (N a multiple
+    of TOKEN_LEAF), as the LM head's own backward. On CUDA the forward's extra memory is O(N · shards).
+    ValueError: live_vocab out of range.
+    """
+    check_live_vocab(live_vocab, w.shape[0])
+    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tok, live_vocab)
+
+
+def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                           shards: int = VIRTUAL_TP, live_vocab: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of `targets` and entropy under softmax(logits / temperature) over ids < live_vocab.
+
+    logits [N, V] fp32 (the full vocab, global ids), targets [N] long, temperature > 0, live_vocab
+    in [1, V] or None (= V; ids >= it have z = −inf) -> (logprobs [N] fp32, entropy [N] fp32) in
+    nats; a target >= live_vocab has logprob −inf. Differentiable in `logits`.
+    ValueError: live_vocab out of range, V not a multiple of `shards`.
+    """
+    return _TokenLogprobs.apply(logits, targets, float(temperature), shards, live_vocab)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float, shards: int = VIRTUAL_TP,
+                live_vocab: int | None = None) -> torch.Tensor:
+    """Canonical log-softmax of logits / T over the full vocab: [N, V] fp32 -> [N, V] fp32.
+
+    Ids >= live_vocab (None: V) are −inf. Element y equals token_logprobs_entropy(...)[0] for
+    target y, bitwise (same z and lse). ValueError: live_vocab out of range.
+    """
+    z = _div_t(logits.to(torch.float32), float(temperature), live_vocab)
+    lse, _ = _forward_stats(z, shards)
+    return z - lse[:, None]

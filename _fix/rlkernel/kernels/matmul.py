@@ -1,0 +1,272 @@
+"""Batch-invariant matmul, column- and row-parallel linears, and their canonical backward.
+CPU reference here; CUDA tensors dispatch to the Triton kernels.
+
+Why not BLAS: stock CPU GEMM picks blocking, vector paths and threading by shape, so an output row
+changes when M grows (measured here: 932 of 1024 outputs of row 0 change from M=1 to M=8) or when N
+is split. Here every output element is one fixed sequence of IEEE ops that depends only on K:
+    acc = a[0]·b[0];  acc = acc + a[k]·b[k] for k = 1 .. K-1      (fp32, one product, one add)
+Each step is a separate elementwise torch kernel over the whole [M, N] tile, and elementwise mul/add
+are correctly rounded on every code path, so an element's value never depends on M, N, its row,
+other rows or the thread count: invariant by construction. The GPU backend keeps the same contract
+with a sequential-K Triton kernel.
+
+Canonical reductions (DESIGN.md §1):
+- column-parallel forward: one full-K sequence per output (`seq_matmul`).
+- row-parallel forward: K cut into VIRTUAL_TP shards, each shard a sequential-K partial, the
+  partials summed by the pairwise tree (`rlkernel.numerics.trees`): TP=t owns aligned subtrees.
+- column-parallel dX: the same virtual-TP tree over N shards; row-parallel dX: local. N need not
+  be a multiple of VIRTUAL_TP (k/v projections: N = kv_heads·head_dim, e.g. 12): virtual shard s
+  holds rows [⌊s·N/8⌋, ⌊(s+1)·N/8⌋) (`virtual_shard_rows`), so shards differ by at most one row,
+  empty shards are skipped (never added as zeros), and TP rank r of t owns exactly the rows
+  [⌊r·N/t⌋, ⌊(r+1)·N/t⌋) — the same cut whatever t.
+- dW = dYᵀ·X of every linear: a token reduction (distributed/tokensum.py) — the local stream is
+  cut into leaves of TOKEN_LEAF tokens (each inside one sample), tokens summed in order inside a
+  leaf (`token_leaf_partials`), the leaf partials added exactly and rounded once.
+
+CUDA tensors dispatch to the Triton kernels of kernels/triton_matmul.py (same contract, its own
+bits); the trees stay here. Does not: communicate (rlkernel/distributed/ adds the collectives).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from typing import Sequence
+
+from rlkernel.distributed.tokensum import TokenSum, leaves_of
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics.trees import tree_combine, tree_sum
+from rlkernel.spec import VIRTUAL_TP
+
+_CHUNK_ELEMS = 1 << 24  # bound on the [.., M, N] working set of one elementwise step
+_CUDA_CHUNK_ELEMS = 1 << 28  # bound on the per-leaf dW partials of one Triton launch (1 GiB)
+
+
+def _triton():
+    from rlkernel.kernels import triton_matmul  # lazy: CPU installs need no triton
+    return triton_matmul
+
+
+def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with one fixed sequential fp32 order over K for every output element.
+
+    Shapes: a [..., M, K], b [..., K, N] (batch dims broadcast) -> [..., M, N], fp32.
+    Raises ValueError on mismatched K.
+    """
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"seq_matmul: K mismatch {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.is_cuda:
+        return _triton().seq_matmul(a, b)
+    a = a.to(torch.float32)
+    b = b.to(torch.float32)
+    k_len = a.shape[-1]
+    out_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    if k_len == 0:
+        return torch.zeros(out_shape, dtype=torch.float32, device=a.device)
+    # Rows are independent, so cutting M into chunks cannot change any element.
+    m = a.shape[-2]
+    per_row = max(1, out_shape.numel() // max(m, 1))
+    rows = max(1, _CHUNK_ELEMS // per_row)
+    if m > rows:
+        return torch.cat([seq_matmul(a[..., i:i + rows, :], b) for i in range(0, m, rows)], dim=-2)
+    acc = a[..., :, 0:1] * b[..., 0:1, :]
+    acc = acc.expand(out_shape).contiguous()
+    tmp = torch.empty_like(acc)
+    for k in range(1, k_len):
+        torch.mul(a[..., :, k:k + 1], b[..., k:k + 1, :], out=tmp)
+        acc.add_(tmp)
+    return acc
+
+
+def linear_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ, full-K sequential (column-parallel forward). x [M, K], w [N, K] -> [M, N] fp32."""
+    return seq_matmul(x, w.t())
+
+
+def row_parallel_nt(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
+    """x @ wᵀ with K cut into `shards` virtual-TP shards summed by the pairwise tree.
+
+    x [M, K], w [N, K], K % shards == 0 -> [M, N] fp32. Equals the tree of per-shard partials that
+    a TP group computes and tree-all-reduces (rlkernel.distributed).
+    """
+    return tree_sum(row_parallel_partials(x, w, shards), 0)
+
+
+def row_parallel_partials(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
+    """Per-virtual-shard partial products: [shards, M, N] fp32 (shard s uses K slice s)."""
+    k = x.shape[-1]
+    if k % shards:
+        raise ValueError(f"row-parallel linear: K={k} is not a multiple of virtual_tp={shards}")
+    if x.is_cuda:
+        return _triton().row_parallel_partials(x, w, shards)
+    ks = k // shards
+    return torch.stack([linear_nt(x[:, s * ks:(s + 1) * ks], w[:, s * ks:(s + 1) * ks])
+                        for s in range(shards)])
+
+
+def virtual_shard_rows(n: int, shards: int = VIRTUAL_TP) -> tuple[tuple[int, int], ...]:
+    """Canonical rows of each virtual shard when N rows are cut into `shards`: shard s holds
+    [⌊s·n/shards⌋, ⌊(s+1)·n/shards⌋) — equal parts when shards divides n, else parts that differ
+    by one row (some empty when n < shards).
+
+    Why floor bounds: for any t dividing `shards`, the aligned block of shards/t shards of rank r
+    covers rows [⌊r·n/t⌋, ⌊(r+1)·n/t⌋), and cutting a block of exactly n/t rows locally by this
+    rule gives the global bounds shifted: the split is the same at every TP degree.
+    Raises ValueError for n < 0 or shards < 1.
+    """
+    if n < 0 or shards < 1:
+        raise ValueError(f"virtual_shard_rows: n={n} must be >= 0 and shards={shards} >= 1")
+    return tuple((s * n // shards, (s + 1) * n // shards) for s in range(shards))
+
+
+def column_parallel_dx(dy: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
+    """dX = dY @ W for a column-parallel weight: N cut into virtual-TP shards, tree-summed.
+
+    dy [M, N], w [N, K] -> [M, K] fp32. Any N >= 1: shard s holds the rows of
+    `virtual_shard_rows(N, shards)`; empty shards (N < shards) are absent leaves of the tree.
+    """
+    n = w.shape[0]
+    if n < 1:
+        raise ValueError(f"column-parallel linear: N={n} rows; at least one is needed")
+    if dy.is_cuda and n % shards == 0:   # one launch; the same shards as the loop below
+        return tree_sum(_triton().column_dx_partials(dy, w, shards), 0)
+    parts = [seq_matmul(dy[:, a:b], w[a:b]) if b > a else None
+             for a, b in virtual_shard_rows(n, shards)]
+    return tree_combine(parts)  # type: ignore[return-value]  (n >= 1: some shard has a row)
+
+
+def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int) -> torch.Tensor:
+    """Per-leaf dWᵀ partials of dW = dYᵀ·X: [leaves, N, K] fp32, tokens in order inside a leaf.
+
+    dy [L, N], x [L, K], L % leaves == 0 (leaf i = rows [i·L/leaves, (i+1)·L/leaves)).
+    """
+    n_tok = dy.shape[0]
+    if n_tok % leaves:
+        raise ValueError(f"token leaves: stream length {n_tok} is not a multiple of {leaves} leaves")
+    if dy.is_cuda:
+        return _triton().token_leaf_partials(dy, x, leaves)
+    m = n_tok // leaves
+    dyl = dy.to(torch.float32).reshape(leaves, m, dy.shape[1])
+    xl = x.to(torch.float32).reshape(leaves, m, x.shape[1])
+    # [leaves, N, m] @ [leaves, m, K]: the sequential K-loop runs over the m tokens of each leaf.
+    return seq_matmul(dyl.transpose(1, 2), xl)
+
+
+def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """acc [N, K, N_COLS] += exact Σ over the TOKEN_LEAF leaves of the stream of their dWᵀ
+    partials (dy [L, N], x [L, K], L a multiple of TOKEN_LEAF); returns acc."""
+    leaves = leaves_of(dy.shape[0])
+    n = dy.shape[1]
+    chunk = _CUDA_CHUNK_ELEMS if dy.is_cuda else _CHUNK_ELEMS   # rows of dW are independent
+    rows = max(1, chunk // max(1, leaves * x.shape[1]))
+    for i in range(0, n, rows):
+        fx.accumulate_(acc[i:i + rows], token_leaf_partials(dy[:, i:i + rows], x, leaves))
+    return acc
+
+
+def token_grad_weight(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ·X over one stream on one rank, by the canonical token reduction (leaf partials
+    added exactly, rounded once). dy [L, N], x [L, K] (L % TOKEN_LEAF == 0) -> [N, K] fp32."""
+    acc = fx.zeros((dy.shape[1], x.shape[1]), dy.device)
+    return fx.round_fp32(accumulate_grad_weight_(acc, dy, x))
+
+
+def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                tok: TokenSum | None) -> torch.Tensor | None:
+    """w's gradient dW = dYᵀ·X through `tok` (distributed/tokensum.py): None when tok's sink is
+    open (the sink keeps the exact sum), else the exact sum over this rank's leaves and tok.comm,
+    rounded, in w's dtype. dy [L, N], x [L, K] (L = this rank's local stream), w [N, K]."""
+    tok = tok or TokenSum.single()
+    if tok.finish_now(w, lambda a, b, acc: accumulate_grad_weight_(acc, dy[:, a:b], x),
+                      "token-sum-dw"):
+        return None
+    acc = accumulate_grad_weight_(tok.accumulator(w), dy, x)
+    return tok.result(w, acc, "token-sum-dw")
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard_rows, tok, *ws):
+        ctx.save_for_backward(x, *ws)
+        # The parameters themselves key the gradient sink: saved tensors may come back as other
+        # objects (activation checkpointing unpacks recomputed ones).
+        ctx.shard_rows, ctx.tok, ctx.params = shard_rows, tok, ws
+        return tuple(linear_nt(x, w) for w in ws)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *ws = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # Per local virtual shard: the fused projections' partials added in fixed order
+            # (a projection with no row in the shard is skipped, not added as zeros), then the
+            # local subtree; the TP tree all-reduce (parallel.enter_tp) finishes it.
+            parts = []
+            for s in range(len(ctx.shard_rows[0])):
+                acc = None
+                for dy, w, rows in zip(dys, ws, ctx.shard_rows):
+                    a, b = rows[s]
+                    if b > a:
+                        p = seq_matmul(dy[:, a:b], w[a:b])
+                        acc = p if acc is None else acc + p
+                parts.append(acc)
+            dx = tree_combine(parts)
+            if dx is None:   # this rank owns no row of any projection (N < TP): no partial
+                dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        dws = tuple(grad_weight(dy, x, w, ctx.tok) if ctx.needs_input_grad[3 + i]
+                    else None for i, (dy, w) in enumerate(zip(dys, ctx.params)))
+        return (dx, None, None) + dws
+
+
+class _RowParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, local_shards, tok):
+        ctx.save_for_backward(x, w)
+        ctx.tok, ctx.param = tok, w   # the parameter keys the sink (see _ColumnParallelLinear)
+        return tree_sum(row_parallel_partials(x, w, local_shards), 0)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        dx = linear_nt(dy, w.t()) if ctx.needs_input_grad[0] else None
+        dw = grad_weight(dy, x, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
+                           shard_rows: Sequence[Sequence[tuple[int, int]]] | None = None,
+                           local_shards: int = VIRTUAL_TP, tok: TokenSum | None = None):
+    """Invariant y_i = x·w_iᵀ for projections sharing x (QKV, gate/up, LM head).
+
+    x [M, K] fp32, weights [N_i, K] (this rank's rows) -> tuple of [M, N_i] fp32.
+    Backward: dX is this rank's *local subtree* of the virtual-TP tree over its `local_shards`
+    virtual shards: per shard, the projections' partials over that shard's rows added in order,
+    then the shards tree-summed; `parallel.enter_tp` finishes it across TP. `shard_rows[i][s]` =
+    (start, stop) local rows of weight i in local shard s (model/sharding.dx_shard_rows: the
+    canonical `virtual_shard_rows` of the logical tensor, which also says which rows of a
+    replicated KV head this rank owns); default `virtual_shard_rows(N_i, local_shards)`, the
+    canonical cut whenever the rank holds exactly its 1/TP block of rows. dW by the token
+    reduction through `tok` (the local stream a multiple of TOKEN_LEAF rows).
+    Raises ValueError when shard_rows does not give `local_shards` in-range row ranges per weight.
+    """
+    if shard_rows is None:
+        shard_rows = [virtual_shard_rows(w.shape[0], local_shards) for w in weights]
+    shard_rows = tuple(tuple((int(a), int(b)) for a, b in rows) for rows in shard_rows)
+    if len(shard_rows) != len(weights) or any(
+            len(rows) != local_shards or any(not 0 <= a <= b <= w.shape[0] for a, b in rows)
+            for rows, w in zip(shard_rows, weights)):
+        raise ValueError(f"column_parallel_linear: shard_rows {shard_rows} must give "
+                         f"{local_shards} row ranges inside each weight of rows "
+                         f"{[w.shape[0] for w in weights]}")
+    return _ColumnParallelLinear.apply(x, shard_rows, tok, *weights)
+
+
+def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, *, local_shards: int = VIRTUAL_TP,
+                        tok: TokenSum | None = None) -> torch.Tensor:
+    """This rank's subtree of y = x·wᵀ with K cut into virtual-TP shards (o_proj, down_proj).
+
+    x [M, K_local] fp32, w [N, K_local] (K_local = local_shards shards) -> [M, N] fp32 partial;
+    `parallel.exit_row` finishes the tree across TP (TP=1: the result). Backward: dX local
+    (sequential over N), dW by the token reduction through `tok`.
+    """
+    return _RowParallelLinear.apply(x, w, local_shards, tok)

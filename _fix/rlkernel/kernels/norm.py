@@ -1,0 +1,92 @@
+"""Invariant RMSNorm over the last dim (hidden RMSNorm and Qwen3's per-head Q/K norm).
+
+Forward per token: r = 1/sqrt(tree_sum(x²)/H + eps); y = (x·r)·w — the mean of squares is the
+pairwise tree over H (kernels/matmul.py explains why elementwise steps are path-independent), so
+a token's output never depends on other tokens. Backward:
+    dx = r·(g − x̂·tree_sum(g·x̂)/H),  g = dy·w,  x̂ = x·r          (per token)
+    dw = token reduction (distributed/tokensum.py): per leaf of TOKEN_LEAF tokens the sum in
+         order (per head, for the per-head norm), then every (leaf, head) partial added exactly
+         and rounded once — so however TP splits the heads (24 heads as 6 or 3 per rank) or
+         CP/SP/DP split the tokens, the same exact sum; KV heads replicated over TP ranks count
+         once (their first holder adds them).
+Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
+Devices: the per-token statistic r runs in the Triton kernel on CUDA (kernels/triton_norm.py) and in
+torch ops on CPU; the rest (scaling, backward, the dW sums) is torch ops on either device.
+Does not: communicate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.tokensum import TokenSum, leaves_of
+from rlkernel.kernels.elementwise import rsqrt32
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics.trees import tree_sum
+
+
+def _leaf_sums(v: torch.Tensor) -> torch.Tensor:
+    """Per-leaf sums of v [L, ...] (TOKEN_LEAF tokens in order inside a leaf) -> [L/TOKEN_LEAF, ...]."""
+    vl = v.reshape(leaves_of(v.shape[0]), -1, *v.shape[1:])
+    acc = vl[:, 0].clone()
+    for i in range(1, vl.shape[1]):
+        acc.add_(vl[:, i])
+    return acc
+
+
+def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:   # the Triton kernel (kernels/triton_norm.py): same tree, CUDA bits
+        from rlkernel.kernels import triton_norm
+        return triton_norm.rms_stats(x, eps)
+    h = x.shape[-1]
+    ms = tree_sum(x * x, -1) / h
+    r = rsqrt32(ms + eps)
+    return r, x * r[..., None]
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps, tok, head_comm, replicas):
+        x = x.to(torch.float32)
+        r, xh = _rms_stats(x, eps)
+        ctx.save_for_backward(xh, r, w)
+        # The parameter itself keys the gradient sink (saved tensors may be recomputed copies).
+        ctx.tok, ctx.head_comm, ctx.replicas, ctx.param = tok, head_comm, replicas, w
+        return xh * w.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xh, r, w = ctx.saved_tensors
+        g = dy * w.to(torch.float32)
+        h = xh.shape[-1]
+        dx = r[..., None] * (g - xh * (tree_sum(g * xh, -1) / h)[..., None])
+        dw = None
+        if ctx.needs_input_grad[1]:
+            per_tok = (dy * xh).reshape(xh.shape[0], -1, h)   # [L, heads or 1, H]
+            tok, heads = ctx.tok or TokenSum.single(), ctx.head_comm
+            # A KV head replicated over `replicas` TP ranks is added by its first holder only.
+            part = (_leaf_sums(per_tok).reshape(-1, h)              # every (leaf, head)
+                    if heads is None or heads.rank % ctx.replicas == 0 else None)
+
+            def add(a: int, b: int, acc: torch.Tensor) -> None:
+                if part is not None:
+                    fx.accumulate_(acc, part[:, a:b])
+
+            if not tok.finish_now(ctx.param, add, "token-sum-norm", heads):
+                acc = tok.accumulator(ctx.param, heads)
+                add(0, h, acc)
+                dw = tok.result(ctx.param, acc, "token-sum-norm", heads)
+        return dx, dw, None, None, None, None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, tok: TokenSum | None = None,
+             head_comm: Comm | None = None, replicas: int = 1) -> torch.Tensor:
+    """RMSNorm over the last dim. x [L, H] or [L, heads, D] fp32, w [H] or [D] -> same shape, fp32.
+
+    dim 0 must be this rank's token stream when a weight gradient is taken (a multiple of
+    TOKEN_LEAF rows); dW goes through `tok` (distributed/tokensum.py). Per-head norms (Q/K norm)
+    add their heads into the same exact sum, across `head_comm` (TP), KV heads replicated over
+    `replicas` ranks counted once. Raises ValueError on a stream that is not whole leaves.
+    """
+    return _RMSNorm.apply(x, w, eps, tok, head_comm, replicas)

@@ -1,0 +1,224 @@
+"""Vocab-sharded log-softmax statistics on CUDA (Triton), and the fused LM head + logprobs.
+
+Contract of kernels/logprobs.py (DESIGN.md §1 "Vocab-parallel log-softmax"): z = logits / T in
+fp32 (correctly rounded division, the same bits as torch's `/`); the vocab is cut into `shards`
+equal virtual shards; per shard, in a fixed order, m = max z, s = Σ e^{z−m}, t = Σ e^{z−m}·z;
+shards merge by the pairwise tree (kernels/logprobs.merge_shard_stats, torch ops), so a
+vocab-parallel TP group can finish the same tree. The CUDA order inside a shard: chunks of
+VOCAB_CHUNK = 128 consecutive ids, in id order; per chunk m_c (exact max), s_c and t_c by the
+pairwise tree (reshape/split levels: layout-independent); chunks merged sequentially,
+    m' = max(m, m_c);  s = s·e^{m−m'} + s_c·e^{m_c−m'};  t likewise.
+Every value is per token, so a token's bits never depend on the other tokens. A padded
+vocabulary's ids >= live_vocab are -inf in z (the fused kernel masks by global id; the
+materialised path receives z already masked by kernels/logprobs._div_t).
+
+`shard_stats(logits, T, shards)` reads materialised logits. `linear_shard_stats(h, w, T, ...)`
+is the fused form: each program computes its [rows × 128] logits tile with the batch-invariant
+matmul chain of kernels/triton_matmul.py (fp32, BLOCK_K = 32, `acc = dot(x, wᵀ, acc)` — the
+same per-element fma sequence), applies the same chunk statistics, and keeps the target's z.
+Every kernel here launches with enable_fp_fusion=False (no mul+add contracted into an fma), so
+each statistic is the written sequence of IEEE ops in both kernels. z is div_rn(logit, T); the
+materialised paths form it with `div_scalar` (torch's CUDA `x / T` multiplies by 1/T instead).
+So fused and unfused paths give identical bytes, and the [tokens × vocab] logits never exist:
+extra memory is O(tokens × shards), flat in the vocabulary and tiny in the number of samples.
+
+Does not: materialise the log-softmax (kernels/logprobs.py does, for rollout sampling), fuse
+the backward (kernels/logprobs.py recomputes logits per call), or communicate.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlkernel.kernels.triton_matmul import BLOCK_K
+from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.spec import CUDA_VOCAB_CHUNK
+
+VOCAB_CHUNK = CUDA_VOCAB_CHUNK
+"""Vocab ids per sequential chunk inside a shard (CUDA backend's vocab block)."""
+_LOG_CHUNK = 7
+
+
+@triton.jit
+def _tree_rows(v, BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
+    """Pairwise tree over the last dim of v [BR, C] (adjacent pairs, level by level) -> [BR]."""
+    for lvl in tl.static_range(LOG_C):
+        a, b = tl.split(tl.reshape(v, (BR, C >> (lvl + 1), 2)))
+        v = a + b
+    return tl.reshape(v, (BR,))
+
+
+@triton.jit
+def _chunk_update(z, m, s, t, BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
+    """Merge one chunk of z [BR, C] (masked ids = -inf) into the running (m, s, t) [BR]."""
+    m_c = tl.max(z, 1)
+    live = m_c > float("-inf")
+    m_cs = tl.where(live, m_c, 0.0)
+    e = tl.exp(z - m_cs[:, None])                        # masked ids -> exp(-inf) = 0
+    ez = tl.where(e > 0, e * z, 0.0)                     # no 0 * -inf
+    s_c = _tree_rows(e, BR, C, LOG_C)
+    t_c = _tree_rows(ez, BR, C, LOG_C)
+    m_new = tl.maximum(m, m_c)
+    m_ns = tl.where(m_new > float("-inf"), m_new, 0.0)
+    f_old = tl.exp(m - m_ns)                             # m = -inf -> 0
+    f_c = tl.exp(m_c - m_ns)
+    s = tl.where(live, s * f_old + s_c * f_c, s)
+    t = tl.where(live, t * f_old + t_c * f_c, t)
+    m = tl.where(live, m_new, m)
+    return m, s, t
+
+
+@triton.jit
+def _stats_kernel(L, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, V, shard_len, s_lr, temp,
+                  BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, HAS_TGT: tl.constexpr):
+    shard = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    r_ok = rows < n_rows
+    m = tl.full((BR,), float("-inf"), tl.float32)
+    s = tl.zeros((BR,), tl.float32)
+    t = tl.zeros((BR,), tl.float32)
+    zt = tl.full((BR,), float("-inf"), tl.float32)
+    if HAS_TGT:
+        tgt = tl.load(TGT + rows, mask=r_ok, other=-1)
+    v0 = shard * shard_len
+    for c0 in range(0, shard_len, C):
+        cols = v0 + c0 + tl.arange(0, C)
+        ok = r_ok[:, None] & (cols[None, :] < v0 + shard_len)
+        x = tl.load(L + rows.to(tl.int64)[:, None] * s_lr + cols[None, :], mask=ok, other=0.0)
+        z = tl.where(ok, tl.math.div_rn(x, temp), float("-inf"))
+        m, s, t = _chunk_update(z, m, s, t, BR, C, LOG_C)
+        if HAS_TGT:
+            zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == tgt[:, None], z, float("-inf")), 1))
+    out = rows.to(tl.int64) * tl.num_programs(0) + shard
+    tl.store(M_OUT + out, m, mask=r_ok)
+    tl.store(S_OUT + out, s, mask=r_ok)
+    tl.store(T_OUT + out, t, mask=r_ok)
+    if HAS_TGT:
+        tl.store(ZT_OUT + out, zt, mask=r_ok)
+
+
+@triton.jit
+def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shard_len, n_live,
+                         s_xr, s_xk, s_wv, s_wk, temp,
+                         BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    shard = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    r_ok = rows < n_rows
+    rk = tl.arange(0, BLOCK_K)
+    m = tl.full((BR,), float("-inf"), tl.float32)
+    s = tl.zeros((BR,), tl.float32)
+    t = tl.zeros((BR,), tl.float32)
+    zt = tl.full((BR,), float("-inf"), tl.float32)
+    tgt = tl.load(TGT + rows, mask=r_ok, other=-1)
+    v0 = shard * shard_len
+    x_rows = X + rows.to(tl.int64)[:, None] * s_xr
+    for c0 in range(0, shard_len, C):
+        cols = v0 + c0 + tl.arange(0, C)
+        c_ok = cols < v0 + shard_len
+        w_cols = W + cols.to(tl.int64)[None, :] * s_wv
+        # The logits tile: the chain of triton_matmul._bmm_kernel for fp32 (same BLOCK_K, form).
+        acc = tl.zeros((BR, C), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            xa = tl.load(x_rows + kk.to(tl.int64)[None, :] * s_xk, mask=r_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            wb = tl.load(w_cols + kk.to(tl.int64)[:, None] * s_wk, mask=k_ok[:, None] & c_ok[None, :],
+                         other=0.0)
+            acc = tl.dot(xa, wb, acc, input_precision="ieee")
+        # ids >= n_live (a padded vocabulary's rows past the tokenizer) are -inf, as in _div_t
+        ok = r_ok[:, None] & (c_ok & (cols < n_live))[None, :]
+        z = tl.where(ok, tl.math.div_rn(acc, temp), float("-inf"))
+        m, s, t = _chunk_update(z, m, s, t, BR, C, LOG_C)
+        zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == tgt[:, None], z, float("-inf")), 1))
+    out = rows.to(tl.int64) * tl.num_programs(0) + shard
+    tl.store(M_OUT + out, m, mask=r_ok)
+    tl.store(S_OUT + out, s, mask=r_ok)
+    tl.store(T_OUT + out, t, mask=r_ok)
+    tl.store(ZT_OUT + out, zt, mask=r_ok)
+
+
+@triton.jit
+def _div_kernel(X, Y, n, temp, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + o, mask=o < n, other=0.0)
+    tl.store(Y + o, tl.math.div_rn(x, temp), mask=o < n)
+
+
+def div_scalar(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / T correctly rounded (div_rn, the statistics kernels' division): fp32 CUDA, any shape."""
+    check_cuda("log-softmax", x)
+    if x.dtype != torch.float32:
+        raise ValueError(f"log-softmax: float32 logits expected, got {x.dtype}")
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    n = xc.numel()
+    if n:
+        with device_ctx(x):
+            _div_kernel[(triton.cdiv(n, 4096),)](xc, y, n, float(temperature), BLOCK=4096,
+                                                 num_warps=8)
+    return y
+
+
+def _outs(n: int, shards: int, dev) -> list[torch.Tensor]:
+    return [torch.empty(n, shards, dtype=torch.float32, device=dev) for _ in range(4)]
+
+
+def shard_stats(logits: torch.Tensor, temperature: float, shards: int,
+                targets: torch.Tensor | None = None):
+    """Per-shard (m, s, t) of z = logits / T, each [N, shards] fp32, and z at `targets`.
+
+    logits [N, V] fp32 on CUDA with unit stride along V, V % shards == 0; targets [N] long or
+    None. Returns (m, s, t, z_target [N] or None). ValueError on bad input.
+    """
+    check_cuda("log-softmax", logits)
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"log-softmax: [N, V] float32 logits expected, got {tuple(logits.shape)} "
+                         f"{logits.dtype}")
+    n, v = logits.shape
+    if v % shards:
+        raise ValueError(f"log-softmax: vocab {v} is not a multiple of {shards} vocab shards")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    m, s, t, zt = _outs(n, shards, logits.device)
+    if n:
+        br = 4
+        tgt = targets if targets is not None else m   # dummy pointer when unused
+        with device_ctx(logits):
+            _stats_kernel[(shards, triton.cdiv(n, br))](
+                logits, tgt, m, s, t, zt, n, v, v // shards, logits.stride(0), float(temperature),
+                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, HAS_TGT=targets is not None, num_warps=4,
+                enable_fp_fusion=False)
+    return m, s, t, (zt.amax(1) if targets is not None else None)
+
+
+def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                       temperature: float, shards: int, live_vocab: int | None = None):
+    """Fused LM head + statistics: as `shard_stats` of z = h @ wᵀ / T with z = -inf for ids >=
+    live_vocab (logprobs._div_t), bitwise, without forming the logits.
+
+    h [N, K] fp32, w [V, K] fp32 (any strides), targets [N] long, V % shards == 0, live_vocab in
+    [1, V] or None (= V). Returns (m, s, t [N, shards] fp32, z_target [N] fp32).
+    """
+    check_cuda("fused logprobs", h, w, targets)
+    if h.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"fused logprobs: float32 h and w expected, got {h.dtype}, {w.dtype}")
+    n, k = h.shape
+    v = w.shape[0]
+    if w.shape[1] != k or v % shards or tuple(targets.shape) != (n,):
+        raise ValueError(f"fused logprobs: h {tuple(h.shape)}, w {tuple(w.shape)}, targets "
+                         f"{tuple(targets.shape)} (vocab must divide into {shards} shards)")
+    n_live = v if live_vocab is None else live_vocab
+    m, s, t, zt = _outs(n, shards, h.device)
+    if n:
+        br = 64
+        with device_ctx(h):
+            _linear_stats_kernel[(shards, triton.cdiv(n, br))](
+                h, w, targets, m, s, t, zt, n, k, v // shards, n_live,
+                h.stride(0), h.stride(1), w.stride(0), w.stride(1), float(temperature),
+                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[torch.float32],
+                num_warps=8, num_stages=2, enable_fp_fusion=False)
+    return m, s, t, zt.amax(1)

@@ -1,0 +1,199 @@
+"""Token-stream layouts: how a batch of sequences is laid out for one forward pass.
+
+Every per-token op (linears, norms, MLP) runs on a flat stream [L, ...]; attention runs per sample
+on [S, heads, T, D]. A `StreamLayout` says which stream row holds each (sample, slot) and at which
+absolute position, so the same model code serves the trainer's packed microbatches, the rollout's
+prefill and its one-token decode steps. `to_samples` / `to_stream` move rows between the two
+layouts with exact (copy-only) forward and backward: every stream row appears at most once.
+Does not: decide packing (rlkernel/data/packing.py) or CP placement (rlkernel/distributed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel.spec import TOKEN_LEAF
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Layout of one forward pass.
+
+    tokens [L] long: the stream (padding rows hold any valid id).
+    positions [L] long: absolute position of each row in its own sequence (padding: 0).
+    q_idx [S, T] long: stream row of slot t of sample s, −1 for empty slots.
+    q_pos [S, T] long: absolute position of that slot, −1 for empty slots.
+    kv_len [S] long: keys of each sample visible after this pass (cache length for decode).
+    kv_idx [S, Tk] long: row of key slot t in the *logical* stream (CP gathers it); None = q_idx.
+        Under CP, q_idx indexes this rank's local rows, kv_idx the logical ones.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    q_idx: torch.Tensor
+    q_pos: torch.Tensor
+    kv_len: torch.Tensor
+    kv_idx: torch.Tensor | None = None
+    pos_bound: int | None = None
+    """Host-known bound > every position (None: read from `positions`, a host sync on CUDA)."""
+
+    @property
+    def n_samples(self) -> int:
+        return self.q_idx.shape[0]
+
+    @property
+    def keys_idx(self) -> torch.Tensor:
+        return self.q_idx if self.kv_idx is None else self.kv_idx
+
+    def to(self, device: torch.device) -> "StreamLayout":
+        """The same layout with its index tensors on `device`."""
+        if self.tokens.device == torch.device(device):
+            return self
+        def mv(t):
+            return None if t is None else t.to(device)
+        return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
+                            mv(self.kv_len), mv(self.kv_idx), self.pos_bound)
+
+
+def sample_offsets(lengths: list[int]) -> list[int]:
+    """Stream row where each sample starts in a packed stream: samples back to back, each
+    starting at a multiple of TOKEN_LEAF (so a token leaf never holds two samples)."""
+    out, off = [], 0
+    for n in lengths:
+        out.append(off)
+        off += -(-n // TOKEN_LEAF) * TOKEN_LEAF
+    return out
+
+
+def packed_len(lengths: list[int], multiple: int) -> int:
+    """Rows of the packed stream of samples of `lengths`: the leaf-aligned samples, padded at the
+    end to a positive multiple of `multiple` (itself a multiple of TOKEN_LEAF; ValueError)."""
+    if multiple < 1 or multiple % TOKEN_LEAF:
+        raise ValueError(f"packed_len: multiple {multiple} is not a multiple of "
+                         f"TOKEN_LEAF={TOKEN_LEAF}")
+    used = sum(-(-n // TOKEN_LEAF) * TOKEN_LEAF for n in lengths)
+    return max(1, -(-used // multiple)) * multiple
+
+
+def packed_layout(seqs: list[list[int]], pad_id: int, multiple: int = TOKEN_LEAF) -> StreamLayout:
+    """Training (and CP prefill) layout: sample i starts at row sample_offsets(...)[i] (a multiple
+    of TOKEN_LEAF), padding fills the gaps and the end up to packed_len(lengths, multiple) rows.
+
+    seqs: token ids per sample (positions start at 0 each). Padding rows hold pad_id at position
+    0 and belong to no sample: they never shift a real token, and their gradient rows are zero.
+    """
+    stream_len = packed_len([len(s) for s in seqs], multiple)
+    t_max = max(len(s) for s in seqs)
+    tokens = torch.full((stream_len,), pad_id, dtype=torch.long)
+    positions = torch.zeros(stream_len, dtype=torch.long)
+    q_idx = torch.full((len(seqs), t_max), -1, dtype=torch.long)
+    q_pos = torch.full((len(seqs), t_max), -1, dtype=torch.long)
+    for i, (s, off) in enumerate(zip(seqs, sample_offsets([len(s) for s in seqs]))):
+        n = len(s)
+        tokens[off:off + n] = torch.tensor(s, dtype=torch.long)
+        positions[off:off + n] = torch.arange(n)
+        q_idx[i, :n] = torch.arange(off, off + n)
+        q_pos[i, :n] = torch.arange(n)
+    kv_len = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len)
+
+
+def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> StreamLayout:
+    """Rollout layout: sample s feeds `chunks[s]` at positions starts[s] .. (one row block each).
+
+    Used for prefill (starts = 0), chunked prefill and decode (one token per sample). The stream is
+    [S · T] with T = the longest chunk; short chunks are padded at their end.
+    """
+    s_n = len(chunks)
+    t = max(1, max(len(c) for c in chunks))
+    tokens = torch.full((s_n * t,), pad_id, dtype=torch.long)
+    positions = torch.zeros(s_n * t, dtype=torch.long)
+    q_idx = torch.full((s_n, t), -1, dtype=torch.long)
+    q_pos = torch.full((s_n, t), -1, dtype=torch.long)
+    for i, (c, st) in enumerate(zip(chunks, starts)):
+        n = len(c)
+        rows = torch.arange(i * t, i * t + n)
+        tokens[rows] = torch.tensor(c, dtype=torch.long)
+        positions[rows] = torch.arange(st, st + n)
+        q_idx[i, :n] = rows
+        q_pos[i, :n] = torch.arange(st, st + n)
+    kv_len = torch.tensor([st + len(c) for c, st in zip(chunks, starts)], dtype=torch.long)
+    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len)
+
+
+class _ToSamples(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(q_idx)
+        ctx.n_rows = x.shape[0]
+        valid = q_idx >= 0
+        if x.shape[0] == 0:
+            return x.new_zeros(q_idx.shape + x.shape[1:])
+        # A gather and a select, not boolean indexing: no data-dependent shape, so no host sync
+        # on CUDA (the rollout engine's decode loop). Same bytes: valid slots copy, others +0.
+        rows = x[q_idx.clamp(min=0).reshape(-1)].view(q_idx.shape + x.shape[1:])
+        mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
+        return torch.where(mask, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (q_idx,) = ctx.saved_tensors
+        valid = q_idx >= 0
+        dx = dy.new_zeros((ctx.n_rows,) + dy.shape[2:])
+        dx[q_idx[valid]] = dy[valid]
+        return dx, None
+
+
+class _ToStream(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(q_idx)
+        valid = q_idx >= 0
+        # Empty slots land in an extra dump row (dropped): no boolean indexing, no host sync.
+        out = y.new_zeros((n_rows + 1,) + y.shape[2:])
+        idx = torch.where(valid, q_idx, torch.full_like(q_idx, n_rows)).reshape(-1)
+        out.index_copy_(0, idx, y.reshape((-1,) + y.shape[2:]))
+        return out[:n_rows]
+
+    @staticmethod
+    def backward(ctx, dx: torch.Tensor):
+        (q_idx,) = ctx.saved_tensors
+        valid = q_idx >= 0
+        dy = dx.new_zeros(q_idx.shape + dx.shape[1:])
+        dy[valid] = dx[q_idx[valid]]
+        return dy, None, None
+
+
+def to_samples(x: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
+    """Stream rows [L, ...] -> per-sample slots [S, T, ...] (empty slots 0). Exact both ways."""
+    return _ToSamples.apply(x, q_idx)
+
+
+def to_stream(y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Per-sample slots [S, T, ...] -> stream rows [n_rows, ...] (rows no slot maps to: 0)."""
+    return _ToStream.apply(y, q_idx, n_rows)
+
+
+def cp_local_layout(lay: StreamLayout, local_rows: torch.Tensor) -> StreamLayout:
+    """This CP rank's view of a packed training layout.
+
+    local_rows [Lc] long: logical-stream rows this rank holds, in local order (its zig-zag
+    segments). Tokens/positions are cut to those rows; each sample's query slots keep the
+    positions held here (q_idx -> local row); keys stay logical (kv_idx).
+    """
+    n = lay.tokens.shape[0]
+    local_of = torch.full((n,), -1, dtype=torch.long)
+    local_of[local_rows] = torch.arange(local_rows.numel())
+    here = (lay.q_idx >= 0) & (local_of[lay.q_idx.clamp(min=0)] >= 0)
+    t_loc = max(1, int(here.sum(1).max().item()))
+    s_n = lay.q_idx.shape[0]
+    q_idx = torch.full((s_n, t_loc), -1, dtype=torch.long)
+    q_pos = torch.full((s_n, t_loc), -1, dtype=torch.long)
+    for s in range(s_n):
+        slots = here[s].nonzero(as_tuple=True)[0]
+        k = slots.numel()
+        q_idx[s, :k] = local_of[lay.q_idx[s, slots]]
+        q_pos[s, :k] = lay.q_pos[s, slots]
+    return StreamLayout(lay.tokens[local_rows], lay.positions[local_rows], q_idx, q_pos,
+                        lay.kv_len, lay.q_idx)

@@ -1,0 +1,248 @@
+"""The two op sets the model is built from: invariant kernels + canonical-tree collectives, or
+stock torch + stock collectives (`--mode native`).
+
+Both take the same arguments (including the ParallelCtx) and return fp32 tensors in the same
+layouts, so the model code is identical and the cost of invariance is measured side by side
+(DESIGN.md §2). Native is what a user would otherwise run: BLAS matmul, torch RMSNorm
+arithmetic, F.silu, SDPA, torch.log_softmax, autograd backward, and SUM all-reduces whose order
+belongs to the backend; its token-partial gradients are summed after backward (`sync_grads`),
+over CP, then DP (and TP where TP ranks hold different tokens or heads), per microbatch as
+autograd accumulates them — what DP training normally does.
+Does not: choose a device backend (CUDA kernels plug in behind the kernel functions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlkernel.distributed import parallel as par
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import ParallelCtx
+from rlkernel.distributed.parallel import collective_pair as pair
+from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, norm,
+                              paged_attention)
+
+
+class InvariantOps:
+    """Invariant kernels (rlkernel/kernels) and tree collectives (rlkernel/distributed)."""
+
+    name = "invariant"
+    swiglu = staticmethod(activation.swiglu)
+    token_logprobs_entropy = staticmethod(logprobs.token_logprobs_entropy)
+    log_softmax = staticmethod(logprobs.log_softmax)
+    gather_vocab = staticmethod(par.gather_vocab)
+    cp_gather = staticmethod(par.cp_gather_stream)
+    sp_scatter = staticmethod(par.sp_scatter)
+
+    @staticmethod
+    def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx, live_vocab=None):
+        """Fused LM head + logprobs (TP = 1): the unfused path's bytes, no [L, V] logits kept."""
+        return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tok=pc.tok,
+                                                      live_vocab=live_vocab)
+
+    @staticmethod
+    def embed(ids, w, offset, pc: ParallelCtx):
+        x = embedding.embed(ids, w, offset=offset, tok=pc.tok)
+        if pc.tp.size > 1:
+            x = par.select_vocab_owner(x, torch.div(ids, w.shape[0], rounding_mode="floor"), pc)
+        return par.sp_scatter(x, pc)
+
+    @staticmethod
+    def norm(x, w, eps, tok, head_comm=None, replicas=1):
+        return norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas)
+
+    @staticmethod
+    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx):
+        return matmul.column_parallel_linear(par.enter_tp(x, pc), ws, shard_rows=shard_rows,
+                                             local_shards=local_shards, tok=pc.tok)
+
+    @staticmethod
+    def row(x, w, local_shards, pc: ParallelCtx):
+        return par.exit_row(matmul.row_parallel_linear(x, w, local_shards=local_shards,
+                                                       tok=pc.tok), pc)
+
+    @staticmethod
+    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx):
+        return attention.attention(q, k, v, q_pos, kv_len, scale, tok=pc.tok, kv_comm=pc.kv)
+
+    @staticmethod
+    def begin_grads(model, direct: bool = False) -> None:
+        """Zero the gradients and open the policy's GradSink: until `sync_grads`, every weight
+        gradient of every backward is added exactly into it (distributed/tokensum.py).
+        direct: every rank runs one microbatch in this mini-batch, so weights are finished in
+        their backward (no persistent accumulators) except a tied embedding, which two kernels
+        (lookup and LM head) add to."""
+        model.zero_grad(set_to_none=True)
+        sink = model.pc.tok.sink
+        if sink is not None:
+            keep = {"model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else set()
+            sink.begin(model.logical_params(), direct=direct, keep=keep)
+
+    @staticmethod
+    def paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk, pc: ParallelCtx):
+        """Rollout attention through a block table (no gradient, no CP): the bytes of
+        `attention` on the gathered keys (kernels/paged_attention.py)."""
+        return paged_attention.paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk)
+
+    @staticmethod
+    def sync_grads(model) -> None:
+        """Close the sink: its exact sums over every microbatch and rank, rounded once, become
+        the parameters' .grad (fp32). Raises RuntimeError if autograd left a gradient of its
+        own on a parameter (a use that bypassed the kernels, which the sink would miss)."""
+        sink = model.pc.tok.sink
+        if sink is None or not sink.open:
+            return
+        grads = sink.finish()
+        for n, p in model.logical_params().items():
+            if p.grad is not None:
+                raise RuntimeError(f"{n}: autograd accumulated a gradient outside the kernels")
+            p.grad = grads.get(n)
+
+
+# -- stock collectives with autograd (native mode) -----------------------------------------------
+def _all_reduce(t: torch.Tensor, comm: Comm) -> torch.Tensor:
+    t = t.contiguous().clone()
+    if comm.size > 1:
+        dist.all_reduce(t, group=comm.group)
+    return t
+
+
+def _all_gather(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    if comm.size == 1:
+        return t
+    out = [torch.empty_like(t.contiguous()) for _ in range(comm.size)]
+    dist.all_gather(out, t.contiguous(), group=comm.group)
+    return torch.cat(out, dim)
+
+
+def _reduce_scatter(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    return par.rows_of_rank(_all_reduce(t, comm), comm, dim)
+
+
+class NativeOps:
+    """Stock torch ops and SUM collectives: the baseline users would otherwise run."""
+
+    name = "native"
+
+    @staticmethod
+    def swiglu(g, u):
+        return F.silu(g) * u
+
+    @staticmethod
+    def token_logprobs_entropy(logits, targets, temperature, live_vocab=None):
+        logp = NativeOps.log_softmax(logits, temperature, live_vocab)
+        lp = logp.gather(1, targets[:, None])[:, 0]
+        p = logp.exp()
+        # masked ids: 0 · −inf is NaN, in the value and (through where) in the gradient
+        ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+        return lp, ent
+
+    @staticmethod
+    def log_softmax(logits, temperature, live_vocab=None):
+        z = logits.float() / temperature
+        if live_vocab is not None and live_vocab < z.shape[-1]:   # the same rule as invariant
+            pad = z.new_full((*z.shape[:-1], z.shape[-1] - live_vocab), float("-inf"))
+            z = torch.cat([z[..., :live_vocab], pad], -1)
+        return torch.log_softmax(z, dim=-1)
+
+    @staticmethod
+    def gather_vocab(z, pc):
+        if pc.tp.size == 1:
+            return z
+        # Every TP rank computes the same loss on the gathered logits: its grad is replicated.
+        tp = pc.tp
+        return pair(z, lambda t: _all_gather(t, tp, 1), lambda g: par.rows_of_rank(g, tp, 1))
+
+    @staticmethod
+    def cp_gather(x, pc):
+        if pc.cp.size == 1:
+            return x
+        cp = pc.cp
+        return pair(x, lambda t: par.cp_assemble(pc, list(_all_gather(t, cp, 0).chunk(cp.size, 0))),
+                    lambda g: par.cp_local_rows(pc, _all_reduce(g, cp)))
+
+    @staticmethod
+    def sp_scatter(x, pc):
+        if not pc.sp:
+            return x
+        tp = pc.tp
+        return pair(x, lambda t: par.rows_of_rank(t, tp, 0), lambda g: _all_gather(g, tp, 0))
+
+    @staticmethod
+    def embed(ids, w, offset, pc: ParallelCtx):
+        local = ids - offset
+        inside = (local >= 0) & (local < w.shape[0])
+        x = F.embedding(local.clamp(0, w.shape[0] - 1), w) * inside[:, None]
+        if pc.tp.size > 1:
+            tp = pc.tp
+            x = pair(x, lambda t: _all_reduce(t, tp), lambda g: g)
+        return NativeOps.sp_scatter(x, pc)
+
+    @staticmethod
+    def norm(x, w, eps, tok, head_comm=None, replicas=1):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + eps))
+
+    @staticmethod
+    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx):
+        tp = pc.tp
+        if pc.sp:
+            x = pair(x, lambda t: _all_gather(t, tp, 0), lambda g: _reduce_scatter(g, tp, 0))
+        elif tp.size > 1:
+            x = pair(x, lambda t: t.view_as(t), lambda g: _all_reduce(g, tp))
+        return tuple(F.linear(x, w) for w in ws)
+
+    @staticmethod
+    def row(x, w, local_shards, pc: ParallelCtx):
+        y, tp = F.linear(x, w), pc.tp
+        if pc.sp:
+            return pair(y, lambda t: _reduce_scatter(t, tp, 0), lambda g: _all_gather(g, tp, 0))
+        return pair(y, lambda t: _all_reduce(t, tp), lambda g: g) if tp.size > 1 else y
+
+    @staticmethod
+    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx):
+        g = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
+        j = torch.arange(k.shape[2], device=q.device)
+        vis = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+        row = vis.any(-1)
+        vis = vis | ~row[:, :, None]          # keep SDPA finite on empty slots; zeroed below
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None], scale=scale)
+        return out * row[:, None, :, None]
+
+    @staticmethod
+    def begin_grads(model, direct: bool = False) -> None:
+        model.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def sync_grads(model) -> None:
+        """Sum the token-partial gradients the stock path leaves on each rank (backend order)."""
+        pc = model.pc
+        for name, p in model.logical_params().items():
+            if p.grad is None:
+                continue
+            g = p.grad
+            if pc.cp.size > 1:
+                dist.all_reduce(g, group=pc.cp.group)
+            if pc.dp.size > 1:
+                dist.all_reduce(g, group=pc.dp.group)
+            leaf = name.rsplit(".", 2)[-2]
+            if leaf in ("q_norm", "k_norm") and pc.tp.size > 1:
+                dist.all_reduce(g, group=pc.tp.group)
+            elif leaf in ("k_proj", "v_proj") and pc.kv.size > 1:
+                dist.all_reduce(g, group=pc.kv.group)
+            elif "layernorm" in name or name == "model.norm.weight":
+                if pc.sp:
+                    dist.all_reduce(g, group=pc.tp.group)
+
+
+def ops_for(mode: str):
+    """Op set for `--mode` ('invariant' | 'native'); ValueError otherwise."""
+    if mode == "invariant":
+        return InvariantOps
+    if mode == "native":
+        return NativeOps
+    raise ValueError(f"--mode {mode!r} is not known; allowed: invariant, native")

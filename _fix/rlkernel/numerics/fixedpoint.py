@@ -1,0 +1,225 @@
+"""Exact, order-free elementwise sums of fp32 tensors: fixed-point digits, rounded once.
+
+What it does: `accumulate_` adds fp32 values into an integer accumulator per element that holds
+their *exact* mathematical sum; `round_fp32` rounds that sum once (round-half-even) to fp32.
+Integer addition is associative, so the result depends only on the multiset of values added —
+never on their order, on how they were grouped (microbatches), or on which ranks added which
+(accumulators of different ranks are added as integers). This is what makes weight gradients
+invariant to DP size, microbatch size, CP/SP layout and packing (DESIGN.md §1: "exact fixed-point
+accumulation of per-block partials").
+
+Representation: a finite fp32 x is ±M·2**E' units of 2**-149 (M < 2**24 the significand with its
+implicit bit, E' = max(e, 1) − 1 in [0, 253] from the biased exponent field e), an integer below
+2**277. It is cut into base-2**31 digits held in int64: M·2**(E' mod 31) (< 2**54) goes to digits
+q = E' // 31 and up. N_DIGITS = 10 digits span 310 bits, so a sum of up to 2**33 values of the
+largest magnitude still fits. Three more columns count the NaN, +Inf and −Inf values added (the
+digits hold the exact sum of the finite ones), so every column is a function of the multiset of
+values. An accumulator is
+int64 [..., N_COLS], kept carry-normalised by `accumulate_` (`normalise_`); sums of accumulators
+(an all-gather + sum across ranks) stay exact.
+Adding (`_add_chunk`): values are first summed exactly in float64 per exponent bin (16 exponent
+fields per bin: all values of a bin are integer multiples of the bin's smallest ulp below 2**39
+ulps, so 2**13 of them add exactly in any order), then each non-empty bin's sum is shifted into
+the digits — a few vector ops per value instead of a digit split per value.
+
+Rounding (`round_fp32`): carry-normalise, take the sign, find the top non-zero digit, keep the
+top two digits (a window below 2**62), round the window to 24 significant bits with the digits
+below as sticky bits, scale. Exact zero gives +0.0 (the sign of a zero sum is not defined by a
+multiset); NaN if a NaN or both infinities were added, else ±Inf if one infinity was; a finite
+sum beyond the fp32 range rounds to ±Inf as IEEE does.
+Prior art: Kulisch's exact (long) accumulator; Demmel–Nguyen's reproducible summation (ReproBLAS)
+bins by exponent in the same spirit but is not exact. Written from the definitions above.
+
+CUDA tensors go to one Triton kernel (triton_fixedpoint.py) that holds the bins in registers and
+gives the same integer; this torch path is the reference and the CPU backend.
+Cost (torch path): ~5 vector ops and one float64 `index_add_` per added value, ~15 per element
+and non-empty bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element.
+Does not: communicate (callers sum accumulators across ranks).
+Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_fixedpoint_triton.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DIGIT_BITS = 31
+N_DIGITS = 10
+N_COLS = N_DIGITS + 3
+"""Columns of an accumulator: N_DIGITS digits (least significant first), NaN, +Inf, −Inf counts."""
+_NAN, _PINF, _NINF = N_DIGITS, N_DIGITS + 1, N_DIGITS + 2
+_MASK = (1 << DIGIT_BITS) - 1
+_UNIT_EXP = -149
+_CHUNK = 1 << 22   # values per vectorised pass: bounds the temporaries
+_NORMALISE_EVERY = 1 << 20   # chunks between carry passes: a chunk adds < 2**36 to a digit
+
+
+def zeros(shape: tuple[int, ...] | torch.Size, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An empty accumulator for values of `shape`: int64 [*shape, N_COLS] of zeros."""
+    return torch.zeros(*shape, N_COLS, dtype=torch.int64, device=device)
+
+
+def accumulate_(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """acc += the exact sum of x over dim 0, in place; returns acc.
+
+    acc int64 [*S, N_COLS] (contiguous), x fp32 [n, *S] (bf16/fp16 are converted exactly).
+    Raises ValueError on mismatched shapes or a non-int64 accumulator.
+    """
+    if acc.dtype != torch.int64 or acc.shape[-1] != N_COLS or not acc.is_contiguous():
+        raise ValueError(f"accumulate_: accumulator must be contiguous int64 [..., {N_COLS}], got "
+                         f"{acc.dtype} {tuple(acc.shape)}")
+    if tuple(x.shape[1:]) != tuple(acc.shape[:-1]):
+        raise ValueError(f"accumulate_: values {tuple(x.shape)} do not sum to accumulator "
+                         f"elements {tuple(acc.shape[:-1])}")
+    n = x.shape[0]
+    m = acc[..., 0].numel()
+    if n == 0 or m == 0:
+        return acc
+    flat = acc.view(m, N_COLS)
+    vals = x.detach().to(torch.float32).reshape(n, m)
+    if acc.is_cuda:   # one Triton pass, same integer (tests/test_fixedpoint_triton.py)
+        from rlkernel.numerics import triton_fixedpoint
+        triton_fixedpoint.accumulate_(flat, vals)
+    else:
+        accumulate_torch_(flat, vals)
+    return acc
+
+
+def accumulate_torch_(flat: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """The torch path of `accumulate_` on any device: flat [m, N_COLS] += exact Σ of vals [n, m]
+    fp32 over dim 0, then normalise. The CPU backend and the reference of the CUDA kernel
+    (benchmarks/bench_fixedpoint.py times it on CUDA). Returns flat."""
+    n, m = vals.shape
+    rows = max(1, min(_BIN_ROWS, _CHUNK // m))
+    for i, start in enumerate(range(0, n, rows)):
+        if i and i % _NORMALISE_EVERY == 0:
+            normalise_(flat)
+        _add_chunk(flat, vals[start:start + rows])
+    return normalise_(flat)
+
+
+_BIN_FIELDS = 16          # fp32 exponent fields per float64 bin
+_N_BINS = 256 // _BIN_FIELDS
+_BIN_ROWS = 1 << 13       # values per element per bin flush: keeps every bin sum exact
+
+
+def _add_chunk(flat: torch.Tensor, x: torch.Tensor) -> None:
+    """flat [m, N_COLS] += exact Σ over dim 0 of x [k, m] fp32 (k <= _BIN_ROWS).
+
+    Two stages. (1) Each value goes, by its exponent field f, to bin f // 16 of its element, where
+    float64 adds it: every value of bin b is an integer multiple of u_b = 2**(max(16b, 1) − 150)
+    below 2**39·u_b, so fewer than 2**13 of them sum exactly in float64 (53 bits), in any order.
+    (2) Each non-empty bin's exact sum I·u_b (|I| < 2**52) is shifted into the digits. Stage 1 is
+    a handful of vector ops per value, stage 2 runs once per element and active bin.
+    """
+    k, m = x.shape
+    bits = x.contiguous().view(torch.int32)
+    b = (bits >> (23 + 4)) & (_N_BINS - 1)      # exponent field // 16 (sign bit masked off)
+    idx = torch.arange(0, m * _N_BINS, _N_BINS, device=x.device, dtype=torch.int64) + b
+    bins = torch.zeros(m * _N_BINS, dtype=torch.float64, device=x.device)
+    x64 = x.to(torch.float64)
+    bins.index_add_(0, idx.reshape(-1), x64.reshape(-1))
+    bins = bins.view(m, _N_BINS)
+    active = (bins != 0).any(0).nonzero().flatten().tolist()   # NaN/Inf make bin 15 non-zero
+    for j in active:
+        s = bins[:, j]
+        if j == _N_BINS - 1:   # fields 240..255: the top finite binades, and Inf/NaN (255)
+            _count_nonfinite(flat, x)
+            s = torch.where((b == j) & torch.isfinite(x), x64, torch.zeros_like(x64)).sum(0)
+        unit = max(_BIN_FIELDS * j, 1) - 150     # u_b = 2**unit
+        n_int = (s * 2.0 ** -unit).to(torch.int64)   # a power of two: the product is exact
+        shift = unit + 149                      # position of u_b in units of 2**-149
+        q, r = divmod(shift, DIGIT_BITS)
+        sign = torch.where(n_int < 0, -1, 1)
+        mag = n_int.abs()                        # < 2**52
+        a = (mag & _MASK) << r                   # < 2**61
+        c = (mag >> DIGIT_BITS) << r             # < 2**51
+        flat[:, q] += (a & _MASK) * sign
+        flat[:, q + 1] += ((a >> DIGIT_BITS) + (c & _MASK)) * sign
+        flat[:, q + 2] += (c >> DIGIT_BITS) * sign
+
+
+def _count_nonfinite(flat: torch.Tensor, x: torch.Tensor) -> None:
+    """flat[:, NaN/+Inf/−Inf columns] += how many values of x [k, m] are NaN, +Inf, −Inf.
+
+    Counted per value (not per bin sum, which cannot tell Inf + Inf from Inf, nor +Inf − Inf
+    from NaN), so the columns, like the digits, depend only on the multiset of values: the CUDA
+    kernel (triton_fixedpoint.py) counts the same way in any chunking."""
+    flat[:, _NAN] += torch.isnan(x).sum(0)
+    flat[:, _PINF] += (x == float("inf")).sum(0)
+    flat[:, _NINF] += (x == float("-inf")).sum(0)
+
+
+def normalise_(acc: torch.Tensor) -> torch.Tensor:
+    """Propagate carries in place: digits 0..N_DIGITS-2 in [0, 2**31), the top digit signed.
+    The represented value is unchanged. Returns acc."""
+    d = acc[..., :N_DIGITS]
+    for i in range(N_DIGITS - 1):
+        c = d[..., i] >> DIGIT_BITS            # floor division by 2**31 (arithmetic shift)
+        d[..., i] -= c << DIGIT_BITS
+        d[..., i + 1] += c
+    return acc
+
+
+def _bit_length(x: torch.Tensor) -> torch.Tensor:
+    """Bit length of non-negative int64 values below 2**31 (0 for 0), exactly: the exponent
+    field of x as float64 (x < 2**31 converts exactly), read from the bits."""
+    e = (x.to(torch.float64).view(torch.int64) >> 52) - 1022
+    return torch.where(x > 0, e, torch.zeros_like(x))
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e as float64 for int64 e in the normal range [-1022, 1023], built from the bits.
+
+    Why not torch.ldexp / exp2: on CUDA they are computed through pow/exp2 in floating point and
+    were measured (H200, torch 2.11) to return a value other than 2**54 for e = 54, which made
+    the device accumulator inexact; a power of two written into the exponent field is exact."""
+    return ((e + 1023) << 52).view(torch.float64)
+
+
+def round_fp32(acc: torch.Tensor) -> torch.Tensor:
+    """The exact sum each accumulator element holds, rounded once to fp32 (round-half-even).
+
+    acc int64 [*S, N_COLS] (any digits: a sum of accumulators is fine) -> fp32 [*S]. Exact zero
+    is +0.0; NaN/±Inf as the module doc says. The input is not modified.
+    """
+    if acc.dtype != torch.int64 or acc.shape[-1] != N_COLS:
+        raise ValueError(f"round_fp32: expected int64 [..., {N_COLS}], got {acc.dtype} "
+                         f"{tuple(acc.shape)}")
+    shape = acc.shape[:-1]
+    a = normalise_(acc.reshape(-1, N_COLS).clone())
+    d = a[:, :N_DIGITS]
+    neg = d[:, -1] < 0
+    mag = normalise_(torch.where(neg[:, None], -a, a))[:, :N_DIGITS]   # |sum|, all digits >= 0
+    k = torch.arange(1, N_DIGITS + 1, device=a.device)
+    top = ((mag != 0) * k).amax(1) - 1                                 # -1 when the sum is 0
+    t = top.clamp(min=1)
+    hi = mag.gather(1, t[:, None])[:, 0]
+    lo = mag.gather(1, (t - 1)[:, None])[:, 0]
+    below = torch.where(k[None, :] - 1 < (t - 1)[:, None], mag, torch.zeros_like(mag))
+    rest = (below != 0).any(1)
+    over = hi >= (1 << DIGIT_BITS)                                     # beyond every fp32
+    hi_c = torch.where(over, torch.zeros_like(hi), hi)
+    window = (hi_c << DIGIT_BITS) + lo                                 # < 2**62
+    nbits = torch.where(hi_c > 0, _bit_length(hi_c) + DIGIT_BITS, _bit_length(lo))
+    s = (nbits - 24).clamp(min=0)
+    q = window >> s
+    half = torch.where(s > 0, (window >> (s - 1).clamp(min=0)) & 1, torch.zeros_like(s))
+    low_mask = (torch.ones_like(s) << (s - 1).clamp(min=0)) - 1
+    sticky = torch.where(s > 1, (window & low_mask) != 0, torch.zeros_like(rest)) | rest
+    odd = (q & 1) != 0
+    q = q + half * (sticky | odd).to(torch.int64)
+    exp = s + (t - 1) * DIGIT_BITS + _UNIT_EXP
+    val = (q.to(torch.float64) * _pow2(exp)).to(torch.float32)   # q < 2**25: exact product
+    val = torch.where(over, torch.full_like(val, float("inf")), val)
+    val = torch.where(neg, -val, val)
+    val = torch.where(top < 0, torch.zeros_like(val), val)
+    nan, pinf, ninf = a[:, _NAN] > 0, a[:, _PINF] > 0, a[:, _NINF] > 0
+    val = torch.where(pinf, torch.full_like(val, float("inf")), val)
+    val = torch.where(ninf, torch.full_like(val, float("-inf")), val)
+    val = torch.where(nan | (pinf & ninf), torch.full_like(val, float("nan")), val)
+    return val.reshape(shape)
+
+
+def exact_sum_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, *S] -> fp32 [*S]: the exact sum over dim 0, rounded once (see module doc)."""
+    return round_fp32(accumulate_(zeros(x.shape[1:], x.device), x))

@@ -1,0 +1,145 @@
+"""Run checkpoints for bitwise resume: save after a step, load the last complete one.
+
+A checkpoint is everything the next step depends on — fp32 master weights, AdamW moments and step
+count (all as *logical* tensors, so any topology can load them), and the step cursor (the prompt
+source and the sampling noise are pure functions of (seed, step, sample id), so the cursor is the
+whole data/sampler state). The evidence so far lives in evidence.json beside it.
+
+Layout: RUN_DIR/checkpoints/step-000003/{state.safetensors, meta.json}. A checkpoint is written
+into `step-000003.tmp-<pid>` and renamed into place only after both files are fsync'ed, and
+meta.json carries the SHA-256 of state.safetensors: a half-written or corrupted checkpoint is
+never loaded — `latest_checkpoint` takes the newest one that verifies.
+Does not: decide when to save (loop.py) or merge configs (cli.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from dataclasses import dataclass
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+CKPT_DIR = "checkpoints"
+_STATE = "state.safetensors"
+_META = "meta.json"
+
+
+class ResumeError(ValueError):
+    """A run directory cannot be resumed (no valid checkpoint, or a config mismatch)."""
+
+
+@dataclass
+class Checkpoint:
+    """next_step: the first step still to run; opt_steps: AdamW updates applied so far;
+    tensors: logical fp32 tensors named master/<p>, exp_avg/<p>, exp_avg_sq/<p>;
+    version: weight version after step next_step − 1 (checked on resume); path: its directory;
+    skipped: newer checkpoints `latest_checkpoint` passed over, "NAME: why" each."""
+
+    next_step: int
+    opt_steps: int
+    tensors: dict[str, torch.Tensor]
+    version: str
+    path: pathlib.Path
+    skipped: tuple[str, ...] = ()
+
+
+def fsync_dir(d: pathlib.Path) -> None:
+    """Make a rename or a new file in directory `d` durable (fsync of the directory)."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
+                    tensors: dict[str, torch.Tensor], version: str) -> pathlib.Path:
+    """Atomically write checkpoint `next_step` under run_dir/checkpoints; returns its path."""
+    root = pathlib.Path(run_dir) / CKPT_DIR
+    root.mkdir(exist_ok=True)
+    for stale in root.glob("step-*.tmp-*"):           # left by a run killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{next_step:06d}"
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    blob = safetensors.torch.save({n: t.contiguous().cpu() for n, t in tensors.items()})
+    with open(tmp / _STATE, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    meta = {"next_step": next_step, "opt_steps": opt_steps, "version": version,
+            "state_sha256": hashlib.sha256(blob).hexdigest()}
+    with open(tmp / _META, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    return final
+
+
+def _load(path: pathlib.Path) -> Checkpoint:
+    meta = json.loads((path / _META).read_text())
+    blob = (path / _STATE).read_bytes()
+    if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
+        raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")
+    tensors = {n: t.clone() for n, t in safetensors.torch.load(blob).items()}
+    return Checkpoint(int(meta["next_step"]), int(meta["opt_steps"]), tensors,
+                      str(meta["version"]), path)
+
+
+def read_checkpoint(path: pathlib.Path) -> Checkpoint:
+    """The checkpoint in directory `path`, verified against its SHA-256.
+
+    Raises ResumeError naming the file when it is corrupted or unreadable.
+    """
+    try:
+        return _load(pathlib.Path(path))
+    except ResumeError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise ResumeError(f"{path}: unreadable checkpoint ({e})") from None
+
+
+def checkpoint_dirs(run_dir: pathlib.Path) -> dict[int, pathlib.Path]:
+    """next_step -> directory of every finished (renamed into place) checkpoint of `run_dir`,
+    by directory name; contents are verified only when read."""
+    root = pathlib.Path(run_dir) / CKPT_DIR
+    out = {}
+    for p in sorted(root.glob("step-*")) if root.is_dir() else []:
+        digits = p.name.removeprefix("step-")
+        if p.is_dir() and digits.isdigit():
+            out[int(digits)] = p
+    return out
+
+
+def latest_checkpoint(run_dir: pathlib.Path) -> Checkpoint:
+    """The newest complete, verified checkpoint of `run_dir` (the newer ones it passed over, and
+    why, in its `skipped`).
+
+    Raises ResumeError naming the directory when there is none (listing why each was skipped).
+    """
+    root = pathlib.Path(run_dir) / CKPT_DIR
+    cands = sorted((p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name),
+                   reverse=True) if root.is_dir() else []
+    skipped = []
+    for p in cands:
+        try:
+            return dataclasses.replace(_load(p), skipped=tuple(skipped))
+        # TypeError: a meta.json of the wrong shape (e.g. a list); SafetensorError (not a
+        # ValueError): a state file that matches its SHA-256 but does not parse.
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+            skipped.append(f"{p.name}: {e}")
+    why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+    raise ResumeError(f"{run_dir}: no complete checkpoint to resume from{why}; "
+                      "runs write them with --save-every N")

@@ -1,0 +1,272 @@
+"""`rlk compare RUN_A RUN_B`: is the evidence of two runs bitwise identical, field by field?
+
+Compares the initial weights record (version, per-tensor hashes) and, step by step, every field
+of every step record except `timings` and `resources` (measurements). "Equal" means exactly equal JSON values: the same type,
+floats with the same bits (`float.hex`, so 0.0 != -0.0), lists elementwise, dicts key by key.
+A step present in one run only is a difference. Manifest differences (config, canonical spec,
+inputs: file hashes, vocab, stored dtypes; versions, git commit) are reported as information:
+two topologies of one run are *expected* to differ in config and to be identical in evidence.
+
+Does not: read tensors or checkpoints (only evidence.json / manifest.json), or tolerate anything.
+
+Run: `rlk compare runs/A runs/B` (exit 0 identical, 1 different, 2 unreadable run; `--quiet`
+prints only the differing fields and the verdict);
+tests: `.venv/bin/python -m pytest -q tests/test_compare.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+IGNORED_STEP_FIELDS = frozenset({"timings", "resources"})
+"""Step fields that are allowed to differ (wall-clock measurements)."""
+HASH_FIELDS = frozenset({"tensor_hashes"})
+"""Dict fields {tensor name: hash}, summarised by tensor name instead of printed whole."""
+MAX_NAMES = 20
+MAX_VALUE_CHARS = 80
+
+
+class CompareError(ValueError):
+    """A run directory cannot be compared (missing, unreadable or incomplete evidence)."""
+
+
+@dataclass(frozen=True)
+class FieldResult:
+    """One compared field: `where` is "init" or "step N"; `detail` is the human-readable verdict."""
+
+    where: str
+    name: str
+    same: bool
+    detail: str
+
+
+@dataclass
+class CompareReport:
+    """Everything `rlk compare` found. `results` decide the verdict; `info` does not."""
+
+    a: str
+    b: str
+    results: list[FieldResult] = field(default_factory=list)
+    info: list[str] = field(default_factory=list)
+
+    @property
+    def n_differences(self) -> int:
+        return sum(not r.same for r in self.results)
+
+    @property
+    def identical(self) -> bool:
+        return self.n_differences == 0
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the evidence is identical, 1 otherwise."""
+        return 0 if self.identical else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _load_json(path: pathlib.Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CompareError(f"{path}: not found (is {path.parent} a run directory?)") from None
+    except OSError as e:
+        raise CompareError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CompareError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+
+
+def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, evidence) of a run directory (or of the directory of a given evidence.json).
+
+    Raises CompareError naming the file when either is missing or not valid JSON, or when the
+    evidence is malformed or incomplete (the run did not finish).
+    """
+    d = pathlib.Path(run_dir)
+    if d.name == "evidence.json" and d.is_file():
+        d = d.parent
+    if not d.is_dir():
+        raise CompareError(f"{d}: no such run directory")
+    evidence = _load_json(d / "evidence.json")
+    manifest = _load_json(d / "manifest.json")
+    ev_path = d / "evidence.json"
+    if not isinstance(evidence, dict) or not isinstance(evidence.get("steps"), list):
+        raise CompareError(f"{ev_path}: not an rl-kernel evidence file (no 'steps' list)")
+    if not all(isinstance(s, dict) for s in evidence["steps"]):
+        raise CompareError(f"{ev_path}: every step record must be a JSON object")
+    if not isinstance(manifest, dict):
+        raise CompareError(f"{d / 'manifest.json'}: not an rl-kernel manifest (not a JSON object)")
+    return manifest, evidence
+
+
+# ---------------------------------------------------------------------------------------------
+# equality and descriptions
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Exact JSON equality: same type, floats by their bits, lists elementwise, dicts by key."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a.hex() == b.hex()
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v) if not isinstance(v, float) else repr(v)
+    return s if len(s) <= MAX_VALUE_CHARS else s[: MAX_VALUE_CHARS - 3] + "..."
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMES])
+    return shown + (f", ... ({len(names) - MAX_NAMES} more)" if len(names) > MAX_NAMES else "")
+
+
+def _describe(a: Any, b: Any) -> str:
+    """Why `a` and `b` differ, in one readable line."""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        bad = [i for i, (x, y) in enumerate(zip(a, b)) if not same_value(x, y)]
+        i = bad[0]
+        return (f"{len(bad)} of {len(a)} elements differ; first [{i}]: "
+                f"{_short(a[i])} vs {_short(b[i])}")
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = list(a) + [k for k in b if k not in a]
+        bad = [k for k in keys if k not in a or k not in b or not same_value(a[k], b[k])]
+        return f"keys {_names(bad)}: {_short({k: a.get(k) for k in bad})} vs {_short({k: b.get(k) for k in bad})}"
+    if type(a) is not type(b) and a == b:  # 1 vs 1.0, or true vs 1
+        return f"{_short(a)} ({type(a).__name__}) vs {_short(b)} ({type(b).__name__})"
+    return f"{_short(a)} vs {_short(b)}"
+
+
+def _compare_hashes(a: Any, b: Any) -> tuple[bool, str]:
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        same = same_value(a, b)
+        return same, "identical" if same else f"DIFFERS ({_short(a)} vs {_short(b)})"
+    names = list(a) + [n for n in b if n not in a]
+    bad = []
+    for n in names:
+        if n not in b:
+            bad.append(f"{n} (missing in B)")
+        elif n not in a:
+            bad.append(f"{n} (missing in A)")
+        elif not same_value(a[n], b[n]):
+            bad.append(n)
+    if not bad:
+        return True, f"identical ({len(names)} tensors)"
+    return False, f"DIFFERS: {len(bad)} of {len(names)} tensors differ: {_names(bad)}"
+
+
+def _compare_record(where: str, a: dict[str, Any], b: dict[str, Any],
+                    ignored: frozenset[str]) -> list[FieldResult]:
+    out = []
+    for name in list(a) + [k for k in b if k not in a]:
+        if name in ignored:
+            continue
+        if name not in a or name not in b:
+            side = "A" if name not in a else "B"
+            out.append(FieldResult(where, name, False, f"DIFFERS (missing in {side})"))
+        elif name in HASH_FIELDS:
+            same, detail = _compare_hashes(a[name], b[name])
+            out.append(FieldResult(where, name, same, detail))
+        elif same_value(a[name], b[name]):
+            out.append(FieldResult(where, name, True, "identical"))
+        else:
+            out.append(FieldResult(where, name, False, f"DIFFERS ({_describe(a[name], b[name])})"))
+    return out
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flatten(v, key) if isinstance(v, dict) else {key: v})
+    return out
+
+
+def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
+    info = []
+    for section in ("config", "canonical_spec", "inputs", "versions", "git"):
+        fa, fb = _flatten(ma.get(section) or {}), _flatten(mb.get(section) or {})
+        for k in list(fa) + [k for k in fb if k not in fa]:
+            if k == "dirty_files":
+                continue
+            va, vb = fa.get(k, "<absent>"), fb.get(k, "<absent>")
+            if not same_value(va, vb):
+                info.append(f"{section}: {k} {_short(va)} vs {_short(vb)}")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> CompareReport:
+    """Compare the evidence of two runs (an incomplete run counts as a difference).
+
+    Raises CompareError if either cannot be read.
+    """
+    ma, ea = load_run(a_dir)
+    mb, eb = load_run(b_dir)
+    report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb))
+
+    ia, ib = ea.get("init"), eb.get("init")
+    if ia is None and ib is None:
+        report.info.append("init: not recorded in either run")
+    elif isinstance(ia, dict) and isinstance(ib, dict):
+        report.results += _compare_record("init", ia, ib, frozenset())
+    else:
+        report.results.append(FieldResult("init", "init", False,
+                                          f"DIFFERS ({_short(ia)} vs {_short(ib)})"))
+
+    sa, sb = ea["steps"], eb["steps"]
+    for i in range(max(len(sa), len(sb))):
+        label = (sa[i] if i < len(sa) else sb[i]).get("step", i)
+        where = f"step {label}"
+        if i >= len(sa) or i >= len(sb):
+            side = "A" if i >= len(sa) else "B"
+            report.results.append(FieldResult(where, "step", False, f"DIFFERS (missing in {side})"))
+            continue
+        report.results += _compare_record(where, sa[i], sb[i], IGNORED_STEP_FIELDS)
+    if len(sa) != len(sb):
+        report.info.append(f"step count: {len(sa)} vs {len(sb)}")
+    # A run that stopped early is compared on the steps it has, and is never "identical".
+    ca, cb = ea.get("complete") is True, eb.get("complete") is True
+    if not (ca and cb):
+        report.results.append(FieldResult("run", "complete", False,
+                                          f"DIFFERS ({'complete' if ca else 'INCOMPLETE'} vs "
+                                          f"{'complete' if cb else 'INCOMPLETE'})"))
+    return report
+
+
+def format_report(report: CompareReport, quiet: bool = False) -> str:
+    """Human-readable report: run paths, manifest information, one line per field, the verdict.
+
+    quiet: only the fields that differ, then the verdict (no paths, no information lines).
+    The last line is "IDENTICAL" or "DIFFERENT: N fields differ".
+    """
+    shown = [r for r in report.results if not (quiet and r.same)]
+    lines = [] if quiet else [f"A: {report.a}", f"B: {report.b}"]
+    lines += [] if quiet else [f"info  {s}" for s in report.info]
+    width = max((len(r.where) for r in shown), default=0)
+    name_width = max((len(r.name) for r in shown), default=0)
+    for r in shown:
+        lines.append(f"{r.where:<{width}}  {r.name:<{name_width}}  {r.detail}")
+    n = report.n_differences
+    if n == 0:
+        lines.append("IDENTICAL")
+    else:
+        lines.append(f"DIFFERENT: {n} fields differ" if n > 1 else "DIFFERENT: 1 field differs")
+    return "\n".join(lines)

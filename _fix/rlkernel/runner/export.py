@@ -1,0 +1,278 @@
+"""Trained weights out of a run: RUN/final at the end of every run, and `rlk export`.
+
+Which weights a run keeps (and so what `rlk export RUN --step N` can export; N counts evidence
+steps from 0, the weights after that step's update):
+- RUN/final/: the weights after the last step, written by rank 0 when a run finishes all its
+  steps: config.json + model.safetensors in the parameter dtype (the bytes the evidence hashed)
+  + rlk_weights.json {"step", "version"}; written under a temporary name and renamed into place.
+  A run that stops early (a failed check, Ctrl-C, a lost rank) has no final/.
+- RUN/checkpoints/step-(N+1)/ (`--save-every`): fp32 masters, exported as the parameter dtype
+  (the model's weights are rounded from exactly these masters, so the bytes are the same).
+Any other step has no weights; export says which steps have.
+
+`export_run` writes a Hugging Face directory (config.json, model.safetensors, the tokenizer files
+of the run's input model, rlk_weights.json) after checking every tensor's SHA-256 against the
+per-tensor hashes the run recorded in evidence.json for that step: a tensor that differs is named
+and nothing is written. Reuses model/checkpoint.py (strict safetensors load/save, atomic) and
+weights/hashing.py.
+
+Does not: convert dtypes beyond master -> parameter dtype, shard, or merge LoRA (there is none).
+Run its tests: `.venv/bin/python -m pytest -q tests/test_export.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_model_config,
+                                       save_checkpoint)
+from rlkernel.model.config import Qwen3Config, param_shapes, tiny
+from rlkernel.runner.checkpointing import (ResumeError, checkpoint_dirs, fsync_dir,
+                                          read_checkpoint)
+from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
+
+FINAL_DIR = "final"
+WEIGHTS_META = "rlk_weights.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+"""Files copied from the run's input model directory into an export (those that exist)."""
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class ExportError(ValueError):
+    """The run's weights cannot be exported (missing, or not the bytes the run recorded)."""
+
+
+class ExportUsageError(ExportError):
+    """A bad `rlk export` argument (run directory, --step, --out): exit 2."""
+
+
+def save_final_weights(run_dir: str | os.PathLike, cfg: Qwen3Config,
+                       tensors: dict[str, torch.Tensor], *, step: int,
+                       version: str) -> pathlib.Path:
+    """Write RUN/final (see module doc) from `tensors` (logical, parameter dtype, CPU), the
+    weights after evidence step `step`, whose Merkle root the loop recorded as `version`.
+
+    Replaces an older final/ (a resumed run that was extended) by rename, so a reader sees the
+    old or the new directory, except for the instant between two renames. Returns its path.
+    Raises CheckpointError for tensors that do not match `cfg`, OSError on I/O failure.
+    """
+    run_dir = pathlib.Path(run_dir)
+    final = run_dir / FINAL_DIR
+    staging = run_dir / f".{FINAL_DIR}.tmp-{os.getpid()}"
+    meta = {"step": step, "version": version}
+    save_checkpoint(staging, cfg, tensors,
+                    extra_files={WEIGHTS_META: (json.dumps(meta, indent=1) + "\n").encode()})
+    old = None
+    if final.exists():
+        old = run_dir / f".{FINAL_DIR}.old-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(staging, final)
+    fsync_dir(run_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def tokenizer_file_hashes(model_dir: str | os.PathLike | None) -> dict[str, str]:
+    """SHA-256 of each TOKENIZER_FILES file in `model_dir` ({} for None): recorded in the
+    manifest at run start, checked again by `rlk export` before it copies them."""
+    if model_dir is None:
+        return {}
+    d = pathlib.Path(model_dir)
+    return {n: hashlib.sha256((d / n).read_bytes()).hexdigest()
+            for n in TOKENIZER_FILES if (d / n).is_file()}
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_run` wrote: out dir, evidence step, source dir, version, tensors verified."""
+
+    out: pathlib.Path
+    step: int
+    source: pathlib.Path
+    version: str
+    n_tensors: int
+    seconds: float
+
+
+def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
+    try:
+        manifest = json.loads((run / "manifest.json").read_text(encoding="utf-8"))
+        evidence = json.loads((run / "evidence.json").read_text(encoding="utf-8"))
+        if not isinstance(manifest.get("config"), dict) or not isinstance(evidence.get("steps"),
+                                                                          list):
+            raise TypeError("no config or steps")
+    except (OSError, ValueError, TypeError, AttributeError):
+        raise ExportUsageError(f"RUN {str(run)!r}: no readable manifest.json and evidence.json; "
+                               "give a run directory written by rlk run") from None
+    return manifest, evidence
+
+
+def _final_step(run: pathlib.Path) -> int | None:
+    try:
+        meta = json.loads((run / FINAL_DIR / WEIGHTS_META).read_text(encoding="utf-8"))
+        step = meta["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def available_steps(run: str | os.PathLike) -> dict[int, pathlib.Path]:
+    """Evidence step -> the directory holding its weights: final/ and every checkpoint."""
+    run = pathlib.Path(run)
+    out = {next_step - 1: p for next_step, p in checkpoint_dirs(run).items() if next_step >= 1}
+    f = _final_step(run)
+    if f is not None:
+        out[f] = run / FINAL_DIR  # final/ wins: it holds the parameter-dtype bytes themselves
+    return dict(sorted(out.items()))
+
+
+def _steps_text(avail: dict[int, pathlib.Path]) -> str:
+    if not avail:
+        return ("this run kept no weights (final/ is written when a run finishes all its steps; "
+                "--save-every N keeps checkpoints)")
+    shown = [f"{s} ({p.name if p.name == FINAL_DIR else 'checkpoint ' + p.name})"
+             for s, p in avail.items()]
+    return "steps with weights: " + ", ".join(shown)
+
+
+def _model_config(run: pathlib.Path, config: dict) -> Qwen3Config:
+    """The run's architecture: final/config.json, else the input model's, else the tiny model."""
+    for d in (run / FINAL_DIR, config.get("model")):
+        if d is not None and (pathlib.Path(d) / "config.json").is_file():
+            return read_model_config(d)
+    if config.get("model") is None:
+        return tiny()
+    raise ExportError(f"cannot find the model's config.json (neither {run / FINAL_DIR} nor the "
+                      f"run's --model {config['model']!r} has one)")
+
+
+def _tokenizer_files(config: dict, manifest: dict, cfg: Qwen3Config) -> dict[str, bytes]:
+    """The tokenizer files for the export: the input model's (checked against the manifest's
+    hashes when it has them), or the byte tokenizer's stand-in when the run used that."""
+    from rlkernel.data.tokenizer import standin_tokenizer_files
+
+    model = config.get("model")
+    if model is None or not (pathlib.Path(model) / "tokenizer.json").is_file():
+        if model is not None and not pathlib.Path(model).is_dir():
+            raise ExportError(f"the run's input model directory {model!r} (for its tokenizer "
+                              "files) no longer exists; restore it, or export from a copy of the "
+                              "run whose manifest names a directory that exists")
+        # The run encoded with the byte tokenizer (no tokenizer.json): write its equivalent.
+        return standin_tokenizer_files(cfg.vocab_size, cfg.eos_token_id)
+    d = pathlib.Path(model)
+    files = {n: (d / n).read_bytes() for n in TOKENIZER_FILES if (d / n).is_file()}
+    recorded = manifest.get("tokenizer_files")
+    if isinstance(recorded, dict):
+        now = {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+        changed = sorted(n for n in set(recorded) | set(now) if recorded.get(n) != now.get(n))
+        if changed:
+            raise ExportError(f"tokenizer file(s) {', '.join(changed)} in {d} changed since the "
+                              "run started (manifest.json tokenizer_files); refusing to export a "
+                              "tokenizer the run did not use")
+    return files
+
+
+def _load_weights(src: pathlib.Path, cfg: Qwen3Config,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Parameter-dtype logical tensors of final/ or of a checkpoint's fp32 masters."""
+    if src.name == FINAL_DIR:
+        try:
+            _, tensors = load_checkpoint(src)
+        except CheckpointError as e:
+            raise ExportError(f"{src}: {e}") from None
+        return tensors
+    try:
+        ck = read_checkpoint(src)
+    except ResumeError as e:
+        raise ExportError(str(e)) from None
+    out = {}
+    for name in param_shapes(cfg):
+        m = ck.tensors.get(f"master/{name}")
+        if m is None:
+            raise ExportError(f"{src}: checkpoint lacks tensor master/{name}")
+        out[name] = m.to(dtype)  # the same rounding that makes the model's weights (qwen3.py)
+    return out
+
+
+def export_run(run: str | os.PathLike, out: str | os.PathLike,
+               step: int | None = None) -> Exported:
+    """Export the weights of `run` after evidence step `step` (None: the final weights of a
+    complete run) to the Hugging Face directory `out`, verified against the run's evidence.
+
+    `out` gets config.json (torch_dtype = the parameter dtype), model.safetensors (parameter
+    dtype, logical tensors; no lm_head.weight when tied), the tokenizer files, and
+    rlk_weights.json {"run", "step", "version", "source"}; it is written under a temporary name
+    and renamed into place, so a failed export leaves nothing.
+    Raises ExportUsageError (exit 2): `out` exists and is not empty, `run` is not a run
+    directory, `step` is out of range or has no weights (the message lists the steps that have);
+    ExportError (exit 1): a tensor's SHA-256 differs from the one the run recorded (named), the
+    weights or tokenizer files are missing or unreadable.
+    """
+    t0 = time.perf_counter()
+    run, out = pathlib.Path(run), pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportUsageError(f"--out {str(out)!r}: exists and is not an empty directory; give a "
+                               "new or empty directory")
+    manifest, evidence = _read_run(run)
+    steps = evidence["steps"]
+    avail = available_steps(run)
+    if step is None:
+        last = len(steps) - 1
+        if not evidence.get("complete") or avail.get(last) != run / FINAL_DIR:
+            raise ExportUsageError(f"RUN {str(run)!r} has no final weights (it did not finish "
+                                   f"all its steps: {len(steps)} recorded, complete="
+                                   f"{bool(evidence.get('complete'))}); give --step N; "
+                                   f"{_steps_text(avail)}")
+        step = last
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < len(steps):
+        raise ExportUsageError(f"--step {step!r}: must be an evidence step of {str(run)!r}, in "
+                               f"[0, {len(steps)}); {_steps_text(avail)}")
+    if step not in avail:
+        raise ExportUsageError(f"--step {step}: {str(run)!r} kept no weights for it; "
+                               f"{_steps_text(avail)}")
+    src = avail[step]
+    config = manifest["config"]
+    cfg = _model_config(run, config)
+    dtype = _DTYPES.get(config.get("dtype", "bf16"))
+    if dtype is None:
+        raise ExportError(f"{run / 'manifest.json'}: dtype {config.get('dtype')!r} is not one of "
+                          f"{', '.join(_DTYPES)}")
+    tensors = _load_weights(src, cfg, dtype)
+
+    record = steps[step]
+    expected = record.get("tensor_hashes") if isinstance(record, dict) else None
+    if not isinstance(expected, dict) or not expected:
+        raise ExportError(f"{run / 'evidence.json'}: step {step} records no tensor_hashes to "
+                          "verify against")
+    hashes = state_hashes({n: tensors[n] for n in param_shapes(cfg)})
+    problems = compare_hashes(expected, hashes)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ExportError(f"refusing to export {src}: {problems[0]}{more}; these are not the "
+                          f"weights the run recorded at step {step} (evidence.json)")
+    version = version_hash(hashes)
+    if version != record.get("version"):
+        raise ExportError(f"refusing to export {src}: version {version[:16]}... differs from "
+                          f"the recorded {str(record.get('version'))[:16]}... of step {step}")
+
+    files = _tokenizer_files(config, manifest, cfg)
+    meta = {"run": str(run.resolve()), "step": step, "version": version,
+            "source": str(src.relative_to(run))}
+    files[WEIGHTS_META] = (json.dumps(meta, indent=1) + "\n").encode()
+    try:
+        save_checkpoint(out, cfg, tensors, extra_files=files)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    return Exported(out, step, src, version, len(hashes), time.perf_counter() - t0)
+

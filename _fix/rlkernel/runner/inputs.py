@@ -1,0 +1,173 @@
+"""What a run reads from disk, described for its manifest, and checked again on `--resume`.
+
+`describe_inputs` records, under the manifest's "inputs":
+- "files": the SHA-256 of every file the run reads — the model directory's config.json,
+  safetensors index, *.safetensors and tokenizer.json, and the --prompts file — by path;
+- "vocab": the model's vocab_size, the tokenizer's id bound, how many ids lie past it (a padded
+  vocabulary: Qwen3 has 151,936 embedding rows for 151,669 tokenizer ids) and the rule applied to
+  them (VOCAB_RULE, implemented in kernels/logprobs.py);
+- "weights": the dtypes the checkpoint stores and whether `--dtype` rounds them (an fp16 or fp32
+  checkpoint under the default bf16: `startup_notes` says so in one line).
+A resumed run reloads every input from its path (the KL reference is the initial model), so a
+file replaced under the same path would silently change the run: `check_unchanged` refuses the
+resume, naming the file.
+
+Does not: load tensors (only safetensors headers are read) or validate the model (the loader
+reports a bad checkpoint, with its own message, before any step; what cannot be read here is left
+out of "vocab"/"weights"), or import torch. Footgun: inputs are hashed when `rlk run` starts; a file
+replaced after that and before the loop reads it (seconds) is not caught. Hashing reads every
+byte once, one thread per file (~0.37 GB/s per core on this project's CPU: an 8B bf16
+checkpoint's 16 GB in five shards takes ~10 s on 5+ cores, ~45 s on one).
+Tests: `.venv/bin/python -m pytest -q tests/test_inputs.py`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import pathlib
+import struct
+from typing import Any
+
+from rlkernel.config import ConfigError, RunConfig
+from rlkernel.model.config import Qwen3Config
+
+VOCAB_RULE = ("token ids >= the tokenizer's id bound (embedding rows past the tokenizer) have "
+              "logit -inf in the canonical log-softmax of logits / T, by global id, in rollout "
+              "and trainer: probability 0, never sampled, no gradient")
+"""The padded-vocabulary rule, as recorded in every manifest."""
+
+_MODEL_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json")
+_ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_RUN_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# Stored dtype -> the run dtypes that hold every value of it exactly (widening, or the same).
+_EXACT_IN = {"bfloat16": ("bfloat16", "float32"), "float16": ("float32",), "float32": ("float32",)}
+_CHUNK = 1 << 24
+
+
+def input_files(cfg: RunConfig) -> list[pathlib.Path]:
+    """The files `cfg`'s run reads, sorted: the model directory's config.json, safetensors index,
+    every *.safetensors (stray ones too: over-inclusive is the safe side) and tokenizer.json, and
+    the prompts file. Files that do not exist are left out (the loaders report them)."""
+    out: list[pathlib.Path] = []
+    if cfg.model is not None:
+        d = pathlib.Path(cfg.model)
+        out += [d / n for n in _MODEL_FILES if (d / n).is_file()]
+        out += [p for p in d.glob("*.safetensors") if p.is_file()]
+    if cfg.prompts is not None and pathlib.Path(cfg.prompts).is_file():
+        out.append(pathlib.Path(cfg.prompts))
+    return sorted(out)
+
+
+def sha256_file(path: str | pathlib.Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 16 MiB chunks. Raises OSError."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stored_dtypes(files: list[pathlib.Path]) -> list[str] | None:
+    """Sorted dtype names of every tensor in the *.safetensors files (from their JSON headers),
+    or None when a header cannot be read (the checkpoint loader will say why)."""
+    seen: set[str] = set()
+    for p in files:
+        if p.suffix != ".safetensors":
+            continue
+        try:
+            with open(p, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100_000_000:
+                    return None
+                header = json.loads(f.read(n))
+            seen.update(_ST_DTYPES.get(v["dtype"], v["dtype"]) for k, v in header.items()
+                        if k != "__metadata__")
+        except (OSError, ValueError, KeyError, TypeError, struct.error, AttributeError):
+            return None
+    return sorted(seen)
+
+
+def _vocab(cfg: RunConfig, mcfg: Qwen3Config | None) -> dict[str, Any] | None:
+    from rlkernel.data.tokenizer import load_tokenizer
+
+    if mcfg is None:
+        return None
+    try:
+        tok = load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size,
+                             eos_token_id=mcfg.eos_token_id)
+    except ValueError:  # the loop reports it, before any step
+        return None
+    live = min(tok.vocab_size, mcfg.vocab_size)
+    return {"model_vocab_size": mcfg.vocab_size, "tokenizer": tok.name,
+            "tokenizer_ids": tok.vocab_size, "masked_ids": mcfg.vocab_size - live,
+            "rule": VOCAB_RULE}
+
+
+def describe_inputs(cfg: RunConfig, mcfg: Qwen3Config | None) -> dict[str, Any]:
+    """The manifest's "inputs" record (module doc) of `cfg`'s run; `mcfg` is the model config
+    (None when config.json cannot be read: "vocab" is then null).
+
+    Returns {"files": {path: sha256}, "vocab": {...} | None, "weights": {"stored_dtypes": [...]
+    | None, "dtype": run dtype name, "rounded": bool | None}}.
+    Raises ConfigError naming the file when an input cannot be read.
+    """
+    files = input_files(cfg)
+    hashes = {}
+    # One thread per file (hashlib releases the GIL): a sharded checkpoint hashes in parallel.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for p, fut in [(p, pool.submit(sha256_file, p)) for p in files]:
+            try:
+                hashes[str(p)] = fut.result()
+            except OSError as e:
+                flag = ("--prompts" if cfg.prompts is not None
+                        and p == pathlib.Path(cfg.prompts) else "--model")
+                raise ConfigError(f"{flag}: cannot read {p} ({e.strerror or e}); inputs are "
+                                  "hashed into the manifest") from None
+    stored = ["bfloat16"] if cfg.model is None else _stored_dtypes(files)  # tiny: init_weights
+    run = _RUN_DTYPES[cfg.dtype]
+    rounded = None if stored is None else any(run not in _EXACT_IN.get(d, ()) for d in stored)
+    return {"files": hashes, "vocab": _vocab(cfg, mcfg),
+            "weights": {"stored_dtypes": stored, "dtype": run, "rounded": rounded}}
+
+
+def startup_notes(cfg: RunConfig, inputs: dict[str, Any]) -> list[str]:
+    """One-line notes to print before the run: a checkpoint rounded by --dtype."""
+    w = inputs.get("weights") or {}
+    if not w.get("rounded"):
+        return []
+    lossy = [d for d in w["stored_dtypes"] if w["dtype"] not in _EXACT_IN.get(d, ())]
+    keep = " (--dtype fp32 keeps them exact)" if cfg.dtype != "fp32" else ""
+    return [f"--model {cfg.model}: stores {', '.join(lossy)} weights; --dtype {cfg.dtype} rounds "
+            f"them to {w['dtype']} (recorded in manifest.json){keep}"]
+
+
+def check_unchanged(recorded: Any, current: dict[str, Any], run_dir: str) -> None:
+    """Refuse a resume whose inputs differ from those recorded when the run started.
+
+    `recorded`: the saved manifest's "inputs" (anything: it is checked); `current`:
+    describe_inputs() now. Raises ConfigError naming the first changed, missing or new file (and
+    how many more), or saying that nothing was recorded.
+    """
+    rec = recorded.get("files") if isinstance(recorded, dict) else None
+    if not isinstance(rec, dict):
+        raise ConfigError(f"--resume {run_dir!r}: manifest.json records no input hashes (written "
+                          "by an older rl-kernel), so the model and prompts cannot be checked; "
+                          "start a new run")
+    cur = current["files"]
+    problems = []
+    for path in sorted(set(rec) | set(cur)):
+        if path not in cur:
+            problems.append(f"input {path} is gone")
+        elif path not in rec:
+            problems.append(f"input {path} was not there when the run started")
+        elif rec[path] != cur[path]:
+            problems.append(f"input {path} changed since the run started (SHA-256 "
+                            f"{cur[path][:12]}… now, {str(rec[path])[:12]}… recorded)")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(f"--resume {run_dir!r}: {problems[0]}{more}; a resumed run must read "
+                          "the inputs it started with (it reloads them, the KL reference "
+                          "included)")

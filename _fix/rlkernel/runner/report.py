@@ -1,0 +1,189 @@
+"""`rlk report RUN [RUN ...] --out DIR`: PNG plots of the per-step metrics of one or several runs.
+
+Each run contributes its metrics.jsonl (runner/metrics.py) or, when it has none (older runs, or
+a run directory copied without it), the rows derived from its evidence.json by the same
+`metrics_row`. One curve per run (colour) on each panel, x = RL step:
+  overview.png   every panel below on one page
+  reward.png     reward mean, with a ±1 std band
+  response_len.png, kl.png, entropy.png, loss.png, clip_frac.png, lr.png,
+  grad_norm.png  first update's exact norm; with several updates per step, update i of n as a
+                 dot at step + i/n
+  mismatches.png train/rollout logprob byte mismatches (0 is the contract in --mode invariant)
+  throughput.png response tokens per second of the whole step
+  step_time.png  rollout (solid), train (dashed), sync (dotted) seconds per step
+A panel with no value in any run is left out. NaN/Inf values are gaps in a curve.
+
+Matplotlib is driven through its object API with the Agg canvas: no pyplot, no global backend
+switch, no display needed.
+Does not: compare runs bit for bit (`rlk compare` does) or read tensors.
+Tests: `.venv/bin/python -m pytest -q tests/test_watch.py -k report`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+from rlkernel.runner.metrics import METRICS, metrics_row, read_jsonl
+
+
+class ReportError(ValueError):
+    """A run cannot be plotted, or the output directory cannot be written."""
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """One run's rows (sorted by step) and the label of its curves."""
+
+    label: str
+    rows: list[dict[str, Any]]
+    source: str
+
+
+def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
+    """A run's metrics rows: metrics.jsonl, else derived from evidence.json.
+
+    Raises ReportError naming the directory when neither holds a step.
+    """
+    d = pathlib.Path(run_dir)
+    if not d.is_dir():
+        raise ReportError(f"{d}: no such run directory")
+    path = d / METRICS
+    rows: list[dict[str, Any]] = []
+    source = str(path)
+    try:
+        if path.is_file():
+            rows = read_jsonl(path)
+        if not rows:
+            source = str(d / "evidence.json")
+            ev = json.loads((d / "evidence.json").read_text(encoding="utf-8"))
+            steps = ev.get("steps") if isinstance(ev, dict) else None
+            rows = [metrics_row(s) for s in steps or [] if isinstance(s, dict)]
+    except FileNotFoundError:
+        raise ReportError(f"{d}: neither {METRICS} nor evidence.json; give a directory written "
+                          "by rlk run") from None
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{source}: cannot be read ({e})") from None
+    rows = sorted((r for r in rows if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    if not rows:
+        raise ReportError(f"{d}: no step recorded yet (in {source})")
+    return RunMetrics(d.name or str(d), rows, source)
+
+
+def _values(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+            v = float(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(r["step"])
+            ys.append(float(v) if math.isfinite(v) else math.nan)
+    return xs, ys
+
+
+# (file stem, title, y label, keys with line styles)
+PANELS = [
+    ("reward", "reward (mean, ±1 std)", "reward", [("reward_mean", "-")]),
+    ("response_len", "response length", "tokens per sample", [("response_len_mean", "-")]),
+    ("kl", "KL to the reference policy", "KL estimate", [("kl", "-")]),
+    ("entropy", "entropy", "nats per token", [("entropy", "-")]),
+    ("loss", "loss", "loss (--loss-agg)", [("loss", "-")]),
+    ("clip_frac", "PPO clip fraction", "clipped tokens / tokens", [("clip_frac", "-")]),
+    ("grad_norm", "gradient norm (exact, before clipping; dots: every update)", "L2 norm",
+     [("grad_norm", "-")]),
+    ("lr", "learning rate", "lr", [("lr", "-")]),
+    ("mismatches", "train/rollout logprob byte mismatches", "tokens", [("logprob_mismatches", "-")]),
+    ("throughput", "throughput", "response tokens / s", [("tokens_per_s", "-")]),
+    ("step_time", "step time (rollout -, train --, sync :)", "seconds",
+     [("rollout_s", "-"), ("train_s", "--"), ("sync_s", ":")]),
+]
+
+
+def _draw(ax, runs: list[RunMetrics], panel, colors) -> bool:
+    """Draw one panel; False when no run has a value for it."""
+    from matplotlib.ticker import MaxNLocator
+
+    stem, title, ylabel, keys = panel
+    drawn = False
+    for run, color in zip(runs, colors):
+        for key, style in keys:
+            xs, ys = _values(run.rows, key)
+            if not xs:
+                continue
+            drawn = True
+            marker = "o" if len(xs) <= 20 else None
+            label = run.label if key == keys[0][0] else None
+            ax.plot(xs, ys, style, color=color, marker=marker, markersize=3, label=label)
+            if key == "reward_mean":
+                sx, sd = _values(run.rows, "reward_std")
+                if sx == xs:
+                    ax.fill_between(xs, [y - s for y, s in zip(ys, sd)],
+                                    [y + s for y, s in zip(ys, sd)], color=color, alpha=0.15)
+        if stem == "grad_norm":  # update i of n at x = step + i/n: the first sits on the line
+            pts = [(r["step"] + i / len(r["grad_norms"]), g) for r in run.rows
+                   if isinstance(r.get("grad_norms"), list)
+                   for i, g in enumerate(r["grad_norms"]) if isinstance(g, (int, float))]
+            if pts:
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, color=color, alpha=0.6)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("RL step", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    if drawn and len(runs) > 1:
+        ax.legend(fontsize=7)
+    return drawn
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def write_report(run_dirs: list[str], out_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """Draw the PNGs (module doc) of `run_dirs` into `out_dir` (created if missing); returns the
+    files written. Raises ReportError for an unreadable run or an unwritable out_dir."""
+    runs = [load_metrics(d) for d in run_dirs]
+    labels = [r.label for r in runs]
+    if len(set(labels)) < len(labels):  # same directory name in different places: use paths
+        runs = [RunMetrics(str(d), r.rows, r.source) for d, r in zip(run_dirs, runs)]
+    out = pathlib.Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"--out {str(out)!r}: cannot create it ({e.strerror or e})") from None
+    try:
+        from matplotlib import colormaps
+    except ImportError as e:
+        raise ReportError(f"matplotlib is needed for rlk report ({e}); pip install matplotlib") \
+            from None
+    cmap = colormaps["tab10"]
+    colors = [cmap(i % 10) for i in range(len(runs))]
+    written = []
+    shown = []
+    for panel in PANELS:
+        fig = _figure(7, 4)
+        if _draw(fig.add_subplot(), runs, panel, colors):
+            path = out / f"{panel[0]}.png"
+            fig.savefig(path, dpi=110)
+            written.append(path)
+            shown.append(panel)
+    cols = 3
+    n_rows = max(1, -(-len(shown) // cols))
+    fig = _figure(5 * cols, 3.2 * n_rows)
+    for i, panel in enumerate(shown):
+        _draw(fig.add_subplot(n_rows, cols, i + 1), runs, panel, colors)
+    fig.suptitle("rl-kernel: " + ", ".join(r.label for r in runs), fontsize=11)
+    path = out / "overview.png"
+    fig.savefig(path, dpi=90)
+    return [path] + written

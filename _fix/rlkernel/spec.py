@@ -1,0 +1,28 @@
+"""The canonical spec (DESIGN.md §1): constants that fix the numerical identity of a run.
+
+Changing any of them is a different numerical run; all are recorded in every manifest. No torch.
+"""
+
+VIRTUAL_TP = 8
+"""Every TP-sharded reduction is a fixed binary tree over this many virtual shards."""
+VIRTUAL_CP = 8
+"""CP degrees the contract covers: any CP dividing this (zig-zag segments of whole token leaves)."""
+VIRTUAL_DP = 8
+"""DP degrees the contract covers: any DP dividing this (and the samples of a mini-batch)."""
+TOKEN_LEAF = 16
+"""Tokens per leaf of every token reduction: a leaf is TOKEN_LEAF consecutive tokens of one sample
+(sample-relative positions), summed in order in fp32; leaves are then added exactly
+(numerics/fixedpoint.py), so microbatches, DP/CP/SP ranks and padding cannot change a gradient."""
+ATTN_KV_BLOCK = 16
+"""Keys per online-softmax block of attention, at absolute positions."""
+MATMUL_ORDER = "sequential-K fp32"
+"""Order of every matmul's K reduction on the CPU backend."""
+
+# CUDA backend (Triton kernels): the same contract with its own block sizes.
+CUDA_ATTN_KV_BLOCK = 64
+"""Keys per online-softmax block of the Triton attention kernels."""
+CUDA_VOCAB_CHUNK = 128
+"""Vocab ids per chunk of the fused LM-head + log-softmax kernel."""
+CUDA_BLOCK_K = {"fp32": 32, "bf16": 64}
+"""K-tile of the sequential-K Triton matmul per input dtype (the K order inside a tile is the
+tensor core's; across tiles it is sequential)."""

@@ -1,0 +1,279 @@
+"""One policy-gradient step's gradients: share, pack, forward, per-token losses, exact backward.
+
+DP rank d of D takes samples [d·n/D, (d+1)·n/D) of the mini-batch (logical order); its samples are
+packed in order into microbatches of at most --micro-batch-tokens tokens (data/packing.py), each
+one token stream whose samples start at multiples of TOKEN_LEAF (model/layout.py). Row t of a
+sample predicts token t+1, so the rows that predict response tokens carry the loss. The trainer's
+logprobs of those tokens are compared byte for byte with the rollout's (the train/rollout
+mismatch count of the evidence). The loss is normalised once over the WHOLE mini-batch (its
+response-token count N, or per sample, --loss-agg), never per microbatch or rank: every token's
+gradient coefficient is fixed before the first microbatch. Every weight gradient of every
+microbatch is added exactly into the policy's GradSink and rounded once after the last one, summed
+over DP and CP ranks as integers (distributed/tokensum.py): so D and the microbatch size never
+change a bit (in --mode native autograd accumulates fp32 per microbatch and SUM all-reduces).
+Does not: clip or update (train/optimizer.py, train/zero.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel.config import LOSS_AGGS
+from rlkernel.data.packing import pack_by_budget
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows, stream_multiple
+from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout, sample_offsets
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.numerics.exact import exact_sum
+from rlkernel.train.losses import LossCoefs, token_losses
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """A rollout sample: prompt and response ids, the rollout's fp32 logprobs [R], its advantage."""
+
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    rollout_logprobs: torch.Tensor
+    advantage: float
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One mini-batch's loss terms, aggregated like the loss (--loss-agg: exact sums divided
+    once), the train/rollout logprob byte-mismatch count, the number of (trainer, rollout)
+    logprob pairs actually compared (counted where they are compared, over every CP rank: N when
+    every response token is compared once), and how many tokens the PPO clip cut off."""
+
+    n_tokens: int
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    logprob_mismatches: int
+    n_microbatches: int
+    logprob_compared: int
+    n_clipped: int = 0
+
+
+def agg_weights(lengths: list[int], agg: str) -> list[float]:
+    """Gradient coefficient w_s of every response token of sample s (float64), per sample.
+
+    lengths: response tokens R_s of each sample of one mini-batch, the set the loss is
+    normalised over (never a microbatch or a rank's share). The mini-batch loss is
+    sum_s sum_t w_s * l_st with, for N = sum R_s and S = samples with R_s > 0:
+      token-mean           w_s = 1 / N          (DAPO's token-level loss, arXiv 2503.14476 §3.3)
+      seq-mean-token-sum   w_s = 1 / S
+      seq-mean-token-mean  w_s = 1 / (S * R_s)  (GRPO's per-sample mean, arXiv 2402.03300 eq. 3)
+    Each w_s is one division of exact integers, hence the same on every rank. A sample without
+    response tokens gets 0. Raises ValueError on an unknown agg or when N == 0.
+    """
+    n_tok = sum(lengths)
+    n_seq = sum(1 for r in lengths if r > 0)
+    if n_tok == 0:
+        raise ValueError("no response tokens to train on")
+    if agg == "token-mean":
+        return [1.0 / n_tok for _ in lengths]
+    if agg == "seq-mean-token-sum":
+        return [1.0 / n_seq for _ in lengths]
+    if agg == "seq-mean-token-mean":
+        return [1.0 / (n_seq * r) if r else 0.0 for r in lengths]
+    raise ValueError(f"--loss-agg {agg!r} is not known; allowed: {', '.join(LOSS_AGGS)}")
+
+
+def aggregate(values: list[float], sample_of: list[int], lengths: list[int], agg: str) -> float:
+    """The --loss-agg mean of per-token values (any order) whose samples are `sample_of`:
+    exact sums (numerics/exact.py), each divided once, so any split over ranks gives the same
+    bits. seq-mean-token-mean takes each sample's exact sum / R_s, then their exact sum / S."""
+    n_seq = sum(1 for r in lengths if r > 0)
+    if agg == "token-mean":
+        return exact_sum(values) / sum(lengths)
+    if agg == "seq-mean-token-sum":
+        return exact_sum(values) / n_seq
+    per: dict[int, list[float]] = {}
+    for v, s in zip(values, sample_of):
+        per.setdefault(s, []).append(v)
+    return exact_sum(exact_sum(per[s]) / lengths[s] for s in per) / n_seq
+
+
+def _offsets(group: list[TrainSample]) -> list[int]:
+    return sample_offsets([len(s.prompt_ids) + len(s.response_ids) for s in group])
+
+
+def loss_rows(group: list[TrainSample], stream_len: int):
+    """Per row of the packed stream of `group` (model/layout.packed_layout, stream_len rows):
+    target id [L] long, loss mask [L] bool (rows that predict a response token), rollout
+    logprob [L] fp32, advantage [L] fp32."""
+    targets = torch.zeros(stream_len, dtype=torch.long)
+    mask = torch.zeros(stream_len, dtype=torch.bool)
+    old = torch.zeros(stream_len, dtype=torch.float32)
+    adv = torch.zeros(stream_len, dtype=torch.float32)
+    for s, off in zip(group, _offsets(group)):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        idx = torch.arange(off + p - 1, off + p + r - 1)
+        targets[idx] = torch.tensor(s.response_ids, dtype=torch.long)
+        mask[idx] = True
+        old[idx] = s.rollout_logprobs.to(torch.float32)
+        adv[idx] = s.advantage
+    return targets, mask, old, adv
+
+
+def _row_samples(group: list[TrainSample], index: list[int], stream_len: int) -> torch.Tensor:
+    """[L] long: for each row that predicts a response token, the mini-batch index of its
+    sample (`index[i]` for group[i]); -1 elsewhere."""
+    who = torch.full((stream_len,), -1, dtype=torch.long)
+    for s, i, off in zip(group, index, _offsets(group)):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        who[off + p - 1:off + p + r - 1] = i
+    return who
+
+
+def dp_share(n: int, dp: Comm) -> range:
+    """Indices of the mini-batch samples DP rank dp.rank trains on: [d·n/D, (d+1)·n/D).
+    Raises ValueError when D does not divide n (config.RunConfig refuses such a run first)."""
+    if n % dp.size:
+        raise ValueError(f"--dp {dp.size} must divide the {n} samples of a mini-batch")
+    k = n // dp.size
+    return range(dp.rank * k, (dp.rank + 1) * k)
+
+
+def microbatches(samples: list[TrainSample], micro_batch_tokens: int, pad_id: int,
+                 pc: ParallelCtx, index: list[int] | None = None
+                 ) -> list[tuple[StreamLayout, tuple[torch.Tensor, ...], torch.Tensor]]:
+    """The microbatches of `samples` as this rank holds them, in logical order (what
+    compute_gradients runs): per microbatch (layout of this rank's rows — the CP-local view under
+    CP —, per row: (target id, loss mask, rollout logprob, advantage, mini-batch index of the
+    row's sample or -1), logical stream row [Lc] long of each). `index[i]`: the mini-batch index
+    of samples[i] (default i). Grouping depends only on the samples and micro_batch_tokens; the
+    stream's end padding on the CP/SP layout (parallel.stream_multiple). Neither changes a number.
+    Raises ValueError if a sample exceeds micro_batch_tokens.
+    """
+    index = list(range(len(samples))) if index is None else index
+    groups = pack_by_budget([len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                            micro_batch_tokens)
+    out = []
+    for g in groups:
+        group = [samples[i] for i in g]
+        seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
+        lay = packed_layout(seqs, pad_id, stream_multiple(pc))
+        n_rows = lay.tokens.shape[0]
+        per_row = (*loss_rows(group, n_rows), _row_samples(group, [index[i] for i in g], n_rows))
+        local = torch.arange(n_rows)
+        if pc.cp.size > 1:
+            local = cp_local_rows(pc, local)
+            lay = cp_local_layout(lay, local)
+            per_row = tuple(t[local] for t in per_row)
+        out.append((lay, per_row, local))
+    return out
+
+
+def _loss_rows_on_device(policy: Qwen3ForCausalLM, mbs):
+    """Per microbatch of `microbatches`: (layout, target ids [L'], loss rows [n] long, rollout
+    logprobs [n] fp32, advantages [n] fp32, sample index [n] long) on the policy's device, n the
+    rows this rank holds that predict a response token."""
+    for lay, per_row, _ in mbs:
+        targets, mask, old, adv, who = (t.to(policy.device) for t in per_row)
+        rows = mask.nonzero(as_tuple=True)[0]
+        yield lay, targets, rows, old[rows], adv[rows], who[rows]
+
+
+def _everyone(pc: ParallelCtx, obj, op: str) -> list:
+    """obj of every rank holding other tokens of the mini-batch (CP ranks, then DP replicas)."""
+    return [x for part in pc.dp.all_gather_object(pc.cp.all_gather_object(obj, op), op + ":dp")
+            for x in part]
+
+
+def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
+                      *, temperature: float, coefs: LossCoefs, micro_batch_tokens: int,
+                      pad_id: int, exp, agg: str = "token-mean") -> StepStats:
+    """Set policy's .grad to d(loss)/dθ of the mini-batch `samples` (fp32) and return its stats.
+
+    Every rank passes the whole mini-batch; this rank's DP replica trains on its share
+    (dp_share). The loss is normalised over all of it by `agg` (agg_weights), so every token's
+    gradient coefficient is fixed before the first microbatch. Collective over the policy's
+    groups. Raises ValueError if there is no response token, a sample exceeds
+    micro_batch_tokens, or DP does not divide the samples.
+    """
+    lengths = [len(s.response_ids) for s in samples]
+    weights = agg_weights(lengths, agg)
+    pc = policy.pc
+    share = list(dp_share(len(samples), pc.dp))
+    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, pc, share)
+    # One microbatch on every DP replica (CP/TP ranks share their replica's grouping): weights
+    # can be finished inside the backward, without mini-batch accumulators. Same bytes.
+    counts = pc.dp.all_gather_object(len(mbs), "microbatch-count")
+    policy.ops.begin_grads(policy, direct=all(c == 1 for c in counts))
+    # fp32 coefficient per sample: the float64 weight rounded once (token-mean: fp32(1/N)).
+    w32 = torch.tensor(weights, dtype=torch.float32, device=policy.device)
+    vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
+    sample_of: list[int] = []
+    mismatches = compared = clipped = 0
+    for lay, targets, rows, old, adv, who in _loss_rows_on_device(policy, mbs):
+        lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
+        with torch.no_grad():
+            ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
+        lp, ent = lp_all[rows], ent_all[rows]
+        differs = lp.detach().view(torch.int32) != old.view(torch.int32)
+        mismatches += int(differs.sum().item())
+        compared += differs.numel()
+        total, pg, kl, cut = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
+        torch.autograd.backward(total, grad_tensors=w32[who])
+        clipped += int(cut.sum().item())
+        for key, t in (("total", total), ("pg", pg), ("kl", kl), ("ent", ent)):
+            vals[key].extend(t.detach().double().tolist())
+        sample_of.extend(who.tolist())
+    policy.ops.sync_grads(policy)
+    # Every CP rank and DP replica holds part of the tokens (TP ranks hold copies): gather,
+    # then exact sums.
+    everyone = _everyone(pc, (vals, sample_of, mismatches, compared, clipped), "step-stats")
+    merged = {k: [x for e in everyone for x in e[0][k]] for k in vals}
+    who_all = [s for e in everyone for s in e[1]]
+    mean = {k: aggregate(v, who_all, lengths, agg) for k, v in merged.items()}
+    return StepStats(sum(lengths), mean["total"], mean["pg"], mean["kl"], mean["ent"],
+                     sum(e[2] for e in everyone), len(mbs), sum(e[3] for e in everyone),
+                     sum(e[4] for e in everyone))
+
+
+@torch.no_grad()
+def rollout_mismatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], *,
+                       temperature: float, micro_batch_tokens: int,
+                       pad_id: int) -> tuple[int, int]:
+    """(mismatches, pairs compared): train/rollout logprob byte mismatches over the response
+    tokens of `samples`, and how many pairs were compared (over every CP rank and DP replica:
+    each checks its dp_share), from a forward pass of the policy as it is now (no gradient),
+    packed as compute_gradients packs; collective over the CP and DP groups. Used before the
+    first update of a step, for the mini-batches that compute_gradients will only see after the
+    policy has moved."""
+    share = list(dp_share(len(samples), policy.pc.dp))
+    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, policy.pc)
+    n = compared = 0
+    for lay, targets, rows, old, _, _ in _loss_rows_on_device(policy, mbs):
+        lp, _ = policy.token_logprobs(policy.hidden(lay), targets, temperature)
+        differs = lp[rows].view(torch.int32) != old.view(torch.int32)
+        n += int(differs.sum().item())
+        compared += differs.numel()
+    everyone = _everyone(policy.pc, (n, compared), "mismatch-count")
+    return sum(e[0] for e in everyone), sum(e[1] for e in everyone)
+
+
+@torch.no_grad()
+def trainer_logprobs(policy: Qwen3ForCausalLM, samples: list[TrainSample], temperature: float,
+                     pad_id: int) -> list[torch.Tensor]:
+    """The trainer's logprobs of each sample's response tokens ([R_i] fp32 per sample, CPU),
+    computed the way compute_gradients does: one packed stream, no KV cache (single process)."""
+    seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+    lay = packed_layout(seqs, pad_id)
+    targets, mask, _, _ = loss_rows(samples, lay.tokens.shape[0])
+    lp, _ = policy.token_logprobs(policy.hidden(lay), targets.to(policy.device), temperature)
+    return list(lp.cpu()[mask].split([len(s.response_ids) for s in samples]))
+
+
+def gradients(policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """fp32 gradients by logical parameter name (zeros for parameters without one)."""
+    out = {}
+    for n, p in policy.logical_params().items():
+        out[n] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return out

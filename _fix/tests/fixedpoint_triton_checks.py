@@ -1,0 +1,189 @@
+"""The checks behind tests/test_fixedpoint_triton.py, run in a subprocess with TRITON_INTERPRET=1
+(Triton's CPU interpreter must be chosen before triton is imported, and must not leak into the
+other tests' process). Each check compares the Triton kernel's accumulator with the torch path's
+(fixedpoint.accumulate_ on CPU, the reference), bytewise with torch.equal on the int64 columns.
+Prints one JSON object {check name: "ok" or the failure}: the named checks, or all but SLOW.
+Does not: run without the interpreter.
+Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/fixedpoint_triton_checks.py [NAME ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("fixedpoint_triton_checks.py needs TRITON_INTERPRET=1")
+
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics import triton_fixedpoint as tfx
+
+INF, NAN = float("inf"), float("nan")
+SLOW = {"more_rows_than_a_bin_flush"}
+CHECKS = {}
+# numpy warns when the interpreter widens a signalling-NaN fp32 to float64; the kernel counts
+# that value as NaN and never adds it, so the warning says nothing about the result.
+warnings.filterwarnings("ignore", "invalid value encountered in cast", RuntimeWarning)
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _same_as_torch(x: torch.Tensor, acc0: torch.Tensor | None = None, **launch) -> torch.Tensor:
+    """Kernel(acc0 + x) == torch path(acc0 + x), bytewise; returns the accumulator."""
+    m = x[0].numel()
+    acc0 = fx.zeros((m,)) if acc0 is None else acc0
+    want = fx.accumulate_(acc0.clone(), x)
+    got = tfx.accumulate_(acc0.clone(), x.reshape(x.shape[0], m), **launch)
+    assert torch.equal(got, want), f"columns {torch.nonzero((got != want).any(1)).flatten()[:8]}"
+    return got
+
+
+def _every_bin(k: int, cols: int = 260, seed: int = 0) -> torch.Tensor:
+    """x [k, cols]: column j drawn around 2**(j − 140) (jitter x2**±3), so columns 0..~13 are
+    subnormal and every exponent bin decides some column; column 0 is +0.0, column 1 ±0.0."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.arange(cols, dtype=torch.float64) - 140)
+    jitter = torch.exp2(torch.randint(-3, 4, (k, cols), generator=g).double())
+    x = (torch.randn(k, cols, generator=g, dtype=torch.float64) * scale * jitter).float()
+    x[:, 0] = 0.0
+    x[::2, 1] = -0.0
+    return x
+
+
+@check
+def n_cols_match():
+    assert tfx.N_COLS == fx.N_COLS and tfx.N_DIGITS == fx.N_DIGITS and tfx.SEG == fx._BIN_ROWS
+
+
+@check
+def every_exponent_bin():
+    acc = _same_as_torch(_every_bin(64))
+    assert (acc[:, 2:fx.N_DIGITS] != 0).any()           # the high digits were really used
+
+
+@check
+def random_bit_patterns():
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-2**31, 2**31, (96, 200), generator=g, dtype=torch.int64)
+    _same_as_torch(bits.to(torch.int32).view(torch.float32))
+
+
+@check
+def nonfinite_values():
+    col = [[INF, INF, NAN, 3e38, -INF, INF, 1.0, NAN],        # element j: column j
+           [INF, -INF, 1.0, 3e38, -INF, NAN, 2.0, 5e-45],
+           [3e38, 2.0, NAN, -1.0, -INF, -INF, 3.0, -3e38]]
+    acc = _same_as_torch(torch.tensor(col))
+    assert acc[:, fx.N_DIGITS:].tolist() == [[0, 2, 0], [0, 1, 1], [2, 0, 0], [0, 0, 0],
+                                             [0, 0, 3], [1, 1, 1], [0, 0, 0], [1, 0, 0]]
+
+
+@check
+def one_row():
+    _same_as_torch(_every_bin(1))
+
+
+def _near_the_flush_bound(k: int) -> torch.Tensor:
+    """x [k, 40]: column 0 the largest value of bin 7 (field 127), positive, with an odd multiple
+    of the bin's unit every 64th row, so a flush of SEG rows sums to just below the 2**52-unit
+    bound; column 1 the same in bin 15 (field 254, −fp32 max); column 2 the smallest subnormal."""
+    x = _every_bin(k, cols=40, seed=2)
+    odd = (torch.arange(k) % 64) == 63
+    for c, field, sign in ((0, 127, 1.0), (1, 254, -1.0)):
+        top = sign * (2.0 - 2.0**-23) * 2.0 ** (field - 127)
+        low = sign * (1.0 + 2.0**-23) * 2.0 ** (field - 15 - 127)   # field 16j, odd significand
+        x[:, c] = torch.where(odd, torch.tensor(low), torch.tensor(top)).float()
+    x[:, 2] = 2.0**-149
+    return x
+
+
+@check
+def more_rows_than_a_bin_flush():
+    """k = 2·SEG + 37 rows: three flushes of the real segment (~1 min under the interpreter)."""
+    _same_as_torch(_near_the_flush_bound(2 * tfx.SEG + 37))
+
+
+@check
+def more_rows_than_a_short_bin_flush():
+    """The same flush logic with 64-row segments: k = 2·64 + 37 (two full flushes and a tail)."""
+    _same_as_torch(_near_the_flush_bound(2 * 64 + 37), seg=64)
+
+
+@check
+def non_contiguous_values():
+    base = _every_bin(48, cols=90, seed=3)
+    _same_as_torch(base.t().contiguous().t())               # strides (1, 48)
+    _same_as_torch(base[::3, ::2])                          # strides (270, 2)
+
+
+@check
+def accumulator_that_already_holds_values():
+    g = torch.Generator().manual_seed(4)
+    prior = -torch.exp2(torch.randint(-149, 120, (5, 80), generator=g).float())
+    acc0 = fx.accumulate_(fx.zeros((80,)), prior)           # negative sums: top digit < 0
+    assert (acc0[:, fx.N_DIGITS - 1] < 0).all()
+    x = _every_bin(24, cols=80, seed=5)
+    _same_as_torch(x, acc0)
+    _same_as_torch(x, acc0 + acc0 + fx.accumulate_(fx.zeros((80,)), x))   # un-normalised digits
+
+
+@check
+def many_calls_in_sequence():
+    acc_t, acc_k = fx.zeros((70,)), fx.zeros((70,))
+    parts = [_every_bin(n, cols=70, seed=10 + n) for n in (1, 9, 33, 2, 17)]
+    for p in parts:
+        fx.accumulate_(acc_t, p)
+        tfx.accumulate_(acc_k, p)
+        assert torch.equal(acc_k, acc_t)
+    assert torch.equal(acc_k, tfx.accumulate_(fx.zeros((70,)), torch.cat(parts)))
+
+
+@check
+def launch_shape_changes_no_bit():
+    x = _every_bin(20, cols=100, seed=6)
+    want = tfx.accumulate_(fx.zeros((100,)), x)
+    for launch in ({"block": 32}, {"block": 256}, {"seg": 8}):
+        assert torch.equal(tfx.accumulate_(fx.zeros((100,)), x, **launch), want), launch
+
+
+@check
+def order_changes_no_bit_but_changes_fp32_sums():
+    x = _every_bin(40, cols=120, seed=7)[:, 20:]             # finite, well inside fp32
+    rev = tfx.accumulate_(fx.zeros((100,)), x.flip(0))
+    assert torch.equal(rev, _same_as_torch(x))
+    assert not torch.equal(x.sum(0).view(torch.int32), x.flip(0).sum(0).view(torch.int32))
+
+
+@check
+def bad_arguments_are_refused():
+    for acc, x in ((fx.zeros((3,)), torch.ones(2, 4)), (fx.zeros((3,)), torch.ones(2, 3).double()),
+                   (torch.zeros(3, fx.N_COLS), torch.ones(2, 3)),
+                   (fx.zeros((6,))[::2], torch.ones(2, 3))):
+        try:
+            tfx.accumulate_(acc, x)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {acc.dtype} {tuple(acc.shape)} / {x.dtype} {tuple(x.shape)}")
+
+
+def main(names: list[str]) -> None:
+    out = {}
+    for name in names or [n for n in CHECKS if n not in SLOW]:
+        try:
+            CHECKS[name]()
+            out[name] = "ok"
+        except Exception:   # noqa: BLE001 - reported to the test, which fails on it
+            out[name] = traceback.format_exc(limit=3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,160 @@
+"""Shared helpers of the kernel tests (tests/test_kernels_*.py): bit comparisons, float64-oracle
+tolerances, seeded inputs, and in-process ranks (threads) that run the kernels' own cross-rank trees.
+
+The rules every kernel test follows:
+Each kernel is checked two ways:
+- against a float64 oracle, with a tolerance (the only place tolerances appear);
+- against itself under batch / offset / shard / rank-split changes, bitwise: results are compared as
+  integer bit patterns (`assert_bitwise`), never with a tolerance, so -0.0 vs +0.0 and NaN payloads count.
+Every invariance test carries a negative control: the stock torch path in the same situation is
+asserted to *differ* (so the test can fail). Where no failing stock control exists on this CPU
+(AVX512, torch 2.13, 2 threads) the test says so in its docstring instead of faking one.
+CP/TP splits of token and head reductions run as in-process ranks (threads, `ThreadComm`) through
+the kernels' own `tok=` / `kv_comm=` / `head_comm=` arguments; multi-process gloo runs are the
+distributed tests' job.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import cp_segments
+from rlkernel.distributed.tokensum import TokenSum
+
+U32 = 2.0**-24  # unit roundoff of fp32
+NAN, INF = float("nan"), float("inf")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of a float tensor as same-width ints (so -0.0 != +0.0, NaN == same NaN)."""
+    t = t.detach().contiguous()
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
+
+
+def n_diff(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of elements whose bytes differ (shapes and dtypes must match)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return int((bits(a) != bits(b)).sum())
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    d = n_diff(a, b)
+    assert d == 0, f"{d} of {a.numel()} elements differ bitwise"
+
+
+def assert_stock_differs(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Negative control: the stock path really does change bits in this situation."""
+    assert n_diff(a, b) > 0, "negative control: stock torch did not differ here"
+
+
+def ulp_dist32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|ordinal(a) - ordinal(b)| of fp32 values (ordinal: monotone int map over -inf..inf)."""
+    def ordinal(x):
+        i = bits(x).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen(seed)) * scale
+
+
+def assert_near(got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+    """Oracle comparison (float64 reference): |got - ref| <= atol + rtol·|ref| elementwise."""
+    got64, ref = got.detach().double(), ref.detach().double()
+    assert torch.isfinite(got64).all()
+    err = (got64 - ref).abs()
+    lim = atol + rtol * ref.abs()
+    worst = float((err - lim).max())
+    assert worst <= 0, f"max err {float(err.max()):.3e} exceeds tolerance (by {worst:.3e})"
+
+
+def assert_within_sum_bound(got: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor, n: int) -> None:
+    """Rigorous fp32 summation bound: |got - exact| <= γ_n · Σ|terms|, γ_n = n·u/(1 - n·u)."""
+    gamma = n * U32 / (1 - n * U32)
+    err = (got.double() - ref).abs()
+    assert bool((err <= gamma * absref + 1e-30).all()), float((err / (absref + 1e-30)).max())
+
+
+# ------------------------------------------------------------------ in-process ranks
+# The kernels take a TokenSum / Comm for their cross-rank reductions. To test the CP/TP contract
+# without processes, ranks run as threads and `ThreadComm` implements the primitives every Comm
+# collective is built on (all_gather, all_gather_object, the integer sum) with a barrier. The
+# kernels' own code (TokenSum.result/exact_sum, Comm.tree_all_reduce) is what runs.
+
+
+class _ThreadGroup:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=60)
+        self.slots: list = [None] * n
+
+    def exchange(self, rank: int, op: str, obj):
+        self.slots[rank] = (op, obj)
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        ops = {o for o, _ in got}
+        assert len(ops) == 1, f"ranks made different collective calls: {ops}"
+        return [o for _, o in got]
+
+
+class ThreadComm(Comm):
+    def __init__(self, group: _ThreadGroup, rank: int, name: str = "threads") -> None:
+        super().__init__(name, None, tuple(range(group.n)), rank)
+        self._g = group
+
+    def all_gather(self, t, op):
+        return [x.clone() for x in self._g.exchange(self.rank, op, t.contiguous())]
+
+    def all_gather_object(self, obj, op):
+        return self._g.exchange(self.rank, op, obj)
+
+    def sum_ints(self, t, op):
+        return torch.stack(self.all_gather(t, op)).sum(0)   # int64: exact in any order
+
+
+def run_ranks(n: int, fn):
+    """fn(rank, comm) on n threads sharing one ThreadComm group -> [result of rank 0..n-1]."""
+    group = _ThreadGroup(n)
+    results: list = [None] * n
+    errors: list = []
+
+    def work(r):
+        try:
+            results[r] = fn(r, ThreadComm(group, r))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def cp_tree(comm: Comm, cp: int) -> TokenSum:
+    """The token reductions of a CP rank: the other tokens are on `comm`'s ranks (no sink)."""
+    return TokenSum(comm)
+
+
+def cp_local_rows(length: int, cp: int, rank: int) -> torch.Tensor:
+    """Stream indices of CP rank `rank`'s local stream (its segments' tokens, in order)."""
+    seg = length // (2 * cp)
+    return torch.cat([torch.arange(s * seg, (s + 1) * seg) for s in cp_segments(cp, rank)])
+
+

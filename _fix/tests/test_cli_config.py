@@ -1,0 +1,760 @@
+"""Tests of RunConfig validation and `rlk run`: bad values, the flag budget, the run directory's life.
+
+The RL loop is replaced by a fake that writes steps through the EvidenceWriter, so these tests are
+fast and need no model. Every test runs in its own empty working directory, so "creates nothing"
+is checked as "the directory is still empty".
+
+Run: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+from rlkernel import cli
+from rlkernel.config import (ATTN_KV_BLOCK, TOKEN_LEAF, TOKEN_REDUCTION, ConfigError, RunConfig,
+                             field_docs, flag_name)
+from rlkernel.runner.evidence import git_state, write_json_atomic
+
+# The reviewed `rlk run` surface (STYLE.md §12). Adding a flag means adding it here, in review.
+REVIEWED_RUN_FLAGS = {
+    "-h", "--help",
+    "--model", "--model-seed", "--prompts",
+    "--steps", "--seed", "--n-prompts", "--n-samples-per-prompt",
+    "--temperature", "--top-p", "--max-response-len", "--max-prompt-len",
+    "--kl-coef", "--kl-estimator", "--entropy-coef", "--clip-eps",
+    "--lr", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
+    "--on-nonfinite",
+    "--token-budget", "--dtype", "--mode",
+    "--tp", "--cp", "--sp", "--recompute", "--rollout-tp", "--rollout-cp",
+    "--run-dir", "--allow-dirty", "--require-updates", "--device", "--save-every", "--resume",
+    # issue 13: user rewards and prompt data
+    "--reward", "--input-key", "--label-key", "--apply-chat-template",
+}
+# Issue 13 (items 3, 4): updates per rollout batch, clip range, loss aggregation, LR schedule,
+# TensorBoard.
+REVIEWED_RUN_FLAGS |= {
+    "--ppo-epochs", "--mini-batches", "--clip-eps-low", "--clip-eps-high", "--loss-agg",
+    "--lr-warmup-steps", "--lr-schedule", "--tensorboard",
+}
+# Issue 14: data parallelism; the microbatch size became a memory knob (--token-budget, its old
+# name, stays as an alias).
+REVIEWED_RUN_FLAGS = (REVIEWED_RUN_FLAGS - {"--token-budget"}) | {"--dp", "--micro-batch-tokens"}
+# Issue 12: the rollout KV pool's share of free GPU memory.
+REVIEWED_RUN_FLAGS |= {"--gpu-memory-utilization"}
+# Second spellings of reviewed flags (cli.RUN_FLAG_ALIASES): not in the usage line, still surface.
+REVIEWED_RUN_ALIASES = {"--learning-rate": "--lr", "--num-generations": "--n-samples-per-prompt",
+                        "--rollout-temperature": "--temperature",
+                        "--token-budget": "--micro-batch-tokens"}
+
+
+def _step(i: int) -> dict:
+    return {"step": i, "grad_norm": 1.5 + i, "grad_norm_hex": (1.5 + i).hex(), "grad_nonfinite": [],
+            "update_skipped": False, "version": f"v{i + 1}", "tensor_hashes": {"w": f"{i + 1:064x}"},
+            "version_changed": True, "tokens_hash": "t", "n_samples": 16, "n_response_tokens": 100,
+            "logprob_mismatches": 0, "logprob_tokens": 100, "rewards": [1.0, 0.0],
+            "reward_mean": 0.5, "loss": float("nan"), "pg_loss": 0.0, "kl": 0.0, "entropy": 1.0,
+            "weight_audit": {"ok": True, "problems": []},
+            "timings": {"rollout_s": 0.1, "train_s": 0.1, "export_audit_s": 0.1, "step_s": 0.3}}
+
+
+def _fake_loop(cfg, run_dir, writer):
+    writer.record_init({"version": "v0", "tensor_hashes": {"w": "0" * 64}})
+    for i in range(cfg.steps):
+        writer.record_step(_step(i))
+
+
+@pytest.fixture
+def loop(monkeypatch):
+    """Replace rlkernel.runner.loop.run_loop (the module may not exist yet); returns a setter."""
+    try:
+        import rlkernel.runner.loop as mod
+    except Exception:  # not written yet, or mid-edit by its author
+        mod = types.ModuleType("rlkernel.runner.loop")
+        monkeypatch.setitem(sys.modules, "rlkernel.runner.loop", mod)
+    calls = []
+
+    def set_loop(fn):
+        def wrapped(cfg, run_dir, writer):
+            calls.append((cfg, run_dir))
+            return fn(cfg, run_dir, writer)
+        monkeypatch.setattr(mod, "run_loop", wrapped, raising=False)
+
+    set_loop(_fake_loop)
+    return types.SimpleNamespace(set=set_loop, calls=calls)
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch):
+    d = tmp_path / "cwd"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d
+
+
+def rlk(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# bad values: exit 2, one message naming flag + value + what is allowed, nothing on disk
+
+BAD = [
+    (["--entropy-coef", "-1"], "--entropy-coef", "-1", ">= 0"),
+    (["--entropy-coef", "nan"], "--entropy-coef", "nan", "finite"),
+    (["--entropy-coef", "inf"], "--entropy-coef", "inf", "finite"),
+    (["--top-p", "0"], "--top-p", "0", "(0, 1]"),
+    (["--top-p", "1.5"], "--top-p", "1.5", "(0, 1]"),
+    (["--top-p", "nan"], "--top-p", "nan", "(0, 1]"),
+    (["--temperature", "0"], "--temperature", "0", "> 0"),
+    (["--temperature", "-1"], "--temperature", "-1", "> 0"),
+    # a positive T whose logits / T overflows fp32 (1e-40 failed at step 0 with an unnamed NaN)
+    (["--temperature", "1e-40"], "--temperature", "1e-40", ">= 1e-06"),
+    (["--temperature", "9e-07"], "--temperature", "9e-07", ">= 1e-06"),
+    (["--kl-coef", "-0.1"], "--kl-coef", "-0.1", ">= 0"),
+    (["--kl-estimator", "k4"], "--kl-estimator", "k4", "k1, k2, k3"),
+    (["--tp", "3"], "--tp", "3", "1, 2, 4, 8"),
+    (["--cp", "5"], "--cp", "5", "1, 2, 4, 8"),
+    (["--sp"], "--sp", "--tp 1", "--tp 2, 4 or 8"),
+    (["--sp", "--tp", "1"], "--sp", "--tp 1", "--tp 2, 4 or 8"),
+    (["--steps", "0"], "--steps", "0", ">= 1"),
+    (["--model", "no/such/model-dir"], "--model", "no/such/model-dir", "directory"),
+    (["--prompts", "no-such-prompts.jsonl"], "--prompts", "no-such-prompts.jsonl", "JSONL"),
+]
+# Issue 13: the update-loop flags.
+BAD += [
+    (["--mini-batches", "3"], "--mini-batches", "3", "allowed: 1, 2, 4, 8, 16"),
+    (["--mini-batches", "0"], "--mini-batches", "0", ">= 1"),
+    (["--n-prompts", "3", "--mini-batches", "5"], "--mini-batches", "5",
+     "--n-prompts 3 x --n-samples-per-prompt 4 = 12); allowed: 1, 2, 3, 4, 6, 12"),
+    (["--ppo-epochs", "0"], "--ppo-epochs", "0", ">= 1"),
+    (["--clip-eps-low", "-0.1"], "--clip-eps-low", "-0.1", "finite number >= 0"),
+    (["--clip-eps-high", "nan"], "--clip-eps-high", "nan", "finite number >= 0"),
+    (["--clip-eps-high", "inf"], "--clip-eps-high", "inf", "finite number >= 0"),
+    (["--loss-agg", "sum"], "--loss-agg", "sum",
+     "token-mean, seq-mean-token-sum, seq-mean-token-mean"),
+    (["--lr-schedule", "step"], "--lr-schedule", "step", "constant, cosine, linear"),
+    (["--lr-warmup-steps", "-1"], "--lr-warmup-steps", "-1", ">= 0"),
+    (["--lr-warmup-steps", "4", "--steps", "2", "--mini-batches", "2"], "--lr-warmup-steps", "4",
+     "--steps 2 x --ppo-epochs 1 x --mini-batches 2 = 4"),
+]
+# Issue 14: data parallelism.
+BAD += [
+    (["--dp", "3"], "--dp", "3", "virtual_dp=8; allowed: 1, 2, 4, 8"),
+    (["--dp", "0"], "--dp", "0", ">= 1"),
+    (["--dp", "8", "--n-prompts", "3"], "--dp", "8",
+     "--n-prompts 3 x --n-samples-per-prompt 4 = 12), so every DP replica trains on as many "
+     "samples; allowed: 1, 2, 4"),
+    (["--dp", "4", "--mini-batches", "8"], "--dp", "4",
+     "samples per mini-batch (16 samples per step / --mini-batches 8 = 2)"),
+    (["--micro-batch-tokens", "100"], "--micro-batch-tokens", "100", ">= --max-prompt-len"),
+    (["--token-budget", "100"], "--micro-batch-tokens", "100", "one whole sample"),
+]
+# Issue 12: the KV pool's fraction of free GPU memory: finite, in (0, 1].
+BAD += [([f"--gpu-memory-utilization={v}"], "--gpu-memory-utilization", shown,
+         "a number in (0, 1]")
+        for v, shown in (("0", "0.0"), ("-0.5", "-0.5"), ("1.5", "1.5"), ("nan", "nan"),
+                         ("inf", "inf"), ("-inf", "-inf"))]
+
+
+@pytest.mark.parametrize("argv,flag,value,allowed", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_value_exits_2_names_flag_value_allowed_and_creates_nothing(
+        capsys, cwd, loop, argv, flag, value, allowed):
+    """rlk run <bad> == exit 2, stderr is one line naming flag, value and what is allowed, cwd empty."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlk run: error: ")
+    assert flag in lines[0] and value in lines[0] and allowed in lines[0], lines[0]
+    assert list(cwd.iterdir()) == []
+    assert loop.calls == []
+
+
+@pytest.mark.parametrize("argv,flag,value", [
+    (["run", "--steps", "1.5"], "--steps", "'1.5' is not an integer"),
+    (["run", "--top-p", "abc"], "--top-p", "'abc' is not a number"),
+    (["run", "--seed", ""], "--seed", "'' is not an integer"),
+    (["run", "--steps"], "--steps", "expected one argument"),
+    (["run", "--no-such-flag"], "--no-such-flag", "unknown flag"),
+    (["init-model", "--preset", "tiny", "--out", "m", "--seed", "x"], "--seed", "not an integer"),
+])
+def test_argparse_errors_are_one_line_naming_the_flag(capsys, cwd, loop, argv, flag, value):
+    """Every argparse error (type, missing value, unknown flag) == exit 2 and one stderr line naming
+    the flag and the value: no usage block (README: bad flags give one line)."""
+    code, out, err = rlk(capsys, *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlk") and flag in lines[0] and value in lines[0], lines[0]
+    assert list(cwd.iterdir()) == []
+
+
+def test_help_says_which_logprob_is_recorded_under_top_p(capsys):
+    """`rlk run --help` names the recorded logprob: the full-vocabulary log-softmax of logits / T."""
+    code, out, _ = rlk(capsys, "run", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "full-vocabulary log-softmax of logits / T" in text
+    assert "untruncated policy" in text
+
+
+def test_help_says_what_gpu_memory_utilization_is_a_fraction_of(capsys):
+    """`rlk run --help` shows --gpu-memory-utilization X: a fraction of the free CUDA memory (not
+    vLLM's total), default 0.5, no effect on CPU."""
+    code, out, _ = rlk(capsys, "run", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "--gpu-memory-utilization X" in text
+    for words in ("Fraction in (0, 1] of the CUDA memory free when each step's rollout starts",
+                  "not a fraction of the total", "--device cpu: no effect", "(default: 0.5)"):
+        assert words in text, words
+
+
+# ---------------------------------------------------------------------------------------------
+# the flag budget (STYLE.md §12)
+
+
+def test_run_flags_are_exactly_the_reviewed_list(capsys):
+    """The flags in `rlk run --help` == REVIEWED_RUN_FLAGS: a new flag fails until reviewed."""
+    code, out, _ = rlk(capsys, "run", "--help")
+    assert code == 0
+    usage = out.split("\n\n")[0]
+    flags = set(re.findall(r"\[(-{1,2}[a-z0-9-]+)", usage)) | {"--help"}
+    assert flags - REVIEWED_RUN_FLAGS == set(), "unreviewed flag(s)"
+    assert REVIEWED_RUN_FLAGS - flags == set(), "reviewed flag(s) gone"
+
+
+def test_aliases_are_exactly_the_reviewed_list_and_set_the_same_field(capsys, cwd, loop):
+    """Every option string of `rlk run` == REVIEWED_RUN_FLAGS | REVIEWED_RUN_ALIASES, and
+    `--learning-rate X` == `--lr X` (same field, same value) for each alias."""
+    run = cli._subparser(cli.build_parser(), "run")
+    strings = {s for a in run._actions for s in a.option_strings}
+    assert strings == REVIEWED_RUN_FLAGS | set(REVIEWED_RUN_ALIASES)
+    for alias, flag in REVIEWED_RUN_ALIASES.items():
+        a = cli.build_parser().parse_args(["run", alias, "3"])
+        b = cli.build_parser().parse_args(["run", flag, "3"])
+        assert vars(a) == vars(b)
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["run", "--lerning-rate", "1"], "rlk run: error: unknown flag --lerning-rate; did you mean "
+                                     "--learning-rate?"),
+    (["run", "--num-generatons=4"], "rlk run: error: unknown flag --num-generatons; did you mean "
+                                    "--num-generations?"),
+    (["run", "--kl-coeff", "0.1"], "rlk run: error: unknown flag --kl-coeff; did you mean "
+                                   "--kl-coef?"),
+    (["run", "--zzzz"], "rlk run: error: unknown flag --zzzz; rlk run --help lists every flag"),
+    (["run", "stray"], "rlk run: error: unexpected argument 'stray'; see rlk run --help"),
+    (["export", "r", "--out", "o", "--stp", "1"], "rlk export: error: unknown flag --stp; did "
+                                                  "you mean --step?"),
+])
+def test_unknown_flag_is_one_line_with_a_suggestion_exit_2(capsys, cwd, loop, argv, line):
+    """An unknown flag == exit 2, one stderr line naming it and the closest real flag; no run."""
+    code, out, err = rlk(capsys, *argv)
+    assert (code, out, err.strip().splitlines()) == (2, "", [line])
+    assert loop.calls == [] and list(cwd.iterdir()) == []
+
+
+def test_version(capsys):
+    """`rlk --version` prints the package and torch versions, exit 0."""
+    import importlib.metadata
+
+    import rlkernel
+    code, out, _ = rlk(capsys, "--version")
+    assert code == 0
+    assert out.strip().startswith(f"rlk {rlkernel.__version__} (torch "
+                                  f"{importlib.metadata.version('torch')}")
+
+
+def test_every_config_field_is_a_flag_with_a_docstring():
+    """{flag_name(f) for f in RunConfig} == REVIEWED_RUN_FLAGS - help; every field documented."""
+    fields = [f.name for f in dataclasses.fields(RunConfig)]
+    assert {flag_name(f) for f in fields} == REVIEWED_RUN_FLAGS - {"-h", "--help"}
+    docs = field_docs()
+    assert [f for f in fields if not docs.get(f)] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# RunConfig itself
+
+
+@pytest.mark.parametrize("kw", [
+    {"steps": True}, {"steps": 2.0}, {"steps": "2"}, {"lr": "1e-5"}, {"lr": True}, {"sp": 1},
+    {"seed": -1}, {"seed": 2**63}, {"model_seed": -1}, {"adam_beta1": 1.0}, {"adam_beta2": -0.1},
+    {"clip_grad": -1.0}, {"clip_grad": math.inf}, {"adam_eps": 0.0}, {"dtype": "fp16"},
+    {"mode": "fast"}, {"device": "mps"}, {"rollout_tp": 6}, {"rollout_cp": 0}, {"model": ""},
+    {"micro_batch_tokens": 100}, {"weight_decay": -1e-9}, {"clip_eps": 0.0}, {"dp": 16},
+    {"dp": 0}, {"dp": True}, {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": -0.1},
+    {"gpu_memory_utilization": 1.0000001}, {"gpu_memory_utilization": math.nan},
+    {"gpu_memory_utilization": math.inf}, {"gpu_memory_utilization": True},
+    {"gpu_memory_utilization": "0.5"}, {"gpu_memory_utilization": 10**400},
+])
+def test_invalid_config_raises_config_error_naming_the_flag(kw):
+    (name, value), = kw.items()
+    with pytest.raises(ConfigError) as e:
+        RunConfig(**kw)
+    assert flag_name(name) in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_config_keeps_values_verbatim_and_derives_in_properties():
+    cfg = RunConfig(lr=1, clip_grad=0.0, n_prompts=3, n_samples_per_prompt=1, tp=2, sp=True,
+                    cp=4, seed=2**63 - 1)
+    d = cfg.to_dict()
+    assert d["lr"] == 1 and type(d["lr"]) is int  # not rewritten to 1.0
+    assert d["clip_grad"] == 0.0 and not cfg.grad_clipping
+    assert cfg.samples_per_step == 3 and cfg.train_world_size == 8
+    assert RunConfig.from_dict(d) == cfg
+    assert set(d) == {f.name for f in dataclasses.fields(RunConfig)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 2.0  # type: ignore[misc]
+
+
+def test_canonical_spec():
+    """The spec records what the gradients depend on; --micro-batch-tokens and --dp are not in it
+    (they never change a number), so two runs differing only there have the same spec."""
+    spec = RunConfig(micro_batch_tokens=512, device="cpu").canonical_spec()
+    assert spec == {"virtual_tp": 8, "virtual_cp": 8, "virtual_dp": 8, "backend": "cpu",
+                    "matmul": "sequential-K fp32", "attention_kv_block": ATTN_KV_BLOCK,
+                    "vocab_shards": 8, "token_leaf": TOKEN_LEAF,
+                    "token_reduction": TOKEN_REDUCTION}
+    assert "--micro-batch-tokens" in TOKEN_REDUCTION and "--dp" in TOKEN_REDUCTION
+    assert RunConfig(micro_batch_tokens=4096, dp=2).canonical_spec() == spec
+
+
+def test_fingerprint_depends_on_every_value():
+    assert RunConfig().fingerprint() == RunConfig().fingerprint()
+    assert RunConfig().fingerprint() != RunConfig(seed=1).fingerprint()
+
+
+# ---------------------------------------------------------------------------------------------
+# a run: directory lifecycle
+
+
+def test_run_writes_manifest_and_evidence_and_renames_tmp(capsys, cwd, loop):
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--steps", "3", "--tp", "2", "--sp")
+    assert code == 0, err
+    run_dir = cwd / out.strip()
+    assert run_dir.parent == cwd / "runs" and run_dir.is_dir()
+    assert [p.name for p in (cwd / "runs").iterdir()] == [run_dir.name]  # no .tmp- left
+    assert sorted(p.name for p in run_dir.iterdir()) == ["evidence.json", "manifest.json"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    cfg = RunConfig(steps=3, tp=2, sp=True, allow_dirty=True)
+    assert manifest["config"] == cfg.to_dict()
+    assert manifest["canonical_spec"] == cfg.canonical_spec()
+    assert set(manifest) >= {"versions", "git", "created_utc"}
+    assert set(manifest["versions"]) >= {"python", "torch", "triton", "cuda", "platform", "devices",
+                                         "rlkernel"}
+    ev = json.loads((run_dir / "evidence.json").read_text())
+    assert ev["complete"] is True and len(ev["steps"]) == 3
+    assert ev["init"]["version"] == "v0"
+    assert ev["steps"][0]["loss"] == "nan"  # non-finite floats stored as strings
+    assert ev["steps"][1]["grad_norm"] == 2.5
+    assert len([ln for ln in err.splitlines() if ln.startswith("step ")]) == 3  # progress lines
+    assert loop.calls[0][1].name.startswith(run_dir.name + ".tmp-")
+
+
+def test_run_into_given_empty_dir(capsys, cwd, loop):
+    (cwd / "mine").mkdir()
+    code, out, _ = rlk(capsys, "run", "--allow-dirty", "--run-dir", "mine")
+    assert code == 0 and out.strip() == "mine"
+    assert (cwd / "mine" / "evidence.json").is_file()
+    assert sorted(p.name for p in cwd.iterdir()) == ["mine"]
+
+
+def test_run_dir_not_empty_exit_2(capsys, cwd, loop):
+    (cwd / "full").mkdir()
+    (cwd / "full" / "x").write_text("x")
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "full")
+    assert code == 2 and "--run-dir" in err and "full" in err
+    assert loop.calls == []
+
+
+def test_loop_value_error_before_first_step_leaves_nothing(capsys, cwd, loop):
+    def bad(cfg, run_dir, writer):
+        writer.record_init({"version": "v0", "tensor_hashes": {}})
+        raise ValueError("prompts.jsonl line 3: not valid JSON\n(detail)")
+
+    loop.set(bad)
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/b/run")
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == ["rlk run: error: prompts.jsonl line 3: not valid JSON (detail)"]
+    assert list(cwd.iterdir()) == []  # nor the a/b parents it created
+
+
+def test_loop_os_error_before_first_step_leaves_nothing_default_dir(capsys, cwd, loop):
+    def bad(cfg, run_dir, writer):
+        raise FileNotFoundError(2, "No such file or directory", "model.safetensors")
+
+    loop.set(bad)
+    code, _, err = rlk(capsys, "run", "--allow-dirty")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "model.safetensors" in err
+    assert list(cwd.iterdir()) == []
+
+
+def test_loop_value_error_after_a_step_keeps_partial_evidence(capsys, cwd, loop):
+    def bad(cfg, run_dir, writer):
+        writer.record_step(_step(0))
+        raise ValueError("weight audit failed")
+
+    loop.set(bad)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+    assert code == 1 and "weight audit failed" in err
+    ev = json.loads((cwd / "r" / "evidence.json").read_text())
+    assert ev["complete"] is False and len(ev["steps"]) == 1
+    assert sorted(p.name for p in cwd.iterdir()) == ["r"]
+
+
+def test_loop_bug_is_raised_and_dir_kept_under_final_name(capsys, cwd, loop):
+    def bug(cfg, run_dir, writer):
+        raise RuntimeError("bug")
+
+    loop.set(bug)
+    with pytest.raises(RuntimeError):
+        cli.main(["run", "--allow-dirty", "--run-dir", "r"])
+    assert (cwd / "r" / "manifest.json").is_file()
+    assert sorted(p.name for p in cwd.iterdir()) == ["r"]
+
+
+def test_rlk_debug_reraises(capsys, cwd, loop, monkeypatch):
+    def bad(cfg, run_dir, writer):
+        raise ValueError("boom")
+
+    loop.set(bad)
+    monkeypatch.setenv("RLK_DEBUG", "1")
+    with pytest.raises(ValueError, match="boom"):
+        cli.main(["run", "--allow-dirty"])
+    assert list(cwd.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# git state
+
+
+def test_dirty_checkout_is_refused_without_allow_dirty(capsys, cwd, loop, monkeypatch):
+    monkeypatch.setattr(cli, "git_state", lambda src: {"commit": "c" * 40, "dirty": True,
+                                                       "dirty_files": [" M rlkernel/x.py"]})
+    code, _, err = rlk(capsys, "run")
+    assert code == 2 and "--allow-dirty" in err and "commit" in err
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+def test_not_a_checkout_is_recorded_as_null_and_not_refused(capsys, cwd, loop, monkeypatch):
+    monkeypatch.setattr(cli, "git_state", lambda src: {"commit": None, "dirty": None,
+                                                       "dirty_files": []})
+    code, out, _ = rlk(capsys, "run", "--run-dir", "r")
+    assert code == 0
+    assert json.loads((cwd / "r" / "manifest.json").read_text())["git"]["commit"] is None
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_git_state_of_a_checkout(tmp_path):
+    repo = tmp_path / "src"
+    (repo / "rlkernel").mkdir(parents=True)
+    (repo / "rlkernel" / "__init__.py").write_text("")
+    (repo / ".gitignore").write_text("")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (repo / "runs" / "r1").mkdir(parents=True)  # untracked runs/ is not dirt
+    (repo / "runs" / "r1" / "evidence.json").write_text("{}")
+    st = git_state(repo)
+    assert len(st["commit"]) == 40 and st["dirty"] is False
+    (repo / "rlkernel" / "__init__.py").write_text("x = 1\n")
+    assert git_state(repo)["dirty"] is True
+    assert git_state(tmp_path / "src" / "runs")["commit"] is None  # rlkernel not tracked there
+    assert git_state(tmp_path) == {"commit": None, "dirty": None, "dirty_files": [],
+                                   "diff": None, "diff_sha256": None,
+                                   "untracked_package_files": {}}
+
+
+def test_git_state_ignores_the_users_untracked_files_and_records_the_diff(tmp_path):
+    """Untracked files outside the package (a model or prompts folder) == clean; an untracked
+    file inside rlkernel/ == dirty (it would be imported), recorded with its SHA-256; a tracked
+    change == dirty, with `git diff HEAD` text and its SHA-256 in the state."""
+    import hashlib
+
+    repo = tmp_path / "src"
+    (repo / "rlkernel").mkdir(parents=True)
+    (repo / "rlkernel" / "__init__.py").write_text("")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (repo / "my-model").mkdir()
+    (repo / "my-model" / "config.json").write_text("{}")
+    (repo / "prompts.jsonl").write_text("{}\n")
+    st = git_state(repo)
+    assert st["dirty"] is False and st["dirty_files"] == [] and st["diff"] == ""
+    (repo / "rlkernel" / "extra.py").write_text("X = 1\n")
+    st = git_state(repo)
+    assert st["dirty"] is True and st["dirty_files"] == ["?? rlkernel/extra.py"]
+    assert st["untracked_package_files"] == {
+        "rlkernel/extra.py": hashlib.sha256(b"X = 1\n").hexdigest()}
+    (repo / "rlkernel" / "extra.py").unlink()
+    (repo / "rlkernel" / "__init__.py").write_text("y = 2\n")
+    st = git_state(repo)
+    assert st["dirty"] is True and st["dirty_files"] == [" M rlkernel/__init__.py"]
+    assert "+y = 2" in st["diff"]
+    assert st["diff_sha256"] == hashlib.sha256(st["diff"].encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C and resume lines
+
+
+@pytest.mark.parametrize("save_every,hint", [
+    (0, "not resumable: it has no checkpoint (runs keep them with --save-every N)"),
+    (1, "resume with: rlk run --resume r"),
+    (2, "not resumable: no checkpoint was written yet (--save-every 2 writes the first after "
+        "step 2)")])
+def test_ctrl_c_is_one_line_with_the_resume_hint(capsys, cwd, loop, save_every, hint):
+    """Ctrl-C after a recorded step == exit 130, one stderr line (no traceback) saying what was
+    kept and how to resume (or why it cannot be: no --save-every, or none written yet); the run
+    directory keeps the step."""
+    def interrupted(cfg, run_dir, writer):
+        _fake_loop(cfg.__class__(steps=1, allow_dirty=True), run_dir, writer)
+        if cfg.save_every == 1:
+            (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    loop.set(interrupted)
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--steps", "3",
+                         "--save-every", str(save_every))
+    lines = [ln for ln in err.splitlines() if not ln.startswith("step ")]
+    assert code == 130 and out == ""
+    assert lines == [f"rlk run: interrupted (Ctrl-C) after 1 step(s); partial run kept in r; {hint}"]
+    ev = json.loads((cwd / "r" / "evidence.json").read_text())
+    assert ev["complete"] is False and len(ev["steps"]) == 1
+
+
+def test_ctrl_c_before_the_first_step_keeps_nothing(capsys, cwd, loop):
+    def interrupted(cfg, run_dir, writer):
+        raise KeyboardInterrupt
+
+    loop.set(interrupted)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/r")
+    assert code == 130
+    assert err.strip().splitlines() == ["rlk run: interrupted before the first step; nothing kept"]
+    assert list(cwd.iterdir()) == []
+
+
+def test_write_json_atomic_non_finite(tmp_path):
+    write_json_atomic(tmp_path / "x.json", {"a": [math.inf, -math.inf, math.nan, 0.1], "b": (1, 2)})
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": ["inf", "-inf", "nan", 0.1],
+                                                             "b": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 13: settings that cannot act are warned about; --tensorboard needs its package
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--save-every", "5", "--steps", "2"], "--save-every 5 > --steps 2"),
+    (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1"),
+    (["--clip-eps-high", "0.28"], "--ppo-epochs or --mini-batches"),
+    (["--clip-eps", "0.1"], "cannot act with one update"),
+])
+def test_setting_that_cannot_act_warns_one_line_and_runs(capsys, cwd, loop, argv, needle):
+    """A valid setting that can do nothing == one 'warning' line on stderr, and the run goes on."""
+    code, _, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
+    assert len(warnings) == 1 and needle in warnings[0], err
+    assert len(loop.calls) == 1
+
+
+def test_gpu_memory_utilization_on_cpu_warns_and_is_recorded(capsys, cwd, loop):
+    """--device cpu --gpu-memory-utilization 0.8 == one warning (the CPU pool ignores it), the run
+    goes on, and the manifest's config holds 0.8 verbatim; the default value does not warn."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--gpu-memory-utilization", "0.8")
+    assert code == 0, err
+    (w,) = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
+    assert "--gpu-memory-utilization 0.8 has no effect with --device cpu" in w
+    manifest = json.loads((cwd / out.strip() / "manifest.json").read_text())
+    assert manifest["config"]["gpu_memory_utilization"] == 0.8
+    assert "gpu_memory_utilization" not in json.dumps(manifest["canonical_spec"])
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--gpu-memory-utilization", "0.5")
+    assert code == 0 and "warning" not in err
+
+
+def test_gpu_memory_utilization_reaches_the_rollout_engine(capsys, cwd, monkeypatch):
+    """rlk run --gpu-memory-utilization 0.7 == RolloutEngine(..., gpu_memory_utilization=0.7) in
+    the real loop (stopped there by a stand-in engine: exit 1, nothing left on disk)."""
+    import rlkernel.runner.loop as loop_mod
+
+    seen = []
+
+    def stand_in(*args, **kw):
+        seen.append(kw.get("gpu_memory_utilization"))
+        raise ValueError("stand-in engine: stop before step 0")
+
+    monkeypatch.setattr(loop_mod, "RolloutEngine", stand_in)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--steps", "1", "--n-prompts", "1",
+                       "--gpu-memory-utilization", "0.7")
+    assert seen == [0.7]
+    assert code == 1 and "stand-in engine" in err
+    assert list(cwd.iterdir()) == []
+
+
+def test_resume_may_change_gpu_memory_utilization(tmp_path):
+    """--resume --gpu-memory-utilization F is allowed (a memory knob, like --micro-batch-tokens),
+    also for a run whose manifest predates the flag; --seed still cannot change."""
+    d = tmp_path / "r"
+    d.mkdir()
+    saved = RunConfig().to_dict()
+    del saved["gpu_memory_utilization"]                      # a manifest from before issue 12
+    (d / "manifest.json").write_text(json.dumps({"config": saved}))
+    cfg = cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9}, d)
+    assert cfg.gpu_memory_utilization == 0.9 and cfg.seed == saved["seed"]
+    assert cli._resume_config({"resume": str(d)}, d).gpu_memory_utilization == 0.5
+    with pytest.raises(ConfigError, match="--seed"):
+        cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9, "seed": 7}, d)
+
+
+def test_settings_that_act_do_not_warn(capsys, cwd, loop):
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--clip-eps-high", "0.28", "--ppo-epochs",
+                       "2", "--save-every", "2", "--steps", "2")
+    assert code == 0 and "warning" not in err
+
+
+def test_tensorboard_missing_is_a_usage_error(capsys, cwd, loop, monkeypatch):
+    """--tensorboard without the package == exit 2 before any work, one line naming the fix."""
+    import rlkernel.runner.metrics as metrics
+
+    monkeypatch.setattr(metrics, "tensorboard_missing", lambda: "no module named 'tensorboard'")
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--tensorboard")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("rlk run: error: --tensorboard: ") and "rl-kernel[tensorboard]" in line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+def test_resume_cannot_extend_a_decaying_lr_schedule(capsys, cwd, loop):
+    """--resume --steps N of a cosine run: refused (its LR horizon is the saved --steps)."""
+    assert rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--lr-schedule", "cosine")[0] == 0
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--resume", "r", "--steps", "4")
+    assert code == 2
+    assert "--lr-schedule cosine" in err and "--steps 4" in err and len(err.strip().splitlines()) == 1
+
+
+def test_optional_float_flags_parse_as_floats():
+    """--clip-eps-low/high are `float | None` fields: the flag gives a float, absent keeps None."""
+    args = cli.build_parser().parse_args(["run", "--clip-eps-high", "0.28"])
+    assert args.clip_eps_high == 0.28 and not hasattr(args, "clip_eps_low")
+    cfg = RunConfig(clip_eps=0.3, clip_eps_high=0.28)
+    assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.28)
+
+
+@pytest.mark.parametrize("head_dim, refused", [(12, True), (8, True), (512, True), (16, False),
+                                               (128, False)])
+def test_cuda_refuses_a_head_dim_the_triton_attention_cannot_tile(tmp_path, head_dim, refused):
+    """--device cuda with a model whose head_dim is not a power of two in [16, 256] is refused
+    before any process starts, naming the flag, the value and the file; CPU accepts the model."""
+    from rlkernel.model.config import tiny
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny().replace(head_dim=head_dim).to_hf_dict()))
+    cli._check_topology(RunConfig(model=str(tmp_path)))
+    cuda = RunConfig(model=str(tmp_path), device="cuda")
+    if not refused:
+        cli._check_topology(cuda)
+        return
+    with pytest.raises(ConfigError) as info:
+        cli._check_topology(cuda)
+    msg = str(info.value)
+    assert msg.startswith(f"--device cuda: head_dim={head_dim} of {tmp_path}/config.json"), msg
+    assert "allowed for this model: --device cpu" in msg
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(num_attention_heads=12, num_key_value_heads=4), "num_attention_heads=12 must be a multiple"),
+    (dict(head_dim=5), "head_dim=5 must be even"),
+    (dict(num_key_value_heads=3), "num_key_value_heads=3 must divide num_attention_heads=8"),
+])
+def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_process(
+        capsys, tmp_path, change, words):
+    """rlk run --model DIR whose config.json has a refused shape: exit 2 naming the file, the
+    field and the value; no process starts and no run directory is made."""
+    from rlkernel.model.config import tiny
+
+    model = tmp_path / "m"
+    model.mkdir()
+    hf = tiny().to_hf_dict() | change
+    (model / "config.json").write_text(json.dumps(hf))
+    run_dir = tmp_path / "r"
+    code, _, err = rlk(capsys, "run", "--model", str(model), "--allow-dirty", "--run-dir",
+                       str(run_dir))
+    assert code == 2, err
+    assert f"{model}/config.json: model config: {words}" in err, err
+    assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# upper bounds: a mistyped huge value is refused at once
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--clip-eps", "1e39", "--clip-eps 1e+39: must be a finite number > 0 within the fp32 range"),
+    ("--clip-eps-high", "1e39", "--clip-eps-high 1e+39: must be a finite number >= 0 within the "
+                                "fp32 range"),
+    ("--kl-coef", "3.5e38", "--kl-coef 3.5e+38: must be a finite number >= 0 within the fp32"),
+    ("--steps", "99999999999999999999999", "--steps 99999999999999999999999: must be at most "
+                                           "1,000,000"),
+    ("--n-prompts", "1000000000", "--n-prompts 1000000000: must be at most 65,536"),
+    ("--n-samples-per-prompt", "1000000000", "must be at most 4,096"),
+    ("--ppo-epochs", "1000000000", "--ppo-epochs 1000000000: must be at most 1,024")])
+def test_huge_values_are_refused_before_any_work(capsys, cwd, flag, value, want):
+    """Values beyond fp32 (which the losses would overflow in step 0) and counts no run needs
+    (which would exhaust memory preparing prompts) get one line and exit 2, no run directory."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", flag, value)
+    assert code == 2 and want in err and len(err.strip().splitlines()) == 1
+    assert not (cwd / "r").exists()
+
+
+def test_prompts_per_run_are_bounded(capsys, cwd):
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--steps", "100000",
+                       "--n-prompts", "64")
+    assert code == 2 and "6,400,000 prompts; at most 1,048,576" in err
+    from rlkernel.config import RunConfig
+    assert RunConfig(steps=16384, n_prompts=64).steps == 16384   # exactly 2**20: accepted
+
+
+def test_signals_wait_for_the_end_of_a_step_record():
+    """SIGINT inside _signals_deferred (recording a step and its checkpoint) is delivered when the
+    block ends, not in the middle; outside it (the control) it interrupts at once."""
+    import os
+    import signal
+
+    from rlkernel.runner.loop import _signals_deferred
+    # Ctrl-C's usual handler: a shell's background job may have left SIGINT ignored.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        reached = []
+        with pytest.raises(KeyboardInterrupt):
+            with _signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):   # bytecodes where a Python signal handler would run
+                    reached.append(1)
+                reached.append("end")
+        assert reached[-1] == "end"
+        reached.clear()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10**6):
+                reached.append(1)
+        assert len(reached) < 10**6
+    finally:
+        signal.signal(signal.SIGINT, before)

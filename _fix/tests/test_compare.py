@@ -1,0 +1,209 @@
+"""Tests of `rlk compare`: identical evidence -> exit 0 "IDENTICAL"; any bit of difference -> exit 1
+naming the field (and tensor); timings and manifest config never decide the verdict.
+
+Run directories are written with EvidenceWriter directly (no model, no loop).
+Run: `.venv/bin/python -m pytest -q tests/test_compare.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from rlkernel import cli
+from rlkernel.runner.compare import CompareError, compare_runs, format_report, same_value
+from rlkernel.runner.evidence import EvidenceWriter
+
+N_TENSORS = 399
+
+
+def _hashes(step: int) -> dict[str, str]:
+    return {f"model.layers.{i}.w": f"{(step * 1000 + i):064x}" for i in range(N_TENSORS)}
+
+
+def _step(i: int) -> dict:
+    g = 1.0 / 3.0 + i
+    return {"step": i, "grad_norm": g, "grad_norm_hex": g.hex(), "grad_nonfinite": [],
+            "update_skipped": False, "version": f"v{i + 1}", "tensor_hashes": _hashes(i + 1),
+            "version_changed": True, "tokens_hash": "ab" * 32, "n_samples": 16,
+            "n_response_tokens": 100, "logprob_mismatches": 0, "logprob_tokens": 100,
+            "rewards": [1.0, 0.0, 0.5, -0.0], "reward_mean": 0.375, "loss": -0.25, "pg_loss": -0.25,
+            "kl": 0.0, "entropy": 5.5, "weight_audit": {"ok": True, "problems": []},
+            "timings": {"rollout_s": 0.1, "train_s": 0.2, "export_audit_s": 0.05, "step_s": 0.4}}
+
+
+def _manifest(tp: int = 1) -> dict:
+    return {"config": {"tp": tp, "steps": 2}, "canonical_spec": {"virtual_tp": 8},
+            "versions": {"torch": "2.13.0"}, "git": {"commit": "c" * 40, "dirty": False},
+            "created_utc": "2026-01-01T00:00:00Z"}
+
+
+def write_run(d, steps, *, tp=1, init=None, complete=True):
+    d.mkdir()
+    w = EvidenceWriter(d, _manifest(tp))
+    w.record_init(init or {"version": "v0", "tensor_hashes": _hashes(0)})
+    for s in steps:
+        w.record_step(s)
+    if complete:
+        w.finish({"steps": len(steps)})
+    return d
+
+
+def rlk_compare(capsys, a, b):
+    code = cli.main(["compare", str(a), str(b)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_identical_runs_exit_0(tmp_path, capsys):
+    """Same evidence, different topology config and timings -> exit 0, last line IDENTICAL."""
+    a = write_run(tmp_path / "a", [_step(0), _step(1)], tp=2)
+    b_steps = [_step(0), _step(1)]
+    b_steps[1]["timings"]["step_s"] = 99.0
+    b = write_run(tmp_path / "b", b_steps, tp=4)
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[-1] == "IDENTICAL"
+    assert any("config: tp 2 vs 4" in ln for ln in lines)  # information only
+    assert any("tensor_hashes" in ln and f"identical ({N_TENSORS} tensors)" in ln for ln in lines)
+    assert not any("timings" in ln for ln in lines)
+    assert any(ln.startswith("step 1") and "grad_norm " in ln and ln.endswith("identical")
+               for ln in lines)
+
+
+def test_one_bit_of_grad_norm_differs(tmp_path, capsys):
+    """grad_norm differing in its last mantissa bit -> exit 1, the field named."""
+    s = _step(1)
+    s["grad_norm"] = math.nextafter(s["grad_norm"], math.inf)
+    a = write_run(tmp_path / "a", [_step(0), _step(1)])
+    b = write_run(tmp_path / "b", [_step(0), s])
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 1
+    bad = [ln for ln in out.splitlines() if "DIFFERS" in ln]
+    assert len(bad) == 1 and bad[0].startswith("step 1") and "grad_norm " in bad[0]
+    assert out.splitlines()[-1] == "DIFFERENT: 1 field differs"
+
+
+def test_differing_tensor_hash_is_named(tmp_path, capsys):
+    s = _step(0)
+    s["tensor_hashes"]["model.layers.7.w"] = "f" * 64
+    del s["tensor_hashes"]["model.layers.9.w"]
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [s])
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 1
+    line = next(ln for ln in out.splitlines() if "tensor_hashes" in ln and "DIFFERS" in ln)
+    assert f"2 of {N_TENSORS} tensors differ" in line
+    assert "model.layers.7.w" in line and "model.layers.9.w (missing in B)" in line
+    assert "model.layers.8.w" not in line
+
+
+def test_differing_init_hash_is_named(tmp_path, capsys):
+    h = _hashes(0)
+    h["model.layers.3.w"] = "e" * 64
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)], init={"version": "v0x", "tensor_hashes": h})
+    report = compare_runs(a, b)
+    assert report.exit_code == 1
+    bad = {(r.where, r.name) for r in report.results if not r.same}
+    assert bad == {("init", "version"), ("init", "tensor_hashes")}
+    assert "model.layers.3.w" in format_report(report)
+
+
+def test_missing_step_differs(tmp_path, capsys):
+    a = write_run(tmp_path / "a", [_step(0), _step(1), _step(2)])
+    b = write_run(tmp_path / "b", [_step(0), _step(1)])
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 1
+    assert any(ln.startswith("step 2") and "missing in B" in ln for ln in out.splitlines())
+    assert "step count: 3 vs 2" in out
+    assert out.splitlines()[-1] == "DIFFERENT: 1 field differs"
+
+
+def test_every_field_but_timings_is_compared(tmp_path):
+    """Changing any one non-timing field (or adding/removing one) -> exactly that field differs."""
+    base = _step(0)
+    a = write_run(tmp_path / "a", [base])
+    for i, (name, value) in enumerate([("rewards", [1.0, 0.0, 0.5, 0.0]),  # -0.0 -> 0.0
+                                       ("n_samples", 16.0),  # int -> float
+                                       ("update_skipped", 0),
+                                       ("weight_audit", {"ok": False, "problems": ["x"]}),
+                                       ("new_field", 1)]):
+        s = copy.deepcopy(base)
+        s[name] = value
+        b = write_run(tmp_path / f"b{i}", [s])
+        report = compare_runs(a, b)
+        assert [(r.where, r.name) for r in report.results if not r.same] == [("step 0", name)]
+
+
+def test_incomplete_run_is_compared_and_never_identical(tmp_path, capsys):
+    """a run that stopped early: its steps are compared, and the verdict is DIFFERENT."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)], complete=False)
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 1 and "INCOMPLETE" in out and out.rstrip().splitlines()[-1].startswith("DIFF")
+
+
+def test_same_value_is_bitwise():
+    assert same_value(0.1, 0.1) and not same_value(0.0, -0.0)
+    assert not same_value(1, 1.0) and not same_value(True, 1)
+    assert same_value({"a": [1.5, "nan"]}, {"a": [1.5, "nan"]})
+    assert not same_value([1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("breakage,expect", [
+    ("missing", "evidence.json: not found"),
+    ("invalid", "not valid JSON"),
+])
+def test_unreadable_run_is_a_clear_error(tmp_path, capsys, breakage, expect):
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)], complete=(breakage != "incomplete"))
+    if breakage == "missing":
+        (b / "evidence.json").unlink()
+    elif breakage == "invalid":
+        (b / "evidence.json").write_text("{\"steps\": [")
+    with pytest.raises(CompareError, match=expect):
+        compare_runs(a, b)
+    code, out, err = rlk_compare(capsys, a, b)
+    assert code == 2 and out == ""
+    assert err.startswith("rlk compare: error: ") and str(b) in err and expect in err
+
+
+def test_evidence_file_is_valid_strict_json(tmp_path):
+    s = _step(0)
+    s["grad_norm"] = math.inf
+    a = write_run(tmp_path / "a", [s])
+    ev = json.loads((a / "evidence.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert ev["steps"][0]["grad_norm"] == "inf" and ev["complete"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# --quiet (issue 13)
+
+
+def test_quiet_prints_only_differences_and_the_verdict(tmp_path, capsys):
+    """--quiet: the differing fields, then the verdict; no paths, info or identical fields."""
+    s = _step(1)
+    s["kl"] = 0.5
+    s["tensor_hashes"]["model.layers.3.w"] = "e" * 64
+    a = write_run(tmp_path / "a", [_step(0), _step(1)], tp=2)
+    b = write_run(tmp_path / "b", [_step(0), s], tp=4)
+    code = cli.main(["compare", "--quiet", str(a), str(b)])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    assert len(out) == 3, out
+    # fields in record order: tensor_hashes comes before kl
+    assert out[0].startswith("step 1") and "tensor_hashes" in out[0] and "model.layers.3.w" in out[0]
+    assert out[1].startswith("step 1") and " kl " in out[1] and "0.5" in out[1]
+    assert out[2] == "DIFFERENT: 2 fields differ"
+
+
+def test_quiet_identical_prints_the_verdict_only(tmp_path, capsys):
+    a = write_run(tmp_path / "a", [_step(0)], tp=2)
+    b = write_run(tmp_path / "b", [_step(0)], tp=4)
+    assert cli.main(["compare", "--quiet", str(a), str(b)]) == 0
+    assert capsys.readouterr().out == "IDENTICAL\n"

@@ -1,0 +1,107 @@
+"""CUDA backward: bitwise invariance of the gradients under batch composition and CP/head splits.
+
+tests/test_cuda.py checks the CUDA forward bytewise and the backward against float64 only; these
+tests hold the backward to the same standard as the CPU kernel tests (tests/test_kernels_*.py),
+on CUDA tensors, through the same kernel entry points:
+- attention: a sample's dQ/dK/dV alone == in a packed 3-sample batch (CP and TP splits of the
+  CUDA backward are covered by tests/test_cuda_dist.py with real NCCL ranks: in-process thread
+  ranks cannot run it, because autograd runs every CUDA backward of one device on one worker
+  thread, so two thread-ranks waiting for each other inside backward deadlock);
+- RMSNorm and SwiGLU: a row's dX alone == in a batch == at an offset;
+- column-parallel dX (the fp32 Triton chain + virtual-TP tree): row r alone == in a batch of 257.
+Negative controls: stock SDPA autograd (alone vs batched) and cuBLAS dX (batch 1 vs 257) differ.
+Skipped without CUDA. Run on the GPU machine: PYTHONPATH=. python3 -m pytest -q tests/test_cuda_backward.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_helpers import assert_bitwise, n_diff, randn
+from rlkernel.kernels.activation import swiglu
+from rlkernel.kernels.matmul import column_parallel_dx
+from test_kernels_attention import (ATTN_LENGTHS, _attn_grads, _pack,
+                                    stock_sdpa_grads_alone_and_batched)
+from test_kernels_elementwise_norm import assert_rms_rows_invariant
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda"
+
+
+def _cuda(*ts):
+    return tuple(t.to(DEV) for t in ts)
+
+
+def _packed_args():
+    q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack(ATTN_LENGTHS, seed=76)
+    d_out = randn(*q.shape, seed=77)
+    q, k, v, q_pos, kv_len, q_idx, d_out = _cuda(q, k, v, q_pos, kv_len, q_idx, d_out)
+    return (q, k, v, q_pos, kv_len, q_idx, sl, d_out), q_idx
+
+
+def test_cuda_attention_grads_of_a_sample_alone_equal_its_grads_in_the_packed_batch():
+    """dQ/dK/dV (and the output) of each sample alone (S=1) == its rows in the 3-sample packed
+    batch, on CUDA, bitwise."""
+    args, q_idx = _packed_args()
+    ref = _attn_grads(*args, q_idx >= 0)
+    for i, n in enumerate(ATTN_LENGTHS):
+        got = _attn_grads(*args, q_idx >= 0, slice(i, i + 1))
+        for a, b in zip(got, ref):
+            assert a.is_cuda
+            assert_bitwise(a[0, :, :n], b[i, :, :n])
+
+
+def test_cuda_negative_control_stock_sdpa_grads_alone_vs_batched_differ():
+    """Negative control: torch SDPA autograd on CUDA gives other dQ/dK/dV bytes for the 66-token
+    sample alone than inside the padded batch."""
+    (q, k, v, q_pos, kv_len, _, _, d_out), _ = _packed_args()
+    alone, batched = stock_sdpa_grads_alone_and_batched(q, k, v, q_pos, kv_len, d_out, 2)
+    assert sum(n_diff(a, b) for a, b in zip(alone, batched)) > 0
+
+
+@pytest.mark.parametrize("shape", [(300, 1024), (300, 8, 128)])
+def test_cuda_rms_norm_dx_of_a_row_alone_equals_in_batch_and_at_offset(shape):
+    """RMSNorm forward and dX on CUDA: rows at batch 1, 7, 64 == the same rows inside a 283-row
+    batch == shifted by 17 rows, bitwise."""
+    assert_rms_rows_invariant(*_cuda(randn(*shape, seed=33),
+                                     1 + randn(shape[-1], seed=34, scale=0.1),
+                                     randn(*shape, seed=35)))
+
+
+def test_cuda_swiglu_grads_of_a_row_alone_equal_in_batch():
+    """SwiGLU forward, d_gate and d_up on CUDA: rows at batch 1 and 7 == inside a 300-row batch."""
+    g, u, dh = _cuda(*(randn(300, 3072, seed=s) for s in (40, 41, 42)))
+
+    def fwd_bwd(rows):
+        gg, uu = (t[rows].clone().requires_grad_() for t in (g, u))
+        h = swiglu(gg, uu)
+        h.backward(dh[rows])
+        return h.detach(), gg.grad, uu.grad
+
+    ref = fwd_bwd(slice(0, 300))
+    for m in (1, 7):
+        for a, b in zip(fwd_bwd(slice(5, 5 + m)), ref):
+            assert_bitwise(a, b[5:5 + m])
+
+
+@pytest.mark.parametrize("n,k", [(3072, 1024), (1536, 1024)])
+def test_cuda_column_parallel_dx_row_alone_equals_row_in_batch(n, k):
+    """Column-parallel dX = dY·W (fp32 Triton chain, virtual-TP tree) on CUDA: row r at batch 1,
+    7, 64 == row r inside a 257-row batch == shifted by 17 rows, bitwise."""
+    dy, w = _cuda(randn(274, n, seed=50), randn(n, k, seed=51, scale=0.05))
+    big = column_parallel_dx(dy[17:], w)
+    shifted = column_parallel_dx(dy, w)
+    for m in (1, 7, 64):
+        assert_bitwise(column_parallel_dx(dy[17:17 + m], w), big[:m])
+    assert_bitwise(shifted[17:], big)
+
+
+def test_cuda_negative_control_cublas_dx_row_changes_with_batch():
+    """Negative control: stock dY @ W on CUDA (cuBLAS, bf16 and fp32): row 0 at batch 1 differs
+    from row 0 at batch 257 for at least one dtype (the REFERENCES.md measurement: bf16 at M ≥ 64)."""
+    diffs = []
+    for dt in (torch.bfloat16, torch.float32):
+        dy, w = _cuda(randn(257, 4096, seed=52).to(dt), randn(4096, 4096, seed=53).to(dt))
+        diffs.append(n_diff((dy[:1] @ w).float(), (dy @ w)[:1].float()))
+    assert max(diffs) > 0, diffs

@@ -1,0 +1,164 @@
+"""The paged rollout engine on CUDA (Triton kernels, KV block 64): bitwise invariance of one
+sample's tokens and logprob bits, rollout == trainer, and no host sync per token.
+
+Same properties as tests/test_rollout_engine.py, on the GPU backend (identity is promised within
+a backend, so CUDA results are compared with CUDA results only): alone == in batches of 7, 8,
+9, 16, 17, 257 == admitted late == shuffled physical blocks == shared prompt or not == other
+token budgets and prefill chunks == a tight pool (preemption); trainer logprobs == rollout
+logprobs. Negative controls: stock ops (`--mode native`: cuBLAS, SDPA) change the bytes with
+the batch. Host syncs during `generate` are counted with torch's sync debug mode: at most one
+per host check (every check_every steps) plus a fixed number per call, never one per token.
+Run (GPU machine, repository root):
+    PYTHONPATH=.:tests python3 -m pytest -q tests/test_cuda_rollout.py
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+from rollout_helpers import CFG, PAD, W, bits, engine, group, requests, sp
+from rlkernel.model.ops import InvariantOps, NativeOps
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.train.step import TrainSample, trainer_logprobs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEV = "cuda"
+TARGET = requests(1, start=500, lo=70, hi=140)[0]     # 70-139 prompt tokens: 2-3 blocks of 64
+SP = sp(16)
+
+
+def _target(ops, batch, row, **kw):
+    reqs = batch[:row] + [TARGET] + batch[row:]
+    e = engine(ops, DEV, **kw)
+    return bits(e.generate(reqs, SP)[row]), e.stats
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(ops):
+    return bits(engine(ops, DEV).generate([TARGET], SP)[0])
+
+
+@pytest.mark.parametrize("size", [7, 8, 9, 16, 17, 257])
+def test_cuda_target_alone_equals_in_batch(size):
+    got, _ = _target(InvariantOps, requests(size - 1, start=0, lo=3, hi=200), size // 2)
+    assert len(got[0]) == 16 and got == _alone(InvariantOps)
+
+
+def test_cuda_control_stock_ops_change_with_batch():
+    got, _ = _target(NativeOps, requests(256, start=0, lo=3, hi=200), 128)
+    assert got != _alone(NativeOps)
+
+
+@pytest.mark.parametrize("kw", [dict(max_seqs=3, max_step_tokens=96),
+                                dict(block_shuffle_seed=1), dict(block_shuffle_seed=2, kv_blocks=9),
+                                dict(prefill_chunk=5), dict(max_step_tokens=70),
+                                dict(check_every=1)])
+def test_cuda_schedule_and_placement_do_not_change_bytes(kw):
+    """admitted late (max_seqs=3), shuffled / tight pools (preemption), chunking, budgets and
+    the host-check period: the target's bytes == alone."""
+    got, stats = _target(InvariantOps, requests(11, start=30, lo=3, hi=200), 7, **kw)
+    if "max_seqs" in kw:
+        step, _, running = next(a for a in stats["admissions"] if a[1] == 7)
+        assert step > 0 and running > 0
+    if "kv_blocks" in kw:
+        assert stats["preemptions"] > 0
+    assert got == _alone(InvariantOps)
+
+
+def _groups(ops, share):
+    reqs = group(6, 150, start=200, seed=3) + requests(4, start=300) + group(6, 150, 210, seed=4)
+    e = engine(ops, DEV, prefix_sharing=share)
+    return [bits(c) for c in e.generate(reqs, SP)], e.stats
+
+
+def test_cuda_shared_prefix_or_not():
+    shared, st = _groups(InvariantOps, True)
+    plain, _ = _groups(InvariantOps, False)
+    assert st["blocks_saved"] == 2 * 5 * 2 and shared == plain
+
+
+def test_cuda_control_shared_prefix_stock_ops_differ():
+    assert _groups(NativeOps, True)[0] != _groups(NativeOps, False)[0]
+
+
+def test_cuda_trainer_equals_rollout():
+    """trainer logprobs (packed, no cache, CUDA) == rollout logprobs of a shared, preempting,
+    shuffled run: 0 byte mismatches."""
+    reqs = group(4, 100, start=400) + requests(6, start=410, lo=3, hi=200)
+    e = engine(InvariantOps, DEV, kv_blocks=8, block_shuffle_seed=5, max_step_tokens=200)
+    comps = e.generate(reqs, SP)
+    model = Qwen3ForCausalLM(CFG, InvariantOps, torch.bfloat16).to(DEV)
+    model.load_tensors(W)
+    samples = [TrainSample(c.sample_id, c.prompt_ids, tuple(c.response_ids), c.logprob_tensor(),
+                           0.0) for c in comps]
+    got = [lp.view(torch.int32).tolist()
+           for lp in trainer_logprobs(model, samples, SP.temperature, PAD)]
+    assert got == [bits(c)[1] for c in comps]
+
+
+def test_cuda_no_host_sync_per_token():
+    """Host syncs in one generate of 16 samples × 64 tokens (about 64 decode steps), counted by
+    torch.cuda.set_sync_debug_mode: at most 2 per host check (one every check_every steps, and
+    one at the end) + 8 (prompt upload, result download).
+    Control: with check_every=1 there are at least as many syncs as steps."""
+    reqs = requests(16, start=600, lo=3, hi=60)
+    counts = {}
+    for k in (32, 1):
+        e = engine(InvariantOps, DEV, check_every=k)
+        e.generate(reqs, sp(8))                                   # warm-up (compiles)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                e.generate(reqs, sp(64, eos=-1))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[k] = (sum("synchroniz" in str(x.message) for x in w), e.stats["steps"])
+    syncs, steps = counts[32]
+    assert steps >= 64 and syncs <= 2 * (steps // 32 + 1) + 8, counts
+    assert counts[1][0] >= counts[1][1], counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tq", [1, 5, 64])
+def test_cuda_paged_kernel_equals_dense_kernel(dtype, tq):
+    """The Triton kernel reading K/V through a block table == the same kernel on the blocks
+    gathered in logical order, bitwise (out and lse), for decode (Tq=1), short and full chunks,
+    fp32 and bf16. Control: a table in another block order changes the output."""
+    from rlkernel.kernels.paged_attention import gather_blocks
+    from rlkernel.kernels.triton_attention import (KV_BLOCK, attention_forward,
+                                                   paged_attention_forward)
+    g = torch.Generator(device=DEV).manual_seed(tq)
+    s_, hq, hkv, d, nb, blocks = 4, 16, 8, 128, 5, 23
+    q = torch.randn(s_, hq, tq, d, generator=g, device=DEV).to(dtype)
+    kp = torch.randn(blocks, KV_BLOCK, hkv, d, generator=g, device=DEV).to(dtype)
+    vp = torch.randn(blocks, KV_BLOCK, hkv, d, generator=g, device=DEV).to(dtype)
+    table = torch.randperm(blocks, generator=g, device=DEV)[:s_ * nb].view(s_, nb)
+    kv_len = torch.tensor([nb * KV_BLOCK, 3 * KV_BLOCK + 7, 65, tq + 1], device=DEV)
+    q_pos = torch.stack([torch.arange(int(n) - tq, int(n), device=DEV) for n in kv_len])
+    q_pos[2, 0] = -1
+    tk = nb * KV_BLOCK
+    dense = attention_forward(q, gather_blocks(kp, table, tk), gather_blocks(vp, table, tk),
+                              q_pos, kv_len, d ** -0.5)
+    paged = paged_attention_forward(q, kp, vp, table, q_pos, kv_len, d ** -0.5)
+    for a, b in zip(dense, paged):
+        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+    other = paged_attention_forward(q, kp, vp, table.roll(1, 1), q_pos, kv_len, d ** -0.5)[0]
+    assert not torch.equal(other, paged[0])
+
+
+def test_cuda_engine_paged_kernel_equals_gather():
+    """The engine with the paged kernel == the engine gathering blocks for the dense kernel,
+    every sample, bitwise (shared prompts, shuffled blocks)."""
+    reqs = group(4, 100, start=700) + requests(8, start=710, lo=3, hi=200)
+    runs = [[bits(c) for c in engine(InvariantOps, DEV, paged_kernel=pk,
+                                     block_shuffle_seed=7).generate(reqs, SP)]
+            for pk in (True, False)]
+    assert runs[0] == runs[1]

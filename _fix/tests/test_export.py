@@ -1,0 +1,186 @@
+"""Trained weights out of a run (rlkernel/runner/export.py, `rlk export`).
+
+Chain checked here, on one tiny run R (2 steps, --save-every 1, a KL term so the weights move):
+  1. R/final holds the weights after the last step: their per-tensor SHA-256 == the evidence's
+     last step (bytes, not a tolerance), and rlk_weights.json names that step and version.
+  2. `rlk export R --out D` == a Hugging Face directory that transformers' Qwen3ForCausalLM and
+     AutoTokenizer load; its fp32 logits == our model's fp32 logits on the same weights (1e-4
+     relative, as tests/test_reference.py), and the tokenizer encodes == our byte tokenizer.
+  3. `--step 0` (a checkpoint's fp32 masters, rounded to bf16) == the bytes the run hashed at step 0.
+  4. A flipped bit in R/final, a step with no weights, an occupied --out, an unfinished run: a
+     refusal (exit 1 naming the tensor, or exit 2 listing the steps that have weights), and no
+     output directory.
+Run: `.venv/bin/python -m pytest -q tests/test_export.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlkernel.cli import main
+from rlkernel.weights.hashing import state_hashes
+
+FLAGS = ["--steps", "2", "--save-every", "1", "--kl-coef", "0.05", "--lr", "1e-3",
+         "--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "12",
+         "--allow-dirty"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("export") / "run"
+    assert main(["run", *FLAGS, "--run-dir", str(d)]) == 0
+    return d
+
+
+def _evidence(run):
+    return json.loads((run / "evidence.json").read_text())
+
+
+def test_final_weights_are_the_last_steps_hashed_bytes(run):
+    """hash(R/final tensors) == evidence step 1 tensor_hashes; meta names step 1 and its version;
+    the weights moved (step 1 version != init version)."""
+    ev = _evidence(run)
+    last = ev["steps"][-1]
+    tensors = load_file(str(run / "final" / "model.safetensors"))
+    assert state_hashes(tensors) == {n: last["tensor_hashes"][n] for n in tensors}
+    assert set(tensors) == set(last["tensor_hashes"])
+    assert json.loads((run / "final" / "rlk_weights.json").read_text()) == {
+        "step": 1, "version": last["version"]}
+    assert last["version"] != ev["init"]["version"]
+    assert json.loads((run / "final" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_export_loads_in_transformers_with_our_logits_and_tokenizer(run, tmp_path, capsys):
+    """rlk export R --out D: transformers loads D (no missing/unexpected keys); its fp32 logits ==
+    ours within 1e-4 relative; AutoTokenizer(D).encode == ByteTokenizer.encode."""
+    transformers = pytest.importorskip("transformers")
+    from rlkernel.data.tokenizer import ByteTokenizer
+    from rlkernel.model.checkpoint import load_checkpoint
+    from rlkernel.model.layout import packed_layout
+    from rlkernel.model.ops import InvariantOps
+    from rlkernel.model.qwen3 import Qwen3ForCausalLM
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip() == str(out)
+    assert "step 1" in cap.err and "24 tensors match" in cap.err
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "rlk_weights.json"} <= {p.name for p in out.iterdir()}
+    assert (out / "model.safetensors").read_bytes() == \
+        (run / "final" / "model.safetensors").read_bytes()
+
+    hf, info = transformers.Qwen3ForCausalLM.from_pretrained(out, output_loading_info=True,
+                                                            dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    hf.config._attn_implementation = "eager"
+    cfg, tensors = load_checkpoint(out)
+    ours = Qwen3ForCausalLM(cfg, InvariantOps, torch.float32)
+    ours.load_tensors({n: t.float() for n, t in tensors.items()})
+    text = "Compute 37+45="
+    ids = ByteTokenizer().encode(text)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok(text, add_special_tokens=False)["input_ids"] == ids
+    assert tok.eos_token_id == 256 and tok.pad_token_id == 257
+    with torch.no_grad():
+        lay = packed_layout([ids], 257)
+        mine = ours.logits(ours.hidden(lay))[:len(ids)].double()
+        ref = hf(torch.tensor([ids])).logits[0].double()
+    assert torch.allclose(mine, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_export_of_a_checkpoint_step_is_the_bytes_hashed_at_that_step(run, tmp_path, capsys):
+    """--step 0 comes from checkpoints/step-000001 (fp32 masters -> bf16): its hashes == the
+    evidence's step 0 hashes, and differ from the final weights."""
+    out = tmp_path / "s0"
+    assert main(["export", str(run), "--step", "0", "--out", str(out)]) == 0
+    assert "from step-000001" in capsys.readouterr().err
+    tensors = load_file(str(out / "model.safetensors"))
+    ev = _evidence(run)
+    assert state_hashes(tensors) == {n: ev["steps"][0]["tensor_hashes"][n] for n in tensors}
+    assert json.loads((out / "rlk_weights.json").read_text())["step"] == 0
+    assert ev["steps"][0]["version"] != ev["steps"][1]["version"]
+
+
+def test_a_flipped_bit_is_refused_naming_the_tensor(run, tmp_path, capsys):
+    """One bit of model.norm.weight flipped in R/final: exit 1, the message names that tensor,
+    no --out directory."""
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    tensors = load_file(str(bad / "final" / "model.safetensors"))
+    t = tensors["model.norm.weight"]
+    t.view(torch.int16)[3] ^= 1
+    save_file(tensors, str(bad / "final" / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert main(["export", str(bad), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlk export: error: refusing to export")
+    assert "'model.norm.weight' differs" in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--step", "7"], "--step 7: must be an evidence step of"),
+    (["--step", "-1"], "--step -1: must be an evidence step of"),
+])
+def test_a_step_without_weights_is_a_usage_error_listing_the_steps(run, tmp_path, capsys, args,
+                                                                   words):
+    out = tmp_path / "out"
+    assert main(["export", str(run), *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert "steps with weights: 0 (checkpoint step-000001), 1 (final)" in err
+    assert not out.exists()
+
+
+def test_unfinished_run_and_missing_checkpoint(run, tmp_path, capsys):
+    """A run without final/ (stopped early) has no default export; a step whose checkpoint is
+    gone has no weights; an occupied --out is refused. Each: exit 2, nothing written."""
+    d = tmp_path / "run"
+    shutil.copytree(run, d)
+    shutil.rmtree(d / "final")
+    ev = _evidence(d)
+    ev["complete"] = False
+    (d / "evidence.json").write_text(json.dumps(ev))
+    out = tmp_path / "out"
+    assert main(["export", str(d), "--out", str(out)]) == 2
+    assert "has no final weights" in capsys.readouterr().err
+    shutil.rmtree(d / "checkpoints" / "step-000002")
+    assert main(["export", str(d), "--step", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--step 1:" in err and "kept no weights for it" in err and "0 (checkpoint" in err
+    assert not out.exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main(["export", str(run), "--out", str(tmp_path / "full")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_export_copies_the_input_models_tokenizer_and_refuses_a_changed_one(tmp_path, capsys):
+    """A run of `rlk init-model` output (with tokenizer files): the export's tokenizer files ==
+    the input model's bytes; after the input's tokenizer.json changes, export refuses (exit 1)."""
+    model = tmp_path / "model"
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
+    d = tmp_path / "run"
+    assert main(["run", "--model", str(model), "--steps", "1", "--n-prompts", "1",
+                 "--n-samples-per-prompt", "2", "--max-response-len", "4", "--allow-dirty",
+                 "--run-dir", str(d)]) == 0
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert set(manifest["tokenizer_files"]) == {"tokenizer.json", "tokenizer_config.json"}
+    out = tmp_path / "hf"
+    assert main(["export", str(d), "--out", str(out)]) == 0
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / f).read_bytes() == (model / f).read_bytes()
+    (model / "tokenizer.json").write_bytes((model / "tokenizer.json").read_bytes() + b" ")
+    capsys.readouterr()
+    assert main(["export", str(d), "--out", str(tmp_path / "hf2")]) == 1
+    assert "tokenizer file(s) tokenizer.json" in capsys.readouterr().err
+    assert not (tmp_path / "hf2").exists()

@@ -1,0 +1,144 @@
+"""Exact fixed-point sums (rlkernel/numerics/fixedpoint.py): correct rounding and order freedom.
+
+1. round_fp32(accumulate_(...)) is the exact sum of the values rounded once to fp32
+   (round-half-even), checked against Python Fractions for normal, huge, tiny (subnormal), random
+   bit patterns and cancelling values.
+2. The result is a function of the multiset of values: any order, any grouping into
+   accumulators that are then added as integers (what microbatches and DP/CP ranks do) give
+   the same bytes. Negative control: fp32 sums of the same groups differ.
+3. Zero is +0.0; NaN/±Inf follow IEEE; an fp32-overflowing sum is ±Inf.
+
+Run: .venv/bin/python -m pytest -q tests/test_fixedpoint.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from rlkernel.numerics import fixedpoint as fx
+
+
+def _fp32_of(q: Fraction) -> float:
+    """The fp32 nearest to an exact rational (ties to even), as a Python float."""
+    if q == 0:
+        return 0.0
+    sign, a = (-1 if q < 0 else 1), abs(q)
+    e = math.floor(math.log2(a))
+    while Fraction(2) ** e > a:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    ulp = Fraction(2) ** max(e - 23, -149)
+    n, r = divmod(a / ulp, 1)
+    n = int(n)
+    if r > Fraction(1, 2) or (r == Fraction(1, 2) and n % 2):
+        n += 1
+    v = n * ulp
+    return sign * math.inf if v >= Fraction(2) ** 128 else sign * float(v)
+
+
+def _reference(col: list[float]) -> float:
+    if any(math.isnan(v) for v in col) or (math.inf in col and -math.inf in col):
+        return math.nan
+    if math.inf in col or -math.inf in col:
+        return math.inf if math.inf in col else -math.inf
+    return _fp32_of(sum((Fraction(v) for v in col), Fraction(0)))
+
+
+def _same(got: torch.Tensor, want: float) -> bool:
+    if math.isnan(want):
+        return bool(torch.isnan(got))
+    return got.view(torch.int32).item() == torch.tensor(want).view(torch.int32).item()
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    yield "normal", torch.randn(37, 9, generator=g)
+    yield "wide", torch.randn(37, 9, generator=g) * torch.exp(torch.randn(37, 9, generator=g) * 30)
+    yield "subnormal", torch.randn(37, 9, generator=g) * 1e-42
+    yield "huge", torch.randn(5, 9, generator=g) * 3e38
+    bits = torch.randint(-2**31, 2**31 - 1, (23, 9), generator=g, dtype=torch.int64)
+    yield "bit patterns", bits.to(torch.int32).view(torch.float32).clone()
+    x = torch.randn(20, 9, generator=g)
+    yield "cancelling", torch.cat([x, -x, torch.full((1, 9), 2.0**-140)])
+
+
+@pytest.mark.parametrize("name,x", list(_cases()), ids=[c[0] for c in _cases()])
+def test_exact_sum_is_the_rational_sum_rounded_once(name, x):
+    """exact_sum_fp32(x)[j] == fp32(Σ_i x[i, j] computed in rationals), ties to even, bitwise."""
+    got = fx.exact_sum_fp32(x)
+    bad = [j for j in range(x.shape[1]) if not _same(got[j], _reference(x[:, j].tolist()))]
+    assert not bad, f"{name}: columns {bad} are not the correctly rounded exact sum"
+
+
+def test_any_order_and_grouping_gives_the_same_bytes():
+    """Accumulating a shuffled x in groups of 1, 7, 64 rows into separate accumulators, then
+    adding the accumulators (int64 sum, as ranks do), == one accumulator over x, bitwise.
+    Negative control: fp32 sums of the same groups differ from the fp32 sum of x."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 50, generator=g) * torch.exp(torch.randn(300, 50, generator=g) * 8)
+    want = fx.exact_sum_fp32(x)
+    perm = torch.randperm(300, generator=g)
+    for size in (1, 7, 64):
+        accs = [fx.accumulate_(fx.zeros((50,)), x[perm[i:i + size]]) for i in range(0, 300, size)]
+        got = fx.round_fp32(torch.stack(accs).sum(0))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), size
+    naive = torch.stack([x[perm[i:i + 7]].sum(0) for i in range(0, 300, 7)]).sum(0)
+    assert not torch.equal(naive.view(torch.int32), x.sum(0).view(torch.int32))
+
+
+def test_zero_nonfinite_and_overflow():
+    """An exact zero sum is +0.0 (also of -0.0 values); NaN if a NaN or both infinities were
+    added; ±Inf for one infinity; a finite sum beyond fp32 is ±Inf; shapes are kept."""
+    x = torch.tensor([[-0.0, 1.0, math.nan, math.inf, math.inf, 3e38, -3e38],
+                      [-0.0, -1.0, 1.0, 1.0, -math.inf, 3e38, -3e38]])
+    got = fx.exact_sum_fp32(x)
+    assert got[0].view(torch.int32).item() == 0 and got[1].view(torch.int32).item() == 0
+    assert torch.isnan(got[2]) and torch.isnan(got[4]) and got[3].item() == math.inf
+    assert got[5].item() == math.inf and got[6].item() == -math.inf
+    acc = fx.zeros((2, 3))
+    assert fx.round_fp32(fx.accumulate_(acc, torch.ones(4, 2, 3))).shape == (2, 3)
+
+
+def test_random_small_sums_match_the_reference():
+    """Random lengths (1..40) and magnitudes: every column is the correctly rounded sum."""
+    rnd = random.Random(5)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(30):
+        n = rnd.randint(1, 40)
+        x = torch.randn(n, 6, generator=g) * 10.0 ** rnd.randint(-40, 38)
+        got = fx.exact_sum_fp32(x)
+        for j in range(6):
+            assert _same(got[j], _reference(x[:, j].tolist()))
+
+
+def test_bad_accumulators_are_refused():
+    """A non-int64 accumulator or mismatched value shape raises ValueError."""
+    with pytest.raises(ValueError):
+        fx.accumulate_(torch.zeros(3, fx.N_COLS), torch.ones(2, 3))
+    with pytest.raises(ValueError):
+        fx.accumulate_(fx.zeros((3,)), torch.ones(2, 4))
+    with pytest.raises(ValueError):
+        fx.round_fp32(torch.zeros(3, 2, dtype=torch.int64))
+
+
+def test_nonfinite_counts_depend_only_on_the_multiset():
+    """The NaN/+Inf/−Inf columns count values, so one accumulator over x == the integer sum of
+    accumulators over single rows, bytewise (digits AND counts), and the digits keep the finite
+    values that sit beside an Inf (here 3e38 in the top bin). Rows: 2 x +Inf, +Inf with −Inf,
+    NaN, finite."""
+    x = torch.tensor([[math.inf, math.inf, math.nan, 3e38],
+                      [math.inf, -math.inf, 1.0, 3e38],
+                      [3e38, 2.0, math.nan, -1.0]])
+    one = fx.accumulate_(fx.zeros((4,)), x)
+    rows = fx.normalise_(torch.stack([fx.accumulate_(fx.zeros((4,)), x[i:i + 1])
+                                      for i in range(3)]).sum(0))
+    assert torch.equal(one, rows)
+    assert one[:, fx.N_DIGITS:].tolist() == [[0, 2, 0], [0, 1, 1], [2, 0, 0], [0, 0, 0]]
+    finite = fx.accumulate_(fx.zeros((4,)), torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+    assert torch.equal(one[:, :fx.N_DIGITS], finite[:, :fx.N_DIGITS])

@@ -1,0 +1,688 @@
+"""Bad input, fuzzed (issue 5): configs, JSONL prompt files, model checkpoint directories and
+resume directories, plus odd topologies through `rlk run`.
+
+Every bad input must give a `ConfigError` / `PromptFileError` / `CheckpointError` /
+`ResumeError` (or, through `rlk run`, exit 2 for bad usage / 1 for a failed run) whose one-line
+message names what is wrong and where (flag, FILE:LINE, tensor); nothing but those exception
+types may escape (no traceback for user errors), and no run directory or `.tmp-*` sibling may be
+left behind. The property tests are Hypothesis-driven with `derandomize=True` (the same examples
+on every machine, so CI is reproducible) and small `max_examples`; none of them starts a training
+run: `rlk run` is fuzzed with `run_loop` replaced by a stub, and the loaders are called directly.
+The concrete `rlk run` cases at the end run tiny single-process runs; the 8-rank layouts are
+marked slow.
+
+Run: `.venv/bin/python -m pytest -q tests/test_fuzz_inputs.py` (about 40 s on 2 cores; add
+`-m "slow or not slow"` for the 8-rank layouts, about a minute more).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import math
+import pathlib
+import re
+import shutil
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from rlkernel.cli import main
+from rlkernel.config import ConfigError, RunConfig, flag_name
+from rlkernel.data.prompts import PromptFileError, load_jsonl
+from rlkernel.model.checkpoint import CheckpointError, init_weights, load_checkpoint
+from rlkernel.model.config import param_shapes, tiny
+
+FUZZ = settings(max_examples=40, derandomize=True, database=None, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture])
+"""Hypothesis settings of every property here: reproducible, small, no example database."""
+
+SMALL = ["--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "8",
+         "--steps", "1"]
+"""Concrete runs: 4 samples of at most 8 tokens, one step."""
+
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+                | st.text(max_size=8))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda c: st.lists(c, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=6)
+"""Any JSON value, NaN and +-Infinity included (Python's json writes and reads them)."""
+EDGE_VALUES = st.sampled_from([0, -1, 1, 2.5, 64.0, math.inf, -math.inf, math.nan, 10**30, "64",
+                               "false", "", True, False, None, [], [1], {}, {"type": "linear"}])
+"""JSON values at the edges of what a config field may hold (types, signs, infinities)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def rlk(*argv: str) -> tuple[int, str]:
+    """`rlk ARGV` in-process: (exit code, stderr). Any exception escaping main fails the test."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(list(argv))
+    return rc, err.getvalue()
+
+
+def error_line(stderr: str, cmd: str = "run") -> str:
+    """The one `rlk CMD: error: ...` line of `stderr` (asserts there is exactly one, and no
+    traceback), without its prefix."""
+    assert "Traceback" not in stderr, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.startswith(f"rlk {cmd}: error: ")]
+    assert len(lines) == 1, stderr
+    return lines[0].removeprefix(f"rlk {cmd}: error: ")
+
+
+def assert_nothing_left(run_dir: pathlib.Path) -> None:
+    """Neither the run directory nor any `<name>.tmp-*` sibling exists."""
+    assert not run_dir.exists(), f"{run_dir} was left behind"
+    if run_dir.parent.exists():
+        left = [p.name for p in run_dir.parent.iterdir() if p.name.startswith(run_dir.name)]
+        assert not left, f"left behind next to {run_dir}: {left}"
+
+
+@contextlib.contextmanager
+def scratch():
+    """A fresh temporary directory per Hypothesis example (tmp_path is per test, not example)."""
+    d = pathlib.Path(tempfile.mkdtemp(prefix="rlk-fuzz-"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def stub_run_loop(cfg, run_dir, writer):
+    """Stands in for the RL loop: writes a file into the run directory, then fails like a user
+    error before the first step, so the CLI must discard the whole directory."""
+    (pathlib.Path(run_dir) / "half-written").write_text("x")
+    raise ValueError("stub: the RL loop would start here")
+
+
+@functools.cache
+def tiny_tensors() -> dict[str, torch.Tensor]:
+    """Valid bf16 weights of the tiny model (do not modify: copy first)."""
+    return init_weights(tiny(), 0)
+
+
+@functools.cache
+def tiny_safetensors() -> bytes:
+    """The bytes of a valid model.safetensors for tiny()."""
+    with scratch() as d:
+        save_file(tiny_tensors(), str(d / "model.safetensors"))
+        return (d / "model.safetensors").read_bytes()
+
+
+def write_model(d: pathlib.Path, config: dict | str | bytes | None = None,
+                tensors: dict[str, torch.Tensor] | None = None,
+                weights: bytes | None = None) -> pathlib.Path:
+    """A checkpoint directory: config.json (dict -> JSON; str/bytes verbatim; None: tiny's) and
+    model.safetensors (`tensors`, or raw `weights` bytes, or tiny's valid weights)."""
+    d.mkdir(parents=True, exist_ok=True)
+    if config is None:
+        config = tiny().to_hf_dict()
+    if isinstance(config, dict):
+        config = json.dumps(config)
+    (d / "config.json").write_bytes(config.encode() if isinstance(config, str) else config)
+    if tensors is not None:
+        save_file(tensors, str(d / "model.safetensors"))
+    else:
+        (d / "model.safetensors").write_bytes(tiny_safetensors() if weights is None else weights)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL prompt files
+
+
+def _good_line(text: str, label: str) -> bytes:
+    return json.dumps({"prompt": text, "label": label}).encode()
+
+
+GOOD_LINES = st.builds(_good_line, st.text(min_size=1, max_size=12).filter(str.strip),
+                       st.text(min_size=1, max_size=6).filter(str.strip))
+
+BAD_LINES = st.sampled_from([
+    (b'{"prompt": "a", "label": "1"', "invalid JSON"),
+    (b'{"prompt": "a", "label": "1"}}', "invalid JSON"),
+    (b"not json at all", "invalid JSON"),
+    (b'{"prompt": NaN, "label": "1"}', "invalid JSON"),
+    (b'[{"prompt": "a", "label": "1"}]', "expected a JSON object"),
+    (b'"just a string"', "expected a JSON object"),
+    (b"42", "expected a JSON object"),
+    (b'{"label": "1"}', 'missing "prompt"'),
+    (b'{"prompt": "a"}', 'missing "label"'),
+    (b'{"prompt": "", "label": "1"}', '"prompt" is empty'),
+    (b'{"prompt": " \\t\\n ", "label": "1"}', '"prompt" is empty'),
+    (b'{"prompt": null, "label": "1"}', '"prompt" must be a string'),
+    (b'{"prompt": ["a"], "label": "1"}', '"prompt" must be a string'),
+    (b'{"prompt": "a", "label": ""}', '"label" is empty'),
+    (b'{"prompt": "a", "answer": {"x": 1}}', '"answer" must be a string or a number'),
+    (b'{"prompt": "a", "label": true}', '"label" must be a string or a number'),
+    (b'{"prompt": "a", "label": 1e999}', "not finite"),
+    (b'{"prompt": "\\ud800", "label": "1"}', "unpaired surrogate"),
+    (b'{"prompt": "caf\xe9", "label": "1"}', "invalid UTF-8"),
+    (b"\xff\xfe{}", "invalid UTF-8"),
+    (b'{"prompt": "a", "label": "\xc3"}', "invalid UTF-8"),
+    (b"[" * 100_000, "invalid JSON"),
+])
+"""(line, words the error must contain): malformed JSON, wrong types, missing keys, empty
+prompts, invalid UTF-8, unpaired surrogates, non-finite labels, pathological nesting."""
+
+
+@settings(FUZZ, max_examples=100)
+@given(before=st.lists(GOOD_LINES | st.sampled_from([b"", b"   ", b"\r"]), max_size=6),
+       bad=BAD_LINES, after=st.lists(GOOD_LINES, max_size=3),
+       crlf=st.booleans())
+def test_prompt_file_names_the_bad_line(before, bad, after, crlf):
+    """One bad line anywhere among good and blank lines: PromptFileError "FILE:LINE: why"."""
+    line, why = bad
+    sep = b"\r\n" if crlf else b"\n"
+    with scratch() as d:
+        path = d / "prompts.jsonl"
+        path.write_bytes(sep.join([*before, line, *after]) + sep)
+        with pytest.raises(PromptFileError) as e:
+            load_jsonl(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:{len(before) + 1}: "), msg
+    assert why in msg and "\n" not in msg and len(msg) < 500, msg
+
+
+@settings(FUZZ, max_examples=150)
+@given(lines=st.lists(st.binary(max_size=30) | GOOD_LINES | st.builds(
+    lambda v: json.dumps(v).encode(), JSON_VALUES), max_size=6))
+def test_prompt_file_arbitrary_bytes(lines):
+    """Any bytes: either valid prompts (non-blank text and label) or a PromptFileError naming the
+    file and, when it is about one line, a line that exists."""
+    data = b"\n".join(lines)
+    with scratch() as d:
+        path = d / "p.jsonl"
+        path.write_bytes(data)
+        try:
+            prompts = load_jsonl(path)
+        except PromptFileError as e:
+            m = re.match(rf"{re.escape(str(path))}(?::(\d+))?: \S", str(e))
+            assert m, str(e)
+            assert m.group(1) is None or 1 <= int(m.group(1)) <= data.count(b"\n") + 1
+            return
+    for p in prompts:
+        assert p.text.strip() and p.label.strip()
+        assert p.where.startswith(f"{path}:")
+
+
+def test_prompt_file_huge_lines(tmp_path):
+    """A 4 MB prompt loads; a 4 MB line that is bad is reported by line without echoing it."""
+    path = tmp_path / "huge.jsonl"
+    path.write_bytes(_good_line("x" * 4_000_000, "1") + b"\n")
+    assert len(load_jsonl(path)[0].text) == 4_000_000
+    for line in (b"y" * 4_000_000, b'{"prompt": "' + b"z" * 4_000_000 + b'\xff", "label": "1"}'):
+        path.write_bytes(_good_line("q", "1") + b"\n" + line + b"\n")
+        with pytest.raises(PromptFileError, match=rf"^{re.escape(str(path))}:2: ") as e:
+            load_jsonl(path)
+        assert len(str(e.value)) < 500
+
+
+@pytest.mark.parametrize("content, where", [
+    (b"", ": no prompts"),
+    (b"\n \n\r\n", ": no prompts"),
+    (_good_line("ok", "1") + b"\n" + b'{"prompt": "a",}', ":2: invalid JSON"),
+    (b"\xef\xbb\xbf" + _good_line("bom", "1") + b"\n\xc0\xaf\n", ":2: invalid UTF-8"),
+])
+def test_bad_prompt_file_through_rlk_run(tmp_path, content, where):
+    """`rlk run --prompts BAD`: exit 1, one line naming FILE[:LINE], nothing on disk."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    run_dir = tmp_path / "runs" / "r"
+    rc, err = rlk("run", "--prompts", str(path), "--allow-dirty", "--run-dir", str(run_dir))
+    assert rc == 1
+    assert error_line(err).startswith(f"{path}{where}"), err
+    assert_nothing_left(run_dir)
+    assert not (tmp_path / "runs").exists()  # the parent it created is removed too
+
+
+def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
+    """The token-length limit is checked before any step and points at the prompt's line."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join([_good_line("short", "1"), b"", _good_line("x" * 40, "2")]))
+    run_dir = tmp_path / "r"
+    rc, err = rlk("run", *SMALL, "--n-prompts", "3", "--max-prompt-len", "16", "--prompts",
+                  str(path), "--allow-dirty", "--run-dir", str(run_dir))
+    assert rc == 1
+    assert error_line(err) == f"{path}:3: prompt has 40 tokens, more than --max-prompt-len 16"
+    assert_nothing_left(run_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# configs: RunConfig and `rlk run` flags
+
+
+RUN_FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
+ODD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(10**300, 10**310),
+    st.floats(), st.text(max_size=6), st.lists(st.integers(), max_size=2),
+    st.sampled_from([0, 1, 2, 3, 4, 8, 16, 0.5, 1e-9, "bf16", "k3", "cpu", "cuda"]))
+
+
+@settings(FUZZ, max_examples=300)
+@given(values=st.dictionaries(st.sampled_from(RUN_FIELDS), ODD_VALUES, max_size=3))
+def test_run_config_rejects_with_the_flag_name(values):
+    """RunConfig(**anything): valid, or a ConfigError that starts with the flag it is about."""
+    try:
+        RunConfig(**values)
+    except ConfigError as e:
+        assert str(e).startswith("--"), str(e)
+        assert any(flag_name(k) in str(e) for k in values), (values, str(e))
+
+
+FLAG_FIELDS = [f for f in ("model_seed", "steps", "seed", "n_prompts", "n_samples_per_prompt",
+                           "temperature", "top_p", "max_response_len", "max_prompt_len",
+                           "kl_coef", "kl_estimator", "entropy_coef", "clip_eps", "lr",
+                           "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+                           "micro_batch_tokens", "dtype", "mode", "dp", "tp", "cp", "rollout_tp",
+                           "rollout_cp", "device", "model", "prompts", "on_nonfinite",
+                           "save_every")
+               if f in RUN_FIELDS]
+"""Value flags fuzzed through `rlk run` (not --run-dir / --resume, which pick where to write)."""
+FLAG_TEXT = st.sampled_from(["0", "-1", "1", "2", "3", "4", "8", "16", "1e-9", "1e6", "nan",
+                             "inf", "-inf", "1e309", "0.5", "", "abc", "1_0", " 7 ", "0x10",
+                             "true", "k4", "fp16", "/", "."]) | st.text(max_size=6).filter(
+                                 lambda s: "\x00" not in s)
+
+
+@settings(FUZZ, max_examples=100)
+@given(pairs=st.lists(st.tuples(st.sampled_from(FLAG_FIELDS), FLAG_TEXT), max_size=4),
+       switches=st.lists(st.sampled_from(["--sp", "--recompute", "--require-updates"]),
+                         max_size=2))
+def test_rlk_run_flags_fuzzed(pairs, switches):
+    """Random flag values: exit 2 naming a flag, or (when valid) the stubbed loop's failure,
+    exit 1; never an exception, and never a run directory or temp sibling left behind."""
+    with scratch() as d, mock.patch("rlkernel.runner.loop.run_loop", stub_run_loop):
+        run_dir = d / "runs" / "r"
+        argv = ["run", *(f"{flag_name(f)}={v}" for f, v in pairs), *switches, "--allow-dirty",
+                "--run-dir", str(run_dir)]
+        rc, err = rlk(*argv)
+        assert "Traceback" not in err
+        if rc == 2:  # argparse ("invalid int value") or our own validation
+            assert "--" in err and ("rlk run: error: " in err or "usage:" in err), err
+        else:
+            assert rc == 1 and "stub: the RL loop" in error_line(err), (argv, err)
+        assert_nothing_left(run_dir)
+        assert not (d / "runs").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tp", "3"], "--tp 3: must divide virtual_tp=8"),
+    (["--cp", "16"], "--cp 16: must divide virtual_cp=8"),
+    (["--sp"], "--sp (with --tp 1)"),
+    (["--rollout-tp", "4"], "--rollout-tp 4 × --rollout-cp 1 = 4 must divide the training world"),
+    (["--tp", "2", "--rollout-tp", "8"], "must divide the training world --dp 1 × --tp 2"),
+    (["--rollout-cp", "4"], "--rollout-cp 4 = 4 must divide the training world"),
+    (["--micro-batch-tokens", "100"], "--micro-batch-tokens 100: must be >= --max-prompt-len"),
+    (["--token-budget", "100"], "--micro-batch-tokens 100: must be >= --max-prompt-len"),
+    (["--dp", "6"], "--dp 6: must divide virtual_dp=8; allowed: 1, 2, 4, 8"),
+    (["--dp", "2", "--tp", "2", "--rollout-tp", "8"], "must divide the training world --dp 2"),
+    (["--max-prompt-len", "4000", "--max-response-len", "200", "--micro-batch-tokens", "5000"],
+     "must be <= max_position_embeddings=4096"),
+    (["--top-p", "0"], "--top-p 0.0: must be a number in (0, 1]"),
+    (["--temperature", "inf"], "--temperature inf: must be a finite number > 0"),
+    (["--lr", "nan"], "--lr nan"),
+    (["--steps", "0"], "--steps 0: must be an integer >= 1"),
+])
+def test_refused_topologies_and_values(tmp_path, flags, words):
+    """Invalid topologies and values are refused before any process or directory: exit 2."""
+    run_dir = tmp_path / "r"
+    rc, err = rlk("run", *flags, "--allow-dirty", "--run-dir", str(run_dir))
+    assert rc == 2
+    assert words in error_line(err)
+    assert_nothing_left(run_dir)
+
+
+@pytest.mark.parametrize("run_dir, words", [
+    ("{file}/sub", "Not a directory"),
+    ("{file}", "exists and is not an empty directory"),
+])
+def test_unusable_run_dir(tmp_path, run_dir, words):
+    """A --run-dir that cannot be created is a usage error naming the flag (exit 2)."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    rd = run_dir.format(file=f)
+    rc, err = rlk("run", "--allow-dirty", "--run-dir", rd)
+    assert rc == 2
+    msg = error_line(err)
+    assert msg.startswith(f"--run-dir {rd!r}") and words in msg, msg
+    assert f.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+# ---------------------------------------------------------------------------------------------
+# model checkpoint directories: config.json
+
+
+HF_KEYS = sorted(tiny().to_hf_dict()) + ["rope_scaling", "layer_types", "rope_parameters",
+                                          "use_sliding_window"]
+
+
+@settings(FUZZ, max_examples=150)
+@given(changes=st.dictionaries(st.sampled_from(HF_KEYS),
+                               EDGE_VALUES | JSON_VALUES | st.just("<delete>"),
+                               min_size=1, max_size=3))
+def test_config_json_fuzzed(changes):
+    """config.json with random fields changed or deleted: it loads (and then every tensor
+    matches), or a CheckpointError names the checkpoint; nothing else is raised."""
+    cfg = tiny().to_hf_dict()
+    for k, v in changes.items():
+        if v == "<delete>":
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    with scratch() as d:
+        model = write_model(d / "m", cfg)
+        try:
+            mcfg, tensors = load_checkpoint(model)
+        except CheckpointError as e:
+            assert str(e).startswith(str(model)), str(e)
+            assert "Traceback" not in str(e)
+            return
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == param_shapes(mcfg)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("num_attention_heads", 0, "num_attention_heads=0 must be a positive integer"),
+    ("vocab_size", float("inf"), "vocab_size=inf must be an integer"),
+    ("num_hidden_layers", 2.5, "num_hidden_layers=2.5 must be an integer"),
+    ("hidden_size", "64", "hidden_size='64' must be an integer"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false' must be true or false"),
+    ("rope_scaling", "linear", "rope_scaling must be an object or null"),
+    ("layer_types", 7, "layer_types must be a list"),
+    ("eos_token_id", "<eos>", "eos_token_id='<eos>' must be a token id"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan must be finite"),
+])
+def test_config_json_type_errors(tmp_path, field, value, words):
+    """Wrong JSON types are named, not coerced ("false" is not true, 2.5 layers are not 2) and
+    never crash (0 heads used to raise ZeroDivisionError, Infinity OverflowError)."""
+    cfg = tiny().to_hf_dict()
+    cfg[field] = value
+    model = write_model(tmp_path / "m", cfg)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(model)
+    assert str(e.value).startswith(f"{model / 'config.json'}: ") and words in str(e.value)
+
+
+@pytest.mark.parametrize("field, value, tensor", [
+    ("num_hidden_layers", 3, "model.layers.2.input_layernorm.weight"),  # missing
+    ("num_hidden_layers", 1, "model.layers.1.input_layernorm.weight"),  # extra
+    ("tie_word_embeddings", False, "lm_head.weight"),                   # missing
+    ("intermediate_size", 136, "model.layers.0.mlp.gate_proj.weight"),  # shape
+    ("head_dim", 8, "model.layers.0.self_attn.q_norm.weight"),          # shape
+])
+def test_config_json_inconsistent_with_tensors(tmp_path, field, value, tensor):
+    """A config.json that disagrees with the weights: the error names the tensor."""
+    cfg = tiny().to_hf_dict()
+    cfg[field] = value
+    model = write_model(tmp_path / "m", cfg)
+    with pytest.raises(CheckpointError, match="does not match its config.json") as e:
+        load_checkpoint(model)
+    assert repr(tensor) in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# model checkpoint directories: tensors and files
+
+
+BAD_DTYPES = [torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool, torch.float64]
+TENSOR_NAMES = list(param_shapes(tiny()))
+MUTATION = st.one_of(
+    st.tuples(st.just("drop"), st.sampled_from(TENSOR_NAMES), st.none()),
+    st.tuples(st.just("extra"), st.sampled_from(["foo", "model.layers.9.mlp.up_proj.weight",
+                                                  "model.embed_tokens.bias"]), st.none()),
+    st.tuples(st.just("shape"), st.sampled_from(TENSOR_NAMES), st.integers(0, 3)),
+    st.tuples(st.just("dtype"), st.sampled_from(TENSOR_NAMES), st.sampled_from(BAD_DTYPES)),
+    st.tuples(st.just("nonfinite"), st.sampled_from(TENSOR_NAMES),
+              st.sampled_from([float("nan"), float("inf"), float("-inf")])),
+)
+
+
+def _mutate(tensors: dict[str, torch.Tensor], kind: str, name: str, arg) -> None:
+    t = tensors.get(name)
+    if kind == "drop":
+        del tensors[name]
+    elif kind == "extra":
+        tensors[name] = torch.zeros(3, dtype=torch.bfloat16)
+    elif kind == "shape":  # one fewer row, one more row, flattened, or a scalar
+        tensors[name] = [t[:-1], torch.cat([t, t[:1]]), t.reshape(-1)[None], t.reshape(-1)[0]][arg]
+    elif kind == "dtype":
+        tensors[name] = t.to(arg)
+    else:
+        t = t.clone()
+        t.view(-1)[t.numel() // 2] = arg
+        tensors[name] = t
+
+
+@settings(FUZZ, max_examples=60)
+@given(mutations=st.lists(MUTATION, min_size=1, max_size=3, unique_by=lambda m: m[1]))
+def test_checkpoint_tensors_fuzzed(mutations):
+    """Missing, extra, misshapen, non-float or non-finite tensors: a CheckpointError naming the
+    directory and every broken tensor (non-finite values are checked once the layout is right)."""
+    tensors = {n: t.clone() for n, t in tiny_tensors().items()}
+    for m in mutations:
+        _mutate(tensors, *m)
+    structural = [m for m in mutations if m[0] != "nonfinite"]
+    with scratch() as d:
+        model = write_model(d / "m", tensors={n: t.contiguous() for n, t in tensors.items()})
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(model)
+    msg = str(e.value)
+    assert msg.startswith(str(model)), msg
+    for kind, name, _ in structural or mutations:
+        assert repr(name) in msg, (kind, name, msg)
+
+
+def test_nonfinite_weight_named_with_index(tmp_path):
+    tensors = dict(tiny_tensors())
+    t = tensors["model.layers.1.mlp.up_proj.weight"].clone()
+    t[3, 5] = float("nan")
+    tensors["model.layers.1.mlp.up_proj.weight"] = t
+    model = write_model(tmp_path / "m", tensors=tensors)
+    with pytest.raises(CheckpointError, match=re.escape(
+            "'model.layers.1.mlp.up_proj.weight' (in model.safetensors, 1 value(s), first at "
+            "index (3, 5))")):
+        load_checkpoint(model)
+
+
+def _header_len() -> int:
+    return 8 + int.from_bytes(tiny_safetensors()[:8], "little")
+
+
+@settings(FUZZ, max_examples=60)
+@given(cut=st.integers(0, len(tiny_safetensors()) - 1),
+       flips=st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), max_size=4),
+       in_header=st.booleans())
+def test_safetensors_bytes_fuzzed(cut, flips, in_header):
+    """A truncated file always fails naming model.safetensors; overwritten bytes either still
+    load (a weight changed, and it is finite) or fail with a CheckpointError, never otherwise."""
+    raw = tiny_safetensors()
+    with scratch() as d:
+        model = write_model(d / "t", weights=raw[:cut])
+        with pytest.raises(CheckpointError, match=re.escape(str(model / "model.safetensors"))):
+            load_checkpoint(model)
+        b = bytearray(raw)
+        span = _header_len() if in_header else len(b)
+        for pos, byte in flips:
+            b[pos % span] = byte
+        model = write_model(d / "f", weights=bytes(b))
+        try:
+            _, tensors = load_checkpoint(model)
+        except CheckpointError as e:
+            assert str(e).startswith(str(model)), str(e)
+            return
+    assert all(bool(torch.isfinite(t).all()) for t in tensors.values())
+
+
+@pytest.mark.parametrize("setup, words", [
+    (lambda d: (d / "config.json").unlink(), "config.json: missing"),
+    (lambda d: (d / "config.json").write_bytes(b"\xff{"), "cannot be read as UTF-8 JSON"),
+    (lambda d: (d / "config.json").write_text("[]"), "top level is a JSON list"),
+    (lambda d: (d / "model.safetensors").unlink(), "no *.safetensors file"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{}"), "has both"),
+    (lambda d: ((d / "model.safetensors").rename(d / "a.safetensors"),
+                (d / "model.safetensors.index.json").write_text(
+                    json.dumps({"weight_map": {"x": "../a.safetensors"}}))),
+     "allowed: a plain file name"),
+    (lambda d: ((d / "model.safetensors").rename(d / "a.safetensors"),
+                (d / "b.safetensors").write_bytes(tiny_safetensors())),
+     "several safetensors files"),
+])
+def test_checkpoint_directory_layout(tmp_path, setup, words):
+    model = write_model(tmp_path / "m")
+    setup(model)
+    with pytest.raises(CheckpointError, match=re.escape(words)) as e:
+        load_checkpoint(model)
+    assert str(e.value).startswith(str(model))
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**tiny().to_hf_dict(), "num_attention_heads": 0})), "num_attention_heads=0"),
+    (lambda d: (d / "model.safetensors").write_bytes(tiny_safetensors()[:1000]),
+     "not a readable safetensors file"),
+    (lambda d: save_file({**tiny_tensors(), "model.norm.weight": torch.full((64,), math.inf,
+                                                                            dtype=torch.bfloat16)},
+                         str(d / "model.safetensors")), "non-finite"),
+])
+def test_bad_model_through_rlk_run(tmp_path, break_it, words):
+    """`rlk run --model BAD`: exit 1 with the loader's one-line message, no run directory."""
+    model = write_model(tmp_path / "m")
+    break_it(model)
+    run_dir = tmp_path / "r"
+    rc, err = rlk("run", "--model", str(model), "--allow-dirty", "--run-dir", str(run_dir))
+    assert rc == 1, err
+    msg = error_line(err)
+    assert msg.startswith(str(model)) and words in msg, msg
+    assert_nothing_left(run_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# resume directories (no run needed: they fail before the loop)
+
+
+def _resume_dir(d: pathlib.Path, config, meta=None) -> pathlib.Path:
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text(json.dumps({"config": config}))
+    if meta is not None:
+        c = d / "checkpoints" / "step-000001"
+        c.mkdir(parents=True)
+        (c / "state.safetensors").write_bytes(b"")
+        (c / "meta.json").write_text(json.dumps(meta))
+    return d
+
+
+_OK_META = {"next_step": 1, "opt_steps": 1, "version": "v",
+            "state_sha256": hashlib.sha256(b"").hexdigest()}
+
+
+@pytest.mark.skipif("resume" not in RUN_FIELDS, reason="no --resume in this version")
+@pytest.mark.parametrize("config, meta, words", [
+    ([], None, "no readable manifest.json"),
+    ("cfg", None, "no readable manifest.json"),
+    ({"steps": "2"}, None, "manifest.json holds an invalid config: --steps '2'"),
+    ({"lr": 10**400}, None, "manifest.json holds an invalid config: --lr"),
+    ({}, None, "no complete checkpoint"),
+    ({}, [], "no complete checkpoint"),
+    ({}, {**_OK_META, "next_step": None}, "no complete checkpoint"),
+    ({}, {**_OK_META, "state_sha256": "0"}, "SHA-256 does not match"),
+])
+def test_bad_resume_directory(tmp_path, config, meta, words):
+    """`rlk run --resume DIR` with a corrupt manifest or checkpoint: exit 2, one line."""
+    d = _resume_dir(tmp_path / "run", config, meta)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    rc, err = rlk("run", "--resume", str(d), "--allow-dirty")
+    assert rc == 2
+    assert words in error_line(err)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# odd but valid settings through real (tiny, one-step) runs
+
+
+def _run_ok(base: pathlib.Path, capsys, *flags: str) -> dict:
+    """A successful tiny run in a new directory `base`/r; returns its evidence."""
+    base.mkdir()
+    run_dir = base / "r"
+    rc = main(["run", *SMALL, *flags, "--allow-dirty", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "Traceback" not in err, err
+    assert list(base.iterdir()) == [run_dir]  # published under its final name, no temp left
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    assert evidence["complete"] is True
+    for s in evidence["steps"]:
+        assert s["logprob_mismatches"] == 0
+        assert all(math.isfinite(s[k]) for k in ("loss", "kl", "entropy", "grad_norm"))
+    return evidence
+
+
+def test_extreme_sampling(tmp_path, capsys):
+    """--n-samples-per-prompt 1 --max-response-len 1 --top-p 1e-9 --temperature 1e-6: a
+    greedy, one-token, one-sample run completes with finite statistics."""
+    ev = _run_ok(tmp_path / "a", capsys, "--n-samples-per-prompt", "1", "--max-response-len", "1",
+                 "--top-p", "1e-9", "--temperature", "1e-6", "--kl-coef", "0.01",
+                 "--entropy-coef", "0.01")
+    assert ev["steps"][0]["n_samples"] == 2 and ev["steps"][0]["n_response_tokens"] <= 2
+
+
+def test_huge_temperature(tmp_path, capsys):
+    _run_ok(tmp_path / "a", capsys, "--temperature", "1e6", "--entropy-coef", "0.01")
+
+
+def test_single_prompt_file_cycles(tmp_path, capsys):
+    """A JSONL with one prompt and --n-prompts 4: the prompt repeats; the run completes."""
+    path = tmp_path / "one.jsonl"
+    path.write_bytes(_good_line("What is 1+1?", "2") + b"\n")
+    ev = _run_ok(tmp_path / "a", capsys, "--prompts", str(path), "--n-prompts", "4")
+    assert ev["steps"][0]["n_samples"] == 8
+
+
+def test_divergence_stops_cleanly(tmp_path, capsys):
+    """--lr 1e38 blows the fp32 weights up after the first update: the run must stop with exit 1
+    and a message about non-finite values, keeping the evidence so far (complete: false)."""
+    run_dir = tmp_path / "r"
+    rc = main(["run", *SMALL, "--steps", "3", "--lr", "1e38", "--dtype", "fp32", "--kl-coef",
+               "0.01", "--entropy-coef", "0.01", "--allow-dirty", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert re.search(r"non-finite|NaN|[Ii]nf", error_line(err)), err
+    evidence = json.loads((run_dir / "evidence.json").read_text())
+    assert evidence["complete"] is False and 1 <= len(evidence["steps"]) <= 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_rollout_cp_with_one_token_prompts(tmp_path, capsys):
+    """--cp 2 --rollout-cp 2 with prompts of one and two tokens (fewer tokens than zig-zag
+    segments): two processes, same result as on one."""
+    path = tmp_path / "tiny.jsonl"
+    path.write_bytes(_good_line("a", "1") + b"\n" + _good_line("bc", "2") + b"\n")
+    one = _run_ok(tmp_path / "a", capsys, "--prompts", str(path), "--kl-coef", "0.01")
+    two = _run_ok(tmp_path / "b", capsys, "--prompts", str(path), "--kl-coef", "0.01",
+                  "--cp", "2", "--rollout-cp", "2")
+    for k in ("tokens_hash", "grad_norm_hex", "version"):
+        assert one["steps"][0][k] == two["steps"][0][k], k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    ["--tp", "8"],
+    ["--cp", "8", "--rollout-cp", "8"],
+    ["--tp", "4", "--cp", "2", "--rollout-tp", "8"],
+])
+def test_eight_rank_layouts_on_the_tiny_model(tmp_path, capsys, flags):
+    """8 ranks for a 2-layer model with 8 heads and one-token prompts: completes, no mismatch."""
+    path = tmp_path / "tiny.jsonl"
+    path.write_bytes(_good_line("a", "1") + b"\n" + _good_line("bc", "2") + b"\n")
+    _run_ok(tmp_path / "run", capsys, "--prompts", str(path), "--kl-coef", "0.01", *flags)

@@ -1,0 +1,113 @@
+"""What a run reads, recorded in its manifest (rlkernel/runner/inputs.py), and two kinds of input
+end to end: a padded vocabulary (a tokenizer with fewer ids than the model's embedding rows, as
+every real Qwen3 checkpoint: 151,669 of 151,936) and an fp16 checkpoint under the default bf16.
+
+Chain for the padded vocabulary: the ids past the tokenizer get probability 0 in rollout and
+trainer (tests/test_kernels_logprobs.py, tests/test_rollout.py), so a run on such a model never
+samples an id the tokenizer cannot decode (it used to stop with "token id N is outside the vocab
+of .../tokenizer.json"), has 0 train/rollout mismatches, and TP1 == TP2 (`rlk compare`).
+
+Run: `.venv/bin/python -m pytest -q tests/test_inputs.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from rlkernel.cli import main
+from rlkernel.config import ConfigError, RunConfig
+from rlkernel.model.checkpoint import init_weights, save_checkpoint
+from rlkernel.model.config import tiny
+from rlkernel.runner.inputs import (VOCAB_RULE, check_unchanged, describe_inputs, startup_notes)
+
+VOCAB, TOKENIZER_IDS = 512, 301
+SMALL = ["--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "12",
+         "--steps", "1", "--kl-coef", "0.01", "--allow-dirty"]
+
+
+def _padded_model(d, dtype=torch.float16):
+    """A tiny Qwen3 with 512 embedding rows, stored in `dtype`, and a tokenizer.json of 301 ids
+    (300 words, then <|endoftext|> = 300): ids 301..511 are padding."""
+    words = ["[UNK]", *"0123456789", "+", "-", "*", "=", "?", "What", "is"]
+    words += [f"w{i}" for i in range(300 - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    cfg = dataclasses.replace(tiny(), vocab_size=VOCAB, eos_token_id=300)
+    save_checkpoint(d, cfg, init_weights(cfg, 0, dtype=dtype))
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_describe_inputs_hashes_files_and_records_vocab_and_rounding(tmp_path):
+    """files: SHA-256 of config.json, model.safetensors, tokenizer.json and the prompts file;
+    vocab: 512 rows, 301 tokenizer ids, 211 masked, the rule; weights: float16 stored, rounded
+    under bf16 (one start-up note naming it), exact under fp32 (no note)."""
+    model = _padded_model(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "What is 1 + 1 ?", "label": "2"}\n')
+    cfg = RunConfig(model=str(model), prompts=str(prompts))
+    got = describe_inputs(cfg, dataclasses.replace(tiny(), vocab_size=VOCAB, eos_token_id=300))
+    paths = [model / "config.json", model / "model.safetensors", model / "tokenizer.json", prompts]
+    assert got["files"] == {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+    assert got["vocab"] == {"model_vocab_size": VOCAB, "tokenizer": f"hf:{model / 'tokenizer.json'}",
+                            "tokenizer_ids": TOKENIZER_IDS, "masked_ids": VOCAB - TOKENIZER_IDS,
+                            "rule": VOCAB_RULE}
+    assert got["weights"] == {"stored_dtypes": ["float16"], "dtype": "bfloat16", "rounded": True}
+    (note,) = startup_notes(cfg, got)
+    assert "float16" in note and "--dtype bf16 rounds them to bfloat16" in note
+    fp32 = dataclasses.replace(cfg, dtype="fp32")
+    got32 = describe_inputs(fp32, None)
+    assert got32["weights"]["rounded"] is False and got32["vocab"] is None
+    assert startup_notes(fp32, got32) == []
+
+
+def test_describe_inputs_of_the_embedded_model_reads_no_file():
+    got = describe_inputs(RunConfig(), tiny())
+    assert got["files"] == {} and got["weights"]["rounded"] is False
+    assert got["vocab"]["masked_ids"] == 0 and got["vocab"]["tokenizer"] == "bytes"
+
+
+@pytest.mark.parametrize("recorded, words", [
+    ({"files": {"a": "1" * 64, "b": "2" * 64}}, "input a changed since the run started"),
+    ({"files": {"b": "2" * 64}}, "input a was not there when the run started"),
+    ({"files": {"a": "0" * 64, "b": "2" * 64, "c": "3" * 64}}, "input c is gone"),
+    (None, "records no input hashes"),
+    ({"files": []}, "records no input hashes"),
+])
+def test_check_unchanged_names_the_file(recorded, words):
+    now = {"files": {"a": "0" * 64, "b": "2" * 64}}
+    check_unchanged({"files": dict(now["files"])}, now, "r")
+    with pytest.raises(ConfigError, match=words):
+        check_unchanged(recorded, now, "r")
+
+
+def test_padded_vocab_fp16_model_runs_notes_rounding_and_is_topology_invariant(tmp_path, capsys):
+    """rlk run on the padded fp16 model: exit 0 (no id >= 301 sampled: every response is decoded
+    for its reward), 0 logprob mismatches over every compared token, one start-up note line about
+    the fp16 -> bf16 rounding before the first step, the manifest's vocab and weights records;
+    the same run at --tp 2 --rollout-tp 2 is IDENTICAL."""
+    model = _padded_model(tmp_path / "m")
+    a, b = tmp_path / "tp1", tmp_path / "tp2"
+    assert main(["run", *SMALL, "--model", str(model), "--run-dir", str(a)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    notes = [ln for ln in err if ln.startswith("rlk run: note:")]
+    assert len(notes) == 1 and "float16" in notes[0] and err.index(notes[0]) == 0, err
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert manifest["inputs"]["vocab"]["masked_ids"] == VOCAB - TOKENIZER_IDS
+    assert manifest["inputs"]["weights"]["rounded"] is True
+    (step,) = json.loads((a / "evidence.json").read_text())["steps"]
+    assert step["logprob_mismatches"] == 0
+    assert step["logprob_tokens"] == step["n_response_tokens"] > 0
+
+    assert main(["run", *SMALL, "--model", str(model), "--tp", "2", "--rollout-tp", "2",
+                 "--run-dir", str(b)]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("IDENTICAL")

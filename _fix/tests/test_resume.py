@@ -1,0 +1,275 @@
+"""Checkpoint and resume are bitwise: a run killed anywhere and resumed == the uninterrupted run.
+
+Chain: uninterrupted run U (3 steps, --save-every 1); run K killed with SIGKILL at a random point
+(while a step, or a checkpoint write, is in flight) then `rlk run --resume K` → `rlk compare U K`
+is IDENTICAL (every step's grad norm, tokens, tensor hashes) and the final weights hash the same.
+Resuming onto another topology (saved at TP2/CP2, resumed at TP1/CP4 and TP4/CP1) gives the same
+bytes too. A half-written or corrupted checkpoint is never loaded; the last complete one is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlkernel.cli import main
+from rlkernel.runner.checkpointing import latest_checkpoint
+
+ARGS = ["--steps", "3", "--save-every", "1", "--kl-coef", "0.01", "--max-response-len", "16",
+        "--n-prompts", "2", "--n-samples-per-prompt", "2", "--allow-dirty"]
+
+
+def _steps(d) -> list[dict]:
+    try:
+        with open(f"{d}/evidence.json") as f:
+            return json.load(f)["steps"]
+    except (OSError, ValueError):
+        return []
+
+
+def _identical(capsys, a, b) -> None:
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("IDENTICAL")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("u") / "run"
+    assert main(["run", *ARGS, "--run-dir", str(d)]) == 0
+    return d
+
+
+def _killed_run(d, extra=(), kill_after_steps: int = 1, seed: int = 0) -> None:
+    """Start `rlk run` in its own process group, SIGKILL the group at a random point after
+    `kill_after_steps` steps are in the evidence. The run usually lies in `d.tmp-<pid>` then (it
+    is published under its name only when it ends): `--resume d` must find it."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
+                             str(d), *extra], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp_glob = d.parent.glob(f"{d.name}.tmp-*")
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        live = [p for p in d.parent.glob(f"{d.name}*") if p.is_dir()]
+        if any(len(_steps(p)) >= kill_after_steps for p in live):
+            break
+        time.sleep(0.05)
+    time.sleep(random.Random(seed).uniform(0.0, 0.5))  # lands inside the next step or its save
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    del tmp_glob
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sigkill_then_resume_is_identical(tmp_path, capsys, uninterrupted, seed):
+    """killed at a random point of step 1 or 2, resumed by the name the user gave (the killed
+    run's RUN.tmp-<pid> is adopted): evidence and weights == uninterrupted."""
+    d = tmp_path / "run"
+    _killed_run(d, kill_after_steps=1 + seed, seed=seed)
+    if d.exists() and json.loads((d / "evidence.json").read_text())["complete"]:
+        pytest.skip("the run finished before the kill landed")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no .tmp- left
+    _identical(capsys, uninterrupted, d)
+
+
+def test_resume_onto_other_topologies(tmp_path, capsys, uninterrupted):
+    """saved at TP2/CP2 after step 1, resumed at TP1/CP4 and at TP4/CP1: == uninterrupted."""
+    base = tmp_path / "tp2cp2"
+    assert main(["run", *ARGS, "--steps", "1", "--tp", "2", "--cp", "2",
+                 "--run-dir", str(base)]) == 0
+    for extra in (["--tp", "1", "--cp", "4"], ["--tp", "4", "--cp", "1"]):
+        d = tmp_path / ("r" + "".join(extra).replace("-", ""))
+        shutil.copytree(base, d)
+        assert main(["run", "--resume", str(d), "--steps", "3", "--allow-dirty", *extra]) == 0
+        _identical(capsys, uninterrupted, d)
+        # the manifest records the config the run now follows, and the history
+        m = json.loads((d / "manifest.json").read_text())
+        assert m["config"]["steps"] == 3 and m["config"]["tp"] == int(extra[1])
+        (resumed,) = m["resumes"]
+        assert resumed["from_step"] == 1 and resumed["changed"]["steps"] == [1, 3]
+        assert resumed["changed"]["tp"] == [2, int(extra[1])] and "torch" in resumed["versions"]
+
+
+def test_half_written_and_corrupt_checkpoints_are_never_loaded(tmp_path, capsys, uninterrupted):
+    """a stray .tmp checkpoint and a corrupted newest one are skipped; the last good one is used."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    ck = d / "checkpoints"
+    shutil.rmtree(ck / "step-000003")
+    (ck / "step-000003.tmp-4242").mkdir()
+    (ck / "step-000003.tmp-4242" / "state.safetensors").write_bytes(b"\x00" * 100)
+    state = ck / "step-000002" / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[-1] ^= 1
+    state.write_bytes(bytes(data))
+    found = latest_checkpoint(d)
+    assert found.next_step == 1 and [w.split(":")[0] for w in found.skipped] == ["step-000002"]
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    assert "rlk run: skipped checkpoint step-000002: " in capsys.readouterr().err   # said, not silent
+    _identical(capsys, uninterrupted, d)
+
+
+def test_resume_refuses_changed_numerics_and_missing_checkpoints(tmp_path, capsys, uninterrupted):
+    """--lr on --resume, or a run without checkpoints: exit 2 with a message, nothing changed."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    before = (d / "evidence.json").read_bytes()
+    assert main(["run", "--resume", str(d), "--lr", "0.5", "--allow-dirty"]) == 2
+    assert "--lr" in capsys.readouterr().err
+    shutil.rmtree(d / "checkpoints")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert (d / "evidence.json").read_bytes() == before
+
+
+def test_resume_refuses_a_finished_run_and_names_unreadable_evidence(tmp_path, capsys,
+                                                                     uninterrupted):
+    """--resume of a run that already holds all its steps: exit 2, "already complete", nothing
+    rewritten; an evidence.json that is not JSON is named (exit 2), not a bare parser message."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    before = {f: (d / f).read_bytes() for f in ("evidence.json", "manifest.json")}
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
+    assert "already complete (3/3 steps); to go on, extend it with --steps N (N > 3)" in \
+        capsys.readouterr().err
+    assert {f: (d / f).read_bytes() for f in before} == before
+    (d / "evidence.json").write_text("{")
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err
+    assert f"{d / 'evidence.json'} cannot be read as evidence" in err
+
+
+def _run_with_inputs(tmp_path):
+    """A 1-step run of an init-model checkpoint on a prompts file, checkpointed after step 1."""
+    model, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+3=", "label": "5"}\n')
+    d = tmp_path / "run"
+    assert main(["run", *ARGS, "--steps", "1", "--model", str(model), "--prompts", str(prompts),
+                 "--run-dir", str(d)]) == 0
+    return d, model, prompts
+
+
+def test_resume_refuses_inputs_that_changed_naming_the_file(tmp_path, capsys):
+    """The manifest holds every input's SHA-256; --resume after the prompts file or the model's
+    weights were replaced under the same path == exit 2 naming that file, nothing written;
+    with the inputs restored it resumes (exit 0). A manifest without hashes is refused."""
+    d, model, prompts = _run_with_inputs(tmp_path)
+    files = json.loads((d / "manifest.json").read_text())["inputs"]["files"]
+    assert set(files) == {str(prompts), str(model / "config.json"),
+                          str(model / "model.safetensors"), str(model / "tokenizer.json")}
+    assert files[str(prompts)] == hashlib.sha256(prompts.read_bytes()).hexdigest()
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    good = prompts.read_bytes()
+    prompts.write_bytes(good.replace(b"2+3", b"3+3"))
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err
+    assert f"input {prompts} changed" in err and len(err.strip().splitlines()) == 1, err
+    prompts.write_bytes(good)
+
+    weights = model / "model.safetensors"
+    good = weights.read_bytes()
+    shutil.rmtree(model)
+    assert main(["init-model", "--preset", "tiny", "--seed", "2", "--out", str(model)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    assert f"input {weights} changed" in capsys.readouterr().err
+    weights.write_bytes(good)
+    assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+
+    m = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if k != "inputs"}))
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    assert "records no input hashes" in capsys.readouterr().err
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 0
+
+
+def test_resume_refuses_another_device_naming_the_reason(tmp_path, capsys, uninterrupted):
+    """--resume with --device cuda on a cpu run == exit 2, one line naming --device and why."""
+    assert main(["run", "--resume", str(uninterrupted), "--device", "cuda", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlk run: error: --device 'cuda'") and "within one backend" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_resume_finds_a_killed_runs_tmp_dir_only_when_its_process_is_gone(tmp_path, capsys,
+                                                                          uninterrupted):
+    """RUN missing, RUN.tmp-<pid> present: a live pid (this process) is refused ('still going');
+    two dead ones are refused (ambiguous); one dead one is renamed to RUN and resumed."""
+    d = tmp_path / "run"
+    mine = tmp_path / f"run.tmp-{os.getpid()}"
+    shutil.copytree(uninterrupted, mine)
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
+    assert "still going" in capsys.readouterr().err
+    dead = [subprocess.Popen(["true"]) for _ in range(2)]
+    for p in dead:
+        p.wait()
+    shutil.rmtree(mine)
+    for p in dead:   # killed before the end: the last checkpoint was not written yet
+        shutil.copytree(uninterrupted, tmp_path / f"run.tmp-{p.pid}")
+        shutil.rmtree(tmp_path / f"run.tmp-{p.pid}" / "checkpoints" / "step-000003")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 2
+    assert "several killed runs" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / f"run.tmp-{dead[1].pid}")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrupted):
+    """Resuming at evidence step 1 of 3 prints one "resuming ... at step 2/3" line, then progress
+    "step 2/3", "step 3/3" (not 1/3); the replaced RUN/final holds the same bytes as the
+    uninterrupted run's."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    for name in ("step-000002", "step-000003"):
+        shutil.rmtree(d / "checkpoints" / name)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"rlk run: resuming {d} from checkpoints/step-000001 at step 2/3 (evidence "
+                      "step 1; the 1 step(s) before it are kept)")
+    # Then the start-up lines and the closing summary (runner/watch.py); the progress lines:
+    assert [ln.split("  ")[0] for ln in err[1:] if ln.startswith("step ")] == ["step 2/3",
+                                                                             "step 3/3"]
+    for f in ("model.safetensors", "rlk_weights.json"):
+        assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no staging left
+
+
+def test_ctrl_c_prints_one_line_whose_resume_command_works(tmp_path, capsys, uninterrupted):
+    """SIGINT to the `rlk run` process group after step 1's checkpoint: exit 130, stderr has no traceback and
+    ends with one line "... resume with: rlk run --resume D"; running that command gives a run
+    IDENTICAL to the uninterrupted one."""
+    d = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
+                             str(d)], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any((p / "checkpoints" / "step-000001").is_dir() for p in d.parent.glob(f"{d.name}*")):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before Ctrl-C landed")
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rlk run: interrupted (Ctrl-C) after ")
+    assert last.endswith(f"; partial run kept in {d}; resume with: rlk run --resume {d}")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    _identical(capsys, uninterrupted, d)

@@ -1,0 +1,174 @@
+"""User reward functions (rlkernel/data/rewards.py, `rlk run --reward`).
+
+Properties:
+  - load_reward("file.py:f") / ("module:f") == that function, described with the SHA-256 of its
+    defining file (== hashlib over the file's bytes); a bad spec is a RewardError naming it.
+  - score() returns the float; a raise, a bool, a non-number or a non-finite number is a
+    RewardError naming the function, the sample id and the value.
+  - In a run: the manifest records the hash; the function is called on rank 0 only (a TP2 run's
+    calls all come from one process, once per sample per step), so every rank holds rank 0's
+    rewards; a failing reward stops the run with one line; a bad --reward is exit 2 before any
+    work; a resumed run refuses a changed reward source.
+Run: `.venv/bin/python -m pytest -q tests/test_rewards.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import textwrap
+
+import pytest
+
+from rlkernel.cli import main
+from rlkernel.data.rewards import BUILTIN, RewardError, load_reward
+
+SMALL = ["--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "8",
+         "--allow-dirty"]
+
+REWARDS = textwrap.dedent('''
+    import math
+    import os
+
+    CALLS = os.environ.get("RLK_TEST_REWARD_LOG")
+
+    def length(prompt, completion, label):
+        """Reward = completion length / 10; logs the calling process id and the prompt."""
+        if CALLS:
+            with open(CALLS, "a") as f:
+                f.write(f"{os.getpid()} {prompt!r}\\n")
+        return len(completion) / 10
+
+    def boom(prompt, completion, label):
+        raise KeyError("no such rubric")
+
+    def nan(prompt, completion, label):
+        return math.nan
+
+    def text(prompt, completion, label):
+        return "1.0"
+
+    def flag(prompt, completion, label):
+        return True
+
+    def two(prompt, completion):
+        return 0.0
+
+    class Judge:
+        def __call__(self, prompt, completion, label):
+            return 0.5
+
+    judge = Judge()
+''')
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def test_load_from_file_and_module_records_the_source_hash(rewards_file, monkeypatch):
+    """file.py:f and module:f load the same function; source_sha256 == sha256(file bytes)."""
+    want = hashlib.sha256(rewards_file.read_bytes()).hexdigest()
+    r = load_reward(f"{rewards_file}:length")
+    assert r.score("p", "abcd", "l", 0) == 0.4
+    assert r.describe() == {"spec": f"{rewards_file}:length",
+                            "function": f"{rewards_file}:length",
+                            "source_file": str(rewards_file), "source_sha256": want}
+    monkeypatch.syspath_prepend(str(rewards_file.parent))
+    m = load_reward("my_rewards:judge")
+    assert m.score("p", "c", "l", 0) == 0.5 and m.source_sha256 == want
+    builtin = load_reward(None)
+    assert builtin.name == BUILTIN and builtin.score("Compute 1+1=", " 2", "2", 0) == 1.0
+    sys.modules.pop("my_rewards", None)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("{f}:two", "cannot be called as two(prompt, completion, label)"),
+    ("{f}:missing", "has no attribute 'missing'; callables there: Judge, boom, flag"),
+    ("{d}/nope.py:f", "no such file"),
+    ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+    ("math:floor", "cannot be called as"),
+    ("{f}:CALLS", "is a NoneType, not callable"),
+])
+def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
+    spec = spec.format(f=rewards_file, d=rewards_file.parent)
+    with pytest.raises(RewardError) as e:
+        load_reward(spec)
+    assert f"--reward {spec!r}" in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.parametrize("func,words", [
+    ("boom", "raised KeyError: 'no such rubric' on sample 7"),
+    ("nan", "returned nan for sample 7; allowed: a finite int or float"),
+    ("text", "returned '1.0' (str) for sample 7; allowed: a finite int or float"),
+    ("flag", "returned True (bool) for sample 7"),
+])
+def test_bad_value_names_function_sample_and_value(rewards_file, func, words):
+    r = load_reward(f"{rewards_file}:{func}")
+    with pytest.raises(RewardError) as e:
+        r.score("p", "c", "l", 7)
+    assert str(e.value).startswith(f"reward {rewards_file}:{func} ") and words in str(e.value)
+
+
+def test_numpy_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    r = load_reward(None)
+    r2 = type(r)(lambda p, c, lab: np.float32(0.25), "x", "x", r.source_file, r.source_sha256)
+    assert r2.score("p", "c", "l", 0) == 0.25 and type(r2.score("p", "c", "l", 0)) is float
+
+
+def test_run_calls_the_reward_on_rank_0_only_and_records_its_hash(rewards_file, tmp_path,
+                                                                 monkeypatch):
+    """TP2 run, 2 steps x 4 samples: 8 calls, all from one process (rank 0); the evidence's
+    rewards == len(completion)/10 values (multiples of 0.1, at most 0.8); manifest hash ==
+    sha256 of the file."""
+    log = tmp_path / "calls.txt"
+    monkeypatch.setenv("RLK_TEST_REWARD_LOG", str(log))
+    d = tmp_path / "run"
+    assert main(["run", *SMALL, "--steps", "2", "--tp", "2", "--reward",
+                 f"{rewards_file}:length", "--run-dir", str(d)]) == 0
+    calls = log.read_text().splitlines()
+    assert len(calls) == 8 and len({c.split()[0] for c in calls}) == 1
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["reward"]["source_sha256"] == hashlib.sha256(REWARDS.encode()).hexdigest()
+    ev = json.loads((d / "evidence.json").read_text())
+    for s in ev["steps"]:
+        assert all(0 <= r <= 0.8 and math.isclose(r * 10, round(r * 10)) for r in s["rewards"])
+
+
+def test_a_failing_reward_stops_the_run_with_one_line(rewards_file, tmp_path, capsys):
+    """boom at step 0: exit 1, one line naming function and sample 0, no run directory."""
+    d = tmp_path / "run"
+    assert main(["run", *SMALL, "--steps", "1", "--reward", f"{rewards_file}:boom",
+                 "--run-dir", str(d)]) == 1
+    # The start-up lines (model, ranks, ...) come first; the failure is one error line.
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if " error: " in ln]
+    assert err == [f"rlk run: error: reward {rewards_file}:boom raised KeyError: 'no such "
+                   f"rubric' on sample 0 (completion {err[0].split('(completion ')[1]}"]
+    assert not d.exists()
+
+
+@pytest.mark.parametrize("spec", ["nocolon", "{f}:two", "{f}:1bad"])
+def test_bad_reward_flag_exits_2_before_any_work(rewards_file, tmp_path, capsys, spec):
+    spec = spec.format(f=rewards_file)
+    d = tmp_path / "run"
+    assert main(["run", *SMALL, "--reward", spec, "--run-dir", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reward" in err[0] and spec in err[0]
+    assert not d.exists()
+
+
+def test_resume_refuses_a_changed_reward_source(rewards_file, tmp_path, capsys):
+    d = tmp_path / "run"
+    args = [*SMALL, "--steps", "1", "--save-every", "1", "--reward", f"{rewards_file}:length"]
+    assert main(["run", *args, "--run-dir", str(d)]) == 0
+    rewards_file.write_text(REWARDS + "\n# edited\n")
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    assert "the reward function's source" in capsys.readouterr().err
+    assert len(json.loads((d / "evidence.json").read_text())["steps"]) == 1

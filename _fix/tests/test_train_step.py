@@ -1,0 +1,146 @@
+"""The train step's logprob comparison (rlkernel/train/step.py): `logprob_compared` (the evidence's
+`logprob_tokens`) counts the (trainer, rollout) pairs actually compared, not the planned count;
+under CP the mismatch, compared and clipped counts cover every CP rank's tokens (2 gloo ranks).
+
+Run: `.venv/bin/python -m pytest -q tests/test_train_step.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import torch
+
+from rlkernel.config import RunConfig
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.launch import launch
+from rlkernel.distributed.parallel import ParallelCtx
+from rlkernel.model.checkpoint import init_weights
+from rlkernel.model.config import tiny
+from rlkernel.model.ops import InvariantOps
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
+from rlkernel.train import step as step_mod
+from rlkernel.train.losses import LossCoefs, invariant_exp
+from rlkernel.train.step import TrainSample, compute_gradients, microbatches
+
+CFG = tiny()
+W = init_weights(CFG, 0)
+SP = SamplingParams(temperature=0.8, top_p=1.0, max_new_tokens=8, seed=3, eos_id=256)
+
+
+def _model(pc: ParallelCtx | None = None) -> Qwen3ForCausalLM:
+    m = Qwen3ForCausalLM(CFG, InvariantOps, torch.bfloat16, pc)
+    m.load_tensors(W)
+    return m
+
+
+def _samples() -> list[TrainSample]:
+    eng = RolloutEngine(CFG, InvariantOps, torch.bfloat16, pad_id=257)
+    eng.load_weights(W)
+    reqs = [Request(i, tuple(range(40 + i, 47 + 2 * i))) for i in range(3)]
+    return [TrainSample(c.sample_id, c.prompt_ids, tuple(c.response_ids), c.logprob_tensor(), 0.5)
+            for c in eng.generate(reqs, SP)]
+
+
+def _stats(samples, pc: ParallelCtx | None = None):
+    ref = _model(pc).requires_grad_(False)
+    return compute_gradients(_model(pc), ref, samples, temperature=SP.temperature,
+                             coefs=LossCoefs(0.2, 0.0, 0.0, "k1"), micro_batch_tokens=512,
+                             pad_id=257,
+                             exp=invariant_exp)
+
+
+def test_logprob_compared_counts_the_compared_pairs(monkeypatch):
+    """every response token compared once -> compared == N, 0 mismatches; a layout that compares
+    one token fewer per sample (loss_rows mutated) -> compared == N − samples, N unchanged."""
+    samples = _samples()
+    n = sum(len(s.response_ids) for s in samples)
+    st = _stats(samples)
+    assert (st.n_tokens, st.logprob_compared, st.logprob_mismatches) == (n, n, 0)
+
+    real = step_mod.loss_rows
+
+    def drop_last_row_of_each_sample(group, stream_len):
+        targets, mask, old, adv = real(group, stream_len)
+        rows = mask.nonzero(as_tuple=True)[0]
+        ends = torch.cumsum(torch.tensor([len(s.response_ids) for s in group]), 0) - 1
+        mask[rows[ends]] = False
+        return targets, mask, old, adv
+
+    monkeypatch.setattr(step_mod, "loss_rows", drop_last_row_of_each_sample)
+    st = _stats(samples)
+    assert st.n_tokens == n and st.logprob_compared == n - len(samples)
+
+
+def _changed(samples) -> tuple[list[TrainSample], int, int]:
+    """The samples with every third response token's rollout logprob changed (k = its index over
+    all response tokens): k % 6 == 0 one ulp down (a byte mismatch whose ratio rounds to ~1: not
+    clipped), k % 6 == 3 one nat down (ratio e > 1 + ε with advantage 0.5: clipped).
+    Returns (samples, tokens changed, tokens pushed past the clip)."""
+    out, k, n_changed, n_far = [], 0, 0, 0
+    for s in samples:
+        old = s.rollout_logprobs.clone()
+        for j in range(old.numel()):
+            if k % 6 == 0:
+                old[j] = torch.nextafter(old[j], torch.tensor(float("-inf")))
+                n_changed += 1
+            elif k % 6 == 3:
+                old[j] = old[j] - 1.0
+                n_changed += 1
+                n_far += 1
+            k += 1
+        out.append(dataclasses.replace(s, rollout_logprobs=old))
+    return out, n_changed, n_far
+
+
+def _cp2_rank(rank: int, samples: list[TrainSample], out_dir: str) -> None:
+    """One of 2 CP ranks (gloo): compute_gradients on `samples`; pickles its StepStats."""
+    import torch.distributed as dist
+
+    from rlkernel.distributed.context import build_contexts
+    from rlkernel.distributed.topology import Topology, build_comms
+
+    topo = Topology.from_config(RunConfig(cp=2), rank, dist.get_world_size())
+    pc, _ = build_contexts(topo, build_comms(topo), CFG)
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(_stats(samples, pc), f)
+
+
+def _changed_rows_per_cp_rank(samples, changed, cp: int) -> list[int]:
+    """Per CP rank: loss rows it holds (train.step.microbatches) whose rollout logprob bytes
+    differ between `samples` and `changed` (layout only: no process group needed)."""
+    counts = []
+    for r in range(cp):
+        pc = dataclasses.replace(ParallelCtx.single(), cp=Comm("cp", None, range(cp), r))
+        n = 0
+        for (_, a, _), (_, b, _) in zip(microbatches(samples, 512, 257, pc),
+                                        microbatches(changed, 512, 257, pc)):
+            mask, old_a, old_b = a[1], a[2], b[2]
+            n += int((old_a[mask].view(torch.int32) != old_b[mask].view(torch.int32)).sum())
+        counts.append(n)
+    return counts
+
+
+def test_cp2_mismatch_compared_and_clipped_counts_cover_every_cp_rank(tmp_path):
+    """Rollout logprobs of every third response token changed (n of them, f of those past the
+    clip): TP1 compute_gradients reports mismatches == n, compared == N, clipped == f; at CP=2
+    (2 gloo ranks) EVERY rank reports the same (mismatches, compared, clipped, n_tokens) — the
+    evidence's counts are over all active tokens, whatever CP. Control: each CP rank holds some
+    changed tokens (rank 0 holds k0 with 0 < k0 < n), so a count of one rank's tokens only
+    would not be n."""
+    samples = _samples()
+    n_tok = sum(len(s.response_ids) for s in samples)
+    changed, n, f = _changed(samples)
+    per_rank = _changed_rows_per_cp_rank(samples, changed, 2)
+    assert sum(per_rank) == n and all(0 < k < n for k in per_rank), per_rank
+    st = _stats(changed)
+    assert (st.n_tokens, st.logprob_mismatches, st.logprob_compared, st.n_clipped) == \
+        (n_tok, n, n_tok, f)
+    launch(_cp2_rank, (changed, str(tmp_path)), world_size=2, backend="gloo", timeout_s=120)
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as fh:
+            got = pickle.load(fh)
+        assert (got.n_tokens, got.logprob_mismatches, got.logprob_compared, got.n_clipped) == \
+            (n_tok, n, n_tok, f), f"CP rank {r}"

@@ -1,0 +1,251 @@
+"""A run that can be watched (issue 13 item 3): start-up lines, progress inside a step, per-step
+metrics.jsonl / completions.jsonl / TensorBoard, warnings, the summary, and `rlk report` plots.
+
+Properties checked:
+  - metrics rows are a pure function of the evidence record (so `rlk report` can draw old runs);
+  - the JSON-lines files only ever hold whole lines: appends are whole lines, a torn last line
+    (crash inside a write) is dropped by readers and by a resume, which keeps steps < its start;
+  - a real run writes one metrics line per step and one completion line per sample whose
+    rewards equal the evidence's, prints start-up lines and a summary around the step lines,
+    warns once when every advantage is 0 and nothing else drives the gradient;
+  - with several ranks only rank 0 writes (tests/test_ppo.py's CP2 run has one line per step);
+  - on a terminal the phases (rollout, train update k/n, sync) are shown;
+  - `rlk report` writes readable PNGs for one or several runs, from metrics.jsonl or from
+    evidence.json alone, and refuses an unreadable run with one line, exit 2.
+
+Run: `.venv/bin/python -m pytest -q tests/test_watch.py`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pathlib
+import types
+
+import pytest
+
+from rlkernel.cli import main
+from rlkernel.config import RunConfig
+from rlkernel.runner.metrics import (MetricsSink, append_jsonl, metrics_row, read_jsonl,
+                                     truncate_jsonl)
+from rlkernel.runner.report import write_report
+from rlkernel.runner.watch import RunWatch, config_warnings, display_run_dir, summary_lines
+
+SMALL = ["--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "8",
+         "--allow-dirty"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _rec(step: int, **extra) -> dict:
+    rec = {"step": step, "rewards": [1.0, 0.0, 0.0, 1.0], "reward_mean": 0.5,
+           "n_samples": 4, "n_response_tokens": 40, "loss": 0.25, "pg_loss": 0.125, "kl": 0.01,
+           "entropy": 5.5, "clip_frac": 0.0, "grad_norm": 0.75, "lr": 1e-5,
+           "logprob_mismatches": 0, "logprob_tokens": 40, "update_skipped": False,
+           "version_changed": True,
+           "timings": {"rollout_s": 2.0, "reward_s": 0.25, "train_s": 1.5, "export_audit_s": 0.5,
+                       "step_s": 4.0},
+           "resources": {"peak_gpu_mem_gib": None}}
+    rec.update(extra)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics rows and JSON lines
+
+
+def test_metrics_row_is_derived_from_the_evidence_record():
+    row = metrics_row(_rec(3, updates=[{"grad_norm": 0.75}, {"grad_norm": 0.5}]))
+    assert row["step"] == 3 and row["reward_mean"] == 0.5
+    assert row["reward_std"] == 0.5  # population std of [1, 0, 0, 1]
+    assert row["response_len_mean"] == 10.0
+    assert row["tokens_per_s"] == 10.0 and row["rollout_tokens_per_s"] == 20.0
+    assert (row["rollout_s"], row["reward_s"], row["train_s"], row["sync_s"], row["step_s"]) == \
+        (2.0, 0.25, 1.5, 0.5, 4.0)
+    assert row["grad_norms"] == [0.75, 0.5]
+    assert "peak_gpu_mem_gib" not in row  # None on CPU: left out
+    # evidence.json's strings for non-finite floats are read back as floats
+    assert math.isnan(metrics_row(_rec(0, loss="nan"))["loss"])
+    assert "grad_norms" not in metrics_row(_rec(0))
+
+
+def test_jsonl_whole_lines_torn_tail_dropped_and_resume_truncation(tmp_path):
+    """append: whole lines; read: a last line without newline is dropped; truncate(k): steps < k."""
+    path = tmp_path / "metrics.jsonl"
+    append_jsonl(path, [{"step": 0, "x": math.inf}, {"step": 1}])
+    append_jsonl(path, [{"step": 2}])
+    assert path.read_bytes().endswith(b"\n")
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2]
+    assert read_jsonl(path)[0]["x"] == "inf"  # strict JSON, like evidence.json
+    with open(path, "ab") as f:
+        f.write(b'{"step": 3, "loss": 0.')  # a write cut by a crash
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2]
+    truncate_jsonl(path, 2)
+    assert path.read_text() == '{"step": 0, "x": "inf"}\n{"step": 1}\n'
+    sink = MetricsSink(tmp_path, start=1)  # a resume at step 1 drops the lines of steps >= 1
+    assert [r["step"] for r in read_jsonl(path)] == [0]
+    sink.record(_rec(1), [{"step": 1, "sample_id": 4}])
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1]
+    assert read_jsonl(tmp_path / "completions.jsonl") == [{"step": 1, "sample_id": 4}]
+    sink.close()
+
+
+def test_display_run_dir_and_warnings():
+    assert display_run_dir("runs/x.tmp-123") == "runs/x" and display_run_dir("runs/y") == "runs/y"
+    assert config_warnings(RunConfig()) == []
+    assert config_warnings(RunConfig(ppo_epochs=2, clip_eps_high=0.28)) == []
+    (w,) = config_warnings(RunConfig(save_every=3, steps=2))
+    assert "--save-every 3 > --steps 2" in w
+
+
+def test_summary_lines_tolerate_missing_keys():
+    lines = summary_lines([_rec(0), _rec(1, reward_mean=0.75), {"step": 2}], "runs/r")
+    assert lines[0].startswith("done: 3 steps in 8.0 s")
+    assert "reward 0.5000 -> 0.7500" in lines[0] and "mismatches 0/80" in lines[0]
+    assert "rlk report runs/r --out runs/r/plots" in lines[1]
+    assert summary_lines([], "runs/r") == ["done: no steps recorded; run directory runs/r"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the phases on a terminal
+
+
+def test_phases_are_shown_on_a_terminal(tmp_path):
+    """A forced terminal shows step i/N and each phase text as the loop announces it."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120, color_system=None)
+    watch = RunWatch(RunConfig(steps=3), tmp_path, console)
+    watch.startup(model="m", n_params=1_000_000, tokenizer="T", prompts="p", world=1,
+                  device="cpu")
+    watch.step_started(0)
+    for text in ("rollout", "train, update 2/4", "sync"):
+        watch.phase(text)
+    watch.record(_rec(0), [])
+    watch.close()
+    out = buf.getvalue()
+    for text in ("model: m, 1.00M parameters", "run dir: ", "step 1/3", "rollout",
+                 "train, update 2/4", "sync"):
+        assert text in out, text
+
+
+def test_nothing_live_when_not_a_terminal(tmp_path):
+    from rich.console import Console
+
+    buf = io.StringIO()
+    watch = RunWatch(RunConfig(steps=3), tmp_path, Console(file=buf, force_terminal=False))
+    watch.phase("rollout")
+    watch.close()
+    assert buf.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# a real run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Two steps, no KL/entropy term (the random tiny model's advantages are all 0), TensorBoard
+    when the package is here; the run's stderr and directory."""
+    import contextlib
+
+    d = tmp_path_factory.mktemp("watch") / "run"
+    tb = []
+    try:
+        import tensorboard  # noqa: F401
+        tb = ["--tensorboard"]
+    except ImportError:
+        pass
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["run", *SMALL, "--steps", "2", "--run-dir", str(d), *tb])
+    assert code == 0, err.getvalue()
+    return types.SimpleNamespace(dir=d, err=err.getvalue(), tensorboard=bool(tb))
+
+
+def test_run_writes_metrics_and_completions_per_step(run):
+    ev = json.loads((run.dir / "evidence.json").read_text())
+    lines = (run.dir / "metrics.jsonl").read_text().split("\n")
+    assert lines[-1] == "" and len(lines) == 3  # two whole lines
+    rows = [json.loads(ln) for ln in lines[:-1]]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row, s in zip(rows, ev["steps"]):
+        want = json.loads(json.dumps(metrics_row(s)))
+        assert {k: v for k, v in row.items() if k not in ("tokens_per_s",)} == \
+            {k: v for k, v in want.items() if k not in ("tokens_per_s",)}
+        for key in ("reward_mean", "reward_std", "response_len_mean", "kl", "entropy",
+                    "clip_frac", "grad_norm", "logprob_mismatches", "tokens_per_s", "step_s",
+                    "rollout_s", "train_s", "sync_s", "lr"):
+            assert key in row, key
+    comps = read_jsonl(run.dir / "completions.jsonl")
+    assert [c["sample_id"] for c in comps] == list(range(8))
+    for c in comps:
+        assert set(c) >= {"step", "sample_id", "prompt", "response", "reward", "advantage"}
+        assert c["prompt"].startswith("Compute ") and isinstance(c["response"], str)
+    assert [c["reward"] for c in comps] == ev["steps"][0]["rewards"] + ev["steps"][1]["rewards"]
+
+
+def test_run_prints_startup_lines_progress_warning_and_summary(run):
+    lines = run.err.splitlines()
+    for prefix in ("model: embedded tiny Qwen3", "data: ", "ranks: 1 rank", "plan: 2 steps",
+                   f"run dir: {run.dir}"):
+        assert any(ln.startswith(prefix) for ln in lines), (prefix, run.err)
+    assert lines.index(next(ln for ln in lines if ln.startswith("run dir: "))) < \
+        lines.index(next(ln for ln in lines if ln.startswith("step 1/2")))
+    warnings = [ln for ln in lines if ln.startswith("rlk run: warning: ")]
+    assert len(warnings) == 1 and "step 0: every GRPO advantage is 0" in warnings[0]
+    assert lines[-2].startswith("done: 2 steps in ") and "mismatches 0/" in lines[-2]
+    assert lines[-1].startswith(f"files: {run.dir}/evidence.json")
+
+
+def test_run_writes_tensorboard_events(run):
+    if not run.tensorboard:
+        pytest.skip("tensorboard is not installed (pip install 'rl-kernel[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run.dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"reward/mean", "loss/kl", "optim/grad_norm", "time/step_s"} <= tags
+    assert [e.step for e in acc.Scalars("optim/grad_norm")] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# rlk report
+
+
+def _png_ok(path: pathlib.Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000, path
+
+
+def test_report_draws_one_and_several_runs(run, tmp_path, capsys):
+    """rlk report RUN --out DIR: overview + one PNG per metric; two runs (one with evidence.json
+    only) on the same axes."""
+    capsys.readouterr()
+    assert main(["report", str(run.dir), "--out", str(tmp_path / "one")]) == 0
+    written = [pathlib.Path(p) for p in capsys.readouterr().out.split()]
+    names = {p.name for p in written}
+    assert {"overview.png", "reward.png", "kl.png", "entropy.png", "grad_norm.png",
+            "step_time.png", "mismatches.png", "clip_frac.png", "lr.png"} <= names
+    for p in written:
+        _png_ok(p)
+    bare = tmp_path / "bare"  # a run directory without metrics.jsonl
+    bare.mkdir()
+    for name in ("evidence.json", "manifest.json"):
+        (bare / name).write_bytes((run.dir / name).read_bytes())
+    paths = write_report([str(run.dir), str(bare)], tmp_path / "two")
+    _png_ok(paths[0])
+
+
+def test_report_refuses_an_unreadable_run(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "missing", tmp_path / "empty"):
+        code = main(["report", str(target), "--out", str(tmp_path / "o")])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == ""
+        (line,) = err.strip().splitlines()
+        assert line.startswith("rlk report: error: ") and str(target) in line
+
