@@ -635,6 +635,21 @@ def test_dead_rank_stops_every_rank_names_it_and_leaves_nothing(env, tmp_path, s
     assert_nothing_left(env, root, kept)
 
 
+def test_rank_hanging_outside_a_collective_is_named_and_leaves_nothing(env, tmp_path):
+    """Rank 1 hangs at step 0 outside any collective (a reward that never returns): its peers
+    time out in the next collective, and the CLI exits 1 with ONE line naming rank 1 (not a
+    peer that timed out waiting for it), no traceback, no run directory and no process left."""
+    root = tmp_path / "runs"
+    code, lines = rlk_subprocess(env, root / "r", "rank:hang:step=0:rank=1")
+    err = "\n".join(ln for _, ln in lines)
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert error_line(err) == (f"rlk run: error: rank 1: never reached the collective that rank "
+                               f"0 waited {TIMEOUT_S:g} s in; killed (hung outside a collective, "
+                               "e.g. in a reward function?)"), err
+    assert_nothing_left(env, root, None)
+
+
 def test_rank_raising_mid_step_propagates_its_error(env, tmp_path):
     """Rank 2 raises at step 1: the others are stopped, the CLI exits 1 with rank 2's error text
     and traceback (a raise stands for a bug), keeps step 0's evidence, leaves no process."""

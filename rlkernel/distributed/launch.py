@@ -355,6 +355,14 @@ class _Job:
     def verdict(self) -> RankFailure | None:
         """The failure to raise (the earliest primary one), or None when every rank succeeded."""
         primary, secondary = self._failures()
+        stuck = sorted(r for r in self.stopped if r not in self.reports)
+        if secondary and not primary and stuck:
+            # Ranks timed out in a collective that a rank still running never reached: that
+            # rank hung outside the collectives (e.g. in a reward function); blame it.
+            _, waiter = secondary[0]
+            return RankFailure(stuck[0], "", f"never reached the collective that rank {waiter} "
+                                             f"waited {self.timeout_s:g} s in; killed (hung "
+                                             "outside a collective, e.g. in a reward function?)")
         if primary or secondary:
             _, rank = (primary or secondary)[0]
             rep = self.reports.get(rank)

@@ -21,11 +21,12 @@ Spec: `KIND:ACTION:key=value:...` (one fault per run):
     grad:nan|inf:step=S:tensor=NAME[:rank=R]
         after backward at step S, set the first element of rank R's gradient shard of NAME to
         NaN or +Inf (default: every rank).
-    rank:raise|kill:step=S:rank=R[:where=step|collective]
+    rank:raise|kill|hang:step=S:rank=R[:where=step|collective]
         at step S, after backward and before the gradient-norm collective, rank R raises
-        InjectedFault (a RuntimeError: what a bug looks like), or SIGKILLs itself: where=step
-        (default) right there, between collectives; where=collective inside the next collective
-        (after its signature exchange, during the data exchange; multi-rank runs only).
+        InjectedFault (a RuntimeError: what a bug looks like), SIGKILLs itself, or hangs (sleeps
+        until killed, outside any collective: a reward function that never returns): where=step
+        (default) right there, between collectives; where=collective (kill only) inside the next
+        collective (after its signature exchange, during the data exchange; multi-rank runs).
 
 `check(steps, world)` rejects an invalid spec (FaultSpecError, a ValueError naming the field and
 what is allowed) before any process starts; a tensor name is checked at the hook (the model is
@@ -43,6 +44,7 @@ import functools
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,7 +53,7 @@ import torch
 ENV = "RLK_FAULT"
 
 _ACTIONS = {"sync": ("flip-bit", "drop", "shape", "dtype"), "grad": ("nan", "inf"),
-            "rank": ("raise", "kill"), "engine": ("stale", "flip-bit")}
+            "rank": ("raise", "kill", "hang"), "engine": ("stale", "flip-bit")}
 # Keys and required keys by kind, or by "kind:action" where an action differs from its kind.
 _KEYS = {"sync": {"step", "tensor", "rank", "index", "bit"}, "grad": {"step", "tensor", "rank"},
          "rank": {"step", "rank", "where"}, "engine:stale": {"step", "rank"},
@@ -124,8 +126,8 @@ def parse(spec: str) -> Fault:
     where = fields.get("where", "step")
     if where not in _WHERE:
         raise _bad(spec, f"where={where!r}; allowed: {', '.join(_WHERE)}")
-    if kind == "rank" and parts[1] == "raise" and where != "step":
-        raise _bad(spec, "rank:raise happens where=step only")
+    if kind == "rank" and parts[1] in ("raise", "hang") and where != "step":
+        raise _bad(spec, f"rank:{parts[1]} happens where=step only")
     return Fault(spec, kind, parts[1], ints["step"], ints.get("rank"), fields.get("tensor"),
                  where, ints.get("index", 0), ints.get("bit", 0))
 
@@ -235,6 +237,10 @@ def maybe_die(step: int, rank: int) -> None:
         return
     if f.action == "raise":
         raise InjectedFault(f"{ENV}: rank {rank} raised at step {step} ({f.spec})")
+    if f.action == "hang":
+        print(f"{ENV}: rank {rank} hangs at step {step}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
     if f.where == "step":
         _sigkill(f, rank, step)
     import torch.distributed as dist
