@@ -628,6 +628,20 @@ def _check_reward_unchanged(saved: dict[str, typing.Any], reward: dict[str, typi
                           "resume, or start a new run")
 
 
+def _check_tokenizer_unchanged(saved: dict[str, typing.Any], now: dict[str, str]) -> None:
+    """A resumed run must tokenize (and template) prompts as it did: the SHA-256 of every
+    tokenizer file of the model directory (chat_template.jinja, tokenizer_config.json, ...) is
+    in the manifest. Raises ConfigError naming the files that changed, appeared or went."""
+    before = saved.get("tokenizer_files")
+    if not isinstance(before, dict) or before == now:
+        return
+    changed = sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
+    what = ", ".join(f"{n} ({'added' if n not in before else 'removed' if n not in now else 'changed'})"
+                     for n in changed)
+    raise ConfigError(f"--resume: tokenizer files of the model directory differ from the run's "
+                      f"start: {what}; restore them to resume, or start a new run")
+
+
 def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
                 inputs: dict[str, typing.Any]) -> int:
     from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
@@ -641,6 +655,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
         manifest = json.loads((src / "manifest.json").read_text())
         check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])
+        _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
     except (ResumeError, OSError, ValueError) as e:
         return _error("run", e, 2)
     if src != d:  # a killed run's temporary directory: publish it under the name it was given

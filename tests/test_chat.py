@@ -141,3 +141,27 @@ def test_no_template_is_exit_2_before_any_work(tmp_path, capsys, with_model):
     assert len(err) == 1 and "--apply-chat-template" in err[0] and "no chat" in err[0] \
         and "template" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("edit", ["jinja", "config"])
+def test_resume_refuses_an_edited_chat_template(tmp_path, capsys, edit):
+    """The template decides the prompt tokens: a resume after chat_template.jinja appears or
+    tokenizer_config.json's template changes is exit 2 naming the file; the evidence is kept."""
+    model = _tiny_with_template(tmp_path)
+    d = tmp_path / "run"
+    assert main(["run", "--model", str(model), "--apply-chat-template", "--steps", "1",
+                 "--save-every", "1", "--n-prompts", "1", "--n-samples-per-prompt", "2",
+                 "--max-response-len", "4", "--allow-dirty", "--run-dir", str(d)]) == 0
+    if edit == "jinja":
+        (model / "chat_template.jinja").write_text("U: {{ messages[0]['content'] }}\nB:")
+        says = "chat_template.jinja (added)"
+    else:
+        cfg = json.loads((model / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = "U: {{ messages[0]['content'] }}\nB:"
+        (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+        says = "tokenizer_config.json (changed)"
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume: tokenizer files" in err[0] and says in err[0], err
+    assert len(json.loads((d / "evidence.json").read_text())["steps"]) == 1
