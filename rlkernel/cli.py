@@ -243,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             return _error("run", e, 2)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()   # a closed pipe is seen here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:  # `rlk compare A B | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())   # so the interpreter's final flush stays quiet
+        return 141   # 128 + SIGPIPE, what a shell tool stopped by a closed pipe reports
     except KeyboardInterrupt:  # outside a run (rlk run reports its own): one line, no traceback
         if _debug():
             raise

@@ -207,3 +207,19 @@ def test_quiet_identical_prints_the_verdict_only(tmp_path, capsys):
     b = write_run(tmp_path / "b", [_step(0)], tp=4)
     assert cli.main(["compare", "--quiet", str(a), str(b)]) == 0
     assert capsys.readouterr().out == "IDENTICAL\n"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`rlk compare A B | head -1`: the closed pipe ends rlk quietly with 141 (128 + SIGPIPE),
+    no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_run(a, [_step(i) for i in range(2)])   # a few lines: they sit in stdout's buffer
+    write_run(b, [_step(i) for i in range(2)])
+    p = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "compare", str(a), str(b)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and "Traceback" not in err, err
