@@ -245,9 +245,9 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     # A run that stopped early is compared on the steps it has, and is never "identical".
     ca, cb = ea.get("complete") is True, eb.get("complete") is True
     if not (ca and cb):
-        report.results.append(FieldResult("run", "complete", False,
-                                          f"DIFFERS ({'complete' if ca else 'INCOMPLETE'} vs "
-                                          f"{'complete' if cb else 'INCOMPLETE'})"))
+        state = f"{'complete' if ca else 'INCOMPLETE'} vs {'complete' if cb else 'INCOMPLETE'}"
+        verdict = "NOT IDENTICAL" if ca == cb else "DIFFERS"   # both incomplete: equal, not whole
+        report.results.append(FieldResult("run", "complete", False, f"{verdict} ({state})"))
     return report
 
 

@@ -163,7 +163,7 @@ class RunWatch(NullWatch):
                  f"({world // (c.rollout_tp * c.rollout_cp)} replica(s))")
         lr = f"lr {c.lr:g} {c.lr_schedule}" + (f", {c.lr_warmup_steps} warmup updates"
                                                if c.lr_warmup_steps else "")
-        plan = (f"{c.steps} steps x {c.samples_per_step} samples ({c.n_prompts} prompts x "
+        plan = (f"{c.steps} step{'s' if c.steps != 1 else ''} x {c.samples_per_step} samples ({c.n_prompts} prompts x "
                 f"{c.n_samples_per_prompt}), {c.updates_per_step} update(s)/step ({c.ppo_epochs} "
                 f"epoch(s) x {c.mini_batches} mini-batch(es), --loss-agg {c.loss_agg}, clip "
                 f"[1-{c.clip_low:g}, 1+{c.clip_high:g}]), {lr}")
