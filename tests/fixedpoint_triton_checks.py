@@ -87,6 +87,20 @@ def nonfinite_values():
 
 
 @check
+def nonfinite_counts_add_over_flushes_and_calls():
+    """The NaN/+Inf/−Inf counts of a flush are ADDED to the accumulator's (8-row flushes, an
+    accumulator that already holds counts), not written over them."""
+    x = _every_bin(40, cols=6, seed=8)
+    for r, c, v in ((1, 0, -INF), (9, 0, -INF), (33, 0, -INF), (2, 1, INF), (17, 1, INF),
+                    (3, 2, NAN), (25, 2, NAN), (4, 3, -INF), (12, 3, INF), (30, 3, NAN)):
+        x[r, c] = v
+    acc0 = fx.accumulate_(fx.zeros((6,)), torch.tensor([[-INF, INF, NAN, -INF, 1.0, -INF]]))
+    acc = _same_as_torch(x, acc0, seg=8)
+    assert acc[:, fx.N_DIGITS:].tolist() == [[0, 0, 4], [0, 3, 0], [3, 0, 0], [1, 1, 2],
+                                             [0, 0, 0], [0, 0, 1]]
+
+
+@check
 def one_row():
     _same_as_torch(_every_bin(1))
 

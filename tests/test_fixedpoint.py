@@ -142,3 +142,43 @@ def test_nonfinite_counts_depend_only_on_the_multiset():
     assert one[:, fx.N_DIGITS:].tolist() == [[0, 2, 0], [0, 1, 1], [2, 0, 0], [0, 0, 0]]
     finite = fx.accumulate_(fx.zeros((4,)), torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
     assert torch.equal(one[:, :fx.N_DIGITS], finite[:, :fx.N_DIGITS])
+
+
+def test_digits_below_the_rounding_window_break_a_tie():
+    """1 + 2**-24 is a tie (rounds to even: 1.0); adding 2**-100, which lands in a digit below
+    the two-digit rounding window, makes the exact sum just above the tie, so it must round up
+    to 1 + 2**-23 (the low digits are sticky bits). Both signs; == the Fraction oracle, bitwise."""
+    for sign in (1.0, -1.0):
+        x = sign * torch.tensor([[1.0], [2.0**-24], [2.0**-100]])
+        got = fx.exact_sum_fp32(x)
+        assert _same(got[0], _reference(x[:, 0].tolist()))
+        assert _same(got[0], sign * (1.0 + 2.0**-23))
+        assert _same(fx.exact_sum_fp32(x[:2])[0], sign * 1.0)     # the tie alone: to even
+
+
+def test_a_full_bin_flush_at_the_top_of_a_bin_stays_exact():
+    """2**15 − 1 values at the top of float64 bin 7 (fp32 field 127, significand all ones) and
+    one odd multiple of the bin's unit (field 112): their exact sum needs 54 bits, so the
+    per-bin float64 sums are only exact if each flush holds few enough rows (_BIN_ROWS). The
+    result == the Fraction oracle, bitwise, and == the integer sum of the values' one-row
+    accumulators."""
+    big, tiny = (2.0 - 2.0**-23), (1.0 + 2.0**-23) * 2.0**-15
+    x = torch.full(((1 << 15), 1), big)
+    x[-1, 0] = tiny
+    want = Fraction(big) * ((1 << 15) - 1) + Fraction(tiny)
+    got = fx.exact_sum_fp32(x)
+    assert _same(got[0], _fp32_of(want))
+    acc = fx.accumulate_(fx.zeros((1,)), x)
+    ref = fx.normalise_(fx.accumulate_(fx.zeros((1,)), x[:1]) * ((1 << 15) - 1)
+                        + fx.accumulate_(fx.zeros((1,)), x[-1:]))
+    assert torch.equal(acc, ref)
+
+
+def test_an_accumulator_beyond_the_top_digit_rounds_to_infinity():
+    """A sum of accumulators (more than 2**33 fp32-max values) whose top digit reaches 2**31
+    is beyond every fp32: ±Inf, not the digits below it."""
+    acc = fx.zeros((4,))
+    acc[:, fx.N_DIGITS - 1] = torch.tensor([1 << 31, -(1 << 31), 1 << 40, -(1 << 40)])
+    acc[:, 3] = 12345
+    got = fx.round_fp32(acc)
+    assert got.tolist() == [math.inf, -math.inf, math.inf, -math.inf]

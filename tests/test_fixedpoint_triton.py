@@ -67,6 +67,12 @@ def test_nan_and_infinities_are_counted_per_value(results):
     _ok(results, "nonfinite_values")
 
 
+def test_nonfinite_counts_add_over_flushes_and_calls(results):
+    """kernel == torch when NaN/±Inf sit in several 8-row flushes and the accumulator already
+    holds counts: each flush adds its counts to the row's (bytes, and the expected counts)."""
+    _ok(results, "nonfinite_counts_add_over_flushes_and_calls")
+
+
 def test_one_row(results):
     """kernel == torch for k = 1."""
     _ok(results, "one_row")
