@@ -157,6 +157,10 @@ def test_unfinished_run_and_missing_checkpoint(run, tmp_path, capsys):
     assert main(["export", str(d), "--step", "1", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--step 1:" in err and "kept no weights for it" in err and "0 (checkpoint" in err
+    shutil.rmtree(d / "checkpoints")
+    assert main(["export", str(d), "--out", str(out)]) == 2
+    err = capsys.readouterr().err   # no weights anywhere: no --step to suggest
+    assert "nothing to export: this run kept no weights" in err and "give --step" not in err
     assert not out.exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")

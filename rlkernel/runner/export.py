@@ -232,8 +232,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
         if not evidence.get("complete") or avail.get(last) != run / FINAL_DIR:
             raise ExportUsageError(f"RUN {str(run)!r} has no final weights (it did not finish "
                                    f"all its steps: {len(steps)} recorded, complete="
-                                   f"{bool(evidence.get('complete'))}); give --step N; "
-                                   f"{_steps_text(avail)}")
+                                   f"{bool(evidence.get('complete'))}); "
+                                   + (f"give --step N; {_steps_text(avail)}" if avail else
+                                      f"nothing to export: {_steps_text(avail)}"))
         step = last
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < len(steps):
         raise ExportUsageError(f"--step {step!r}: must be an evidence step of {str(run)!r}, in "
