@@ -29,16 +29,22 @@ def _steps(d: str) -> list[dict]:
         return json.load(f)["steps"]
 
 
+def assert_steps_sound(*run_dirs: str) -> None:
+    """Every step of each run: 0 train/rollout logprob mismatches over a non-zero number of
+    tokens, a new weight version, a passed weight audit."""
+    for d in run_dirs:
+        for s in _steps(d):
+            assert s["logprob_mismatches"] == 0 and s["logprob_tokens"] > 0, (d, s)
+            assert s["version_changed"] and s["weight_audit"]["ok"], (d, s)
+
+
 def test_seed_pair_identical_with_zero_mismatches(tmp_path, capsys):
     """TP2/CP4/rollout-TP4 == TP4/CP2/rollout-TP4/rollout-CP2 == TP1/CP1, 0 mismatches."""
     a = _run(tmp_path, "tp2cp4", "--tp", "2", "--cp", "4", "--rollout-tp", "4")
     b = _run(tmp_path, "tp4cp2", "--tp", "4", "--cp", "2", "--rollout-tp", "4",
              "--rollout-cp", "2")
     c = _run(tmp_path, "tp1cp1")
-    for d in (a, b):
-        for s in _steps(d):
-            assert s["logprob_mismatches"] == 0 and s["logprob_tokens"] > 0
-            assert s["version_changed"] and s["weight_audit"]["ok"]
+    assert_steps_sound(a, b)
     capsys.readouterr()
     assert main(["compare", a, b]) == 0
     out = capsys.readouterr().out

@@ -27,6 +27,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_kernel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -118,9 +119,8 @@ class GradSink:
                                "kept persistent (begin(keep=...))")
         comm = self.groups[scope]
         out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
-        n = w.shape[0] if w.dim() else 1
-        per_row = max(1, w[0].numel() if w.dim() and n else 1)
-        rows = max(1, DIRECT_CHUNK_ELEMS // per_row)
+        n = w.shape[0]   # parameters are at least 1-D
+        rows = max(1, DIRECT_CHUNK_ELEMS // max(1, math.prod(w.shape[1:])))
         for a in range(0, n, rows):
             b = min(n, a + rows)
             acc = fx.zeros((b - a, *w.shape[1:]), w.device)
