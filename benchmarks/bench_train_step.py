@@ -1,0 +1,129 @@
+"""Training step (forward + backward + exact norm + AdamW) time, invariant vs native, one process.
+
+The step is what `rlk run` does per update (train/step.compute_gradients, AdamW on fp32 masters,
+weights rounded back to the parameter dtype), on random weights and random token ids: S samples
+of P prompt + R response tokens, one microbatch (the whole batch, direct mode), TP1, one GPU.
+Both arms run in this process on the same weights and samples; the ratio invariant / native is
+the cost of invariance. `--profile` adds the top CUDA kernels of one invariant step (torch
+profiler), grouped by kernel name, to find what dominates.
+Run (repository root, CUDA machine):
+    PYTHONPATH=. python3 benchmarks/bench_train_step.py --model qwen3-0.6b --samples 16 \
+        --prompt-len 64 --response-len 448 --out train_step.json [--profile]
+Does not: run rollout or the weight sync (bench_rollout.py, bench_weight_sync.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import dump, env, require_cuda
+from rlkernel.model.checkpoint import init_weights
+from rlkernel.model.config import preset
+from rlkernel.model.ops import ops_for
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.train.losses import LossCoefs, invariant_exp
+from rlkernel.train.optimizer import AdamW, AdamWParams
+from rlkernel.train.step import TrainSample, compute_gradients
+
+PAD = 0
+
+
+def _samples(n: int, p: int, r: int, vocab: int, seed: int) -> list[TrainSample]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, min(vocab, 32000), (n, p + r), generator=g)
+    return [TrainSample(i, tuple(ids[i, :p].tolist()), tuple(ids[i, p:].tolist()),
+                        torch.full((r,), -2.0), 1.0 if i % 2 else -1.0) for i in range(n)]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
+         dev: torch.device):
+    ops = ops_for(mode)
+    policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
+    policy.load_tensors({k: v.to(dev) for k, v in weights.items()})
+    policy.recompute = recompute
+    ref = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev).requires_grad_(False)
+    ref.load_tensors({k: v.to(dev) for k, v in weights.items()})
+    opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()}, AdamWParams(lr=1e-6))
+    exp = invariant_exp if mode == "invariant" else torch.exp
+    budget = sum(len(s.prompt_ids) + len(s.response_ids) + 16 for s in samples)
+
+    def step():
+        compute_gradients(policy, ref, samples, temperature=1.0,
+                          coefs=LossCoefs(0.2, 0.01, 0.0, "k3"), micro_batch_tokens=budget,
+                          pad_id=PAD, exp=exp)
+        grads = {n: p.grad for n, p in policy.logical_params().items()}
+        opt.clip(grads, 1.0)
+        opt.step(grads)
+        policy.load_master_shards(opt.weights(torch.bfloat16))
+
+    times = []
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    out = {"step_s": times, "warm_step_s": min(times[1:] or times), "peak_gib": peak}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+        with prof(activities=[ProfilerActivity.CUDA]) as pr:
+            step()
+            _sync(dev)
+        rows = sorted(pr.key_averages(), key=lambda e: -e.device_time_total)[:40]
+        out["top_kernels"] = [{"name": e.key[:120], "calls": e.count,
+                               "ms": e.device_time_total / 1e3} for e in rows]
+        out["profiled_total_ms"] = sum(e.device_time_total for e in pr.key_averages()) / 1e3
+    del policy, ref, opt
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--response-len", type=int, default=448)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--arms", default="invariant,native")
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        require_cuda()
+    cfg = preset(a.model)
+    weights = init_weights(cfg, 0)
+    samples = _samples(a.samples, a.prompt_len, a.response_len, cfg.vocab_size, 1)
+    tokens = a.samples * (a.prompt_len + a.response_len)
+    res = {"env": env() if dev.type == "cuda" else {"device": "cpu"}, "model": a.model, "samples": a.samples, "prompt_len": a.prompt_len,
+           "response_len": a.response_len, "tokens": tokens, "arms": {}}
+    for mode in a.arms.split(","):
+        r = _arm(mode, cfg, weights, samples, a.steps, a.recompute, a.profile and mode == "invariant", dev)
+        res["arms"][mode] = r
+        print(f"{mode}: warm step {r['warm_step_s']:.3f} s ({tokens / r['warm_step_s']:.0f} tok/s), "
+              f"peak {r['peak_gib']:.2f} GiB, steps {[round(t, 3) for t in r['step_s']]}", flush=True)
+        for k in r.get("top_kernels", [])[:25]:
+            print(f"   {k['ms']:9.1f} ms {k['calls']:6d}x  {k['name']}")
+    if {"invariant", "native"} <= res["arms"].keys():
+        res["ratio"] = res["arms"]["invariant"]["warm_step_s"] / res["arms"]["native"]["warm_step_s"]
+        print(f"ratio invariant / native: {res['ratio']:.2f}")
+    dump(a.out, res)
+
+
+if __name__ == "__main__":
+    main()
