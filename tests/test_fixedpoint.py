@@ -182,3 +182,13 @@ def test_an_accumulator_beyond_the_top_digit_rounds_to_infinity():
     acc[:, 3] = 12345
     got = fx.round_fp32(acc)
     assert got.tolist() == [math.inf, -math.inf, math.inf, -math.inf]
+
+
+def test_a_top_digit_of_minus_2_63_rounds_to_minus_infinity():
+    """The top digit −2**63 with zeros below is its own negation in int64, so the magnitude's top
+    digit reads negative: that sum (|sum| = 2**63 top-digit units) is beyond fp32, −Inf (it was
+    −0.0). With a non-zero digit below, the magnitude's top digit wraps to 2**63 − 1: −Inf too."""
+    acc = fx.zeros((2,))
+    acc[:, fx.N_DIGITS - 1] = -2**63
+    acc[1, 0] = 5
+    assert fx.round_fp32(acc).tolist() == [-math.inf, -math.inf]

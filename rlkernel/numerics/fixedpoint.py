@@ -197,7 +197,9 @@ def round_fp32(acc: torch.Tensor) -> torch.Tensor:
     lo = mag.gather(1, (t - 1)[:, None])[:, 0]
     below = torch.where(k[None, :] - 1 < (t - 1)[:, None], mag, torch.zeros_like(mag))
     rest = (below != 0).any(1)
-    over = hi >= (1 << DIGIT_BITS)                                     # beyond every fp32
+    # Beyond every fp32: a top digit >= 2**31, or one that wrapped int64 when negated (a top
+    # digit of -2**63 with zeros below: |sum| >= 2**63 digits, it would round to -0.0 else).
+    over = (hi >= (1 << DIGIT_BITS)) | (hi < 0)
     hi_c = torch.where(over, torch.zeros_like(hi), hi)
     window = (hi_c << DIGIT_BITS) + lo                                 # < 2**62
     nbits = torch.where(hi_c > 0, _bit_length(hi_c) + DIGIT_BITS, _bit_length(lo))
