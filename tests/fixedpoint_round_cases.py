@@ -60,7 +60,7 @@ def _tie_values(rng: random.Random) -> list[int]:
     alone, just below, and with one sticky bit: just under the tie bit, at the bottom of the
     two-digit window, at the top and bottom of the digits below it, and at random."""
     out = []
-    for p in range(0, 254):
+    for p in range(254):
         top = (p + 24) // D                                # top digit of the value
         lows = {p - 1, D * (top - 1), D * (top - 1) - 1, 0, rng.randrange(max(p, 1))}
         for m in (rng.randrange(1 << 23, 1 << 24) | 1, rng.randrange(1 << 23, 1 << 24) & ~1,

@@ -23,12 +23,14 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("fixedpoint_triton_checks.py needs TRITON_INTERPRET=1")
 
-import triton  # noqa: E402 - after the TRITON_INTERPRET check
-import triton.language as tl  # noqa: E402,F401 - the interpreter wants tl in a jit fn's globals
+# Imported after the TRITON_INTERPRET check; fixedpoint_round_cases sits in tests/, this
+# script's folder (so on sys.path).
+import fixedpoint_round_cases as rc
+import triton
+import triton.language as tl  # noqa: F401 - the interpreter wants tl in a jit fn's globals
 
-import fixedpoint_round_cases as rc  # noqa: E402 - tests/ (this script's folder) is on sys.path
-from rlkernel.numerics import fixedpoint as fx  # noqa: E402
-from rlkernel.numerics import triton_fixedpoint as tfx  # noqa: E402
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics import triton_fixedpoint as tfx
 
 INF, NAN = float("inf"), float("nan")
 SLOW = {"more_rows_than_a_bin_flush"}

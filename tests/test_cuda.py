@@ -273,6 +273,7 @@ def test_fixedpoint_round_kernel_equals_cpu_torch_path_on_adversarial_accumulato
     accumulator, and for the sum of two 1_000_003-row accumulators of wide values with NaN/±Inf.
     Negative control: the digits evaluated in float64 and cast (double rounding) differ."""
     from fixedpoint_round_cases import cases
+
     from rlkernel.numerics import fixedpoint as fx
     from rlkernel.numerics import triton_fixedpoint as tfx
     all_cases = cases()
