@@ -267,6 +267,42 @@ def test_fixedpoint_triton_kernel_every_bin_and_several_flushes():
         assert torch.equal(got.cpu(), want)
 
 
+def test_fixedpoint_round_kernel_equals_cpu_torch_path_on_adversarial_accumulators():
+    """fixedpoint.round_fp32 on CUDA (the Triton rounding kernel) == round_fp32_torch on the CPU,
+    bytewise, for every case of tests/fixedpoint_round_cases.py (ties with and without sticky
+    bits at every rounding position, fp32 range edges and subnormals, random / unnormalised /
+    int64-wrapping digits, sums of accumulators, zeros, NaN/±Inf counts, a 20_011-row tail),
+    the device input unchanged; also with other launch shapes, a column-major copy, an N-d
+    accumulator, and for the sum of two 1_000_003-row accumulators of wide values with NaN/±Inf.
+    Negative control: the digits evaluated in float64 and cast (double rounding) differ."""
+    from fixedpoint_round_cases import cases
+
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    all_cases = cases()
+    for name, acc in all_cases.items():
+        want = fx.round_fp32_torch(acc)
+        dev = acc.to(DEV)
+        before = dev.clone()
+        assert _same(fx.round_fp32(dev).cpu(), want), name
+        assert torch.equal(dev, before), name
+        for block, warps in ((32, 1), (256, 8)):
+            got = tfx.round_fp32(dev, block=block, num_warps=warps)
+            assert _same(got.cpu(), want), (name, block, warps)
+        assert _same(tfx.round_fp32(dev.t().contiguous().t()).cpu(), want), name
+    nd = all_cases["large_with_tail"][:20_000].reshape(100, 200, fx.N_COLS)
+    assert _same(fx.round_fp32(nd.to(DEV)).cpu(), fx.round_fp32_torch(nd))
+    m = 1_000_003
+    x = _fx_wide(64, m, 16).to(DEV)
+    acc = fx.accumulate_(fx.zeros((m,), DEV), x) + fx.accumulate_(fx.zeros((m,), DEV), -0.5 * x[:9])
+    assert _same(fx.round_fp32(acc).cpu(), fx.round_fp32_torch(acc.cpu()))
+    ties = all_cases["ties_and_sticky_bits"].to(DEV)
+    digits = fx.normalise_(ties.clone())[:, :fx.N_DIGITS].double()
+    scale = torch.tensor([2.0 ** (fx.DIGIT_BITS * i - 149) for i in range(fx.N_DIGITS)],
+                         dtype=torch.float64, device=DEV)
+    assert not _same((digits * scale).sum(1).float(), fx.round_fp32(ties))
+
+
 # ---------------------------------------------------------------------------------- attention
 def _attn_inputs(dtype, s_=3, hq=8, hkv=2, t=300, d=128, seed=10):
     g = _gen(seed)
