@@ -21,8 +21,11 @@ G, so each rank reduces its part locally and `kv_comm` finishes the same tree. (
 spans 2**k whole virtual-TP shards, its top k levels are those shards; for a power-of-two G it is
 the plain pairwise tree, so such models keep their bits.)
 Layout: per-sample padded [S, heads, T, D]; rlkernel/model gathers it from the token stream.
-Devices: on CPU both directions are the torch code below; on CUDA the forward dispatches to the
-Triton kernel (kernels/triton_attention.py) and the backward runs this file's torch code on the GPU.
+Devices: on CPU both directions are the torch code below (the reference); on CUDA both dispatch to
+Triton kernels with the CUDA block size 64: the forward to kernels/triton_attention.py, the
+backward to kernels/triton_attention_bwd.py (FlashAttention-2 recomputation from lse, the same
+leaf partials and exact sums, memory O(L)). The CUDA bits differ from the CPU's (other block
+size, fused dots) but obey the same invariances.
 Does not: communicate (CP gathers K/V in rlkernel/distributed).
 """
 
@@ -146,6 +149,11 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, out, lse, q_pos, kv_len = ctx.saved_tensors
         scale = ctx.scale
+        if q.is_cuda:
+            from rlkernel.kernels import triton_attention_bwd
+            dq, dk, dv = triton_attention_bwd.attention_backward(
+                q, k, v, out, lse, d_out, q_pos, kv_len, scale, ctx.tok, ctx.kv_comm)
+            return dq, dk, dv, None, None, None, None, None
         s_, hq, tq, d = q.shape
         hkv, tk = k.shape[1], k.shape[2]
         g = hq // hkv

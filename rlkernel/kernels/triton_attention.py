@@ -20,12 +20,12 @@ Precision: fp32 q/k/v use fp32 fma dots (input_precision="ieee"); bf16 q/k/v use
 dots with p rounded to bf16 for both P·V and the row sum l (consistent normaliser).
 Rows (t, g) of one KV head's G query heads share a tile, so decode reads each K/V block once per
 KV head. Split-KV decode is not used (batch × KV heads already fill the GPU at batch 64).
-Returns lse = m + log(l) in the [S, Hkv, G, Tq] layout of kernels/attention.py, so the torch-op
-backward there can run on the forward's statistics.
+Returns lse = m + log(l) in the [S, Hkv, G, Tq] layout of kernels/attention.py, from which the
+backward (kernels/triton_attention_bwd.py) recomputes p = exp(s − lse) with this kernel's s.
 
 `paged_attention_forward` runs the same kernel with K/V read through a block table (paged KV
 cache of the rollout engine): only the addresses change (PAGED is a compile-time switch).
-Does not: backward (kernels/attention.py recomputes on the GPU with torch ops), CP gathering.
+Does not: backward (kernels/triton_attention_bwd.py), CP gathering.
 """
 
 from __future__ import annotations
