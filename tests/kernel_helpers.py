@@ -158,3 +158,60 @@ def cp_local_rows(length: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(s * seg, (s + 1) * seg) for s in cp_segments(cp, rank)])
 
 
+
+
+# ------------------------------------------------------------------ ranks run one after another
+# Threads cannot run every kernel: the Triton interpreter keeps its launch state in globals, and
+# autograd runs all CUDA backwards of one device on one worker thread. For code whose inputs to
+# each collective are local (no collective result feeds a later collective's input), ranks can
+# run one after another instead: pass 1 records what every rank hands each collective, pass 2
+# runs them again and each collective returns what the real one would have, built from the log.
+
+
+class _ReplayGroup:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.logs: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
+        self.replay = False
+
+
+class ReplayComm(Comm):
+    """One rank of a `_ReplayGroup` (see above): all_gather and sum_ints, the primitives of the
+    collectives the attention backward uses (tree_all_reduce, TokenSum.round_exact)."""
+
+    def __init__(self, group: _ReplayGroup, rank: int) -> None:
+        super().__init__("replay", None, tuple(range(group.n)), rank)
+        self._g = group
+        self._i = 0
+
+    def _parts(self, op: str, t: torch.Tensor) -> list[torch.Tensor] | None:
+        i, self._i = self._i, self._i + 1
+        if not self._g.replay:
+            self._g.logs[self.rank].append((op, t.detach().contiguous().clone()))
+            return None
+        parts = []
+        for r in range(self._g.n):
+            o, x = self._g.logs[r][i]
+            assert o == op and x.shape == t.shape and x.dtype == t.dtype, \
+                f"rank {r} call {i}: {o} {tuple(x.shape)} vs rank {self.rank}: {op} {tuple(t.shape)}"
+            parts.append(x)
+        assert torch.equal(parts[self.rank], t), f"rank {self.rank} is not deterministic at {op}"
+        return parts
+
+    def all_gather(self, t, op):
+        parts = self._parts(op, t)
+        return [t.contiguous()] * self.size if parts is None else parts
+
+    def sum_ints(self, t, op, *, inplace=False):
+        parts = self._parts(op, t)
+        return t if parts is None else torch.stack(parts).sum(0)   # int64: exact in any order
+
+
+def run_ranks_sequentially(n: int, fn):
+    """fn(rank, comm) for ranks 0..n-1, one after another, twice (record, then replay): the
+    results of the replay pass, [rank 0..n-1], as n concurrent ranks would return them."""
+    group = _ReplayGroup(n)
+    for r in range(n):
+        fn(r, ReplayComm(group, r))
+    group.replay = True
+    return [fn(r, ReplayComm(group, r)) for r in range(n)]
