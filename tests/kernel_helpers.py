@@ -86,6 +86,27 @@ def assert_within_sum_bound(got: torch.Tensor, ref: torch.Tensor, absref: torch.
     assert bool((err <= gamma * absref + 1e-30).all()), float((err / (absref + 1e-30)).max())
 
 
+def attention_oracle64(q, k, v, q_pos, kv_len, d_out, scale: float):
+    """float64 autograd of causal GQA attention with the kernels' masks (key j visible to the
+    query at position p iff j <= p and j < kv_len; padding slots and keys past kv_len are zeroed
+    first, so NaN garbage cannot enter; a row that sees no key outputs 0). Shapes as
+    kernels/attention.attention, any device: (out, dq, dk, dv), float64."""
+    here = (q_pos >= 0)[:, None, :, None]
+    j = torch.arange(k.shape[2], device=k.device)
+    kmask = j[None, :] < kv_len[:, None]                                     # [S, Tk]
+    q64 = torch.where(here, q.double(), 0.0).requires_grad_()
+    k64, v64 = (torch.where(kmask[:, None, :, None], t.double(), 0.0).requires_grad_()
+                for t in (k, v))
+    g = q.shape[1] // k.shape[1]
+    s = q64 @ k64.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    vis = (j[None, None, :] <= q_pos[:, :, None]) & kmask[:, None, :]      # [S, Tq, Tk]
+    row = vis.any(-1)[:, None, :, None]
+    s = s.masked_fill(~vis[:, None], float("-inf")).masked_fill(~row, 0.0)
+    o = (torch.softmax(s, -1) * row) @ v64.repeat_interleave(g, 1)
+    o.backward(torch.where(here, d_out.double(), 0.0))
+    return o.detach(), q64.grad, k64.grad, v64.grad
+
+
 # ------------------------------------------------------------------ in-process ranks
 # The kernels take a TokenSum / Comm for their cross-rank reductions. To test the CP/TP contract
 # without processes, ranks run as threads and `ThreadComm` implements the primitives every Comm

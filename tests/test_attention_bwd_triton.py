@@ -90,6 +90,11 @@ def test_dkv_is_the_exact_sum_of_leaf_partials_negative_control_fp32_order(resul
     _ok(results, "dkv_is_the_exact_sum_of_leaf_partials_negative_control_fp32_order")
 
 
+def test_bf16_packed_batch_vs_float64_and_alone_equals_in_batch(results):
+    """bf16 inputs: within 2e-2 relative norm of float64; a sample alone == in the batch."""
+    _ok(results, "bf16_packed_batch_vs_float64_and_alone_equals_in_batch")
+
+
 def test_bad_arguments_are_refused(results):
     """fp16, heads not a multiple of the KV heads, a wrong lse shape: ValueError."""
     _ok(results, "bad_arguments_are_refused")

@@ -40,15 +40,16 @@ accumulator (104 bytes per result) lives, and the leaf partials of `rows` = buf_
 leaves at a time are written into one reused fp32 buffer and added to it. Only leaves that can
 see the chunk (leaf >= first key // 16) are visited. The chunk cut depends on (S, Hq, D, the
 largest kv_len) only, so every CP rank runs the same collectives.
-Peak device memory beyond the inputs, out, lse and d_out (bytes; c = 2·S_c·Hq·K_c·D <= acc_elems
-unless one 64-key block of one sample exceeds it; rows·c <= max(buf_elems, c)):
+Peak device memory beyond the inputs, out, lse and d_out, an upper bound (`peak_bytes`; bytes;
+c = 2·S_c·Hq·K_c·D <= acc_elems unless one 64-key block of one sample exceeds it; rows·c <=
+max(buf_elems, c)):
     4·S·Hq·Tq (delta) + 4·S·(16·n_leaves + 1) (slot map) + 4·S·Hq·Tq·D (dQ, fp32)
-  + 8·S·Hq·Tk·D (per-head dK, dV) + 8·S·Hkv·Tk·D (after the head tree; its temporaries are
-    at most this again)
-  + 4·rows·c (partial buffer) + 104·c (accumulator) + ~4·104·c (rounding temporaries, transient)
-With the defaults (acc_elems = 2^19, buf_elems = 2^26) the chunk part is at most ~0.5 GiB.
-For one 32k-token sample with 4 query heads, 1 KV head, D = 128: ~0.8 GiB in all, where one
-fp32 [Tq, Tk] score matrix alone is 4 GiB.
+  + 8·S·Hq·Tk·D (per-head dK, dV) + 8·S·Hq·Tk·D (head-tree levels) + 8·S·Hkv·Tk·D (dK·scale,
+    and the kv_comm gather's copies when TP replicates the KV head: ×kv_comm.size)
+  + 4·rows·c (partial buffer) + 6·104·c (accumulator, the comm's copy, round_fp32's temporaries)
+With the defaults (acc_elems = 2^19, buf_elems = 2^26) the chunk part is at most ~0.55 GiB.
+For one 32k-token sample with 4 query heads, 1 KV head, D = 128: ~0.9 GiB in all, where one
+fp32 [Tq, Tk] score matrix alone is 4 GiB (tests/test_cuda_attention_bwd.py measures it).
 
 bf16 q/k/v (the forward's other dtype): s uses the bf16 tensor-core dot as in the forward, every
 other product runs in fp32 ("ieee") on exactly converted operands; gradients are returned in
@@ -314,6 +315,18 @@ def chunk_shape(s_: int, hq: int, d: int, tk_eff: int, acc_elems: int) -> tuple[
     if keys >= KV_BLOCK:
         return s_, min(keys, triton.cdiv(tk_eff, KV_BLOCK) * KV_BLOCK)
     return max(1, acc_elems // (KV_BLOCK * per_key)), KV_BLOCK
+
+
+def peak_bytes(s_: int, hq: int, hkv: int, tq: int, tk: int, d: int, n_leaves: int,
+               acc_elems: int = ACC_ELEMS, buf_elems: int = BUF_ELEMS, kv_ranks: int = 1) -> int:
+    """Upper bound of `attention_backward`'s peak device memory beyond its inputs, in bytes (the
+    module doc's formula; tk is the keys the chunks cover, kv_ranks the kv_comm size)."""
+    sc, kc = chunk_shape(s_, hq, d, tk, acc_elems)
+    c = 2 * sc * hq * kc * d
+    rows = max(1, buf_elems // c)
+    return (4 * s_ * hq * tq + 4 * s_ * (TOKEN_LEAF * n_leaves + 1) + 4 * s_ * hq * tq * d
+            + 16 * s_ * hq * tk * d + 8 * s_ * hkv * tk * d * kv_ranks
+            + 4 * rows * c + 6 * 104 * c)
 
 
 def _launch_partials(q, k, v, d_out, lse, delta, slot, kv_len, scale, part, s0, j0, f0, f1,
