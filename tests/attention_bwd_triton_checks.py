@@ -21,11 +21,9 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/attention_bwd_triton_chec
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -33,17 +31,25 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("attention_bwd_triton_checks.py needs TRITON_INTERPRET=1")
 
-import triton_interpreter_compat  # noqa: E402,F401 - before any launch
-from kernel_helpers import (NAN, assert_bitwise, assert_near, attention_oracle64, n_diff,  # noqa: E402
-                            randn, run_ranks_sequentially)
-from test_kernels_attention import _pack  # noqa: E402
+import triton_interpreter_compat  # noqa: F401 - before any launch
+from kernel_helpers import (
+    NAN,
+    assert_bitwise,
+    assert_near,
+    attention_oracle64,
+    n_diff,
+    randn,
+    run_checks,
+    run_ranks_sequentially,
+)
+from test_kernels_attention import _pack
 
-from rlkernel.distributed.parallel import cp_segments  # noqa: E402
-from rlkernel.distributed.tokensum import TokenSum  # noqa: E402
-from rlkernel.kernels import triton_attention as ta  # noqa: E402
-from rlkernel.kernels import triton_attention_bwd as tb  # noqa: E402
-from rlkernel.numerics import fixedpoint as fx  # noqa: E402
-from rlkernel.numerics.trees import tree_sum_halving  # noqa: E402
+from rlkernel.distributed.parallel import cp_segments
+from rlkernel.distributed.tokensum import TokenSum
+from rlkernel.kernels import triton_attention as ta
+from rlkernel.kernels import triton_attention_bwd as tb
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics.trees import tree_sum_halving
 
 D = 16
 SCALE = 1.0 / math.sqrt(D)
@@ -137,9 +143,8 @@ def sample_alone_equals_sample_in_batch():
     3-sample batch, bitwise (the backward given the batch's out/lse rows)."""
     (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = packed()
     for i, n in enumerate([100, 90, 66]):
-        one = lambda t: t[i:i + 1, :, :n]   # noqa: E731
-        got = _bwd(one(q), one(k), one(v), one(out), lse[i:i + 1, ..., :n], one(d_out),
-                   q_pos[i:i + 1, :n], kv_len[i:i + 1])
+        got = _bwd(*(t[i:i + 1, :, :n] for t in (q, k, v, out)), lse[i:i + 1, ..., :n],
+                   d_out[i:i + 1, :, :n], q_pos[i:i + 1, :n], kv_len[i:i + 1])
         for a, b in zip(got, ref):
             assert_bitwise(a[0], b[i, :, :n])
 
@@ -291,9 +296,8 @@ def bf16_packed_batch_vs_float64_and_alone_equals_in_batch():
     pad = (q_pos < 0)[:, None, :, None].expand_as(grads[0])
     _assert_plus_zero(grads[0][pad].float())
     for i, n in enumerate([70, 41, 33]):
-        one = lambda t: t[i:i + 1, :, :n]   # noqa: E731
-        alone = _bwd(one(q), one(k), one(v), one(out), lse[i:i + 1, ..., :n], one(d_out),
-                     q_pos[i:i + 1, :n], kv_len[i:i + 1])
+        alone = _bwd(*(t[i:i + 1, :, :n] for t in (q, k, v, out)), lse[i:i + 1, ..., :n],
+                     d_out[i:i + 1, :, :n], q_pos[i:i + 1, :n], kv_len[i:i + 1])
         for a, b in zip(alone, grads):
             assert_bitwise(a[0].float(), b[i, :, :n].float())
 
@@ -302,9 +306,10 @@ def bf16_packed_batch_vs_float64_and_alone_equals_in_batch():
 def bad_arguments_are_refused():
     """fp16, a head count not a multiple of the KV heads, a wrong lse shape: ValueError."""
     (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
-    bad = [dict(q=q.half(), k=k.half(), v=v.half()), dict(q=q[:, :3], out=out[:, :3],
-           d_out=d_out[:, :3]), dict(lse=lse[..., :5])]
-    base = dict(q=q, k=k, v=v, out=out, lse=lse, d_out=d_out, q_pos=q_pos, kv_len=kv_len)
+    bad = [{"q": q.half(), "k": k.half(), "v": v.half()},
+           {"q": q[:, :3], "out": out[:, :3], "d_out": d_out[:, :3]}, {"lse": lse[..., :5]}]
+    base = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "d_out": d_out, "q_pos": q_pos,
+            "kv_len": kv_len}
     for change in bad:
         args = {**base, **change}
         try:
@@ -314,16 +319,5 @@ def bad_arguments_are_refused():
         raise AssertionError(f"accepted {sorted(change)}")
 
 
-def main(names: list[str]) -> None:
-    out = {}
-    for name in names or list(CHECKS):
-        try:
-            CHECKS[name]()
-            out[name] = "ok"
-        except Exception:   # noqa: BLE001 - reported to the test, which fails on it
-            out[name] = traceback.format_exc(limit=4)
-    print(json.dumps(out))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(CHECKS, sys.argv[1:])

@@ -16,7 +16,9 @@ distributed tests' job.
 
 from __future__ import annotations
 
+import json
 import threading
+import traceback
 
 import torch
 
@@ -236,3 +238,17 @@ def run_ranks_sequentially(n: int, fn):
         fn(r, ReplayComm(group, r))
     group.replay = True
     return [fn(r, ReplayComm(group, r)) for r in range(n)]
+
+
+def run_checks(checks: dict, names: list[str], skip: frozenset[str] | set[str] = frozenset()) -> None:
+    """Run the named checks (or all but `skip`) of a checks script that a test runs in a
+    subprocess (e.g. under TRITON_INTERPRET=1) and print one JSON line {name: "ok" or the
+    traceback}: one failing check does not hide the others."""
+    out = {}
+    for name in names or [n for n in checks if n not in skip]:
+        try:
+            checks[name]()
+            out[name] = "ok"
+        except Exception:   # noqa: BLE001 - reported to the test, which fails on it
+            out[name] = traceback.format_exc(limit=4)
+    print(json.dumps(out))

@@ -27,8 +27,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_helpers import attention_oracle64, n_diff, run_ranks_sequentially
+
 from rlkernel.distributed.parallel import cp_segments
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.spec import TOKEN_LEAF
@@ -126,8 +126,8 @@ def test_cuda_attention_bwd_sample_alone_equals_sample_in_batch(dtype):
     q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, dtype, seed=2)
     ref = _grads(q, k, v, q_pos, kv_len, d_out)
     for i, n in enumerate(LENGTHS):
-        one = lambda t: t[i:i + 1, :, :n]   # noqa: E731
-        got = _grads(one(q), one(k), one(v), q_pos[i:i + 1, :n], kv_len[i:i + 1], one(d_out))
+        got = _grads(*(t[i:i + 1, :, :n] for t in (q, k, v)), q_pos[i:i + 1, :n],
+                     kv_len[i:i + 1], d_out[i:i + 1, :, :n])
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             _assert_same(a[0], b[i, :, :n], f"sample {i} {name}")
 
@@ -295,9 +295,9 @@ def test_cuda_attention_bwd_32k_tokens_memory_and_accuracy():
     want = {"dq": (ds @ k64) * SCALE, "dk": torch.einsum("hqj,hqd->jd", ds[..., -w:], q64) * SCALE,
             "dv": torch.einsum("hqj,hqd->jd", p[..., -w:], g)}
     got = {"dq": dq[0, :, -w:], "dk": dk[0, 0, -w:], "dv": dv[0, 0, -w:]}
-    for name in want:
-        err = float((got[name].double() - want[name]).abs().max())
-        assert err <= 1e-5 * float(want[name].abs().max()), (name, err)
+    for name, ref in want.items():
+        err = float((got[name].double() - ref).abs().max())
+        assert err <= 1e-5 * float(ref.abs().max()), (name, err)
 
 
 def test_cuda_negative_control_stock_sdpa_dk_of_two_query_halves_differs():
@@ -326,7 +326,7 @@ def test_cuda_negative_control_fp32_sum_of_leaf_partials_depends_on_order():
     from rlkernel.numerics.trees import tree_sum_halving
     q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, torch.float32, seed=9)
     out, lse = attention_forward(q, k, v, q_pos, kv_len, SCALE)
-    dq, dk, dv = tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
+    _, dk, dv = tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
     s_, hq, tq, _ = q.shape
     tk = k.shape[2]
     n_leaves = max(LENGTHS) // TOKEN_LEAF + 1

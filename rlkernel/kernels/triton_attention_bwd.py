@@ -73,6 +73,7 @@ import triton.language as tl
 
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum
+from rlkernel.kernels.triton_attention import query_rows
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics.trees import tree_sum_halving
@@ -127,21 +128,11 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN,
                Tq, Tk, HKV, n_tiles, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    tile = n_tiles - 1 - tl.program_id(0)          # longest (latest) query tiles first
-    sh = tl.program_id(1)
-    s = (sh // HKV).to(tl.int64)
-    hk = sh % HKV
-    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)     # row = (t, g) of this KV head's G heads
-    t = r // G
-    g = r % G
-    row_ok = t < Tq
-    dd = tl.arange(0, D)
-    pos = tl.load(QPOS + s * s_ps + t.to(tl.int64) * s_pt, mask=row_ok, other=-1)
-    live = row_ok & (pos >= 0)
-    kvl = tl.load(KVLEN + s).to(tl.int32)
-    last = tl.minimum(pos.to(tl.int32), kvl - 1)    # last visible key per row (-1: none)
-    hi = tl.minimum(tl.max(last, 0) + 1, Tk)
+    s, hk, t, g, row_ok, pos, kvl, _, hi = query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV,
+                                                      n_tiles, G, BLOCK_M)
     head = (hk * G + g).to(tl.int64)
+    live = row_ok & (pos >= 0)
+    dd = tl.arange(0, D)
     tt = t.to(tl.int64)
     # Padding slots are not read (zeros): no NaN garbage enters the dots.
     q = tl.load(Q + s * s_qs + head[:, None] * s_qh + tt[:, None] * s_qt + dd[None, :] * s_qd,
