@@ -27,7 +27,9 @@ Three kernels:
   An absent position is loaded as zeros and adds nothing (the same argument as above), so a leaf
   partial depends only on that leaf's queries: it is the same on every CP rank and in every
   layout. A (leaf, key tile) pair no query of the leaf sees (causality, kv_len, no query at all)
-  is not computed; its partial is written as exact zeros.
+  is not computed; its partial is written as exact zeros. (Finite q and dO are assumed, as in
+  the forward: with an Inf in a present query's row, 0·Inf = NaN may land on keys it does not
+  see, on other keys than the CPU reference's, which never skips a pair.)
 The host adds the leaf partials EXACTLY (numerics/fixedpoint.py; order-free, so CP ranks that hold
 other leaves give the same sum), sums the accumulator over `tok.comm` and rounds once
 (`TokenSum.round_exact`), then sums the G heads of each group by `tree_sum_halving` and across
@@ -54,9 +56,13 @@ fp32 [Tq, Tk] score matrix alone is 4 GiB (tests/test_cuda_attention_bwd.py meas
 bf16 q/k/v (the forward's other dtype): s uses the bf16 tensor-core dot as in the forward, every
 other product runs in fp32 ("ieee") on exactly converted operands; gradients are returned in
 the inputs' dtype, rounded once from fp32. In `_dkv_partials_kernel` the s dot has 16 rows, where
-the forward's bf16 tiles have >= 64 (another tensor-core instruction on the H200): invariance
-holds (the shape never changes), but the recomputed s may differ from the forward's in the last
-bit for bf16. fp32 s is the forward's bit for bit (the same multiply-add chain over D).
+the forward's bf16 tiles have >= 64 (possibly another tensor-core instruction on the H200, not
+measured): invariance holds (the shape never changes), but the recomputed s may differ from the
+forward's in the last bit for bf16. fp32 s is the forward's bit for bit (the same multiply-add chain over D).
+Cost: the contract's 16-position leaves make the dK/dV partials 2·Hq·D values per (leaf, key a
+leaf sees), ≈ Hq·D·L²/16 for a causal sample of L tokens (16× the dot outputs of a plain
+dK/dV), each written once and read once by the fixed-point kernel; the dQ kernel recomputes s
+and dp (7 matmul-sized dots in all where FlashAttention-2 with atomics has 5).
 Kernels launch with enable_fp_fusion=False, as the forward does: no mul+add is contracted
 differently between kernels or tiles. Tiles come from literal tables; none changes a bit on the
 GPU (tests/test_cuda_attention_bwd.py checks every row).
