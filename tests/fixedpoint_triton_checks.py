@@ -1,7 +1,9 @@
 """The checks behind tests/test_fixedpoint_triton.py, run in a subprocess with TRITON_INTERPRET=1
 (Triton's CPU interpreter must be chosen before triton is imported, and must not leak into the
 other tests' process). Each check compares the Triton kernel's accumulator with the torch path's
-(fixedpoint.accumulate_ on CPU, the reference), bytewise with torch.equal on the int64 columns.
+(fixedpoint.accumulate_ on CPU, the reference), bytewise with torch.equal on the int64 columns;
+the round_* checks compare the rounding kernel's fp32 with fixedpoint.round_fp32_torch's as int32
+(cases: tests/fixedpoint_round_cases.py).
 Prints one JSON object {check name: "ok" or the failure}: the named checks, or all but SLOW.
 Does not: run without the interpreter.
 Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/fixedpoint_triton_checks.py [NAME ...]
@@ -9,6 +11,7 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/fixedpoint_triton_checks.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -20,6 +23,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
 from kernel_helpers import run_checks
+# Imported after the TRITON_INTERPRET check; fixedpoint_round_cases sits in tests/, this
+# script's folder (so on sys.path).
+import fixedpoint_round_cases as rc
+import triton
+import triton.language as tl  # noqa: F401 - the interpreter wants tl in a jit fn's globals
 
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics import triton_fixedpoint as tfx
@@ -187,6 +195,89 @@ def bad_arguments_are_refused():
         except ValueError:
             continue
         raise AssertionError(f"accepted {acc.dtype} {tuple(acc.shape)} / {x.dtype} {tuple(x.shape)}")
+
+
+# ------------------------------------------------------------------- rounding (round_fp32)
+@functools.cache
+def _round_cases() -> dict[str, torch.Tensor]:
+    return rc.cases()
+
+
+def _round_same_as_torch(acc: torch.Tensor, **launch) -> torch.Tensor:
+    """Kernel round of acc [m, N_COLS] == fixedpoint.round_fp32_torch(acc), bytewise (int32
+    views: −0.0 and NaN payloads count), and acc is left as it was; returns the kernel's fp32."""
+    before = acc.clone()
+    want = fx.round_fp32_torch(acc)
+    got = tfx.round_fp32(acc, **launch)
+    assert torch.equal(acc, before), "the kernel modified its input"
+    bad = torch.nonzero(got.view(torch.int32) != want.view(torch.int32)).flatten()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (
+        f"{bad.numel()} rows differ, e.g. {bad[:4].tolist()}: kernel {got[bad[:4]].tolist()} "
+        f"torch {want[bad[:4]].tolist()}")
+    return got
+
+
+def _round_case_check(case: str):
+    def fn():
+        _round_same_as_torch(_round_cases()[case])
+    fn.__name__ = f"round_{case}"
+    return check(fn)
+
+
+for _case in rc.CASES:
+    _round_case_check(_case)
+
+
+@check
+def round_launch_shapes_strides_and_shapes():
+    """BLOCK 32/256 with 1/8 warps, a column-major copy (strides (1, m)), every other row of a
+    slice (strides (26, 1)) and a single row give the torch path's bytes."""
+    acc = _round_cases()["sums_of_accumulators"]
+    for block, warps in ((32, 1), (256, 8)):
+        _round_same_as_torch(acc, block=block, num_warps=warps)
+    _round_same_as_torch(acc.t().contiguous().t())
+    _round_same_as_torch(acc[1::2])
+    _round_same_as_torch(acc[5:6])
+    assert tfx.round_fp32(acc[:0]).shape == (0,)
+
+
+@triton.jit
+def _round_up_ties_away(q, half, sticky):
+    return half
+
+
+@triton.jit
+def _round_up_truncate(q, half, sticky):
+    return half * 0
+
+
+@check
+def round_negative_control_other_rounding_modes_differ():
+    """The check can fail: the kernel with its round-half-even decision (`_round_up`) replaced
+    by ties-away-from-zero, or by truncation, gives other bytes on the ties case, and the same
+    int32 comparison reports them."""
+    acc = _round_cases()["ties_and_sticky_bits"]
+    want = fx.round_fp32_torch(acc).view(torch.int32)
+    real = tfx._round_up
+    try:
+        for mode, fake in (("ties away", _round_up_ties_away), ("truncate", _round_up_truncate)):
+            tfx._round_up = fake
+            got = tfx.round_fp32(acc).view(torch.int32)
+            assert not torch.equal(got, want), f"{mode} rounding gave the same bytes"
+    finally:
+        tfx._round_up = real
+    _round_same_as_torch(acc)                               # restored
+
+
+@check
+def round_bad_arguments_are_refused():
+    for acc in (torch.zeros(3, fx.N_COLS), torch.zeros(3, fx.N_COLS - 1, dtype=torch.int64),
+                fx.zeros((2, 3))):
+        try:
+            tfx.round_fp32(acc)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {acc.dtype} {tuple(acc.shape)}")
 
 
 if __name__ == "__main__":

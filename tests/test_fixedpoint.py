@@ -182,3 +182,27 @@ def test_an_accumulator_beyond_the_top_digit_rounds_to_infinity():
     acc[:, 3] = 12345
     got = fx.round_fp32(acc)
     assert got.tolist() == [math.inf, -math.inf, math.inf, -math.inf]
+
+
+def test_a_top_digit_of_minus_2_63_rounds_to_minus_infinity():
+    """The top digit −2**63 with zeros below is its own negation in int64, so the magnitude's top
+    digit reads negative: that sum (|sum| = 2**63 top-digit units) is beyond fp32, −Inf (it was
+    −0.0). With a non-zero digit below, the magnitude's top digit wraps to 2**63 − 1: −Inf too."""
+    acc = fx.zeros((2,))
+    acc[:, fx.N_DIGITS - 1] = -2**63
+    acc[1, 0] = 5
+    assert fx.round_fp32(acc).tolist() == [-math.inf, -math.inf]
+
+
+def test_round_fp32_torch_at_the_rounding_hazards_is_the_fraction_oracle():
+    """round_fp32_torch (the reference of the CUDA rounding kernel) == the Fraction oracle,
+    bitwise, for every value of tests/fixedpoint_round_cases.exact_values — ties at every
+    rounding position with and without sticky bits (in the window and in the digits below),
+    subnormals, fp32 max and the tie above it, values across digit boundaries, both signs —
+    each as normalised digits and with carries moved between digits."""
+    import fixedpoint_round_cases as rc
+    values = rc.exact_values()
+    rows = torch.tensor(rc.rows(values, random.Random(3)), dtype=torch.int64)
+    got = fx.round_fp32_torch(rows).view(torch.int32).tolist()
+    want = [torch.tensor(_fp32_of(Fraction(v, 2**149))).view(torch.int32).item() for v in values]
+    assert got[0::2] == want and got[1::2] == want

@@ -1,7 +1,8 @@
-"""The CUDA kernel of exact fixed-point accumulation (rlkernel/numerics/triton_fixedpoint.py)
-under TRITON_INTERPRET=1 (Triton on the CPU): its accumulator == the torch path's
+"""The CUDA kernels of exact fixed-point sums (rlkernel/numerics/triton_fixedpoint.py) under
+TRITON_INTERPRET=1 (Triton on the CPU): the accumulation kernel's accumulator == the torch path's
 (fixedpoint.accumulate_ on CPU, the reference), bytewise (torch.equal on the int64 columns, after
-both normalise), for every case below. The checks live in tests/fixedpoint_triton_checks.py and
+both normalise), and the rounding kernel's fp32 == fixedpoint.round_fp32_torch's (as int32), for
+every case below. The checks live in tests/fixedpoint_triton_checks.py and
 run in one subprocess (the interpreter is chosen before triton is imported, and must not leak into
 this process); each test asserts its check's result. On a GPU: tests/test_cuda.py.
 Run: .venv/bin/python -m pytest -q tests/test_fixedpoint_triton.py (needs triton installed; the
@@ -122,3 +123,68 @@ def test_reversed_rows_same_bytes_negative_control_fp32_sum_differs(results):
 def test_bad_arguments_are_refused(results):
     """Shape mismatch, float64 values, a float or a non-contiguous accumulator: ValueError."""
     _ok(results, "bad_arguments_are_refused")
+
+
+# ------------------------------------------------------------------- rounding (round_fp32)
+# Each: the rounding kernel's fp32 == fixedpoint.round_fp32_torch's, compared as int32
+# (torch.equal), and the input accumulator unchanged. Cases: tests/fixedpoint_round_cases.py.
+
+def test_round_ties_with_and_without_sticky_bits(results):
+    """Exact ties (2M + 1)·2**p at every rounding position p (M odd, even, 2**24 − 1: the carry
+    to the next binade), just below them, and with a sticky bit just under the tie bit, at the
+    bottom of the two-digit window, at the top/bottom of the digits below it; both signs; each
+    normalised and with carries moved between digits."""
+    _ok(results, "round_ties_and_sticky_bits")
+
+
+def test_round_fp32_range_edges_subnormals_and_overflow(results):
+    """Subnormal results (exact), the first rounded values above 2**24 units, fp32 max and the
+    tie above it (to +Inf), the top digit's unit and beyond (Inf), values across every digit
+    boundary; both signs, normalised and not."""
+    _ok(results, "round_fp32_range_edges")
+
+
+def test_round_random_digits_unnormalised_and_int64_wrapping(results):
+    """1500 rows of random digits: normalised, outside [0, 2**31) by up to 2**40 / 2**62 (so
+    negative lower digits), or any int64 (the carries wrap int64 as in torch); random top digit
+    index; and top digits of −2**63 (their own negation: −Inf)."""
+    _ok(results, "round_random_digits")
+
+
+def test_round_sums_and_differences_of_accumulators(results):
+    """Sums of 2 and 4 real accumulators (wide values with NaN/±Inf), differences (negative
+    counts and digits), and a + accumulate(−values) (exact zeros)."""
+    _ok(results, "round_sums_of_accumulators")
+
+
+def test_round_zeros_are_plus_zero(results):
+    """Zero however spelt (carries moved between digits, top digit −1 over 2**31, a negative
+    sum plus its negation) is +0.0, as in the torch path; ±2**-149 beside them."""
+    _ok(results, "round_zeros")
+
+
+def test_round_nonfinite_counts_alone_and_mixed(results):
+    """Every combination of NaN (0, 1, 2, −1), +Inf (0, 1, 3, −2), −Inf (0, 1, −1) counts with
+    zero, finite, negative and out-of-range digits."""
+    _ok(results, "round_nonfinite_counts")
+
+
+def test_round_large_shape_with_a_tail(results):
+    """20_011 rows (no multiple of any BLOCK): sums of two accumulators of wide values."""
+    _ok(results, "round_large_with_tail")
+
+
+def test_round_launch_shapes_and_strides_change_no_bit(results):
+    """BLOCK 32/256 with 1/8 warps, a column-major copy, a row-strided slice, one row, no row."""
+    _ok(results, "round_launch_shapes_strides_and_shapes")
+
+
+def test_round_negative_control_other_rounding_modes_differ(results):
+    """The kernel with ties-away-from-zero or truncation in place of round-half-even gives other
+    bytes on the ties case (so the bytewise check can fail); restored, it matches again."""
+    _ok(results, "round_negative_control_other_rounding_modes_differ")
+
+
+def test_round_bad_arguments_are_refused(results):
+    """A float accumulator, 12 columns, a 3-D accumulator: ValueError."""
+    _ok(results, "round_bad_arguments_are_refused")

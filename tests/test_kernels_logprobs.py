@@ -22,9 +22,11 @@ from kernel_helpers import (
     assert_near,
     assert_stock_differs,
     gen,
+    n_diff,
     randn,
 )
 
+from rlkernel.kernels import logprobs as logprobs_mod
 from rlkernel.kernels.logprobs import (
     _div_t,
     _shard_stats,
@@ -271,3 +273,32 @@ def test_padded_vocab_triton_fused_kernel_masks_by_global_id_under_interpreter()
     p = subprocess.run([sys.executable, "-c", _INTERPRETED_FUSED_CHECK], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rows_elems", [1 << 25, 3 * 512])
+def test_bf16_fused_lm_head_equals_unfused_bf16_linear_and_row_chunking_changes_nothing(
+        monkeypatch, rows_elems):
+    """compute_dtype=bf16: the fused LM head == column_parallel_linear(h, [W], bf16) fed to
+    token_logprobs_entropy, forward and d(h, W), bitwise — the same rounding points (h before
+    the product, d logits before dh/dW) — whether d logits is computed in one chunk or in
+    chunks of 3 rows (logprobs.ROWS_ELEMS). Negative control: the fp32 LM head differs."""
+    monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
+    N, H, V, n, T = 64, 32, 512, 300, 0.9
+    h0 = randn(N, H, seed=84)
+    w0 = randn(V, H, seed=85, scale=0.3).bfloat16().float()
+    tgt = torch.randint(0, n, (N,), generator=gen(86))
+
+    def run(fused, cd):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if fused:
+            lp, ent = linear_token_logprobs_entropy(h, w, tgt, T, live_vocab=n, compute_dtype=cd)
+        else:
+            (logits,) = column_parallel_linear(h, [w], compute_dtype=cd)
+            lp, ent = token_logprobs_entropy(logits, tgt, T, live_vocab=n)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    got = run(True, torch.bfloat16)
+    for a, b in zip(got, run(False, torch.bfloat16)):
+        assert_bitwise(a, b)
+    assert all(n_diff(a, b) > 0 for a, b in zip(got, run(True, torch.float32)))

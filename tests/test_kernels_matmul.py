@@ -436,3 +436,53 @@ def test_row_parallel_linear_tp_ranks_tree_to_the_tp1_bytes(tp):
     assert_bitwise(tree_sum(torch.stack(outs), 0), y1)
 
 
+
+
+# ================================================================== bf16 compute dtype
+
+
+def _linear_grads(which, x, w, dy, **kw):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = column_parallel_linear(x, [w], **kw)[0] if which == "column" else \
+        row_parallel_linear(x, w, **kw)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("which", ["column", "row"])
+def test_bf16_compute_dtype_is_the_fp32_chain_on_rounded_operands(which):
+    """compute_dtype=bf16 (--dtype bf16) rounds x before the forward product and dY before the
+    dX and dW products, and nothing else: y, dX, dW are bitwise the fp32 kernels fed x.bf16() and
+    dy.bf16() (on CPU a bf16×bf16 product is exact in fp32, so the sequential chain is the same).
+    Negative control: without the rounding points (fp32 compute) y, dX and dW all differ."""
+    L, K, N = 64, 64, 48
+    x, dy = randn(L, K, seed=61), randn(L, N, seed=62)
+    w = randn(N, K, seed=63, scale=0.2).bfloat16().float()        # a bf16 model's weights
+    got = _linear_grads(which, x, w, dy, compute_dtype=torch.bfloat16)
+    want = _linear_grads(which, x.bfloat16().float(), w, dy.bfloat16().float())
+    for g, r in zip(got, want):
+        assert_bitwise(g, r)
+    fp32 = _linear_grads(which, x, w, dy)
+    assert all(n_diff(g, r) > 0 for g, r in zip(got, fp32))
+
+
+def test_bf16_compute_dtype_batch_invariant_and_vs_float64():
+    """bf16 compute keeps batch invariance (row 0 alone == row 0 in a batch of 257, bitwise) and
+    stays within bf16 rounding of the float64 product (relative 2**-7 per operand: the bound
+    |y − y64| <= 2·2**-8·Σ|x||w| + fp32 summation error)."""
+    x, w = randn(257, 96, seed=64), randn(40, 96, seed=65).bfloat16().float()
+    (full,) = column_parallel_linear(x, [w], compute_dtype=torch.bfloat16)
+    (one,) = column_parallel_linear(x[:1], [w], compute_dtype=torch.bfloat16)
+    assert_bitwise(one[0], full[0])
+    ref = x.double() @ w.double().t()
+    bound = 2 * 2.0 ** -8 * (x.double().abs() @ w.double().abs().t()) + 1e-5
+    assert bool(((full.double() - ref).abs() <= bound).all())
+
+
+def test_compute_dtype_outside_the_allowed_set_is_refused():
+    """float16 (or any dtype but fp32/bf16) is refused before any work, naming the choices."""
+    x, w = randn(16, 8, seed=66), randn(4, 8, seed=67)
+    with pytest.raises(ValueError, match="float16.*allowed: torch.float32, torch.bfloat16"):
+        column_parallel_linear(x, [w], compute_dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        row_parallel_linear(x, w, compute_dtype=torch.float16)

@@ -15,8 +15,11 @@ Backward (per token, elementwise; p = exp(z − lse)):
     dz = g_lp·(onehot(y) − p) − g_ent·p·(z − lse + H);   dlogits = dz / T
 `linear_token_logprobs_entropy` fuses the LM head: on CUDA its forward never forms the
 [tokens, vocab] logits (kernels/triton_logprobs.py, the same bits as the unfused path); its backward
-recomputes the logits of the call once, transiently. CUDA tensors use the Triton statistics kernel
-(its own chunk order; the shard tree and the formulas above are shared).
+recomputes the logits of the call once, in row chunks (d logits is per token, so the float64
+temporaries stay bounded: ROWS_ELEMS per chunk), and keeps d logits in the compute dtype. With a
+bf16 compute dtype the LM head has the linears' rounding points (kernels/matmul.py): h before
+the logits product, d logits before the dh and dW products. CUDA tensors use the Triton
+statistics kernel (its own chunk order; the shard tree and the formulas above are shared).
 Does not: communicate (a vocab-parallel TP group uses the unfused path on gathered logits).
 """
 
@@ -26,7 +29,7 @@ import torch
 
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels.elementwise import exp32, log32
-from rlkernel.kernels.matmul import column_parallel_dx, grad_weight, linear_nt
+from rlkernel.kernels.matmul import column_parallel_dx, grad_weight, linear_nt, rounding_point
 from rlkernel.spec import VIRTUAL_TP
 from rlkernel.numerics.trees import tree_sum
 
@@ -113,7 +116,27 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         z, targets, lse, ent = ctx.saved_tensors
-        return _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature), None, None, None, None
+        dz = _dlogits_by_rows(lambda a, b: z[a:b], z.shape[1], targets, lse, ent, g_lp, g_ent,
+                              ctx.temperature, torch.float32)
+        return dz, None, None, None, None
+
+
+ROWS_ELEMS = 1 << 25
+"""Logit elements per chunk of the d-logits computation (its float64 temporaries: 256 MiB each)."""
+
+
+def _dlogits_by_rows(z_rows, v, targets, lse, ent, g_lp, g_ent, temperature, out_dtype):
+    """`_dlogits` over row chunks: z_rows(a, b) gives z [b - a, v] of rows [a, b); the result is
+    [N, v] in out_dtype (rows are independent, so the chunking changes no bit)."""
+    n = lse.shape[0]
+    out = torch.empty(n, v, dtype=out_dtype, device=lse.device)
+    step = max(1, ROWS_ELEMS // max(1, v))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        gent = None if g_ent is None else g_ent[a:b]
+        out[a:b] = _dlogits(z_rows(a, b), targets[a:b], lse[a:b], ent[a:b], g_lp[a:b], gent,
+                            temperature)
+    return out
 
 
 def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
@@ -131,38 +154,41 @@ def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab):
+    def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab, cd):
+        hr, wr = rounding_point(h, cd), rounding_point(w, cd)
         if h.is_cuda:
             from rlkernel.kernels import triton_logprobs
-            m, s, t, z_y = triton_logprobs.linear_shard_stats(h, w, targets, temperature, shards,
-                                                              live_vocab)
+            m, s, t, z_y = triton_logprobs.linear_shard_stats(hr, wr, targets, temperature,
+                                                              shards, live_vocab)
             m, s, t = merge_shard_stats(m, s, t)
             lse = m + log32(s)
             ent = lse - t / s
         else:
-            z = _div_t(linear_nt(h, w), temperature, live_vocab)
+            z = _div_t(linear_nt(hr, wr), temperature, live_vocab)
             lse, ent = _forward_stats(z, shards)
             z_y = z.gather(1, targets[:, None])[:, 0]
-        ctx.save_for_backward(h, w, targets, lse, ent)
+        ctx.save_for_backward(hr, w, targets, lse, ent)
         ctx.temperature, ctx.shards, ctx.tok, ctx.param = temperature, shards, tok, w
-        ctx.live_vocab = live_vocab
+        ctx.live_vocab, ctx.cd = live_vocab, cd
         return z_y - lse, ent
 
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         h, w, targets, lse, ent = ctx.saved_tensors
-        # recomputed, masked the same way: the same bits as forward
-        z = _div_t(linear_nt(h, w), ctx.temperature, ctx.live_vocab)
-        dlogits = _dlogits(z, targets, lse, ent, g_lp, g_ent, ctx.temperature)
-        del z
+        w = rounding_point(w, ctx.cd)
+        # recomputed row by row, masked the same way: the same bits as forward
+        dlogits = _dlogits_by_rows(
+            lambda a, b: _div_t(linear_nt(h[a:b], w), ctx.temperature, ctx.live_vocab),
+            w.shape[0], targets, lse, ent, g_lp, g_ent, ctx.temperature, ctx.cd)
         dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
         dw = grad_weight(dlogits, h, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                                   temperature: float, shards: int = VIRTUAL_TP,
-                                  tok: TokenSum | None = None, live_vocab: int | None = None):
+                                  tok: TokenSum | None = None, live_vocab: int | None = None,
+                                  compute_dtype: torch.dtype = torch.float32):
     """token_logprobs_entropy(h @ wᵀ, targets, T, live_vocab=...) without keeping the logits.
 
     h [N, H] fp32, w [V, H] fp32 (the full vocab: TP = 1), targets [N] long, temperature > 0,
@@ -170,10 +196,14 @@ def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: tor
     unfused path on the column-parallel logits. Backward: d logits recomputed once per call; dh by
     the virtual-TP tree over vocab shards, dW by the token reduction through `tok` (N a multiple
     of TOKEN_LEAF), as the LM head's own backward. On CUDA the forward's extra memory is O(N · shards).
-    ValueError: live_vocab out of range.
+    compute_dtype: the LM head's operand dtype (kernels/matmul.py rounding points); the result
+    equals column_parallel_linear(h, [w], compute_dtype=...) fed to token_logprobs_entropy.
+    ValueError: live_vocab out of range, compute dtype not supported.
     """
     check_live_vocab(live_vocab, w.shape[0])
-    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tok, live_vocab)
+    rounding_point(h[:0], compute_dtype)
+    return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tok, live_vocab,
+                                      compute_dtype)
 
 
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,

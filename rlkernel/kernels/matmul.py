@@ -23,6 +23,16 @@ Canonical reductions (DESIGN.md §1):
   cut into leaves of TOKEN_LEAF tokens (each inside one sample), tokens summed in order inside a
   leaf (`token_leaf_partials`), the leaf partials added exactly and rounded once.
 
+Compute dtype (`--dtype`, DESIGN.md "Precision"): the linears take `compute_dtype` (fp32, or bf16
+for bf16 runs). With bf16 there are two rounding points per linear, the same on every rank and in
+rollout and trainer: the input activation x is rounded to bf16 (round-to-nearest-even) before the
+forward product, and the incoming gradient dY before the dX and dW products; weights already hold
+bf16 values, so casting them is exact. Products accumulate in fp32 in the fixed K order and every
+output (y, dX partials, dW leaf partials) is fp32. On CUDA the bf16 operands go to the tensor
+cores; on CPU they are widened to fp32 (a bf16×bf16 product is exact in fp32), so the CPU runs
+the same rounding points through its sequential fp32 chain and its topology matrix covers the
+bf16 logic. The rounded x is what the backward keeps (half the bytes of fp32).
+
 CUDA tensors dispatch to the Triton kernels of kernels/triton_matmul.py (same contract, its own
 bits); the trees stay here. Does not: communicate (rlkernel/distributed/ adds the collectives).
 """
@@ -78,8 +88,24 @@ def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+"""Dtypes the linears compute in (operands; accumulation and outputs are always fp32)."""
+
+
+def rounding_point(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to the linears' compute dtype (round-to-nearest-even; a no-op for fp32).
+    ValueError for a dtype outside COMPUTE_DTYPES."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype {compute_dtype} is not supported; allowed: "
+                         f"{', '.join(str(d) for d in COMPUTE_DTYPES)}")
+    return x if x.dtype == compute_dtype else x.to(compute_dtype)
+
+
 def linear_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ wᵀ, full-K sequential (column-parallel forward). x [M, K], w [N, K] -> [M, N] fp32."""
+    """x @ wᵀ, full-K sequential (column-parallel forward). x [M, K], w [N, K] -> [M, N] fp32.
+    Operands of one 16-bit dtype on CUDA take the tensor-core kernel (TMA at large M)."""
+    if x.is_cuda and x.dtype == w.dtype and x.dtype != torch.float32:
+        return _triton().linear_nt(x, w)
     return seq_matmul(x, w.t())
 
 
@@ -186,16 +212,20 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard_rows, tok, *ws):
-        ctx.save_for_backward(x, *ws)
+    def forward(ctx, x, shard_rows, tok, cd, *ws):
+        xr = rounding_point(x, cd)
+        ctx.save_for_backward(xr, *ws)
         # The parameters themselves key the gradient sink: saved tensors may come back as other
         # objects (activation checkpointing unpacks recomputed ones).
-        ctx.shard_rows, ctx.tok, ctx.params = shard_rows, tok, ws
-        return tuple(linear_nt(x, w) for w in ws)
+        ctx.shard_rows, ctx.tok, ctx.params, ctx.cd = shard_rows, tok, ws, cd
+        ctx.x_dtype = x.dtype
+        return tuple(linear_nt(xr, rounding_point(w, cd)) for w in ws)
 
     @staticmethod
     def backward(ctx, *dys):
         x, *ws = ctx.saved_tensors
+        dys = tuple(rounding_point(dy, ctx.cd) for dy in dys)
+        ws = [rounding_point(w, ctx.cd) for w in ws]
         dx = None
         if ctx.needs_input_grad[0]:
             # Per local virtual shard: the fused projections' partials added in fixed order
@@ -213,29 +243,32 @@ class _ColumnParallelLinear(torch.autograd.Function):
             dx = tree_combine(parts)
             if dx is None:   # this rank owns no row of any projection (N < TP): no partial
                 dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        dws = tuple(grad_weight(dy, x, w, ctx.tok) if ctx.needs_input_grad[3 + i]
+        dws = tuple(grad_weight(dy, x, w, ctx.tok) if ctx.needs_input_grad[4 + i]
                     else None for i, (dy, w) in enumerate(zip(dys, ctx.params)))
-        return (dx, None, None) + dws
+        return (dx, None, None, None) + dws
 
 
 class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, local_shards, tok):
-        ctx.save_for_backward(x, w)
-        ctx.tok, ctx.param = tok, w   # the parameter keys the sink (see _ColumnParallelLinear)
-        return tree_sum(row_parallel_partials(x, w, local_shards), 0)
+    def forward(ctx, x, w, local_shards, tok, cd):
+        xr = rounding_point(x, cd)
+        ctx.save_for_backward(xr, w)
+        ctx.tok, ctx.param, ctx.cd = tok, w, cd   # the parameter keys the sink (see column)
+        return tree_sum(row_parallel_partials(xr, rounding_point(w, cd), local_shards), 0)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
-        dx = linear_nt(dy, w.t()) if ctx.needs_input_grad[0] else None
+        dy = rounding_point(dy, ctx.cd)
+        dx = seq_matmul(dy, rounding_point(w, ctx.cd)) if ctx.needs_input_grad[0] else None
         dw = grad_weight(dy, x, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
                            shard_rows: Sequence[Sequence[tuple[int, int]]] | None = None,
-                           local_shards: int = VIRTUAL_TP, tok: TokenSum | None = None):
+                           local_shards: int = VIRTUAL_TP, tok: TokenSum | None = None,
+                           compute_dtype: torch.dtype = torch.float32):
     """Invariant y_i = x·w_iᵀ for projections sharing x (QKV, gate/up, LM head).
 
     x [M, K] fp32, weights [N_i, K] (this rank's rows) -> tuple of [M, N_i] fp32.
@@ -246,8 +279,10 @@ def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
     canonical `virtual_shard_rows` of the logical tensor, which also says which rows of a
     replicated KV head this rank owns); default `virtual_shard_rows(N_i, local_shards)`, the
     canonical cut whenever the rank holds exactly its 1/TP block of rows. dW by the token
-    reduction through `tok` (the local stream a multiple of TOKEN_LEAF rows).
-    Raises ValueError when shard_rows does not give `local_shards` in-range row ranges per weight.
+    reduction through `tok` (the local stream a multiple of TOKEN_LEAF rows). `compute_dtype`:
+    fp32, or bf16 with x and dY rounded to bf16 at the products (module doc, rounding points).
+    Raises ValueError when shard_rows does not give `local_shards` in-range row ranges per weight,
+    or for a compute dtype outside COMPUTE_DTYPES.
     """
     if shard_rows is None:
         shard_rows = [virtual_shard_rows(w.shape[0], local_shards) for w in weights]
@@ -258,15 +293,19 @@ def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
         raise ValueError(f"column_parallel_linear: shard_rows {shard_rows} must give "
                          f"{local_shards} row ranges inside each weight of rows "
                          f"{[w.shape[0] for w in weights]}")
-    return _ColumnParallelLinear.apply(x, shard_rows, tok, *weights)
+    rounding_point(x[:0], compute_dtype)   # validates the dtype before any work
+    return _ColumnParallelLinear.apply(x, shard_rows, tok, compute_dtype, *weights)
 
 
 def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, *, local_shards: int = VIRTUAL_TP,
-                        tok: TokenSum | None = None) -> torch.Tensor:
+                        tok: TokenSum | None = None,
+                        compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """This rank's subtree of y = x·wᵀ with K cut into virtual-TP shards (o_proj, down_proj).
 
     x [M, K_local] fp32, w [N, K_local] (K_local = local_shards shards) -> [M, N] fp32 partial;
     `parallel.exit_row` finishes the tree across TP (TP=1: the result). Backward: dX local
-    (sequential over N), dW by the token reduction through `tok`.
+    (sequential over N), dW by the token reduction through `tok`. `compute_dtype`: as
+    column_parallel_linear (ValueError outside COMPUTE_DTYPES).
     """
-    return _RowParallelLinear.apply(x, w, local_shards, tok)
+    rounding_point(x[:0], compute_dtype)
+    return _RowParallelLinear.apply(x, w, local_shards, tok, compute_dtype)

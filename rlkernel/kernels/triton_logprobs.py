@@ -14,8 +14,8 @@ materialised path receives z already masked by kernels/logprobs._div_t).
 
 `shard_stats(logits, T, shards)` reads materialised logits. `linear_shard_stats(h, w, T, ...)`
 is the fused form: each program computes its [rows × 128] logits tile with the batch-invariant
-matmul chain of kernels/triton_matmul.py (fp32, BLOCK_K = 32, `acc = dot(x, wᵀ, acc)` — the
-same per-element fma sequence), applies the same chunk statistics, and keeps the target's z.
+matmul chain of kernels/triton_matmul.py (fp32: BLOCK_K = 32, `acc = dot(x, wᵀ, acc)`, the same
+per-element fma sequence; bf16: the tensor-core dot over the same K blocks), applies the same chunk statistics, and keeps the target's z.
 Every kernel here launches with enable_fp_fusion=False (no mul+add contracted into an fma), so
 each statistic is the written sequence of IEEE ops in both kernels. z is div_rn(logit, T); the
 materialised paths form it with `div_scalar` (torch's CUDA `x / T` multiplies by 1/T instead).
@@ -103,7 +103,7 @@ def _stats_kernel(L, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, V, shard_len, s_l
 def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shard_len, n_live,
                          s_xr, s_xk, s_wv, s_wk, temp,
                          BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     shard = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     r_ok = rows < n_rows
@@ -119,7 +119,8 @@ def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shar
         cols = v0 + c0 + tl.arange(0, C)
         c_ok = cols < v0 + shard_len
         w_cols = W + cols.to(tl.int64)[None, :] * s_wv
-        # The logits tile: the chain of triton_matmul._bmm_kernel for fp32 (same BLOCK_K, form).
+        # The logits tile: the chain of triton_matmul._bmm_kernel for the operands' dtype (same
+        # BLOCK_K, same dot form; bf16 on the tensor cores, whose bits depend on the K order only).
         acc = tl.zeros((BR, C), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
@@ -128,7 +129,7 @@ def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shar
                          other=0.0)
             wb = tl.load(w_cols + kk.to(tl.int64)[:, None] * s_wk, mask=k_ok[:, None] & c_ok[None, :],
                          other=0.0)
-            acc = tl.dot(xa, wb, acc, input_precision="ieee")
+            acc = tl.dot(xa, wb, acc, input_precision=PREC)
         # ids >= n_live (a padded vocabulary's rows past the tokenizer) are -inf, as in _div_t
         ok = r_ok[:, None] & (c_ok & (cols < n_live))[None, :]
         z = tl.where(ok, tl.math.div_rn(acc, temp), float("-inf"))
@@ -200,12 +201,14 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
     """Fused LM head + statistics: as `shard_stats` of z = h @ wᵀ / T with z = -inf for ids >=
     live_vocab (logprobs._div_t), bitwise, without forming the logits.
 
-    h [N, K] fp32, w [V, K] fp32 (any strides), targets [N] long, V % shards == 0, live_vocab in
+    h [N, K], w [V, K] (any strides; both float32 or both bfloat16: the logits are the bytes of
+    triton_matmul.linear_nt for that dtype), targets [N] long, V % shards == 0, live_vocab in
     [1, V] or None (= V). Returns (m, s, t [N, shards] fp32, z_target [N] fp32).
     """
     check_cuda("fused logprobs", h, w, targets)
-    if h.dtype != torch.float32 or w.dtype != torch.float32:
-        raise ValueError(f"fused logprobs: float32 h and w expected, got {h.dtype}, {w.dtype}")
+    if h.dtype != w.dtype or h.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fused logprobs: h and w must both be float32 or both bfloat16, got "
+                         f"{h.dtype}, {w.dtype}")
     n, k = h.shape
     v = w.shape[0]
     if w.shape[1] != k or v % shards or tuple(targets.shape) != (n,):
@@ -219,6 +222,7 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
             _linear_stats_kernel[(shards, triton.cdiv(n, br))](
                 h, w, targets, m, s, t, zt, n, k, v // shards, n_live,
                 h.stride(0), h.stride(1), w.stride(0), w.stride(1), float(temperature),
-                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[torch.float32],
+                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[h.dtype],
+                PREC="ieee" if h.dtype == torch.float32 else "tf32",   # ignored for bf16 dots
                 num_warps=8, num_stages=2, enable_fp_fusion=False)
     return m, s, t, zt.amax(1)

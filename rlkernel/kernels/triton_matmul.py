@@ -139,15 +139,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype = torch.f
     return bmm(a[None], b[None], out_dtype=out_dtype, tile=tile)[0]
 
 
-def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 a @ b with broadcast batch dims: a [..., M, K], b [..., K, N] -> [..., M, N] fp32.
+def operand_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The dtype two operands are multiplied in: their own when both share a 16-bit dtype
+    (tensor cores, fp32 accumulation), else float32 (the fp32 fma chain)."""
+    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return a.dtype
+    return torch.float32
 
-    The CUDA body of rlkernel.kernels.matmul.seq_matmul (inputs cast to fp32 as there).
+
+def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with broadcast batch dims: a [..., M, K], b [..., K, N] -> [..., M, N] fp32.
+
+    The CUDA body of rlkernel.kernels.matmul.seq_matmul: operands in `operand_dtype(a, b)`.
     """
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"seq_matmul: K mismatch {tuple(a.shape)} @ {tuple(b.shape)}")
-    a = a.to(torch.float32)
-    b = b.to(torch.float32)
+    dt = operand_dtype(a, b)
+    a = a.to(dt)
+    b = b.to(dt)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
@@ -162,7 +171,8 @@ def linear_nt(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torc
     which gives the pointer kernel's bytes (tests/test_cuda.py), so the switch on M changes speed
     only, never a result.
     """
-    if (tile is None and x.dim() == 2 and x.shape[0] >= TMA_MIN_M and out_dtype == x.dtype
+    if (tile is None and x.dim() == 2 and x.shape[0] >= TMA_MIN_M
+            and out_dtype in (x.dtype, torch.float32)
             and tma_ok(x, w, out_dtype) and x.shape[1] == w.shape[1]):
         return linear_nt_tma(x, w, out_dtype=out_dtype)
     return matmul(x, w.t(), out_dtype=out_dtype, tile=tile)
@@ -172,38 +182,42 @@ def row_parallel_partials(x: torch.Tensor, w: torch.Tensor, shards: int) -> torc
     """Per-virtual-shard partials of x @ wᵀ in one launch: [shards, M, N] fp32.
 
     x [M, K], w [N, K], K % shards == 0; shard s reduces K slice [s·K/shards, (s+1)·K/shards).
+    Operands in `operand_dtype(x, w)`.
     """
     k = x.shape[-1]
     if k % shards:
         raise ValueError(f"row-parallel linear: K={k} is not a multiple of virtual_tp={shards}")
-    a = x.to(torch.float32).unflatten(1, (shards, k // shards)).permute(1, 0, 2)   # [s, M, ks]
-    b = w.to(torch.float32).unflatten(1, (shards, k // shards)).permute(1, 2, 0)   # [s, ks, N]
+    dt = operand_dtype(x, w)
+    a = x.to(dt).unflatten(1, (shards, k // shards)).permute(1, 0, 2)   # [s, M, ks]
+    b = w.to(dt).unflatten(1, (shards, k // shards)).permute(1, 2, 0)   # [s, ks, N]
     return bmm(a, b)
 
 
 def column_dx_partials(dy: torch.Tensor, w: torch.Tensor, shards: int) -> torch.Tensor:
     """Per-virtual-shard partials of dY @ W: [shards, M, K] fp32 (shard s: rows of W in N slice s).
 
-    dy [M, N], w [N, K], N % shards == 0.
+    dy [M, N], w [N, K], N % shards == 0. Operands in `operand_dtype(dy, w)`.
     """
     n = w.shape[0]
     if n % shards:
         raise ValueError(f"column-parallel linear: N={n} is not a multiple of virtual_tp={shards}")
-    a = dy.to(torch.float32).unflatten(1, (shards, n // shards)).permute(1, 0, 2)  # [s, M, ns]
-    b = w.to(torch.float32).unflatten(0, (shards, n // shards))                    # [s, ns, K]
+    dt = operand_dtype(dy, w)
+    a = dy.to(dt).unflatten(1, (shards, n // shards)).permute(1, 0, 2)  # [s, M, ns]
+    b = w.to(dt).unflatten(0, (shards, n // shards))                    # [s, ns, K]
     return bmm(a, b)
 
 
 def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int) -> torch.Tensor:
     """Per-token-leaf partials of dW = dYᵀ·X: [leaves, N, K] fp32, tokens in order in a leaf.
 
-    dy [L, N], x [L, K], L % leaves == 0.
+    dy [L, N], x [L, K], L % leaves == 0. Operands in `operand_dtype(dy, x)`.
     """
     n_tok = dy.shape[0]
     if n_tok % leaves:
         raise ValueError(f"token leaves: stream length {n_tok} is not a multiple of {leaves} leaves")
-    a = dy.to(torch.float32).unflatten(0, (leaves, n_tok // leaves)).transpose(1, 2)  # [l, N, m]
-    b = x.to(torch.float32).unflatten(0, (leaves, n_tok // leaves))                    # [l, m, K]
+    dt = operand_dtype(dy, x)
+    a = dy.to(dt).unflatten(0, (leaves, n_tok // leaves)).transpose(1, 2)  # [l, N, m]
+    b = x.to(dt).unflatten(0, (leaves, n_tok // leaves))                    # [l, m, K]
     return bmm(a, b)
 
 
@@ -214,6 +228,9 @@ def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int) -> torch
 # that it gives the same bytes as _bmm_kernel.
 _TMA_TILES = [
     (1 << 62, (128, 256, 8, 3, 8)),
+]
+_TMA_TILES_F32_OUT = [
+    (1 << 62, (128, 128, 8, 3, 8)),   # an fp32 [128, 256] epilogue tile exceeds shared memory
 ]
 _NUM_SMS: dict[int, int] = {}
 TMA_MIN_M = 256
@@ -264,7 +281,8 @@ def linear_nt_tma(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = 
     m, k = x.shape
     n = w.shape[0]
     c = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    bm, bn, warps, stages, group_m = tile or _TMA_TILES[0][1]
+    table = _TMA_TILES_F32_OUT if out_dtype == torch.float32 else _TMA_TILES
+    bm, bn, warps, stages, group_m = tile or table[0][1]
     bk = BLOCK_K[x.dtype]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if dev not in _NUM_SMS:

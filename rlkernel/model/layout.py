@@ -37,6 +37,10 @@ class StreamLayout:
     kv_idx: torch.Tensor | None = None
     pos_bound: int | None = None
     """Host-known bound > every position (None: read from `positions`, a host sync on CUDA)."""
+    dense_causal: bool = False
+    """Host-known: slot t of every sample holds position t (t < kv_len, −1 after) and the keys
+    are this pass's own slots, so plain causal masking is the whole mask (stock SDPA may then
+    take its flash path; the invariant kernels do not look at it)."""
 
     @property
     def n_samples(self) -> int:
@@ -53,7 +57,7 @@ class StreamLayout:
         def mv(t):
             return None if t is None else t.to(device)
         return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
-                            mv(self.kv_len), mv(self.kv_idx), self.pos_bound)
+                            mv(self.kv_len), mv(self.kv_idx), self.pos_bound, self.dense_causal)
 
 
 def sample_offsets(lengths: list[int]) -> list[int]:
@@ -96,7 +100,7 @@ def packed_layout(seqs: list[list[int]], pad_id: int, multiple: int = TOKEN_LEAF
         q_idx[i, :n] = torch.arange(off, off + n)
         q_pos[i, :n] = torch.arange(n)
     kv_len = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len)
+    return StreamLayout(tokens, positions, q_idx, q_pos, kv_len, dense_causal=True)
 
 
 def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> StreamLayout:

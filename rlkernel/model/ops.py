@@ -37,10 +37,11 @@ class InvariantOps:
     sp_scatter = staticmethod(par.sp_scatter)
 
     @staticmethod
-    def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx, live_vocab=None):
+    def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx, live_vocab=None,
+                              dtype=torch.float32):
         """Fused LM head + logprobs (TP = 1): the unfused path's bytes, no [L, V] logits kept."""
         return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tok=pc.tok,
-                                                      live_vocab=live_vocab)
+                                                      live_vocab=live_vocab, compute_dtype=dtype)
 
     @staticmethod
     def embed(ids, w, offset, pc: ParallelCtx):
@@ -54,17 +55,20 @@ class InvariantOps:
         return norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas)
 
     @staticmethod
-    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx):
+    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):
         return matmul.column_parallel_linear(par.enter_tp(x, pc), ws, shard_rows=shard_rows,
-                                             local_shards=local_shards, tok=pc.tok)
+                                             local_shards=local_shards, tok=pc.tok,
+                                             compute_dtype=dtype)
 
     @staticmethod
-    def row(x, w, local_shards, pc: ParallelCtx):
+    def row(x, w, local_shards, pc: ParallelCtx, dtype=torch.float32):
         return par.exit_row(matmul.row_parallel_linear(x, w, local_shards=local_shards,
-                                                       tok=pc.tok), pc)
+                                                       tok=pc.tok, compute_dtype=dtype), pc)
 
     @staticmethod
-    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx):
+    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx, dtype=torch.float32,
+                  dense_causal=False):
+        """Invariant attention on fp32 q/k/v (the compute dtype has no rounding point here)."""
         return attention.attention(q, k, v, q_pos, kv_len, scale, tok=pc.tok, kv_comm=pc.kv)
 
     @staticmethod
@@ -119,6 +123,21 @@ def _all_gather(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
 
 def _reduce_scatter(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     return par.rows_of_rank(_all_reduce(t, comm), comm, dim)
+
+
+def _native_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """What the stock arm computes in: the compute dtype on CUDA (bf16 cuBLAS, flash SDPA: what
+    GPU users run); fp32 on CPU, where nobody trains in bf16 and the arm is the control."""
+    return dtype if x.is_cuda else torch.float32
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """F.linear in the native dtype (bf16: cuBLAS bf16 GEMM, its bf16 output widened to fp32
+    for the fp32 residual stream, as bf16 training stacks do)."""
+    dtype = _native_dtype(x, dtype)
+    if dtype == torch.float32:
+        return F.linear(x, w)
+    return F.linear(x.to(dtype), w.to(dtype)).to(torch.float32)
 
 
 class NativeOps:
@@ -186,32 +205,42 @@ class NativeOps:
         return w * (x * torch.rsqrt(var + eps))
 
     @staticmethod
-    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx):
+    def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):
         tp = pc.tp
         if pc.sp:
             x = pair(x, lambda t: _all_gather(t, tp, 0), lambda g: _reduce_scatter(g, tp, 0))
         elif tp.size > 1:
             x = pair(x, lambda t: t.view_as(t), lambda g: _all_reduce(g, tp))
-        return tuple(F.linear(x, w) for w in ws)
+        return tuple(_linear(x, w, dtype) for w in ws)
 
     @staticmethod
-    def row(x, w, local_shards, pc: ParallelCtx):
-        y, tp = F.linear(x, w), pc.tp
+    def row(x, w, local_shards, pc: ParallelCtx, dtype=torch.float32):
+        y, tp = _linear(x, w, dtype), pc.tp
         if pc.sp:
             return pair(y, lambda t: _reduce_scatter(t, tp, 0), lambda g: _all_gather(g, tp, 0))
         return pair(y, lambda t: _all_reduce(t, tp), lambda g: g) if tp.size > 1 else y
 
     @staticmethod
-    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx):
+    def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx, dtype=torch.float32,
+                  dense_causal=False):
+        """SDPA in the compute dtype (bf16: q/k/v rounded, output widened to fp32). A dense
+        causal layout (StreamLayout.dense_causal: training passes) uses is_causal, which lets
+        SDPA take the flash kernel; every other layout passes the explicit mask."""
+        dtype = _native_dtype(q, dtype)
         g = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(g, dim=1)
         v = v.repeat_interleave(g, dim=1)
+        if dense_causal and q.shape[2] == k.shape[2]:
+            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
+                                                 is_causal=True, scale=scale)
+            return out.to(torch.float32) * (q_pos >= 0)[:, None, :, None]
         j = torch.arange(k.shape[2], device=q.device)
         vis = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
         row = vis.any(-1)
         vis = vis | ~row[:, :, None]          # keep SDPA finite on empty slots; zeroed below
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None], scale=scale)
-        return out * row[:, None, :, None]
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
+                                             attn_mask=vis[:, None], scale=scale)
+        return out.to(torch.float32) * row[:, None, :, None]
 
     @staticmethod
     def begin_grads(model, direct: bool = False) -> None:

@@ -6,7 +6,9 @@ residual → RMSNorm → SwiGLU MLP + residual] → final RMSNorm → LM head (t
 Parameter names equal the Hugging Face names; each rank holds its TP shard (model/sharding.py),
 and every layer receives the ParallelCtx as an argument — TP1 and TP8 run the same code.
 Parameters are fp32 tensors holding exactly the run's parameter dtype values (bf16 by default):
-trainer and rollout compute on identical values, and weight gradients are fp32.
+trainer and rollout compute on identical values, and weight gradients are fp32. A bf16 model
+rounds each linear's input activation and incoming gradient to bf16 (`compute_dtype_for`,
+kernels/matmul.py): the rounding points are part of the model, so rollout and trainer share them.
 Shapes: L = global stream rows, Lc = this CP rank's rows, Ls = its SP slice (Lc without SP),
 S = samples, T = slots per sample, H = hidden, D = head_dim; head counts are local to the rank.
 Does not: sample, own an optimizer, or move weights between engines.
@@ -58,16 +60,18 @@ class KVCache:
         self.k[layer][s_idx, :, pos] = k[mine].detach()
         self.v[layer][s_idx, :, pos] = v[mine].detach()
 
-    def attend(self, layer: int, ops, qs, ks, vs, lay: StreamLayout, scale: float, pc):
+    def attend(self, layer: int, ops, qs, ks, vs, lay: StreamLayout, scale: float, pc,
+               dtype: torch.dtype = torch.float32):
         """Store this pass's keys/values ks, vs [S, Hkv, T, D] (slot t of sample s at position
         lay.q_pos[s, t]), then `ops.attention` of qs [S, Hq, T, D] over every sample's keys of
-        positions [0, max kv_len). The interface the paged cache (rollout/kv_cache.py) shares."""
+        positions [0, max kv_len) in the compute `dtype`. The interface the paged cache
+        (rollout/kv_cache.py) shares."""
         valid = lay.q_pos >= 0
         s_idx, t_idx = valid.nonzero(as_tuple=True)
         pos = lay.q_pos[s_idx, t_idx]
         self.write(layer, s_idx, pos, ks[s_idx, :, t_idx], vs[s_idx, :, t_idx])
         k, v = self.read(layer, int(lay.kv_len.max().item()))
-        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc)
+        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc, dtype)
 
     def read(self, layer: int, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions [0, tk) of every sample: [S, Hkv, tk, D] each."""
@@ -79,6 +83,12 @@ class KVCache:
                 self.comm.select_owner(v.contiguous(), owner.contiguous(), "kv-cache-v"))
 
 
+def compute_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
+    """The linears' operand dtype for a parameter dtype: bf16 runs compute bf16×bf16 products
+    with fp32 accumulation (kernels/matmul.py rounding points); any other runs in fp32."""
+    return torch.bfloat16 if param_dtype == torch.bfloat16 else torch.float32
+
+
 class _Weight(nn.Module):
     def __init__(self, *shape: int) -> None:
         super().__init__()
@@ -86,9 +96,10 @@ class _Weight(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx, layer: int) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx, layer: int,
+                 cd: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.cfg, self.ops, self.pc, self.layer = cfg, ops, pc, layer
+        self.cfg, self.ops, self.pc, self.layer, self.cd = cfg, ops, pc, layer, cd
         tp = pc.tp.size
         self.heads = cfg.num_attention_heads // tp
         self.kv_heads = max(1, cfg.num_key_value_heads // tp)
@@ -109,7 +120,7 @@ class Attention(nn.Module):
         c, ops, pc = self.cfg, self.ops, self.pc
         shards = VIRTUAL_TP // pc.tp.size
         q, k, v = ops.col(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
-                          self.dx_rows, shards, pc)                       # [Lc, heads·D]
+                          self.dx_rows, shards, pc, self.cd)              # [Lc, heads·D]
         n = q.shape[0]
         q = ops.norm(q.view(n, self.heads, c.head_dim), self.q_norm.weight, c.rms_norm_eps,
                      pc.tok, pc.tp, 1)
@@ -127,13 +138,14 @@ class Attention(nn.Module):
         if cache is not None and lay.kv_idx is None:
             # The cache stores this pass's keys and attends over every key of each row (a
             # paged cache may read them through its block table instead of a dense copy).
-            o = cache.attend(self.layer, ops, qs, ks, vs, lay, scale, pc)
+            o = cache.attend(self.layer, ops, qs, ks, vs, lay, scale, pc, self.cd)
         else:
             if cache is not None:
                 ks, vs = self._write_cache(cache, ks, vs, lay)
-            o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc)
+            o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc, self.cd,
+                              lay.dense_causal and cache is None)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, self.heads * c.head_dim)
-        return ops.row(o, self.o_proj.weight, shards, pc)
+        return ops.row(o, self.o_proj.weight, shards, pc, self.cd)
 
     def _write_cache(self, cache: KVCache, ks, vs, lay: StreamLayout):
         # CP prefill: every key of the prompt arrived by the CP gather; store the owned blocks
@@ -145,9 +157,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx,
+                 cd: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.ops, self.pc = ops, pc
+        self.ops, self.pc, self.cd = ops, pc, cd
         inter = cfg.intermediate_size // pc.tp.size
         self.gate_proj = _Weight(inter, cfg.hidden_size)
         self.up_proj = _Weight(inter, cfg.hidden_size)
@@ -156,18 +169,19 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops, pc = self.ops, self.pc
         shards = VIRTUAL_TP // pc.tp.size
-        g, u = ops.col(x, [self.gate_proj.weight, self.up_proj.weight], None, shards, pc)
-        return ops.row(ops.swiglu(g, u), self.down_proj.weight, shards, pc)
+        g, u = ops.col(x, [self.gate_proj.weight, self.up_proj.weight], None, shards, pc, self.cd)
+        return ops.row(ops.swiglu(g, u), self.down_proj.weight, shards, pc, self.cd)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx, layer: int) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx, layer: int,
+                 cd: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.ops, self.pc, self.eps = ops, pc, cfg.rms_norm_eps
         self.input_layernorm = _Weight(cfg.hidden_size)
-        self.self_attn = Attention(cfg, ops, pc, layer)
+        self.self_attn = Attention(cfg, ops, pc, layer, cd)
         self.post_attention_layernorm = _Weight(cfg.hidden_size)
-        self.mlp = MLP(cfg, ops, pc)
+        self.mlp = MLP(cfg, ops, pc, cd)
 
     def forward(self, x, lay, cos, sin, cache):
         norm, tree = self.ops.norm, self.pc.tok_sp
@@ -177,10 +191,11 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx) -> None:
+    def __init__(self, cfg: Qwen3Config, ops, pc: ParallelCtx,
+                 cd: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.embed_tokens = _Weight(cfg.vocab_size // pc.tp.size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, pc, i)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, pc, i, cd)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = _Weight(cfg.hidden_size)
 
@@ -200,7 +215,8 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"live_vocab {live_vocab!r}: must be an integer in [1, "
                              f"{cfg.vocab_size}] (the model's vocab_size)")
         self.live_vocab = None if live_vocab == cfg.vocab_size else live_vocab
-        self.model = Qwen3Model(cfg, ops, self.pc)
+        self.compute_dtype = compute_dtype_for(param_dtype)
+        self.model = Qwen3Model(cfg, ops, self.pc, self.compute_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _Weight(cfg.vocab_size // self.pc.tp.size, cfg.hidden_size)
         self.rope = RopeTable(cfg.head_dim, cfg.rope_theta)
@@ -300,7 +316,7 @@ class Qwen3ForCausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head over the full vocab: [Ls, H] -> [Lc, V] fp32 (vocab-parallel, gathered)."""
         shards = VIRTUAL_TP // self.pc.tp.size
-        (z,) = self.ops.col(h, [self.lm_head_weight()], None, shards, self.pc)
+        (z,) = self.ops.col(h, [self.lm_head_weight()], None, shards, self.pc, self.compute_dtype)
         return self.ops.gather_vocab(z, self.pc)
 
     def token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -309,7 +325,7 @@ class Qwen3ForCausalLM(nn.Module):
         fused = getattr(self.ops, "linear_token_logprobs", None)
         if fused is not None and h.is_cuda and self.pc.tp.size == 1:   # same bytes, less memory
             return fused(h, self.lm_head_weight(), targets, temperature, self.pc,
-                         live_vocab=self.live_vocab)
+                         live_vocab=self.live_vocab, dtype=self.compute_dtype)
         return self.ops.token_logprobs_entropy(self.logits(h), targets, temperature,
                                                live_vocab=self.live_vocab)
 

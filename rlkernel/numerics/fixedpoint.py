@@ -22,16 +22,19 @@ fields per bin: all values of a bin are integer multiples of the bin's smallest 
 ulps, so 2**13 of them add exactly in any order), then each non-empty bin's sum is shifted into
 the digits — a few vector ops per value instead of a digit split per value.
 
-Rounding (`round_fp32`): carry-normalise, take the sign, find the top non-zero digit, keep the
-top two digits (a window below 2**62), round the window to 24 significant bits with the digits
-below as sticky bits, scale. Exact zero gives +0.0 (the sign of a zero sum is not defined by a
+Rounding (`round_fp32`; `round_fp32_torch` is its torch path): carry-normalise, take the sign,
+find the top non-zero digit, keep the top two digits (a window below 2**62), round the window to
+24 significant bits with the digits below as sticky bits, scale. Exact zero gives +0.0 (the sign of a zero sum is not defined by a
 multiset); NaN if a NaN or both infinities were added, else ±Inf if one infinity was; a finite
 sum beyond the fp32 range rounds to ±Inf as IEEE does.
 Prior art: Kulisch's exact (long) accumulator; Demmel–Nguyen's reproducible summation (ReproBLAS)
 bins by exponent in the same spirit but is not exact. Written from the definitions above.
 
-CUDA tensors go to one Triton kernel (triton_fixedpoint.py) that holds the bins in registers and
-gives the same integer; this torch path is the reference and the CPU backend.
+CUDA tensors go to Triton kernels (triton_fixedpoint.py): one for `accumulate_` that holds the
+bins in registers and gives the same integer, one for `round_fp32` that gives the same fp32 bytes
+in one pass per element; these torch paths are the references and the CPU backend. `normalise_`
+has no kernel: on CUDA only the torch references and tests call it (the kernels carry in
+registers).
 Cost (torch path): ~5 vector ops and one float64 `index_add_` per added value, ~15 per element
 and non-empty bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element.
 Does not: communicate (callers sum accumulators across ranks).
@@ -179,12 +182,35 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 def round_fp32(acc: torch.Tensor) -> torch.Tensor:
     """The exact sum each accumulator element holds, rounded once to fp32 (round-half-even).
 
-    acc int64 [*S, N_COLS] (any digits: a sum of accumulators is fine) -> fp32 [*S]. Exact zero
-    is +0.0; NaN/±Inf as the module doc says. The input is not modified.
+    acc int64 [*S, N_COLS] (any digits: a sum of accumulators is fine; any strides) -> fp32 [*S].
+    Exact zero is +0.0; NaN/±Inf as the module doc says. The input is not modified.
+    CUDA tensors go to one Triton pass (triton_fixedpoint.round_fp32), the same bytes as
+    `round_fp32_torch` (tests/test_fixedpoint_triton.py); others to `round_fp32_torch`.
+    Raises ValueError for another dtype or last dimension.
     """
-    if acc.dtype != torch.int64 or acc.shape[-1] != N_COLS:
+    _check_round(acc)
+    if acc.is_cuda:   # one Triton pass instead of ~100 strided int64 ops (~2.3 s of a step)
+        from rlkernel.numerics import triton_fixedpoint
+        return triton_fixedpoint.round_fp32(acc.reshape(-1, N_COLS)).reshape(acc.shape[:-1])
+    return round_fp32_torch(acc)
+
+
+def _check_round(acc: torch.Tensor) -> None:
+    if acc.dtype != torch.int64 or acc.dim() < 1 or acc.shape[-1] != N_COLS:
         raise ValueError(f"round_fp32: expected int64 [..., {N_COLS}], got {acc.dtype} "
                          f"{tuple(acc.shape)}")
+
+
+def round_fp32_torch(acc: torch.Tensor) -> torch.Tensor:
+    """The torch path of `round_fp32` on any device (same contract): the CPU backend and the
+    reference of the CUDA kernel (benchmarks/bench_fixedpoint.py times both on CUDA).
+
+    Carry-normalise a copy, take the sign, normalise |sum|, find the top non-zero digit, round
+    the two-digit window (< 2**62) to 24 significant bits with the digits below as sticky bits,
+    scale by a power of two built from exponent bits (q < 2**25 and the product are exact in
+    float64; the float32 cast is exact or overflows to ±Inf), then the zero/NaN/±Inf rules.
+    """
+    _check_round(acc)
     shape = acc.shape[:-1]
     a = normalise_(acc.reshape(-1, N_COLS).clone())
     d = a[:, :N_DIGITS]
@@ -197,7 +223,9 @@ def round_fp32(acc: torch.Tensor) -> torch.Tensor:
     lo = mag.gather(1, (t - 1)[:, None])[:, 0]
     below = torch.where(k[None, :] - 1 < (t - 1)[:, None], mag, torch.zeros_like(mag))
     rest = (below != 0).any(1)
-    over = hi >= (1 << DIGIT_BITS)                                     # beyond every fp32
+    # Beyond every fp32: a top digit >= 2**31, or one that wrapped int64 when negated (a top
+    # digit of -2**63 with zeros below: |sum| >= 2**63 digits, it would round to -0.0 else).
+    over = (hi >= (1 << DIGIT_BITS)) | (hi < 0)
     hi_c = torch.where(over, torch.zeros_like(hi), hi)
     window = (hi_c << DIGIT_BITS) + lo                                 # < 2**62
     nbits = torch.where(hi_c > 0, _bit_length(hi_c) + DIGIT_BITS, _bit_length(lo))

@@ -1,5 +1,7 @@
-"""Exact fixed-point accumulation on CUDA (Triton): `acc += Σ over dim 0 of x`, the integer that
-rlkernel/numerics/fixedpoint.py's torch path (`_add_chunk`, the CPU reference) adds, in one pass.
+"""Exact fixed-point sums on CUDA (Triton): `accumulate_` (acc += Σ over dim 0 of x, the integer
+that rlkernel/numerics/fixedpoint.py's torch path `_add_chunk`, the CPU reference, adds) and
+`round_fp32` (an accumulator's sum rounded once to fp32, the bytes of fixedpoint.round_fp32_torch),
+each in one pass.
 
 Why: the torch path runs a float64 index_add_ and a Python loop over active bins with a host sync
 per chunk; called on every token-leaf partial of every weight it made a qwen3-0.6b training step
@@ -26,10 +28,26 @@ Cost per value (SASS for sm_90, BLOCK 128, 4 warps: 70-72 registers, no spills):
 16 of them float64 adds (one compare, two selects and an add per bin); UNROLL = 8 row loads are
 issued before they are used.
 
+Rounding (`round_fp32`, `_round_kernel`). Why: the torch path is ~100 strided int64 ops over the
+[m, 13] accumulator (two carry passes of 9 steps, gathers, masks); a qwen3-0.6b step on an H200
+spent ~2.3 s of 8.5 s in them (every weight-gradient chunk and attention dK/dV sum is rounded).
+Here a lane owns one row: it loads the 13 columns once, and in registers repeats the torch path's
+steps in the same int64 arithmetic (so even digits whose carries wrap int64 give the same bytes):
+normalise; sign = top digit < 0; |sum| = normalise(−digits); the top non-zero digit t >= 1 and
+the window (digit t, digit t − 1) < 2**62 with the digits below as sticky bits; round to 24
+significant bits, half to even; over-range (top digit >= 2**31, or < 0 after the negation wrapped)
+-> Inf. The fp32 is then built from integers (`_fp32_bits`), not by the torch path's float64
+product and cast: both give the one fp32 equal to q·2**e (exact: at most 24 significant bits,
+>= 2**-149) or Inf beyond 2**128, and integers cannot meet a device's flush-to-zero of subnormals
+or an inexact ldexp/exp2. Then −, and NaN/±Inf from the counts as the module doc of fixedpoint.py
+says. Exact zero is +0.0 by construction (all digits 0 once normalised: not negative, q = 0).
+`fixedpoint.normalise_` gets no kernel: on CUDA only the torch references and tests call it.
+
 Does not: run on CPU (fixedpoint.py is the reference and dispatches here for CUDA tensors; under
-TRITON_INTERPRET=1 the kernel runs on CPU tensors for tests), take other dtypes than fp32 (the
+TRITON_INTERPRET=1 the kernels run on CPU tensors for tests), take other dtypes than fp32 (the
 caller converts bf16/fp16 exactly), or communicate. BLOCK/num_warps change speed, never bits.
-Tests: TRITON_INTERPRET=1 via tests/test_fixedpoint_triton.py; on a GPU tests/test_cuda.py.
+Tests: TRITON_INTERPRET=1 via tests/test_fixedpoint_triton.py (rounding cases:
+tests/fixedpoint_round_cases.py); on a GPU tests/test_cuda.py.
 """
 
 from __future__ import annotations
@@ -229,3 +247,147 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
             x, acc, k, m, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg, BLOCK=block,
             UNROLL=UNROLL, num_warps=num_warps)
     return acc
+
+
+# ------------------------------------------------------------------------------------ rounding
+ROUND_BLOCK = 128       # accumulator rows per program of the rounding kernel, one per lane
+ROUND_WARPS = 4
+# fp32 bit patterns as int32 (constexpr: a jitted function may read only constexpr globals).
+_F32_INF = tl.constexpr(0x7F800000)
+_F32_NINF = tl.constexpr(-8388608)      # 0xFF800000
+_F32_NAN = tl.constexpr(0x7FC00000)     # the quiet NaN torch writes for float("nan")
+_F32_SIGN = tl.constexpr(-2147483648)   # 0x80000000
+
+
+@triton.jit
+def _bit_length(x):
+    """Bit length of int64 x in [0, 2**53) (0 for 0), exactly as fixedpoint._bit_length: the
+    exponent field of x as float64 (an exact conversion below 2**53), read from the bits.
+    x < 0 gives 0 (the callers select such lanes away, as the torch path does)."""
+    e = (x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1022
+    return tl.where(x > 0, e, 0)
+
+
+@triton.jit
+def _scan(I: tl.constexpr, d, d_below, t, hi, lo, rest, seen):
+    """One step (digit I >= 2, upwards) of the search for the top non-zero digit t: if digit I
+    is non-zero it becomes the window's top (hi = d, lo = d_below = digit I − 1) and `rest`
+    (sticky: a non-zero digit below I − 1) is `seen`, which then takes in digit I − 1."""
+    top = d != 0
+    t = tl.where(top, I, t)
+    hi = tl.where(top, d, hi)
+    lo = tl.where(top, d_below, lo)
+    rest = tl.where(top, seen, rest)
+    seen = seen | (d_below != 0)
+    return t, hi, lo, rest, seen
+
+
+@triton.jit
+def _round_up(q, half, sticky):
+    """1 where the 24-bit q rounds up: round-half-even — the first dropped bit `half` is set and
+    a lower dropped bit (`sticky`) is, or q is odd (a tie goes to even). int64 0/1 inputs."""
+    return half & (sticky | (q & 1))
+
+
+@triton.jit
+def _fp32_bits(q, e2):
+    """fp32 bit pattern (int32) of q·2**e2 for int64 q in [0, 2**24], e2 in [-149, 287]: built
+    from integers, no float arithmetic (no ldexp/exp2, no reliance on how a float64 -> float32
+    cast treats subnormals on the device). The value is an integer number of 2**-149 units with
+    at most 24 significant bits, so it is an fp32 exactly, or beyond the range (>= 2**128): +Inf,
+    as the torch path's exact float64 product cast to float32 gives."""
+    n = _bit_length(q)       # 1..24 bits; 25 for 2**24 (a rounding carry: frac 0, e one up)
+    e = e2 + n - 1                                       # q·2**e2 in [2**e, 2**(e+1))
+    frac = (q << tl.maximum(24 - n, 0)) & 0x7FFFFF      # significand without its leading 1
+    normal = ((e + 127) << 23) | frac                    # e in [-126, 127]
+    sub = q << tl.minimum(e2 + 149, 23)                  # e < -126: q·2**(e2+149) < 2**23 units
+    bits = tl.where(e > 127, _F32_INF, tl.where(e >= -126, normal, sub))
+    return tl.where(q == 0, 0, bits).to(tl.int32)
+
+
+@triton.jit
+def _round_kernel(ACC, OUT, m, s_m, s_c, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < m
+    p = ACC + rows * s_m
+    s_c = tl.zeros([], dtype=tl.int64) + s_c             # int64: 12·s_c must not wrap int32
+    d0 = tl.load(p + 0 * s_c, mask=live, other=0)
+    d1 = tl.load(p + 1 * s_c, mask=live, other=0)
+    d2 = tl.load(p + 2 * s_c, mask=live, other=0)
+    d3 = tl.load(p + 3 * s_c, mask=live, other=0)
+    d4 = tl.load(p + 4 * s_c, mask=live, other=0)
+    d5 = tl.load(p + 5 * s_c, mask=live, other=0)
+    d6 = tl.load(p + 6 * s_c, mask=live, other=0)
+    d7 = tl.load(p + 7 * s_c, mask=live, other=0)
+    d8 = tl.load(p + 8 * s_c, mask=live, other=0)
+    d9 = tl.load(p + 9 * s_c, mask=live, other=0)
+    n_nan = tl.load(p + 10 * s_c, mask=live, other=0)
+    n_pinf = tl.load(p + 11 * s_c, mask=live, other=0)
+    n_ninf = tl.load(p + 12 * s_c, mask=live, other=0)
+    # The torch path's steps, in the same int64 arithmetic (wrapping alike on absurd digits):
+    # normalise, sign = top digit, |sum| = normalise(−digits).
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    neg = d9 < 0
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(
+        tl.where(neg, -d0, d0), tl.where(neg, -d1, d1), tl.where(neg, -d2, d2),
+        tl.where(neg, -d3, d3), tl.where(neg, -d4, d4), tl.where(neg, -d5, d5),
+        tl.where(neg, -d6, d6), tl.where(neg, -d7, d7), tl.where(neg, -d8, d8),
+        tl.where(neg, -d9, d9))
+    # Window = digits (t, t − 1), t = max(top non-zero digit, 1); rest = a non-zero digit below.
+    t = tl.full([BLOCK], 1, tl.int64)
+    hi, lo = d1, d0
+    rest = tl.zeros([BLOCK], tl.int1)
+    seen = d0 != 0
+    t, hi, lo, rest, seen = _scan(2, d2, d1, t, hi, lo, rest, seen)
+    t, hi, lo, rest, seen = _scan(3, d3, d2, t, hi, lo, rest, seen)
+    t, hi, lo, rest, seen = _scan(4, d4, d3, t, hi, lo, rest, seen)
+    t, hi, lo, rest, seen = _scan(5, d5, d4, t, hi, lo, rest, seen)
+    t, hi, lo, rest, seen = _scan(6, d6, d5, t, hi, lo, rest, seen)
+    t, hi, lo, rest, seen = _scan(7, d7, d6, t, hi, lo, rest, seen)
+    t, hi, lo, rest, seen = _scan(8, d8, d7, t, hi, lo, rest, seen)
+    t, hi, lo, rest, seen = _scan(9, d9, d8, t, hi, lo, rest, seen)
+    # Only the top digit can be >= 2**31 (or < 0: it wrapped when negated): beyond every fp32.
+    over = (hi >> 31) != 0
+    hi = tl.where(over, 0, hi)
+    window = (hi << 31) + lo                              # < 2**62
+    nbits = tl.where(hi > 0, _bit_length(hi) + 31, _bit_length(lo))
+    s = tl.maximum(nbits - 24, 0)                         # bits dropped below 24 significant ones
+    sm1 = tl.maximum(s - 1, 0)                            # clamped before shifting, as torch does
+    q = window >> s
+    half = tl.where(s > 0, (window >> sm1) & 1, 0)
+    one = tl.full([BLOCK], 1, tl.int64)
+    sticky = ((s > 1) & ((window & ((one << sm1) - 1)) != 0)) | rest
+    q += _round_up(q, half, sticky.to(tl.int64))          # q <= 2**24
+    bits = _fp32_bits(q, s + (t - 1) * 31 - 149)
+    bits = tl.where(over, _F32_INF, bits)
+    # −val (also −Inf). An exact zero has all digits 0 once normalised, so it is not `neg`,
+    # q = 0 and it stays +0.0 (the torch path's explicit zero rule holds without a select).
+    bits = tl.where(neg, bits | _F32_SIGN, bits)
+    pinf = n_pinf > 0
+    ninf = n_ninf > 0
+    bits = tl.where(pinf, _F32_INF, bits)
+    bits = tl.where(ninf, _F32_NINF, bits)
+    bits = tl.where((n_nan > 0) | (pinf & ninf), _F32_NAN, bits)
+    tl.store(OUT + rows, bits.to(tl.float32, bitcast=True), mask=live)
+
+
+def round_fp32(acc: torch.Tensor, block: int = ROUND_BLOCK,
+               num_warps: int = ROUND_WARPS) -> torch.Tensor:
+    """acc int64 [m, N_COLS] (any strides; any digits, e.g. a sum of accumulators) -> fp32 [m]:
+    each row's exact sum rounded once, the bytes of fixedpoint.round_fp32_torch. One pass: a
+    row's 13 columns are read once, carried, rounded and the fp32 written; acc is not modified.
+    No host sync. `block`/`num_warps` change speed, never bits.
+    Raises ValueError for another dtype or shape, or a non-CUDA tensor (any device under
+    TRITON_INTERPRET=1)."""
+    check_cuda("fixedpoint round", acc)
+    if acc.dtype != torch.int64 or acc.dim() != 2 or acc.shape[1] != N_COLS:
+        raise ValueError(f"fixedpoint round: int64 [m, {N_COLS}] accumulator expected, got "
+                         f"{acc.dtype} {tuple(acc.shape)}")
+    m = acc.shape[0]
+    out = torch.empty(m, dtype=torch.float32, device=acc.device)
+    if m == 0:
+        return out
+    with device_ctx(acc):
+        _round_kernel[(triton.cdiv(m, block),)](acc, out, m, acc.stride(0), acc.stride(1),
+                                                BLOCK=block, num_warps=num_warps)
+    return out

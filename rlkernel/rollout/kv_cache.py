@@ -62,11 +62,12 @@ class PagedKVCache:
             pool.index_copy_(0, pairs[:, 1], pool.index_select(0, pairs[:, 0]))
 
     def attend(self, layer: int, ops, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-               lay, scale: float, pc) -> torch.Tensor:
+               lay, scale: float, pc, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Write this step's keys/values ks, vs [S, Hkv, T, D] (slot t of row s at slots[s, t]),
         then attend qs [S, Hq, T, D] over every row's keys of positions [0, kv_len): through the
         block table when the op set has `paged_attention` and the cache is not CP-sharded, else
-        on the blocks gathered in logical order (the dense kernel). Returns [S, Hq, T, D]."""
+        on the blocks gathered in logical order (the dense kernel). Returns [S, Hq, T, D].
+        dtype: the model's compute dtype (what `ops.attention` computes in)."""
         for pool, x in ((self.k[layer], ks), (self.v[layer], vs)):
             flat = pool.view(-1, pool.shape[2], pool.shape[3])
             rows = x.detach().transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
@@ -82,4 +83,4 @@ class PagedKVCache:
             owner = owner[None, None, :, None].expand_as(k).contiguous()
             k = self.comm.select_owner(k.contiguous(), owner, "paged-kv-k")
             v = self.comm.select_owner(v.contiguous(), owner, "paged-kv-v")
-        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc)
+        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc, dtype)
