@@ -4,7 +4,14 @@ Qwen3-8B heads: 32 query / 8 KV heads, head_dim 128, bf16. Prefill: one causal s
 8k tokens. Decode: batch 64, one new token against a 2k / 4k / 8k KV cache. Ratio = SDPA time /
 ours (>= 1: ours faster). SDPA gets GQA natively (enable_gqa) when its flash path accepts it,
 otherwise K/V expanded beforehand (outside the timing). Also one fp32 row (the model's path).
-Run: PYTHONPATH=. python3 benchmarks/bench_attention.py [--out FILE.json]
+Backward (kernels/triton_attention_bwd.py), one causal sequence of 1k / 4k / 8k tokens: ours in
+fp32 (the model's path) and bf16, given the forward's out/lse, vs SDPA flash's bf16 backward
+(autograd.grad of its output, forward outside the timing); the same for Qwen3-0.6B heads (16 / 8)
+at 1k and 4k with the previous torch-op backward (kernels/attention.attention_backward on the GPU)
+where it fits; a dQ-tile / dK-dV-tile sweep at 4k fp32; the time of the dQ and delta kernels alone. Rows
+"backward ..." carry ratio = SDPA bf16 backward / ours and TFLOP/s at 2.5x the causal forward's
+FLOPs (FlashAttention-2's count: 5 matmuls to the forward's 2) for both.
+Run: PYTHONPATH=. python3 benchmarks/bench_attention.py [--out FILE.json] [--only-backward]
 """
 
 from __future__ import annotations
@@ -41,13 +48,107 @@ def _sdpa(q, k, v, causal, backend=SDPBackend.FLASH_ATTENTION):
         return f, "expanded"
 
 
+def _sdpa_bwd(q, k, v, d_out):
+    """A timed closure of SDPA flash's backward (bf16, causal) on a retained graph, and how GQA
+    was handled."""
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        try:
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            out, how = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                      enable_gqa=True), "enable_gqa"
+            torch.autograd.grad(out, (qq, kk, vv), d_out, retain_graph=True)
+        except RuntimeError:
+            g = q.shape[1] // k.shape[1]
+            qq, kk, vv = (t.detach().requires_grad_() for t in
+                          (q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)))
+            out, how = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True), "expanded"
+
+    def f():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.autograd.grad(out, (qq, kk, vv), d_out, retain_graph=True)
+    return f, how
+
+
+def _bwd_case(hq, hkv, t, dtype):
+    """Inputs of one causal sequence and the forward's out/lse: (q, k, v, pos, lens, out, lse, dO)."""
+    from rlkernel.kernels.triton_attention import attention_forward
+    q = torch.randn(1, hq, t, D, device="cuda").to(dtype)
+    k = torch.randn(1, hkv, t, D, device="cuda").to(dtype)
+    v = torch.randn(1, hkv, t, D, device="cuda").to(dtype)
+    pos = torch.arange(t, device="cuda")[None]
+    lens = torch.tensor([t], device="cuda")
+    out, lse = attention_forward(q, k, v, pos, lens, 1 / math.sqrt(D))
+    return q, k, v, pos, lens, out, lse, torch.randn(out.shape, device="cuda").to(dtype)
+
+
+def _timed(fn, rep_ms=200):
+    """median ms of fn, or None (and the error printed) when it fails (e.g. out of memory)."""
+    try:
+        return median_ms(fn, rep_ms=rep_ms)
+    except Exception as e:  # noqa: BLE001 - a benchmark row, reported
+        print(f"   error {repr(e)[:150]}", flush=True)
+        torch.cuda.empty_cache()
+        return None
+
+
+def backward_rows() -> list[dict]:
+    """The backward rows (module doc): ours fp32/bf16 vs SDPA flash bf16, old torch backward."""
+    from rlkernel.distributed.tokensum import TokenSum
+    from rlkernel.kernels import attention as ref_attention
+    from rlkernel.kernels import triton_attention_bwd as tb
+    sc = 1 / math.sqrt(D)
+    rows = []
+    for hq, hkv, lengths in ((HQ, HKV, (1024, 4096, 8192)), (16, 8, (1024, 4096))):
+        for t in lengths:
+            flops = 2.5 * 4.0 * hq * D * t * (t + 1) / 2
+            bf = _bwd_case(hq, hkv, t, torch.bfloat16)
+            f_ref, how = _sdpa_bwd(bf[0], bf[1], bf[2], bf[7])
+            t_ref = _timed(f_ref)
+            row = {"case": f"backward {t} heads {hq}/{hkv}", "sdpa_bf16_ms": t_ref, "sdpa": how}
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                q, k, v, pos, lens, out, lse, dout = bf if dtype == torch.bfloat16 else \
+                    _bwd_case(hq, hkv, t, dtype)
+                ms = _timed(lambda: tb.attention_backward(q, k, v, out, lse, dout, pos, lens, sc))
+                row[f"ours_{name}_ms"] = ms
+                if ms and t_ref:
+                    row[f"ratio_{name}"] = t_ref / ms
+                    row[f"ours_{name}_tflops"] = flops / ms / 1e9
+                if name == "fp32":
+                    row["dq_and_delta_fp32_ms"] = _timed(lambda: tb._dq(
+                        q, k, v, dout, lse.reshape(1, hq, t), tb._delta(out, dout, pos), pos,
+                        lens, sc, None))
+                    if hq == 16:   # the CUDA path before this kernel (qwen3-0.6b's heads)
+                        tok = TokenSum.single()
+                        row["old_torch_fp32_ms"] = _timed(lambda: ref_attention.attention_backward(
+                            q, k, v, out, lse, dout, pos, lens, sc, tok, None), rep_ms=1)
+                    del q, k, v, out, lse, dout
+                    torch.cuda.empty_cache()
+            if t_ref:
+                row["sdpa_bf16_tflops"] = flops / t_ref / 1e9
+            rows.append(row)
+            print(row, flush=True)
+    q, k, v, pos, lens, out, lse, dout = _bwd_case(HQ, HKV, 4096, torch.float32)
+    for kw in [{"dq_tile": c} for c in ((16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 8, 1))] + \
+              [{"kv_tile": c} for c in ((64, 1, 8, 1), (64, 2, 8, 1), (64, 4, 8, 1), (64, 2, 4, 1),
+                                        (32, 2, 4, 1))]:
+        ms = _timed(lambda: tb.attention_backward(q, k, v, out, lse, dout, pos, lens, sc, **kw),
+                    rep_ms=100)
+        rows.append({"case": f"backward sweep 4096 fp32 {kw}", "ours_fp32_ms": ms})
+        print(f"   {kw}: {ms} ms", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--only-backward", action="store_true")
     args = ap.parse_args()
     require_cuda()
     from rlkernel.kernels.triton_attention import attention_forward
     torch.manual_seed(0)
+    if args.only_backward:
+        dump(args.out, {"env": env(), "rows": backward_rows()})
+        return
     rows = []
     sc = 1 / math.sqrt(D)
     for t in (2048, 8192):
@@ -99,6 +200,7 @@ def main() -> None:
                  "ratio": t_ref / t_inv})
     print(f"prefill fp32 T=2048: SDPA efficient ({how}) {t_ref:.3f} ms | ours {t_inv:.3f} ms "
           f"x{t_ref / t_inv:.3f}", flush=True)
+    rows += backward_rows()
     dump(args.out, {"env": env(), "rows": rows})
 
 

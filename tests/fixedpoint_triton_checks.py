@@ -12,10 +12,8 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/fixedpoint_triton_checks.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -23,6 +21,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("fixedpoint_triton_checks.py needs TRITON_INTERPRET=1")
 
+import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
+from kernel_helpers import run_checks
 # Imported after the TRITON_INTERPRET check; fixedpoint_round_cases sits in tests/, this
 # script's folder (so on sys.path).
 import fixedpoint_round_cases as rc
@@ -280,16 +280,5 @@ def round_bad_arguments_are_refused():
         raise AssertionError(f"accepted {acc.dtype} {tuple(acc.shape)}")
 
 
-def main(names: list[str]) -> None:
-    out = {}
-    for name in names or [n for n in CHECKS if n not in SLOW]:
-        try:
-            CHECKS[name]()
-            out[name] = "ok"
-        except Exception:   # noqa: BLE001 - reported to the test, which fails on it
-            out[name] = traceback.format_exc(limit=3)
-    print(json.dumps(out))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(CHECKS, sys.argv[1:], skip=SLOW)

@@ -16,7 +16,9 @@ distributed tests' job.
 
 from __future__ import annotations
 
+import json
 import threading
+import traceback
 
 import torch
 
@@ -84,6 +86,27 @@ def assert_within_sum_bound(got: torch.Tensor, ref: torch.Tensor, absref: torch.
     gamma = n * U32 / (1 - n * U32)
     err = (got.double() - ref).abs()
     assert bool((err <= gamma * absref + 1e-30).all()), float((err / (absref + 1e-30)).max())
+
+
+def attention_oracle64(q, k, v, q_pos, kv_len, d_out, scale: float):
+    """float64 autograd of causal GQA attention with the kernels' masks (key j visible to the
+    query at position p iff j <= p and j < kv_len; padding slots and keys past kv_len are zeroed
+    first, so NaN garbage cannot enter; a row that sees no key outputs 0). Shapes as
+    kernels/attention.attention, any device: (out, dq, dk, dv), float64."""
+    here = (q_pos >= 0)[:, None, :, None]
+    j = torch.arange(k.shape[2], device=k.device)
+    kmask = j[None, :] < kv_len[:, None]                                     # [S, Tk]
+    q64 = torch.where(here, q.double(), 0.0).requires_grad_()
+    k64, v64 = (torch.where(kmask[:, None, :, None], t.double(), 0.0).requires_grad_()
+                for t in (k, v))
+    g = q.shape[1] // k.shape[1]
+    s = q64 @ k64.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    vis = (j[None, None, :] <= q_pos[:, :, None]) & kmask[:, None, :]      # [S, Tq, Tk]
+    row = vis.any(-1)[:, None, :, None]
+    s = s.masked_fill(~vis[:, None], float("-inf")).masked_fill(~row, 0.0)
+    o = (torch.softmax(s, -1) * row) @ v64.repeat_interleave(g, 1)
+    o.backward(torch.where(here, d_out.double(), 0.0))
+    return o.detach(), q64.grad, k64.grad, v64.grad
 
 
 # ------------------------------------------------------------------ in-process ranks
@@ -158,3 +181,74 @@ def cp_local_rows(length: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(s * seg, (s + 1) * seg) for s in cp_segments(cp, rank)])
 
 
+
+
+# ------------------------------------------------------------------ ranks run one after another
+# Threads cannot run every kernel: the Triton interpreter keeps its launch state in globals, and
+# autograd runs all CUDA backwards of one device on one worker thread. For code whose inputs to
+# each collective are local (no collective result feeds a later collective's input), ranks can
+# run one after another instead: pass 1 records what every rank hands each collective, pass 2
+# runs them again and each collective returns what the real one would have, built from the log.
+
+
+class _ReplayGroup:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.logs: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
+        self.replay = False
+
+
+class ReplayComm(Comm):
+    """One rank of a `_ReplayGroup` (see above): all_gather and sum_ints, the primitives of the
+    collectives the attention backward uses (tree_all_reduce, TokenSum.round_exact)."""
+
+    def __init__(self, group: _ReplayGroup, rank: int) -> None:
+        super().__init__("replay", None, tuple(range(group.n)), rank)
+        self._g = group
+        self._i = 0
+
+    def _parts(self, op: str, t: torch.Tensor) -> list[torch.Tensor] | None:
+        i, self._i = self._i, self._i + 1
+        if not self._g.replay:
+            self._g.logs[self.rank].append((op, t.detach().contiguous().clone()))
+            return None
+        parts = []
+        for r in range(self._g.n):
+            o, x = self._g.logs[r][i]
+            assert o == op and x.shape == t.shape and x.dtype == t.dtype, \
+                f"rank {r} call {i}: {o} {tuple(x.shape)} vs rank {self.rank}: {op} {tuple(t.shape)}"
+            parts.append(x)
+        assert torch.equal(parts[self.rank], t), f"rank {self.rank} is not deterministic at {op}"
+        return parts
+
+    def all_gather(self, t, op):
+        parts = self._parts(op, t)
+        return [t.contiguous()] * self.size if parts is None else parts
+
+    def sum_ints(self, t, op, *, inplace=False):
+        parts = self._parts(op, t)
+        return t if parts is None else torch.stack(parts).sum(0)   # int64: exact in any order
+
+
+def run_ranks_sequentially(n: int, fn):
+    """fn(rank, comm) for ranks 0..n-1, one after another, twice (record, then replay): the
+    results of the replay pass, [rank 0..n-1], as n concurrent ranks would return them."""
+    group = _ReplayGroup(n)
+    for r in range(n):
+        fn(r, ReplayComm(group, r))
+    group.replay = True
+    return [fn(r, ReplayComm(group, r)) for r in range(n)]
+
+
+def run_checks(checks: dict, names: list[str], skip: frozenset[str] | set[str] = frozenset()) -> None:
+    """Run the named checks (or all but `skip`) of a checks script that a test runs in a
+    subprocess (e.g. under TRITON_INTERPRET=1) and print one JSON line {name: "ok" or the
+    traceback}: one failing check does not hide the others."""
+    out = {}
+    for name in names or [n for n in checks if n not in skip]:
+        try:
+            checks[name]()
+            out[name] = "ok"
+        except Exception:   # noqa: BLE001 - reported to the test, which fails on it
+            out[name] = traceback.format_exc(limit=4)
+    print(json.dumps(out))

@@ -399,7 +399,7 @@ def test_negative_control_sdpa_decode_differs_from_prefill():
 
 
 def test_attention_autograd_through_cuda_forward_matches_float64():
-    """the public attention() runs the Triton forward and the torch-op backward on CUDA."""
+    """the public attention() runs the Triton forward and the Triton backward on CUDA."""
     from rlkernel.kernels.attention import attention
     g = _gen(15)
     s_, hq, hkv, t, d = 2, 4, 2, 128, 16

@@ -3,10 +3,11 @@
 tests/test_cuda.py checks the CUDA forward bytewise and the backward against float64 only; these
 tests hold the backward to the same standard as the CPU kernel tests (tests/test_kernels_*.py),
 on CUDA tensors, through the same kernel entry points:
-- attention: a sample's dQ/dK/dV alone == in a packed 3-sample batch (CP and TP splits of the
-  CUDA backward are covered by tests/test_cuda_dist.py with real NCCL ranks: in-process thread
-  ranks cannot run it, because autograd runs every CUDA backward of one device on one worker
-  thread, so two thread-ranks waiting for each other inside backward deadlock);
+- attention: a sample's dQ/dK/dV alone == in a packed 3-sample batch, through autograd (the
+  Triton backward, kernels/triton_attention_bwd.py; its CP/Tq/TP splits, tiles, chunking and
+  memory: tests/test_cuda_attention_bwd.py, ranks run one after another; real NCCL ranks:
+  tests/test_cuda_dist.py — thread ranks cannot run it, because autograd runs every CUDA
+  backward of one device on one worker thread, so two thread-ranks inside backward deadlock);
 - RMSNorm and SwiGLU: a row's dX alone == in a batch == at an offset;
 - column-parallel dX (the fp32 Triton chain + virtual-TP tree): row r alone == in a batch of 257.
 Negative controls: stock SDPA autograd (alone vs batched) and cuBLAS dX (batch 1 vs 257) differ.

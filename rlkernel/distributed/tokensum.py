@@ -260,4 +260,11 @@ class TokenSum:
         rounded once: [n, *S] fp32 -> [*S] fp32, identical on every rank (activation gradients,
         e.g. attention dK/dV; never kept in the sink)."""
         acc = fx.accumulate_(fx.zeros(partials.shape[1:], partials.device), partials)
+        return self.round_exact(acc, op)
+
+    def round_exact(self, acc: torch.Tensor, op: str) -> torch.Tensor:
+        """This rank's exact accumulator acc (int64 [*S, N_COLS], e.g. from
+        `fixedpoint.accumulate_` of its leaf partials) summed over every rank of `comm` and
+        rounded once: fp32 [*S], identical on every rank. For kernels that accumulate in chunks
+        (kernels/triton_attention_bwd.py); collective over `comm`."""
         return fx.round_fp32(self.comm.sum_ints(acc, op))

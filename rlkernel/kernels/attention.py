@@ -21,8 +21,11 @@ G, so each rank reduces its part locally and `kv_comm` finishes the same tree. (
 spans 2**k whole virtual-TP shards, its top k levels are those shards; for a power-of-two G it is
 the plain pairwise tree, so such models keep their bits.)
 Layout: per-sample padded [S, heads, T, D]; rlkernel/model gathers it from the token stream.
-Devices: on CPU both directions are the torch code below; on CUDA the forward dispatches to the
-Triton kernel (kernels/triton_attention.py) and the backward runs this file's torch code on the GPU.
+Devices: on CPU both directions are the torch code below (the reference); on CUDA both dispatch to
+Triton kernels with the CUDA block size 64: the forward to kernels/triton_attention.py, the
+backward to kernels/triton_attention_bwd.py (FlashAttention-2 recomputation from lse, the same
+leaf partials and exact sums, memory O(L)). The CUDA bits differ from the CPU's (other block
+size, fused dots) but obey the same invariances.
 Does not: communicate (CP gathers K/V in rlkernel/distributed).
 """
 
@@ -133,6 +136,49 @@ def _sum_over_queries(w, x, q_pos, tok: TokenSum):
     return tok.exact_sum(acc.movedim(3, 0), "token-sum-attention")
 
 
+def attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok: TokenSum,
+                       kv_comm: Comm | None):
+    """(dQ, dK, dV) by this file's torch ops — the reference (module doc's Backward). Shapes as
+    `attention`, out/lse from `attention_forward`. Any device; on CUDA `_Attention` runs
+    kernels/triton_attention_bwd.py instead (benchmarks/bench_attention.py times both there).
+    Memory: O(Tq·Tk) (p and ds of every block, per-leaf partials [S, Hkv, G, n_leaves, Tk, D])."""
+    s_, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(s_, hkv, g, tq, d)
+    dog = d_out.reshape(s_, hkv, g, tq, d).to(torch.float32)
+    og = out.reshape(s_, hkv, g, tq, d)
+    delta = tree_sum(dog * og, -1)
+    dq = torch.zeros_like(qg)
+    p_all, ds_all = [], []
+    for j0 in _blocks(tk):
+        n = min(ATTN_KV_BLOCK, tk - j0)
+        vis = _visible(q_pos, kv_len, j0, n)[:, None, None].expand(s_, hkv, g, tq, n)
+        kb = k[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
+        vb = v[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
+        s = _scores(qg, kb, scale, vis)
+        p = exp32(s - lse[..., None])
+        p = torch.where(vis, p, torch.zeros_like(p))
+        dp = seq_matmul(dog, vb.transpose(-1, -2))
+        ds = torch.where(vis, p * (dp - delta[..., None]), torch.zeros_like(p))
+        dq = _skip_sum(dq, ds, kb, vis)
+        p_all.append(p)
+        ds_all.append(ds)
+    dq = dq * scale
+    p_all = torch.cat(p_all, -1)
+    ds_all = torch.cat(ds_all, -1)
+    # Token reduction per query head first, then the heads of a GQA group by the halving
+    # tree: this rank's equal part of the group locally, then across the TP ranks
+    # replicating this KV head (rank order = head order), which finish the same tree.
+    dv = tree_sum_halving(_sum_over_queries(p_all, dog, q_pos, tok), 2)
+    dk = tree_sum_halving(_sum_over_queries(ds_all, qg, q_pos, tok), 2)
+    if kv_comm is not None and kv_comm.size > 1:
+        dv = kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
+        dk = kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
+    dk = dk * scale
+    return dq.reshape(s_, hq, tq, d), dk, dv
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_pos, kv_len, scale, tok, kv_comm):
@@ -145,43 +191,14 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse, q_pos, kv_len = ctx.saved_tensors
-        scale = ctx.scale
-        s_, hq, tq, d = q.shape
-        hkv, tk = k.shape[1], k.shape[2]
-        g = hq // hkv
-        qg = q.reshape(s_, hkv, g, tq, d)
-        dog = d_out.reshape(s_, hkv, g, tq, d).to(torch.float32)
-        og = out.reshape(s_, hkv, g, tq, d)
-        delta = tree_sum(dog * og, -1)
-        dq = torch.zeros_like(qg)
-        p_all, ds_all = [], []
-        for j0 in _blocks(tk):
-            n = min(ATTN_KV_BLOCK, tk - j0)
-            vis = _visible(q_pos, kv_len, j0, n)[:, None, None].expand(s_, hkv, g, tq, n)
-            kb = k[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
-            vb = v[:, :, None, j0:j0 + n].expand(s_, hkv, g, n, d)
-            s = _scores(qg, kb, scale, vis)
-            p = exp32(s - lse[..., None])
-            p = torch.where(vis, p, torch.zeros_like(p))
-            dp = seq_matmul(dog, vb.transpose(-1, -2))
-            ds = torch.where(vis, p * (dp - delta[..., None]), torch.zeros_like(p))
-            dq = _skip_sum(dq, ds, kb, vis)
-            p_all.append(p)
-            ds_all.append(ds)
-        dq = dq * scale
-        p_all = torch.cat(p_all, -1)
-        ds_all = torch.cat(ds_all, -1)
-        tok = ctx.tok
-        # Token reduction per query head first, then the heads of a GQA group by the halving
-        # tree: this rank's equal part of the group locally, then across the TP ranks
-        # replicating this KV head (rank order = head order), which finish the same tree.
-        dv = tree_sum_halving(_sum_over_queries(p_all, dog, q_pos, tok), 2)
-        dk = tree_sum_halving(_sum_over_queries(ds_all, qg, q_pos, tok), 2)
-        if ctx.kv_comm is not None and ctx.kv_comm.size > 1:
-            dv = ctx.kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
-            dk = ctx.kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
-        dk = dk * scale
-        return dq.reshape(s_, hq, tq, d), dk, dv, None, None, None, None, None
+        if q.is_cuda:
+            from rlkernel.kernels import triton_attention_bwd
+            backward = triton_attention_bwd.attention_backward
+        else:
+            backward = attention_backward
+        dq, dk, dv = backward(q, k, v, out, lse, d_out, q_pos, kv_len, ctx.scale, ctx.tok,
+                              ctx.kv_comm)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

@@ -20,12 +20,12 @@ Precision: fp32 q/k/v use fp32 fma dots (input_precision="ieee"); bf16 q/k/v use
 dots with p rounded to bf16 for both P·V and the row sum l (consistent normaliser).
 Rows (t, g) of one KV head's G query heads share a tile, so decode reads each K/V block once per
 KV head. Split-KV decode is not used (batch × KV heads already fill the GPU at batch 64).
-Returns lse = m + log(l) in the [S, Hkv, G, Tq] layout of kernels/attention.py, so the torch-op
-backward there can run on the forward's statistics.
+Returns lse = m + log(l) in the [S, Hkv, G, Tq] layout of kernels/attention.py, from which the
+backward (kernels/triton_attention_bwd.py) recomputes p = exp(s − lse) with this kernel's s.
 
 `paged_attention_forward` runs the same kernel with K/V read through a block table (paged KV
 cache of the rollout engine): only the addresses change (PAGED is a compile-time switch).
-Does not: backward (kernels/attention.py recomputes on the GPU with torch ops), CP gathering.
+Does not: backward (kernels/triton_attention_bwd.py), CP gathering.
 """
 
 from __future__ import annotations
@@ -60,6 +60,26 @@ def _block_base(kbase, vbase, TABLE, s, s_ts, s_tb, s_ks, s_vs, j0, j,
 
 
 @triton.jit
+def query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV, n_tiles,
+               G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's tile of rows r = (t, g) of one KV head's G query heads, latest tiles first:
+    (s int64, hk, t, g, row_ok, pos, kvl, last visible key per row (−1: none), hi = the end of
+    the keys the tile visits). Shared by the forward and triton_attention_bwd's dQ kernel."""
+    tile = n_tiles - 1 - tl.program_id(0)          # longest (latest) query tiles first
+    sh = tl.program_id(1)
+    s = (sh // HKV).to(tl.int64)
+    hk = sh % HKV
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)     # row = (t, g) of this KV head's G heads
+    t = r // G
+    row_ok = t < Tq
+    pos = tl.load(QPOS + s * s_ps + t.to(tl.int64) * s_pt, mask=row_ok, other=-1)
+    kvl = tl.load(KVLEN + s).to(tl.int32)
+    last = tl.minimum(pos.to(tl.int32), kvl - 1)    # last visible key per row (-1: none)
+    hi = tl.minimum(tl.max(last, 0) + 1, Tk)
+    return s, hk, t, r % G, row_ok, pos, kvl, last, hi
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN, TABLE,
                      s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd,
                      s_vs, s_vh, s_vt, s_vd, s_os, s_oh, s_ot, s_od,
@@ -70,19 +90,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN, TABLE,
     # PAGED: K/V are block pools [blocks, BLOCK_N, Hkv, D] (s_ks = the block stride) and key
     # block b of sample s is pool block TABLE[s, b]; otherwise K/V are [S, Hkv, Tk, D]. Only the
     # addresses differ: the same blocks are visited in the same order with the same operations.
-    tile = n_tiles - 1 - tl.program_id(0)          # longest (latest) query tiles first
-    sh = tl.program_id(1)
-    s = (sh // HKV).to(tl.int64)
-    hk = sh % HKV
-    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)     # row = (t, g) of this KV head's G heads
-    t = r // G
-    g = r % G
-    row_ok = t < Tq
+    s, hk, t, g, row_ok, pos, kvl, last, hi = query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV,
+                                                         n_tiles, G, BLOCK_M)
     dd = tl.arange(0, D)
-    pos = tl.load(QPOS + s * s_ps + t.to(tl.int64) * s_pt, mask=row_ok, other=-1)
-    kvl = tl.load(KVLEN + s).to(tl.int32)
-    last = tl.minimum(pos.to(tl.int32), kvl - 1)    # last visible key per row (-1: none)
-    hi = tl.minimum(tl.max(last, 0) + 1, Tk)
     head = (hk * G + g).to(tl.int64)
     q = tl.load(Q + s * s_qs + head[:, None] * s_qh + t.to(tl.int64)[:, None] * s_qt
                 + dd[None, :] * s_qd, mask=row_ok[:, None], other=0.0)

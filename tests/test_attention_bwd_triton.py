@@ -1,0 +1,100 @@
+"""The CUDA attention backward's Triton kernels (rlkernel/kernels/triton_attention_bwd.py) under
+TRITON_INTERPRET=1 (Triton on the CPU), against a float64 autograd oracle and against themselves
+under batch / CP / Tq / TP / chunk changes, bitwise, with a negative control. The checks live in
+tests/attention_bwd_triton_checks.py and run in one subprocess (the interpreter is chosen before
+triton is imported, and must not leak into this process); each test asserts its check's result.
+On a GPU: tests/test_cuda_attention_bwd.py (the same properties with the GPU's dot orders).
+Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_attention_bwd_triton.py (needs triton;
+about 40 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs triton (interpreter)")
+
+_CHECKS = Path(__file__).with_name("attention_bwd_triton_checks.py")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(_CHECKS.parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, str(_CHECKS)], env=env, capture_output=True, text=True,
+                       timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _ok(results: dict[str, str], name: str) -> None:
+    assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
+
+
+def test_packed_batch_vs_float64(results):
+    """3 packed samples with NaN padding: dQ/dK/dV within 1e-5·max|ref| of float64 autograd;
+    padding query rows and key slots past kv_len are +0.0."""
+    _ok(results, "packed_batch_vs_float64")
+
+
+def test_kv_len_below_positions_and_cp_offset_layout_vs_float64(results):
+    """kv_len below the query positions (NaN keys past it); a layout whose slot t holds position
+    40 + t with a missing leaf: within 1e-5·max|ref| of float64."""
+    _ok(results, "kv_len_below_positions_and_cp_offset_layout_vs_float64")
+
+
+def test_sample_alone_equals_sample_in_batch(results):
+    """A sample's dQ/dK/dV alone (exact length) == its rows in the padded batch, bitwise."""
+    _ok(results, "sample_alone_equals_sample_in_batch")
+
+
+def test_cp_zigzag_ranks_give_single_process_bytes(results):
+    """CP = 2 zig-zag query leaves, exact sums joined over the CP group: dK/dV and the ranks' dQ
+    rows == single-process bytes; control: adding the ranks' rounded dK in fp32 differs."""
+    _ok(results, "cp_zigzag_ranks_give_single_process_bytes")
+
+
+def test_tq_split_into_two_calls_gives_the_full_bytes(results):
+    """Queries split over two calls of other Tq (chunked-prefill layout): the full call's bytes."""
+    _ok(results, "tq_split_into_two_calls_gives_the_full_bytes")
+
+
+def test_kv_head_replicated_over_tp_ranks_gives_single_process_bytes(results):
+    """6 query heads on one KV head split 3 + 3 over two TP ranks (kv_comm): single-process
+    dK/dV bytes, each rank's dQ rows."""
+    _ok(results, "kv_head_replicated_over_tp_ranks_gives_single_process_bytes")
+
+
+def test_chunk_sizes_and_leaves_per_program_change_no_bit(results):
+    """Sample/key chunks of the exact accumulator, leaf steps and leaves per program: same bytes."""
+    _ok(results, "chunk_sizes_and_leaves_per_program_change_no_bit")
+
+
+def test_decode_row_dq_equals_prefill_row(results):
+    """A query alone against a NaN-padded KV cache has its prefill row's dQ bytes."""
+    _ok(results, "decode_row_dq_equals_prefill_row")
+
+
+def test_dkv_is_the_exact_sum_of_leaf_partials_negative_control_fp32_order(results):
+    """dK/dV == exact sum of the kernel's leaf partials (any leaf order) + head tree; control:
+    fp32 sums of the partials in two leaf orders differ."""
+    _ok(results, "dkv_is_the_exact_sum_of_leaf_partials_negative_control_fp32_order")
+
+
+def test_bf16_packed_batch_vs_float64_and_alone_equals_in_batch(results):
+    """bf16 inputs: within 2e-2 relative norm of float64; a sample alone == in the batch."""
+    _ok(results, "bf16_packed_batch_vs_float64_and_alone_equals_in_batch")
+
+
+def test_bad_arguments_are_refused(results):
+    """fp16, heads not a multiple of the KV heads, a wrong lse shape: ValueError."""
+    _ok(results, "bad_arguments_are_refused")

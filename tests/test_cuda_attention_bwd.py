@@ -1,0 +1,347 @@
+"""CUDA attention backward (rlkernel/kernels/triton_attention_bwd.py) on the GPU, fp32 and bf16.
+
+Bitwise, each layout running its own forward as training does: a sample's dQ/dK/dV alone == in a
+packed batch with NaN padding; CP zig-zag query leaves over 2 and 4 ranks and a Tq split (two
+calls of other Tq) == one call, dK/dV joined by the exact sum over the group; TP ranks sharing a
+KV head (kv_comm) == one rank; a decode row's dQ == its prefill row; every tile of the tables and
+any chunk size == the defaults; the public attention() autograd == the kernel called directly.
+Against float64 autograd with a tolerance (fp32: 1e-5·max|ref| per gradient; bf16: relative norm
+2e-2, the forward's bf16 output feeds delta). Memory: one 32k-token sample (4 query heads, 1 KV
+head, D = 128, fp32) peaks within `peak_bytes` and below a quarter of one fp32 [Tq, Tk] matrix,
+its dQ rows / last keys' dK, dV within tolerance of float64.
+Negative controls: stock SDPA (flash, bf16) dK of the queries in two halves, added, differs from
+the unsplit dK; fp32 sums of the kernel's own leaf partials in two orders differ (the exact sum
+does not). The alone-vs-batch SDPA control is in tests/test_cuda_backward.py.
+Ranks run one after another (kernel_helpers.run_ranks_sequentially): autograd runs all CUDA
+backwards of a device on one thread, and the kernel is called directly here anyway; real NCCL
+ranks run in tests/test_cuda_dist.py.
+Skipped without CUDA. Run on the GPU machine:
+    PYTHONPATH=. python3 -m pytest -q tests/test_cuda_attention_bwd.py
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_helpers import attention_oracle64, n_diff, run_ranks_sequentially
+
+from rlkernel.distributed.parallel import cp_segments
+from rlkernel.distributed.tokensum import TokenSum
+from rlkernel.spec import TOKEN_LEAF
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEV = "cuda"
+HQ, HKV, D = 8, 2, 128
+SCALE = 1.0 / math.sqrt(D)
+LENGTHS = [300, 200, 129]
+"""Packed samples: none a multiple of 64 or 16, so partial blocks and leaves occur."""
+DTYPES = [torch.float32, torch.bfloat16]
+NAN = float("nan")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (−0.0 vs +0.0 and NaN payloads count), same shape and dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {4: torch.int32, 2: torch.int16, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert _same(a, b), f"{what}: {n_diff(a.float(), b.float())} of {a.numel()} elements differ"
+
+
+def _randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=g).to(dtype)
+
+
+def _pack(lengths, dtype, hq=HQ, hkv=HKV, tk=None, seed=0):
+    """Samples as the trainer packs them (each starting at a multiple of TOKEN_LEAF in the
+    stream): per-sample padded q/k/v with NaN in every padding slot, q_pos, kv_len, q_idx (stream
+    row of each query), the stream length (a multiple of 256) and d_out (random everywhere)."""
+    s_, tq = len(lengths), max(lengths)
+    tk = tk or tq
+    q = torch.full((s_, hq, tq, D), NAN, device=DEV, dtype=dtype)
+    k = torch.full((s_, hkv, tk, D), NAN, device=DEV, dtype=dtype)
+    v = torch.full((s_, hkv, tk, D), NAN, device=DEV, dtype=dtype)
+    q_pos = torch.full((s_, tq), -1, dtype=torch.long, device=DEV)
+    q_idx = torch.full((s_, tq), -1, dtype=torch.long, device=DEV)
+    off = 0
+    for i, n in enumerate(lengths):
+        q[i, :, :n] = _randn(hq, n, D, seed=seed + 10 * i, dtype=dtype)
+        k[i, :, :n] = _randn(hkv, n, D, seed=seed + 10 * i + 1, dtype=dtype)
+        v[i, :, :n] = _randn(hkv, n, D, seed=seed + 10 * i + 2, dtype=dtype)
+        q_pos[i, :n] = torch.arange(n, device=DEV)
+        q_idx[i, :n] = off + torch.arange(n, device=DEV)
+        off += -(-n // TOKEN_LEAF) * TOKEN_LEAF
+    kv_len = torch.tensor(lengths, device=DEV)
+    return q, k, v, q_pos, kv_len, q_idx, -(-off // 256) * 256, _randn(*q.shape, seed=seed + 99,
+                                                                       dtype=dtype)
+
+
+def _grads(q, k, v, q_pos, kv_len, d_out, **kw):
+    """(out, dq, dk, dv): the Triton forward, then the Triton backward on its out/lse."""
+    from rlkernel.kernels.triton_attention import attention_forward
+    from rlkernel.kernels.triton_attention_bwd import attention_backward
+    out, lse = attention_forward(q, k, v, q_pos, kv_len, SCALE)
+    return (out, *attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE, **kw))
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_attention_bwd_vs_float64(dtype):
+    """3 packed samples (lengths 300, 200, 129; 320 key slots, NaN past kv_len and in padding):
+    dQ/dK/dV vs float64 autograd of the same masked attention. fp32: every element within
+    1e-5·max|ref|; bf16: relative norm < 2e-2. Padding query rows and keys past kv_len: +0.0."""
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, dtype, tk=320, seed=1)
+    _, dq, dk, dv = _grads(q, k, v, q_pos, kv_len, d_out)
+    ref = attention_oracle64(q, k, v, q_pos, kv_len, d_out, SCALE)
+    for got, want in zip((dq, dk, dv), ref[1:]):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        if dtype == torch.float32:
+            err = float((got.double() - want).abs().max())
+            assert err <= 1e-5 * float(want.abs().max()), err
+        else:
+            assert _rel(got, want) < 2e-2
+    pad = (q_pos < 0)[:, None, :, None].expand_as(dq)
+    assert bool((dq[pad].float().view(torch.int32) == 0).all())
+    past = (torch.arange(320, device=DEV)[None, :] >= kv_len[:, None])[:, None, :, None]
+    for t in (dk, dv):
+        assert bool((t[past.expand_as(t)].float().view(torch.int32) == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_attention_bwd_sample_alone_equals_sample_in_batch(dtype):
+    """Each sample's out/dQ/dK/dV alone (S = 1, Tq = Tk = its length, its own forward) == its rows
+    in the padded 3-sample batch, bitwise."""
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, dtype, seed=2)
+    ref = _grads(q, k, v, q_pos, kv_len, d_out)
+    for i, n in enumerate(LENGTHS):
+        got = _grads(*(t[i:i + 1, :, :n] for t in (q, k, v)), q_pos[i:i + 1, :n],
+                     kv_len[i:i + 1], d_out[i:i + 1, :, :n])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            _assert_same(a[0], b[i, :, :n], f"sample {i} {name}")
+
+
+def _cp_pos(q_pos, q_idx, sl, cp, r):
+    seg = torch.div(q_idx, sl // (2 * cp), rounding_mode="floor")
+    mine = torch.isin(seg, torch.tensor(cp_segments(cp, r), device=DEV)) & (q_idx >= 0)
+    return torch.where(mine, q_pos, -1)
+
+
+@pytest.mark.parametrize("dtype,cp", [(torch.float32, 2), (torch.float32, 4), (torch.bfloat16, 2)])
+def test_cuda_attention_bwd_cp_zigzag_ranks_give_single_process_bytes(dtype, cp):
+    """CP = cp ranks, each holding the queries of its zig-zag segments (whole leaves; the others
+    padding), every key, tok = the CP group: each rank's dK/dV == the single-process bytes, its
+    out/dQ rows == the single-process rows."""
+    q, k, v, q_pos, kv_len, q_idx, sl, d_out = _pack(LENGTHS, dtype, seed=3)
+    ref = _grads(q, k, v, q_pos, kv_len, d_out)
+    pos = [_cp_pos(q_pos, q_idx, sl, cp, r) for r in range(cp)]
+    res = run_ranks_sequentially(cp, lambda r, c: _grads(q, k, v, pos[r], kv_len, d_out,
+                                                         tok=TokenSum(c)))
+    for r, (out, dq, dk, dv) in enumerate(res):
+        sel = (pos[r] >= 0)[:, None, :, None].expand_as(dq)
+        assert bool(sel.any())
+        _assert_same(out[sel], ref[0][sel], f"rank {r} out")
+        _assert_same(dq[sel], ref[1][sel], f"rank {r} dq")
+        _assert_same(dk, ref[2], f"rank {r} dk")
+        _assert_same(dv, ref[3], f"rank {r} dv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_attention_bwd_tq_split_gives_the_full_bytes(dtype):
+    """One 300-token sample's queries in two calls, [0, 128) (Tq 128) and [128, 300) (slot t =
+    position 128 + t), every key in both, exact sums joined over a 2-rank group: dK/dV == the
+    one-call bytes, out/dQ == its rows."""
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack([300], dtype, seed=4)
+    ref = _grads(q, k, v, q_pos, kv_len, d_out)
+    cuts = [(0, 128), (128, 300)]
+
+    def part(r, comm):
+        a, b = cuts[r]
+        return _grads(q[:, :, a:b], k, v, q_pos[:, a:b], kv_len, d_out[:, :, a:b],
+                      tok=TokenSum(comm))
+
+    for (a, b), (out, dq, dk, dv) in zip(cuts, run_ranks_sequentially(2, part)):
+        _assert_same(out, ref[0][:, :, a:b], "out")
+        _assert_same(dq, ref[1][:, :, a:b], "dq")
+        _assert_same(dk, ref[2], "dk")
+        _assert_same(dv, ref[3], "dv")
+
+
+@pytest.mark.parametrize("tp,hq", [(2, 4), (4, 4), (2, 12), (4, 12)])
+def test_cuda_attention_bwd_kv_head_replicated_over_tp_ranks(tp, hq):
+    """One KV head shared by hq query heads, TP = tp ranks with hq/tp heads each and kv_comm over
+    them (12 heads: 6 + 6 or 3 + 3 + 3 + 3, the halving tree's parts): every rank's dK/dV ==
+    single-process bytes, its heads' out/dQ == the matching rows (fp32)."""
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, torch.float32, hq=hq, hkv=1, seed=5)
+    ref = _grads(q, k, v, q_pos, kv_len, d_out)
+    per = hq // tp
+
+    def rank(r, comm):
+        h = slice(r * per, (r + 1) * per)
+        return _grads(q[:, h], k, v, q_pos, kv_len, d_out[:, h], kv_comm=comm)
+
+    for r, (out, dq, dk, dv) in enumerate(run_ranks_sequentially(tp, rank)):
+        h = slice(r * per, (r + 1) * per)
+        _assert_same(out, ref[0][:, h], "out")
+        _assert_same(dq, ref[1][:, h], "dq")
+        _assert_same(dk, ref[2], "dk")
+        _assert_same(dv, ref[3], "dv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_attention_bwd_decode_row_dq_equals_prefill_row(dtype):
+    """The query at position p alone (Tq 1; a 384-slot KV cache, NaN past kv_len = p + 1; its own
+    forward) has the out and dQ bytes of its row in the prefill, p in 0, 63, 64, 65, 200, 299."""
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack([300], dtype, seed=6)
+    ref = _grads(q, k, v, q_pos, kv_len, d_out)
+    for p in (0, 63, 64, 65, 200, 299):
+        kc = torch.full((1, HKV, 384, D), NAN, device=DEV, dtype=dtype)
+        vc = torch.full((1, HKV, 384, D), NAN, device=DEV, dtype=dtype)
+        kc[:, :, :p + 1], vc[:, :, :p + 1] = k[:, :, :p + 1], v[:, :, :p + 1]
+        row = slice(p, p + 1)
+        out, dq, _, _ = _grads(q[:, :, row], kc, vc, q_pos[:, row],
+                               torch.tensor([p + 1], device=DEV), d_out[:, :, row])
+        _assert_same(out, ref[0][:, :, row], f"out {p}")
+        _assert_same(dq, ref[1][:, :, row], f"dq {p}")
+
+
+_EXTRA_DQ_TILES = {torch.float32: [(16, 4, 1), (32, 4, 1), (64, 8, 1)],
+                   torch.bfloat16: [(64, 4, 1), (128, 8, 1)]}
+_EXTRA_KV_TILES = [(64, 1, 8, 1), (64, 4, 4, 1), (32, 2, 4, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_attention_bwd_every_tile_and_chunk_size_gives_the_same_bits(dtype):
+    """Every dQ tile of the table and a few others (bf16: BLOCK_M >= 64, warps % 4 == 0, the
+    forward's rule), dK/dV tiles with 32/64 keys and 1/2/4 leaves per program, and chunks of
+    the exact accumulator down to one 64-key block of one sample and one leaf per step: the
+    default bytes."""
+    from rlkernel.kernels import triton_attention_bwd as tb
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, dtype, seed=7)
+    ref = _grads(q, k, v, q_pos, kv_len, d_out)
+    variants = [{"dq_tile": cfg} for _, cfg in tb._DQ_TILES[dtype]]
+    variants += [{"dq_tile": cfg} for cfg in _EXTRA_DQ_TILES[dtype]]
+    variants += [{"kv_tile": cfg} for cfg in _EXTRA_KV_TILES]
+    variants += [{"acc_elems": 2 * HQ * D * 64, "buf_elems": 1},
+                 {"acc_elems": 1 << 16, "buf_elems": 1 << 20}]
+    for kw in variants:
+        got = _grads(q, k, v, q_pos, kv_len, d_out, **kw)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            _assert_same(a, b, f"{kw} {name}")
+
+
+def test_cuda_autograd_attention_runs_the_triton_backward():
+    """kernels/attention.attention on CUDA tensors: autograd's dQ/dK/dV == attention_backward
+    called directly on the forward's out/lse, bitwise (fp32, packed batch)."""
+    from rlkernel.kernels.attention import attention
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, torch.float32, seed=8)
+    ref = _grads(q, k, v, q_pos, kv_len, d_out)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attention(qq, kk, vv, q_pos, kv_len, SCALE)
+    out.backward(d_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out.detach(), qq.grad, kk.grad, vv.grad),
+                          ref):
+        _assert_same(a, b, name)
+
+
+def test_cuda_attention_bwd_32k_tokens_memory_and_accuracy():
+    """One 32768-token sample, 4 query heads, 1 KV head, D = 128, fp32: the backward's peak extra
+    memory (torch.cuda.max_memory_allocated over the call) is within `peak_bytes` and below a
+    quarter of one fp32 [Tq, Tk] matrix (4 GiB); dQ of the last 64 queries and dK/dV of the last
+    64 keys (every query that sees them) within 1e-5·max|ref| of float64. Prints time and peak."""
+    from rlkernel.kernels import triton_attention_bwd as tb
+    from rlkernel.kernels.triton_attention import attention_forward
+    t, hq = 32768, 4
+    q, k, v = (_randn(1, h, t, D, seed=20 + i) for i, h in enumerate((hq, 1, 1)))
+    d_out = _randn(1, hq, t, D, seed=23)
+    q_pos = torch.arange(t, device=DEV)[None]
+    kv_len = torch.tensor([t], device=DEV)
+    out, lse = attention_forward(q, k, v, q_pos, kv_len, SCALE)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    dq, dk, dv = tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = tb.peak_bytes(1, hq, 1, t, t, D, t // TOKEN_LEAF)
+    print(f"\n32k backward: {secs:.3f} s, peak extra {peak / 2**30:.3f} GiB "
+          f"(bound {bound / 2**30:.3f} GiB; one [Tq, Tk] fp32 matrix {t * t * 4 / 2**30:.0f} GiB)")
+    assert peak <= bound, (peak, bound)
+    assert bound < t * t * 4 // 4
+    # float64 references that need only a slice: the last 64 queries see every key; the last 64
+    # keys are seen only by the last 64 queries.
+    w = 64
+    q64, k64, v64 = q[0, :, -w:].double(), k[0, 0].double(), v[0, 0].double()
+    s = q64 @ k64.T * SCALE                                                  # [hq, w, t]
+    s = s.masked_fill(torch.arange(t, device=DEV)[None, None, :]
+                      > torch.arange(t - w, t, device=DEV)[None, :, None], float("-inf"))
+    p = torch.softmax(s, -1)
+    g = d_out[0, :, -w:].double()
+    dp = g @ v64.T
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    want = {"dq": (ds @ k64) * SCALE, "dk": torch.einsum("hqj,hqd->jd", ds[..., -w:], q64) * SCALE,
+            "dv": torch.einsum("hqj,hqd->jd", p[..., -w:], g)}
+    got = {"dq": dq[0, :, -w:], "dk": dk[0, 0, -w:], "dv": dv[0, 0, -w:]}
+    for name, ref in want.items():
+        err = float((got[name].double() - ref).abs().max())
+        assert err <= 1e-5 * float(ref.abs().max()), (name, err)
+
+
+def test_cuda_negative_control_stock_sdpa_dk_of_two_query_halves_differs():
+    """Negative control for the CP / Tq-split tests: torch SDPA (flash, bf16) dK of the queries
+    in two halves (d_out zeroed outside each half), added, != the dK of all queries at once."""
+    q, k, v = (_randn(1, 8, 1024, D, seed=30 + i, dtype=torch.bfloat16) for i in range(3))
+    d_out = _randn(1, 8, 1024, D, seed=33, dtype=torch.bfloat16)
+
+    def dk(rows):
+        kk = k.clone().requires_grad_()
+        g = torch.zeros_like(d_out)
+        g[:, :, rows] = d_out[:, :, rows]
+        F.scaled_dot_product_attention(q, kk, v, is_causal=True).backward(g)
+        return kk.grad.float()
+
+    assert n_diff(dk(slice(0, 512)) + dk(slice(512, 1024)), dk(slice(0, 1024))) > 0
+
+
+def test_cuda_negative_control_fp32_sum_of_leaf_partials_depends_on_order():
+    """The kernel's own leaf partials (fp32, packed batch): their exact sum is the same in leaf
+    order and reversed, and equals the backward's dK/dV before the head tree; a plain fp32 sum in
+    the two orders differs (so an order-dependent reduction would fail the CP test)."""
+    from rlkernel.kernels import triton_attention_bwd as tb
+    from rlkernel.kernels.triton_attention import attention_forward
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics.trees import tree_sum_halving
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, torch.float32, seed=9)
+    out, lse = attention_forward(q, k, v, q_pos, kv_len, SCALE)
+    _, dk, dv = tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
+    s_, hq, tq, _ = q.shape
+    tk = k.shape[2]
+    n_leaves = max(LENGTHS) // TOKEN_LEAF + 1
+    lse_h = lse.reshape(s_, hq, tq)
+    part = torch.empty(n_leaves, 2, s_, hq, tk, D, device=DEV)
+    tb._launch_partials(q, k, v, d_out, lse_h, tb._delta(out, d_out, q_pos),
+                        tb.slot_map(q_pos, n_leaves), kv_len, SCALE, part, 0, 0, 0, n_leaves,
+                        None)
+    exact = fx.exact_sum_fp32(part)
+    _assert_same(fx.exact_sum_fp32(part.flip(0)), exact, "exact sum reversed")
+    heads = tree_sum_halving(exact.view(2, s_, HKV, hq // HKV, tk, D), 3)
+    _assert_same(heads[0] * SCALE, dk, "dk")
+    _assert_same(heads[1], dv, "dv")
+    fwd, rev = torch.zeros_like(exact), torch.zeros_like(exact)
+    for i in range(n_leaves):
+        fwd = fwd + part[i]
+        rev = rev + part[n_leaves - 1 - i]
+    assert n_diff(fwd, rev) > 0

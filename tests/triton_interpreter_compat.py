@@ -1,0 +1,52 @@
+"""Make Triton's CPU interpreter (TRITON_INTERPRET=1) usable with numpy >= 2.3: import this module
+before launching a kernel under the interpreter.
+
+Why: the interpreter holds every scalar as a 1-element numpy array and converts it for Python's
+`range` with `int(array)`, which numpy 2.3+ refuses for arrays of ndim > 0 ("only 0-dimensional
+arrays can be converted to Python scalars"), so any kernel loop with a runtime bound
+(`for j0 in range(0, hi, BLOCK_N)`) fails (seen with triton 3.6 and numpy 2.4). The shim adds,
+after the interpreter's own per-launch patch of `tl.tensor`, an `__index__` that takes the single
+element with `.item()`; the interpreter's patch scope restores both on exit (last in, first out).
+Second fix: the interpreter stores bfloat16 tensors as their raw uint16 bits and `tl.dot` runs
+np.matmul on those bits (a bf16 dot returns ~1e10 garbage; conversions with `.to` are right).
+The shim widens bf16 dot operands exactly to float32 first (the bits shifted into the top half),
+so a bf16 dot is a float32 matmul of the exact values: the GPU's tensor cores are not emulated
+(they may round differently), but kernel logic around a bf16 dot can be checked.
+Changes nothing else and nothing outside the interpreter. Does not: touch compiled (GPU) runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton.language as tl
+import triton.runtime.interpreter as _interp
+
+_original = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope) -> None:
+    _original(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+if getattr(_interp._patch_lang_tensor, "__module__", None) != __name__:
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+def _widen_bf16(x):
+    if x.dtype.scalar == tl.bfloat16:
+        bits = (x.data.astype(np.uint32) << 16).view(np.float32)
+        return _interp.TensorHandle(bits, tl.float32)
+    return x
+
+
+_original_dot = _interp.InterpreterBuilder.create_dot
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return _original_dot(self, _widen_bf16(a), _widen_bf16(b), d, input_precision,
+                         max_num_imprecise_acc)
+
+
+if getattr(_interp.InterpreterBuilder.create_dot, "__module__", None) != __name__:
+    _interp.InterpreterBuilder.create_dot = _create_dot
