@@ -218,7 +218,6 @@ class _ColumnParallelLinear(torch.autograd.Function):
         # The parameters themselves key the gradient sink: saved tensors may come back as other
         # objects (activation checkpointing unpacks recomputed ones).
         ctx.shard_rows, ctx.tok, ctx.params, ctx.cd = shard_rows, tok, ws, cd
-        ctx.x_dtype = x.dtype
         return tuple(linear_nt(xr, rounding_point(w, cd)) for w in ws)
 
     @staticmethod
