@@ -244,6 +244,7 @@ def test_padded_vocab_rejects_a_live_vocab_outside_1_to_v():
 
 
 _INTERPRETED_FUSED_CHECK = textwrap.dedent("""
+    import triton_interpreter_compat  # numpy >= 2.3: before any launch
     import torch
     from rlkernel.kernels import triton_logprobs as tlp
     from rlkernel.kernels.logprobs import _div_t
@@ -269,7 +270,10 @@ def test_padded_vocab_triton_fused_kernel_masks_by_global_id_under_interpreter()
     """TRITON_INTERPRET=1 (Triton on the CPU): the fused LM-head kernel's statistics with
     live_vocab == the materialised kernel's on z masked by _div_t, bitwise; shards wholly past
     live_vocab are (−inf, 0, 0) and a masked target's z is −inf. (CUDA: tests/test_cuda.py.)"""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = os.path.dirname(os.path.abspath(__file__))   # triton_interpreter_compat
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.path.dirname(tests),
+                                                       os.environ.get("PYTHONPATH")]))}
     p = subprocess.run([sys.executable, "-c", _INTERPRETED_FUSED_CHECK], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
