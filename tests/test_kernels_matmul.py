@@ -466,6 +466,36 @@ def test_bf16_compute_dtype_is_the_fp32_chain_on_rounded_operands(which):
     assert all(n_diff(g, r) > 0 for g, r in zip(got, fp32))
 
 
+@pytest.mark.parametrize("which", ["column", "row"])
+def test_bf16_compute_dtype_rounds_weights_that_hold_no_bf16_value(which):
+    """A bf16 run's parameters hold bf16 values, but one whose low bits changed (a fault, a
+    bit flip: test_faults) must compute as its bf16 rounding: with fp32 weights that are not
+    bf16 values, y, dX and dW of compute_dtype=bf16 are bitwise the fp32 kernels fed x, w and
+    dy rounded to bf16 (the column case fuses two weights, as gate/up). Negative controls: the
+    weights really are not bf16 values, and their fp16 rounding is another tensor (so rounding
+    w to any other 16-bit format, or not at all, would fail the equality)."""
+    L, K = 64, 64
+    ns = (48, 40) if which == "column" else (48,)
+    x = randn(L, K, seed=161)
+    ws = [randn(n, K, seed=162 + i, scale=0.2) for i, n in enumerate(ns)]
+    dys = [randn(L, n, seed=165 + i) for i, n in enumerate(ns)]
+    bf = [t.bfloat16().float() for t in ws]
+    for w, wb in zip(ws, bf):
+        assert n_diff(w, wb) > 0 and n_diff(w.half().float(), wb) > 0
+
+    def grads(x, ws, dys, **kw):
+        xx, wws = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+        ys = column_parallel_linear(xx, wws, **kw) if which == "column" else \
+            (row_parallel_linear(xx, wws[0], **kw),)
+        torch.autograd.backward(ys, dys)
+        return [y.detach() for y in ys] + [xx.grad] + [w.grad for w in wws]
+
+    got = grads(x, ws, dys, compute_dtype=torch.bfloat16)
+    want = grads(x.bfloat16().float(), bf, [dy.bfloat16().float() for dy in dys])
+    for g, r in zip(got, want):
+        assert_bitwise(g, r)
+
+
 def test_bf16_compute_dtype_batch_invariant_and_vs_float64():
     """bf16 compute keeps batch invariance (row 0 alone == row 0 in a batch of 257, bitwise) and
     stays within bf16 rounding of the float64 product (relative 2**-7 per operand: the bound
