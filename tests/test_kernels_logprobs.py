@@ -104,8 +104,12 @@ def test_negative_control_reciprocal_temperature_changes_log_softmax_bits():
         assert_stock_differs(log_softmax(logits * (1.0 / T), 1.0), log_softmax(logits, T))
 
 
-def test_token_logprobs_entropy_backward_vs_float64():
-    """d(Σ g_lp·logprob + g_ent·entropy)/dlogits agrees with float64 autograd (<= 1e-5 of max|ref|)."""
+@pytest.mark.parametrize("rows_elems", [1 << 25, 3 * 1024])
+def test_token_logprobs_entropy_backward_vs_float64(monkeypatch, rows_elems):
+    """d(Σ g_lp·logprob + g_ent·entropy)/dlogits agrees with float64 autograd (<= 1e-5 of max|ref|),
+    with per-row g_lp, g_ent, whether d logits is one chunk or chunks of 3 rows with a 1-row tail
+    (logprobs.ROWS_ELEMS): a chunk that took another chunk's rows of g or the statistics fails."""
+    monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
     N, V, T = 16, 1024, 0.8
     logits = randn(N, V, seed=58, scale=3).requires_grad_()
     tgt = torch.randint(0, V, (N,), generator=gen(59))
@@ -306,3 +310,35 @@ def test_bf16_fused_lm_head_equals_unfused_bf16_linear_and_row_chunking_changes_
     for a, b in zip(got, run(False, torch.bfloat16)):
         assert_bitwise(a, b)
     assert all(n_diff(a, b) > 0 for a, b in zip(got, run(True, torch.float32)))
+
+
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
+def test_fused_lm_head_row_chunks_with_per_row_loss_weights_change_no_bit(monkeypatch, cd):
+    """Per-row loss weights (Σ a_i·logprob_i + b_i·entropy_i, a and b distinct per row) and a W
+    that holds no bf16 value: the fused LM head's lp, entropy, dh and dW are the same bytes with
+    d logits in one chunk and in chunks of 3 rows with a 1-row tail (logprobs.ROWS_ELEMS), and
+    equal the unfused column_parallel_linear(h, [W], cd) -> token_logprobs_entropy path in one
+    chunk, bitwise. (Uniform weights could not tell a chunk that read another chunk's rows of
+    g_lp/g_ent; a bf16-valued W could not tell a backward that skips rounding W.)"""
+    N, H, V, n, T = 64, 32, 512, 300, 0.9
+    h0 = randn(N, H, seed=171)
+    w0 = randn(V, H, seed=172, scale=0.3)
+    assert n_diff(w0, w0.bfloat16().float()) > 0
+    a, b = randn(N, seed=173), randn(N, seed=174)
+    tgt = torch.randint(0, n, (N,), generator=gen(175))
+
+    def run(fused, rows_elems):
+        monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if fused:
+            lp, ent = linear_token_logprobs_entropy(h, w, tgt, T, live_vocab=n, compute_dtype=cd)
+        else:
+            (logits,) = column_parallel_linear(h, [w], compute_dtype=cd)
+            lp, ent = token_logprobs_entropy(logits, tgt, T, live_vocab=n)
+        ((lp * a).sum() + (ent * b).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    want = run(False, 1 << 25)
+    for fused, rows_elems in ((True, 1 << 25), (True, 3 * V), (False, 3 * V)):
+        for x, y in zip(run(fused, rows_elems), want):
+            assert_bitwise(x, y)
