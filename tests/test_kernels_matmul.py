@@ -509,6 +509,34 @@ def test_bf16_compute_dtype_batch_invariant_and_vs_float64():
     assert bool(((full.double() - ref).abs() <= bound).all())
 
 
+def test_native_arm_on_cpu_stays_fp32_under_a_bf16_compute_dtype():
+    """--mode native's linears and attention (model/ops.NativeOps) compute in the compute dtype
+    only on CUDA; on CPU tensors a bf16 compute dtype leaves them the fp32 stock ops, bitwise
+    (docs/ARCHITECTURE.md "Native mode": the CPU control stays fp32). Negative control: the
+    same stock ops on bf16-rounded operands give other bytes here."""
+    from rlkernel.distributed.parallel import ParallelCtx
+    from rlkernel.model.ops import NativeOps
+    pc = ParallelCtx.single()
+    x, w = randn(32, 64, seed=181), randn(48, 64, seed=182, scale=0.2)
+    (col,) = NativeOps.col(x, [w], None, VIRTUAL_TP, pc, torch.bfloat16)
+    row = NativeOps.row(x, w, VIRTUAL_TP, pc, torch.bfloat16)
+    for got in (col, row):
+        assert got.dtype == torch.float32
+        assert_bitwise(got, F.linear(x, w))
+    assert n_diff(F.linear(x.bfloat16(), w.bfloat16()).float(), F.linear(x, w)) > 0
+    q, k, v = randn(1, 4, 24, 16, seed=183), randn(1, 2, 24, 16, seed=184), randn(1, 2, 24, 16,
+                                                                                    seed=185)
+    q_pos, kv_len = torch.arange(24)[None], torch.tensor([24])
+    att = [NativeOps.attention(q, k, v, q_pos, kv_len, 0.25, pc, cd, dense_causal=dense)
+           for dense in (False, True) for cd in (torch.bfloat16, torch.float32)]
+    assert_bitwise(att[0], att[1])
+    assert_bitwise(att[2], att[3])
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    bf = F.scaled_dot_product_attention(q.bfloat16(), kk.bfloat16(), vv.bfloat16(),
+                                        is_causal=True, scale=0.25).float()
+    assert n_diff(bf, att[3]) > 0
+
+
 def test_compute_dtype_outside_the_allowed_set_is_refused():
     """float16 (or any dtype but fp32/bf16) is refused before any work, naming the choices."""
     x, w = randn(16, 8, seed=66), randn(4, 8, seed=67)
