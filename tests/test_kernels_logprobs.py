@@ -283,6 +283,20 @@ def test_padded_vocab_triton_fused_kernel_masks_by_global_id_under_interpreter()
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
 
 
+def _lm_head_grads(h0, w0, tgt, fused, cd, g_lp, g_ent, live=300, temperature=0.9):
+    """(lp, entropy, dh, dW) of Σ g_lp·logprob + g_ent·entropy through the fused LM head, or
+    through column_parallel_linear(h, [W], cd) -> token_logprobs_entropy (unfused)."""
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    if fused:
+        lp, ent = linear_token_logprobs_entropy(h, w, tgt, temperature, live_vocab=live,
+                                                compute_dtype=cd)
+    else:
+        (logits,) = column_parallel_linear(h, [w], compute_dtype=cd)
+        lp, ent = token_logprobs_entropy(logits, tgt, temperature, live_vocab=live)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
+
+
 @pytest.mark.parametrize("rows_elems", [1 << 25, 3 * 512])
 def test_bf16_fused_lm_head_equals_unfused_bf16_linear_and_row_chunking_changes_nothing(
         monkeypatch, rows_elems):
@@ -291,20 +305,13 @@ def test_bf16_fused_lm_head_equals_unfused_bf16_linear_and_row_chunking_changes_
     the product, d logits before dh/dW) — whether d logits is computed in one chunk or in
     chunks of 3 rows (logprobs.ROWS_ELEMS). Negative control: the fp32 LM head differs."""
     monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
-    N, H, V, n, T = 64, 32, 512, 300, 0.9
+    N, H, V = 64, 32, 512
     h0 = randn(N, H, seed=84)
     w0 = randn(V, H, seed=85, scale=0.3).bfloat16().float()
-    tgt = torch.randint(0, n, (N,), generator=gen(86))
+    tgt = torch.randint(0, 300, (N,), generator=gen(86))
 
     def run(fused, cd):
-        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        if fused:
-            lp, ent = linear_token_logprobs_entropy(h, w, tgt, T, live_vocab=n, compute_dtype=cd)
-        else:
-            (logits,) = column_parallel_linear(h, [w], compute_dtype=cd)
-            lp, ent = token_logprobs_entropy(logits, tgt, T, live_vocab=n)
-        (lp.sum() + 0.3 * ent.sum()).backward()
-        return lp.detach(), ent.detach(), h.grad, w.grad
+        return _lm_head_grads(h0, w0, tgt, fused, cd, 1.0, 0.3)
 
     got = run(True, torch.bfloat16)
     for a, b in zip(got, run(False, torch.bfloat16)):
@@ -320,23 +327,16 @@ def test_fused_lm_head_row_chunks_with_per_row_loss_weights_change_no_bit(monkey
     equal the unfused column_parallel_linear(h, [W], cd) -> token_logprobs_entropy path in one
     chunk, bitwise. (Uniform weights could not tell a chunk that read another chunk's rows of
     g_lp/g_ent; a bf16-valued W could not tell a backward that skips rounding W.)"""
-    N, H, V, n, T = 64, 32, 512, 300, 0.9
+    N, H, V = 64, 32, 512
     h0 = randn(N, H, seed=171)
     w0 = randn(V, H, seed=172, scale=0.3)
     assert n_diff(w0, w0.bfloat16().float()) > 0
     a, b = randn(N, seed=173), randn(N, seed=174)
-    tgt = torch.randint(0, n, (N,), generator=gen(175))
+    tgt = torch.randint(0, 300, (N,), generator=gen(175))
 
     def run(fused, rows_elems):
         monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
-        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        if fused:
-            lp, ent = linear_token_logprobs_entropy(h, w, tgt, T, live_vocab=n, compute_dtype=cd)
-        else:
-            (logits,) = column_parallel_linear(h, [w], compute_dtype=cd)
-            lp, ent = token_logprobs_entropy(logits, tgt, T, live_vocab=n)
-        ((lp * a).sum() + (ent * b).sum()).backward()
-        return lp.detach(), ent.detach(), h.grad, w.grad
+        return _lm_head_grads(h0, w0, tgt, fused, cd, a, b)
 
     want = run(False, 1 << 25)
     for fused, rows_elems in ((True, 1 << 25), (True, 3 * V), (False, 3 * V)):
