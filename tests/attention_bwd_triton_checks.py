@@ -8,7 +8,9 @@ dot whose element depends only on its own row, column and operand shape: a sampl
 vs in a batch, the CP split of the query leaves, a Tq split, the TP head split, the chunk sizes.
 bf16 runs with the interpreter's bf16 dot made exact (tests/triton_interpreter_compat.py).
 What it cannot: the GPU's dot orders (numpy's matmul stands in, and may round differently for
-another operand shape, so the dQ tile is pinned where a layout changes the row count);
+another operand shape, so the dQ tile is pinned where a layout changes the row count); one check
+replaces the dot by a sequential multiply-add chain to pin the summation orders the module doc
+names (keys ascending in dQ, positions ascending in a leaf, dK scaled last);
 tests/test_cuda_attention_bwd.py checks the same properties on the GPU with the real tables.
 The forward here is the Triton forward (also interpreted); where layouts change, the backward is
 given the full run's out/lse rows so that only the backward is under test.
@@ -20,18 +22,21 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/attention_bwd_triton_chec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import sys
 import warnings
 
+import numpy as np
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("attention_bwd_triton_checks.py needs TRITON_INTERPRET=1")
 
 import triton_interpreter_compat  # noqa: F401 - before any launch
+import triton.runtime.interpreter as _interp
 from kernel_helpers import (
     NAN,
     assert_bitwise,
@@ -59,6 +64,8 @@ O(1) products keep the error near 1e-6 of that (measured: < 3e-7)."""
 CHECKS = {}
 # The forward's row max over a padding row of NaN garbage warns in numpy; that row is zeroed.
 warnings.filterwarnings("ignore", "All-NaN slice encountered", RuntimeWarning)
+# exp(s − lse) of a masked pair may overflow in numpy; tl.where selects 0 there.
+warnings.filterwarnings("ignore", "overflow encountered in exp", RuntimeWarning)
 
 
 def check(fn):
@@ -300,6 +307,112 @@ def bf16_packed_batch_vs_float64_and_alone_equals_in_batch():
                      d_out[i:i + 1, :, :n], q_pos[i:i + 1, :n], kv_len[i:i + 1])
         for a, b in zip(alone, grads):
             assert_bitwise(a[0].float(), b[i, :, :n].float())
+
+
+def _chain_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's tl.dot as the module doc describes the kernels' fp32 dots: per output
+    element one chain, acc = d, then acc = acc + a_k·b_k for k ascending (fp32 product, fp32 add)."""
+    a32 = triton_interpreter_compat._widen_bf16(a).data.astype(np.float32)
+    b32 = triton_interpreter_compat._widen_bf16(b).data.astype(np.float32)
+    acc = d.data.astype(np.float32).copy()
+    for i in range(a32.shape[-1]):
+        acc = acc + a32[..., :, i:i + 1] * b32[..., i:i + 1, :]
+    return _interp.TensorHandle(acc.astype(np.float32), d.dtype.scalar)
+
+
+@contextlib.contextmanager
+def _sequential_dot():
+    real = _interp.InterpreterBuilder.create_dot
+    _interp.InterpreterBuilder.create_dot = _chain_dot
+    try:
+        yield
+    finally:
+        _interp.InterpreterBuilder.create_dot = real
+
+
+def _chain(terms):
+    """fp32 sum of `terms` in the order given, from +0.0."""
+    acc = torch.zeros_like(terms[0])
+    for t in terms:
+        acc = acc + t
+    return acc
+
+
+@check
+def summation_orders_with_a_sequential_dot():
+    """With tl.dot made one multiply-add chain per element (K ascending: numpy's matmul, which the
+    interpreter uses, has no documented order), the kernels' bytes are the orders of the module
+    doc, rebuilt here from fp32 products: dQ_t = scale·(one chain over keys ascending, through
+    all 64-key blocks); per 16-position leaf a chain over its queries in position order; the
+    leaves added exactly; the 4 query heads by the halving tree; dK times scale last (scale 0.3,
+    no power of two). q = 0 (for dQ, dV) or k = 0 (for dK, dV) and lse = 0 make p = exp(0) = 1
+    exactly, so no exp needs reproducing. 150 keys (3 blocks), position 37 absent and leaf 8
+    holding position 128 alone (it sees only the first key of a tile); default chunks and
+    chunks of one key block with 3 leaves per step. Negative controls: the chains reversed (keys
+    descending, positions descending) give other bytes."""
+    n, hq, scale = 150, 4, 0.3
+    q_pos = torch.arange(n)[None]
+    q_pos[0, 37] = -1
+    q_pos[0, 129:144] = -1
+    kv_len = torch.tensor([n])
+    out, d_out = randn(1, hq, n, D, seed=301), randn(1, hq, n, D, seed=302)
+    lse = torch.zeros(1, 1, hq, n)
+    here = q_pos[0] >= 0
+    vis = (torch.arange(n)[None, :] <= torch.arange(n)[:, None]) & here[:, None]    # [t, j]
+    leaves = [range(16 * f, min(n, 16 * f + 16)) for f in range(math.ceil(n / 16))]
+    for zero in ("q", "k"):
+        q = randn(1, hq, n, D, seed=303)
+        k, v = randn(1, 1, n, D, seed=304), randn(1, 1, n, D, seed=305)
+        (q if zero == "q" else k).zero_()
+        with _sequential_dot():
+            runs = [tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, **kw)
+                    for kw in ({}, {"acc_elems": 8192, "buf_elems": 3 * 8192})]
+        delta = _chain([out[0, ..., d] * d_out[0, ..., d] for d in range(D)])           # [h, t]
+        dp = _chain([d_out[0, :, :, None, d] * v[0, 0, None, None, :, d] for d in range(D)])
+        ds = torch.where(vis, dp - delta[..., None], torch.zeros(()))                  # [h, t, j]
+        p = vis.float().expand(hq, n, n)
+        dq_terms = [ds[..., j, None] * k[0, 0, j] for j in range(n)]
+        want_dq = torch.where(here[:, None], _chain(dq_terms) * scale, torch.zeros(()))
+        part_k = [_chain([ds[:, t, :, None] * q[0, :, t, None] for t in ts]) for ts in leaves]
+        part_v = [_chain([p[:, t, :, None] * d_out[0, :, t, None] for t in ts]) for ts in leaves]
+        want_dk = tree_sum_halving(fx.exact_sum_fp32(torch.stack(part_k)), 0) * scale
+        want_dv = tree_sum_halving(fx.exact_sum_fp32(torch.stack(part_v)), 0)
+        for dq, dk, dv in runs:
+            if zero == "q":
+                assert_bitwise(dq[0], want_dq)
+            else:
+                assert_bitwise(dk[0, 0], want_dk)
+            assert_bitwise(dv[0, 0], want_dv)
+        if zero == "q":
+            rev = torch.where(here[:, None], _chain(dq_terms[::-1]) * scale, torch.zeros(()))
+            assert n_diff(rev, want_dq) > 0, "control: dQ keys descending gave the same bytes"
+        rev_v = [_chain([p[:, t, :, None] * d_out[0, :, t, None] for t in reversed(ts)])
+                 for ts in leaves]
+        assert n_diff(tree_sum_halving(fx.exact_sum_fp32(torch.stack(rev_v)), 0), want_dv) > 0, \
+            "control: leaf positions descending gave the same dV bytes"
+
+
+@check
+def keys_past_kv_len_stay_out_of_dq_where_exp_overflows():
+    """kv_len 40 below positions up to 79 (keys past it NaN) and every score near −100, so
+    lse ≈ −100 and exp(s − lse) of a key loaded as 0 would be Inf (Inf·0 = NaN in dQ): all
+    gradients finite and within 1e-4·max|ref| of float64 (|s| ≈ 100 rounds s to ~1e-5)."""
+    tq = 80
+    q = randn(1, 2, tq, D, seed=311, scale=0.05)
+    k = randn(1, 1, tq, D, seed=312, scale=0.05)
+    v = randn(1, 1, tq, D, seed=313)
+    q[..., 0] += 20.0
+    k[..., 0] -= 20.0
+    k[:, :, 40:], v[:, :, 40:] = NAN, NAN
+    q_pos, kv_len = torch.arange(tq)[None], torch.tensor([40])
+    d_out = randn(1, 2, tq, D, seed=314)
+    out, lse = _fwd(q, k, v, q_pos, kv_len)
+    assert float(lse.max()) < -90
+    grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+    ref = attention_oracle64(q, k, v, q_pos, kv_len, d_out, SCALE)
+    for got, want in zip(grads, ref[1:]):
+        assert bool(torch.isfinite(got).all()), "a non-finite gradient"
+        assert_near(got, want, atol=1e-4 * float(want.abs().max()))
 
 
 @check

@@ -74,8 +74,9 @@ def _tie_values(rng: random.Random) -> list[int]:
 
 def _edge_values(rng: random.Random) -> list[int]:
     """fp32 range edges: subnormals (exact) and the first rounded values; fp32 max, the tie
-    above it (rounds to 2**277: Inf), neighbours; the top digit's unit and far beyond;
-    values straddling digit boundaries."""
+    above it (rounds to 2**277: Inf), neighbours; the top digit's unit and far beyond (top
+    digits 2**31, 2**32 and multiples of 2**33, where the window top << 31 wraps int64 to a
+    negative number or to 0); values straddling digit boundaries."""
     out = [1, 2, 3, 5, (1 << 23) - 1, 1 << 23, (1 << 23) + 1, (1 << 24) - 1, 1 << 24,
            (1 << 24) + 1, (1 << 24) + 2, (1 << 24) + 3, (1 << 25) + 2, (1 << 25) + 6,
            (1 << 25) + 1]
@@ -84,7 +85,8 @@ def _edge_values(rng: random.Random) -> list[int]:
     out += [FP32_MAX, FP32_MAX - 1, FP32_MAX + 1, half_ulp_above_max, half_ulp_above_max - 1,
             half_ulp_above_max + 1, 1 << 277, (1 << 277) - 1, 1 << TOP_FIELD,
             (1 << TOP_FIELD) + 12345, (1 << 300) + 1, ((1 << 31) - 1) << TOP_FIELD,
-            1 << (TOP_FIELD + 31), 1 << (TOP_FIELD + 40)]
+            1 << (TOP_FIELD + 31), 1 << (TOP_FIELD + 32), (3 << (TOP_FIELD + 32)) + 9,
+            1 << (TOP_FIELD + 33), 5 << (TOP_FIELD + 33), 1 << (TOP_FIELD + 40)]
     for b in range(D, D * fx.N_DIGITS, D):                  # around each digit boundary
         for sh in (-25, -24, -13, -1, 0):
             if b + sh >= 0:

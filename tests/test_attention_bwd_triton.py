@@ -95,6 +95,20 @@ def test_bf16_packed_batch_vs_float64_and_alone_equals_in_batch(results):
     _ok(results, "bf16_packed_batch_vs_float64_and_alone_equals_in_batch")
 
 
+def test_summation_orders_with_a_sequential_dot(results):
+    """tl.dot made a multiply-add chain (K ascending): dQ == one chain over keys ascending across
+    blocks, dK/dV == per-leaf chains in position order, added exactly, halving tree over 4 heads,
+    dK·scale last (scale 0.3), bitwise, also with one-block chunks; p = 1 exactly (q or k zero,
+    lse 0). Controls: the chains reversed differ."""
+    _ok(results, "summation_orders_with_a_sequential_dot")
+
+
+def test_keys_past_kv_len_stay_out_of_dq_where_exp_overflows(results):
+    """kv_len below the positions with scores near −100 (exp(0 − lse) = Inf for a key loaded as
+    0): finite gradients within 1e-4·max|ref| of float64."""
+    _ok(results, "keys_past_kv_len_stay_out_of_dq_where_exp_overflows")
+
+
 def test_bad_arguments_are_refused(results):
     """fp16, heads not a multiple of the KV heads, a wrong lse shape: ValueError."""
     _ok(results, "bad_arguments_are_refused")

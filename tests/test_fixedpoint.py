@@ -176,12 +176,26 @@ def test_a_full_bin_flush_at_the_top_of_a_bin_stays_exact():
 
 def test_an_accumulator_beyond_the_top_digit_rounds_to_infinity():
     """A sum of accumulators (more than 2**33 fp32-max values) whose top digit reaches 2**31
-    is beyond every fp32: ±Inf, not the digits below it."""
-    acc = fx.zeros((4,))
-    acc[:, fx.N_DIGITS - 1] = torch.tensor([1 << 31, -(1 << 31), 1 << 40, -(1 << 40)])
+    is beyond every fp32: ±Inf, not the digits below it. Also top digits of 2**32 and of
+    multiples of 2**33, where the two-digit window (top << 31) would wrap int64 to a negative
+    number or to 0 (so an over-range test that only looked from 2**33 or 2**34 up gives −Inf
+    or ±0.0 there)."""
+    tops = [1 << 31, 1 << 32, (1 << 32) + 7, 1 << 33, 3 << 33, 1 << 40]
+    acc = fx.zeros((2 * len(tops),))
+    acc[:, fx.N_DIGITS - 1] = torch.tensor([v for t in tops for v in (t, -t)])
     acc[:, 3] = 12345
     got = fx.round_fp32(acc)
-    assert got.tolist() == [math.inf, -math.inf, math.inf, -math.inf]
+    assert got.tolist() == [math.inf, -math.inf] * len(tops)
+
+
+def test_negative_nonfinite_counts_mean_none():
+    """A difference of accumulators can hold negative NaN/+Inf/−Inf counts: only a count > 0
+    means that value was added (the rule of the CUDA kernel, tests/fixedpoint_round_cases.py),
+    so those rows round their finite digits (here 1.0), or follow the positive count."""
+    acc = fx.accumulate_(fx.zeros((5,)), torch.ones(1, 5))
+    acc[:, fx.N_DIGITS:] = torch.tensor([[-1, -2, -1], [0, -1, 0], [0, 0, -3], [0, -1, 1],
+                                         [-1, 1, 0]])
+    assert fx.round_fp32(acc).tolist() == [1.0, 1.0, 1.0, -math.inf, math.inf]
 
 
 def test_a_top_digit_of_minus_2_63_rounds_to_minus_infinity():

@@ -104,8 +104,12 @@ def test_negative_control_reciprocal_temperature_changes_log_softmax_bits():
         assert_stock_differs(log_softmax(logits * (1.0 / T), 1.0), log_softmax(logits, T))
 
 
-def test_token_logprobs_entropy_backward_vs_float64():
-    """d(Σ g_lp·logprob + g_ent·entropy)/dlogits agrees with float64 autograd (<= 1e-5 of max|ref|)."""
+@pytest.mark.parametrize("rows_elems", [1 << 25, 3 * 1024])
+def test_token_logprobs_entropy_backward_vs_float64(monkeypatch, rows_elems):
+    """d(Σ g_lp·logprob + g_ent·entropy)/dlogits agrees with float64 autograd (<= 1e-5 of max|ref|),
+    with per-row g_lp, g_ent, whether d logits is one chunk or chunks of 3 rows with a 1-row tail
+    (logprobs.ROWS_ELEMS): a chunk that took another chunk's rows of g or the statistics fails."""
+    monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
     N, V, T = 16, 1024, 0.8
     logits = randn(N, V, seed=58, scale=3).requires_grad_()
     tgt = torch.randint(0, V, (N,), generator=gen(59))
@@ -244,6 +248,7 @@ def test_padded_vocab_rejects_a_live_vocab_outside_1_to_v():
 
 
 _INTERPRETED_FUSED_CHECK = textwrap.dedent("""
+    import triton_interpreter_compat  # numpy >= 2.3: before any launch
     import torch
     from rlkernel.kernels import triton_logprobs as tlp
     from rlkernel.kernels.logprobs import _div_t
@@ -269,10 +274,27 @@ def test_padded_vocab_triton_fused_kernel_masks_by_global_id_under_interpreter()
     """TRITON_INTERPRET=1 (Triton on the CPU): the fused LM-head kernel's statistics with
     live_vocab == the materialised kernel's on z masked by _div_t, bitwise; shards wholly past
     live_vocab are (−inf, 0, 0) and a masked target's z is −inf. (CUDA: tests/test_cuda.py.)"""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = os.path.dirname(os.path.abspath(__file__))   # triton_interpreter_compat
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.path.dirname(tests),
+                                                       os.environ.get("PYTHONPATH")]))}
     p = subprocess.run([sys.executable, "-c", _INTERPRETED_FUSED_CHECK], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def _lm_head_grads(h0, w0, tgt, fused, cd, g_lp, g_ent, live=300, temperature=0.9):
+    """(lp, entropy, dh, dW) of Σ g_lp·logprob + g_ent·entropy through the fused LM head, or
+    through column_parallel_linear(h, [W], cd) -> token_logprobs_entropy (unfused)."""
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    if fused:
+        lp, ent = linear_token_logprobs_entropy(h, w, tgt, temperature, live_vocab=live,
+                                                compute_dtype=cd)
+    else:
+        (logits,) = column_parallel_linear(h, [w], compute_dtype=cd)
+        lp, ent = token_logprobs_entropy(logits, tgt, temperature, live_vocab=live)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
 
 
 @pytest.mark.parametrize("rows_elems", [1 << 25, 3 * 512])
@@ -283,22 +305,40 @@ def test_bf16_fused_lm_head_equals_unfused_bf16_linear_and_row_chunking_changes_
     the product, d logits before dh/dW) — whether d logits is computed in one chunk or in
     chunks of 3 rows (logprobs.ROWS_ELEMS). Negative control: the fp32 LM head differs."""
     monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
-    N, H, V, n, T = 64, 32, 512, 300, 0.9
+    N, H, V = 64, 32, 512
     h0 = randn(N, H, seed=84)
     w0 = randn(V, H, seed=85, scale=0.3).bfloat16().float()
-    tgt = torch.randint(0, n, (N,), generator=gen(86))
+    tgt = torch.randint(0, 300, (N,), generator=gen(86))
 
     def run(fused, cd):
-        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        if fused:
-            lp, ent = linear_token_logprobs_entropy(h, w, tgt, T, live_vocab=n, compute_dtype=cd)
-        else:
-            (logits,) = column_parallel_linear(h, [w], compute_dtype=cd)
-            lp, ent = token_logprobs_entropy(logits, tgt, T, live_vocab=n)
-        (lp.sum() + 0.3 * ent.sum()).backward()
-        return lp.detach(), ent.detach(), h.grad, w.grad
+        return _lm_head_grads(h0, w0, tgt, fused, cd, 1.0, 0.3)
 
     got = run(True, torch.bfloat16)
     for a, b in zip(got, run(False, torch.bfloat16)):
         assert_bitwise(a, b)
     assert all(n_diff(a, b) > 0 for a, b in zip(got, run(True, torch.float32)))
+
+
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
+def test_fused_lm_head_row_chunks_with_per_row_loss_weights_change_no_bit(monkeypatch, cd):
+    """Per-row loss weights (Σ a_i·logprob_i + b_i·entropy_i, a and b distinct per row) and a W
+    that holds no bf16 value: the fused LM head's lp, entropy, dh and dW are the same bytes with
+    d logits in one chunk and in chunks of 3 rows with a 1-row tail (logprobs.ROWS_ELEMS), and
+    equal the unfused column_parallel_linear(h, [W], cd) -> token_logprobs_entropy path in one
+    chunk, bitwise. (Uniform weights could not tell a chunk that read another chunk's rows of
+    g_lp/g_ent; a bf16-valued W could not tell a backward that skips rounding W.)"""
+    N, H, V = 64, 32, 512
+    h0 = randn(N, H, seed=171)
+    w0 = randn(V, H, seed=172, scale=0.3)
+    assert n_diff(w0, w0.bfloat16().float()) > 0
+    a, b = randn(N, seed=173), randn(N, seed=174)
+    tgt = torch.randint(0, 300, (N,), generator=gen(175))
+
+    def run(fused, rows_elems):
+        monkeypatch.setattr(logprobs_mod, "ROWS_ELEMS", rows_elems)
+        return _lm_head_grads(h0, w0, tgt, fused, cd, a, b)
+
+    want = run(False, 1 << 25)
+    for fused, rows_elems in ((True, 1 << 25), (True, 3 * V), (False, 3 * V)):
+        for x, y in zip(run(fused, rows_elems), want):
+            assert_bitwise(x, y)

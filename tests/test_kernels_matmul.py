@@ -466,6 +466,36 @@ def test_bf16_compute_dtype_is_the_fp32_chain_on_rounded_operands(which):
     assert all(n_diff(g, r) > 0 for g, r in zip(got, fp32))
 
 
+@pytest.mark.parametrize("which", ["column", "row"])
+def test_bf16_compute_dtype_rounds_weights_that_hold_no_bf16_value(which):
+    """A bf16 run's parameters hold bf16 values, but one whose low bits changed (a fault, a
+    bit flip: test_faults) must compute as its bf16 rounding: with fp32 weights that are not
+    bf16 values, y, dX and dW of compute_dtype=bf16 are bitwise the fp32 kernels fed x, w and
+    dy rounded to bf16 (the column case fuses two weights, as gate/up). Negative controls: the
+    weights really are not bf16 values, and their fp16 rounding is another tensor (so rounding
+    w to any other 16-bit format, or not at all, would fail the equality)."""
+    L, K = 64, 64
+    ns = (48, 40) if which == "column" else (48,)
+    x = randn(L, K, seed=161)
+    ws = [randn(n, K, seed=162 + i, scale=0.2) for i, n in enumerate(ns)]
+    dys = [randn(L, n, seed=165 + i) for i, n in enumerate(ns)]
+    bf = [t.bfloat16().float() for t in ws]
+    for w, wb in zip(ws, bf):
+        assert n_diff(w, wb) > 0 and n_diff(w.half().float(), wb) > 0
+
+    def grads(x, ws, dys, **kw):
+        xx, wws = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+        ys = column_parallel_linear(xx, wws, **kw) if which == "column" else \
+            (row_parallel_linear(xx, wws[0], **kw),)
+        torch.autograd.backward(ys, dys)
+        return [y.detach() for y in ys] + [xx.grad] + [w.grad for w in wws]
+
+    got = grads(x, ws, dys, compute_dtype=torch.bfloat16)
+    want = grads(x.bfloat16().float(), bf, [dy.bfloat16().float() for dy in dys])
+    for g, r in zip(got, want):
+        assert_bitwise(g, r)
+
+
 def test_bf16_compute_dtype_batch_invariant_and_vs_float64():
     """bf16 compute keeps batch invariance (row 0 alone == row 0 in a batch of 257, bitwise) and
     stays within bf16 rounding of the float64 product (relative 2**-7 per operand: the bound
@@ -477,6 +507,34 @@ def test_bf16_compute_dtype_batch_invariant_and_vs_float64():
     ref = x.double() @ w.double().t()
     bound = 2 * 2.0 ** -8 * (x.double().abs() @ w.double().abs().t()) + 1e-5
     assert bool(((full.double() - ref).abs() <= bound).all())
+
+
+def test_native_arm_on_cpu_stays_fp32_under_a_bf16_compute_dtype():
+    """--mode native's linears and attention (model/ops.NativeOps) compute in the compute dtype
+    only on CUDA; on CPU tensors a bf16 compute dtype leaves them the fp32 stock ops, bitwise
+    (docs/ARCHITECTURE.md "Native mode": the CPU control stays fp32). Negative control: the
+    same stock ops on bf16-rounded operands give other bytes here."""
+    from rlkernel.distributed.parallel import ParallelCtx
+    from rlkernel.model.ops import NativeOps
+    pc = ParallelCtx.single()
+    x, w = randn(32, 64, seed=181), randn(48, 64, seed=182, scale=0.2)
+    (col,) = NativeOps.col(x, [w], None, VIRTUAL_TP, pc, torch.bfloat16)
+    row = NativeOps.row(x, w, VIRTUAL_TP, pc, torch.bfloat16)
+    for got in (col, row):
+        assert got.dtype == torch.float32
+        assert_bitwise(got, F.linear(x, w))
+    assert n_diff(F.linear(x.bfloat16(), w.bfloat16()).float(), F.linear(x, w)) > 0
+    q, k, v = randn(1, 4, 24, 16, seed=183), randn(1, 2, 24, 16, seed=184), randn(1, 2, 24, 16,
+                                                                                    seed=185)
+    q_pos, kv_len = torch.arange(24)[None], torch.tensor([24])
+    att = [NativeOps.attention(q, k, v, q_pos, kv_len, 0.25, pc, cd, dense_causal=dense)
+           for dense in (False, True) for cd in (torch.bfloat16, torch.float32)]
+    assert_bitwise(att[0], att[1])
+    assert_bitwise(att[2], att[3])
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    bf = F.scaled_dot_product_attention(q.bfloat16(), kk.bfloat16(), vv.bfloat16(),
+                                        is_causal=True, scale=0.25).float()
+    assert n_diff(bf, att[3]) > 0
 
 
 def test_compute_dtype_outside_the_allowed_set_is_refused():
