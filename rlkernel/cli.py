@@ -543,7 +543,8 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     flags applied."""
     d = pathlib.Path(given["resume"])
     try:
-        saved = json.loads((src / "manifest.json").read_text())["config"]
+        manifest = json.loads((src / "manifest.json").read_text())
+        saved = manifest["config"]
         if not isinstance(saved, dict):  # e.g. "config": [] would crash in saved.get below
             raise TypeError(saved)
     except (OSError, ValueError, KeyError, TypeError):
@@ -574,7 +575,25 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
         raise ConfigError(f"--steps {given['steps']}: a run with --lr-schedule "
                           f"{saved['lr_schedule']} cannot be extended on resume (its LR decays "
                           f"over the saved --steps {saved.get('steps')}); start a new run")
-    return RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
+    cfg = RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
+    _check_same_spec(manifest.get("canonical_spec"), cfg.canonical_spec(), d)
+    return cfg
+
+
+def _check_same_spec(saved: typing.Any, now: dict[str, typing.Any], d: pathlib.Path) -> None:
+    """Refuse to resume a run whose manifest records another canonical spec than this code
+    computes for it (e.g. written before a kernel changed its bits, spec.NUMERICS_VERSION): its
+    steps and the resumed ones would not be one run. Raises ConfigError naming the fields."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume {str(d)!r}: its manifest records no canonical_spec, so "
+                          f"nothing shows it computes the bits this code does; start a new run")
+    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if diff:
+        what = "; ".join(f"{k}: saved {saved.get(k)!r}, this code {now.get(k)!r}" for k in diff)
+        raise ConfigError(f"--resume {str(d)!r}: the run was written under another numerical "
+                          f"spec ({what}); its steps and resumed ones would not be one run — "
+                          f"finish it with the code that wrote it (its manifest's git commit) "
+                          f"or start a new run")
 
 
 def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_VOCAB_CHUNK,
-                           MATMUL_ORDER, TOKEN_LEAF, VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
+                           MATMUL_ORDER, NUMERICS_VERSION, ROUNDING_POINTS, TOKEN_LEAF,
+                           VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -313,6 +314,8 @@ class RunConfig:
             "vocab_shards": VIRTUAL_TP,
             "token_leaf": TOKEN_LEAF,
             "token_reduction": TOKEN_REDUCTION,
+            "rounding_points": ROUNDING_POINTS[self.dtype],
+            "numerics_version": NUMERICS_VERSION,
         }
         if self.device == "cuda":
             spec.update(matmul=f"sequential-K fp32 accumulate, BLOCK_K {CUDA_BLOCK_K}",

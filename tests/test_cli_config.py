@@ -23,6 +23,7 @@ from rlkernel import cli
 from rlkernel.config import (ATTN_KV_BLOCK, TOKEN_LEAF, TOKEN_REDUCTION, ConfigError, RunConfig,
                              field_docs, flag_name)
 from rlkernel.runner.evidence import git_state, write_json_atomic
+from rlkernel.spec import NUMERICS_VERSION, ROUNDING_POINTS
 
 # The reviewed `rlk run` surface (STYLE.md §12). Adding a flag means adding it here, in review.
 REVIEWED_RUN_FLAGS = {
@@ -330,9 +331,13 @@ def test_canonical_spec():
     assert spec == {"virtual_tp": 8, "virtual_cp": 8, "virtual_dp": 8, "backend": "cpu",
                     "matmul": "sequential-K fp32", "attention_kv_block": ATTN_KV_BLOCK,
                     "vocab_shards": 8, "token_leaf": TOKEN_LEAF,
-                    "token_reduction": TOKEN_REDUCTION}
+                    "token_reduction": TOKEN_REDUCTION,
+                    "rounding_points": ROUNDING_POINTS["bf16"],
+                    "numerics_version": NUMERICS_VERSION}
     assert "--micro-batch-tokens" in TOKEN_REDUCTION and "--dp" in TOKEN_REDUCTION
     assert RunConfig(micro_batch_tokens=4096, dp=2).canonical_spec() == spec
+    fp32 = RunConfig(dtype="fp32").canonical_spec()   # the dtype's rounding points are in it
+    assert fp32["rounding_points"] == ROUNDING_POINTS["fp32"] != spec["rounding_points"]
 
 
 def test_fingerprint_depends_on_every_value():
@@ -620,7 +625,8 @@ def test_resume_may_change_gpu_memory_utilization(tmp_path):
     d.mkdir()
     saved = RunConfig().to_dict()
     del saved["gpu_memory_utilization"]                      # a manifest from before issue 12
-    (d / "manifest.json").write_text(json.dumps({"config": saved}))
+    (d / "manifest.json").write_text(json.dumps({"config": saved, "canonical_spec":
+                                                 RunConfig().canonical_spec()}))
     cfg = cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9}, d)
     assert cfg.gpu_memory_utilization == 0.9 and cfg.seed == saved["seed"]
     assert cli._resume_config({"resume": str(d)}, d).gpu_memory_utilization == 0.5

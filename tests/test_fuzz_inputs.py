@@ -574,7 +574,12 @@ def test_bad_model_through_rlk_run(tmp_path, break_it, words):
 
 def _resume_dir(d: pathlib.Path, config, meta=None) -> pathlib.Path:
     d.mkdir(parents=True)
-    (d / "manifest.json").write_text(json.dumps({"config": config}))
+    manifest = {"config": config}
+    try:   # a valid config's manifest records its spec, as rlk run writes it
+        manifest["canonical_spec"] = RunConfig.from_dict(config).canonical_spec()
+    except Exception:   # noqa: BLE001 - the broken configs this file feeds
+        pass
+    (d / "manifest.json").write_text(json.dumps(manifest))
     if meta is not None:
         c = d / "checkpoints" / "step-000001"
         c.mkdir(parents=True)

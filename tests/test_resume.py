@@ -198,6 +198,31 @@ def test_resume_refuses_inputs_that_changed_naming_the_file(tmp_path, capsys):
     assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 0
 
 
+def test_resume_refuses_a_run_written_under_another_numerical_spec(tmp_path, capsys, uninterrupted):
+    """A manifest from code that computed other bits (an older numerics_version, or none at all:
+    written before the field existed) or with no canonical_spec is refused with exit 2, one line
+    naming the field, and nothing changed; the untouched manifest resumes (control)."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    before = (d / "evidence.json").read_bytes()
+    m = json.loads((d / "manifest.json").read_text())
+    for old in ({**m["canonical_spec"], "numerics_version": 1},
+                {k: v for k, v in m["canonical_spec"].items()
+                 if k not in ("numerics_version", "rounding_points")}):
+        (d / "manifest.json").write_text(json.dumps({**m, "canonical_spec": old}))
+        assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "another numerical spec (numerics_version: saved " in err, err
+        assert len(err.splitlines()) == 1
+        assert (d / "evidence.json").read_bytes() == before
+    (d / "manifest.json").write_text(json.dumps({k: v for k, v in m.items()
+                                                 if k != "canonical_spec"}))
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    assert "records no canonical_spec" in capsys.readouterr().err
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 0
+
+
 def test_resume_refuses_another_device_naming_the_reason(tmp_path, capsys, uninterrupted):
     """--resume with --device cuda on a cpu run == exit 2, one line naming --device and why."""
     assert main(["run", "--resume", str(uninterrupted), "--device", "cuda", "--allow-dirty"]) == 2
