@@ -29,7 +29,8 @@ import torch
 
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels.elementwise import exp32, log32
-from rlkernel.kernels.matmul import column_parallel_dx, grad_weight, linear_nt, rounding_point
+from rlkernel.kernels.matmul import (check_compute_dtype, column_parallel_dx, grad_weight,
+                                     linear_nt, rounding_point)
 from rlkernel.spec import VIRTUAL_TP
 from rlkernel.numerics.trees import tree_sum
 
@@ -201,7 +202,7 @@ def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: tor
     ValueError: live_vocab out of range, compute dtype not supported.
     """
     check_live_vocab(live_vocab, w.shape[0])
-    rounding_point(h[:0], compute_dtype)
+    check_compute_dtype(compute_dtype)
     return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tok, live_vocab,
                                       compute_dtype)
 

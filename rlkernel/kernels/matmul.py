@@ -92,12 +92,17 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes the linears compute in (operands; accumulation and outputs are always fp32)."""
 
 
-def rounding_point(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
-    """x rounded to the linears' compute dtype (round-to-nearest-even; a no-op for fp32).
-    ValueError for a dtype outside COMPUTE_DTYPES."""
+def check_compute_dtype(compute_dtype: torch.dtype) -> None:
+    """ValueError for a compute dtype outside COMPUTE_DTYPES, naming the allowed ones."""
     if compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"compute dtype {compute_dtype} is not supported; allowed: "
                          f"{', '.join(str(d) for d in COMPUTE_DTYPES)}")
+
+
+def rounding_point(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to the linears' compute dtype (round-to-nearest-even; a no-op for fp32).
+    ValueError for a dtype outside COMPUTE_DTYPES."""
+    check_compute_dtype(compute_dtype)
     return x if x.dtype == compute_dtype else x.to(compute_dtype)
 
 
@@ -292,7 +297,7 @@ def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,
         raise ValueError(f"column_parallel_linear: shard_rows {shard_rows} must give "
                          f"{local_shards} row ranges inside each weight of rows "
                          f"{[w.shape[0] for w in weights]}")
-    rounding_point(x[:0], compute_dtype)   # validates the dtype before any work
+    check_compute_dtype(compute_dtype)   # before any work
     return _ColumnParallelLinear.apply(x, shard_rows, tok, compute_dtype, *weights)
 
 
@@ -306,5 +311,5 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, *, local_shards: int =
     (sequential over N), dW by the token reduction through `tok`. `compute_dtype`: as
     column_parallel_linear (ValueError outside COMPUTE_DTYPES).
     """
-    rounding_point(x[:0], compute_dtype)
+    check_compute_dtype(compute_dtype)
     return _RowParallelLinear.apply(x, w, local_shards, tok, compute_dtype)
