@@ -17,8 +17,12 @@ distributed tests' job.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -252,3 +256,16 @@ def run_checks(checks: dict, names: list[str], skip: frozenset[str] | set[str] =
         except Exception:   # noqa: BLE001 - reported to the test, which fails on it
             out[name] = traceback.format_exc(limit=4)
     print(json.dumps(out))
+
+
+def run_interpreted_checks(script: Path, *names: str) -> dict[str, str]:
+    """Run a checks script (`run_checks` above) in a subprocess under TRITON_INTERPRET=1, with
+    the repository root on PYTHONPATH; its {name: "ok" or the failure}. The interpreter is
+    chosen before triton is imported, so it never leaks into the calling test process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(script.parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, str(script), *names], env=env, capture_output=True,
+                       text=True, timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])

@@ -11,13 +11,10 @@ about 40 s).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kernel_helpers import run_interpreted_checks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs triton (interpreter)")
@@ -27,13 +24,7 @@ _CHECKS = Path(__file__).with_name("attention_bwd_triton_checks.py")
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(_CHECKS.parent.parent),
-                                                       os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, str(_CHECKS)], env=env, capture_output=True, text=True,
-                       timeout=900, check=False)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_interpreted_checks(_CHECKS)
 
 
 def _ok(results: dict[str, str], name: str) -> None:
