@@ -4,8 +4,11 @@ silu(g) = g·σ(g) with σ from kernels/elementwise.py (torch.sigmoid/silu could
 between the vectorised body and the scalar tail). Backward, per element:
     d_up = dh·silu(g);  d_gate = dh·up·σ(g)·(1 + g·(1 − σ(g)))
 Source: Shazeer, "GLU Variants Improve Transformer" (2020).
-Runs as torch elementwise ops on whatever device the tensors live on (CPU or CUDA); there is no
-fused Triton kernel for it yet.
+Devices: CUDA tensors run the fused Triton kernels (kernels/triton_activation.py: one pass
+forward, one backward), which perform the torch path's IEEE operations in the same order, so
+they give its bits; CPU tensors run the torch path below (the reference), as torch elementwise
+ops (float64 for σ). An element's bits depend only on its own inputs on either device.
+Does not: broadcast gate against up on CUDA (the kernels take one shape).
 """
 
 from __future__ import annotations
@@ -15,19 +18,38 @@ import torch
 from rlkernel.kernels.elementwise import sigmoid32
 
 
+def _triton():
+    from rlkernel.kernels import triton_activation  # lazy: CPU installs need no triton
+    return triton_activation
+
+
+def swiglu_fwd_torch(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate)·up, σ(gate)) by torch ops on any device: the reference sequence."""
+    sig = sigmoid32(gate)
+    return (gate * sig) * up, sig
+
+
+def swiglu_bwd_torch(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                     sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) by torch ops on any device: the reference sequence."""
+    d_up = dh * (gate * sig)
+    d_gate = ((dh * up) * sig) * (1.0 + gate * (1.0 - sig))
+    return d_gate, d_up
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        sig = sigmoid32(gate)
+        fwd = _triton().swiglu_fwd if gate.is_cuda else swiglu_fwd_torch
+        out, sig = fwd(gate, up)
         ctx.save_for_backward(gate, up, sig)
-        return (gate * sig) * up
+        return out
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         gate, up, sig = ctx.saved_tensors
-        d_up = dh * (gate * sig)
-        d_gate = ((dh * up) * sig) * (1.0 + gate * (1.0 - sig))
-        return d_gate, d_up
+        bwd = _triton().swiglu_bwd if dh.is_cuda else swiglu_bwd_torch
+        return bwd(dh, gate, up, sig)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

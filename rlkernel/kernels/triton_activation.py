@@ -1,0 +1,162 @@
+"""SwiGLU forward and backward on CUDA (Triton): the torch path's bits, in one pass each.
+
+What: `swiglu_fwd(gate, up) -> (out, sig)` and `swiglu_bwd(dh, gate, up, sig) -> (d_gate, d_up)`
+for fp32 tensors of one shape, one program per BLOCK consecutive elements.
+Why: kernels/activation.py's torch path runs σ as dozens of float64 elementwise launches
+(kernels/elementwise.py's exp64 Horner chain: ~190 ms of a 1.74 s H200 training step); here
+each element is read once and written once, and its value is the same as before.
+Algorithm (per element, the torch path's sequence of IEEE-754 operations, in its order):
+    x  = −float64(g);  xc = min(max(x, −745), 709)
+    n  = floor(xc·LOG2E + 0.5);  r = (xc − n·LN2_HI) − n·LN2_LO
+    p  = c13;  p = p·r + c_k for k = 12 … 0                 (c_k = 1/k!, elementwise._EXP_COEF)
+    e  = (p·2**h)·2**(n−h),  h = floor(n/2), each 2**· built from exponent bits, clamped to
+         [−1022, 1023];  e = inf where x > 709, 0 where x < −745, x where x is NaN
+    σ  = fp32(1 / (1 + e))                                   (one rounding, from float64)
+    out = (g·σ)·u;  d_up = dh·(g·σ);  d_gate = ((dh·u)·σ)·(1 + g·(1 − σ))    (fp32)
+Each step is one correctly rounded IEEE op on the GPU (float64 add/sub/mul, div.rn.f64, floor,
+exact conversions and integer ops; no libdevice call, so no flush-to-zero), and the kernels
+launch with enable_fp_fusion=False, so no mul+add is contracted into an fma: each element's
+bits are the torch path's. Exact steps may be spelt differently: the clamps as
+tl.maximum/minimum, floor(n/2) as an arithmetic shift, −x as a sign-bit flip (Triton's unary
+minus is 0 − x, which turns −0.0 into +0.0). Constants come from kernels/elementwise.py (one
+source); a Python float in a binary op with a float64 tensor becomes a float64 constant (the
+PTX test checks each), whereas e.g. tl.fma(p, r, c) would round c to fp32 first.
+An element depends only on its own inputs, so the result is batch-invariant by construction.
+Source: Shazeer, "GLU Variants Improve Transformer" (2020); exp: Cody & Waite range reduction.
+
+Does not: broadcast (shapes must match), take dtypes other than fp32, keep strides (inputs are
+made contiguous; outputs are contiguous), or provide autograd (kernels/activation.py does).
+NaN payloads are not part of the contract (NaN positions are): which NaN a NaN·NaN product
+returns is the hardware's and the compiler's choice, and NVIDIA GPUs return a canonical NaN.
+Tests: tests/test_activation_triton.py (TRITON_INTERPRET=1: bitwise vs the CPU torch path on
+adversarial inputs; the compiled PTX: no fma, no ftz, exact constants);
+tests/test_cuda_backward.py (on a GPU: CUDA kernels == CPU torch path, batch invariance).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlkernel.kernels import elementwise as ew
+from rlkernel.kernels.triton_util import check_cuda, device_ctx
+
+BLOCK = 1024
+"""Elements per program (any value gives the same bits: elements are independent)."""
+NUM_WARPS = 4
+
+# constexpr: a jitted function may read only constexpr globals. Python floats used in a float64
+# op become float64 constants, so these are the elementwise module's exact doubles.
+_LOG2E = tl.constexpr(ew._LOG2E)
+_LN2_HI = tl.constexpr(ew._LN2_HI)
+_LN2_LO = tl.constexpr(ew._LN2_LO)
+_COEF = tl.constexpr(tuple(ew._EXP_COEF))
+_N_COEF = tl.constexpr(len(ew._EXP_COEF))
+_SIGN64 = tl.constexpr(-(1 << 63))        # the float64 sign bit, as int64
+
+
+@triton.jit
+def _pow2(k):
+    """2.0**k as float64 for int64 k (clamped to [-1022, 1023], as exp64 does), from its bits."""
+    k = tl.minimum(tl.maximum(k, -1022), 1023)
+    return ((k + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _exp64(x):
+    """elementwise.exp64 of a float64 tensor, operation for operation."""
+    xc = tl.minimum(tl.maximum(x, -745.0), 709.0)
+    n = tl.floor(xc * _LOG2E + 0.5)
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    p = tl.full(r.shape, _COEF[_N_COEF - 1], tl.float64)
+    for i in tl.static_range(_N_COEF - 2, -1, -1):
+        p = p * r + _COEF[i]
+    ni = n.to(tl.int64)
+    half = ni >> 1                                     # floor(ni / 2): arithmetic shift
+    y = (p * _pow2(half)) * _pow2(ni - half)
+    y = tl.where(x > 709.0, float("inf"), y)
+    y = tl.where(x < -745.0, 0.0, y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def _sigmoid32(g):
+    """elementwise.sigmoid32 of an fp32 tensor: 1 / (1 + exp64(−g)) in float64, rounded once."""
+    # torch's neg flips the sign bit; Triton's unary minus is 0 − x (+0 for +0, NaN unsigned).
+    x = (g.to(tl.float64).to(tl.int64, bitcast=True) ^ _SIGN64).to(tl.float64, bitcast=True)
+    e = _exp64(x)
+    return (1.0 / (1.0 + e)).to(tl.float32)           # float64 `/` lowers to div.rn.f64
+
+
+@triton.jit
+def _grads(dh, g, u, sig):
+    """(d_gate, d_up) in fp32, associated as the torch path writes them."""
+    return ((dh * u) * sig) * (1.0 + g * (1.0 - sig)), dh * (g * sig)
+
+
+@triton.jit
+def _fwd_kernel(G, U, OUT, SIG, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(G + offs, mask=ok, other=0.0)
+    u = tl.load(U + offs, mask=ok, other=0.0)
+    sig = _sigmoid32(g)
+    tl.store(OUT + offs, (g * sig) * u, mask=ok)
+    tl.store(SIG + offs, sig, mask=ok)
+
+
+@triton.jit
+def _bwd_kernel(DH, G, U, SIG, DG, DU, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    dh = tl.load(DH + offs, mask=ok, other=0.0)
+    g = tl.load(G + offs, mask=ok, other=0.0)
+    u = tl.load(U + offs, mask=ok, other=0.0)
+    sig = tl.load(SIG + offs, mask=ok, other=0.0)
+    d_gate, d_up = _grads(dh, g, u, sig)
+    tl.store(DG + offs, d_gate, mask=ok)
+    tl.store(DU + offs, d_up, mask=ok)
+
+
+def _check(what: str, *ts: torch.Tensor) -> None:
+    check_cuda(what, *ts)
+    for t in ts:
+        if t.dtype != torch.float32:
+            raise ValueError(f"{what}: float32 tensors expected, got {t.dtype}")
+        if t.shape != ts[0].shape:
+            raise ValueError(f"{what}: shapes differ, {tuple(ts[0].shape)} vs {tuple(t.shape)}")
+
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK,
+               num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out = silu(gate)·up, sig = σ(gate)), fp32, shaped like gate (contiguous).
+
+    Raises ValueError unless gate and up are fp32 CUDA tensors of one shape.
+    """
+    _check("swiglu", gate, up)
+    g, u = gate.contiguous(), up.contiguous()
+    out, sig = torch.empty_like(g), torch.empty_like(g)
+    n = g.numel()
+    if n:
+        with device_ctx(g):
+            _fwd_kernel[(triton.cdiv(n, block),)](g, u, out, sig, n, BLOCK=block,
+                                                   num_warps=num_warps, enable_fp_fusion=False)
+    return out, sig
+
+
+def swiglu_bwd(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, sig: torch.Tensor,
+               block: int = BLOCK, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) of out = silu(gate)·up given dh = d out and the forward's sig; fp32.
+
+    Raises ValueError unless all four are fp32 CUDA tensors of one shape.
+    """
+    _check("swiglu backward", dh, gate, up, sig)
+    dh, g, u, s = (t.contiguous() for t in (dh, gate, up, sig))
+    d_gate, d_up = torch.empty_like(g), torch.empty_like(g)
+    n = g.numel()
+    if n:
+        with device_ctx(g):
+            _bwd_kernel[(triton.cdiv(n, block),)](dh, g, u, s, d_gate, d_up, n, BLOCK=block,
+                                                   num_warps=num_warps, enable_fp_fusion=False)
+    return d_gate, d_up

@@ -1,0 +1,224 @@
+"""The checks behind tests/test_activation_triton.py, run in a subprocess with TRITON_INTERPRET=1
+(Triton's CPU interpreter must be chosen before triton is imported, and must not leak into the
+other tests' process). Each check compares the SwiGLU kernels (kernels/triton_activation.py)
+with the torch path on CPU (activation.swiglu_fwd_torch / swiglu_bwd_torch, the reference):
+forward out and sig, backward d_gate and d_up, as int32 bits (tests/swiglu_cases.same_bits:
+−0.0 counts, a NaN's payload does not), on the adversarial inputs of tests/swiglu_cases.py.
+What the interpreter shows: the kernels' sequence of IEEE operations (numpy runs each one,
+correctly rounded, in float64 or fp32 as typed) is the torch path's. What it cannot: code
+generation (fma contraction, flush-to-zero, the division's lowering): the PTX test in
+tests/test_activation_triton.py checks that; the GPU run, tests/test_cuda_backward.py.
+Prints one JSON object {check name: "ok" or the failure}: the named checks, or all.
+Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/activation_triton_checks.py [NAME ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("activation_triton_checks.py needs TRITON_INTERPRET=1")
+
+import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
+import triton
+import triton.language as tl
+from kernel_helpers import run_checks
+from swiglu_cases import cases, describe_diff, same_bits
+
+from rlkernel.kernels import elementwise as ew
+from rlkernel.kernels import triton_activation as ta
+from rlkernel.kernels.activation import swiglu_bwd_torch, swiglu_fwd_torch
+
+CHECKS = {}
+# numpy warns when the interpreter casts a NaN to int64 (exp64's n of a NaN input: the result
+# is replaced by the NaN afterwards, as in the torch path), widens a signalling NaN or overflows
+# to ±Inf (IEEE results, the same in the torch path).
+warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
+warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str, *inputs: torch.Tensor) -> None:
+    assert same_bits(got, want), f"{what}: {describe_diff(got, want, *inputs)}"
+
+
+def _fwd_same(gate: torch.Tensor, up: torch.Tensor, **launch) -> tuple[torch.Tensor, ...]:
+    """Kernel (out, sig) == torch path (out, sig), bitwise; returns the kernel's."""
+    out, sig = ta.swiglu_fwd(gate, up, **launch)
+    want_out, want_sig = swiglu_fwd_torch(gate, up)
+    _same(sig, want_sig, "sig", gate)
+    _same(out, want_out, "out", gate, up)
+    return out, sig
+
+
+def _bwd_same(dh, gate, up, sig, **launch) -> tuple[torch.Tensor, ...]:
+    """Kernel (d_gate, d_up) == torch path's, bitwise; returns the kernel's."""
+    d_gate, d_up = ta.swiglu_bwd(dh, gate, up, sig, **launch)
+    want_dg, want_du = swiglu_bwd_torch(dh, gate, up, sig)
+    _same(d_gate, want_dg, "d_gate", dh, gate, up, sig)
+    _same(d_up, want_du, "d_up", dh, gate, up, sig)
+    return d_gate, d_up
+
+
+@check
+def constants_are_the_elementwise_ones():
+    assert ta._COEF.value == tuple(ew._EXP_COEF) and len(ta._COEF.value) == 14
+    assert (ta._LOG2E.value, ta._LN2_HI.value, ta._LN2_LO.value) == (ew._LOG2E, ew._LN2_HI,
+                                                                      ew._LN2_LO)
+
+
+@check
+def forward_adversarial_values():
+    gate, up, _ = cases()
+    _fwd_same(gate, up)
+
+
+@check
+def backward_adversarial_values():
+    gate, up, dh = cases()
+    _, sig = swiglu_fwd_torch(gate, up)
+    _bwd_same(dh, gate, up, sig)
+
+
+@check
+def every_gate_value_meets_every_kind_of_up_and_dh():
+    """The gate set shifted against up/dh by 1..4 places, so each gate meets other specials."""
+    gate, up, dh = cases()
+    for s in range(1, 5):
+        u, d = up.roll(s), dh.roll(-s)
+        _, sig = _fwd_same(gate, u)
+        _bwd_same(d, gate, u, sig)
+
+
+@check
+def lengths_not_a_multiple_of_the_block_and_launch_shapes():
+    """Lengths 1, 7, 1023, 1025, 2·1024 + 3 (tails) and 0; BLOCK 128 / 4096 with 1 / 8 warps give
+    the same bytes as the default launch."""
+    gate, up, dh = cases()
+    for n in (1, 7, 1023, 1025, 2 * 1024 + 3):
+        out, sig = _fwd_same(gate[:n], up[:n])
+        _bwd_same(dh[:n], gate[:n], up[:n], sig)
+    out, sig = ta.swiglu_fwd(gate, up)
+    grads = ta.swiglu_bwd(dh, gate, up, sig)
+    for block, warps in ((128, 1), (4096, 8)):
+        o2, s2 = ta.swiglu_fwd(gate, up, block=block, num_warps=warps)
+        g2 = ta.swiglu_bwd(dh, gate, up, sig, block=block, num_warps=warps)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip((out, sig, *grads), (o2, s2, *g2))), (block, warps)
+    empty = torch.empty(0, 5)
+    assert [t.shape for t in ta.swiglu_fwd(empty, empty)] == [(0, 5), (0, 5)]
+    assert [t.shape for t in ta.swiglu_bwd(empty, empty, empty, empty)] == [(0, 5), (0, 5)]
+
+
+@check
+def shapes_and_non_contiguous_inputs():
+    """[L, I] and [B, L, I] shapes; a transposed gate, a column-strided up and a row-strided dh
+    (the wrapper copies them contiguous): the torch path's bytes, in the input's shape."""
+    n = 60 * 97
+    gate, up, dh = cases(n_min=2 * n)
+    g2, u2, d2 = (t[:n].reshape(60, 97) for t in (gate, up, dh))
+    _, sig = _fwd_same(g2, u2)
+    _bwd_same(d2, g2, u2, sig)
+    _fwd_same(g2.reshape(3, 20, 97), u2.reshape(3, 20, 97))
+    gt = g2.t()                                                    # [97, 60], strides (1, 97)
+    ut = up[:2 * n].reshape(97, 120)[:, ::2]                       # [97, 60], strides (120, 2)
+    dt = dh[:2 * n].reshape(194, 60)[::2]                          # [97, 60], strides (120, 1)
+    out, sig = _fwd_same(gt, ut)
+    assert out.shape == (97, 60) and out.is_contiguous()
+    _bwd_same(dt, gt, ut, sig)
+
+
+@check
+def bad_arguments_are_refused():
+    x = torch.ones(4, 3)
+    for args in ((x, torch.ones(3, 4)), (x.double(), x.double()), (x, x.bfloat16())):
+        try:
+            ta.swiglu_fwd(*args)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {[(a.dtype, tuple(a.shape)) for a in args]}")
+    try:
+        ta.swiglu_bwd(x, x, x, torch.ones(4))
+    except ValueError:
+        return
+    raise AssertionError("accepted a sig of another shape")
+
+
+class _LaunchRecorder:
+    """Stands in for a jitted kernel: records each launch's keyword arguments, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@check
+def launches_disable_fp_fusion():
+    """Both wrappers launch with enable_fp_fusion=False (the PTX test shows what it changes)."""
+    fwd, bwd = _LaunchRecorder(ta._fwd_kernel), _LaunchRecorder(ta._bwd_kernel)
+    ta._fwd_kernel, ta._bwd_kernel = fwd, bwd
+    try:
+        x = torch.ones(5)
+        ta.swiglu_bwd(x, x, x, ta.swiglu_fwd(x, x)[1])
+    finally:
+        ta._fwd_kernel, ta._bwd_kernel = fwd.kernel, bwd.kernel
+    assert [k.get("enable_fp_fusion") for k in fwd.launches + bwd.launches] == [False, False]
+
+
+@triton.jit
+def _sigmoid_fp32(g):
+    return 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _sigmoid_exp_rounded(g):
+    e = ta._exp64(-(g.to(tl.float64))).to(tl.float32).to(tl.float64)   # e rounded to fp32
+    return (1.0 / (1.0 + e)).to(tl.float32)
+
+
+@triton.jit
+def _grads_reassociated(dh, g, u, sig):
+    return (dh * (u * sig)) * (1.0 + g * (1.0 - sig)), (dh * g) * sig
+
+
+@check
+def negative_control_other_roundings_differ():
+    """The check can fail: σ in fp32 (tl.exp, fp32 add and divide), or σ with exp rounded to
+    fp32 before 1/(1 + e) (two roundings instead of one), in place of the kernel's `_sigmoid32`,
+    and the gradients with other associations (dh·(u·σ), (dh·g)·σ) in place of `_grads`, each
+    give other bytes than the torch path on the adversarial inputs; restored, they match."""
+    gate, up, dh = cases()
+    want_out, want_sig = swiglu_fwd_torch(gate, up)
+    want = swiglu_bwd_torch(dh, gate, up, want_sig)
+    real_sig, real_grads = ta._sigmoid32, ta._grads
+    try:
+        for name, fake in (("fp32 sigmoid", _sigmoid_fp32), ("exp rounded", _sigmoid_exp_rounded)):
+            ta._sigmoid32 = fake
+            out, sig = ta.swiglu_fwd(gate, up)
+            assert not same_bits(sig, want_sig), f"{name}: same sig bytes"
+            assert not same_bits(out, want_out), f"{name}: same out bytes"
+        ta._sigmoid32 = real_sig
+        ta._grads = _grads_reassociated
+        got = ta.swiglu_bwd(dh, gate, up, want_sig)
+        assert not same_bits(got[0], want[0]) and not same_bits(got[1], want[1]), "reassociated"
+    finally:
+        ta._sigmoid32, ta._grads = real_sig, real_grads
+    _fwd_same(gate, up)                                     # restored
+    _bwd_same(dh, gate, up, want_sig)
+
+
+if __name__ == "__main__":
+    run_checks(CHECKS, sys.argv[1:])

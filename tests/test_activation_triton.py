@@ -1,0 +1,128 @@
+"""The SwiGLU Triton kernels (rlkernel/kernels/triton_activation.py) without a GPU.
+
+1. Under TRITON_INTERPRET=1 (Triton on the CPU): forward (out, sig) and backward (d_gate, d_up)
+   == the torch path on CPU (activation.swiglu_fwd_torch / swiglu_bwd_torch), bitwise (NaN
+   payloads aside: tests/swiglu_cases.same_bits), on adversarial inputs (tests/swiglu_cases.py),
+   with negative controls. The checks live in tests/activation_triton_checks.py and run in one
+   subprocess (the interpreter is chosen before triton is imported); each test asserts one.
+2. The code the GPU would run: both kernels compiled for sm_90 (PTX, no device needed) contain
+   no fma and no flush-to-zero, round every float64 op to nearest, divide with div.rn.f64, and
+   carry elementwise.py's constants as exact doubles; control: with fp fusion on, fma appears.
+On a GPU: tests/test_cuda_backward.py (CUDA kernels == CPU torch path, batch invariance).
+Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_activation_triton.py (needs triton;
+about 10 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import struct
+from pathlib import Path
+
+import pytest
+from kernel_helpers import run_interpreted_checks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs triton (interpreter / compiler)")
+
+_CHECKS = Path(__file__).with_name("activation_triton_checks.py")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    return run_interpreted_checks(_CHECKS)
+
+
+def _ok(results: dict[str, str], name: str) -> None:
+    assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
+
+
+def test_kernel_constants_are_the_elementwise_module_constants(results):
+    """The kernels' Horner coefficients and ln2/log2 e constants are elementwise.py's."""
+    _ok(results, "constants_are_the_elementwise_ones")
+
+
+def test_forward_equals_torch_path_on_adversarial_gates(results):
+    """out and sig == torch path for ±0, subnormals, the σ underflow region, the exp64 clamp
+    edges ±1..3 ulps, ±fp32 max, ±Inf, NaNs, exp range-reduction boundaries ±2 ulps,
+    hard-to-round gates, random normals and bit patterns (up with specials)."""
+    _ok(results, "forward_adversarial_values")
+
+
+def test_backward_equals_torch_path_on_adversarial_values(results):
+    """d_gate and d_up == torch path on the same gates, with up and dh holding specials and dh
+    spanning 2**±40."""
+    _ok(results, "backward_adversarial_values")
+
+
+def test_every_gate_meets_every_kind_of_up_and_dh(results):
+    """up and dh rolled by 1..4 against the gates: forward and backward == torch path."""
+    _ok(results, "every_gate_value_meets_every_kind_of_up_and_dh")
+
+
+def test_tails_empty_inputs_and_launch_shapes(results):
+    """Lengths 1, 7, 1023, 1025, 2051 and 0 == torch path; BLOCK 128/4096 with 1/8 warps give
+    the default launch's bytes."""
+    _ok(results, "lengths_not_a_multiple_of_the_block_and_launch_shapes")
+
+
+def test_shapes_and_non_contiguous_inputs(results):
+    """[60, 97], [3, 20, 97], a transposed gate, column- and row-strided up / dh == torch path."""
+    _ok(results, "shapes_and_non_contiguous_inputs")
+
+
+def test_bad_arguments_are_refused(results):
+    """Mismatched shapes, float64, bf16: ValueError."""
+    _ok(results, "bad_arguments_are_refused")
+
+
+def test_launches_disable_fp_fusion(results):
+    """Both kernels are launched with enable_fp_fusion=False."""
+    _ok(results, "launches_disable_fp_fusion")
+
+
+def test_negative_control_fp32_sigmoid_two_roundings_and_reassociated_grads_differ(results):
+    """fp32 σ, σ with exp rounded to fp32 first, and reassociated gradients each change bytes
+    (so the bitwise checks can fail); restored, the kernels match again."""
+    _ok(results, "negative_control_other_roundings_differ")
+
+
+# ------------------------------------------------------------------ compiled code (PTX)
+
+def _ptx(kernel, fusion: bool) -> str:
+    """PTX of a kernel (fp32 pointers, then n, then BLOCK) for sm_90, compiled on the CPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    *ptrs, n, block = kernel.arg_names
+    sig = {**{p: "*fp32" for p in ptrs}, n: "i64", block: "constexpr"}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={block: 1024})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "enable_fp_fusion": fusion})
+    return k.asm["ptx"]
+
+
+def _double(x: float) -> str:
+    return "0d" + struct.pack(">d", x).hex().upper()
+
+
+def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants():
+    """sm_90 PTX of both kernels as launched (enable_fp_fusion=False): no fma, no .ftz; every
+    float64 add/sub/mul rounds to nearest (.rn: ptxas may not contract it); the forward's one
+    division is div.rn.f64 and its float64 → fp32 conversion cvt.rn.f32.f64; each Horner
+    coefficient and ln2 / log2 e constant of elementwise.py appears as its exact double.
+    Control: the forward compiled with fp fusion on contains fma."""
+    from rlkernel.kernels import elementwise as ew
+    from rlkernel.kernels import triton_activation as ta
+    fwd, bwd = _ptx(ta._fwd_kernel, False), _ptx(ta._bwd_kernel, False)
+    for ptx in (fwd, bwd):
+        assert "fma" not in ptx and ".ftz" not in ptx and ".approx" not in ptx
+        assert not re.search(r"\b(add|sub|mul)\.f64\b", ptx)
+        assert not re.search(r"\b(add|sub|mul)\.f32\b", ptx)
+    assert re.findall(r"\bdiv\.\w+\.f64\b", fwd) and set(re.findall(r"\bdiv\.\w+\.f64\b", fwd)) \
+        == {"div.rn.f64"}
+    assert "div" not in bwd and "cvt.rn.f32.f64" in fwd
+    for c in (*ew._EXP_COEF, ew._LOG2E, ew._LN2_HI, ew._LN2_LO):
+        assert _double(c) in fwd, c
+    assert "fma.rn.f64" in _ptx(ta._fwd_kernel, True)
