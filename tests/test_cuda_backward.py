@@ -9,8 +9,12 @@ on CUDA tensors, through the same kernel entry points:
   tests/test_cuda_dist.py — thread ranks cannot run it, because autograd runs every CUDA
   backward of one device on one worker thread, so two thread-ranks inside backward deadlock);
 - RMSNorm and SwiGLU: a row's dX alone == in a batch == at an offset;
+- SwiGLU's Triton kernels (kernels/triton_activation.py) == the CPU torch path, forward and
+  backward, on [4096, 3072] with the adversarial values of tests/swiglu_cases.py, and the torch
+  path run on CUDA == the CPU one (NaN payloads aside: swiglu_cases.same_bits);
 - column-parallel dX (the fp32 Triton chain + virtual-TP tree): row r alone == in a batch of 257.
-Negative controls: stock SDPA autograd (alone vs batched) and cuBLAS dX (batch 1 vs 257) differ.
+Negative controls: stock SDPA autograd (alone vs batched), cuBLAS dX (batch 1 vs 257) and stock
+silu(g)·u (vs the CPU torch path) differ.
 Skipped without CUDA. Run on the GPU machine: PYTHONPATH=. python3 -m pytest -q tests/test_cuda_backward.py
 """
 
@@ -19,8 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch.nn.functional as F
 from kernel_helpers import assert_bitwise, n_diff, randn
-from rlkernel.kernels.activation import swiglu
+from swiglu_cases import cases, describe_diff, same_bits
+
+from rlkernel.kernels.activation import swiglu, swiglu_bwd_torch, swiglu_fwd_torch
 from rlkernel.kernels.matmul import column_parallel_dx
 from test_kernels_attention import (ATTN_LENGTHS, _attn_grads, _pack,
                                     stock_sdpa_grads_alone_and_batched)
@@ -70,20 +77,60 @@ def test_cuda_rms_norm_dx_of_a_row_alone_equals_in_batch_and_at_offset(shape):
                                      randn(*shape, seed=35)))
 
 
-def test_cuda_swiglu_grads_of_a_row_alone_equal_in_batch():
-    """SwiGLU forward, d_gate and d_up on CUDA: rows at batch 1 and 7 == inside a 300-row batch."""
-    g, u, dh = _cuda(*(randn(300, 3072, seed=s) for s in (40, 41, 42)))
+def _swiglu_autograd(g, u, dh):
+    """(out, d_gate, d_up) of swiglu(g, u) through autograd with incoming gradient dh."""
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    h = swiglu(gg, uu)
+    h.backward(dh)
+    return h.detach(), gg.grad, uu.grad
+
+
+def _swiglu_inputs(m: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up, dh [m, i] fp32 on the CPU: row r of gate is randn·10**(−3 + 5.5·r/(m − 1))
+    (σ from near-linear to saturated); the first elements hold tests/swiglu_cases.py's
+    adversarial (gate, up, dh) triples."""
+    gate = randn(m, i, seed=60) * torch.logspace(-3, 2.5, m)[:, None]
+    up, dh = randn(m, i, seed=61), randn(m, i, seed=62)
+    for t, c in zip((gate, up, dh), cases()):
+        t.view(-1)[:c.numel()] = c[:t.numel()]
+    return gate, up, dh
+
+
+def test_cuda_swiglu_triton_and_cuda_torch_path_equal_cpu_torch_path():
+    """gate, up, dh [4096, 3072] (adversarial values first): on CUDA, swiglu through autograd
+    (the Triton kernels) gives out, d_gate, d_up == the CPU torch path's (swiglu_fwd_torch /
+    swiglu_bwd_torch), the Triton forward's sig == the CPU sig, and the torch path run on CUDA
+    tensors (float64 ops on the GPU) == the CPU torch path, each bitwise but for NaN payloads
+    (swiglu_cases.same_bits). Negative control: stock silu(g)·u on CUDA differs from it."""
+    from rlkernel.kernels import triton_activation
+    gate, up, dh = _swiglu_inputs(4096, 3072)
+    out_c, sig_c = swiglu_fwd_torch(gate, up)
+    want = (out_c, sig_c, *swiglu_bwd_torch(dh, gate, up, sig_c))
+    g, u, d = _cuda(gate, up, dh)
+    out, d_gate, d_up = _swiglu_autograd(g, u, d)
+    sig = triton_activation.swiglu_fwd(g, u)[1]
+    out_t, sig_t = swiglu_fwd_torch(g, u)
+    for arm, got in (("triton", (out, sig, d_gate, d_up)),
+                     ("cuda torch path", (out_t, sig_t, *swiglu_bwd_torch(d, g, u, sig_t)))):
+        for name, a, b in zip(("out", "sig", "d_gate", "d_up"), got, want):
+            assert same_bits(a.cpu(), b), f"{arm} {name}: {describe_diff(a.cpu(), b, gate, up)}"
+    assert not same_bits((F.silu(g) * u).cpu(), out_c)
+
+
+@pytest.mark.parametrize("i", [3072, 1000])
+def test_cuda_swiglu_grads_of_a_row_alone_equal_in_batch(i):
+    """SwiGLU forward, d_gate and d_up on CUDA (the Triton kernels): rows at batch 1 and 7 ==
+    inside a 300-row batch; rows 0 and 299 alone == in the batch (i = 1000: rows straddle the
+    kernel's 1024-element blocks); adversarial values in the first rows."""
+    g, u, dh = _cuda(*_swiglu_inputs(300, i))
 
     def fwd_bwd(rows):
-        gg, uu = (t[rows].clone().requires_grad_() for t in (g, u))
-        h = swiglu(gg, uu)
-        h.backward(dh[rows])
-        return h.detach(), gg.grad, uu.grad
+        return _swiglu_autograd(g[rows], u[rows], dh[rows])
 
     ref = fwd_bwd(slice(0, 300))
-    for m in (1, 7):
-        for a, b in zip(fwd_bwd(slice(5, 5 + m)), ref):
-            assert_bitwise(a, b[5:5 + m])
+    for start, m in ((5, 1), (5, 7), (0, 1), (299, 1)):
+        for a, b in zip(fwd_bwd(slice(start, start + m)), ref):
+            assert_bitwise(a, b[start:start + m])
 
 
 @pytest.mark.parametrize("n,k", [(3072, 1024), (1536, 1024)])
