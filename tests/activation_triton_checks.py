@@ -27,7 +27,7 @@ import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
 import triton
 import triton.language as tl
 from kernel_helpers import run_checks
-from swiglu_cases import cases, describe_diff, same_bits
+from swiglu_cases import HARD_ULPS, cases, describe_diff, hard_gate_distances, same_bits
 
 from rlkernel.kernels import elementwise as ew
 from rlkernel.kernels import triton_activation as ta
@@ -73,6 +73,14 @@ def constants_are_the_elementwise_ones():
     assert ta._COEF.value == tuple(ew._EXP_COEF) and len(ta._COEF.value) == 14
     assert (ta._LOG2E.value, ta._LN2_HI.value, ta._LN2_LO.value) == (ew._LOG2E, ew._LN2_HI,
                                                                       ew._LN2_LO)
+
+
+@check
+def hard_gates_are_near_fp32_midpoints():
+    """Each hard gate's float64 σ (torch path, before rounding) is within HARD_ULPS float64 ulps
+    of a midpoint between fp32 numbers; some exactly on one (a tie)."""
+    d = hard_gate_distances()
+    assert int(d.max()) <= HARD_ULPS and int((d == 0).sum()) > 0, d.max()
 
 
 @check

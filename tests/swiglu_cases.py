@@ -3,11 +3,14 @@ they are held to; used by tests/activation_triton_checks.py (interpreter) and
 tests/test_cuda_backward.py (GPU).
 
 `gate_values()`: fp32 gates that stress every step of elementwise.sigmoid32: ±0, subnormals,
-the σ underflow region (|g| ≈ 87..104), the exp64 clamp edges (x = −g at ±709 / −745 and one
-ulp either side), values far past them up to ±fp32 max, ±Inf, NaNs with payloads and signs
-(signalling too), gates where x·log2 e + 0.5 crosses an integer (n·ln2 − ln2/2, where the range
-reduction picks the other n) and where r ≈ 0 (n·ln2), each with its fp32 neighbours, random
-normals of scales 1e-3 … 300 and random bit patterns.
+the σ underflow region (|g| ≈ 87..104), the exp64 clamp edges (x = −g at ±709 / −745 and up to
+three ulps either side), values far past them up to ±fp32 max, ±Inf, NaNs with payloads and
+signs (signalling too), gates where x·log2 e + 0.5 crosses an integer (n·ln2 − ln2/2, where the
+range reduction picks the other n) and where r ≈ 0 (n·ln2), each with its fp32 neighbours,
+hard-to-round gates (`_HARD_BITS`), random normals of scales 1e-3 … 300 and random bit patterns.
+The hard gates are what make a float64 slip visible: σ is rounded to fp32 from float64, so an
+error of a few float64 ulps changes fp32 bits only near a midpoint (dropping the + 0.5 of the
+range reduction changes 13 elements of σ with them, none without them).
 `cases(n_min)`: (gate, up, dh) of one length ≥ n_min, the gates above tiled, up and dh random
 with specials (±0, ±Inf, NaN, subnormals, ±3e38) at strided positions, dh over 2**±40.
 `same_bits(a, b)`: equal bits, where any NaN equals any NaN in the same place: which payload

@@ -43,6 +43,12 @@ def test_kernel_constants_are_the_elementwise_module_constants(results):
     _ok(results, "constants_are_the_elementwise_ones")
 
 
+def test_hard_gates_are_hard_to_round(results):
+    """The hard-to-round gates of tests/swiglu_cases.py are within 2048 float64 ulps of an fp32
+    rounding midpoint before σ's rounding (so a float64 slip shows in fp32 bits)."""
+    _ok(results, "hard_gates_are_near_fp32_midpoints")
+
+
 def test_forward_equals_torch_path_on_adversarial_gates(results):
     """out and sig == torch path for ±0, subnormals, the σ underflow region, the exp64 clamp
     edges ±1..3 ulps, ±fp32 max, ±Inf, NaNs, exp range-reduction boundaries ±2 ulps,
