@@ -23,9 +23,9 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("activation_triton_checks.py needs TRITON_INTERPRET=1")
 
-import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
 import triton
 import triton.language as tl
+import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
 from kernel_helpers import run_checks
 from swiglu_cases import HARD_ULPS, cases, describe_diff, hard_gate_distances, same_bits
 
