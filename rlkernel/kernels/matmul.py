@@ -21,7 +21,9 @@ Canonical reductions (DESIGN.md §1):
   [⌊r·N/t⌋, ⌊(r+1)·N/t⌋) — the same cut whatever t.
 - dW = dYᵀ·X of every linear: a token reduction (distributed/tokensum.py) — the local stream is
   cut into leaves of TOKEN_LEAF tokens (each inside one sample), tokens summed in order inside a
-  leaf (`token_leaf_partials`), the leaf partials added exactly and rounded once.
+  leaf (`token_leaf_partials`), the leaf partials added exactly and rounded once. On CUDA the
+  partials are made and added inside one kernel (kernels/triton_grad_weight.py), never written
+  out per leaf; the exact sum is the same.
 
 Compute dtype (`--dtype`, DESIGN.md "Precision"): the linears take `compute_dtype` (fp32, or bf16
 for bf16 runs). With bf16 there are two rounding points per linear, the same on every rank and in
@@ -49,12 +51,16 @@ from rlkernel.numerics.trees import tree_combine, tree_sum
 from rlkernel.spec import VIRTUAL_TP
 
 _CHUNK_ELEMS = 1 << 24  # bound on the [.., M, N] working set of one elementwise step
-_CUDA_CHUNK_ELEMS = 1 << 28  # bound on the per-leaf dW partials of one Triton launch (1 GiB)
 
 
 def _triton():
     from rlkernel.kernels import triton_matmul  # lazy: CPU installs need no triton
     return triton_matmul
+
+
+def _grad_weight_kernel():
+    from rlkernel.kernels import triton_grad_weight  # lazy, as _triton
+    return triton_grad_weight
 
 
 def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -187,9 +193,10 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     """acc [N, K, N_COLS] += exact Σ over the TOKEN_LEAF leaves of the stream of their dWᵀ
     partials (dy [L, N], x [L, K], L a multiple of TOKEN_LEAF); returns acc."""
     leaves = leaves_of(dy.shape[0])
+    if dy.is_cuda:   # partials made and added inside one kernel (same exact sum, same bytes)
+        return _grad_weight_kernel().accumulate_grad_weight_(acc, dy, x)[0]
     n = dy.shape[1]
-    chunk = _CUDA_CHUNK_ELEMS if dy.is_cuda else _CHUNK_ELEMS   # rows of dW are independent
-    rows = max(1, chunk // max(1, leaves * x.shape[1]))
+    rows = max(1, _CHUNK_ELEMS // max(1, leaves * x.shape[1]))   # rows of dW are independent
     for i in range(0, n, rows):
         fx.accumulate_(acc[i:i + rows], token_leaf_partials(dy[:, i:i + rows], x, leaves))
     return acc

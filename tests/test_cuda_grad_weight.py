@@ -1,0 +1,113 @@
+"""The fused dW kernel (rlkernel/kernels/triton_grad_weight.py) on the GPU, bf16 (tensor cores)
+and fp32 operands.
+
+Bitwise: its accumulator == the reference path's (per-leaf partials from the `bmm` kernel of
+kernels/triton_matmul.py, added by the fixed-point accumulate kernel) on model-like shapes, with
+every tile forced through the EMIT path, other tiles, small launch chunks and a planted element
+whose partials only the EMIT path can hold; a stream cut at any leaf boundary into two calls
+(microbatches, CP ranks) adds up to the one-call accumulator. Against float64: the rounded dW
+within (TOKEN_LEAF + 1)·2**-24·Σ|terms| of dYᵀ·X computed in float64 from the same bf16 operands.
+Negative control: cuBLAS (torch.matmul) dW of the two halves, added, differs from the whole.
+Skipped without CUDA. Run on the GPU machine:
+    PYTHONPATH=. python3 -m pytest -q tests/test_cuda_grad_weight.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernel.kernels import triton_grad_weight as tgw
+from rlkernel.kernels import triton_matmul as tmm
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics import triton_fixedpoint as tfx
+from rlkernel.spec import TOKEN_LEAF
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEV = "cuda"
+
+
+def _operands(tokens: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    """dy [T, N], x [T, K]: gradients whose scale varies by token (as a loss's do), activations."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    scale = torch.exp2(torch.randint(-12, 3, (tokens, 1), generator=g, device=DEV).float())
+    dy = torch.randn(tokens, n, generator=g, device=DEV) * scale
+    x = torch.randn(tokens, k, generator=g, device=DEV)
+    return dy.to(dtype), x.to(dtype)
+
+
+def _reference(dy, x, acc0=None):
+    acc = fx.zeros((dy.shape[1], x.shape[1]), DEV) if acc0 is None else acc0.clone()
+    parts = tmm.token_leaf_partials(dy, x, dy.shape[0] // TOKEN_LEAF)
+    return tfx.accumulate_(acc.view(-1, fx.N_COLS), parts.view(parts.shape[0], -1)).view(acc.shape)
+
+
+def _fused(dy, x, acc0=None, **kw):
+    acc = fx.zeros((dy.shape[1], x.shape[1]), DEV) if acc0 is None else acc0.clone()
+    return tgw.accumulate_grad_weight_(acc, dy, x, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,n,k", [(1024, 1024, 3072), (512, 2048, 1024), (272, 200, 130)])
+def test_fused_accumulator_is_the_reference_bytes(dtype, tokens, n, k):
+    dy, x = _operands(tokens, n, k, dtype)
+    want = _reference(dy, x)
+    got, redone = _fused(dy, x)
+    assert torch.equal(got, want), int((got != want).any(-1).sum())
+    assert redone == 0
+    forced, redone = _fused(dy, x, force_flag=True)
+    assert torch.equal(forced, want) and redone > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiles_and_launch_chunks_never_change_bytes(dtype, monkeypatch):
+    dy, x = _operands(512, 512, 768, dtype, seed=1)
+    want = _fused(dy, x)[0]
+    for tile in ((64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 8, 2)):
+        assert torch.equal(_fused(dy, x, tile=tile)[0], want), tile
+    monkeypatch.setattr(tgw, "OUT_ELEMS", tgw.WORDS * 768 * 64)      # 64 rows per launch
+    assert torch.equal(_fused(dy, x)[0], want)
+
+
+def test_planted_extreme_element_is_redone_exactly():
+    """Element (3, 7)'s leaf partials 2**100, 1.5·2**46, 2**-100 (bf16 operands, one token per
+    leaf): only the EMIT path can hold them; exactly its tile is redone, bytes == reference."""
+    dy, x = _operands(256, 300, 200, torch.bfloat16, seed=2)
+    dy[:, 3] = 0
+    x[:, 7] = 0
+    for leaf, v in enumerate([2.0**100, 1.5 * 2.0**46, 2.0**-100]):
+        t = leaf * TOKEN_LEAF
+        x[t] = 0            # so row 3's other elements get plain partials
+        dy[t, 3] = v
+        x[t, 7] = 1.0
+    got, redone = _fused(dy, x)
+    assert redone == 1
+    assert torch.equal(got, _reference(dy, x))
+
+
+def test_split_stream_adds_up_to_one_call_and_cublas_does_not():
+    """Tokens [0, a) then [a, T) into one accumulator == all T at once (a at a leaf boundary: a
+    microbatch or CP cut), rounded bytes included. Control: cuBLAS dYᵀ·X in fp32 of the halves,
+    added, differs from the whole."""
+    dy, x = _operands(1024, 1024, 1024, torch.bfloat16, seed=3)
+    whole = _fused(dy, x)[0]
+    for cut in (16, 400, 512):
+        acc = _fused(dy[:cut], x[:cut])[0]
+        acc = _fused(dy[cut:], x[cut:], acc0=acc)[0]
+        assert torch.equal(fx.round_fp32(acc).view(torch.int32),
+                           fx.round_fp32(whole).view(torch.int32)), cut
+    a, b = dy.float(), x.float()
+    halves = a[:512].t() @ b[:512] + a[512:].t() @ b[512:]
+    assert not torch.equal(halves, a.t() @ b), "control: cuBLAS halves matched the whole"
+
+
+def test_rounded_dw_is_within_float64_bound():
+    dy, x = _operands(512, 256, 384, torch.bfloat16, seed=4)
+    got = fx.round_fp32(_fused(dy, x)[0]).double()
+    a, b = dy.double(), x.double()
+    ref = a.t() @ b
+    # each leaf partial is an fp32 sum of TOKEN_LEAF exact products (<= TOKEN_LEAF roundings),
+    # then one rounding of the exact sum of partials
+    bound = (TOKEN_LEAF + 1) * 2.0**-24 * (a.abs().t() @ b.abs())
+    assert ((got - ref).abs() <= bound).all()

@@ -1,0 +1,82 @@
+"""The fused dW kernel (rlkernel/kernels/triton_grad_weight.py) under TRITON_INTERPRET=1 (Triton
+on the CPU): its accumulator == the reference path's (token-leaf partials + the torch exact
+accumulator), bytewise, for narrow, wide (through the lo word) and extreme (flagged, redone)
+ranges of leaf partials, non-finite partials, sums past the fp32 range, forced recomputes, edge
+tiles, strided operands, a non-zero starting accumulator, other tiles and launch chunks; with the
+control that the wide case's naive float64 sum is wrong. The checks live in
+tests/grad_weight_triton_checks.py and run in one subprocess. On a GPU:
+tests/test_cuda_grad_weight.py (the tensor cores' bits against the reference's `bmm`).
+Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_grad_weight_triton.py (needs triton;
+about 30 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kernel_helpers import run_interpreted_checks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs triton (interpreter)")
+
+
+def _ok(results: dict[str, str], name: str) -> None:
+    assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    return run_interpreted_checks(Path(__file__).with_name("grad_weight_triton_checks.py"))
+
+
+def test_narrow_range_needs_no_recompute(results):
+    """Leaf scales within 2**±4: kernel == reference, no tile redone."""
+    _ok(results, "narrow_range_needs_no_recompute")
+
+
+def test_wide_range_is_exact_through_the_lo_word(results):
+    """Partials 1, 2**-24, 2**-80 in one element: exact (rounds up to 1 + 2**-23), no recompute;
+    control: the naive float64 sum gives 1.0 there."""
+    _ok(results, "wide_range_is_exact_through_the_lo_word")
+
+
+def test_extreme_range_takes_the_emit_path(results):
+    """Partials 2**100, 1.5·2**46, 2**-100: the double word cannot hold them; exactly one tile is
+    flagged and redone from its per-leaf partials; bytes == reference."""
+    _ok(results, "extreme_range_takes_the_emit_path")
+
+
+def test_nonfinite_partials_take_the_emit_path(results):
+    """Inf/NaN operands: flagged tiles, the reference's NaN/Inf counts."""
+    _ok(results, "nonfinite_partials_take_the_emit_path")
+
+
+def test_huge_sums_take_the_emit_path(results):
+    """An exact sum >= 2**128 cannot be cut into fp32 words: flagged, redone."""
+    _ok(results, "huge_sums_take_the_emit_path")
+
+
+def test_forced_emit_gives_the_same_bytes(results):
+    """Every tile through the EMIT path: the same accumulator."""
+    _ok(results, "forced_emit_gives_the_same_bytes")
+
+
+def test_edge_tiles_odd_shapes_and_one_leaf(results):
+    _ok(results, "edge_tiles_odd_shapes_and_one_leaf")
+
+
+def test_onto_a_nonzero_accumulator_and_strided_operands(results):
+    _ok(results, "onto_a_nonzero_accumulator_and_strided_operands")
+
+
+def test_tiles_and_launch_chunks_never_change_bytes(results):
+    _ok(results, "tiles_and_launch_chunks_never_change_bytes")
+
+
+def test_bad_arguments_are_refused(results):
+    """Token counts that differ or are not whole leaves, accumulators of the wrong shape or
+    layout: ValueError."""
+    _ok(results, "bad_arguments_are_refused")
