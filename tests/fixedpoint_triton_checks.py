@@ -242,6 +242,79 @@ def round_launch_shapes_strides_and_shapes():
 
 
 @triton.jit
+def _one_sum(a, b):
+    """A broken TwoSum: the rounded sum with error 0 (what a plain float64 sum would keep)."""
+    return a + b, (a + b) * 0.0
+
+
+def _needs_lo(k: int = 24, cols: int = 300, seed: int = 11) -> torch.Tensor:
+    """x [k, cols] fp32 that the double-word path holds: column j has values 1, 2**-24, 2**-80
+    (exact sum rounds up to 1 + 2**-23, a float64 sum loses the 2**-80) times 2**(j % 40 - 20),
+    the other rows randn·2**-30 scaled alike (a span well under the double word's ~2**100)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2((torch.arange(cols) % 40 - 20).double())
+    x = torch.randn(k, cols, generator=g, dtype=torch.float64) * 2.0**-30
+    x[:3] = torch.tensor([1.0, 2.0**-24, 2.0**-80], dtype=torch.float64)[:, None]
+    return (x * scale).float()
+
+
+@check
+def fast_path_holds_what_a_float64_sum_loses():
+    """Columns that need the lo word: kernel == torch (and == the bins-only kernel); rounded,
+    column 0 is 1 + 2**-23 exactly."""
+    x = _needs_lo()
+    x[3:, 20] = 0.0                                          # column 20: 1 + 2**-24 + 2**-80
+    acc = _same_as_torch(x)
+    assert torch.equal(acc, tfx.accumulate_(fx.zeros((x.shape[1],)), x, fast=False))
+    assert fx.round_fp32(acc)[20].item() == 1.0 + 2.0**-23     # column 20: scale 2**0
+
+
+@check
+def fast_path_negative_control_a_plain_float64_sum_differs():
+    """The check can fail, and the fast path is really taken: with TwoSum replaced by a plain
+    float64 add (error dropped), the same data gives other accumulator bytes; bins-only
+    (fast=False) is unaffected by the swap."""
+    x = _needs_lo()
+    want = fx.accumulate_(fx.zeros((x.shape[1],)), x)
+    real = tfx.two_sum
+    try:
+        tfx.two_sum = _one_sum
+        got = tfx.accumulate_(fx.zeros((x.shape[1],)), x)
+        assert not torch.equal(got, want), "a plain float64 sum gave the same bytes"
+        assert torch.equal(tfx.accumulate_(fx.zeros((x.shape[1],)), x, fast=False), want)
+    finally:
+        tfx.two_sum = real
+    _same_as_torch(x)                                        # restored
+
+
+@check
+def fast_path_programs_mixed_with_the_bin_path():
+    """One block of 128 columns has a column only the bins hold (2**100, 1.5·2**46, 2**-100),
+    another a NaN; the other blocks take the fast path; all == torch, onto a non-zero
+    accumulator, also at BLOCK 32."""
+    x = _needs_lo(cols=520)
+    x[:3, 5] = torch.tensor([2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    x[7, 300] = float("nan")
+    acc0 = _same_as_torch(_needs_lo(cols=520, seed=12))
+    _same_as_torch(x, acc0)
+    _same_as_torch(x, acc0, block=32, num_warps=1)
+
+
+@check
+def fast_path_large_magnitudes_and_cancellation():
+    """Sums near the fp32 maximum (hi up to ~2**133), exact cancellation to 0 and to a single
+    subnormal: == torch."""
+    big = torch.full((40, 6), 3.0e38)
+    big[:, 1] = -3.0e38
+    big[::2, 2] *= -1                                           # cancels to exactly 0
+    big[:, 3] = torch.tensor([3.0e38, -3.0e38] * 20)
+    big[0, 3] = 1e-45                                           # leaves one subnormal
+    big[:, 4] = 1e-45
+    big[:, 5] = torch.arange(40).float() * 2.0**100
+    _same_as_torch(big)
+
+
+@triton.jit
 def _round_up_ties_away(q, half, sticky):
     return half
 

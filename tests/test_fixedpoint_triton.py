@@ -179,3 +179,25 @@ def test_round_negative_control_other_rounding_modes_differ(results):
 def test_round_bad_arguments_are_refused(results):
     """A float accumulator, 12 columns, a 3-D accumulator: ValueError."""
     _ok(results, "round_bad_arguments_are_refused")
+
+
+def test_fast_path_holds_what_a_float64_sum_loses(results):
+    """The double-word path: columns needing the lo word (1, 2**-24, 2**-80 rounds up to
+    1 + 2**-23) == torch and == the bins-only kernel (fast=False)."""
+    _ok(results, "fast_path_holds_what_a_float64_sum_loses")
+
+
+def test_fast_path_negative_control_a_plain_float64_sum_differs(results):
+    """With TwoSum replaced by a plain float64 add the bytes change (the path is taken and the
+    check can fail); bins-only is unaffected."""
+    _ok(results, "fast_path_negative_control_a_plain_float64_sum_differs")
+
+
+def test_fast_path_programs_mixed_with_the_bin_path(results):
+    """Blocks that fall back to the bins (a 2**200-span column, a NaN) beside fast blocks,
+    onto a non-zero accumulator, at two block sizes: == torch."""
+    _ok(results, "fast_path_programs_mixed_with_the_bin_path")
+
+
+def test_fast_path_large_magnitudes_and_cancellation(results):
+    _ok(results, "fast_path_large_magnitudes_and_cancellation")

@@ -16,17 +16,19 @@ p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then add p exactly 
 double-word (hi, lo) per element with Knuth's TwoSum (TAOCP vol. 2, §4.2.2): s = hi + p and its
 exact error e; hi = s; lo = lo + e, whose own TwoSum error must be 0. Every value here is a
 multiple of 2**-149 (an fp32 partial is), so hi + lo is the exact sum as long as every lo addition
-was exact (the check), i.e. unless the leaf partials of one element span ~2**95 or are not finite.
-At the end hi and lo are each cut into three fp32 words (h1 = fp32(v), h2 = fp32(v − h1),
-h3 = fp32(v − h1 − h2); every subtraction is exact in float64) and the cut is checked (the
-remainder after h3 is 0, so subnormal flushing or |v| >= 2**128 cannot pass). The six fp32 rows
-[6, N, K] then go into the accumulator with fixedpoint.accumulate_ (6 values per element instead
-of one per leaf). A tile where any check failed writes zeros there and is flagged: it is
-recomputed by the same kernel in EMIT mode, which stores its per-leaf partials (the same dot of
-the same operands) for the reference accumulator. Either way the accumulator receives the exact
-sum of the same partials, so the result never depends on which tiles took which path (and so not
-on the tile, the call's other leaves, CP/DP/microbatch layout), and is bytewise the reference
-path's whenever the dot gives the bits of the reference's `bmm` (tests/test_cuda_grad_weight.py).
+was exact (the check), i.e. unless the leaf partials of one element span ~2**100, are not
+finite or sum past 2**150 (the digit conversion's range). The double words are written out
+([2, N, K] float64: 16 bytes per element, against 4 per element and leaf before) and a second
+pass (numerics/triton_fixedpoint.py `add_double_words_`) adds both words' exact integers to
+the digits. (Adding them in this kernel's epilogue was tried: on the H200 it gave wrong bytes for
+bf16 tiles and ran 2.7x slower, register pressure of ten int64 digits per element of a 2-D tile;
+not pursued.) A tile where any check failed writes zeros and is flagged: the same kernel in
+EMIT mode recomputes it and stores its per-leaf
+partials (the same dot of the same operands), which the bin accumulator (`accumulate_`) adds.
+Either way the accumulator receives the exact sum of the same partials, so the result never
+depends on which tiles took which path (and so not on the tile, the call's other leaves,
+CP/DP/microbatch layout), and is bytewise the reference path's whenever the dot gives the bits of
+the reference's `bmm` (tests/test_cuda_grad_weight.py).
 Launched with enable_fp_fusion=False: a contracted mul+add would break TwoSum's exactness.
 
 Does not: run on CPU (kernels/matmul.py keeps the reference and dispatches here), round, or
@@ -46,36 +48,15 @@ from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import TOKEN_LEAF
 
-WORDS = 6
-"""fp32 words per element handed to the accumulator: three for hi, three for lo."""
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): speed only (the sum is exact whatever the tile).
 TILE = (64, 64, 4, 3)
-OUT_ELEMS = 1 << 26        # bound on the [WORDS, rows, K] fp32 words of one launch (1.5 GiB)
 EMIT_TILES = 64            # flagged tiles recomputed per EMIT launch (bounds the scratch)
-
-
-@triton.jit
-def _two_sum(a, b):
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
-
-
-@triton.jit
-def _cut3(v):
-    """v (float64) as h1 + h2 + h3 (fp32) and whether that is exact."""
-    h1 = v.to(tl.float32)
-    r1 = v - h1.to(tl.float64)
-    h2 = r1.to(tl.float32)
-    r2 = r1 - h2.to(tl.float64)
-    h3 = r2.to(tl.float32)
-    r3 = r2 - h3.to(tl.float64)
-    return h1, h2, h3, r3 == 0.0
+OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] double words (1 GiB)
 
 
 @triton.jit
 def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
-               s_dl, s_dn, s_xl, s_xk, s_ow, s_on,
+               s_dl, s_dn, s_xl, s_xk, s_ow,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEAF: tl.constexpr,
                PREC: tl.constexpr, EMIT: tl.constexpr, FORCE_FLAG: tl.constexpr):
     pid = tl.program_id(0)
@@ -96,7 +77,7 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
     hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     bad = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
-    # EMIT scratch: [leaves, flagged tiles, BLOCK_N, BLOCK_K], so rows of one leaf are contiguous.
+    # EMIT scratch (OUT): [leaves, flagged tiles, BLOCK_N, BLOCK_K] fp32, a leaf's rows contiguous.
     e_ptr = OUT + pid * (BLOCK_N * BLOCK_K) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K \
         + tl.arange(0, BLOCK_K)[None, :]
     e_step = tl.num_programs(0).to(tl.int64) * (BLOCK_N * BLOCK_K)
@@ -112,22 +93,17 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
             tl.store(e_ptr, p)
             e_ptr += e_step
         else:
-            hi, e = _two_sum(hi, p.to(tl.float64))
-            lo, e2 = _two_sum(lo, e)
+            hi, e = tfx.two_sum(hi, p.to(tl.float64))
+            lo, e2 = tfx.two_sum(lo, e)
             bad |= (e2 != 0.0).to(tl.int32)        # NaN != 0: non-finite partials flag too
     if not EMIT:
-        h1, h2, h3, ok_h = _cut3(hi)
-        l1, l2, l3, ok_l = _cut3(lo)
-        bad |= (ok_h & ok_l).to(tl.int32) ^ 1
+        top = tl.full([], tfx.TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
+        bad |= (tl.abs(hi) >= top).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
-        o = OUT + rn[:, None] * s_on + rk[None, :]
+        o = OUT + rn[:, None] * K + rk[None, :]
         m = n_ok[:, None] & k_ok[None, :]
-        tl.store(o, tl.where(good, h1, 0.0), mask=m)
-        tl.store(o + s_ow, tl.where(good, h2, 0.0), mask=m)
-        tl.store(o + 2 * s_ow, tl.where(good, h3, 0.0), mask=m)
-        tl.store(o + 3 * s_ow, tl.where(good, l1, 0.0), mask=m)
-        tl.store(o + 4 * s_ow, tl.where(good, l2, 0.0), mask=m)
-        tl.store(o + 5 * s_ow, tl.where(good, l3, 0.0), mask=m)
+        tl.store(o, tl.where(good, hi, 0.0), mask=m)
+        tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
         tl.store(FLAGS + tile, (good == 0).to(tl.int32))
 
 
@@ -137,7 +113,7 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag):
     with device_ctx(a):
         _dw_kernel[grid](a, b, out, flags, tiles, a.shape[0], a.shape[1], b.shape[1],
                          a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                         out.stride(0) if not emit else 0, b.shape[1],
+                         0 if emit else out.stride(0),
                          BLOCK_N=bn, BLOCK_K=bk, LEAF=TOKEN_LEAF, PREC=prec, EMIT=emit,
                          FORCE_FLAG=int(force_flag), num_warps=warps, num_stages=stages,
                          enable_fp_fusion=False)
@@ -145,8 +121,8 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag):
 
 def _redo_flagged(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, flagged: torch.Tensor,
                   tile) -> None:
-    """acc += the flagged tiles' exact sums through the reference accumulator: the kernel in
-    EMIT mode stores each tile's per-leaf partials, accumulate_ adds them (acc [N, K, N_COLS])."""
+    """acc += the flagged tiles' exact sums through the bin accumulator: the kernel in EMIT
+    mode stores each tile's per-leaf partials, accumulate_ adds them (acc [N, K, N_COLS])."""
     bn, bk = tile[0], tile[1]
     n, k = a.shape[1], b.shape[1]
     leaves = a.shape[0] // TOKEN_LEAF
@@ -193,17 +169,17 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
         return acc, 0
     dt = operand_dtype(dy, x)
     a, b = dy.to(dt), x.to(dt)
-    bn = tile[0]
-    rows = max(bn, (OUT_ELEMS // (WORDS * k)) // bn * bn)   # whole tiles per launch
+    bn, bk = tile[0], tile[1]
+    rows = max(bn, OUT_ELEMS // k // bn * bn)        # whole tile rows per launch
     redone = 0
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         ac, aa = acc[r0:r1], a[:, r0:r1]
-        n_tiles = triton.cdiv(r1 - r0, bn) * triton.cdiv(k, tile[1])
-        out = torch.empty(WORDS, r1 - r0, k, dtype=torch.float32, device=a.device)
+        n_tiles = triton.cdiv(r1 - r0, bn) * triton.cdiv(k, bk)
+        words = torch.empty(2, r1 - r0, k, dtype=torch.float64, device=a.device)
         flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
-        _launch(aa, b, out, flags, flags, (n_tiles,), tile, False, force_flag)
-        tfx.accumulate_(ac.view(-1, tfx.N_COLS), out.view(WORDS, -1))
+        _launch(aa, b, words, flags, flags, (n_tiles,), tile, False, force_flag)
+        tfx.add_double_words_(ac.view(-1, tfx.N_COLS), words.view(2, -1))
         flagged = torch.nonzero(flags).flatten()
         if flagged.numel():
             _redo_flagged(ac, aa, b, flagged, tile)

@@ -64,6 +64,7 @@ SEG = 1 << 13           # rows per float64 bin flush: keeps every bin sum exact 
 BLOCK = 128             # elements per program, one per lane of its num_warps warps
 NUM_WARPS = 4
 UNROLL = 8              # rows loaded per loop step: loads in flight hide DRAM latency
+TOP_F64_BITS = tl.constexpr((1023 + 150) << 52)   # 2**150 as float64 bits: add_f64's bound
 
 
 @triton.jit
@@ -175,15 +176,116 @@ def _flush(row, live, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13
 
 
 @triton.jit
+def two_sum(a, b):
+    """(s, e): s = fl(a + b) and its exact rounding error e = a + b − s (Knuth's TwoSum, TAOCP
+    vol. 2 §4.2.2; needs round-to-nearest and no mul+add contraction: launch with
+    enable_fp_fusion=False)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@triton.jit
+def _put_at(d, i: tl.constexpr, q, a0, a1, a2):
+    """Digit i of a contribution (a0, a1, a2) at runtime digits (q, q+1, q+2)."""
+    return d + tl.where(q == i, a0, 0) + tl.where(q + 1 == i, a1, 0) + tl.where(q + 2 == i, a2, 0)
+
+
+@triton.jit
+def add_f64(v, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
+    """Digits += v exactly: v a finite float64, an integer multiple of 2**-149 below 2**150
+    (TOP_F64_BITS) in magnitude (sums of fp32 values are multiples of 2**-149); q <= 7, so a2 lands in
+    digit 9 at most. v = ±mant·2**(e − 1075) with a 53-bit mant, i.e.
+    ±mant·2**sh units of 2**-149, sh = e − 926 (mant >> −sh when sh < 0: those bits are 0); the
+    signed n = ±mant goes in at digit q = sh // 31, bit r = sh % 31, as `_add_bin` does."""
+    bits = v.to(tl.int64, bitcast=True)
+    e = (bits >> 52) & 0x7FF
+    mant = tl.where(e > 0, (bits & 0xFFFFFFFFFFFFF) | 0x10000000000000, 0)
+    sh = e - 926
+    mant = tl.where(sh < 0, mant >> tl.minimum(-sh, 63), mant)
+    sh = tl.maximum(sh, 0)
+    n = tl.where(bits < 0, -mant, mant)
+    q = sh // 31
+    r = sh % 31
+    lo = (n & 0x7FFFFFFF) << r                           # < 2**61
+    hi = (n >> 31) << r                                  # signed, |hi| < 2**53
+    a0 = lo & 0x7FFFFFFF
+    a1 = (lo >> 31) + (hi & 0x7FFFFFFF)
+    a2 = hi >> 31
+    d0 = _put_at(d0, 0, q, a0, a1, a2)
+    d1 = _put_at(d1, 1, q, a0, a1, a2)
+    d2 = _put_at(d2, 2, q, a0, a1, a2)
+    d3 = _put_at(d3, 3, q, a0, a1, a2)
+    d4 = _put_at(d4, 4, q, a0, a1, a2)
+    d5 = _put_at(d5, 5, q, a0, a1, a2)
+    d6 = _put_at(d6, 6, q, a0, a1, a2)
+    d7 = _put_at(d7, 7, q, a0, a1, a2)
+    d8 = _put_at(d8, 8, q, a0, a1, a2)
+    d9 = _put_at(d9, 9, q, a0, a1, a2)
+    return d0, d1, d2, d3, d4, d5, d6, d7, d8, d9
+
+
+@triton.jit
+def flush_double_word(row, live, hi, lo):
+    """Accumulator rows (pointers `row`, N_COLS int64 each) += hi + lo, two finite float64
+    multiples of 2**-149 (a checked double word: `two_sum` errors all exact); counts unchanged."""
+    d0 = tl.load(row + 0, mask=live, other=0)
+    d1 = tl.load(row + 1, mask=live, other=0)
+    d2 = tl.load(row + 2, mask=live, other=0)
+    d3 = tl.load(row + 3, mask=live, other=0)
+    d4 = tl.load(row + 4, mask=live, other=0)
+    d5 = tl.load(row + 5, mask=live, other=0)
+    d6 = tl.load(row + 6, mask=live, other=0)
+    d7 = tl.load(row + 7, mask=live, other=0)
+    d8 = tl.load(row + 8, mask=live, other=0)
+    d9 = tl.load(row + 9, mask=live, other=0)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(hi, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(lo, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    tl.store(row + 0, d0, mask=live)
+    tl.store(row + 1, d1, mask=live)
+    tl.store(row + 2, d2, mask=live)
+    tl.store(row + 3, d3, mask=live)
+    tl.store(row + 4, d4, mask=live)
+    tl.store(row + 5, d5, mask=live)
+    tl.store(row + 6, d6, mask=live)
+    tl.store(row + 7, d7, mask=live)
+    tl.store(row + 8, d8, mask=live)
+    tl.store(row + 9, d9, mask=live)
+
+
+@triton.jit
 def _accumulate_kernel(X, ACC, k, m, s_k, s_m, N_COLS: tl.constexpr, SEG: tl.constexpr,
-                       BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+                       BLOCK: tl.constexpr, UNROLL: tl.constexpr, FAST: tl.constexpr):
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = cols < m
     row = ACC + cols * N_COLS
     sk = tl.zeros([], dtype=tl.int64) + s_k              # int64: UNROLL·s_k must not wrap
     ptr = X + cols * s_m                                  # row `start` of x, advanced by sk
-    for seg in range(0, k, SEG):
-        end = tl.minimum(seg + SEG, k)
+    todo = k                                              # rows left for the bin path
+    if FAST:
+        # Fast path: every column's values added into a float64 double word (hi, lo) with
+        # TwoSum, each lo addition checked exact; taken when no column of the program failed.
+        lim = tl.where(live, k, 0)
+        hi = tl.zeros([BLOCK], dtype=tl.float64)
+        lo = tl.zeros([BLOCK], dtype=tl.float64)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        p = ptr
+        for start in range(0, k, UNROLL):
+            for u in tl.static_range(UNROLL):
+                x = tl.load(p + u * sk, mask=start + u < lim, other=0.0)
+                hi, e = two_sum(hi, x.to(tl.float64))
+                lo, e2 = two_sum(lo, e)
+                bad |= (e2 != 0.0).to(tl.int32)           # NaN/Inf make e2 NaN: bad too
+            p += UNROLL * sk
+        top = tl.full([], TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
+        bad |= (tl.abs(hi) >= top).to(tl.int32)           # add_f64's range (> 2**22 fp32 maxima)
+        if tl.max(bad, 0) == 0:
+            flush_double_word(row, live, hi, lo)
+            todo = todo * 0
+    for seg in range(0, todo, SEG):
+        end = tl.minimum(seg + SEG, todo)
         lim = tl.where(live, end, 0)                      # row r of an element is read iff r < lim
         zero = tl.zeros([BLOCK], dtype=tl.float64)
         b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
@@ -223,12 +325,46 @@ def _accumulate_kernel(X, ACC, k, m, s_k, s_m, N_COLS: tl.constexpr, SEG: tl.con
                n_nan, n_pinf, n_ninf)
 
 
+@triton.jit
+def _double_word_kernel(W, ACC, m, s_w, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < m
+    hi = tl.load(W + cols, mask=live, other=0.0)
+    lo = tl.load(W + s_w + cols, mask=live, other=0.0)
+    flush_double_word(ACC + cols * N_COLS, live, hi, lo)
+
+
+def add_double_words_(acc: torch.Tensor, words: torch.Tensor, block: int = BLOCK,
+                      num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """acc [m, N_COLS] int64 (contiguous) += words[0] + words[1] exactly, in place; returns acc,
+    normalised. words [2, m] float64 (rows contiguous): per element a double word (hi, lo) of
+    finite multiples of 2**-149 with |hi| < 2**150 whose sum is the value to add — what a
+    checked TwoSum accumulation leaves (kernels/triton_grad_weight.py); the caller guarantees
+    it (values outside it would be added wrongly, not refused). No host sync."""
+    check_cuda("fixedpoint double words", acc, words)
+    m = acc.shape[0]
+    if (words.dtype != torch.float64 or tuple(words.shape) != (2, m)
+            or words.stride(1) != 1):
+        raise ValueError(f"fixedpoint double words: float64 [2, {m}] with contiguous rows "
+                         f"expected, got {words.dtype} {tuple(words.shape)}")
+    if acc.dtype != torch.int64 or acc.dim() != 2 or acc.shape[1] != N_COLS \
+            or not acc.is_contiguous():
+        raise ValueError(f"fixedpoint double words: contiguous int64 [m, {N_COLS}] accumulator "
+                         f"expected, got {acc.dtype} {tuple(acc.shape)}")
+    if m:
+        with device_ctx(acc):
+            _double_word_kernel[(triton.cdiv(m, block),)](
+                words, acc, m, words.stride(0), N_COLS=N_COLS, BLOCK=block, num_warps=num_warps)
+    return acc
+
+
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
-                num_warps: int = NUM_WARPS, seg: int = SEG) -> torch.Tensor:
+                num_warps: int = NUM_WARPS, seg: int = SEG, fast: bool = True) -> torch.Tensor:
     """acc [m, N_COLS] int64 (contiguous) += the exact sum of x [k, m] fp32 over dim 0, in place;
     returns acc, normalised (fixedpoint.normalise_'s form). Any strides of x. No host sync.
-    `block`/`num_warps` (launch) and `seg` (rows per bin flush: a multiple of UNROLL up to SEG,
-    smaller only to test flushes cheaply under the interpreter) never change a bit."""
+    `block`/`num_warps` (launch), `seg` (rows per bin flush: a multiple of UNROLL up to SEG,
+    smaller only to test flushes cheaply under the interpreter) and `fast` (try the double-word
+    path first; False: bins only) never change a bit."""
     check_cuda("fixedpoint accumulate", acc, x)
     if seg % UNROLL or not 0 < seg <= SEG:
         raise ValueError(f"fixedpoint accumulate: seg {seg} must be a multiple of {UNROLL} "
@@ -245,7 +381,7 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
     with device_ctx(x):
         _accumulate_kernel[(triton.cdiv(m, block),)](
             x, acc, k, m, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg, BLOCK=block,
-            UNROLL=UNROLL, num_warps=num_warps)
+            UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
     return acc
 
 
