@@ -90,18 +90,6 @@ def _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
 
 
 @triton.jit
-def _put(d, I: tl.constexpr, Q: tl.constexpr, a0, a1, a2):
-    """Digit I of a contribution (a0, a1, a2) at digits (Q, Q+1, Q+2): resolved at compile time."""
-    if I == Q:
-        d += a0
-    if I == Q + 1:
-        d += a1
-    if I == Q + 2:
-        d += a2
-    return d
-
-
-@triton.jit
 def _add_bin(s, J: tl.constexpr, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
     """Digits += the exact float64 sum s of bin J (an integer multiple of 2**UNIT below 2**52)."""
     UNIT: tl.constexpr = 16 * J - 150 + (J == 0)        # log2 u_J = max(16J, 1) − 150
@@ -110,103 +98,14 @@ def _add_bin(s, J: tl.constexpr, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
     # 2**-UNIT written into the exponent field: exact (|UNIT| <= 149, a normal float64).
     scale = tl.full([], (1023 - UNIT) << 52, tl.int64).to(tl.float64, bitcast=True)
     n = (s * scale).to(tl.int64)                         # exact: |n| < 2**52
-    lo = (n & 0x7FFFFFFF) << R                           # < 2**61
-    hi = (n >> 31) << R                                  # signed, |hi| < 2**51
-    a0 = lo & 0x7FFFFFFF
-    a1 = (lo >> 31) + (hi & 0x7FFFFFFF)
-    a2 = hi >> 31
-    d0 = _put(d0, 0, Q, a0, a1, a2)
-    d1 = _put(d1, 1, Q, a0, a1, a2)
-    d2 = _put(d2, 2, Q, a0, a1, a2)
-    d3 = _put(d3, 3, Q, a0, a1, a2)
-    d4 = _put(d4, 4, Q, a0, a1, a2)
-    d5 = _put(d5, 5, Q, a0, a1, a2)
-    d6 = _put(d6, 6, Q, a0, a1, a2)
-    d7 = _put(d7, 7, Q, a0, a1, a2)
-    d8 = _put(d8, 8, Q, a0, a1, a2)
-    d9 = _put(d9, 9, Q, a0, a1, a2)
-    return d0, d1, d2, d3, d4, d5, d6, d7, d8, d9
+    return _add_scaled(n, Q, R, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
 
 
 @triton.jit
-def _flush(row, live, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15,
-           n_nan, n_pinf, n_ninf):
-    """Accumulator rows (pointers `row`, N_COLS int64 each) += the 16 bin sums and the counts."""
-    d0 = tl.load(row + 0, mask=live, other=0)
-    d1 = tl.load(row + 1, mask=live, other=0)
-    d2 = tl.load(row + 2, mask=live, other=0)
-    d3 = tl.load(row + 3, mask=live, other=0)
-    d4 = tl.load(row + 4, mask=live, other=0)
-    d5 = tl.load(row + 5, mask=live, other=0)
-    d6 = tl.load(row + 6, mask=live, other=0)
-    d7 = tl.load(row + 7, mask=live, other=0)
-    d8 = tl.load(row + 8, mask=live, other=0)
-    d9 = tl.load(row + 9, mask=live, other=0)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b0, 0, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b1, 1, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b2, 2, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b3, 3, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b4, 4, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b5, 5, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b6, 6, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b7, 7, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b8, 8, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b9, 9, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b10, 10, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b11, 11, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b12, 12, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b13, 13, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b14, 14, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b15, 15, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    tl.store(row + 0, d0, mask=live)
-    tl.store(row + 1, d1, mask=live)
-    tl.store(row + 2, d2, mask=live)
-    tl.store(row + 3, d3, mask=live)
-    tl.store(row + 4, d4, mask=live)
-    tl.store(row + 5, d5, mask=live)
-    tl.store(row + 6, d6, mask=live)
-    tl.store(row + 7, d7, mask=live)
-    tl.store(row + 8, d8, mask=live)
-    tl.store(row + 9, d9, mask=live)
-    tl.store(row + 10, tl.load(row + 10, mask=live, other=0) + n_nan.to(tl.int64), mask=live)
-    tl.store(row + 11, tl.load(row + 11, mask=live, other=0) + n_pinf.to(tl.int64), mask=live)
-    tl.store(row + 12, tl.load(row + 12, mask=live, other=0) + n_ninf.to(tl.int64), mask=live)
-
-
-@triton.jit
-def two_sum(a, b):
-    """(s, e): s = fl(a + b) and its exact rounding error e = a + b − s (Knuth's TwoSum, TAOCP
-    vol. 2 §4.2.2; needs round-to-nearest and no mul+add contraction: launch with
-    enable_fp_fusion=False)."""
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
-
-
-@triton.jit
-def _put_at(d, i: tl.constexpr, q, a0, a1, a2):
-    """Digit i of a contribution (a0, a1, a2) at runtime digits (q, q+1, q+2)."""
-    return d + tl.where(q == i, a0, 0) + tl.where(q + 1 == i, a1, 0) + tl.where(q + 2 == i, a2, 0)
-
-
-@triton.jit
-def add_f64(v, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
-    """Digits += v exactly: v a finite float64, an integer multiple of 2**-149 below 2**150
-    (TOP_F64_BITS) in magnitude (sums of fp32 values are multiples of 2**-149); q <= 7, so a2 lands in
-    digit 9 at most. v = ±mant·2**(e − 1075) with a 53-bit mant, i.e.
-    ±mant·2**sh units of 2**-149, sh = e − 926 (mant >> −sh when sh < 0: those bits are 0); the
-    signed n = ±mant goes in at digit q = sh // 31, bit r = sh % 31, as `_add_bin` does."""
-    bits = v.to(tl.int64, bitcast=True)
-    e = (bits >> 52) & 0x7FF
-    mant = tl.where(e > 0, (bits & 0xFFFFFFFFFFFFF) | 0x10000000000000, 0)
-    sh = e - 926
-    mant = tl.where(sh < 0, mant >> tl.minimum(-sh, 63), mant)
-    sh = tl.maximum(sh, 0)
-    n = tl.where(bits < 0, -mant, mant)
-    q = sh // 31
-    r = sh % 31
+def _add_scaled(n, q, r, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
+    """Digits += n·2**(31·q + r) for a signed int64 |n| < 2**53, r in [0, 31), q <= 7 (q, r
+    constexpr or per-element): n's low 31 bits and the rest, shifted by r, spread over digits
+    q, q+1, q+2 (every part < 2**62)."""
     lo = (n & 0x7FFFFFFF) << r                           # < 2**61
     hi = (n >> 31) << r                                  # signed, |hi| < 2**53
     a0 = lo & 0x7FFFFFFF
@@ -226,9 +125,14 @@ def add_f64(v, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
 
 
 @triton.jit
-def flush_double_word(row, live, hi, lo):
-    """Accumulator rows (pointers `row`, N_COLS int64 each) += hi + lo, two finite float64
-    multiples of 2**-149 (a checked double word: `two_sum` errors all exact); counts unchanged."""
+def _put_at(d, i: tl.constexpr, q, a0, a1, a2):
+    """Digit i of a contribution (a0, a1, a2) at digits (q, q+1, q+2); a constexpr q folds."""
+    return d + tl.where(q == i, a0, 0) + tl.where(q + 1 == i, a1, 0) + tl.where(q + 2 == i, a2, 0)
+
+
+@triton.jit
+def _load_digits(row, live):
+    """The 10 digit columns of accumulator rows (pointers `row`), carry-normalised."""
     d0 = tl.load(row + 0, mask=live, other=0)
     d1 = tl.load(row + 1, mask=live, other=0)
     d2 = tl.load(row + 2, mask=live, other=0)
@@ -239,9 +143,12 @@ def flush_double_word(row, live, hi, lo):
     d7 = tl.load(row + 7, mask=live, other=0)
     d8 = tl.load(row + 8, mask=live, other=0)
     d9 = tl.load(row + 9, mask=live, other=0)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(hi, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
-    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(lo, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    return _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+
+
+@triton.jit
+def _store_digits(row, live, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
+    """Carry-normalise the digits and write them back to the rows' digit columns."""
     d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
     tl.store(row + 0, d0, mask=live)
     tl.store(row + 1, d1, mask=live)
@@ -253,6 +160,70 @@ def flush_double_word(row, live, hi, lo):
     tl.store(row + 7, d7, mask=live)
     tl.store(row + 8, d8, mask=live)
     tl.store(row + 9, d9, mask=live)
+
+
+@triton.jit
+def _flush(row, live, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15,
+           n_nan, n_pinf, n_ninf):
+    """Accumulator rows (pointers `row`, N_COLS int64 each) += the 16 bin sums and the counts."""
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _load_digits(row, live)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b0, 0, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b1, 1, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b2, 2, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b3, 3, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b4, 4, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b5, 5, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b6, 6, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b7, 7, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b8, 8, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b9, 9, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b10, 10, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b11, 11, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b12, 12, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b13, 13, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b14, 14, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _add_bin(b15, 15, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    _store_digits(row, live, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    tl.store(row + 10, tl.load(row + 10, mask=live, other=0) + n_nan.to(tl.int64), mask=live)
+    tl.store(row + 11, tl.load(row + 11, mask=live, other=0) + n_pinf.to(tl.int64), mask=live)
+    tl.store(row + 12, tl.load(row + 12, mask=live, other=0) + n_ninf.to(tl.int64), mask=live)
+
+
+@triton.jit
+def two_sum(a, b):
+    """(s, e): s = fl(a + b) and its exact rounding error e = a + b − s (Knuth's TwoSum, TAOCP
+    vol. 2 §4.2.2; needs round-to-nearest and no mul+add contraction: launch with
+    enable_fp_fusion=False)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@triton.jit
+def add_f64(v, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
+    """Digits += v exactly: v a finite float64, an integer multiple of 2**-149 below 2**150
+    (TOP_F64_BITS) in magnitude (sums of fp32 values are multiples of 2**-149); q <= 7, so a2 lands in
+    digit 9 at most. v = ±mant·2**(e − 1075) with a 53-bit mant, i.e.
+    ±mant·2**sh units of 2**-149, sh = e − 926 (mant >> −sh when sh < 0: those bits are 0); the
+    signed n = ±mant goes in at digit q = sh // 31, bit r = sh % 31, as `_add_bin` does."""
+    bits = v.to(tl.int64, bitcast=True)
+    e = (bits >> 52) & 0x7FF
+    mant = tl.where(e > 0, (bits & 0xFFFFFFFFFFFFF) | 0x10000000000000, 0)
+    sh = e - 926
+    mant = tl.where(sh < 0, mant >> tl.minimum(-sh, 63), mant)
+    sh = tl.maximum(sh, 0)
+    n = tl.where(bits < 0, -mant, mant)
+    return _add_scaled(n, sh // 31, sh % 31, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+
+
+@triton.jit
+def flush_double_word(row, live, hi, lo):
+    """Accumulator rows (pointers `row`, N_COLS int64 each) += hi + lo, two finite float64
+    multiples of 2**-149 (a checked double word: `two_sum` errors all exact); counts unchanged."""
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _load_digits(row, live)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(hi, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(lo, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
+    _store_digits(row, live, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
 
 
 @triton.jit
