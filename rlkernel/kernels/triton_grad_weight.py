@@ -49,7 +49,7 @@ from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import TOKEN_LEAF
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): speed only (the sum is exact whatever the tile).
-TILE = (64, 64, 4, 3)
+TILE = (64, 64, 8, 3)      # the fastest of the H200 sweep (docs/BENCHMARKS.md)
 EMIT_TILES = 64            # flagged tiles recomputed per EMIT launch (bounds the scratch)
 OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] double words (1 GiB)
 
