@@ -26,11 +26,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import triton
 import triton.language as tl
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
-from kernel_helpers import run_checks
+from kernel_helpers import LaunchRecorder, run_checks
 from swiglu_cases import HARD_ULPS, cases, describe_diff, hard_gate_distances, same_bits
 
 from rlkernel.kernels import elementwise as ew
 from rlkernel.kernels import triton_activation as ta
+from rlkernel.kernels import triton_elementwise as tew
 from rlkernel.kernels.activation import swiglu_bwd_torch, swiglu_fwd_torch
 
 CHECKS = {}
@@ -70,9 +71,9 @@ def _bwd_same(dh, gate, up, sig, **launch) -> tuple[torch.Tensor, ...]:
 
 @check
 def constants_are_the_elementwise_ones():
-    assert ta._COEF.value == tuple(ew._EXP_COEF) and len(ta._COEF.value) == 14
-    assert (ta._LOG2E.value, ta._LN2_HI.value, ta._LN2_LO.value) == (ew._LOG2E, ew._LN2_HI,
-                                                                      ew._LN2_LO)
+    assert tew.COEF.value == tuple(ew._EXP_COEF) and len(tew.COEF.value) == 14
+    assert (tew.LOG2E.value, tew.LN2_HI.value, tew.LN2_LO.value) == (ew._LOG2E, ew._LN2_HI,
+                                                                     ew._LN2_LO)
 
 
 @check
@@ -160,23 +161,10 @@ def bad_arguments_are_refused():
     raise AssertionError("accepted a sig of another shape")
 
 
-class _LaunchRecorder:
-    """Stands in for a jitted kernel: records each launch's keyword arguments, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @check
 def launches_disable_fp_fusion():
     """Both wrappers launch with enable_fp_fusion=False (the PTX test shows what it changes)."""
-    fwd, bwd = _LaunchRecorder(ta._fwd_kernel), _LaunchRecorder(ta._bwd_kernel)
+    fwd, bwd = LaunchRecorder(ta._fwd_kernel), LaunchRecorder(ta._bwd_kernel)
     ta._fwd_kernel, ta._bwd_kernel = fwd, bwd
     try:
         x = torch.ones(5)
@@ -193,7 +181,7 @@ def _sigmoid_fp32(g):
 
 @triton.jit
 def _sigmoid_exp_rounded(g):
-    e = ta._exp64(-(g.to(tl.float64))).to(tl.float32).to(tl.float64)   # e rounded to fp32
+    e = tew.exp64(-(g.to(tl.float64))).to(tl.float32).to(tl.float64)   # e rounded to fp32
     return (1.0 / (1.0 + e)).to(tl.float32)
 
 

@@ -40,7 +40,8 @@ NAN, INF = float("nan"), float("inf")
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bit pattern of a float tensor as same-width ints (so -0.0 != +0.0, NaN == same NaN)."""
     t = t.detach().contiguous()
-    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64,
+                   torch.bfloat16: torch.int16}[t.dtype])
 
 
 def n_diff(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -242,6 +243,20 @@ def run_ranks_sequentially(n: int, fn):
         fn(r, ReplayComm(group, r))
     group.replay = True
     return [fn(r, ReplayComm(group, r)) for r in range(n)]
+
+
+class LaunchRecorder:
+    """Stands in for a jitted kernel (a checks script swaps it in for the module's kernel): records
+    each launch's keyword arguments (e.g. enable_fp_fusion), then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
 
 
 def run_checks(checks: dict, names: list[str], skip: frozenset[str] | set[str] = frozenset()) -> None:

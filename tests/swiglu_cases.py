@@ -130,9 +130,10 @@ def cases(n_min: int = 0, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def nan_as_one(t: torch.Tensor) -> torch.Tensor:
-    """The int32 bits of fp32 t, every NaN written as 0x7FC00000."""
+    """The integer bits of fp32 (bf16) t, every NaN written as 0x7FC00000 (0x7FC0)."""
     t = t.detach().contiguous()
-    return torch.where(torch.isnan(t), torch.full_like(t, math.nan), t).view(torch.int32)
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype]
+    return torch.where(torch.isnan(t), torch.full_like(t, math.nan), t).view(ints)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

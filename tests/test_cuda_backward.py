@@ -12,9 +12,12 @@ on CUDA tensors, through the same kernel entry points:
 - SwiGLU's Triton kernels (kernels/triton_activation.py) == the CPU torch path, forward and
   backward, on [4096, 3072] with the adversarial values of tests/swiglu_cases.py, and the torch
   path run on CUDA == the CPU one (NaN payloads aside: swiglu_cases.same_bits);
-- column-parallel dX (the fp32 Triton chain + virtual-TP tree): row r alone == in a batch of 257.
-Negative controls: stock SDPA autograd (alone vs batched), cuBLAS dX (batch 1 vs 257) and stock
-silu(g)·u (vs the CPU torch path) differ.
+- column-parallel dX (the fp32 Triton chain + virtual-TP tree): row r alone == in a batch of 257;
+- LM-head d logits (kernels/triton_dlogits.py) == the CPU torch path on [512, 151936] with the
+  special rows of tests/dlogits_cases.py, fp32 and bf16, from z and from the logits, and through
+  token_logprobs_entropy's autograd; a row alone == in the batch, any row chunking.
+Negative controls: stock SDPA autograd (alone vs batched), cuBLAS dX (batch 1 vs 257), stock
+silu(g)·u and the d-logits torch path run on CUDA (vs the CPU torch path) differ.
 Skipped without CUDA. Run on the GPU machine: PYTHONPATH=. python3 -m pytest -q tests/test_cuda_backward.py
 """
 
@@ -24,11 +27,16 @@ import pytest
 import torch
 
 import torch.nn.functional as F
+from dlogits_cases import dlogits_case
 from kernel_helpers import assert_bitwise, n_diff, randn
 from swiglu_cases import cases, describe_diff, same_bits
 
+from rlkernel.kernels import logprobs as logprobs_mod
 from rlkernel.kernels.activation import swiglu, swiglu_bwd_torch, swiglu_fwd_torch
+from rlkernel.kernels.logprobs import (_div_t, _dlogits, _dlogits_by_rows, _forward_stats,
+                                       token_logprobs_entropy)
 from rlkernel.kernels.matmul import column_parallel_dx
+from rlkernel.spec import VIRTUAL_TP
 from test_kernels_attention import (ATTN_LENGTHS, _attn_grads, _pack,
                                     stock_sdpa_grads_alone_and_batched)
 from test_kernels_elementwise_norm import assert_rms_rows_invariant
@@ -153,3 +161,75 @@ def test_cuda_negative_control_cublas_dx_row_changes_with_batch():
         dy, w = _cuda(randn(257, 4096, seed=52).to(dt), randn(4096, 4096, seed=53).to(dt))
         diffs.append(n_diff((dy[:1] @ w).float(), (dy @ w)[:1].float()))
     assert max(diffs) > 0, diffs
+
+
+# ------------------------------------------------------------------ LM head d logits
+_DL_N, _DL_V, _DL_LIVE, _DL_T = 512, 151936, 151669, 0.7
+
+
+@pytest.fixture(scope="module")
+def dl_case():
+    """tests/dlogits_cases.dlogits_case(512, 151936, T = 0.7, live 151669) on the GPU (z, lse
+    and entropy from the CUDA forward), and the same tensors copied to the CPU."""
+    cuda = dlogits_case(_DL_N, _DL_V, _DL_T, _DL_LIVE, seed=11, device=DEV)
+    return cuda, tuple(t.cpu() for t in cuda)
+
+
+def _dl(case, dtype, rows=slice(None), from_logits=False):
+    """logprobs._dlogits_by_rows over `rows` of a case, from z or from the logits."""
+    logits, z, tg, lse, ent, g_lp, g_ent = (t[rows] for t in case)
+    x = logits if from_logits else z
+    return _dlogits_by_rows(lambda a, b: x[a:b], x.shape[1], tg, lse, ent, g_lp, g_ent, _DL_T,
+                            dtype, live_vocab=_DL_LIVE if from_logits else None,
+                            from_logits=from_logits)
+
+
+def test_cuda_dlogits_triton_equals_cpu_torch_path(dl_case):
+    """d logits of 512 rows × 151936 ids (live 151669, T = 0.7, g_ent given; the special rows of
+    tests/dlogits_cases.py first: p underflow, exp64's clamp, ±0 / huge / subnormal g): on CUDA
+    (logprobs._dlogits_by_rows -> kernels/triton_dlogits.py, in row chunks), from z and from
+    the logits, fp32 and bf16 out == the CPU torch path, bitwise but for NaN payloads
+    (swiglu_cases.same_bits). Negative control: the torch path run on CUDA tensors differs
+    (torch's CUDA x / T multiplies by 1/T)."""
+    cuda, cpu = dl_case
+    want = _dl(cpu, torch.float32)
+    for dt in (torch.float32, torch.bfloat16):
+        for from_logits in (False, True):
+            got = _dl(cuda, dt, from_logits=from_logits).cpu()
+            assert same_bits(got, want.to(dt)), \
+                f"{dt} from_logits={from_logits}: {describe_diff(got.float(), want.to(dt).float())}"
+    _, z, tg, lse, ent, g_lp, g_ent = (t[:16] for t in cuda)
+    assert not same_bits(_dlogits(z, tg, lse, ent, g_lp, g_ent, _DL_T).cpu(), want[:16])
+
+
+def test_cuda_dlogits_of_a_row_alone_equal_in_batch(dl_case, monkeypatch):
+    """d logits on CUDA, from z and from the logits, fp32 and bf16: rows 0, 3, 100, 511 alone
+    (N = 1) and rows 5..11 (N = 7) == the same rows inside the 512-row batch, and the batch in
+    3-row chunks (logprobs.ROWS_ELEMS) == in the default chunks, bitwise."""
+    cuda, _ = dl_case
+    for dt in (torch.float32, torch.bfloat16):
+        for fl in (False, True):
+            ref = _dl(cuda, dt, from_logits=fl)
+            for start, m in ((0, 1), (3, 1), (100, 1), (_DL_N - 1, 1), (5, 7)):
+                assert_bitwise(_dl(cuda, dt, slice(start, start + m), fl), ref[start:start + m])
+            with monkeypatch.context() as mp:
+                mp.setattr(logprobs_mod, "ROWS_ELEMS", 3 * _DL_V)
+                assert_bitwise(_dl(cuda, dt, from_logits=fl), ref)
+
+
+def test_cuda_token_logprobs_backward_equals_cpu_torch_path(dl_case):
+    """token_logprobs_entropy on CUDA (the first 64 rows: special g_lp / g_ent included; live
+    151669, T = 0.7) through autograd with loss Σ g_lp·logprob + g_ent·entropy: d logits ==
+    the CPU torch path on the CUDA forward's z, lse and entropy, bitwise but for NaN payloads."""
+    cuda, _ = dl_case
+    logits = cuda[0][:64].clone().requires_grad_()
+    tg, g_lp, g_ent = cuda[2][:64], cuda[5][:64], cuda[6][:64]
+    lp, ent = token_logprobs_entropy(logits, tg, _DL_T, live_vocab=_DL_LIVE)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    z = _div_t(logits.detach(), _DL_T, _DL_LIVE)
+    lse, ent_f = _forward_stats(z, VIRTUAL_TP)
+    zc = z.cpu()
+    want = _dlogits_by_rows(lambda a, b: zc[a:b], _DL_V, tg.cpu(), lse.cpu(), ent_f.cpu(),
+                            g_lp.cpu(), g_ent.cpu(), _DL_T, torch.float32)
+    got = logits.grad.cpu()
+    assert same_bits(got, want), describe_diff(got, want)

@@ -16,7 +16,9 @@ Backward (per token, elementwise; p = exp(z − lse)):
 `linear_token_logprobs_entropy` fuses the LM head: on CUDA its forward never forms the
 [tokens, vocab] logits (kernels/triton_logprobs.py, the same bits as the unfused path); its backward
 recomputes the logits of the call once, in row chunks (d logits is per token, so the float64
-temporaries stay bounded: ROWS_ELEMS per chunk), and keeps d logits in the compute dtype. With a
+temporaries stay bounded: ROWS_ELEMS per chunk), and keeps d logits in the compute dtype. On
+CUDA, d logits is one Triton pass per chunk (kernels/triton_dlogits.py, the same bits as
+`_dlogits` on CPU), which also forms z = logits / T from the recomputed logits. With a
 bf16 compute dtype the LM head has the linears' rounding points (kernels/matmul.py): h before
 the logits product, d logits before the dh and dW products. CUDA tensors use the Triton
 statistics kernel (its own chunk order; the shard tree and the formulas above are shared).
@@ -126,17 +128,27 @@ ROWS_ELEMS = 1 << 25
 """Logit elements per chunk of the d-logits computation (its float64 temporaries: 256 MiB each)."""
 
 
-def _dlogits_by_rows(z_rows, v, targets, lse, ent, g_lp, g_ent, temperature, out_dtype):
-    """`_dlogits` over row chunks: z_rows(a, b) gives z [b - a, v] of rows [a, b); the result is
-    [N, v] in out_dtype (rows are independent, so the chunking changes no bit)."""
+def _dlogits_by_rows(rows, v, targets, lse, ent, g_lp, g_ent, temperature, out_dtype,
+                     live_vocab=None, from_logits=False):
+    """`_dlogits` over row chunks: rows(a, b) gives z [b - a, v] of rows [a, b) (from_logits:
+    the logits, and z = _div_t(logits, T, live_vocab)); the result is [N, v] in out_dtype (rows
+    are independent, so the chunking changes no bit). CUDA chunks run the Triton kernel
+    (kernels/triton_dlogits.py: the same bits, without the float64 temporaries)."""
     n = lse.shape[0]
     out = torch.empty(n, v, dtype=out_dtype, device=lse.device)
     step = max(1, ROWS_ELEMS // max(1, v))
     for a in range(0, n, step):
         b = min(n, a + step)
         gent = None if g_ent is None else g_ent[a:b]
-        out[a:b] = _dlogits(z_rows(a, b), targets[a:b], lse[a:b], ent[a:b], g_lp[a:b], gent,
-                            temperature)
+        x = rows(a, b)
+        if x.is_cuda:
+            from rlkernel.kernels import triton_dlogits
+            triton_dlogits.dlogits(x, targets[a:b], lse[a:b], ent[a:b], g_lp[a:b], gent,
+                                   temperature, out[a:b], from_logits=from_logits,
+                                   live_vocab=live_vocab)
+            continue
+        z = _div_t(x, temperature, live_vocab) if from_logits else x
+        out[a:b] = _dlogits(z, targets[a:b], lse[a:b], ent[a:b], g_lp[a:b], gent, temperature)
     return out
 
 
@@ -177,10 +189,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         h, w, targets, lse, ent = ctx.saved_tensors
         w = rounding_point(w, ctx.cd)
-        # recomputed row by row, masked the same way: the same bits as forward
-        dlogits = _dlogits_by_rows(
-            lambda a, b: _div_t(linear_nt(h[a:b], w), ctx.temperature, ctx.live_vocab),
-            w.shape[0], targets, lse, ent, g_lp, g_ent, ctx.temperature, ctx.cd)
+        # recomputed row by row, divided by T and masked the same way: the same bits as forward
+        dlogits = _dlogits_by_rows(lambda a, b: linear_nt(h[a:b], w), w.shape[0], targets, lse,
+                                   ent, g_lp, g_ent, ctx.temperature, ctx.cd,
+                                   live_vocab=ctx.live_vocab, from_logits=True)
         dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
         dw = grad_weight(dlogits, h, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
         return dh, dw, None, None, None, None, None, None

@@ -18,9 +18,10 @@ exact conversions and integer ops; no libdevice call, so no flush-to-zero), and 
 launch with enable_fp_fusion=False, so no mul+add is contracted into an fma: each element's
 bits are the torch path's. Exact steps may be spelt differently: the clamps as
 tl.maximum/minimum, floor(n/2) as an arithmetic shift, −x as a sign-bit flip (Triton's unary
-minus is 0 − x, which turns −0.0 into +0.0). Constants come from kernels/elementwise.py (one
-source); a Python float in a binary op with a float64 tensor becomes a float64 constant (the
-PTX test checks each), whereas e.g. tl.fma(p, r, c) would round c to fp32 first.
+minus is 0 − x, which turns −0.0 into +0.0). exp64 and the sign flip are the shared jit helpers
+of kernels/triton_elementwise.py (constants from kernels/elementwise.py, one source); a Python
+float in a binary op with a float64 tensor becomes a float64 constant (the PTX test checks
+each), whereas e.g. tl.fma(p, r, c) would round c to fp32 first.
 An element depends only on its own inputs, so the result is batch-invariant by construction.
 Source: Shazeer, "GLU Variants Improve Transformer" (2020); exp: Cody & Waite range reduction.
 
@@ -39,53 +40,18 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels import elementwise as ew
+from rlkernel.kernels.triton_elementwise import exp64, neg64
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 
 BLOCK = 1024
 """Elements per program (any value gives the same bits: elements are independent)."""
 NUM_WARPS = 4
 
-# constexpr: a jitted function may read only constexpr globals. Python floats used in a float64
-# op become float64 constants, so these are the elementwise module's exact doubles.
-_LOG2E = tl.constexpr(ew._LOG2E)
-_LN2_HI = tl.constexpr(ew._LN2_HI)
-_LN2_LO = tl.constexpr(ew._LN2_LO)
-_COEF = tl.constexpr(tuple(ew._EXP_COEF))
-_N_COEF = tl.constexpr(len(ew._EXP_COEF))
-_SIGN64 = tl.constexpr(-(1 << 63))        # the float64 sign bit, as int64
-
-
-@triton.jit
-def _pow2(k):
-    """2.0**k as float64 for int64 k (clamped to [-1022, 1023], as exp64 does), from its bits."""
-    k = tl.minimum(tl.maximum(k, -1022), 1023)
-    return ((k + 1023) << 52).to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def _exp64(x):
-    """elementwise.exp64 of a float64 tensor, operation for operation."""
-    xc = tl.minimum(tl.maximum(x, -745.0), 709.0)
-    n = tl.floor(xc * _LOG2E + 0.5)
-    r = (xc - n * _LN2_HI) - n * _LN2_LO
-    p = tl.full(r.shape, _COEF[_N_COEF - 1], tl.float64)
-    for i in tl.static_range(_N_COEF - 2, -1, -1):
-        p = p * r + _COEF[i]
-    ni = n.to(tl.int64)
-    half = ni >> 1                                     # floor(ni / 2): arithmetic shift
-    y = (p * _pow2(half)) * _pow2(ni - half)
-    y = tl.where(x > 709.0, float("inf"), y)
-    y = tl.where(x < -745.0, 0.0, y)
-    return tl.where(x != x, x, y)                     # noqa: PLR0124 - the NaN test
-
-
 @triton.jit
 def _sigmoid32(g):
     """elementwise.sigmoid32 of an fp32 tensor: 1 / (1 + exp64(−g)) in float64, rounded once."""
     # torch's neg flips the sign bit; Triton's unary minus is 0 − x (+0 for +0, NaN unsigned).
-    x = (g.to(tl.float64).to(tl.int64, bitcast=True) ^ _SIGN64).to(tl.float64, bitcast=True)
-    e = _exp64(x)
+    e = exp64(neg64(g.to(tl.float64)))
     return (1.0 / (1.0 + e)).to(tl.float32)           # float64 `/` lowers to div.rn.f64
 
 

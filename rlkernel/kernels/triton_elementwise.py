@@ -1,0 +1,93 @@
+"""Triton jit helpers: kernels/elementwise.py's exp sequence, operation for operation, and exact
+negation. Shared by the Triton kernels that must give the torch path's bits (SwiGLU:
+kernels/triton_activation.py; LM-head d logits: kernels/triton_dlogits.py).
+
+exp64(x), float64 -> float64 (elementwise.exp64):
+    xc = min(max(x, −745), 709);  n = floor(xc·LOG2E + 0.5);  r = (xc − n·LN2_HI) − n·LN2_LO
+    p  = c13;  p = p·r + c_k for k = 12 … 0                 (c_k = 1/k!, elementwise._EXP_COEF)
+    e  = (p·2**h)·2**(n−h),  h = floor(n/2), each 2**· built from exponent bits, clamped to
+         [−1022, 1023];  e = inf where x > 709, 0 where x < −745, x where x is NaN
+exp32(x) = fp32(exp64(float64(x))) (elementwise.exp32: one rounding). neg32 / neg64: −x as a
+sign-bit flip, as torch's neg. bf16_rtne: fp32 -> bf16 as torch's CPU cast, in integer ops.
+Pitfalls these helpers encode (each changes bits if undone):
+- Triton's unary minus is 0 − x: −(+0.0) gives +0.0 and a NaN loses its sign; use neg32/neg64.
+- A Python float in a binary op with a float64 tensor becomes a float64 constant (exact), but
+  tl.fma(p, r, c) or a constant passed where fp32 is inferred rounds it to fp32 first.
+- Callers launch with enable_fp_fusion=False: otherwise p·r + c contracts into an fma.
+- floor(n/2) is an arithmetic shift of the int64 n; clamps are tl.maximum/minimum (exact).
+Every step is one correctly rounded IEEE op on the GPU (float64 add/sub/mul, floor, exact
+conversions and integer ops; no libdevice call, so no flush-to-zero).
+Constants come from kernels/elementwise.py (one source). Does not: launch anything.
+Tests: tests/test_activation_triton.py, tests/test_dlogits_triton.py (interpreter and PTX).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rlkernel.kernels import elementwise as ew
+
+# constexpr: a jitted function may read only constexpr globals. Python floats used in a float64
+# op become float64 constants, so these are the elementwise module's exact doubles.
+LOG2E = tl.constexpr(ew._LOG2E)
+LN2_HI = tl.constexpr(ew._LN2_HI)
+LN2_LO = tl.constexpr(ew._LN2_LO)
+COEF = tl.constexpr(tuple(ew._EXP_COEF))
+_N_COEF = tl.constexpr(len(ew._EXP_COEF))
+_SIGN64 = tl.constexpr(-(1 << 63))        # the float64 sign bit, as int64
+_SIGN32 = tl.constexpr(-(1 << 31))        # the fp32 sign bit, as int32
+
+
+@triton.jit
+def pow2(k):
+    """2.0**k as float64 for int64 k (clamped to [-1022, 1023], as exp64 does), from its bits."""
+    k = tl.minimum(tl.maximum(k, -1022), 1023)
+    return ((k + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def exp64(x):
+    """elementwise.exp64 of a float64 tensor, operation for operation."""
+    xc = tl.minimum(tl.maximum(x, -745.0), 709.0)
+    n = tl.floor(xc * LOG2E + 0.5)
+    r = (xc - n * LN2_HI) - n * LN2_LO
+    p = tl.full(r.shape, COEF[_N_COEF - 1], tl.float64)
+    for i in tl.static_range(_N_COEF - 2, -1, -1):
+        p = p * r + COEF[i]
+    ni = n.to(tl.int64)
+    half = ni >> 1                                     # floor(ni / 2): arithmetic shift
+    y = (p * pow2(half)) * pow2(ni - half)
+    y = tl.where(x > 709.0, float("inf"), y)
+    y = tl.where(x < -745.0, 0.0, y)
+    return tl.where(x != x, x, y)                     # noqa: PLR0124 - the NaN test
+
+
+@triton.jit
+def exp32(x):
+    """elementwise.exp32 of an fp32 tensor: exp64 in float64, rounded once to fp32."""
+    return exp64(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def bf16_rtne(x):
+    """An fp32 tensor rounded to bfloat16 as torch's CPU cast (c10 round_to_nearest_even), in
+    integer ops: NaN -> 0x7FC0, otherwise round to nearest, ties to even, from the bits (±Inf,
+    overflow to ±Inf and subnormals included). The same bits as cvt.rn.bf16.f32 on finite values;
+    spelt out because the interpreter's own fp32 -> bf16 cast truncates."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    r = tl.where(x != x, 0x7FC0, r)                   # noqa: PLR0124 - the NaN test
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def neg64(x):
+    """−x of a float64 tensor as torch's neg: the sign bit flipped (−0.0 for +0.0)."""
+    return (x.to(tl.int64, bitcast=True) ^ _SIGN64).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def neg32(x):
+    """−x of an fp32 tensor as torch's neg: the sign bit flipped (−0.0 for +0.0)."""
+    return (x.to(tl.int32, bitcast=True) ^ _SIGN32).to(tl.float32, bitcast=True)
