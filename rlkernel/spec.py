@@ -26,9 +26,10 @@ CUDA_VOCAB_CHUNK = 128
 CUDA_BLOCK_K = {"fp32": 32, "bf16": 64}
 """K-tile of the sequential-K Triton matmul per input dtype (the K order inside a tile is the
 tensor core's; across tiles it is sequential)."""
-NUMERICS_VERSION = 2
+NUMERICS_VERSION = 3
 """Bumped whenever the code changes the bits a configuration computes (1: before 2026-11-30
-evening; 2: bf16 rounding points at the linears, the Triton attention backward on CUDA). A run
+evening; 2: bf16 rounding points at the linears, the Triton attention backward on CUDA; 3: CUDA
+d logits divided by T exactly (was torch's x·(1/T)): CUDA gradients change when T != 1). A run
 resumes only under the version that wrote it, so one run never mixes two meanings of a number."""
 ROUNDING_POINTS = {
     "bf16": "bf16: each linear's input activation and incoming gradient (x before x·Wᵀ, dY "
