@@ -14,6 +14,15 @@ Item 2 (GRPO shape): --grpo-prompts prompts × --grpo-samples samples × --grpo-
 (prompt length --grpo-prompt-len), invariant engine, with and without prefix sharing: tok/s,
 the KV pool's peak (blocks in use × bytes per block) and torch's peak allocated memory.
 Every arm runs a small warm-up generate first (Triton compiles), then is timed once.
+--profile (why is the invariant engine slow?): instead of the above, for each --profile-seqs
+count (alias --profile-batches; default 32) and each engine arm of --arms, one generate of that
+many distinct prompts of --profile-prompt tokens and --profile-new new tokens (EOS ignored) runs
+once as a warm-up (compiles) and once under torch.profiler (CPU + CUDA); reported per run: wall
+time, engine steps, tok/s, device time / wall time (low = host-bound), kernel launches per step,
+the top kernels by device time, the top host ops by self time, and the time in the engine's
+phases (record_function labels rollout.metadata / hidden / logprobs / sample; see
+benchmarks/profile_trace.py). The profiled wall time includes the profiler's own cost per op and
+launch; the warm-up's (unprofiled, but with any compiling) bounds it from the other side.
 
 Results are written to --out after every arm, so a run stopped by a time limit keeps what it
 measured; --time-limit-s skips arms not yet started past that many seconds.
@@ -23,6 +32,7 @@ runs that each fit a time budget; the throughput is not known yet, so start with
     PYTHONPATH=. python3 benchmarks/bench_rollout.py --parts serve --time-limit-s 300 --out s.json
     PYTHONPATH=. python3 benchmarks/bench_rollout.py --parts grpo --grpo-sharing on --out g1.json
     PYTHONPATH=. python3 benchmarks/bench_rollout.py --parts grpo --grpo-sharing off --out g0.json
+    PYTHONPATH=. python3 benchmarks/bench_rollout.py --profile --out rollout_profile.json
 Does not: measure anything meaningful without CUDA (`--device cpu --preset tiny` is a logic smoke
 run), or check tokens (tests/test_cuda_rollout.py does, bitwise).
 """
@@ -30,10 +40,13 @@ run), or check tokens (tests/test_cuda_rollout.py does, bitwise).
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 
 import torch
 
+from benchmarks import profile_trace
 from benchmarks.common import dump, env, require_cuda
 from rlkernel.model.checkpoint import init_weights
 from rlkernel.model.config import PRESETS
@@ -142,6 +155,52 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _profile(cfg, weights, arm: str, n: int, args) -> dict:
+    """One generate of n distinct prompts, warm-up then under torch.profiler (module doc)."""
+    reqs = _grpo_requests(n, 1, args.profile_prompt, cfg.vocab_size, args.seed + 2)
+    eng = _engine(cfg, weights, arm, args)
+    t0 = time.perf_counter()
+    eng.generate(reqs, _sp(args.profile_new))
+    _sync(args.device)
+    warm = time.perf_counter() - t0
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        comps = eng.generate(reqs, _sp(args.profile_new))
+        _sync(args.device)
+        wall = time.perf_counter() - t0
+    n_tok = sum(len(c.response_ids) for c in comps)
+    assert n_tok == n * args.profile_new, f"{n_tok} tokens, EOS must be ignored"
+    steps = eng.stats["steps"]
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "trace.json"))
+        events = profile_trace.load(os.path.join(d, "trace.json"))
+    summary = profile_trace.summarize(events, wall, "rollout.")
+    return {"arm": arm, "seqs": n, "prompt": args.profile_prompt, "new": args.profile_new,
+            "warmup_s": warm, "wall_s": wall, "steps": steps, "output_tokens": n_tok,
+            "tok_per_s": n_tok / wall, "kernels_per_step": summary["kernels"] / steps, **summary}
+
+
+def _print_profile(r: dict, top: int = 12) -> None:
+    ratio = "-" if r["device_over_wall"] is None else f"{r['device_over_wall']:.3f}"
+    print(f"== {r['arm']} {r['seqs']} seqs x (prompt {r['prompt']} + {r['new']} new): "
+          f"wall {r['wall_s']:.2f} s (warm-up {r['warmup_s']:.2f} s), {r['steps']} steps "
+          f"({1e3 * r['wall_s'] / r['steps']:.1f} ms/step), {r['tok_per_s']:.0f} tok/s; device "
+          f"{r['device_s']:.2f} s = {ratio} of wall; {r['kernels']} kernels "
+          f"({r['kernels_per_step']:.0f}/step), {r['memcpys']} memcpys; host outside any op "
+          f"{r['host_outside_ops_s']:.2f} s", flush=True)
+    for name, p in sorted(r["phases"].items()):
+        print(f"  phase {name:22s} calls {p['calls']:5d}  host {p['host_ms']:9.1f} ms  "
+              f"kernels {p['kernels']:7d}  device {p['device_ms']:9.1f} ms")
+    for k in r["top_kernels"][:top]:
+        print(f"  kernel {k['total_ms']:9.1f} ms {k['count']:7d}x  {k['name'][:80]}")
+    for o in r["top_cpu_ops"][:top]:
+        print(f"  host   {o['self_ms']:9.1f} ms self {o['total_ms']:9.1f} ms total "
+              f"{o['count']:7d}x  {o['name'][:60]}")
+
+
 def _out_of_time(args, t_start: float, result: dict, what: str) -> bool:
     if args.time_limit_s is not None and time.perf_counter() - t_start > args.time_limit_s:
         result["skipped"].append(what)
@@ -173,6 +232,11 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="32 sequences of 64-256 tokens; GRPO 8 x 8 x 128 (a smoke run)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one generate per --profile-seqs count instead (module doc)")
+    ap.add_argument("--profile-seqs", "--profile-batches", nargs="+", type=int, default=[32])
+    ap.add_argument("--profile-prompt", type=int, default=64)
+    ap.add_argument("--profile-new", type=int, default=128)
     ap.add_argument("--device", default="cuda", help="cpu: a logic smoke run (--preset tiny)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -186,6 +250,18 @@ def main(argv=None) -> None:
     weights = init_weights(cfg, 0)
     result = {"env": env() if args.device == "cuda" else {"device": "cpu"}, "args": vars(args),
               "skipped": []}
+    if args.profile:
+        profiles = []
+        for n in args.profile_seqs:
+            for arm in [a for a in args.arms if a in _OPS]:
+                if _out_of_time(args, t_start, result, f"profile {arm} {n}"):
+                    continue
+                profiles.append(_profile(cfg, weights, arm, n, args))
+                _print_profile(profiles[-1])
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                dump(args.out, {**result, "profile": profiles})
+        return
     if "serve" in args.parts:
         reqs = _serve_requests(args.n_seqs, args.len_lo, args.len_hi, cfg.vocab_size, args.seed)
         serve = {}

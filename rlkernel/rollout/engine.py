@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.model.config import Qwen3Config
@@ -291,30 +292,37 @@ class RolloutEngine:
     # -- the model runner --------------------------------------------------------------------
     def _run(self, plan: StepPlan, cache: PagedKVCache, bufs: "_Buffers",
              sp: SamplingParams) -> None:
-        """One forward over the plan's chunks, then sampling at the chunks that end a sequence."""
+        """One forward over the plan's chunks, then sampling at the chunks that end a sequence.
+        The record_function labels (rollout.metadata/hidden/logprobs/sample) name the phases in
+        a torch.profiler trace (benchmarks/bench_rollout.py --profile); outside a profiler they
+        cost a few microseconds a step and change nothing."""
         if not plan.chunks:
             return
-        meta = _step_metadata(plan, self.block, cache, self.model.pc.cp,
-                              bufs.tokens.shape[1], bufs.logprobs.shape[1])
-        dev = self.model.device
-        t = _upload(meta.arrays, dev)
-        if plan.copies:
-            cache.copy_blocks(t["copies"])
-        cache.set_step(t["slots"], t["table"], meta.tk)
-        lay = StreamLayout(bufs.tokens.view(-1)[t["src"]], t["positions"], t["q_idx"],
-                           t["q_pos"], t["kv_len"], None, pos_bound=meta.pos_bound)
-        h = self.model.hidden(lay, cache)
+        with record_function("rollout.metadata"):
+            meta = _step_metadata(plan, self.block, cache, self.model.pc.cp,
+                                  bufs.tokens.shape[1], bufs.logprobs.shape[1])
+            t = _upload(meta.arrays, self.model.device)
+        with record_function("rollout.hidden"):
+            if plan.copies:
+                cache.copy_blocks(t["copies"])
+            cache.set_step(t["slots"], t["table"], meta.tk)
+            lay = StreamLayout(bufs.tokens.view(-1)[t["src"]], t["positions"], t["q_idx"],
+                               t["q_pos"], t["kv_len"], None, pos_bound=meta.pos_bound)
+            h = self.model.hidden(lay, cache)
         if not meta.n_sample:
             return
-        logp = self.model.next_token_logprobs(h[t["rows"]], sp.temperature)    # [N, V]
-        toks = sample_tokens(logp, seed=sp.seed, sample_ids=t["sample_ids"],
-                             positions=t["sample_pos"], top_p=sp.top_p, validate=False)
-        lp = logp.gather(1, toks[:, None])[:, 0]
-        bufs.tokens.view(-1).index_copy_(0, t["tok_dst"], toks)
-        bufs.logprobs.view(-1).index_copy_(0, t["lp_dst"], lp)
-        slots = t["slots_sampled"]
-        bufs.done.index_copy_(0, slots, bufs.done.index_select(0, slots) | (toks == sp.eos_id))
-        bufs.bad |= invalid_rows(logp).any()
+        with record_function("rollout.logprobs"):
+            logp = self.model.next_token_logprobs(h[t["rows"]], sp.temperature)    # [N, V]
+        with record_function("rollout.sample"):
+            toks = sample_tokens(logp, seed=sp.seed, sample_ids=t["sample_ids"],
+                                 positions=t["sample_pos"], top_p=sp.top_p, validate=False)
+            lp = logp.gather(1, toks[:, None])[:, 0]
+            bufs.tokens.view(-1).index_copy_(0, t["tok_dst"], toks)
+            bufs.logprobs.view(-1).index_copy_(0, t["lp_dst"], lp)
+            slots = t["slots_sampled"]
+            bufs.done.index_copy_(0, slots,
+                                  bufs.done.index_select(0, slots) | (toks == sp.eos_id))
+            bufs.bad |= invalid_rows(logp).any()
 
 
 @dataclass
