@@ -17,13 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkernel.kernels import triton_grad_weight as tgw
-from rlkernel.kernels import triton_matmul as tmm
-from rlkernel.numerics import fixedpoint as fx
-from rlkernel.numerics import triton_fixedpoint as tfx
-from rlkernel.spec import TOKEN_LEAF
+if not torch.cuda.is_available():   # before the Triton modules: CPU installs have no triton
+    pytest.skip("needs a CUDA device", allow_module_level=True)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from rlkernel.kernels import triton_grad_weight as tgw  # noqa: E402
+from rlkernel.kernels import triton_matmul as tmm  # noqa: E402
+from rlkernel.numerics import fixedpoint as fx  # noqa: E402
+from rlkernel.numerics import triton_fixedpoint as tfx  # noqa: E402
+from rlkernel.spec import TOKEN_LEAF  # noqa: E402
 
 DEV = "cuda"
 
