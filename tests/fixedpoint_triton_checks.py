@@ -11,8 +11,11 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/fixedpoint_triton_checks.
 
 from __future__ import annotations
 
+import fractions
 import functools
+import math
 import os
+import struct
 import sys
 import warnings
 
@@ -22,12 +25,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("fixedpoint_triton_checks.py needs TRITON_INTERPRET=1")
 
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
-from kernel_helpers import run_checks
+from kernel_helpers import LaunchRecorder, run_checks
 # Imported after the TRITON_INTERPRET check; fixedpoint_round_cases sits in tests/, this
 # script's folder (so on sys.path).
 import fixedpoint_round_cases as rc
 import triton
-import triton.language as tl  # noqa: F401 - the interpreter wants tl in a jit fn's globals
+import triton.language as tl
 
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics import triton_fixedpoint as tfx
@@ -312,6 +315,136 @@ def fast_path_large_magnitudes_and_cancellation():
     big[:, 4] = 1e-45
     big[:, 5] = torch.arange(40).float() * 2.0**100
     _same_as_torch(big)
+
+
+@triton.jit
+def _no_flush(row, live, hi, lo):
+    """A spy double-word flush that adds nothing: a program that took the fast path leaves its
+    accumulator rows as they were (its bins are skipped), one that took the bins does not."""
+
+
+def _spied(x: torch.Tensor, top_bits: int | None = None, **launch) -> torch.Tensor:
+    """accumulate_(zeros, x) with the double-word flush replaced by `_no_flush` (and the fast
+    path's bound TOP_F64_BITS replaced by `top_bits`, float64 bits, if given); restored after."""
+    real_top, real_flush = tfx.TOP_F64_BITS, tfx.flush_double_word
+    try:
+        tfx.flush_double_word = _no_flush
+        if top_bits is not None:
+            tfx.TOP_F64_BITS = tl.constexpr(top_bits)
+        return tfx.accumulate_(fx.zeros((x.shape[1],)), x, **launch)
+    finally:
+        tfx.TOP_F64_BITS, tfx.flush_double_word = real_top, real_flush
+
+
+@check
+def fast_path_bound_sends_programs_to_the_bins():
+    """|hi| >= TOP_F64_BITS sends a program to the bins (add_f64 is exact only below it). Sums
+    of 2**150 need 2**22 fp32 maxima, so the bound is lowered to 2**129 and the flush spied
+    (`_spied`), BLOCK 32: columns summing to exactly +2**129 and to −2**129 (at the bound; one
+    program each) get torch's bytes (bins), columns of ±2**128 (below it) get nothing (the fast
+    path was taken, so the spy can tell). Restored: == torch."""
+    x = torch.full((4, 96), 2.0**127)
+    x[:, 32:64] *= -1
+    x[:, 64:] = 2.0**126
+    x[:, 65::2] *= -1
+    got = _spied(x, (1023 + 129) << 52, block=32, num_warps=1)
+    want = fx.accumulate_(fx.zeros((96,)), x)
+    assert torch.equal(got[:64], want[:64]), "a sum at the bound took the double-word path"
+    assert not got[64:].any(), "control: sums below the bound did not take the fast path"
+    _same_as_torch(x, block=32, num_warps=1)
+
+
+@check
+def fast_path_reads_no_dead_lane():
+    """Lanes past the last column read nothing: x [4, 20] a view whose rows continue with NaN,
+    BLOCK 32 (lanes 20..31 dead); with the flush spied (`_spied`) the program still takes the
+    fast path (nothing added), so no NaN was read (an unmasked read would send it to the bins,
+    and on a GPU could read past the allocation)."""
+    buf = torch.full((4, 40), NAN)
+    buf[:, :20] = 1.0
+    x = buf[:, :20]
+    assert not _spied(x, block=32, num_warps=1).any(), "a dead lane's value reached the path choice"
+    _same_as_torch(x, block=32, num_warps=1)
+
+
+@check
+def accumulate_launches_disable_fp_fusion():
+    """accumulate_ launches its kernel with enable_fp_fusion=False, fast path or not (each float64
+    add then rounds on its own, add.rn.f64, as TwoSum needs; the interpreter ignores the flag,
+    so the argument is what can be checked here)."""
+    rec = LaunchRecorder(tfx._accumulate_kernel)
+    tfx._accumulate_kernel = rec
+    try:
+        x = _needs_lo(k=8, cols=20)
+        for fast in (True, False):
+            tfx.accumulate_(fx.zeros((20,)), x, fast=fast)
+    finally:
+        tfx._accumulate_kernel = rec.kernel
+    assert [kw.get("enable_fp_fusion") for _, kw in rec.launches] == [False, False]
+
+
+def _units(v: float) -> int:
+    """v, a float64 multiple of 2**-149, as its exact integer number of 2**-149 units."""
+    f = fractions.Fraction(v) * 2**149
+    assert f.denominator == 1, v
+    return f.numerator
+
+
+def _digits_of(n: int) -> list[int]:
+    """The integer n (units of 2**-149) in fixedpoint.normalise_'s form: digits 0..8 in
+    [0, 2**31), the top one signed (Python's >> floors, like int64's)."""
+    top = fx.N_DIGITS - 1
+    return [(n >> (31 * i)) & 0x7FFFFFFF for i in range(top)] + [n >> (31 * top)]
+
+
+def _double_words(m: int, seed: int) -> torch.Tensor:
+    """[2, m + 5] float64 whose first m columns are (hi, lo) pairs of multiples of 2**-149 with
+    |hi| < TOP_F64_BITS (read from the module): the largest float64 below the bound with lo 0 and
+    ±2**-149, both signs; ±2**-149; ±0.0; 1 and 2**-80; then random hi = ±s·2**e, s a 53-bit
+    significand, e uniform over the whole range, and lo 0 or ±s'·2**e', e' <= e."""
+    top = math.nextafter(struct.unpack("<d", struct.pack("<q", tfx.TOP_F64_BITS.value))[0], 0.0)
+    tiny = 2.0**-149
+    fixed = [(top, 0.0), (-top, 0.0), (top, -tiny), (-top, tiny), (top, tiny), (-top, -tiny),
+             (tiny, 0.0), (-tiny, -tiny), (0.0, 0.0), (-0.0, -0.0), (1.0, 2.0**-80),
+             (-1.0, 2.0**-80)]
+    g = torch.Generator().manual_seed(seed)
+    n = m - len(fixed)
+    top_e = math.frexp(top)[1] - 53                       # s·2**top_e < 2**frexp(top)[1]
+    sig = torch.randint(2**52, 2**53, (2, n), generator=g, dtype=torch.int64).double()
+    e_hi = torch.randint(-149, top_e + 1, (n,), generator=g)
+    e_lo = -149 + ((e_hi + 150) * torch.rand(n, generator=g)).long()
+    sign = torch.randint(0, 2, (2, n), generator=g).double() * 2 - 1
+    hi = sign[0] * torch.ldexp(sig[0], e_hi.double())
+    lo = sign[1] * torch.ldexp(sig[1], e_lo.double()) * (torch.rand(n, generator=g) < 0.8)
+    words = torch.zeros(2, m + 5, dtype=torch.float64)
+    words[:, :len(fixed)] = torch.tensor(fixed, dtype=torch.float64).t()
+    words[0, len(fixed):m], words[1, len(fixed):m] = hi, lo
+    return words
+
+
+@check
+def double_words_add_exactly():
+    """add_double_words_ (the dW kernel's second pass) adds hi + lo exactly: onto an accumulator
+    holding sums of both signs and NaN/±Inf counts, the result == the digits of the exact
+    integer (Python ints: acc + hi/2**-149 + lo/2**-149, normalised), counts unchanged; words
+    with rows not contiguous to each other (row stride m + 5), at BLOCK 128 and 32, |hi| up to
+    the largest float64 below TOP_F64_BITS (so a bound past add_f64's range fails here)."""
+    m = 300
+    words = _double_words(m, seed=14)[:, :m]
+    x = -_every_bin(6, cols=m, seed=13)
+    x[:, ::2] *= -1
+    x[0, 7], x[1, 8], x[2, 9] = NAN, INF, -INF
+    acc0 = fx.accumulate_(fx.zeros((m,)), x)
+    want = acc0.clone()
+    for i in range(m):
+        n = sum(int(d) << (31 * j) for j, d in enumerate(acc0[i, :fx.N_DIGITS].tolist()))
+        n += _units(words[0, i].item()) + _units(words[1, i].item())
+        want[i, :fx.N_DIGITS] = torch.tensor(_digits_of(n))
+    for launch in ({}, {"block": 32, "num_warps": 1}):
+        got = tfx.add_double_words_(acc0.clone(), words, **launch)
+        bad = torch.nonzero((got != want).any(1)).flatten()
+        assert bad.numel() == 0, (f"{launch}: elements {bad[:6].tolist()}, words "
+                                  f"{words[:, bad[:3]].t().tolist()}")
 
 
 @triton.jit

@@ -23,12 +23,14 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("grad_weight_triton_checks.py needs TRITON_INTERPRET=1")
 
+import triton.language as tl
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
-from kernel_helpers import run_checks
+from kernel_helpers import LaunchRecorder, run_checks
 
 from rlkernel.kernels import matmul as mm
 from rlkernel.kernels import triton_grad_weight as tgw
 from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import TOKEN_LEAF
 
 CHECKS = {}
@@ -136,6 +138,65 @@ def sums_past_the_fp32_range_stay_exact():
     x = torch.full((4 * TOKEN_LEAF, 19), 2.0**61)
     assert _same(dy, x) == 0
     assert torch.isinf(fx.round_fp32(_reference(dy, x))).all()
+
+
+@check
+def sums_at_the_double_word_bound_take_the_emit_path():
+    """|hi| >= triton_fixedpoint.TOP_F64_BITS flags a tile (add_double_words_ is exact only below
+    it). Sums of 2**150 need 2**22 leaves of fp32 maxima, so the bound is lowered to 2**129:
+    sums of exactly 2**129 (x > 0) and −2**129 (x < 0), each in whole tiles, flag all 4 tiles and
+    are redone, bytes == reference; sums of ±2**128 (below it) flag none."""
+    dy = torch.full((4 * TOKEN_LEAF, 17), 2.0**62)
+    x = torch.full((4 * TOKEN_LEAF, 19), 2.0**61)
+    x[:, 16:] *= -1                                   # the second tile column sums to −2**129
+    real = tfx.TOP_F64_BITS
+    try:
+        tfx.TOP_F64_BITS = tl.constexpr((1023 + 129) << 52)
+        assert _same(dy, x) == 4
+        assert _same(dy, x / 2) == 0
+    finally:
+        tfx.TOP_F64_BITS = real
+
+
+@check
+def several_launches_and_emit_batches_change_no_bit():
+    """The row split (OUT_ELEMS: one launch per run of whole tile rows) and the EMIT batches
+    (EMIT_TILES flagged tiles per recompute) change no bit: lowered to 16·K elements (N = 50:
+    four launches of one tile row, the last 2 rows) and 2 tiles per batch, onto a non-zero
+    accumulator, with an extreme element in the third launch (1 tile redone) and with every
+    tile forced (3 per launch: batches of 2 and 1), == reference."""
+    dy, x = _operands(4, 50, 40, 12, seed=10)
+    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    acc0 = _reference(*_operands(4, 50, 40, 30, seed=11))
+    real = tgw.OUT_ELEMS, tgw.EMIT_TILES
+    try:
+        tgw.OUT_ELEMS, tgw.EMIT_TILES = 16 * 40, 2
+        assert _same(dy, x, acc0) == 1
+        assert _same(dy, x, acc0, force_flag=True) == 4 * 3
+    finally:
+        tgw.OUT_ELEMS, tgw.EMIT_TILES = real
+
+
+@check
+def launch_arguments():
+    """What the interpreter cannot show (its dot is numpy's matmul, it ignores fp fusion), checked
+    as launch arguments: every launch has enable_fp_fusion=False; fp32 operands go in as fp32
+    with input_precision "ieee" (the reference's fp32 fma chain, not tf32); bf16 dy and x go in
+    as bf16 (the tensor cores), mixed bf16/fp32 as fp32 (operand_dtype); bytes == reference."""
+    rec = LaunchRecorder(tgw._dw_kernel)
+    tgw._dw_kernel = rec
+    try:
+        dy, x = _operands(2, 20, 18, 3, seed=12)
+        for a, b, force in ((dy, x, True), (dy.bfloat16(), x.bfloat16(), False),
+                            (dy.bfloat16(), x, False)):
+            _same(a, b, force_flag=force)
+    finally:
+        tgw._dw_kernel = rec.kernel
+    assert all(kw["enable_fp_fusion"] is False for _, kw in rec.launches)
+    got = [(args[0].dtype, args[1].dtype, kw["PREC"], kw["EMIT"]) for args, kw in rec.launches]
+    f32, b16 = torch.float32, torch.bfloat16
+    assert got == [(f32, f32, "ieee", False), (f32, f32, "ieee", True),
+                   (b16, b16, "tf32", False), (f32, f32, "ieee", False)], got
 
 
 @check

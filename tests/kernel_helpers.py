@@ -273,6 +273,21 @@ def run_checks(checks: dict, names: list[str], skip: frozenset[str] | set[str] =
     print(json.dumps(out))
 
 
+class LaunchRecorder:
+    """Stands in for a jitted kernel in a checks script: records each launch's positional and
+    keyword arguments (`launches`: [(args, kwargs)]), then launches the kernel. For wrapper
+    arguments the interpreter ignores (enable_fp_fusion, input_precision) or cannot show."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 def run_interpreted_checks(script: Path, *names: str) -> dict[str, str]:
     """Run a checks script (`run_checks` above) in a subprocess under TRITON_INTERPRET=1, with
     the repository root on PYTHONPATH; its {name: "ok" or the failure}. The interpreter is

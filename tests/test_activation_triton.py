@@ -3,8 +3,10 @@
 1. Under TRITON_INTERPRET=1 (Triton on the CPU): forward (out, sig) and backward (d_gate, d_up)
    == the torch path on CPU (activation.swiglu_fwd_torch / swiglu_bwd_torch), bitwise (NaN
    payloads aside: tests/swiglu_cases.same_bits), on adversarial inputs (tests/swiglu_cases.py),
-   with negative controls. The checks live in tests/activation_triton_checks.py and run in one
-   subprocess (the interpreter is chosen before triton is imported); each test asserts one.
+   with negative controls; and the kernels' exp alone (`_exp64`) == elementwise.exp64 in float64,
+   which sees slips that σ's rounding to fp32 hides. The checks live in
+   tests/activation_triton_checks.py and run in one subprocess (the interpreter is chosen before
+   triton is imported); each test asserts one.
 2. The code the GPU would run: both kernels compiled for sm_90 (PTX, no device needed) contain
    no fma and no flush-to-zero, round every float64 op to nearest, divide with div.rn.f64, and
    carry elementwise.py's constants as exact doubles; control: with fp fusion on, fma appears.
@@ -47,6 +49,13 @@ def test_hard_gates_are_hard_to_round(results):
     """The hard-to-round gates of tests/swiglu_cases.py are within 2048 float64 ulps of an fp32
     rounding midpoint before σ's rounding (so a float64 slip shows in fp32 bits)."""
     _ok(results, "hard_gates_are_near_fp32_midpoints")
+
+
+def test_kernel_exp_equals_the_torch_exp64_in_float64(results):
+    """The kernel's _exp64 == elementwise.exp64 bitwise in float64 on ~52k x: uniform over
+    [−750, 715], every range-reduction boundary ±3 ulps, tiny |x|, the clamp edges, specials
+    (σ's fp32 rounding hides few-ulp slips there that this sees)."""
+    _ok(results, "exp64_equals_the_torch_path_in_float64")
 
 
 def test_forward_equals_torch_path_on_adversarial_gates(results):

@@ -2,9 +2,10 @@
 TRITON_INTERPRET=1 (Triton on the CPU): the accumulation kernel's accumulator == the torch path's
 (fixedpoint.accumulate_ on CPU, the reference), bytewise (torch.equal on the int64 columns, after
 both normalise), and the rounding kernel's fp32 == fixedpoint.round_fp32_torch's (as int32), for
-every case below. The checks live in tests/fixedpoint_triton_checks.py and
-run in one subprocess (the interpreter is chosen before triton is imported, and must not leak into
-this process); each test asserts its check's result. On a GPU: tests/test_cuda.py.
+every case below; `add_double_words_` against exact Python integers. The checks live in
+tests/fixedpoint_triton_checks.py and run in one subprocess (the interpreter is chosen before
+triton is imported, and must not leak into this process); each test asserts its check's result.
+On a GPU: tests/test_cuda.py.
 Run: .venv/bin/python -m pytest -q tests/test_fixedpoint_triton.py (needs triton installed; the
 k > 2**13 check is marked slow: add -m slow).
 """
@@ -201,3 +202,28 @@ def test_fast_path_programs_mixed_with_the_bin_path(results):
 
 def test_fast_path_large_magnitudes_and_cancellation(results):
     _ok(results, "fast_path_large_magnitudes_and_cancellation")
+
+
+def test_fast_path_bound_sends_programs_to_the_bins(results):
+    """|hi| >= TOP_F64_BITS sends a program to the bins: with the bound lowered to 2**129 and the
+    double-word flush spied, sums of exactly ±2**129 get torch's bytes, sums of ±2**128 take the
+    fast path (the spy adds nothing); restored: == torch."""
+    _ok(results, "fast_path_bound_sends_programs_to_the_bins")
+
+
+def test_fast_path_reads_no_dead_lane(results):
+    """Lanes past the last column read nothing: a view whose rows continue with NaN still takes
+    the fast path (flush spied); restored: == torch."""
+    _ok(results, "fast_path_reads_no_dead_lane")
+
+
+def test_accumulate_launches_disable_fp_fusion(results):
+    """accumulate_ launches with enable_fp_fusion=False, fast path or not."""
+    _ok(results, "accumulate_launches_disable_fp_fusion")
+
+
+def test_double_words_add_exactly(results):
+    """add_double_words_: acc + hi + lo == the exact integer's normalised digits (Python ints),
+    counts unchanged, for |hi| up to just below TOP_F64_BITS, ±2**-149, ±0, random words over
+    the whole range with lo of either sign; row-strided words; BLOCK 128 and 32."""
+    _ok(results, "double_words_add_exactly")

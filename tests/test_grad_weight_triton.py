@@ -2,8 +2,10 @@
 on the CPU): its accumulator == the reference path's (token-leaf partials + the torch exact
 accumulator), bytewise, for narrow, wide (through the lo word) and extreme (flagged, redone)
 ranges of leaf partials, non-finite partials, sums past the fp32 range, forced recomputes, edge
-tiles, strided operands, a non-zero starting accumulator, other tiles; with the
-control that the wide case's naive float64 sum is wrong. The checks live in
+tiles, strided operands, a non-zero starting accumulator, other tiles, several launches and
+EMIT batches, sums at the double-word bound (lowered to 2**129); with the control that the wide
+case's naive float64 sum is wrong; and the launch arguments the interpreter cannot show (fp
+fusion off, "ieee" fp32 dots, bf16 operands kept bf16). The checks live in
 tests/grad_weight_triton_checks.py and run in one subprocess. On a GPU:
 tests/test_cuda_grad_weight.py (the tensor cores' bits against the reference's `bmm`).
 Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_grad_weight_triton.py (needs triton;
@@ -58,6 +60,24 @@ def test_sums_past_the_fp32_range_stay_exact(results):
     """An exact sum of 2**129: held by the double word and the digits, no recompute; rounds to
     +Inf as the reference does."""
     _ok(results, "sums_past_the_fp32_range_stay_exact")
+
+
+def test_sums_at_the_double_word_bound_take_the_emit_path(results):
+    """With TOP_F64_BITS lowered to 2**129: sums of exactly ±2**129 flag every tile (redone, same
+    bytes), sums of ±2**128 flag none."""
+    _ok(results, "sums_at_the_double_word_bound_take_the_emit_path")
+
+
+def test_several_launches_and_emit_batches_change_no_bit(results):
+    """OUT_ELEMS lowered to four launches of one tile row, EMIT_TILES to 2: an extreme element in
+    the third launch and a forced recompute of every tile == reference, onto a non-zero acc."""
+    _ok(results, "several_launches_and_emit_batches_change_no_bit")
+
+
+def test_launch_arguments(results):
+    """enable_fp_fusion=False on every launch; fp32 operands as fp32 with "ieee" precision, bf16
+    as bf16, mixed as fp32 (what the interpreter cannot show numerically)."""
+    _ok(results, "launch_arguments")
 
 
 def test_forced_emit_gives_the_same_bytes(results):
