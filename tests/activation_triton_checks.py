@@ -89,7 +89,7 @@ def hard_gates_are_near_fp32_midpoints():
 def _exp64_kernel(X, Y, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    tl.store(Y + offs, ta._exp64(tl.load(X + offs, mask=ok, other=0.0)), mask=ok)
+    tl.store(Y + offs, tew.exp64(tl.load(X + offs, mask=ok, other=0.0)), mask=ok)
 
 
 def _exp64_inputs() -> torch.Tensor:
@@ -112,8 +112,8 @@ def _exp64_inputs() -> torch.Tensor:
 
 @check
 def exp64_equals_the_torch_path_in_float64():
-    """The kernel's exp (`_exp64`, launched alone) == elementwise.exp64 bitwise in float64 (NaN
-    positions equal). σ's rounding to fp32 hides a slip of a few float64 ulps in exp except for
+    """The kernels' exp (`triton_elementwise.exp64`, launched alone) == elementwise.exp64
+    bitwise in float64 (NaN positions equal). σ's rounding to fp32 hides a slip of a few float64 ulps in exp except for
     gates near an fp32 midpoint, and the hard gates cannot cover every n of the range reduction:
     e.g. r computed as xc − (n·ln2_hi + n·ln2_lo) changes ~90% of exp64 values in [−104, 17]
     and no fp32 σ of 2·10**7 random gates there; this comparison sees it."""

@@ -200,7 +200,7 @@ def launch_disables_fp_fusion():
         _got(dlogits_case(2, 8, 1.0, seed=7), 1.0, torch.float32)
     finally:
         td._dlogits_kernel = rec.kernel
-    assert [k.get("enable_fp_fusion") for k in rec.launches] == [False]
+    assert [kw.get("enable_fp_fusion") for _, kw in rec.launches] == [False]
 
 
 @triton.jit

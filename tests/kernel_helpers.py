@@ -245,20 +245,6 @@ def run_ranks_sequentially(n: int, fn):
     return [fn(r, ReplayComm(group, r)) for r in range(n)]
 
 
-class LaunchRecorder:
-    """Stands in for a jitted kernel (a checks script swaps it in for the module's kernel): records
-    each launch's keyword arguments (e.g. enable_fp_fusion), then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def run_checks(checks: dict, names: list[str], skip: frozenset[str] | set[str] = frozenset()) -> None:
     """Run the named checks (or all but `skip`) of a checks script that a test runs in a
     subprocess (e.g. under TRITON_INTERPRET=1) and print one JSON line {name: "ok" or the
