@@ -8,7 +8,17 @@ per chunk; called on every token-leaf partial of every weight it made a qwen3-0.
 on an H200 ~10x slower. Here one program owns BLOCK elements (one per thread lane) and walks the
 k rows of x [k, m] itself: no atomics, no temporaries, no host sync.
 
-Algorithm, per element (the same two stages as `_add_chunk`, fixedpoint.py's docstring has the
+Fast path first (FAST, the default; `fast=False` skips it): the program adds each of its columns
+into a float64 double word (hi, lo) with TwoSum (`two_sum`, Knuth, TAOCP vol. 2 §4.2.2), every lo
+addition checked exact (its own TwoSum error is 0). Every value is a multiple of 2**-149, so then
+hi + lo is the exact sum; `flush_double_word` adds both words' integers to the digits
+(`add_f64`: a float64 multiple of 2**-149 below 2**150 is ±mant·2**sh units, placed at digit
+sh // 31). If any column of the program failed (a span of ~2**100, NaN/Inf, |hi| >= 2**150), the
+program runs the bins below over the same rows instead: either way the same integer. Cost per
+value: one conversion and ~13 float64 operations, against ~80 mostly integer instructions in
+the bins (214 -> 73 ms of accumulate per qwen3-0.6b step on an H200). `add_double_words_` takes
+double words made elsewhere (kernels/triton_grad_weight.py) into an accumulator.
+Bin path, per element (the same two stages as `_add_chunk`, fixedpoint.py's docstring has the
 representation):
   1. Each value goes by its exponent field f to float64 register bin j = f >> 4 (16 bins). All
      values of bin j are integer multiples of u_j = 2**(max(16j, 1) − 150) below 2**39·u_j, so up
