@@ -372,7 +372,8 @@ def _check_int(c: RunConfig, field: str, lo: int, hi: int | None = None) -> None
 
 
 def _check_float(c: RunConfig, field: str, rule: str) -> None:
-    """rule: 'pos' (> 0), 'nonneg' (>= 0), 'unit_open0' ((0, 1]), 'unit_open1' ([0, 1))."""
+    """rule: 'pos' (> 0), 'nonneg' (>= 0), 'unit_open0' ((0, 1]), 'unit_open1' ([0, 1)),
+    'temperature' (>= MIN_TEMPERATURE)."""
     v = getattr(c, field)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _fail(field, v, f"must be a number, not {type(v).__name__}")
@@ -381,6 +382,9 @@ def _check_float(c: RunConfig, field: str, rule: str) -> None:
         "nonneg": ("a finite number >= 0", lambda x: x >= 0),
         "unit_open0": ("a number in (0, 1]", lambda x: 0 < x <= 1),
         "unit_open1": ("a number in [0, 1)", lambda x: 0 <= x < 1),
+        "temperature": (f"a finite number >= {MIN_TEMPERATURE:g} (logits / T is computed in fp32, "
+                        f"largest {FP32_MAX:.4g}; a smaller T makes ordinary logits overflow to "
+                        "inf)", lambda x: x >= MIN_TEMPERATURE),
     }[rule]
     try:
         finite = math.isfinite(v)
@@ -422,13 +426,9 @@ def _validate(c: RunConfig) -> None:
     for f in ("steps", "n_prompts", "n_samples_per_prompt", "max_response_len", "max_prompt_len",
               "micro_batch_tokens"):
         _check_int(c, f, 1)
-    for f in ("temperature", "clip_eps", "lr", "adam_eps"):
+    for f in ("clip_eps", "lr", "adam_eps"):
         _check_float(c, f, "pos")
-    if c.temperature < MIN_TEMPERATURE:
-        raise _fail("temperature", c.temperature,
-                    f"must be a finite number >= {MIN_TEMPERATURE:g}: logits / T is computed in "
-                    f"fp32 (largest {FP32_MAX:.4g}), and a smaller T makes ordinary logits "
-                    "overflow to inf")
+    _check_float(c, "temperature", "temperature")
     for f in ("kl_coef", "entropy_coef", "weight_decay", "clip_grad"):
         _check_float(c, f, "nonneg")
     _check_float(c, "top_p", "unit_open0")
@@ -444,11 +444,12 @@ def _validate(c: RunConfig) -> None:
 
     for f, virtual in (("tp", VIRTUAL_TP), ("rollout_tp", VIRTUAL_TP),
                        ("cp", VIRTUAL_CP), ("rollout_cp", VIRTUAL_CP)):
-        _check_int(c, f, 1)
-        if virtual % getattr(c, f):
+        v = getattr(c, f)
+        if isinstance(v, int) and not isinstance(v, bool) and (v < 1 or virtual % v):
             divisors = ", ".join(str(d) for d in range(1, virtual + 1) if virtual % d == 0)
             kind = "virtual_tp" if "tp" in f else "virtual_cp"
-            raise _fail(f, getattr(c, f), f"must divide {kind}={virtual}; allowed: {divisors}")
+            raise _fail(f, v, f"must divide {kind}={virtual}; allowed: {divisors}")
+        _check_int(c, f, 1)
     if c.sp and c.tp == 1:
         raise ConfigError("--sp (with --tp 1): sequence parallelism splits sequences across the "
                           "TP group, so it needs --tp > 1; allowed: --sp with --tp 2, 4 or 8, "

@@ -117,8 +117,10 @@ BAD = [
     (["--top-p", "0"], "--top-p", "0", "(0, 1]"),
     (["--top-p", "1.5"], "--top-p", "1.5", "(0, 1]"),
     (["--top-p", "nan"], "--top-p", "nan", "(0, 1]"),
-    (["--temperature", "0"], "--temperature", "0", "> 0"),
-    (["--temperature", "-1"], "--temperature", "-1", "> 0"),
+    (["--tp", "0"], "--tp", "0", "allowed: 1, 2, 4, 8"),
+    (["--rollout-cp", "-2"], "--rollout-cp", "-2", "allowed: 1, 2, 4, 8"),
+    (["--temperature", "0"], "--temperature", "0", ">= 1e-06"),
+    (["--temperature", "-1"], "--temperature", "-1", ">= 1e-06"),
     # a positive T whose logits / T overflows fp32 (1e-40 failed at step 0 with an unnamed NaN)
     (["--temperature", "1e-40"], "--temperature", "1e-40", ">= 1e-06"),
     (["--temperature", "9e-07"], "--temperature", "9e-07", ">= 1e-06"),

@@ -332,7 +332,7 @@ def test_rlk_run_flags_fuzzed(pairs, switches):
     (["--max-prompt-len", "4000", "--max-response-len", "200", "--micro-batch-tokens", "5000"],
      "must be <= max_position_embeddings=4096"),
     (["--top-p", "0"], "--top-p 0.0: must be a number in (0, 1]"),
-    (["--temperature", "inf"], "--temperature inf: must be a finite number > 0"),
+    (["--temperature", "inf"], "--temperature inf: must be a finite number >= 1e-06"),
     (["--lr", "nan"], "--lr nan"),
     (["--steps", "0"], "--steps 0: must be an integer >= 1"),
 ])

@@ -91,8 +91,9 @@ def summary_lines(steps: list[dict[str, Any]], run_dir: str | os.PathLike) -> li
         f"mismatches {mism}/{toks}"
         + (f"; {skipped} update(s) skipped" if skipped else "")
         + (f"; {unchanged} step(s) left the weights unchanged" if unchanged else ""),
-        f"files: {d}/evidence.json, metrics.jsonl, completions.jsonl; plots: rlk report {d} "
-        f"--out {d}/plots",
+        f"files: {d}/evidence.json, manifest.json, metrics.jsonl, completions.jsonl"
+        + (", final/ (weights)" if os.path.isdir(os.path.join(d, "final")) else "")
+        + f"; plots: rlk report {d} --out {d}/plots",
     ]
     return lines
 
