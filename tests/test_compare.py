@@ -75,6 +75,18 @@ def test_identical_runs_exit_0(tmp_path, capsys):
                for ln in lines)
 
 
+def test_a_run_compared_with_itself_says_so(tmp_path, capsys):
+    """rlk compare A A (or A and A/evidence.json): IDENTICAL, with an info line that it is one
+    run; two separate runs get no such line."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    for other in (a, a / "evidence.json", tmp_path / "." / "a"):
+        code, out, _ = rlk_compare(capsys, a, other)
+        assert code == 0 and out.splitlines()[-1] == "IDENTICAL"
+        assert "info  A and B are the same run" in out, out
+    b = write_run(tmp_path / "b", [_step(0)])
+    assert "same run" not in rlk_compare(capsys, a, b)[1]
+
+
 def test_one_bit_of_grad_norm_differs(tmp_path, capsys):
     """grad_norm differing in its last mantissa bit -> exit 1, the field named."""
     s = _step(1)

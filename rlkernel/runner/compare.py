@@ -83,6 +83,12 @@ def _load_json(path: pathlib.Path) -> Any:
         raise CompareError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
 
 
+def _run_path(run_dir: str | pathlib.Path) -> pathlib.Path:
+    """The resolved run directory that `load_run` reads (a given evidence.json: its folder)."""
+    d = pathlib.Path(run_dir)
+    return (d.parent if d.name == "evidence.json" and d.is_file() else d).resolve()
+
+
 def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(manifest, evidence) of a run directory (or of the directory of a given evidence.json).
 
@@ -221,6 +227,9 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     ma, ea = load_run(a_dir)
     mb, eb = load_run(b_dir)
     report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb))
+    if _run_path(a_dir) == _run_path(b_dir):
+        report.info.insert(0, f"A and B are the same run ({_run_path(a_dir)}): this compares a "
+                              "run with itself, not two runs")
 
     ia, ib = ea.get("init"), eb.get("init")
     if ia is None and ib is None:
