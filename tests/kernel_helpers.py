@@ -274,6 +274,12 @@ class LaunchRecorder:
         return launch
 
 
+def check_ok(results: dict[str, str], name: str) -> None:
+    """Assert that check `name` of a `run_interpreted_checks` result passed (its failure text
+    otherwise)."""
+    assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
+
+
 def run_interpreted_checks(script: Path, *names: str) -> dict[str, str]:
     """Run a checks script (`run_checks` above) in a subprocess under TRITON_INTERPRET=1, with
     the repository root on PYTHONPATH; its {name: "ok" or the failure}. The interpreter is

@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from kernel_helpers import run_interpreted_checks
+from kernel_helpers import check_ok as _ok, run_interpreted_checks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs triton (interpreter)")
@@ -26,9 +26,6 @@ _CHECKS = Path(__file__).with_name("attention_bwd_triton_checks.py")
 def results() -> dict[str, str]:
     return run_interpreted_checks(_CHECKS)
 
-
-def _ok(results: dict[str, str], name: str) -> None:
-    assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
 
 
 def test_packed_batch_vs_float64(results):

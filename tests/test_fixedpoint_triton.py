@@ -16,7 +16,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from kernel_helpers import run_interpreted_checks
+from kernel_helpers import check_ok as _ok, run_interpreted_checks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs triton (interpreter)")
@@ -32,9 +32,6 @@ def _run(*names: str) -> dict[str, str]:
 def results() -> dict[str, str]:
     return _run()
 
-
-def _ok(results: dict[str, str], name: str) -> None:
-    assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
 
 
 def test_constants_match_the_torch_path(results):

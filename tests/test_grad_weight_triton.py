@@ -19,14 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from kernel_helpers import run_interpreted_checks
+from kernel_helpers import check_ok as _ok, run_interpreted_checks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs triton (interpreter)")
 
-
-def _ok(results: dict[str, str], name: str) -> None:
-    assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
 
 
 @pytest.fixture(scope="module")

@@ -84,9 +84,9 @@ def _load_json(path: pathlib.Path) -> Any:
 
 
 def _run_path(run_dir: str | pathlib.Path) -> pathlib.Path:
-    """The resolved run directory that `load_run` reads (a given evidence.json: its folder)."""
+    """The run directory that `load_run` reads: run_dir, or a given evidence.json's folder."""
     d = pathlib.Path(run_dir)
-    return (d.parent if d.name == "evidence.json" and d.is_file() else d).resolve()
+    return d.parent if d.name == "evidence.json" and d.is_file() else d
 
 
 def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -95,9 +95,7 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     Raises CompareError naming the file when either is missing or not valid JSON, or when the
     evidence is malformed or incomplete (the run did not finish).
     """
-    d = pathlib.Path(run_dir)
-    if d.name == "evidence.json" and d.is_file():
-        d = d.parent
+    d = _run_path(run_dir)
     if not d.is_dir():
         raise CompareError(f"{d}: no such run directory")
     evidence = _load_json(d / "evidence.json")
@@ -227,9 +225,10 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     ma, ea = load_run(a_dir)
     mb, eb = load_run(b_dir)
     report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb))
-    if _run_path(a_dir) == _run_path(b_dir):
-        report.info.insert(0, f"A and B are the same run ({_run_path(a_dir)}): this compares a "
-                              "run with itself, not two runs")
+    same = _run_path(a_dir).resolve()
+    if same == _run_path(b_dir).resolve():
+        report.info.insert(0, f"A and B are the same run ({same}): this compares a run with "
+                              "itself, not two runs")
 
     ia, ib = ea.get("init"), eb.get("init")
     if ia is None and ib is None:
