@@ -7,6 +7,8 @@ run it): `--n-seqs` sequences with prompt and output lengths uniform in [--len-l
 Reported: output tokens / wall seconds of one `generate` call over all sequences, for
   invariant  RolloutEngine with rlkernel.model.ops.InvariantOps (the product),
   native     the same engine with NativeOps (stock torch ops: cuBLAS, SDPA),
+  *-eager    either engine with decode_graphs="eager" (no CUDA graphs: the before/after of
+             rollout/cuda_graphs.py; the plain arms replay a graph per decode batch bucket),
   hf         transformers Qwen3ForCausalLM.generate in bf16 (sdpa attention), all prompts in one
              left-padded batch, max_new_tokens = the longest output; its tok/s counts the same
              useful tokens as the engines (tokens past a sample's length are waste it pays for).
@@ -54,6 +56,14 @@ from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
 
 _OPS = {"invariant": InvariantOps, "native": NativeOps}
+_ENGINE_ARMS = ("invariant", "native", "invariant-eager", "native-eager")
+"""Engine arms: an op set, with decode steps on CUDA graphs (the default) or `-eager`."""
+
+
+def _arm(arm: str) -> tuple[type, str]:
+    """(op set, decode_graphs mode) of an engine arm."""
+    ops, _, eager = arm.partition("-")
+    return _OPS[ops], "eager" if eager else "auto"
 
 
 def _serve_requests(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[Request]:
@@ -81,10 +91,12 @@ def _sp(max_new: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new, seed=0, eos_id=-1)
 
 
-def _engine(cfg, weights, mode: str, args, **kw) -> RolloutEngine:
-    e = RolloutEngine(cfg, _OPS[mode], torch.bfloat16, pad_id=0, device=torch.device(args.device),
+def _engine(cfg, weights, arm: str, args, **kw) -> RolloutEngine:
+    ops, graphs = _arm(arm)
+    e = RolloutEngine(cfg, ops, torch.bfloat16, pad_id=0, device=torch.device(args.device),
                       max_seqs=args.max_seqs, max_step_tokens=args.max_step_tokens,
-                      gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      decode_graphs=graphs, **kw)
     e.load_weights(weights)
     e.generate(_serve_requests(4, 16, 32, cfg.vocab_size, 99), _sp(16))      # warm-up
     return e
@@ -107,6 +119,7 @@ def _timed(engine: RolloutEngine, reqs, max_new: int) -> dict:
     st = engine.stats
     return {"seconds": dt, "output_tokens": n_out, "tok_per_s": n_out / dt,
             "steps": st["steps"], "preemptions": st["preemptions"],
+            "graph_steps": st["graph_steps"], "graph_buckets": st["graph_buckets"],
             "pool_blocks": st["pool_blocks"], "peak_blocks": st["peak_blocks"],
             "blocks_saved": st["blocks_saved"], "cow_copies": st["cow_copies"],
             "peak_kv_pool_bytes": st["peak_kv_bytes_per_rank"],
@@ -180,6 +193,7 @@ def _profile(cfg, weights, arm: str, n: int, args) -> dict:
     summary = profile_trace.summarize(events, wall, "rollout.")
     return {"arm": arm, "seqs": n, "prompt": args.profile_prompt, "new": args.profile_new,
             "warmup_s": warm, "wall_s": wall, "steps": steps, "output_tokens": n_tok,
+            "graph_steps": eng.stats["graph_steps"], "graph_buckets": eng.stats["graph_buckets"],
             "tok_per_s": n_tok / wall, "kernels_per_step": summary["kernels"] / steps, **summary}
 
 
@@ -187,6 +201,7 @@ def _print_profile(r: dict, top: int = 12) -> None:
     ratio = "-" if r["device_over_wall"] is None else f"{r['device_over_wall']:.3f}"
     print(f"== {r['arm']} {r['seqs']} seqs x (prompt {r['prompt']} + {r['new']} new): "
           f"wall {r['wall_s']:.2f} s (warm-up {r['warmup_s']:.2f} s), {r['steps']} steps "
+          f"({r['graph_steps']} on CUDA graphs, buckets {r['graph_buckets']}) "
           f"({1e3 * r['wall_s'] / r['steps']:.1f} ms/step), {r['tok_per_s']:.0f} tok/s; device "
           f"{r['device_s']:.2f} s = {ratio} of wall; {r['kernels']} kernels "
           f"({r['kernels_per_step']:.0f}/step), {r['memcpys']} memcpys; host outside any op "
@@ -214,7 +229,8 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
     ap.add_argument("--parts", nargs="+", default=["serve", "grpo"], choices=["serve", "grpo"])
     ap.add_argument("--arms", nargs="+", default=["invariant", "native", "hf"],
-                    choices=["invariant", "native", "hf"])
+                    choices=[*_ENGINE_ARMS, "hf"],
+                    help="engine arms decode on CUDA graphs; *-eager arms without (before/after)")
     ap.add_argument("--n-seqs", type=int, default=256)
     ap.add_argument("--len-lo", type=int, default=100)
     ap.add_argument("--len-hi", type=int, default=1024)
@@ -253,7 +269,7 @@ def main(argv=None) -> None:
     if args.profile:
         profiles = []
         for n in args.profile_seqs:
-            for arm in [a for a in args.arms if a in _OPS]:
+            for arm in [a for a in args.arms if a in _ENGINE_ARMS]:
                 if _out_of_time(args, t_start, result, f"profile {arm} {n}"):
                     continue
                 profiles.append(_profile(cfg, weights, arm, n, args))
@@ -278,6 +294,11 @@ def main(argv=None) -> None:
                 torch.cuda.empty_cache()
             print(arm, f"{serve[arm]['tok_per_s']:.0f} tok/s", flush=True)
             dump(args.out, {**result, "serve": serve})          # partial results survive a kill
+        for arm in ("invariant-eager", "native-eager"):
+            base = arm.split("-")[0]
+            if arm in serve and base in serve:
+                serve[f"{base}_graphs_over_eager"] = (serve[base]["tok_per_s"]
+                                                      / serve[arm]["tok_per_s"])
         if "invariant" in serve and "native" in serve:
             serve["invariant_over_native"] = serve["invariant"]["tok_per_s"] / serve["native"]["tok_per_s"]
         result["serve"] = serve

@@ -23,6 +23,7 @@ import torch
 from rollout_helpers import CFG, PAD, W, bits, engine, group, requests, sp
 from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.rollout.cuda_graphs import Pads
 from rlkernel.train.step import TrainSample, trainer_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -104,7 +105,7 @@ def test_cuda_trainer_equals_rollout():
 def test_cuda_no_host_sync_per_token():
     """Host syncs in one generate of 16 samples × 64 tokens (about 64 decode steps), counted by
     torch.cuda.set_sync_debug_mode: at most 2 per host check (one every check_every steps, and
-    one at the end) + 8 (prompt upload, result download).
+    one at the end) + 8 (prompt upload, result download) + 4 per CUDA graph captured.
     Control: with check_every=1 there are at least as many syncs as steps."""
     reqs = requests(16, start=600, lo=3, hi=60)
     counts = {}
@@ -121,7 +122,9 @@ def test_cuda_no_host_sync_per_token():
                 torch.cuda.set_sync_debug_mode("default")
         counts[k] = (sum("synchroniz" in str(x.message) for x in w), e.stats["steps"])
     syncs, steps = counts[32]
-    assert steps >= 64 and syncs <= 2 * (steps // 32 + 1) + 8, counts
+    # + 4 per CUDA graph captured (torch.cuda.graph synchronizes around a capture)
+    captures = len(e.stats["graph_buckets"])
+    assert steps >= 64 and syncs <= 2 * (steps // 32 + 1) + 8 + 4 * captures, counts
     assert counts[1][0] >= counts[1][1], counts
 
 
@@ -162,3 +165,34 @@ def test_cuda_engine_paged_kernel_equals_gather():
                                      block_shuffle_seed=7).generate(reqs, SP)]
             for pk in (True, False)]
     assert runs[0] == runs[1]
+
+
+_GRAPH_REQS = group(4, 100, start=800) + requests(9, start=810, lo=3, hi=200)   # 13 -> 16 rows
+
+
+def _graph_run(mode: str, **kw):
+    e = engine(InvariantOps, DEV, decode_graphs=mode, **kw)
+    return [bits(c) for c in e.generate(_GRAPH_REQS, sp(24, eos=100, top_p=0.9))], e.stats
+
+
+@pytest.mark.parametrize("kw", [{}, dict(max_seqs=5, max_step_tokens=200)],
+                         ids=["all-at-once", "late-admission"])
+def test_cuda_graphs_equal_eager(kw):
+    """Decode steps replayed from CUDA graphs (padded to their bucket; shared prompt blocks with
+    copy-on-write steps run eagerly in between) == eager, every sample, bitwise."""
+    graphs, st = _graph_run("auto", **kw)
+    eager, st_e = _graph_run("eager", **kw)
+    assert graphs == eager
+    assert st["graph_steps"] > st["steps"] // 2 and st["graph_buckets"], st
+    assert st_e["graph_steps"] == 0
+
+
+def test_cuda_control_graph_padding_into_a_real_slot_differs(monkeypatch):
+    """Negative control: padding rows of the graphs writing their K/V into slot 0 (a real
+    sequence's key) instead of the dump slot change samples."""
+    eager, _ = _graph_run("eager")
+    fill = Pads.fill
+    monkeypatch.setattr(Pads, "fill", lambda self, key, i: 0 if key == "slots"
+                        else fill(self, key, i))
+    graphs, st = _graph_run("auto")
+    assert st["graph_steps"] > 0 and graphs != eager

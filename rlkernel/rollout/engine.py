@@ -22,7 +22,9 @@ sequences early (tokens past an EOS are computed and dropped; they never reach a
 Attention reads K/V through the block table (kernels/paged_attention.py: on CUDA the Triton
 forward kernel compiled with PAGED; on CPU the blocks gathered in table order), so no dense copy
 of the cache is made per layer on CUDA.
-Does not: CUDA graphs; split prefill across rollout-CP ranks (under rollout CP every rank
+Decode steps (every chunk one token, no block copy) replay CUDA graphs captured per batch-size
+bucket on CUDA at rollout TP = CP = 1 (rollout/cuda_graphs.py; same bytes as eager).
+Does not: capture prefill steps or steps under rollout TP/CP; split prefill across rollout-CP ranks (under rollout CP every rank
 computes every query and stores only its own KV blocks — KV memory per rank ~1/CP, compute
 replicated — and each layer gathers the prefix across the CP group by an exact owner pick);
 Triton sampling (the counter-based sampler runs as torch ops on the device, float64, in row
@@ -41,6 +43,7 @@ from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.layout import StreamLayout
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.rollout import cuda_graphs
 from rlkernel.rollout.block_manager import BlockManager
 from rlkernel.rollout.kv_cache import PagedKVCache
 from rlkernel.rollout.sampler import invalid_rows, sample_tokens
@@ -114,6 +117,9 @@ class RolloutEngine:
     block_shuffle_seed: permute the free lists (tests: placement must not matter).
     paged_kernel: attention reads K/V through the block table (CUDA: the paged Triton kernel);
         False gathers each row's blocks first and runs the dense kernel. Same bytes either way.
+    decode_graphs: "auto" (decode steps replay CUDA graphs on CUDA at rollout TP = CP = 1),
+        "eager" (never; `rlk run --enforce-eager`) or "padded" (the graph path's padded steps
+        run eagerly, any device: a test mode). Same bytes in every mode (rollout/cuda_graphs.py).
     The pool exists only during `generate` (freed at its end, for the trainer).
     """
 
@@ -123,7 +129,7 @@ class RolloutEngine:
                  max_step_tokens: int = 8192, max_seqs: int = 256, kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.5, prefix_sharing: bool = True,
                  check_every: int = 16, block_shuffle_seed: int | None = None,
-                 paged_kernel: bool = True) -> None:
+                 paged_kernel: bool = True, decode_graphs: str = "auto") -> None:
         """live_vocab: the tokenizer's id bound when below cfg.vocab_size (a padded vocabulary):
         ids >= it get probability 0 in the canonical log-softmax and are never sampled.
         ValueError on a scheduling or memory setting outside its range (named)."""
@@ -136,6 +142,7 @@ class RolloutEngine:
                 and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"RolloutEngine: gpu_memory_utilization={gpu_memory_utilization!r} "
                              f"must be a fraction in (0, 1]")
+        self.decode_graphs = cuda_graphs.check_mode(decode_graphs)
         self.cfg = cfg
         self.model = Qwen3ForCausalLM(cfg, ops, param_dtype, pc, live_vocab).to(device)
         self.model.requires_grad_(False)
@@ -245,21 +252,29 @@ class RolloutEngine:
                              c.head_dim, dev, pc.cp, self.paged_kernel)
         width = max(s.capacity for s in seqs)
         max_new = max(s.max_new for s in seqs)
-        host_tok = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        n = len(seqs)
+        # Row n of each buffer is a dump row: padded graph rows write there (cuda_graphs.Pads).
+        host_tok = torch.full((n + 1, width), self.pad_id, dtype=torch.long)
         for s in seqs:
             host_tok[s.slot, :len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
         bufs = _Buffers(host_tok.to(dev),
-                        torch.zeros(len(seqs), max_new, dtype=torch.float32, device=dev),
-                        torch.zeros(len(seqs), dtype=torch.bool, device=dev),
+                        torch.zeros(n + 1, max_new, dtype=torch.float32, device=dev),
+                        torch.zeros(n + 1, dtype=torch.bool, device=dev),
                         torch.zeros((), dtype=torch.bool, device=dev))
+        graphs = self._decode_graphs(cache, bufs, sp, n, width, max_new)
         while sched.has_work():
             plan = sched.schedule()
-            self._run(plan, cache, bufs, sp)
+            if graphs is not None and cuda_graphs.is_decode(plan):
+                graphs.step(plan)
+            else:
+                self._run(plan, cache, bufs, sp)
             sched.postprocess(plan)
             if sched.steps % self.check_every == 0:
                 self._host_check(sched, bufs)
         self._host_check(sched, bufs)
         self.stats = {"steps": sched.steps, "preemptions": sched.preemptions,
+                      "graph_steps": graphs.steps if graphs else 0,
+                      "graph_buckets": graphs.used if graphs else [],
                       "pool_blocks": n_blocks * pc.cp.size, "peak_blocks": bm.peak_used,
                       "shared_block_refs": bm.shared_refs, "cow_copies": bm.cow_copies,
                       "blocks_saved": bm.shared_refs - bm.cow_copies, "block_positions": self.block,
@@ -290,9 +305,30 @@ class RolloutEngine:
                 sched.retire(seq)
 
     # -- the model runner --------------------------------------------------------------------
+    def _decode_graphs(self, cache: PagedKVCache, bufs: "_Buffers", sp: SamplingParams, n: int,
+                       width: int, max_new: int) -> cuda_graphs.DecodeGraphs | None:
+        """The decode-step runner of this call (module doc), or None where steps run eagerly."""
+        pc, dev = self.model.pc, self.model.device
+        mode = self.decode_graphs
+        if mode == "eager" or pc.tp.size > 1 or pc.cp.size > 1:
+            return None
+        if mode == "auto" and dev.type != "cuda":
+            return None
+        pads = cuda_graphs.Pads(n, width, max_new, cache.dump_block * self.block,
+                                cache.zero_block, -(-width // self.block))
+
+        def metadata(plan: StepPlan) -> dict[str, torch.Tensor]:
+            return _step_metadata(plan, self.block, cache, pc.cp, width, max_new).arrays
+
+        def body(t: dict[str, torch.Tensor], tk: int, pos_bound: int) -> None:
+            self._step(t, tk, pos_bound, cache, bufs, sp, real=t["real"] > 0)
+
+        return cuda_graphs.DecodeGraphs(body, metadata, pads, self.block, dev,
+                                        capture=mode == "auto")
+
     def _run(self, plan: StepPlan, cache: PagedKVCache, bufs: "_Buffers",
              sp: SamplingParams) -> None:
-        """One forward over the plan's chunks, then sampling at the chunks that end a sequence.
+        """One eager step: the plan's metadata uploaded, any block copies, then `_step`.
         The record_function labels (rollout.metadata/hidden/logprobs/sample) name the phases in
         a torch.profiler trace (benchmarks/bench_rollout.py --profile); outside a profiler they
         cost a few microseconds a step and change nothing."""
@@ -302,14 +338,23 @@ class RolloutEngine:
             meta = _step_metadata(plan, self.block, cache, self.model.pc.cp,
                                   bufs.tokens.shape[1], bufs.logprobs.shape[1])
             t = _upload(meta.arrays, self.model.device)
+        if plan.copies:
+            cache.copy_blocks(t["copies"])
+        self._step(t, meta.tk, meta.pos_bound, cache, bufs, sp, sample=meta.n_sample > 0)
+
+    def _step(self, t: dict[str, torch.Tensor], tk: int, pos_bound: int, cache: PagedKVCache,
+              bufs: "_Buffers", sp: SamplingParams, sample: bool = True,
+              real: torch.Tensor | None = None) -> None:
+        """One forward over a step's rows (index tensors t on the device; tk, pos_bound host
+        ints), then sampling at rows t["rows"]: tokens, logprobs and EOS flags scattered into
+        bufs. real [N] bool: rows whose non-finite logprobs count (None: all). No host sync, so
+        a CUDA graph can record it (rollout/cuda_graphs.py)."""
         with record_function("rollout.hidden"):
-            if plan.copies:
-                cache.copy_blocks(t["copies"])
-            cache.set_step(t["slots"], t["table"], meta.tk)
+            cache.set_step(t["slots"], t["table"], tk)
             lay = StreamLayout(bufs.tokens.view(-1)[t["src"]], t["positions"], t["q_idx"],
-                               t["q_pos"], t["kv_len"], None, pos_bound=meta.pos_bound)
+                               t["q_pos"], t["kv_len"], None, pos_bound=pos_bound)
             h = self.model.hidden(lay, cache)
-        if not meta.n_sample:
+        if not sample:
             return
         with record_function("rollout.logprobs"):
             logp = self.model.next_token_logprobs(h[t["rows"]], sp.temperature)    # [N, V]
@@ -322,13 +367,15 @@ class RolloutEngine:
             slots = t["slots_sampled"]
             bufs.done.index_copy_(0, slots,
                                   bufs.done.index_select(0, slots) | (toks == sp.eos_id))
-            bufs.bad |= invalid_rows(logp).any()
+            bad = invalid_rows(logp)
+            bufs.bad |= (bad if real is None else bad & real).any()
 
 
 @dataclass
 class _Buffers:
-    """Device state of one generate call: token ids [n, width] (prompt, then sampled tokens),
-    sampled logprobs [n, max_new] fp32, EOS seen [n] bool, a non-finite row seen (scalar bool)."""
+    """Device state of one generate call: token ids [n + 1, width] (prompt, then sampled tokens),
+    sampled logprobs [n + 1, max_new] fp32, EOS seen [n + 1] bool (row n: the dump row of padded
+    graph rows), a non-finite row seen (scalar bool)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor

@@ -1,0 +1,186 @@
+"""CUDA graphs for the rollout engine's decode steps: one graph per batch-size bucket.
+
+Why: a decode step of the invariant engine is ~125 kernel launches per layer driven from Python;
+measured on one H200 (qwen3-0.6b, 32 sequences) the device was busy 11 % of the step's wall time
+(docs/BENCHMARKS.md, "Rollout engine profile"). Replaying a captured graph launches the whole
+step — model pass, log-softmax, sampler, the scatters into the call's token/logprob buffers — as
+one graph (vLLM's and nano-vllm's decode graphs; PyTorch `torch.cuda.CUDAGraph`).
+
+A decode step of B sequences runs on the graph of the smallest bucket Bp >= B (BUCKETS: powers
+of two and their 1.5× steps, so a padded step does at most a third more rows). Its static index
+buffers hold the step's metadata (the engine's `_step_metadata`, the same function as the eager
+step) padded to Bp rows and to the call's widest block table; each step writes them with one
+pinned host→device copy, then replays.
+Why the bytes do not move: every kernel is row-invariant, so padding rows (a pad token at
+position 0 attending to one zero key, writing its K/V to the dump block and its token, logprob and
+EOS flag to the buffers' dump row) change no other row; the paged attention kernel reads only a
+row's blocks below ceil(kv_len / block), so the wider table is never read past them; the RoPE
+lookup reads rows by position; and a replay runs the captured kernels with the shapes and
+arguments of the eager run that preceded the capture. Tests compare tokens and logprob bytes of
+graph and eager rollouts (tests/test_cuda_rollout.py) and, on any device, of the padded static
+path run eagerly (mode "padded") against the plain eager engine (tests/test_rollout_graphs.py).
+Lifetime: one `generate` call (the graphs point into that call's KV pool and buffers); a bucket
+is captured the first time a step needs it, right after running that step eagerly on the same
+static buffers (the warm-up that compiles the Triton kernels and does the step's real work —
+capturing records kernels, it runs nothing). The graphs share one memory pool.
+Does not: capture steps that prefill or copy blocks (copy-on-write), or any step under rollout
+TP or CP (their collectives check call signatures on the host); those run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.profiler import record_function
+
+MODES = ("auto", "eager", "padded")
+"""Engine `decode_graphs` settings: "auto" (CUDA graphs for decode on CUDA at rollout TP = CP = 1,
+eager elsewhere), "eager" (never; `rlk run --enforce-eager`), "padded" (the graph path's padded
+static-buffer steps, run eagerly without capture, on any device: tests check its bytes on CPU)."""
+
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+           1536, 2048, 3072, 4096)
+"""Decode batch sizes that get a graph; a step of B sequences pads to the smallest >= B."""
+
+_KEYS_1D = ("src", "positions", "kv_len", "rows", "sample_ids", "sample_pos", "tok_dst",
+            "lp_dst", "slots_sampled", "real")
+_KEYS_2D = ("q_idx", "q_pos", "slots")     # [Bp, 1]: one query per decode row
+
+
+def check_mode(mode: str) -> str:
+    """`mode` if it is one of MODES, else ValueError naming the allowed ones."""
+    if mode not in MODES:
+        raise ValueError(f"decode_graphs={mode!r}: allowed: {', '.join(MODES)}")
+    return mode
+
+
+def bucket(b: int) -> int:
+    """Rows of the graph that runs a decode step of `b` >= 1 sequences. ValueError past the
+    largest bucket."""
+    for n in BUCKETS:
+        if n >= b:
+            return n
+    raise ValueError(f"decode batch of {b} sequences: no CUDA graph bucket (largest "
+                     f"{BUCKETS[-1]}); lower max_seqs")
+
+
+def is_decode(plan) -> bool:
+    """Every chunk feeds one token and samples, and no block is copied first."""
+    return (bool(plan.chunks) and not plan.copies
+            and all(c.n == 1 and c.samples for c in plan.chunks))
+
+
+class Pads:
+    """Where padding rows point: the dump row of the token/logprob/EOS buffers (row `n` of
+    buffers with n + 1 rows), the KV cache's dump slot and zero block, and the call's widths."""
+
+    def __init__(self, n: int, width: int, max_new: int, dump_slot: int, zero_block: int,
+                 table_width: int) -> None:
+        self.n, self.width, self.max_new = n, width, max_new
+        self.dump_slot, self.zero_block, self.table_width = dump_slot, zero_block, table_width
+
+    def fill(self, key: str, i: int) -> int:
+        """Padding value of `key` in padding row i (q_idx and rows: the row itself)."""
+        return {"src": self.n * self.width, "positions": 0, "kv_len": 1, "rows": i,
+                "sample_ids": 0, "sample_pos": 0, "tok_dst": self.n * self.width,
+                "lp_dst": self.n * self.max_new, "slots_sampled": self.n, "real": 0,
+                "q_idx": i, "q_pos": 0, "slots": self.dump_slot}[key]
+
+
+def pad_decode(arrays: dict[str, torch.Tensor], bp: int, pads: Pads) -> dict[str, torch.Tensor]:
+    """A decode step's host metadata (engine `_step_metadata`: B rows, one query each) padded to
+    `bp` rows and the table to pads.table_width columns; adds `real` [bp] (1 = a real row).
+    ValueError if the step is not decode-shaped or does not fit."""
+    b = arrays["src"].shape[0]
+    table = arrays["table"]
+    if (b > bp or arrays["q_idx"].shape != (b, 1) or arrays["rows"].shape != (b,)
+            or table.shape[1] > pads.table_width):
+        raise ValueError(f"pad_decode: a step of {b} rows, q_idx {tuple(arrays['q_idx'].shape)}, "
+                         f"table {tuple(table.shape)} does not fit {bp} rows × "
+                         f"{pads.table_width} blocks")
+    src = dict(arrays, real=torch.ones(b, dtype=torch.long))
+    out = {}
+    for key in _KEYS_1D + _KEYS_2D:
+        a = src[key].reshape(b)
+        tail = torch.tensor([pads.fill(key, i) for i in range(b, bp)], dtype=torch.long)
+        out[key] = torch.cat([a, tail]).reshape((bp, 1) if key in _KEYS_2D else (bp,))
+    t = torch.full((bp, pads.table_width), pads.zero_block, dtype=torch.long)
+    t[:b, :table.shape[1]] = table
+    out["table"] = t
+    return out
+
+
+class _Bucket:
+    """Static device buffers of one bucket (views into one int64 tensor) and its graph."""
+
+    def __init__(self, bp: int, table_width: int, device: torch.device) -> None:
+        shapes = {k: (bp,) for k in _KEYS_1D}
+        shapes.update({k: (bp, 1) for k in _KEYS_2D}, table=(bp, table_width))
+        self.flat = torch.zeros(sum(bp * (1 if len(s) == 1 else s[1]) for s in shapes.values()),
+                                dtype=torch.long, device=device)
+        self.views, off = {}, 0
+        for k, s in shapes.items():
+            n = s[0] * (s[1] if len(s) == 2 else 1)
+            self.views[k] = self.flat[off:off + n].view(s)
+            off += n
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def write(self, arrays: dict[str, torch.Tensor]) -> None:
+        host = torch.cat([arrays[k].reshape(-1) for k in self.views])
+        if self.flat.is_cuda:
+            host = host.pin_memory()     # async copy: no host sync; the pinned block is kept
+        self.flat.copy_(host, non_blocking=self.flat.is_cuda)   # alive until the copy is done
+
+
+class DecodeGraphs:
+    """Runs an engine's decode steps on padded static buffers, replaying one CUDA graph per
+    bucket (`capture`), or eagerly on the same padded buffers (`capture=False`, mode "padded").
+
+    body(t, tk, pos_bound): the engine's step on index tensors t (the keys of pad_decode) — model
+    pass, log-softmax, sampling, scatters into the call's buffers, all on the device.
+    metadata(plan): the step's host metadata (engine `_step_metadata` arrays).
+    """
+
+    def __init__(self, body: Callable[[dict, int, int], None],
+                 metadata: Callable[[object], dict[str, torch.Tensor]], pads: Pads, block: int,
+                 device: torch.device, capture: bool) -> None:
+        self.body, self.metadata, self.pads = body, metadata, pads
+        self.block, self.device, self.capture = block, torch.device(device), capture
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool = None
+        self.steps = 0
+
+    def step(self, plan) -> None:
+        """Run one decode step (is_decode(plan)) of len(plan.chunks) sequences."""
+        bp = bucket(len(plan.chunks))
+        bk = self.buckets.get(bp)
+        if bk is None:
+            bk = self.buckets[bp] = _Bucket(bp, self.pads.table_width, self.device)
+        with record_function("rollout.metadata"):
+            bk.write(pad_decode(self.metadata(plan), bp, self.pads))
+        self.steps += 1
+        if bk.graph is not None:
+            with record_function("rollout.graph_replay"):
+                bk.graph.replay()
+            return
+        self._eager(bk)
+        if self.capture:
+            self._capture(bk)
+
+    def _eager(self, bk: _Bucket) -> None:
+        self.body(bk.views, self.pads.table_width * self.block, self.pads.width)
+
+    def _capture(self, bk: _Bucket) -> None:
+        # The eager run just before compiled every kernel at these shapes; capture only records
+        # (torch.cuda.graph synchronizes the device before it begins).
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self._eager(bk)
+        self.pool = g.pool()
+        bk.graph = g
+
+    @property
+    def used(self) -> list[int]:
+        """Buckets that ran a step (each captured once, unless capture is off), ascending."""
+        return sorted(self.buckets)
