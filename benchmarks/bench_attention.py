@@ -11,7 +11,10 @@ at 1k and 4k with the previous torch-op backward (kernels/attention.attention_ba
 where it fits; a dQ-tile / dK-dV-tile sweep at 4k fp32; the time of the dQ and delta kernels alone. Rows
 "backward ..." carry ratio = SDPA bf16 backward / ours and TFLOP/s at 2.5x the causal forward's
 FLOPs (FlashAttention-2's count: 5 matmuls to the forward's 2) for both.
+--fp32-sweep: only the model's fp32 forward at qwen3-0.6b heads (rollout prefill pieces, a
+training batch, a decode step) for every tile of _FP32_SWEEP: time and bytes against the table's.
 Run: PYTHONPATH=. python3 benchmarks/bench_attention.py [--out FILE.json] [--only-backward]
+     [--fp32-sweep]
 """
 
 from __future__ import annotations
@@ -138,14 +141,65 @@ def backward_rows() -> list[dict]:
     return rows
 
 
+_FP32_SWEEP = [(bm, w, st) for bm in (16, 32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
+
+
+def _fp32_case(s: int, tq: int, ctx: int, hq: int = 16, hkv: int = 8):
+    """fp32 q [s, hq, tq, D] at the last tq positions of ctx keys per sample (qwen3-0.6b heads:
+    a rollout prefill piece, a training sample or a decode step)."""
+    q = torch.randn(s, hq, tq, D, device="cuda")
+    k = torch.randn(s, hkv, ctx, D, device="cuda")
+    v = torch.randn(s, hkv, ctx, D, device="cuda")
+    pos = torch.arange(ctx - tq, ctx, device="cuda")[None].expand(s, tq).contiguous()
+    lens = torch.full((s,), ctx, device="cuda")
+    return q, k, v, pos, lens
+
+
+def fp32_tile_sweep() -> list[dict]:
+    """The model's fp32 forward (fma dots) at three shapes, for every tile of _FP32_SWEEP: time
+    and whether out and lse are byte-identical to the table's tile (they must be: the fp32 dot
+    is one fma chain per element in key order, whatever the tile)."""
+    from rlkernel.kernels.triton_attention import attention_forward
+    sc = 1 / math.sqrt(D)
+    rows = []
+    for name, shape in (("prefill pieces 128 x 64 q, ctx 512", (128, 64, 512)),
+                        ("training 16 x 1024 causal", (16, 1024, 1024)),
+                        ("decode 256 x 1 q, ctx 1024", (256, 1, 1024))):
+        q, k, v, pos, lens = _fp32_case(*shape)
+        ref_out, ref_lse = attention_forward(q, k, v, pos, lens, sc)
+        t_ref = median_ms(lambda: attention_forward(q, k, v, pos, lens, sc), rep_ms=100)
+        print(f"{name}: table tile {t_ref:.3f} ms", flush=True)
+        for cfg in _FP32_SWEEP:
+            try:
+                out, lse = attention_forward(q, k, v, pos, lens, sc, tile=cfg)
+                same = bool(torch.equal(out.view(torch.int32), ref_out.view(torch.int32))
+                            and torch.equal(lse.view(torch.int32), ref_lse.view(torch.int32)))
+                ms = median_ms(lambda: attention_forward(q, k, v, pos, lens, sc, tile=cfg),
+                               rep_ms=60)
+            except Exception as e:  # noqa: BLE001  (a tile that does not compile or fit)
+                rows.append({"case": name, "tile": cfg, "error": repr(e)[:200]})
+                continue
+            rows.append({"case": name, "tile": cfg, "ms": ms, "table_ms": t_ref,
+                         "speedup": t_ref / ms, "same_bytes": same})
+            print(f"   tile {cfg}: {ms:.3f} ms x{t_ref / ms:.2f} same bytes {same}", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--only-backward", action="store_true")
+    ap.add_argument("--fp32-sweep", action="store_true",
+                    help="only the fp32 forward tile sweep at the model's shapes")
     args = ap.parse_args()
     require_cuda()
     from rlkernel.kernels.triton_attention import attention_forward
     torch.manual_seed(0)
+    if args.fp32_sweep:
+        dump(args.out, {"env": env(), "rows": fp32_tile_sweep()})
+        return
     if args.only_backward:
         dump(args.out, {"env": env(), "rows": backward_rows()})
         return
