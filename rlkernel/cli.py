@@ -499,7 +499,8 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
 # Settings a resumed run may give again: where (on which ranks) and how it runs, not what it
 # computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
 RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
-                               "micro_batch_tokens", "gpu_memory_utilization", "steps",
+                               "micro_batch_tokens", "gpu_memory_utilization", "enforce_eager",
+                               "steps",
                                "save_every", "allow_dirty", "resume", "tensorboard"})
 
 

@@ -209,6 +209,12 @@ class RunConfig:
     the bytes the pool has. --device cpu: no effect (the CPU pool holds every sample of the step
     at once; a value other than the default is warned about)."""
 
+    enforce_eager: bool = False
+    """Run every rollout step eagerly: no CUDA graphs for decode steps (by default the engine
+    replays one graph per decode batch-size bucket on CUDA at --rollout-tp 1 and --rollout-cp 1;
+    other layouts and --device cpu always run eagerly). The same bytes either way; graphs make
+    decode several times faster where the engine is launch-bound (docs/BENCHMARKS.md)."""
+
     # ---- run bookkeeping
     run_dir: str | None = None
     """Run directory (must not exist, or be empty). None: runs/<UTC time>-<config hash>."""
@@ -219,7 +225,7 @@ class RunConfig:
     """Continue the run in this directory (or the RUN.tmp-<pid> a killed run left) from its last
     complete checkpoint. Its saved config is used; only the layout and memory flags (--dp/--tp/
     --cp/--sp/--recompute/--rollout-tp/--rollout-cp, --micro-batch-tokens,
-    --gpu-memory-utilization), --steps (to extend), --save-every, --tensorboard and --allow-dirty
+    --gpu-memory-utilization, --enforce-eager), --steps (to extend), --save-every, --tensorboard and --allow-dirty
     may be given again; its inputs (model files, tokenizer, prompts) must hash as recorded."""
     allow_dirty: bool = False
     """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
@@ -419,7 +425,7 @@ def _validate(c: RunConfig) -> None:
     for f in ("model", "prompts", "run_dir", "resume"):
         _check_path(c, f)
     _check_int(c, "save_every", 0)
-    for f in ("sp", "recompute", "allow_dirty", "require_updates", "tensorboard"):
+    for f in ("sp", "recompute", "allow_dirty", "require_updates", "tensorboard", "enforce_eager"):
         _check_bool(c, f)
     _check_int(c, "model_seed", 0, SEED_LIMIT)
     _check_int(c, "seed", 0, SEED_LIMIT)

@@ -49,8 +49,8 @@ REVIEWED_RUN_FLAGS |= {
 # Issue 14: data parallelism; the microbatch size became a memory knob (--token-budget, its old
 # name, stays as an alias).
 REVIEWED_RUN_FLAGS = (REVIEWED_RUN_FLAGS - {"--token-budget"}) | {"--dp", "--micro-batch-tokens"}
-# Issue 12: the rollout KV pool's share of free GPU memory.
-REVIEWED_RUN_FLAGS |= {"--gpu-memory-utilization"}
+# Issue 12: the rollout KV pool's share of free GPU memory; decode steps without CUDA graphs.
+REVIEWED_RUN_FLAGS |= {"--gpu-memory-utilization", "--enforce-eager"}
 # Second spellings of reviewed flags (cli.RUN_FLAG_ALIASES): not in the usage line, still surface.
 REVIEWED_RUN_ALIASES = {"--learning-rate": "--lr", "--num-generations": "--n-samples-per-prompt",
                         "--rollout-temperature": "--temperature",
@@ -634,6 +634,21 @@ def test_resume_may_change_gpu_memory_utilization(tmp_path):
     assert cli._resume_config({"resume": str(d)}, d).gpu_memory_utilization == 0.5
     with pytest.raises(ConfigError, match="--seed"):
         cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9, "seed": 7}, d)
+
+
+def test_resume_may_change_enforce_eager(tmp_path):
+    """--resume --enforce-eager is allowed (how decode runs, not what it computes), also for a
+    run whose manifest predates the flag; a non-bool value is refused by name."""
+    d = tmp_path / "r"
+    d.mkdir()
+    saved = RunConfig().to_dict()
+    del saved["enforce_eager"]                               # a manifest from before the flag
+    (d / "manifest.json").write_text(json.dumps({"config": saved, "canonical_spec":
+                                                 RunConfig().canonical_spec()}))
+    assert cli._resume_config({"resume": str(d), "enforce_eager": True}, d).enforce_eager
+    assert not cli._resume_config({"resume": str(d)}, d).enforce_eager
+    with pytest.raises(ConfigError, match="enforce.eager"):
+        RunConfig(enforce_eager="yes")
 
 
 def test_settings_that_act_do_not_warn(capsys, cwd, loop):

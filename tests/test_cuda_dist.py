@@ -6,7 +6,8 @@ Two chains, each with a native-mode negative control:
    every rank, the per-token logprobs, every gradient, the exact grad norm, loss, entropy and the
    weights after two AdamW updates of the TP1 run (one GPU, no process group), bytewise. Hence
    any two of them agree.
-2. `rlk run --device cuda` (tiny model, 2 steps) at TP1, TP2/rollout-TP2, CP2/rollout-CP2,
+2. `rlk run --device cuda` (tiny model, 2 steps) at TP1 (rollout decode on CUDA graphs), TP1
+   with --enforce-eager, TP2/rollout-TP2, CP2/rollout-CP2,
    TP2+SP/rollout-TP1 and DP2 with smaller microbatches: `rlk compare` says IDENTICAL for each against TP1 (sampled tokens, grad
    norms, every tensor hash after every update) and every step has 0 train/rollout logprob
    mismatches over a non-zero number of compared tokens.
@@ -59,7 +60,8 @@ def test_cuda_control_native_tp2_differs(tmp_path):
 
 RUN = ["--steps", "2", "--require-updates", "--device", "cuda", "--temperature", "0.7",
        "--top-p", "0.95", "--max-response-len", "32", "--kl-coef", "0.01", "--allow-dirty"]
-E2E = {"tp2-rtp2": ["--tp", "2", "--rollout-tp", "2"],
+E2E = {"tp1-eager": ["--enforce-eager"],       # rollout decode without CUDA graphs
+       "tp2-rtp2": ["--tp", "2", "--rollout-tp", "2"],
        "cp2-rcp2": ["--cp", "2", "--rollout-cp", "2"],
        "tp2-sp": ["--tp", "2", "--sp"],
        "dp2-micro": ["--dp", "2", "--micro-batch-tokens", "300"]}
@@ -76,8 +78,8 @@ def _rlk(tmp_path, name: str, *extra: str) -> str:
 
 
 def test_cuda_rlk_run_identical_across_layouts_on_two_gpus(tmp_path, capsys):
-    """rlk run on CUDA: TP2/rollout-TP2, CP2/rollout-CP2, TP2+SP, DP2/--micro-batch-tokens 300
-    each == TP1 (rlk compare
+    """rlk run on CUDA: TP1 --enforce-eager, TP2/rollout-TP2, CP2/rollout-CP2, TP2+SP,
+    DP2/--micro-batch-tokens 300 each == TP1 with CUDA-graph decode (rlk compare
     IDENTICAL: tokens, grad norms, every tensor hash), 0 logprob mismatches in every run."""
     base = _rlk(tmp_path, "tp1")
     for name, extra in E2E.items():

@@ -44,8 +44,11 @@ KV_BLOCK = CUDA_ATTN_KV_BLOCK
 # bf16 keeps BLOCK_M >= 64 with warps % 4 == 0 (one tensor-core instruction path for all calls).
 _TILES = {
     torch.bfloat16: [(64, (64, 4, 2)), (1 << 62, (128, 8, 3))],
-    torch.float32: [(16, (16, 4, 1)), (1 << 62, (32, 4, 1))],
+    torch.float32: [(16, (16, 4, 1)), (1 << 62, (32, 8, 1))],
 }
+# fp32 rows > 16: 8 warps made the model's fp32 forward 2.2x faster than (32, 4, 1) at rollout
+# prefill pieces (128 samples x 64 queries, ctx 512, qwen3-0.6b heads), same bytes for every
+# tile swept (benchmarks/bench_attention.py --fp32-sweep; docs/BENCHMARKS.md).
 
 
 @triton.jit
