@@ -59,9 +59,15 @@ def test_sample_identical_alone_in_batch16_and_at_row11():
 
 
 def test_control_stock_ops_change_with_batch():
-    """negative control: with stock ops the same sample's logprob bits change with the batch."""
-    alone, row0, row11 = _batch_variants(NativeOps)
-    assert not (_bits(alone) == _bits(row0) == _bits(row11))
+    """negative control: with stock ops samples' bits change with the batch — of the 16 samples
+    of the batch, some generated alone differ from their row. (Any one sample may happen to
+    agree: bf16 runs round q, k, v, which absorbs some last-bit differences; the target of the
+    test above does agree since attention rounds to bf16.)"""
+    reqs = _requests(1, start=100) + _requests(15, start=0)
+    eng = _engine(NativeOps)
+    batch = eng.generate(reqs, SP)
+    differ = sum(_bits(eng.generate([r], SP)[0]) != _bits(c) for r, c in zip(reqs, batch))
+    assert differ >= 4, differ
 
 
 def test_prefill_chunked_prefill_and_decode_identical():

@@ -252,9 +252,10 @@ def test_pool_too_small_names_the_numbers():
 
 
 def _per_block() -> int:
-    """Bytes of one KV block of the tiny model on CPU (all layers, K and V, fp32)."""
+    """Bytes of one KV block of the tiny model on CPU (all layers, K and V, bf16: the engine's
+    bf16 parameters round k and v to bf16, and the pool stores them so)."""
     return PagedKVCache.bytes_per_block(CFG.num_hidden_layers, 16, CFG.num_key_value_heads,
-                                        CFG.head_dim)
+                                        CFG.head_dim, torch.bfloat16)
 
 
 def _with_free(e, free: int):

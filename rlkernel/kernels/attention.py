@@ -26,6 +26,12 @@ Triton kernels with the CUDA block size 64: the forward to kernels/triton_attent
 backward to kernels/triton_attention_bwd.py (FlashAttention-2 recomputation from lse, the same
 leaf partials and exact sums, memory O(L)). The CUDA bits differ from the CPU's (other block
 size, fused dots) but obey the same invariances.
+Precision: q, k, v come in fp32 or bf16 (bf16 runs round them in the model, model/qwen3.py).
+With bf16 the products accumulate in fp32, P is rounded to bf16 before P·V and the row sum l
+(the CUDA kernel's tensor-core dots take bf16 P; the CPU rounds P the same way and widens it),
+m, l and lse stay fp32 and the output is rounded to bf16 once; the backward recomputes P from
+lse unrounded, computes in fp32 on the exactly widened operands and rounds dQ, dK, dV to bf16
+once at the end. Every rounding is elementwise, so none moves a bit with batch, layout or rank.
 Does not: communicate (CP gathers K/V in rlkernel/distributed).
 """
 
@@ -74,6 +80,8 @@ def attention_forward(q, k, v, q_pos, kv_len, scale):
     if q.is_cuda:
         from rlkernel.kernels import triton_attention
         return triton_attention.attention_forward(q, k, v, q_pos, kv_len, scale)
+    dtype = _check_dtype(q, k, v)
+    q, k, v = (t.to(torch.float32) for t in (q, k, v))       # exact: bf16 values widened
     s_, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -92,6 +100,8 @@ def attention_forward(q, k, v, q_pos, kv_len, scale):
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(row, m_new, torch.zeros_like(m_new))
         p = exp32(s - m_safe[..., None])
+        if dtype == torch.bfloat16:      # the rounding point of P, as the CUDA kernel's bf16 dots
+            p = p.to(torch.bfloat16).to(torch.float32)
         alpha = exp32(torch.where(row, m - m_safe, torch.zeros_like(m)))
         pv = _skip_sum(torch.zeros_like(acc), p, vb.unsqueeze(-3).squeeze(-3).expand(
             s_, hkv, g, n, d), vis.expand(s_, hkv, g, tq, n))
@@ -102,7 +112,15 @@ def attention_forward(q, k, v, q_pos, kv_len, scale):
     out = torch.where(has[..., None], acc / torch.where(has, l, torch.ones_like(l))[..., None],
                       torch.zeros_like(acc))
     lse = torch.where(has, m + log32(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
-    return out.reshape(s_, hq, tq, d), lse
+    return out.reshape(s_, hq, tq, d).to(dtype), lse
+
+
+def _check_dtype(q, k, v) -> torch.dtype:
+    """The dtype q, k and v share (float32 or bfloat16); ValueError otherwise."""
+    if q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"attention: q/k/v must share dtype float32 or bfloat16, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    return q.dtype
 
 
 def _sum_over_queries(w, x, q_pos, tok: TokenSum):
@@ -141,7 +159,11 @@ def attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok: Toke
     """(dQ, dK, dV) by this file's torch ops — the reference (module doc's Backward). Shapes as
     `attention`, out/lse from `attention_forward`. Any device; on CUDA `_Attention` runs
     kernels/triton_attention_bwd.py instead (benchmarks/bench_attention.py times both there).
-    Memory: O(Tq·Tk) (p and ds of every block, per-leaf partials [S, Hkv, G, n_leaves, Tk, D])."""
+    Memory: O(Tq·Tk) (p and ds of every block, per-leaf partials [S, Hkv, G, n_leaves, Tk, D]).
+    bf16 q/k/v (and out, d_out): computed in fp32 on the exactly widened values, p recomputed
+    unrounded, dQ/dK/dV rounded once to bf16 at the end (the CUDA backward's rounding points)."""
+    dtype = _check_dtype(q, k, v)
+    q, k, v, out = (t.to(torch.float32) for t in (q, k, v, out))
     s_, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -176,7 +198,7 @@ def attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok: Toke
         dv = kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
         dk = kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
     dk = dk * scale
-    return dq.reshape(s_, hq, tq, d), dk, dv
+    return dq.reshape(s_, hq, tq, d).to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 class _Attention(torch.autograd.Function):
@@ -206,11 +228,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
               kv_comm: Comm | None = None) -> torch.Tensor:
     """Invariant causal GQA attention.
 
-    q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D] fp32; q_pos [S, Tq] long absolute positions (−1 = padding
-    slot, output 0); kv_len [S] long valid keys per sample; scale = 1/sqrt(D) (float).
+    q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D], one dtype: fp32, or bf16 (bf16 runs: products
+    accumulate in fp32, P is rounded to bf16 before P·V and the row sum, the output is rounded to
+    bf16, and so are dQ, dK, dV; softmax statistics stay fp32); q_pos [S, Tq] long absolute
+    positions (−1 = padding slot, output 0); kv_len [S] long valid keys per sample;
+    scale = 1/sqrt(D) (float).
     Under CP, q holds this rank's queries only (whole leaves of TOKEN_LEAF positions of each
     sample) and `tok.comm` is the CP group that holds the others; k/v hold whole sequences.
     `kv_comm`: the TP ranks replicating this KV head (a power-of-two count), in head order, each
-    holding 1/kv_comm.size of the group's heads. Returns [S, Hq, Tq, D] fp32.
+    holding 1/kv_comm.size of the group's heads. Returns [S, Hq, Tq, D] in q's dtype.
+    ValueError for q/k/v of other or mixed dtypes.
     """
     return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), tok, kv_comm)

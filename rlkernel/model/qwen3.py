@@ -8,7 +8,8 @@ and every layer receives the ParallelCtx as an argument — TP1 and TP8 run the 
 Parameters are fp32 tensors holding exactly the run's parameter dtype values (bf16 by default):
 trainer and rollout compute on identical values, and weight gradients are fp32. A bf16 model
 rounds each linear's input activation and incoming gradient to bf16 (`compute_dtype_for`,
-kernels/matmul.py): the rounding points are part of the model, so rollout and trainer share them.
+kernels/matmul.py) and attention's q, k, v (kernels/attention.py, Precision): the rounding points
+are part of the model, so rollout and trainer share them.
 Shapes: L = global stream rows, Lc = this CP rank's rows, Ls = its SP slice (Lc without SP),
 S = samples, T = slots per sample, H = hidden, D = head_dim; head counts are local to the rank.
 Does not: sample, own an optimizer, or move weights between engines.
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx
+from rlkernel.kernels.matmul import rounding_point
 from rlkernel.kernels.rope import RopeTable, apply_rope
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
@@ -57,8 +59,9 @@ class KVCache:
         """Store k/v rows [n, Hkv, D] of (sample s_idx[i], position pos[i]) this rank owns."""
         mine = self._owner(pos) == self.comm.rank
         s_idx, pos = s_idx[mine], pos[mine]
-        self.k[layer][s_idx, :, pos] = k[mine].detach()
-        self.v[layer][s_idx, :, pos] = v[mine].detach()
+        # Stored fp32: bf16 k/v (bf16 runs) widen exactly.
+        self.k[layer][s_idx, :, pos] = k[mine].detach().to(torch.float32)
+        self.v[layer][s_idx, :, pos] = v[mine].detach().to(torch.float32)
 
     def attend(self, layer: int, ops, qs, ks, vs, lay: StreamLayout, scale: float, pc,
                dtype: torch.dtype = torch.float32):
@@ -71,7 +74,9 @@ class KVCache:
         pos = lay.q_pos[s_idx, t_idx]
         self.write(layer, s_idx, pos, ks[s_idx, :, t_idx], vs[s_idx, :, t_idx])
         k, v = self.read(layer, int(lay.kv_len.max().item()))
-        return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc, dtype)
+        # Stored fp32; the values are the attention dtype's (bf16 runs: exact narrowing).
+        return ops.attention(qs, k.to(qs.dtype), v.to(qs.dtype), lay.q_pos, lay.kv_len, scale,
+                             pc, dtype)
 
     def read(self, layer: int, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions [0, tk) of every sample: [S, Hkv, tk, D] each."""
@@ -134,6 +139,9 @@ class Attention(nn.Module):
         qs = to_samples(q, lay.q_idx).transpose(1, 2)                    # [S, heads, T, D]
         ks = to_samples(k_all, lay.keys_idx).transpose(1, 2)            # [S, kv_heads, T, D]
         vs = to_samples(v_all, lay.keys_idx).transpose(1, 2)
+        # bf16 runs: q, k, v rounded to bf16 here (the attention kernels' tensor-core operands;
+        # the KV cache stores these bf16 values); the backward of this cast widens dQ, dK, dV.
+        qs, ks, vs = (rounding_point(t, self.cd) for t in (qs, ks, vs))
         scale = 1.0 / math.sqrt(c.head_dim)
         if cache is not None and lay.kv_idx is None:
             # The cache stores this pass's keys and attends over every key of each row (a
@@ -144,6 +152,8 @@ class Attention(nn.Module):
                 ks, vs = self._write_cache(cache, ks, vs, lay)
             o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc, self.cd,
                               lay.dense_causal and cache is None)
+        # Widened exactly; the backward of this cast is the rounding point of dO (bf16 runs).
+        o = o.to(torch.float32)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc, self.cd)
 

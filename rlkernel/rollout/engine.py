@@ -191,7 +191,7 @@ class RolloutEngine:
         """Physical blocks per rank for this call; ValueError when one sequence cannot fit."""
         c, pc = self.cfg, self.model.pc
         per_block = PagedKVCache.bytes_per_block(c.num_hidden_layers, self.block, self._kv_heads(),
-                                                 c.head_dim)
+                                                 c.head_dim, self.model.compute_dtype)
         # Positions ever written: prompt + max_new - 1 (the last sampled token is never fed).
         needs = [bm_probe.blocks_for(s.capacity - 1) for s in seqs]
         one = max(max(n) for n in needs)
@@ -249,7 +249,7 @@ class RolloutEngine:
         sched = Scheduler(seqs, bm, self.max_step_tokens, self.max_seqs, self.prefill_chunk)
         c = self.cfg
         cache = PagedKVCache(c.num_hidden_layers, n_blocks, self.block, self._kv_heads(),
-                             c.head_dim, dev, pc.cp, self.paged_kernel)
+                             c.head_dim, dev, pc.cp, self.paged_kernel, self.model.compute_dtype)
         width = max(s.capacity for s in seqs)
         max_new = max(s.max_new for s in seqs)
         n = len(seqs)
@@ -281,7 +281,8 @@ class RolloutEngine:
                       "admissions": sched.admissions,
                       "peak_kv_bytes_per_rank": max(bm.peak_used // pc.cp.size, 1) *
                       PagedKVCache.bytes_per_block(c.num_hidden_layers, self.block,
-                                                   self._kv_heads(), c.head_dim)}
+                                                   self._kv_heads(), c.head_dim,
+                                                   self.model.compute_dtype)}
         toks, lps = bufs.tokens.cpu(), bufs.logprobs.cpu()
         return [self._completion(r, s, toks, lps, sp) for r, s in zip(requests, seqs)]
 

@@ -1,7 +1,7 @@
 """Paged K/V storage: per layer a pool of fixed-size blocks, read through per-row block tables.
 
-Layout per layer: k, v [blocks + 2, B, Hkv, D] fp32 (the dtype of the dense cache in
-model/qwen3.py, so values are stored exactly as there). Index `blocks` is a block of zeros (read
+Layout per layer: k, v [blocks + 2, B, Hkv, D] in the attention's dtype (bf16 for bf16 runs, whose
+model rounds k and v to bf16 before attention; fp32 otherwise), so values are stored exactly. Index `blocks` is a block of zeros (read
 for positions this CP rank does not store), `blocks + 1` a dump that takes the writes of empty
 query slots. The runner (rollout/engine.py) sets, before every forward, each attention row's
 write slots and block table (`set_step`); `attend` writes the step's keys and attends over each
@@ -33,10 +33,10 @@ class PagedKVCache:
 
     def __init__(self, n_layers: int, blocks: int, block: int, kv_heads: int, head_dim: int,
                  device: torch.device | str = "cpu", comm: Comm | None = None,
-                 fused: bool = True) -> None:
+                 fused: bool = True, dtype: torch.dtype = torch.float32) -> None:
         shape = (blocks + 2, block, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device) for _ in range(n_layers)]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.blocks, self.block = blocks, block
         self.zero_block, self.dump_block = blocks, blocks + 1
         self.comm = comm or Comm.single("paged-kv-cache")
@@ -45,9 +45,10 @@ class PagedKVCache:
         self.fused = fused
 
     @staticmethod
-    def bytes_per_block(n_layers: int, block: int, kv_heads: int, head_dim: int) -> int:
-        """K and V of one block over all layers, fp32."""
-        return n_layers * 2 * block * kv_heads * head_dim * 4
+    def bytes_per_block(n_layers: int, block: int, kv_heads: int, head_dim: int,
+                        dtype: torch.dtype = torch.float32) -> int:
+        """K and V of one block over all layers, in `dtype` (the pool's)."""
+        return n_layers * 2 * block * kv_heads * head_dim * dtype.itemsize
 
     def set_step(self, slots: torch.Tensor, table: torch.Tensor, tk: int) -> None:
         """slots [S, T] long: storage row (block · B + offset) of each query slot's K/V (the dump
@@ -81,6 +82,7 @@ class PagedKVCache:
             pos = torch.arange(self.tk, device=k.device)
             owner = torch.div(pos, self.block, rounding_mode="floor") % self.comm.size
             owner = owner[None, None, :, None].expand_as(k).contiguous()
-            k = self.comm.select_owner(k.contiguous(), owner, "paged-kv-k")
-            v = self.comm.select_owner(v.contiguous(), owner, "paged-kv-v")
+            # The owner pick moves fp32 (exact both ways): gloo has no bf16 all-gather here.
+            k, v = (self.comm.select_owner(t.to(torch.float32).contiguous(), owner, op).to(t.dtype)
+                    for t, op in ((k, "paged-kv-k"), (v, "paged-kv-v")))
         return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc, dtype)
