@@ -5,10 +5,14 @@ On CPU the graph path runs in mode "padded": each decode step's metadata padded 
 written into static buffers, then run eagerly on them — everything a captured graph replays
 except the capture itself (tests/test_cuda_rollout.py compares real graphs with eager on the GPU).
 Property: tokens and logprob bits of every sample are the same in modes "eager" and "padded",
-with batches that pad (9 → 12 rows), prefix sharing and copy-on-write steps (run eagerly between
-graph steps), late admission, EOS and top-p. Negative control: padding rows whose K/V go to a
-real slot instead of the dump slot change samples, so the comparison can fail.
-Run: `.venv/bin/python -m pytest -q tests/test_rollout_graphs.py` (about 30 s on 2 cores).
+with batches that pad (late admission; caps that shrink the batch 9 → 4 over buckets 12, 8, 6,
+4), prefix sharing and copy-on-write steps and one-token prefill steps (run eagerly between graph
+steps), EOS and top-p; beyond the samples, every real row of the token/logprob/EOS buffers and
+every KV block but the dump block hold the same bytes (padding rows write only the dump row and
+dump block). The non-finite check counts real rows only: a NaN padding row raises nothing, a NaN
+real row on a graph step raises the host check's ValueError. Negative control: padding rows whose
+K/V go to a real slot instead of the dump slot change samples, so the comparison can fail.
+Run: `.venv/bin/python -m pytest -q tests/test_rollout_graphs.py` (about 10 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,13 +23,38 @@ import torch
 from rollout_helpers import bits, engine, group, requests, sp
 from rlkernel.model.ops import InvariantOps
 from rlkernel.rollout import cuda_graphs
+from rlkernel.rollout import engine as engine_mod
 from rlkernel.rollout.cuda_graphs import Pads, bucket, pad_decode
+from rlkernel.rollout.engine import Request
+from rlkernel.rollout.kv_cache import PagedKVCache
 from rlkernel.rollout.scheduler import Chunk, StepPlan
 
 
 def _run(mode: str, reqs, sp_, **kw):
     e = engine(InvariantOps, decode_graphs=mode, **kw)
     return [bits(c) for c in e.generate(reqs, sp_)], e.stats
+
+
+def _run_state(mode: str, reqs, sp_, poison=None, **kw):
+    """_run plus the call's device state at its end: the token/logprob/EOS buffers (row n: the
+    dump row) and the KV cache, caught where generate hands them to _decode_graphs. poison(e):
+    changes the engine before the call."""
+    e = engine(InvariantOps, decode_graphs=mode, **kw)
+    if poison:
+        poison(e)
+    seen = {}
+    make = e._decode_graphs
+
+    def spy(cache, bufs, *a):
+        seen.update(cache=cache, bufs=bufs)
+        return make(cache, bufs, *a)
+    e._decode_graphs = spy
+    out = [bits(c) for c in e.generate(reqs, sp_)]
+    return out, e.stats, seen["bufs"], seen["cache"]
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
 
 
 def test_bucket_is_the_smallest_that_fits():
@@ -40,6 +69,14 @@ def test_mode_is_checked_before_any_work():
         engine(InvariantOps, decode_graphs="graphs")
 
 
+def test_auto_is_eager_on_cpu():
+    """decode_graphs="auto" (the default) captures nothing off CUDA: the steps run eagerly."""
+    reqs, sp_ = requests(3, start=40), sp(3)
+    auto, st = _run("auto", reqs, sp_)
+    assert st["graph_steps"] == 0 and st["graph_buckets"] == [] and st["steps"] > 1
+    assert auto == _run("eager", reqs, sp_)[0]
+
+
 def test_pad_decode_fills_padding_rows():
     pads = Pads(n=5, width=40, max_new=12, dump_slot=99 * 16, zero_block=98, table_width=3)
     arrays = {"src": torch.tensor([7, 45]), "positions": torch.tensor([7, 5]),
@@ -51,6 +88,8 @@ def test_pad_decode_fills_padding_rows():
               "slots_sampled": torch.tensor([0, 1])}
     out = pad_decode(arrays, 3, pads)
     assert out["src"].tolist() == [7, 45, 200]               # dump row n=5, position 0
+    assert out["positions"].tolist() == [7, 5, 0]
+    assert out["sample_ids"].tolist() == [10, 11, 0] and out["sample_pos"].tolist() == [8, 6, 0]
     assert out["q_idx"].tolist() == [[0], [1], [2]] and out["rows"].tolist() == [0, 1, 2]
     assert out["kv_len"].tolist() == [8, 6, 1] and out["q_pos"].tolist() == [[7], [5], [0]]
     assert out["slots"].tolist() == [[23], [37], [99 * 16]]
@@ -92,6 +131,17 @@ def test_padded_graph_steps_equal_eager(kw):
         assert any(step > 0 and running > 1 for step, _, running in st_p["admissions"])
 
 
+def test_one_token_prefill_chunks_run_eagerly():
+    """prefill_chunk=1: steps whose chunks are all one token, some of them prompt tokens that
+    sample nothing (no row to sample: not decode), run eagerly between graph steps."""
+    sp_ = sp(6, eos=100, top_p=0.9)
+    reqs = requests(6, start=40, lo=3, hi=10)
+    kw = {"prefill_chunk": 1, "max_seqs": 3}
+    eager, _ = _run("eager", reqs, sp_, **kw)
+    padded, st = _run("padded", reqs, sp_, **kw)
+    assert padded == eager and 0 < st["graph_steps"] < st["steps"]
+
+
 def test_control_padding_into_a_real_slot_changes_samples(monkeypatch):
     """Negative control: padding rows that write their K/V into slot 0 (a real sequence's first
     key) instead of the dump slot change that sequence's later tokens or logprobs."""
@@ -104,3 +154,85 @@ def test_control_padding_into_a_real_slot_changes_samples(monkeypatch):
     padded, st = _run("padded", reqs, sp_)
     assert st["graph_steps"] > 0
     assert padded != eager
+
+
+# 9 distinct prompts whose caps shrink the batch 9, 8, 7, 6, 5, 4 (buckets 12, 8, 8, 6, 6, 4:
+# most decode steps pad). eos=26: the first sample (slot 0) and the last (slot n-1, request 2
+# moved to the end) sample it at their second token, in a step of 9 rows padded to 12.
+_CAPS = [6, 14, 9, 14, 11, 5, 14, 12, 14]
+_SHRINK = [Request(r.sample_id, r.prompt_ids, m) for r, m in zip(requests(9, start=40), _CAPS)]
+_SHRINK = _SHRINK[:2] + _SHRINK[3:] + _SHRINK[2:3]
+_SP_SHRINK = sp(14, eos=26, top_p=0.9)
+
+
+def test_padding_rows_write_only_the_dump_row_and_dump_block():
+    """Not only the returned samples: every real row of the token/logprob/EOS buffers (prompt
+    cells, tokens past an EOS, cells never sampled) and every KV block but the dump block (the
+    zero block included, which must stay zeros) hold the same bytes after a padded run as after
+    an eager one. Padding rows did run (they wrote the dump row, which eager never touches), and
+    the first and last slots set their EOS flags in padded steps."""
+    eager, _, be, ce = _run_state("eager", _SHRINK, _SP_SHRINK)
+    padded, st, bp_, cp_ = _run_state("padded", _SHRINK, _SP_SHRINK)
+    n = len(_SHRINK)
+    assert padded == eager and st["graph_steps"] >= st["steps"] - 1
+    assert st["graph_buckets"] == [4, 6, 8, 12]
+    assert [r[2] for r in eager[:1] + eager[-1:]] == ["eos", "eos"]
+    assert len(eager[0][0]) == len(eager[-1][0]) == 2
+    assert torch.equal(bp_.tokens[:n], be.tokens[:n])
+    assert torch.equal(_i32(bp_.logprobs[:n]), _i32(be.logprobs[:n]))
+    assert torch.equal(bp_.done[:n], be.done[:n]) and bool(be.done[0]) and bool(be.done[n - 1])
+    assert not bool(bp_.bad) and not bool(be.bad)
+    keep = ce.blocks + 1                          # every block but the dump (index blocks + 1)
+    for a, b in zip(ce.k + ce.v, cp_.k + cp_.v):
+        assert torch.equal(_i32(a[:keep]), _i32(b[:keep]))
+        assert not bool(b[cp_.zero_block].any())
+    assert bool(bp_.logprobs[n].ne(0).any()) and not bool(be.logprobs[n].ne(0).any())
+
+
+class _NaNZeroBlock(PagedKVCache):
+    """The zero block holds NaN values (keys stay zero: a NaN score would end as an empty row,
+    attention's `l > 0` test, not as NaN): only a row that attends to it below its kv_len reads
+    them into a result — at rollout CP = 1 only a padding row (kv_len 1, a table of zero
+    blocks)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        for pool in self.v:
+            pool[self.zero_block] = float("nan")
+
+
+def test_nonfinite_padding_rows_are_not_flagged(monkeypatch):
+    """The non-finite check counts real rows only: with a NaN zero block the padding rows'
+    logprobs are NaN (the dump row shows it), yet the padded run raises nothing and its samples
+    equal the eager run's with and without the NaN block."""
+    clean, _, _, _ = _run_state("eager", _SHRINK, _SP_SHRINK)
+    monkeypatch.setattr(engine_mod, "PagedKVCache", _NaNZeroBlock)
+    eager, _, _, _ = _run_state("eager", _SHRINK, _SP_SHRINK)
+    padded, st, bufs, _ = _run_state("padded", _SHRINK, _SP_SHRINK)
+    assert padded == eager == clean and st["graph_steps"] > 0
+    assert bool(bufs.logprobs[len(_SHRINK)].isnan().any()) and not bool(bufs.bad)
+
+
+def test_nonfinite_real_row_on_a_graph_step_raises(monkeypatch):
+    """A real row's NaN logprobs on a graph step are flagged, and the run ends in the host
+    check's ValueError (not in an out-of-range token id: a NaN row's draw is id V). The final
+    hidden state of rows at position P is made NaN, P = the longest prompt: no prefill feeds it,
+    and every prompt differs (no copy-on-write step), so only decode steps see the NaN — on
+    the graph path in mode "padded", which ran before the raise."""
+    reqs = requests(9, start=40)
+    pos = max(len(r.prompt_ids) for r in reqs)
+
+    def poison(e):
+        hidden = e.model.hidden
+
+        def nan_at_pos(lay, cache=None):
+            return torch.where((lay.positions == pos)[:, None], float("nan"), hidden(lay, cache))
+        e.model.hidden = nan_at_pos
+    steps = []
+    step = cuda_graphs.DecodeGraphs.step
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "step",
+                        lambda self, plan: (steps.append(len(plan.chunks)), step(self, plan)))
+    for mode in ("eager", "padded"):
+        with pytest.raises(ValueError, match="logprobs contain NaN"):
+            _run_state(mode, reqs, sp(12), poison=poison)
+    assert steps and steps[0] == 9

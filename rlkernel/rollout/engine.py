@@ -362,13 +362,17 @@ class RolloutEngine:
         with record_function("rollout.sample"):
             toks = sample_tokens(logp, seed=sp.seed, sample_ids=t["sample_ids"],
                                  positions=t["sample_pos"], top_p=sp.top_p, validate=False)
+            # A row with a NaN draws id V (out of range: gather and the next step's embedding
+            # would fail, on CUDA a device-side assert); id 0 instead, flagged below, so the host
+            # check raises (a padding row's NaN is not counted and must not fail the step).
+            bad = invalid_rows(logp)
+            toks = torch.where(bad, torch.zeros_like(toks), toks)
             lp = logp.gather(1, toks[:, None])[:, 0]
             bufs.tokens.view(-1).index_copy_(0, t["tok_dst"], toks)
             bufs.logprobs.view(-1).index_copy_(0, t["lp_dst"], lp)
             slots = t["slots_sampled"]
             bufs.done.index_copy_(0, slots,
                                   bufs.done.index_select(0, slots) | (toks == sp.eos_id))
-            bad = invalid_rows(logp)
             bufs.bad |= (bad if real is None else bad & real).any()
 
 
