@@ -111,6 +111,20 @@ def test_is_decode_needs_one_token_samples_and_no_copies():
     assert not cuda_graphs.is_decode(StepPlan([], []))
 
 
+def test_a_batch_beyond_the_largest_bucket_runs_eagerly(monkeypatch):
+    """With buckets up to 2 rows, decode steps of 3+ sequences run eagerly (same bytes), never
+    a ValueError mid-generate; steps of 1-2 sequences still take the graph path."""
+    monkeypatch.setattr(cuda_graphs, "BUCKETS", (1, 2))
+    # two samples stop after 3 tokens, so the last steps decode 2 sequences
+    reqs = [Request(r.sample_id, r.prompt_ids, 3 if i < 2 else None)
+            for i, r in enumerate(requests(4, start=40))]
+    sp_ = sp(12, eos=-1, top_p=0.9)
+    eager, _ = _run("eager", reqs, sp_)
+    padded, st = _run("padded", reqs, sp_, max_seqs=4)
+    assert padded == eager
+    assert 0 < st["graph_steps"] < st["steps"] and max(st["graph_buckets"]) <= 2, st
+
+
 _MIXED = requests(7, start=40) + group(3, 21, start=90) + requests(2, start=60, lo=30, hi=45)
 
 
