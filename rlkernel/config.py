@@ -173,8 +173,9 @@ class RunConfig:
 
     # ---- numerics
     dtype: str = "bf16"
-    """Model dtype: bf16 (bf16 weights; each linear's input and incoming gradient rounded to bf16,
-    fp32 accumulation) or fp32. Optimizer master weights are always fp32."""
+    """Model dtype: bf16 (bf16 weights; each linear's input and incoming gradient and attention's
+    q, k, v rounded to bf16, fp32 accumulation, a bf16 KV cache) or fp32. Optimizer master
+    weights are always fp32."""
     mode: str = "invariant"
     """invariant: the canonical kernels and collectives; native: stock torch ops (the baseline)."""
 
