@@ -117,7 +117,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         text = docs.get(f.name, "")
         names = (flag_name(f.name), *RUN_FLAG_ALIASES.get(f.name, ()))
         if kind is bool:
-            p.add_argument(*names, dest=f.name, action="store_true",
+            # A flag a resume may change needs its --no- form too: else a resume that turned it
+            # on could never turn it off again (resume applies only the flags given).
+            action = (argparse.BooleanOptionalAction if f.name in RESUME_MAY_CHANGE
+                      else "store_true")
+            p.add_argument(*names, dest=f.name, action=action,
                            default=argparse.SUPPRESS, help=text.replace("%", "%%"))
             continue
         conv = {int: _integer, float: _number}.get(kind, str)

@@ -226,8 +226,10 @@ class RunConfig:
     """Continue the run in this directory (or the RUN.tmp-<pid> a killed run left) from its last
     complete checkpoint. Its saved config is used; only the layout and memory flags (--dp/--tp/
     --cp/--sp/--recompute/--rollout-tp/--rollout-cp, --micro-batch-tokens,
-    --gpu-memory-utilization, --enforce-eager), --steps (to extend), --save-every, --tensorboard and --allow-dirty
-    may be given again; its inputs (model files, tokenizer, prompts) must hash as recorded."""
+    --gpu-memory-utilization, --enforce-eager), --steps (to extend), --save-every, --tensorboard
+    and --allow-dirty may be given again (the on/off ones also as --no-sp, --no-recompute,
+    --no-enforce-eager, --no-tensorboard, --no-allow-dirty); its inputs (model files,
+    tokenizer, prompts) must hash as recorded."""
     allow_dirty: bool = False
     """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
     require_updates: bool = False

@@ -51,6 +51,10 @@ REVIEWED_RUN_FLAGS |= {
 REVIEWED_RUN_FLAGS = (REVIEWED_RUN_FLAGS - {"--token-budget"}) | {"--dp", "--micro-batch-tokens"}
 # Issue 12: the rollout KV pool's share of free GPU memory; decode steps without CUDA graphs.
 REVIEWED_RUN_FLAGS |= {"--gpu-memory-utilization", "--enforce-eager"}
+# Booleans a resume may change also take a --no- form (a resume can turn them off again).
+NO_FORMS = {"--no-sp", "--no-recompute", "--no-enforce-eager", "--no-allow-dirty",
+            "--no-tensorboard"}
+REVIEWED_RUN_FLAGS |= NO_FORMS
 # Second spellings of reviewed flags (cli.RUN_FLAG_ALIASES): not in the usage line, still surface.
 REVIEWED_RUN_ALIASES = {"--learning-rate": "--lr", "--num-generations": "--n-samples-per-prompt",
                         "--rollout-temperature": "--temperature",
@@ -232,7 +236,7 @@ def test_run_flags_are_exactly_the_reviewed_list(capsys):
     code, out, _ = rlk(capsys, "run", "--help")
     assert code == 0
     usage = out.split("\n\n")[0]
-    flags = set(re.findall(r"\[(-{1,2}[a-z0-9-]+)", usage)) | {"--help"}
+    flags = set(re.findall(r"(?:\[|\| )(-{1,2}[a-z0-9-]+)", usage)) | {"--help"}   # [--x | --no-x]
     assert flags - REVIEWED_RUN_FLAGS == set(), "unreviewed flag(s)"
     assert REVIEWED_RUN_FLAGS - flags == set(), "reviewed flag(s) gone"
 
@@ -285,7 +289,7 @@ def test_version(capsys):
 def test_every_config_field_is_a_flag_with_a_docstring():
     """{flag_name(f) for f in RunConfig} == REVIEWED_RUN_FLAGS - help; every field documented."""
     fields = [f.name for f in dataclasses.fields(RunConfig)]
-    assert {flag_name(f) for f in fields} == REVIEWED_RUN_FLAGS - {"-h", "--help"}
+    assert {flag_name(f) for f in fields} == REVIEWED_RUN_FLAGS - {"-h", "--help"} - NO_FORMS
     docs = field_docs()
     assert [f for f in fields if not docs.get(f)] == []
 
@@ -649,6 +653,25 @@ def test_resume_may_change_enforce_eager(tmp_path):
     assert not cli._resume_config({"resume": str(d)}, d).enforce_eager
     with pytest.raises(ConfigError, match="enforce.eager"):
         RunConfig(enforce_eager="yes")
+
+
+def test_a_resume_can_turn_a_boolean_flag_off_again(tmp_path):
+    """A run resumed with --enforce-eager (saved true) can be resumed with --no-enforce-eager:
+    the --no- form parses to False and the resume applies it; flags a resume may not change
+    have no --no- form."""
+    d = tmp_path / "r"
+    d.mkdir()
+    saved = {**RunConfig().to_dict(), "enforce_eager": True, "recompute": True}
+    (d / "manifest.json").write_text(json.dumps({"config": saved, "canonical_spec":
+                                                 RunConfig().canonical_spec()}))
+    ns = cli.build_parser().parse_args(["run", "--resume", str(d), "--no-enforce-eager",
+                                        "--no-recompute"])
+    given = {k: v for k, v in vars(ns).items() if k in {"resume", "enforce_eager", "recompute"}}
+    assert given["enforce_eager"] is False and given["recompute"] is False
+    cfg = cli._resume_config(given, d)
+    assert not cfg.enforce_eager and not cfg.recompute
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "--no-require-updates"])
 
 
 def test_settings_that_act_do_not_warn(capsys, cwd, loop):

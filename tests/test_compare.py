@@ -235,3 +235,15 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait() == 141 and "Traceback" not in err, err
+
+
+def test_long_values_are_cut_where_they_differ():
+    """A long shared prefix (a sentence with one clause added) never hides the difference, and
+    non-ASCII text is shown as is (not as \\u escapes)."""
+    from rlkernel.runner.compare import _pair
+    head = "bf16: each linear's input activation and incoming gradient (x before x·Wᵀ), " * 2
+    got = _pair(head + "fp32 elsewhere", head + "attention's q, k, v; fp32 elsewhere")
+    a, b = got.split(" vs ")
+    assert "fp32 elsewhere" in a and "attention's q, k, v" in b, got
+    assert a.startswith("...") and "\\u" not in got
+    assert _pair("x·y", "x·z") == '"x·y" vs "x·z"'

@@ -127,9 +127,29 @@ def same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _text(v: Any) -> str:
+    return json.dumps(v, ensure_ascii=False) if not isinstance(v, float) else repr(v)
+
+
 def _short(v: Any) -> str:
-    s = json.dumps(v) if not isinstance(v, float) else repr(v)
+    s = _text(v)
     return s if len(s) <= MAX_VALUE_CHARS else s[: MAX_VALUE_CHARS - 3] + "..."
+
+
+def _pair(a: Any, b: Any) -> str:
+    """'A vs B', each cut to MAX_VALUE_CHARS around where the two texts first differ, so a long
+    shared prefix (a sentence with one clause changed) never hides the difference."""
+    sa, sb = _text(a), _text(b)
+    if len(sa) <= MAX_VALUE_CHARS and len(sb) <= MAX_VALUE_CHARS:
+        return f"{sa} vs {sb}"
+    i = next((j for j, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
+    start = max(0, i - 20)
+
+    def cut(t: str) -> str:
+        head = "..." if start else ""
+        body = t[start:start + MAX_VALUE_CHARS - 6]
+        return head + body + ("..." if start + len(body) < len(t) else "")
+    return f"{cut(sa)} vs {cut(sb)}"
 
 
 def _names(names: list[str]) -> str:
@@ -143,20 +163,20 @@ def _describe(a: Any, b: Any) -> str:
         bad = [i for i, (x, y) in enumerate(zip(a, b)) if not same_value(x, y)]
         i = bad[0]
         return (f"{len(bad)} of {len(a)} elements differ; first [{i}]: "
-                f"{_short(a[i])} vs {_short(b[i])}")
+                f"{_pair(a[i], b[i])}")
     if isinstance(a, dict) and isinstance(b, dict):
         keys = list(a) + [k for k in b if k not in a]
         bad = [k for k in keys if k not in a or k not in b or not same_value(a[k], b[k])]
         return f"keys {_names(bad)}: {_short({k: a.get(k) for k in bad})} vs {_short({k: b.get(k) for k in bad})}"
     if type(a) is not type(b) and a == b:  # 1 vs 1.0, or true vs 1
         return f"{_short(a)} ({type(a).__name__}) vs {_short(b)} ({type(b).__name__})"
-    return f"{_short(a)} vs {_short(b)}"
+    return _pair(a, b)
 
 
 def _compare_hashes(a: Any, b: Any) -> tuple[bool, str]:
     if not (isinstance(a, dict) and isinstance(b, dict)):
         same = same_value(a, b)
-        return same, "identical" if same else f"DIFFERS ({_short(a)} vs {_short(b)})"
+        return same, "identical" if same else f"DIFFERS ({_pair(a, b)})"
     names = list(a) + [n for n in b if n not in a]
     bad = []
     for n in names:
@@ -209,7 +229,7 @@ def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
                 continue
             va, vb = fa.get(k, "<absent>"), fb.get(k, "<absent>")
             if not same_value(va, vb):
-                info.append(f"{section}: {k} {_short(va)} vs {_short(vb)}")
+                info.append(f"{section}: {k} {_pair(va, vb)}")
     return info
 
 
@@ -237,7 +257,7 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
         report.results += _compare_record("init", ia, ib, frozenset())
     else:
         report.results.append(FieldResult("init", "init", False,
-                                          f"DIFFERS ({_short(ia)} vs {_short(ib)})"))
+                                          f"DIFFERS ({_pair(ia, ib)})"))
 
     sa, sb = ea["steps"], eb["steps"]
     for i in range(max(len(sa), len(sb))):
