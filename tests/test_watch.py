@@ -249,3 +249,16 @@ def test_report_refuses_an_unreadable_run(tmp_path, capsys):
         (line,) = err.strip().splitlines()
         assert line.startswith("rlk report: error: ") and str(target) in line
 
+
+
+def test_require_updates_with_a_zero_gradient_names_the_causes(tmp_path, capsys):
+    """--require-updates on a run whose gradient is exactly 0 (the random tiny model's
+    advantages are all 0, no KL or entropy term): exit 1 after step 0, and the message names
+    both ways the KL/entropy terms can give nothing — zero coefficients or a saturated softmax
+    (a fresh-user pass hit it at --temperature 1e-6 with --kl-coef set)."""
+    code = main(["run", *SMALL, "--steps", "2", "--require-updates", "--run-dir",
+                 str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "step 0: --require-updates" in err and "exactly 0" in err
+    assert "coefficients 0" in err and "--temperature" in err

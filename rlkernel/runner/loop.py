@@ -449,7 +449,9 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
                     f"{'; '.join(audit.problems)}")
         return True
     if cfg.require_updates and not skipped and audit.version == version:
-        why = ("the gradient was exactly 0 (all advantages 0 and no KL/entropy term?)"
+        why = ("the gradient was exactly 0: every advantage was 0 (each group's rewards "
+               "equal) and the KL and entropy terms gave nothing (coefficients 0, or a "
+               "saturated softmax: a tiny --temperature makes every sampled logprob 0)"
                if gstats.norm == 0.0 else "the update was below bf16 resolution (raise --lr?)")
         _stop(topo, f"step {step}: --require-updates: the weight version did not "
                     f"change after the update: {why}")
