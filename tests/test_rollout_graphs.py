@@ -12,12 +12,16 @@ every KV block but the dump block hold the same bytes (padding rows write only t
 dump block). The non-finite check counts real rows only: a NaN padding row raises nothing, a NaN
 real row on a graph step raises the host check's ValueError. Negative control: padding rows whose
 K/V go to a real slot instead of the dump slot change samples, so the comparison can fail.
-Run: `.venv/bin/python -m pytest -q tests/test_rollout_graphs.py` (about 10 s on 2 cores).
+A hypothesis property test draws small rollouts (prompts, GRPO group, batch cap, budget,
+sharing, top-p) and checks the same equality (it also fails on that control's mutation).
+Run: `.venv/bin/python -m pytest -q tests/test_rollout_graphs.py` (about 20 s on 2 cores).
 """
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from rollout_helpers import bits, engine, group, requests, sp
@@ -250,3 +254,23 @@ def test_nonfinite_real_row_on_a_graph_step_raises(monkeypatch):
         with pytest.raises(ValueError, match="logprobs contain NaN"):
             _run_state(mode, reqs, sp(12), poison=poison)
     assert steps and steps[0] == 9
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(n=st.integers(1, 13), shared=st.integers(0, 4), max_seqs=st.integers(1, 16),
+       budget=st.sampled_from([8, 40, 8192]), sharing=st.booleans(),
+       top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 99))
+def test_property_padded_graph_steps_equal_eager(n, shared, max_seqs, budget, sharing, top_p,
+                                                 seed):
+    """Random small rollouts — n distinct prompts plus a GRPO group of `shared` samples, any
+    running-batch cap (buckets 1..16, padding or not), step budget, prefix sharing on or off,
+    top-p — give every sample the same bytes through the padded graph path as eagerly."""
+    reqs = requests(n, start=2000 + 50 * seed, lo=3, hi=40)
+    if shared:
+        reqs += group(shared, 18, start=5000 + 50 * seed, seed=seed)
+    sp_ = sp(6, eos=100, top_p=top_p)
+    kw = dict(max_seqs=max_seqs, max_step_tokens=budget, prefix_sharing=sharing)
+    eager, _ = _run("eager", reqs, sp_, **kw)
+    padded, st_p = _run("padded", reqs, sp_, **kw)
+    assert padded == eager
+    assert st_p["graph_steps"] > 0
