@@ -4,6 +4,8 @@ Checked two ways: against a float64 oracle with a tolerance, and against itself 
 offset / shard / rank-split changes bitwise (`assert_bitwise`), each with a negative control that
 shows the stock torch path differs. Helpers and in-process thread ranks: tests/kernel_helpers.py.
 
+bf16 q/k/v (bf16 runs, NUMERICS_VERSION 4): the same invariances bitwise, float64 oracles with
+bf16 bounds, and a check that P is rounded (the fp32 kernel rounded once at the end differs).
 Run: .venv/bin/python -m pytest -q tests/test_kernels_attention.py
 """
 
@@ -319,3 +321,52 @@ def test_negative_control_stock_sdpa_grads_of_a_sample_alone_vs_in_the_packed_ba
                                                         randn(*q.shape, seed=77), 2)
     for a, b in zip(alone, batched):
         assert_stock_differs(a, b)
+
+
+# ------------------------------------------------------------------ bf16 (NUMERICS_VERSION 4)
+
+def _ours_bf16(q, k, v, q_pos, kv_len):
+    return attention_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_pos, kv_len, SCALE)[0]
+
+
+def test_bf16_attention_prefill_chunked_decode_and_batch_invariant():
+    """bf16 q/k/v (P rounded to bf16, output bf16): prefill == chunked prefill == decode over a
+    NaN-padded cache, and a sample alone == in batches, bitwise — the fp32 path's invariances."""
+    full, chunked, decoded = _prefill_chunked_decode(_ours_bf16)
+    assert full.dtype == torch.bfloat16
+    assert_bitwise(chunked, full)
+    assert_bitwise(decoded, full)
+    alone, batched = _alone_and_batched(_ours_bf16)
+    for b in batched:
+        assert_bitwise(b, alone)
+
+
+def test_bf16_attention_vs_float64_and_its_rounding_points():
+    """bf16 attention on 3 packed samples against float64 attention on the same bf16 values:
+    out within 3·2^-8·max|v| (P and the output rounded to bf16), dQ/dK/dV within 2^-5 of
+    max|ref| (dO, P·dO terms and the results in bf16); grads come back bf16. The rounding of P
+    is real: the fp32 kernel on the same values, rounded once at the end, differs somewhere."""
+    lengths = [37, 20, 71]
+    q, k, v, q_pos, kv_len, _, _, samples = _pack(lengths)
+    q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    d_out = randn(*q.shape, seed=71).bfloat16()
+    out = attention(q, k, v, q_pos, kv_len, SCALE)
+    out.backward(d_out)
+    assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+    for i, (n, (qs, ks, vs)) in enumerate(zip(lengths, samples)):
+        q64, k64, v64 = (t.bfloat16().double().requires_grad_() for t in (qs, ks, vs))
+        o64 = _attn_oracle64(q64, k64, v64)
+        o64.backward(d_out[i, :, :n].double())
+        assert_near(out[i, :, :n], o64, atol=3 * 2**-8 * float(v64.detach().abs().max()))
+        for got, ref in ((q.grad[i, :, :n], q64.grad), (k.grad[i, :, :n], k64.grad),
+                         (v.grad[i, :, :n], v64.grad)):
+            assert_near(got, ref, atol=2**-5 * float(ref.abs().max()))
+    once = attention_forward(q.detach().float(), k.detach().float(), v.detach().float(), q_pos,
+                             kv_len, SCALE)[0].bfloat16()
+    assert not torch.equal(once.view(torch.int16), out.detach().view(torch.int16))
+
+
+def test_attention_refuses_mixed_dtypes():
+    q, k, v, q_pos, kv_len, *_ = _pack([5])
+    with pytest.raises(ValueError, match="share dtype float32 or bfloat16, got torch.bfloat16, torch.float32"):
+        attention_forward(q.bfloat16(), k, v, q_pos, kv_len, SCALE)
