@@ -192,7 +192,7 @@ def test_cuda_control_graph_padding_into_a_real_slot_differs(monkeypatch):
     sequence's key) instead of the dump slot change samples."""
     eager, _ = _graph_run("eager")
     fill = Pads.fill
-    monkeypatch.setattr(Pads, "fill", lambda self, key, i: 0 if key == "slots"
-                        else fill(self, key, i))
+    monkeypatch.setattr(Pads, "fill", lambda self, key: 0 if key == "slots"
+                        else fill(self, key))
     graphs, st = _graph_run("auto")
     assert st["graph_steps"] > 0 and graphs != eager

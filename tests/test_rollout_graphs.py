@@ -167,8 +167,8 @@ def test_control_padding_into_a_real_slot_changes_samples(monkeypatch):
     reqs = requests(9, start=40)                                  # 9 rows pad to 12
     eager, _ = _run("eager", reqs, sp_)
     fill = Pads.fill
-    monkeypatch.setattr(Pads, "fill", lambda self, key, i: 0 if key == "slots"
-                        else fill(self, key, i))
+    monkeypatch.setattr(Pads, "fill", lambda self, key: 0 if key == "slots"
+                        else fill(self, key))
     padded, st = _run("padded", reqs, sp_)
     assert st["graph_steps"] > 0
     assert padded != eager

@@ -29,6 +29,7 @@ TP or CP (their collectives check call signatures on the host); those run eagerl
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -46,6 +47,7 @@ BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
 _KEYS_1D = ("src", "positions", "kv_len", "rows", "sample_ids", "sample_pos", "tok_dst",
             "lp_dst", "slots_sampled", "real")
 _KEYS_2D = ("q_idx", "q_pos", "slots")     # [Bp, 1]: one query per decode row
+_ROW_KEYS = ("q_idx", "rows")               # a padding row's own stream row: arange, not a fill
 
 
 def check_mode(mode: str) -> str:
@@ -81,12 +83,13 @@ class Pads:
         self.n, self.width, self.max_new = n, width, max_new
         self.dump_slot, self.zero_block, self.table_width = dump_slot, zero_block, table_width
 
-    def fill(self, key: str, i: int) -> int:
-        """Padding value of `key` in padding row i (q_idx and rows: the row itself)."""
-        return {"src": self.n * self.width, "positions": 0, "kv_len": 1, "rows": i,
+    def fill(self, key: str) -> int:
+        """Padding value of `key` in every padding row (q_idx and rows: the row itself, not
+        here)."""
+        return {"src": self.n * self.width, "positions": 0, "kv_len": 1,
                 "sample_ids": 0, "sample_pos": 0, "tok_dst": self.n * self.width,
                 "lp_dst": self.n * self.max_new, "slots_sampled": self.n, "real": 0,
-                "q_idx": i, "q_pos": 0, "slots": self.dump_slot}[key]
+                "q_pos": 0, "slots": self.dump_slot}[key]
 
 
 def pad_decode(arrays: dict[str, torch.Tensor], bp: int, pads: Pads) -> dict[str, torch.Tensor]:
@@ -104,11 +107,22 @@ def pad_decode(arrays: dict[str, torch.Tensor], bp: int, pads: Pads) -> dict[str
     out = {}
     for key in _KEYS_1D + _KEYS_2D:
         a = src[key].reshape(b)
-        tail = torch.tensor([pads.fill(key, i) for i in range(b, bp)], dtype=torch.long)
+        tail = (torch.arange(b, bp) if key in _ROW_KEYS
+                else torch.full((bp - b,), pads.fill(key), dtype=torch.long))
         out[key] = torch.cat([a, tail]).reshape((bp, 1) if key in _KEYS_2D else (bp,))
     t = torch.full((bp, pads.table_width), pads.zero_block, dtype=torch.long)
     t[:b, :table.shape[1]] = table
     out["table"] = t
+    return out
+
+
+def split_flat(flat: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Views of consecutive pieces of the 1-D `flat`, one per name, in `shapes`' order."""
+    out, off = {}, 0
+    for k, s in shapes.items():
+        n = math.prod(s)
+        out[k] = flat[off:off + n].view(s)
+        off += n
     return out
 
 
@@ -118,13 +132,9 @@ class _Bucket:
     def __init__(self, bp: int, table_width: int, device: torch.device) -> None:
         shapes = {k: (bp,) for k in _KEYS_1D}
         shapes.update({k: (bp, 1) for k in _KEYS_2D}, table=(bp, table_width))
-        self.flat = torch.zeros(sum(bp * (1 if len(s) == 1 else s[1]) for s in shapes.values()),
-                                dtype=torch.long, device=device)
-        self.views, off = {}, 0
-        for k, s in shapes.items():
-            n = s[0] * (s[1] if len(s) == 2 else 1)
-            self.views[k] = self.flat[off:off + n].view(s)
-            off += n
+        self.flat = torch.zeros(sum(math.prod(s) for s in shapes.values()), dtype=torch.long,
+                                device=device)
+        self.views = split_flat(self.flat, shapes)
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def write(self, arrays: dict[str, torch.Tensor]) -> None:

@@ -461,9 +461,5 @@ def _upload(arrays: dict[str, torch.Tensor], dev: torch.device) -> dict[str, tor
     if dev.type != "cuda":
         return arrays
     flat = torch.cat([a.reshape(-1) for a in arrays.values()]).pin_memory()
-    flat = flat.to(dev, non_blocking=True)
-    out, off = {}, 0
-    for k, a in arrays.items():
-        out[k] = flat[off:off + a.numel()].view(a.shape)
-        off += a.numel()
-    return out
+    return cuda_graphs.split_flat(flat.to(dev, non_blocking=True),
+                                  {k: tuple(a.shape) for k, a in arrays.items()})
