@@ -1,7 +1,8 @@
 """Paged K/V storage: per layer a pool of fixed-size blocks, read through per-row block tables.
 
-Layout per layer: k, v [blocks + 2, B, Hkv, D] in the attention's dtype (bf16 for bf16 runs, whose
-model rounds k and v to bf16 before attention; fp32 otherwise), so values are stored exactly. Index `blocks` is a block of zeros (read
+Layout per layer: k, v [blocks + 2, B, Hkv, D] in the attention's dtype (bf16 for bf16 runs,
+whose model rounds k and v to bf16 before attention; fp32 otherwise), so values are stored
+exactly. Index `blocks` is a block of zeros (read
 for positions this CP rank does not store), `blocks + 1` a dump that takes the writes of empty
 query slots. The runner (rollout/engine.py) sets, before every forward, each attention row's
 write slots and block table (`set_step`); `attend` writes the step's keys and attends over each
@@ -82,7 +83,8 @@ class PagedKVCache:
             pos = torch.arange(self.tk, device=k.device)
             owner = torch.div(pos, self.block, rounding_mode="floor") % self.comm.size
             owner = owner[None, None, :, None].expand_as(k).contiguous()
-            # The owner pick moves fp32 (exact both ways): gloo has no bf16 all-gather here.
+            # The owner pick moves fp32 (exact both ways): the collective keeps the dtype it
+            # was tested with on gloo and NCCL, whatever the pool's dtype.
             k, v = (self.comm.select_owner(t.to(torch.float32).contiguous(), owner, op).to(t.dtype)
                     for t, op in ((k, "paged-kv-k"), (v, "paged-kv-v")))
         return ops.attention(qs, k, v, lay.q_pos, lay.kv_len, scale, pc, dtype)
