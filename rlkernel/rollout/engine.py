@@ -46,7 +46,7 @@ from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.rollout import cuda_graphs
 from rlkernel.rollout.block_manager import BlockManager
 from rlkernel.rollout.kv_cache import PagedKVCache
-from rlkernel.rollout.sampler import invalid_rows, sample_tokens
+from rlkernel.rollout.sampler import draw
 from rlkernel.rollout.scheduler import Scheduler, StepPlan
 from rlkernel.rollout.sequence import Sequence
 from rlkernel.spec import ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK
@@ -360,12 +360,11 @@ class RolloutEngine:
         with record_function("rollout.logprobs"):
             logp = self.model.next_token_logprobs(h[t["rows"]], sp.temperature)    # [N, V]
         with record_function("rollout.sample"):
-            toks = sample_tokens(logp, seed=sp.seed, sample_ids=t["sample_ids"],
-                                 positions=t["sample_pos"], top_p=sp.top_p, validate=False)
-            # A row with a NaN draws id V (out of range: gather and the next step's embedding
-            # would fail, on CUDA a device-side assert); id 0 instead, flagged below, so the host
-            # check raises (a padding row's NaN is not counted and must not fail the step).
-            bad = invalid_rows(logp)
+            toks, bad = draw(logp, seed=sp.seed, sample_ids=t["sample_ids"],
+                             positions=t["sample_pos"], top_p=sp.top_p)
+            # A flagged row's token is unspecified (a NaN row draws id V: out of range for the
+            # gather and the next step's embedding, on CUDA a device-side assert); id 0 instead,
+            # so the host check raises (a padding row's NaN is not counted and must not fail).
             toks = torch.where(bad, torch.zeros_like(toks), toks)
             lp = logp.gather(1, toks[:, None])[:, 0]
             bufs.tokens.view(-1).index_copy_(0, t["tok_dst"], toks)

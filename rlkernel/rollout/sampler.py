@@ -21,9 +21,12 @@ How:
 - exp/log come from ``rlkernel.kernels.elementwise`` (fixed IEEE op sequences), never torch.exp /
   torch.log, whose CPU vectorised body and scalar tail can differ by an ulp.
 
+Devices: fp32 rows on CUDA are drawn by one Triton pass (kernels/triton_sampler.py: the same
+operations, so the same tokens as the torch ops here on any device; top-p's sort stays torch);
+everything else by the torch ops below.
+
 What it does not do: temperature or log-softmax (the caller passes canonical logprobs), top-k,
-min-p, repetition penalties, logit bias, or batch-invariance on CUDA (Triton sampler is separate;
-the torch code here runs on CUDA tensors but identity is only promised within a backend).
+min-p, repetition penalties or logit bias.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import operator
 
 import torch
 
+from rlkernel.kernels import triton_util
 from rlkernel.kernels.elementwise import exp64, log64
 
-__all__ = ["counter_uniform", "invalid_rows", "sample_tokens", "sampled_logprobs"]
+__all__ = ["counter_uniform", "draw", "invalid_rows", "sample_tokens", "sampled_logprobs"]
 
 _MASK64 = (1 << 64) - 1
 # splitmix64 constants (Steele, Lea & Flood 2014; public-domain reference by S. Vigna).
@@ -164,8 +168,8 @@ def counter_uniform(
     return (k.to(torch.float64) + 0.5) * 2.0**-52
 
 
-def _top_p_keep_mask(p: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus mask [S, V] bool for float64 probabilities p [S, V] (rows need not be normalised).
+def _top_p_order(p: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [S, V] int64, kept [S, V] bool in that order) for float64 probabilities p [S, V].
 
     Order: tokens sorted by (p desc, token id asc), a total order (a stable sort of the id-ordered
     row on the key -p). Fixed point: P = round_half_even(p * 2**60) as int64; the product is exact
@@ -173,15 +177,32 @@ def _top_p_keep_mask(p: torch.Tensor, top_p: float) -> torch.Tensor:
     C_before = the int64 sum of P over the tokens strictly before a token in that order (exact, so
     independent of summation order). A token is kept iff C_before < top_p * 2**60 as real numbers,
     i.e. iff C_before < ceil(top_p * 2**60) (top_p * 2**60 is exact in float64). The top token has
-    C_before = 0 < ceil(...) >= 1, so it is always kept.
+    C_before = 0 < ceil(...) >= 1, so it is always kept, and the kept tokens are a prefix of the
+    order (C_before never decreases along it).
     Requires the row sum of p < 8 so the int64 sum cannot overflow (callers check).
     """
     fixed = torch.round(p * float(_FIX_ONE)).to(torch.int64)
     _, order = torch.sort(-p, dim=-1, stable=True)
     fixed_sorted = torch.gather(fixed, -1, order)
     before = torch.cumsum(fixed_sorted, dim=-1) - fixed_sorted
-    keep_sorted = before < math.ceil(top_p * float(_FIX_ONE))
+    return order, before < math.ceil(top_p * float(_FIX_ONE))
+
+
+def _top_p_keep_mask(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus mask [S, V] bool for float64 probabilities p [S, V] (rows need not be normalised):
+    the tokens `_top_p_order` keeps, in id order."""
+    order, keep_sorted = _top_p_order(p, top_p)
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def _top_p_cut(p: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last kept token of each row in the order (p desc, id asc): (cut_p [S] float64, cut_id
+    [S] int64). Token t is kept (`_top_p_keep_mask`) iff p_t > cut_p, or p_t = cut_p and
+    t <= cut_id: the kept tokens are a prefix of the order (the Triton race's form)."""
+    order, keep_sorted = _top_p_order(p, top_p)
+    last = keep_sorted.sum(-1, keepdim=True) - 1
+    cut_id = torch.gather(order, -1, last)
+    return torch.gather(p, -1, cut_id)[:, 0], cut_id[:, 0]
 
 
 def _argmax_lowest_id(score: torch.Tensor) -> torch.Tensor:
@@ -246,6 +267,84 @@ def sample_tokens(
             logprob, or (top_p < 1) a row whose probabilities sum to more than 4 (not log-softmax).
         TypeError: sample_ids / positions not integer tensors.
     """
+    tp, sid, pos = _check_args(logprobs, sample_ids, positions, top_p)
+    S, V = logprobs.shape
+    if validate and (torch.isnan(logprobs).any() or torch.isposinf(logprobs).any()):
+        raise ValueError("logprobs contain NaN or +inf")
+    if _fused(logprobs):
+        if validate:
+            _validate_rows(logprobs, tp)
+        return _race(logprobs, seed, sid, pos, tp)[0]
+    out = torch.empty(S, dtype=torch.int64, device=logprobs.device)
+    rows = max(1, _CHUNK_ELEMS // V)
+    for r0 in range(0, S, rows):
+        r1 = min(S, r0 + rows)
+        lp = logprobs[r0:r1].to(torch.float64)
+        if validate:
+            _validate_rows(lp, tp)
+        keep = _top_p_keep_mask(exp64(lp), tp) if tp < 1.0 else None
+        u = counter_uniform(seed, sid[r0:r1], pos[r0:r1], V)
+        q = -log64(u)  # in (1.1e-16, 36.8): u is never 0 or 1
+        score = lp - log64(q)
+        if keep is not None:
+            score = torch.where(keep, score, torch.full_like(score, float("-inf")))
+        out[r0:r1] = _argmax_lowest_id(score)
+    return out
+
+
+def _validate_rows(lp: torch.Tensor, tp: float) -> None:
+    """The value checks of `sample_tokens(validate=True)` on rows lp [R, V] (host syncs)."""
+    if not torch.isfinite(lp).any(dim=-1).all():
+        raise ValueError("every row of logprobs needs at least one finite entry")
+    # Guard for the int64 fixed-point sum (overflow needs a row sum >= 8); any log-softmax row
+    # sums to ~1. Float summation order does not matter at this margin.
+    if tp < 1.0 and (exp64(lp.to(torch.float64)).sum(dim=-1) > 4.0).any():
+        raise ValueError("logprobs rows do not look normalised (sum of exp > 4)")
+
+
+def _fused(logprobs: torch.Tensor) -> bool:
+    """Whether the Triton race (kernels/triton_sampler.py) draws these rows: fp32 on CUDA (or
+    anywhere under TRITON_INTERPRET=1, Triton's CPU interpreter: the tests' way to run it)."""
+    return (logprobs.is_cuda or triton_util.INTERPRET) and logprobs.dtype == torch.float32
+
+
+def _race(logprobs: torch.Tensor, seed: int, sid: torch.Tensor, pos: torch.Tensor,
+          tp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, bad) by the Triton race: the torch path's tokens for rows `invalid_rows` does
+    not flag. Top-p's cut is computed here per chunk of rows (a sort: torch ops)."""
+    from rlkernel.kernels import triton_sampler   # lazy: CPU installs need no triton
+    cut = None
+    if tp < 1.0:
+        S, V = logprobs.shape
+        cut_p = torch.empty(S, dtype=torch.float64, device=logprobs.device)
+        cut_id = torch.empty(S, dtype=torch.int64, device=logprobs.device)
+        rows = max(1, _CHUNK_ELEMS // V)
+        for r0 in range(0, S, rows):
+            r1 = min(S, r0 + rows)
+            cut_p[r0:r1], cut_id[r0:r1] = _top_p_cut(exp64(logprobs[r0:r1].to(torch.float64)), tp)
+        cut = (cut_p, cut_id)
+    return triton_sampler.race(logprobs, _signed64(_seed_state(seed)), sid, pos, cut)
+
+
+def draw(logprobs: torch.Tensor, *, seed: int, sample_ids: torch.Tensor,
+         positions: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens(..., validate=False)` and `invalid_rows(logprobs)` together, without a
+    host sync: (tokens [S] int64, bad [S] bool). fp32 rows on CUDA take one Triton pass for
+    both (kernels/triton_sampler.py); elsewhere the torch ops. A flagged row's token is
+    unspecified (the torch path and the kernel may differ there: NaN, +inf, no finite entry).
+    Raises as `sample_tokens` does on shapes, dtypes and top_p."""
+    tp, sid, pos = _check_args(logprobs, sample_ids, positions, top_p)
+    if _fused(logprobs):
+        return _race(logprobs, seed, sid, pos, tp)
+    toks = sample_tokens(logprobs, seed=seed, sample_ids=sid, positions=pos, top_p=tp,
+                         validate=False)
+    return toks, invalid_rows(logprobs)
+
+
+def _check_args(logprobs: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor,
+                top_p: float) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """(top_p, sample ids, positions as int64 on the logprobs' device) after the shape, dtype
+    and range checks `sample_tokens` documents (not the value checks)."""
     tp = _validate_top_p(top_p)
     if not isinstance(logprobs, torch.Tensor) or not logprobs.dtype.is_floating_point:
         raise ValueError("logprobs must be a floating-point torch.Tensor [S, V]")
@@ -260,33 +359,7 @@ def sample_tokens(
         )
     if V < 1:
         raise ValueError("logprobs must have a non-empty vocabulary dimension")
-    if validate and (torch.isnan(logprobs).any() or torch.isposinf(logprobs).any()):
-        raise ValueError("logprobs contain NaN or +inf")
-    sid = sid.to(logprobs.device)
-    pos = pos.to(logprobs.device)
-    out = torch.empty(S, dtype=torch.int64, device=logprobs.device)
-    rows = max(1, _CHUNK_ELEMS // V)
-    for r0 in range(0, S, rows):
-        r1 = min(S, r0 + rows)
-        lp = logprobs[r0:r1].to(torch.float64)
-        if validate and not torch.isfinite(lp).any(dim=-1).all():
-            raise ValueError("every row of logprobs needs at least one finite entry")
-        if tp < 1.0:
-            p = exp64(lp)
-            # Guard for the int64 fixed-point sum (overflow needs a row sum >= 8); any log-softmax
-            # row sums to ~1. Float summation order does not matter at this margin.
-            if validate and (p.sum(dim=-1) > 4.0).any():
-                raise ValueError("logprobs rows do not look normalised (sum of exp > 4)")
-            keep = _top_p_keep_mask(p, tp)
-        else:
-            keep = None
-        u = counter_uniform(seed, sid[r0:r1], pos[r0:r1], V)
-        q = -log64(u)  # in (1.1e-16, 36.8): u is never 0 or 1
-        score = lp - log64(q)
-        if keep is not None:
-            score = torch.where(keep, score, torch.full_like(score, float("-inf")))
-        out[r0:r1] = _argmax_lowest_id(score)
-    return out
+    return tp, sid.to(logprobs.device), pos.to(logprobs.device)
 
 
 def invalid_rows(logprobs: torch.Tensor) -> torch.Tensor:
