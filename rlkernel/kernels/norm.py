@@ -12,6 +12,8 @@ a token's output never depends on other tokens. Backward:
 Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
 Devices: the per-token statistic r runs in the Triton kernel on CUDA (kernels/triton_norm.py) and in
 torch ops on CPU; the rest (scaling, backward, the dW sums) is torch ops on either device.
+`rms_norm_inference` (no autograd: rollout steps) is one Triton pass on CUDA with the weight
+applied, and with Qwen3's Q/K norms the RoPE rotation too: the same bytes.
 Does not: communicate.
 """
 
@@ -22,6 +24,7 @@ import torch
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum, leaves_of
 from rlkernel.kernels.elementwise import rsqrt32
+from rlkernel.kernels.rope import apply_rope
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics.trees import tree_sum
 
@@ -78,6 +81,19 @@ class _RMSNorm(torch.autograd.Function):
                 add(0, h, acc)
                 dw = tok.result(ctx.param, acc, "token-sum-norm", heads)
         return dx, dw, None, None, None, None
+
+
+def rms_norm_inference(x: torch.Tensor, w: torch.Tensor, eps: float,
+                       cos: torch.Tensor | None = None,
+                       sin: torch.Tensor | None = None) -> torch.Tensor:
+    """`rms_norm`'s forward without autograd, then kernels/rope.apply_rope(·, cos, sin) when cos
+    and sin are given (x [L, heads, D]): the same bytes as the separate ops, on CUDA in one Triton
+    pass (kernels/triton_norm.rms_norm_apply), elsewhere the composition. x fp32, w fp32 [H]."""
+    if x.is_cuda and w.dtype == torch.float32:
+        from rlkernel.kernels import triton_norm
+        return triton_norm.rms_norm_apply(x.to(torch.float32), w, eps, cos, sin)
+    y = _rms_stats(x.to(torch.float32), eps)[1] * w.to(torch.float32)   # _RMSNorm.forward's ops
+    return y if cos is None else apply_rope(y, cos, sin)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, tok: TokenSum | None = None,

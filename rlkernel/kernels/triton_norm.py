@@ -8,8 +8,15 @@ tile, the warp layout or the other rows. Division and square root are the correc
 `div_rn` / `sqrt_rn`; r = 1 / sqrt(ms + eps) is two roundings (the CPU backend rounds once from
 float64: different backend, different bits, both invariant).
 
-Does not: apply the weight or run the backward (kernels/norm.py does both with torch ops on the
-returned x̂ and r, so the weight gradient keeps its token reduction).
+`rms_stats` returns (r, x̂) for the autograd path: kernels/norm.py applies the weight and runs
+the backward with torch ops, so the weight gradient keeps its token reduction.
+`rms_norm_apply` is the inference pass (no autograd: the rollout engine's steps): (x̂)·w in the
+same kernel, and for Qwen3's Q/K norms the RoPE rotation after it (kernels/rope.apply_rope:
+y·cos + rot(y)·sin, rot(y) = [−y₂, y₁], each product and the sum one fp32 rounding, no fma:
+enable_fp_fusion=False) — the bytes of the separate passes in one read and one write, instead
+of ~7 launches per norm (statistics, weight product, negation, concatenation, two products, a
+sum).
+Does not: run the backward.
 """
 
 from __future__ import annotations
@@ -18,7 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels.triton_elementwise import neg32
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
+
+
+@triton.jit
+def _rstd(x, inv_h_num, eps, BLOCK_R: tl.constexpr, HP: tl.constexpr, LOG_HP: tl.constexpr):
+    """r = 1/sqrt(tree(x²)/H + eps) per row of x [BLOCK_R, HP] (zero-padded past H)."""
+    v = x * x
+    for lvl in tl.static_range(LOG_HP):
+        a, b = tl.split(tl.reshape(v, (BLOCK_R, HP >> (lvl + 1), 2)))
+        v = a + b
+    ss = tl.reshape(v, (BLOCK_R,))
+    ms = tl.math.div_rn(ss, inv_h_num)
+    return tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), tl.math.sqrt_rn(ms + eps))
 
 
 @triton.jit
@@ -29,15 +49,35 @@ def _rms_kernel(X, XH, R, n_rows, H, inv_h_num, eps,
     ok = (rows[:, None] < n_rows) & (cols[None, :] < H)
     off = rows.to(tl.int64)[:, None] * H + cols[None, :]
     x = tl.load(X + off, mask=ok, other=0.0)
-    v = x * x
-    for lvl in tl.static_range(LOG_HP):
-        a, b = tl.split(tl.reshape(v, (BLOCK_R, HP >> (lvl + 1), 2)))
-        v = a + b
-    ss = tl.reshape(v, (BLOCK_R,))
-    ms = tl.math.div_rn(ss, inv_h_num)
-    r = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), tl.math.sqrt_rn(ms + eps))
+    r = _rstd(x, inv_h_num, eps, BLOCK_R, HP, LOG_HP)
     tl.store(XH + off, x * r[:, None], mask=ok)
     tl.store(R + rows, r, mask=rows < n_rows)
+
+
+@triton.jit
+def _apply_kernel(X, W, COS, SIN, Y, n_rows, H, heads, inv_h_num, eps,
+                  HP: tl.constexpr, LOG_HP: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ROPE: tl.constexpr):
+    """y = (x·r)·w per row (rows = token·heads + head), then, with ROPE, the rotate-half
+    rotation y·cos + rot(y)·sin of kernels/rope.apply_rope (cos/sin rows per token)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, HP)
+    row_ok = rows < n_rows
+    ok = row_ok[:, None] & (cols[None, :] < H)
+    off = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    x = tl.load(X + off, mask=ok, other=0.0)
+    r = _rstd(x, inv_h_num, eps, BLOCK_R, HP, LOG_HP)
+    y = (x * r[:, None]) * tl.load(W + cols, mask=cols < H, other=0.0)[None, :]
+    if ROPE:        # H == HP here (a power of two): the partner of column i is i ± H/2
+        half = HP // 2
+        pc = (cols + half) % HP
+        xp = tl.load(X + rows.to(tl.int64)[:, None] * H + pc[None, :], mask=ok, other=0.0)
+        yp = (xp * r[:, None]) * tl.load(W + pc)[None, :]
+        rot = tl.where(cols[None, :] < half, neg32(yp), yp)
+        tok = (rows // heads).to(tl.int64)[:, None] * H + cols[None, :]
+        y = y * tl.load(COS + tok, mask=ok, other=0.0) + rot * tl.load(SIN + tok, mask=ok,
+                                                                         other=0.0)
+    tl.store(Y + off, y, mask=ok)
 
 
 def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,12 +97,56 @@ def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     r = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if n == 0:
         return r, xh
-    hp = triton.next_power_of_2(h)
-    block_r = max(1, min(64, 4096 // hp))
-    warps = 4 if hp * block_r <= 4096 else 8
+    hp, block_r, warps = _launch_shape(h)
     with device_ctx(x):
         _rms_kernel[(triton.cdiv(n, block_r),)](xc, xh, r, n, h, float(h), float(eps),
                                                 HP=hp, LOG_HP=hp.bit_length() - 1,
                                                 BLOCK_R=block_r, num_warps=warps,
                                                 enable_fp_fusion=False)
     return r, xh
+
+
+def _launch_shape(h: int) -> tuple[int, int, int]:
+    """(HP, BLOCK_R, num_warps) of a row width h."""
+    hp = triton.next_power_of_2(h)
+    block_r = max(1, min(64, 4096 // hp))
+    return hp, block_r, 4 if hp * block_r <= 4096 else 8
+
+
+def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
+                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """(x·r)·w for fp32 x [..., H] on CUDA and w [H] fp32, in one pass: the bytes of
+    `rms_stats` then `x̂ * w` (kernels/norm.py's forward). With cos, sin [L, H] fp32 (x [L,
+    heads, H], H a power of two): then kernels/rope.apply_rope's rotation, same bytes. No
+    autograd (inference: the rollout engine and no-grad passes). ValueError on bad input."""
+    check_cuda("rms_norm", x, w)
+    h = x.shape[-1]
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or tuple(w.shape) != (h,):
+        raise ValueError(f"rms_norm: float32 x [..., {h}] and w [{h}] expected, got {x.dtype} "
+                         f"{tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
+    if not 1 <= h <= 65536:
+        raise ValueError(f"rms_norm: row width {h} not in [1, 65536]")
+    rope = cos is not None
+    heads = 1
+    if rope:
+        if (x.dim() != 3 or h & (h - 1) or h < 2 or sin is None
+                or tuple(cos.shape) != (x.shape[0], h) or cos.shape != sin.shape
+                or cos.dtype != torch.float32 or sin.dtype != torch.float32):
+            raise ValueError(f"rms_norm+rope: x [L, heads, D] with D a power of two and fp32 "
+                             f"cos/sin [L, D] expected, got x {tuple(x.shape)}, cos "
+                             f"{None if cos is None else tuple(cos.shape)}")
+        heads = x.shape[1]
+        cos, sin = cos.contiguous(), sin.contiguous()
+    xc, wc = x.contiguous(), w.contiguous()
+    y = torch.empty_like(xc)
+    n = xc.numel() // h
+    if n == 0:
+        return y
+    hp, block_r, warps = _launch_shape(h)
+    with device_ctx(x):
+        _apply_kernel[(triton.cdiv(n, block_r),)](
+            xc, wc, cos if rope else wc, sin if rope else wc, y, n, h, heads, float(h),
+            float(eps), HP=hp, LOG_HP=hp.bit_length() - 1, BLOCK_R=block_r, ROPE=rope,
+            num_warps=warps, enable_fp_fusion=False)
+    return y

@@ -23,6 +23,7 @@ from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.parallel import collective_pair as pair
 from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, norm,
                               paged_attention)
+from rlkernel.kernels.rope import apply_rope
 
 
 class InvariantOps:
@@ -52,7 +53,17 @@ class InvariantOps:
 
     @staticmethod
     def norm(x, w, eps, tok, head_comm=None, replicas=1):
+        if not _needs_grad(x, w):      # rollout steps: one pass (the same bytes)
+            return norm.rms_norm_inference(x, w, eps)
         return norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas)
+
+    @staticmethod
+    def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1):
+        """Per-head RMSNorm, then RoPE (Qwen3's Q/K path): x [L, heads, D] -> same, fp32."""
+        if not _needs_grad(x, w):
+            return norm.rms_norm_inference(x, w, eps, cos, sin)
+        return apply_rope(norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm,
+                                        replicas=replicas), cos, sin)
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):
@@ -103,6 +114,11 @@ class InvariantOps:
             if p.grad is not None:
                 raise RuntimeError(f"{n}: autograd accumulated a gradient outside the kernels")
             p.grad = grads.get(n)
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    """Whether autograd records an op on these tensors now (else: inference passes)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 # -- stock collectives with autograd (native mode) -----------------------------------------------
@@ -203,6 +219,10 @@ class NativeOps:
     def norm(x, w, eps, tok, head_comm=None, replicas=1):
         var = x.pow(2).mean(-1, keepdim=True)
         return w * (x * torch.rsqrt(var + eps))
+
+    @staticmethod
+    def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1):
+        return apply_rope(NativeOps.norm(x, w, eps, tok), cos, sin)
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.kernels.matmul import rounding_point
-from rlkernel.kernels.rope import RopeTable, apply_rope
+from rlkernel.kernels.rope import RopeTable
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
 from rlkernel.model.sharding import (dx_shard_rows, kv_replicas, local_tensor, logical_tensor,
@@ -127,11 +127,10 @@ class Attention(nn.Module):
         q, k, v = ops.col(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
                           self.dx_rows, shards, pc, self.cd)              # [Lc, heads·D]
         n = q.shape[0]
-        q = ops.norm(q.view(n, self.heads, c.head_dim), self.q_norm.weight, c.rms_norm_eps,
-                     pc.tok, pc.tp, 1)
-        k = ops.norm(k.view(n, self.kv_heads, c.head_dim), self.k_norm.weight, c.rms_norm_eps,
-                     pc.tok, pc.tp, self.kv_rep)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = ops.norm_rope(q.view(n, self.heads, c.head_dim), self.q_norm.weight,
+                          c.rms_norm_eps, cos, sin, pc.tok, pc.tp, 1)
+        k = ops.norm_rope(k.view(n, self.kv_heads, c.head_dim), self.k_norm.weight,
+                          c.rms_norm_eps, cos, sin, pc.tok, pc.tp, self.kv_rep)
         v = v.view(n, self.kv_heads, c.head_dim)
         if lay.kv_idx is not None:                # CP-split pass: K/V of the logical stream
             k, v = ops.cp_gather(k, pc), ops.cp_gather(v, pc)           # [L, kv_heads, D]

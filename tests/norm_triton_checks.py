@@ -1,0 +1,122 @@
+"""The checks behind tests/test_norm_triton.py, run in a subprocess with TRITON_INTERPRET=1: the
+inference RMSNorm(+RoPE) kernel (kernels/triton_norm.rms_norm_apply) against the separate CUDA
+passes it replaces — the statistics kernel (`rms_stats`), then x̂·w and kernels/rope.apply_rope
+as torch ops — compared as int32 bits. The interpreter shows the operation sequence; the PTX
+test in tests/test_norm_triton.py shows code generation (no fma, correctly rounded div/sqrt).
+Prints one JSON object {check name: "ok" or the failure}. Run by hand:
+TRITON_INTERPRET=1 .venv/bin/python tests/norm_triton_checks.py [NAME ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("norm_triton_checks.py needs TRITON_INTERPRET=1")
+
+import triton
+import triton.language as tl
+import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
+from kernel_helpers import run_checks
+
+from rlkernel.kernels import triton_norm as tn
+from rlkernel.kernels.rope import RopeTable, apply_rope
+
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _unfused(x, w, eps, cos=None, sin=None):
+    y = tn.rms_stats(x, eps)[1] * w
+    return y if cos is None else apply_rope(y, cos, sin)
+
+
+def _rows(n: int, h: int, g: torch.Generator) -> torch.Tensor:
+    """Random rows with a zero row, huge and tiny rows, and one with a single nonzero entry."""
+    x = torch.randn(n, h, generator=g) * torch.logspace(-3, 3, n)[:, None]
+    x[0] = 0.0
+    x[1] = 1e30
+    x[2] = 1e-30
+    x[3] = 0.0
+    x[3, h // 3] = -2.5
+    return x
+
+
+@check
+def weight_applied_in_the_kernel_equals_the_separate_passes():
+    """(x̂)·w in one pass == rms_stats then x̂ * w, hidden widths 1024, 1000 (padded tree), 96."""
+    g = torch.Generator().manual_seed(0)
+    for h in (1024, 1000, 96):
+        x = _rows(37, h, g)
+        w = torch.randn(h, generator=g)
+        assert _same(tn.rms_norm_apply(x, w, 1e-6), _unfused(x, w, 1e-6)), h
+
+
+@check
+def qk_norm_and_rope_equal_the_separate_passes():
+    """Per-head norm + RoPE (Qwen3 Q/K: heads 16 and 8, D 128 and 64, positions up to 40k) ==
+    rms_stats, x̂ * w, apply_rope; a token's rows alone == in a batch."""
+    g = torch.Generator().manual_seed(1)
+    for heads, d in ((16, 128), (8, 128), (4, 64)):
+        table = RopeTable(d, 1e6)
+        pos = torch.tensor([0, 1, 5, 511, 512, 4097, 39999, 7])
+        cos, sin = table.lookup(pos)
+        x = _rows(len(pos) * heads, d, g).view(len(pos), heads, d)
+        w = torch.randn(d, generator=g)
+        got = tn.rms_norm_apply(x, w, 1e-6, cos, sin)
+        assert _same(got, _unfused(x, w, 1e-6, cos, sin)), (heads, d)
+        one = tn.rms_norm_apply(x[3:4], w, 1e-6, cos[3:4], sin[3:4])
+        assert _same(one, got[3:4]), "alone vs batch"
+
+
+@triton.jit
+def _reassociated(X, W, Y, n_rows, H, inv_h_num, eps, HP: tl.constexpr, LOG_HP: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, HP)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < H)
+    off = rows[:, None] * H + cols[None, :]
+    x = tl.load(X + off, mask=ok, other=0.0)
+    r = tn._rstd(x, inv_h_num, eps, BLOCK_R, HP, LOG_HP)
+    tl.store(Y + off, x * (r[:, None] * tl.load(W + cols)[None, :]), mask=ok)
+
+
+@check
+def negative_control_reassociated_product_differs():
+    """x·(r·w) instead of (x·r)·w: other bits on some elements (the comparison sees one
+    rounding)."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(128, generator=g)
+    y = torch.empty_like(x)
+    _reassociated[(4,)](x, w, y, 64, 128, 128.0, 1e-6, HP=128, LOG_HP=7, BLOCK_R=16)
+    assert not _same(y, _unfused(x, w, 1e-6)), "reassociation changed no bit"
+
+
+@check
+def bad_input_is_refused():
+    """Non-fp32, mismatched weight, RoPE with a non-power-of-two D or wrong cos shape: ValueError."""
+    x = torch.randn(4, 2, 96)
+    for args in ((x.double(), torch.ones(96), 1e-6), (x, torch.ones(95), 1e-6),
+                 (x, torch.ones(96), 1e-6, torch.ones(4, 96), torch.ones(4, 96)),
+                 (torch.randn(4, 2, 64), torch.ones(64), 1e-6, torch.ones(3, 64),
+                  torch.ones(3, 64))):
+        try:
+            tn.rms_norm_apply(*args)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {[getattr(a, 'shape', a) for a in args]}")
+
+
+if __name__ == "__main__":
+    run_checks(CHECKS, sys.argv[1:])

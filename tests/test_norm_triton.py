@@ -1,0 +1,73 @@
+"""The inference RMSNorm(+RoPE) Triton kernel (kernels/triton_norm.rms_norm_apply) without a GPU.
+
+1. Under TRITON_INTERPRET=1 (checks in tests/norm_triton_checks.py, one subprocess): the fused
+   pass == the separate CUDA passes it replaces (statistics kernel, x̂ * w, apply_rope), bitwise,
+   for hidden widths 1024/1000/96 and Q/K heads with RoPE at positions to 40k; alone == batch;
+   a reassociated product differs (control); bad input refused.
+2. PTX for sm_90 (no device): no fma, no flush-to-zero, division and square root correctly
+   rounded (div.rn / sqrt.rn); control: with fp fusion on, fma appears.
+On a GPU: tests/test_cuda_rollout.py (rollout == trainer logprobs: the rollout runs this kernel,
+the trainer's autograd passes the separate ones).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from kernel_helpers import check_ok as _ok, run_interpreted_checks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs triton (interpreter / compiler)")
+
+_CHECKS = Path(__file__).with_name("norm_triton_checks.py")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    return run_interpreted_checks(_CHECKS)
+
+
+def test_weight_applied_in_the_kernel_equals_the_separate_passes(results):
+    _ok(results, "weight_applied_in_the_kernel_equals_the_separate_passes")
+
+
+def test_qk_norm_and_rope_equal_the_separate_passes(results):
+    _ok(results, "qk_norm_and_rope_equal_the_separate_passes")
+
+
+def test_negative_control_reassociated_product_differs(results):
+    _ok(results, "negative_control_reassociated_product_differs")
+
+
+def test_bad_input_is_refused(results):
+    _ok(results, "bad_input_is_refused")
+
+
+def _ptx(fusion: bool) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rlkernel.kernels import triton_norm as tn
+    types = {"X": "*fp32", "W": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Y": "*fp32",
+             "n_rows": "i32", "H": "i32", "heads": "i32", "inv_h_num": "fp32", "eps": "fp32",
+             "HP": "constexpr", "LOG_HP": "constexpr", "BLOCK_R": "constexpr",
+             "ROPE": "constexpr"}
+    assert list(types) == list(tn._apply_kernel.arg_names)
+    src = ASTSource(fn=tn._apply_kernel, signature=types,
+                    constexprs={"HP": 128, "LOG_HP": 7, "BLOCK_R": 32, "ROPE": True})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "enable_fp_fusion": fusion})
+    return k.asm["ptx"]
+
+
+def test_compiled_ptx_has_no_fma_no_ftz_and_rounded_div_sqrt():
+    """sm_90 PTX of the RoPE variant as launched: no fma/.ftz/.approx; div.rn.f32 and
+    sqrt.rn.f32 present. Control: fp fusion on gives fma."""
+    import re
+    ptx = _ptx(False)
+    assert "fma" not in ptx and ".ftz" not in ptx and ".approx" not in ptx
+    assert re.search(r"\bdiv\.rn\.f32\b", ptx) and re.search(r"\bsqrt\.rn\.f32\b", ptx)
+    assert "fma.rn.f32" in _ptx(True)
