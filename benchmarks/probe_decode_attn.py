@@ -14,7 +14,7 @@ def med(f, n=20):
 
 out = []
 dev = "cuda"
-for S, ctx in ((256, 32), (256, 512), (256, 1024), (64, 1024), (16, 1024)):
+for S, ctx in ((256, 32), (256, 1024), (128, 2048), (16, 1024)):
     hq, hkv, d, B = 16, 8, 128, ta.KV_BLOCK
     nb = -(-ctx // B)
     pool = S * nb + 1
@@ -26,7 +26,7 @@ for S, ctx in ((256, 32), (256, 512), (256, 1024), (64, 1024), (16, 1024)):
     kvl = torch.full((S,), ctx, device=dev, dtype=torch.long)
     t_paged = med(lambda: ta.paged_attention_forward(q, kp, vp, table, qpos, kvl, 0.088))
     row = dict(S=S, ctx=ctx, paged_ms=t_paged, kv_gb=S*ctx*hkv*d*2*2/1e9)
-    for tile in ((16, 1, 1), (16, 4, 1), (32, 4, 2), (64, 4, 2)):
+    for tile in ((16, 1, 1), (16, 2, 1), (16, 2, 2), (16, 4, 2), (16, 4, 3), (16, 8, 2), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 4, 2)):
         try:
             t = med(lambda: ta.paged_attention_forward(q, kp, vp, table, qpos, kvl, 0.088, tile=tile))
             o1 = ta.paged_attention_forward(q, kp, vp, table, qpos, kvl, 0.088)[0]

@@ -437,6 +437,26 @@ def test_rms_norm_row_alone_equals_row_in_batch_and_vs_float64():
     assert _same(rms_norm(xh[3:4, 5:6], wh, 1e-6)[0, 0], yh[3, 5])
 
 
+def test_rms_norm_inference_pass_equals_the_autograd_pass():
+    """The inference pass (one kernel: weight, and Q/K RoPE) == rms_norm (then apply_rope) with
+    autograd on, bitwise: hidden rows and per-head rows at positions to 40k. Control: RoPE
+    applied to x̂ before the weight gives other bytes."""
+    from rlkernel.kernels.norm import rms_norm, rms_norm_inference
+    from rlkernel.kernels.rope import RopeTable, apply_rope
+    g = _gen(17)
+    w = torch.randn(1024, device=DEV, generator=g, requires_grad=True)
+    x = torch.randn(300, 1024, device=DEV, generator=g)
+    assert _same(rms_norm_inference(x, w.detach(), 1e-6), rms_norm(x, w, 1e-6).detach())
+    pos = torch.randint(0, 40000, (50,), device=DEV, generator=g)
+    cos, sin = RopeTable(128, 1e6).lookup(pos, 40000)
+    xh = torch.randn(50, 16, 128, device=DEV, generator=g)
+    wh = torch.randn(128, device=DEV, generator=g, requires_grad=True)
+    want = apply_rope(rms_norm(xh, wh, 1e-6), cos, sin).detach()
+    assert _same(rms_norm_inference(xh, wh.detach(), 1e-6, cos, sin), want)
+    other = apply_rope(rms_norm_inference(xh, torch.ones_like(wh.detach()), 1e-6), cos, sin)
+    assert not _same(other * wh.detach(), want)
+
+
 # --------------------------------------------------------------------------------- logprobs
 def test_logprobs_row_alone_equals_row_in_batch_and_fused_equals_unfused():
     """token logprobs/entropy: row alone == row in batch; fused LM head == unfused, bitwise;
