@@ -16,12 +16,14 @@ distributed tests' job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -245,6 +247,20 @@ def run_ranks_sequentially(n: int, fn):
     return [fn(r, ReplayComm(group, r)) for r in range(n)]
 
 
+def interpreted_checks(script: str) -> tuple[dict, Callable]:
+    """The start of a checks script that `run_interpreted_checks` runs, called before it imports
+    triton: exit unless TRITON_INTERPRET=1 (the interpreter is chosen when triton is imported),
+    then ({name: check}, the `@check` decorator that registers a function under its name)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit(f"{Path(script).name} needs TRITON_INTERPRET=1")
+    checks: dict[str, Callable] = {}
+
+    def check(fn: Callable) -> Callable:
+        checks[fn.__name__] = fn
+        return fn
+    return checks, check
+
+
 def run_checks(checks: dict, names: list[str], skip: frozenset[str] | set[str] = frozenset()) -> None:
     """Run the named checks (or all but `skip`) of a checks script that a test runs in a
     subprocess (e.g. under TRITON_INTERPRET=1) and print one JSON line {name: "ok" or the
@@ -272,6 +288,17 @@ class LaunchRecorder:
             self.launches.append((args, kwargs))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+    @classmethod
+    @contextlib.contextmanager
+    def swapped_in(cls, module, name: str):
+        """A recorder in place of `module.name` for the block (the kernel restored after)."""
+        rec = cls(getattr(module, name))
+        setattr(module, name, rec)
+        try:
+            yield rec
+        finally:
+            setattr(module, name, rec.kernel)
 
 
 def check_ok(results: dict[str, str], name: str) -> None:

@@ -482,6 +482,51 @@ def test_logprobs_row_alone_equals_row_in_batch_and_fused_equals_unfused():
     assert _rel(ent, -(ref.exp() * ref).sum(-1)) < 1e-5
 
 
+@pytest.mark.parametrize("shards", [1, 2, 3, 5, 8, 16])
+def test_finish_kernel_equals_cpu_torch_path_on_the_same_stats(shards):
+    """triton_logprobs.finish_stats on CUDA stats (m, s, t) == the CPU torch path on the same
+    stats copied to the CPU (merge_shard_stats, lse = m + log32(s), entropy = lse − t/s:
+    logprobs_finish_cases.finish_want), bitwise but for NaN payloads and signs (swiglu_cases
+    .same_bits: a GPU's NaN is canonical), on the random and adversarial stats of
+    tests/logprobs_finish_cases.py (all-masked rows, ±Inf, NaN, s = 0, huge / subnormal s).
+    (Not CUDA log_softmax == CPU log_softmax: the CUDA shard statistics have their own chunk
+    order, by design.)"""
+    from logprobs_finish_cases import finish_case, finish_want
+    from swiglu_cases import same_bits
+
+    from rlkernel.kernels.triton_logprobs import finish_stats
+    m, s, t = finish_case(1000, shards, seed=shards, device=DEV)
+    for g, w in zip(finish_stats(m, s, t), finish_want(m, s, t), strict=True):
+        assert same_bits(g.cpu(), w)
+
+
+def test_logprobs_call_sites_finish_cuda_stats_as_the_cpu_torch_path():
+    """The call sites on CUDA: log_softmax's and token_logprobs_entropy's lse / entropy
+    (logprobs._forward_stats) and the fused LM head's logprobs / entropy == the CPU torch path
+    (finish_want) on their CUDA shard statistics (triton_logprobs.shard_stats /
+    linear_shard_stats) copied to the CPU, bitwise; with a padded vocabulary."""
+    from logprobs_finish_cases import finish_want
+
+    from rlkernel.kernels import triton_logprobs
+    from rlkernel.kernels.logprobs import (_div_t, _forward_stats, linear_token_logprobs_entropy,
+                                           log_softmax)
+    from rlkernel.kernels.matmul import linear_nt
+    g = _gen(19)
+    x = torch.randn(256, 512, device=DEV, generator=g)
+    w = torch.randn(8192, 512, device=DEV, generator=g) * 0.05
+    tg = torch.randint(0, 8000, (256,), device=DEV, generator=g)
+    z = _div_t(linear_nt(x, w), 0.8, 8000)
+    lse_want, ent_want = finish_want(*triton_logprobs.shard_stats(z, 1.0, 8)[:3])
+    lse, ent = _forward_stats(z, 8)
+    assert _same(lse.cpu(), lse_want) and _same(ent.cpu(), ent_want)
+    ls = log_softmax(linear_nt(x, w), 0.8, live_vocab=8000)
+    assert _same(ls.cpu(), z.cpu() - lse_want[:, None])
+    m, s, t, z_y = triton_logprobs.linear_shard_stats(x, w, tg, 0.8, 8, 8000)
+    lse_want, ent_want = finish_want(m, s, t)
+    lp, ent = linear_token_logprobs_entropy(x, w, tg, 0.8, live_vocab=8000)
+    assert _same(lp.cpu(), z_y.cpu() - lse_want) and _same(ent.cpu(), ent_want)
+
+
 @pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
 def test_fused_logprobs_gradients_equal_unfused_column_parallel_path(cd):
     """d(logprobs, entropy)/d(h, W) through the fused op == through the LM head + logprobs, in

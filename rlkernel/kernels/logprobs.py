@@ -21,7 +21,9 @@ CUDA, d logits is one Triton pass per chunk (kernels/triton_dlogits.py, the same
 `_dlogits` on CPU), which also forms z = logits / T from the recomputed logits. With a
 bf16 compute dtype the LM head has the linears' rounding points (kernels/matmul.py): h before
 the logits product, d logits before the dh and dW products. CUDA tensors use the Triton
-statistics kernel (its own chunk order; the shard tree and the formulas above are shared).
+statistics kernel (its own chunk order; the shard tree and the formulas above are shared), and
+the shard merge and lse / entropy run as one Triton launch (triton_logprobs.finish_stats, the
+bits of `_finish_stats`'s torch ops on CPU; as CUDA torch ops they were hundreds of launches).
 Does not: communicate (a vocab-parallel TP group uses the unfused path on gathered logits).
 """
 
@@ -98,11 +100,20 @@ def _div_t(logits: torch.Tensor, temperature: float, live_vocab: int | None = No
     return z
 
 
-def _forward_stats(z: torch.Tensor, shards: int):
-    m, s, t = merge_shard_stats(*_shard_stats(z, shards))
+def _finish_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
+    """(lse, entropy) [N] of per-shard stats [N, shards]: merge_shard_stats, lse = m + log s,
+    entropy = lse − t/s. On CUDA one Triton launch (kernels/triton_logprobs.finish_stats, the
+    same bits; the torch ops would be ~120 small launches per call)."""
+    if m.is_cuda:
+        from rlkernel.kernels import triton_logprobs
+        return triton_logprobs.finish_stats(m, s, t)
+    m, s, t = merge_shard_stats(m, s, t)
     lse = m + log32(s)
-    ent = lse - t / s
-    return lse, ent
+    return lse, lse - t / s
+
+
+def _forward_stats(z: torch.Tensor, shards: int):
+    return _finish_stats(*_shard_stats(z, shards))
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -173,9 +184,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             from rlkernel.kernels import triton_logprobs
             m, s, t, z_y = triton_logprobs.linear_shard_stats(hr, wr, targets, temperature,
                                                               shards, live_vocab)
-            m, s, t = merge_shard_stats(m, s, t)
-            lse = m + log32(s)
-            ent = lse - t / s
+            lse, ent = _finish_stats(m, s, t)
         else:
             z = _div_t(linear_nt(hr, wr), temperature, live_vocab)
             lse, ent = _forward_stats(z, shards)

@@ -3,8 +3,8 @@
 Contract of kernels/logprobs.py (DESIGN.md §1 "Vocab-parallel log-softmax"): z = logits / T in
 fp32 (correctly rounded division, the same bits as torch's `/`); the vocab is cut into `shards`
 equal virtual shards; per shard, in a fixed order, m = max z, s = Σ e^{z−m}, t = Σ e^{z−m}·z;
-shards merge by the pairwise tree (kernels/logprobs.merge_shard_stats, torch ops), so a
-vocab-parallel TP group can finish the same tree. The CUDA order inside a shard: chunks of
+shards merge by the pairwise tree (kernels/logprobs.merge_shard_stats), so a vocab-parallel
+TP group can finish the same tree. The CUDA order inside a shard: chunks of
 VOCAB_CHUNK = 128 consecutive ids, in id order; per chunk m_c (exact max), s_c and t_c by the
 pairwise tree (reshape/split levels: layout-independent); chunks merged sequentially,
     m' = max(m, m_c);  s = s·e^{m−m'} + s_c·e^{m_c−m'};  t likewise.
@@ -12,6 +12,14 @@ Every value is per token, so a token's bits never depend on the other tokens. A 
 vocabulary's ids >= live_vocab are -inf in z (the fused kernel masks by global id; the
 materialised path receives z already masked by kernels/logprobs._div_t).
 
+`finish_stats(m, s, t)` finishes the per-shard statistics in one launch: merge_shard_stats's
+tree (pairs (0, 1), (2, 3), … level by level, an odd last entry carried up), each merge
+logprobs._merge's ops (exp32 of the max differences: triton_elementwise, float64 Horner), then
+lse = m + log32(s), entropy = lse − t/s (div_rn: torch's division). The same bits as those torch
+ops on CPU, which on CUDA were hundreds of tiny launches per call. A merged max of ±0 may carry
+either sign (max.NaN.f32 and torch.maximum need not agree there): it reaches the outputs only
+through exp(±0) = 1 and ±0 + log s, where the sign vanishes. Tests:
+tests/test_logprobs_finish_triton.py (interpreter, PTX), tests/test_cuda.py (GPU == CPU).
 `shard_stats(logits, T, shards)` reads materialised logits. `linear_shard_stats(h, w, T, ...)`
 is the fused form: each program computes its [rows × 128] logits tile with the batch-invariant
 matmul chain of kernels/triton_matmul.py (fp32: BLOCK_K = 32, `acc = dot(x, wᵀ, acc)`, the same
@@ -32,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels.triton_elementwise import exp32, log32
 from rlkernel.kernels.triton_matmul import BLOCK_K
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.spec import CUDA_VOCAB_CHUNK
@@ -226,3 +235,79 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                 PREC="ieee" if h.dtype == torch.float32 else "tf32",   # ignored for bf16 dots
                 num_warps=8, num_stages=2, enable_fp_fusion=False)
     return m, s, t, zt.amax(1)
+
+
+@triton.jit
+def _merge(m1, s1, t1, m2, s2, t2):
+    """logprobs._merge of two shards' (m, s, t), operation for operation."""
+    m = tl.maximum(m1, m2, propagate_nan=tl.PropagateNan.ALL)      # torch.maximum: NaN wins
+    m_safe = tl.where((m == float("inf")) | (m == float("-inf")), 0.0, m)
+    f1 = exp32(m1 - m_safe)
+    f2 = exp32(m2 - m_safe)
+    return m, s1 * f1 + s2 * f2, t1 * f1 + t2 * f2
+
+
+@triton.jit
+def _tree_merge(m, s, t, BR: tl.constexpr, P: tl.constexpr, LOG_P: tl.constexpr,
+                SHARDS: tl.constexpr):
+    """logprobs.merge_shard_stats over the last dim of m, s, t [BR, P] (shards in columns
+    [0, SHARDS), P the next power of two): level by level, pairs (0, 1), (2, 3), ... merged and
+    an odd last one carried up unmerged -> [BR] each."""
+    for lvl in tl.static_range(LOG_P):
+        m1, m2 = tl.split(tl.reshape(m, (BR, P >> (lvl + 1), 2)))
+        s1, s2 = tl.split(tl.reshape(s, (BR, P >> (lvl + 1), 2)))
+        t1, t2 = tl.split(tl.reshape(t, (BR, P >> (lvl + 1), 2)))
+        mm, sm, tm = _merge(m1, s1, t1, m2, s2, t2)
+        # pair i merges iff its right entry 2i + 1 is one of the level's ceil(SHARDS / 2**lvl)
+        # entries; else the left one is carried up (the odd last) or unused
+        pair = (2 * tl.arange(0, P >> (lvl + 1)) + 1 < (SHARDS + (1 << lvl) - 1) >> lvl)[None, :]
+        m = tl.where(pair, mm, m1)
+        s = tl.where(pair, sm, s1)
+        t = tl.where(pair, tm, t1)
+    return tl.reshape(m, (BR,)), tl.reshape(s, (BR,)), tl.reshape(t, (BR,))
+
+
+@triton.jit
+def _finish_kernel(M, S, T, LSE, ENT, n_rows, BR: tl.constexpr, P: tl.constexpr,
+                   LOG_P: tl.constexpr, SHARDS: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = rows < n_rows
+    cols = tl.arange(0, P)
+    ok = r_ok[:, None] & (cols < SHARDS)[None, :]
+    off = rows.to(tl.int64)[:, None] * SHARDS + cols[None, :]
+    m = tl.load(M + off, mask=ok, other=float("-inf"))
+    s = tl.load(S + off, mask=ok, other=0.0)
+    t = tl.load(T + off, mask=ok, other=0.0)
+    m, s, t = _tree_merge(m, s, t, BR, P, LOG_P, SHARDS)
+    lse = m + log32(s)
+    tl.store(LSE + rows, lse, mask=r_ok)
+    tl.store(ENT + rows, lse - tl.math.div_rn(t, s), mask=r_ok)   # torch's t / s: div.rn
+
+
+FINISH_ROWS, FINISH_WARPS = 32, 4
+"""Rows per program and warps of `finish_stats` (any tile gives the same bits: rows are
+independent)."""
+
+
+def finish_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, *,
+                 block_r: int = FINISH_ROWS, num_warps: int = FINISH_WARPS):
+    """(lse, entropy) [N] fp32 of per-shard stats m, s, t [N, shards] fp32: the bits of
+    logprobs.merge_shard_stats, then lse = m + log32(s), entropy = lse − t / s, in one launch.
+
+    Any shard count >= 1 (the torch tree's odd carries included). ValueError on bad input.
+    """
+    check_cuda("log-softmax finish", m, s, t)
+    if m.dim() != 2 or m.dtype != torch.float32 or m.shape[1] < 1 \
+            or any(x.shape != m.shape or x.dtype != m.dtype for x in (s, t)):
+        raise ValueError(f"log-softmax finish: m, s, t [N, shards >= 1] float32 expected, got "
+                         f"{[(tuple(x.shape), x.dtype) for x in (m, s, t)]}")
+    n, shards = m.shape
+    m, s, t = (x.contiguous() for x in (m, s, t))
+    lse, ent = (torch.empty(n, dtype=torch.float32, device=m.device) for _ in range(2))
+    if n:
+        log_p = (shards - 1).bit_length()
+        with device_ctx(m):
+            _finish_kernel[(triton.cdiv(n, block_r),)](
+                m, s, t, lse, ent, n, BR=block_r, P=1 << log_p, LOG_P=log_p, SHARDS=shards,
+                num_warps=num_warps, enable_fp_fusion=False)
+    return lse, ent
