@@ -283,8 +283,10 @@ def _engine_version(engine) -> str:
 
 @pytest.mark.parametrize("spec", [
     "engine:stale:step=1",
-    f"engine:flip-bit:step=1:tensor={T}",                 # bit 0: rounding to bf16 would hide it
-    f"engine:flip-bit:step=1:tensor={T}:index=7:bit=22",  # a bf16 mantissa bit
+    f"engine:flip-bit:step=1:tensor={T}",                 # bit 0 of a bf16-held weight
+    f"engine:flip-bit:step=1:tensor={T}:index=7:bit=6",   # its top mantissa bit
+    # a norm weight is held in fp32: bit 3 is below bf16's precision (rounding would hide it)
+    f"engine:flip-bit:step=1:tensor={NORM}:index=2:bit=3",
 ])
 def test_audit_checks_what_the_engine_holds_after_the_load(monkeypatch, spec):
     """The copy in transit is intact (no transit problem), but the engine ignored the load or a
@@ -312,24 +314,24 @@ def test_audit_checks_what_the_engine_holds_after_the_load(monkeypatch, spec):
         assert version_line.endswith("; and 21 more")
         assert "in 24 of 24 tensors on this rank: 'model.embed_tokens.weight' (" in reload_line
     else:
+        name = NORM if NORM in spec else T
         assert found not in (a0.version, a1.version)
-        h1 = a1.tensor_hashes[T]
+        h1 = a1.tensor_hashes[name]
         assert version_line.endswith(f", expected {a1.version[:16]}...: 1 of 24 tensors differ: "
-                                     f"tensor {T!r} differs: expected hash {h1[:16]}..., got "
-                                     f"{state_hashes(engine.exported_weights())[T][:16]}...")
-        assert f"in 1 of 24 tensors on this rank: {T!r} (holds shard hash " in reload_line
+                                     f"tensor {name!r} differs: expected hash {h1[:16]}..., got "
+                                     f"{state_hashes(engine.exported_weights())[name][:16]}...")
+        assert f"in 1 of 24 tensors on this rank: {name!r} (holds shard hash " in reload_line
     assert a1.record()["weight_audit"] == {"ok": False, "problems": list(a1.problems)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_flipped_low_bit_changes_what_the_engine_computes(monkeypatch, dtype):
     """Why the audit must see the engine's held parameters, not their bf16 rounding: after bit 12
-    of one up_proj element flips, the parameter still rounds to the loaded bf16 weight (rounded
-    bytes == v0's), yet an fp32 engine's logprobs for the same requests change (bytes). A bf16
-    engine rounds weights at each product (the rounding points), so there the same flip leaves
-    the logprobs as they were: the audit, which names the flip either way
-    (test_audit_checks_what_the_engine_holds_after_the_load), is then stricter than the
-    computation."""
+    of one element of an RMSNorm weight flips (held in fp32 by every engine: its products are
+    fp32 elementwise math), the parameter still rounds to the loaded bf16 weight (rounded bytes
+    == v0's), yet the engine's logprobs for the same requests change (bytes), in fp32 and bf16
+    runs alike. A bf16 engine holds its 2-D weights in bf16 (Qwen3ForCausalLM.
+    hold_matmul_weights): there every bit is a bf16 bit, and an fp32 engine's up_proj is fp32."""
     v0, _ = _two_versions()
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0, eos_id=256)
     requests = [Request(i, tuple(b"12+30=" * 3)) for i in range(4)]
@@ -340,20 +342,24 @@ def test_a_flipped_low_bit_changes_what_the_engine_computes(monkeypatch, dtype):
         out = torch.cat([c.logprob_tensor() for c in engine.generate(requests, sp)])
         return engine, out.view(torch.int32)
 
-    _, clean = logprobs(lambda engine, w: engine.load_weights(w))
-    monkeypatch.setenv(faults.ENV, f"engine:flip-bit:step=0:tensor={T}:bit=12")
+    clean_engine, clean = logprobs(lambda engine, w: engine.load_weights(w))
+    assert clean_engine.held_weights()[T].dtype == dtype
+    monkeypatch.setenv(faults.ENV, f"engine:flip-bit:step=0:tensor={NORM}:bit=12")
     engine, flipped = logprobs(faults.load(0, 0))
-    p = engine.held_weights()[T]
-    assert torch.equal(p.to(torch.bfloat16).view(torch.int16), v0[T].view(torch.int16))
-    assert not torch.equal(p.view(torch.int32), v0[T].float().view(torch.int32))
-    assert torch.equal(clean, flipped) == (dtype == torch.bfloat16)
+    p = engine.held_weights()[NORM]
+    assert p.dtype == torch.float32
+    assert torch.equal(p.to(torch.bfloat16).view(torch.int16), v0[NORM].view(torch.int16))
+    assert not torch.equal(p.view(torch.int32), v0[NORM].float().view(torch.int32))
+    assert not torch.equal(clean, flipped)
 
 
 def test_engine_flip_bit_rejects_an_index_or_bit_the_tensor_lacks(monkeypatch):
     v0, _ = _two_versions()
     engine = RolloutEngine(tiny(), ops_for("invariant"), torch.bfloat16, pad_id=0)
-    for spec, says in [(f"engine:flip-bit:step=0:tensor={T}:bit=32",
-                        f"index=0, bit=32: {T} has 8192 elements of 32 bits"),
+    for spec, says in [(f"engine:flip-bit:step=0:tensor={T}:bit=16",
+                        f"index=0, bit=16: {T} has 8192 elements of 16 bits"),
+                       (f"engine:flip-bit:step=0:tensor={NORM}:bit=32",
+                        f"index=0, bit=32: {NORM} has 64 elements of 32 bits"),
                        ("engine:flip-bit:step=0:tensor=lm_head.weight",
                         "tensor 'lm_head.weight' is not a parameter of this model")]:
         monkeypatch.setenv(faults.ENV, spec)

@@ -152,7 +152,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     for the fp32 residual stream, as bf16 training stacks do)."""
     dtype = _native_dtype(x, dtype)
     if dtype == torch.float32:
-        return F.linear(x, w)
+        return F.linear(x, w.to(torch.float32))     # a bf16-held weight: the same values
     return F.linear(x.to(dtype), w.to(dtype)).to(torch.float32)
 
 
@@ -209,7 +209,7 @@ class NativeOps:
     def embed(ids, w, offset, pc: ParallelCtx):
         local = ids - offset
         inside = (local >= 0) & (local < w.shape[0])
-        x = F.embedding(local.clamp(0, w.shape[0] - 1), w) * inside[:, None]
+        x = F.embedding(local.clamp(0, w.shape[0] - 1), w).to(torch.float32) * inside[:, None]
         if pc.tp.size > 1:
             tp = pc.tp
             x = pair(x, lambda t: _all_reduce(t, tp), lambda g: g)

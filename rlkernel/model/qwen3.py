@@ -6,7 +6,9 @@ residual → RMSNorm → SwiGLU MLP + residual] → final RMSNorm → LM head (t
 Parameter names equal the Hugging Face names; each rank holds its TP shard (model/sharding.py),
 and every layer receives the ParallelCtx as an argument — TP1 and TP8 run the same code.
 Parameters are fp32 tensors holding exactly the run's parameter dtype values (bf16 by default):
-trainer and rollout compute on identical values, and weight gradients are fp32. A bf16 model
+trainer and rollout compute on identical values, and weight gradients are fp32. An
+inference-only model (the rollout engine) may hold its 2-D weights in the compute dtype instead
+(`hold_matmul_weights`: the same values). A bf16 model
 rounds each linear's input activation and incoming gradient to bf16 (`compute_dtype_for`,
 kernels/matmul.py) and attention's q, k, v (kernels/attention.py, Precision): the rounding points
 are part of the model, so rollout and trainer share them.
@@ -241,7 +243,8 @@ class Qwen3ForCausalLM(nn.Module):
     @torch.no_grad()
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy in logical (unsharded) tensors: this rank keeps its shard, rounded to param_dtype
-        and held as fp32. Names and logical shapes must match (ValueError otherwise)."""
+        and held in the parameter's storage dtype (`local_param`). Names and logical shapes must
+        match (ValueError otherwise)."""
         params = self.logical_params()
         shapes = param_shapes(self.cfg)
         if set(tensors) != set(params):
@@ -257,10 +260,25 @@ class Qwen3ForCausalLM(nn.Module):
 
     def local_param(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The value `load_tensors` gives this rank's parameter `name` from logical tensor `t`:
-        its TP shard, rounded to param_dtype, as fp32 (on t's device). The weight audit compares
-        the parameter with it byte for byte, so load and audit share this one definition."""
+        its TP shard, rounded to param_dtype, in the parameter's storage dtype (fp32, or the
+        compute dtype for weights `hold_matmul_weights` moved; on t's device). The weight audit
+        compares the parameter with it byte for byte, so load and audit share this definition."""
         shard = local_tensor(name, t, self.cfg, self.pc.tp.size, self.pc.tp.rank)
-        return shard.to(self.param_dtype).to(torch.float32)
+        return shard.to(self.param_dtype).to(self.logical_params()[name].dtype)
+
+    @torch.no_grad()
+    def hold_matmul_weights(self) -> None:
+        """Store the 2-D weights (linears, embedding, LM head) in the compute dtype (bf16 runs)
+        instead of fp32: an inference-only model (the rollout engine) then feeds each product
+        the weight itself rather than rounding an fp32 copy at every call (7 launches per layer
+        and ~2.6 GB of traffic per decode step at 0.6B), in half the memory. The values are
+        unchanged — param_dtype bf16 already holds bf16 values — so every product's bytes are
+        too. Norm weights stay fp32 (elementwise fp32 math). A no-op for fp32 runs."""
+        if self.compute_dtype == torch.float32:
+            return
+        for p in self.logical_params().values():
+            if p.dim() == 2:
+                p.data = p.data.to(self.compute_dtype)
 
     @torch.no_grad()
     def load_master_shards(self, masters: dict[str, torch.Tensor]) -> None:

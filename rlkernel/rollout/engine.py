@@ -146,6 +146,7 @@ class RolloutEngine:
         self.cfg = cfg
         self.model = Qwen3ForCausalLM(cfg, ops, param_dtype, pc, live_vocab).to(device)
         self.model.requires_grad_(False)
+        self.model.hold_matmul_weights()    # bf16 runs: 2-D weights stored in bf16 (same values)
         self.pad_id = pad_id
         self.prefill_chunk = prefill_chunk
         self.max_step_tokens, self.max_seqs = max_step_tokens, max_seqs
@@ -169,7 +170,8 @@ class RolloutEngine:
 
     def held_weights(self) -> dict[str, torch.Tensor]:
         """This rank's own parameters by logical name: the very tensors its forward reads (its
-        TP shard, fp32, on the engine's device), not copies."""
+        TP shard on the engine's device; bf16 runs hold 2-D weights in bf16, norms in fp32),
+        not copies."""
         return {n: p.detach() for n, p in self.model.logical_params().items()}
 
     def held_form(self, name: str, t: torch.Tensor) -> torch.Tensor:
