@@ -126,7 +126,16 @@ def row_parallel_nt(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) 
     x [M, K], w [N, K], K % shards == 0 -> [M, N] fp32. Equals the tree of per-shard partials that
     a TP group computes and tree-all-reduces (rlkernel.distributed).
     """
-    return tree_sum(row_parallel_partials(x, w, shards), 0)
+    return shard_sum(row_parallel_partials(x, w, shards))
+
+
+def shard_sum(p: torch.Tensor) -> torch.Tensor:
+    """tree_sum(p, 0) of virtual-shard partials p [S, M, N] fp32: on CUDA, for a power-of-two S,
+    one Triton pass of the same tree (triton_matmul.shard_tree_sum: the same bytes)."""
+    n = p.shape[0]
+    if p.is_cuda and p.dtype == torch.float32 and n & (n - 1) == 0 and 1 <= n <= 64:
+        return _triton().shard_tree_sum(p)
+    return tree_sum(p, 0)
 
 
 def row_parallel_partials(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) -> torch.Tensor:
@@ -166,7 +175,7 @@ def column_parallel_dx(dy: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_
     if n < 1:
         raise ValueError(f"column-parallel linear: N={n} rows; at least one is needed")
     if dy.is_cuda and n % shards == 0:   # one launch; the same shards as the loop below
-        return tree_sum(_triton().column_dx_partials(dy, w, shards), 0)
+        return shard_sum(_triton().column_dx_partials(dy, w, shards))
     parts = [seq_matmul(dy[:, a:b], w[a:b]) if b > a else None
              for a, b in virtual_shard_rows(n, shards)]
     return tree_combine(parts)  # type: ignore[return-value]  (n >= 1: some shard has a row)
@@ -265,7 +274,7 @@ class _RowParallelLinear(torch.autograd.Function):
         xr = rounding_point(x, cd)
         ctx.save_for_backward(xr, w)
         ctx.tok, ctx.param, ctx.cd = tok, w, cd   # the parameter keys the sink (see column)
-        return tree_sum(row_parallel_partials(xr, rounding_point(w, cd), local_shards), 0)
+        return shard_sum(row_parallel_partials(xr, rounding_point(w, cd), local_shards))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -298,3 +298,37 @@ def linear_nt_tma(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = 
                                        NUM_SMS=min(sms, tiles), FLATTEN=flatten,
                                        num_warps=warps, num_stages=stages)
     return c
+
+
+@triton.jit
+def _shard_sum_kernel(P, Y, mn, S: tl.constexpr, LOG_S: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = o < mn
+    sh = tl.arange(0, S).to(tl.int64)
+    v = tl.load(P + sh[None, :] * mn + o[:, None], mask=ok[:, None], other=0.0)   # [BLOCK, S]
+    for lvl in tl.static_range(LOG_S):          # adjacent pairs, level by level (tree_sum)
+        a, b = tl.split(tl.reshape(v, (BLOCK, S >> (lvl + 1), 2)))
+        v = a + b
+    tl.store(Y + o, tl.reshape(v, (BLOCK,)), mask=ok)
+
+
+def shard_tree_sum(p: torch.Tensor) -> torch.Tensor:
+    """numerics.trees.tree_sum(p, 0) for fp32 p [S, ...] on CUDA, S a power of two <= 64, in one
+    pass (the row-parallel linears' virtual-shard partials): the same pairwise tree — shards
+    (0, 1), (2, 3), … level by level, each add one IEEE fp32 add of the same two values — so the
+    same bytes, in one launch instead of log2(S) strided ones. ValueError otherwise."""
+    check_cuda("shard sum", p)
+    n = p.shape[0]
+    if p.dtype != torch.float32 or n < 1 or n & (n - 1) or n > 64:
+        raise ValueError(f"shard sum: fp32 [S, ...] with S a power of two <= 64 expected, got "
+                         f"{p.dtype} {tuple(p.shape)}")
+    pc = p.contiguous()
+    y = torch.empty(p.shape[1:], dtype=torch.float32, device=p.device)
+    mn = y.numel()
+    if mn == 0 or n == 1:
+        return pc[0].clone() if mn else y
+    block = max(16, 2048 // n)
+    with device_ctx(p):
+        _shard_sum_kernel[(triton.cdiv(mn, block),)](pc, y, mn, S=n, LOG_S=n.bit_length() - 1,
+                                                     BLOCK=block, num_warps=4)
+    return y

@@ -10,7 +10,7 @@ Does not: decide packing (rlkernel/data/packing.py) or CP placement (rlkernel/di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,16 @@ class StreamLayout:
     """Host-known: slot t of every sample holds position t (t < kv_len, −1 after) and the keys
     are this pass's own slots, so plain causal masking is the whole mask (stock SDPA may then
     take its flash path; the invariant kernels do not look at it)."""
+    _moves: dict = field(default_factory=dict, compare=False, repr=False)
+    """Per-pass cache of `moves`' index tensors (every layer reuses them)."""
+
+    def moves(self, idx: torch.Tensor, n_rows: int) -> "SlotMoves":
+        """The index tensors `to_samples` / `to_stream` derive from idx (this layout's q_idx or
+        keys_idx) for a stream of n_rows rows, computed once per pass instead of per call."""
+        key = (id(idx), n_rows)        # idx is one of this layout's own tensors: a stable id
+        if key not in self._moves:
+            self._moves[key] = slot_moves(idx, n_rows)
+        return self._moves[key]
 
     @property
     def n_samples(self) -> int:
@@ -58,6 +68,26 @@ class StreamLayout:
             return None if t is None else t.to(device)
         return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
                             mv(self.kv_len), mv(self.kv_idx), self.pos_bound, self.dense_causal)
+
+
+@dataclass(frozen=True)
+class SlotMoves:
+    """Index tensors of one slot map idx [S, T] (−1 = empty) and a stream of n_rows rows:
+    gather [S·T] (stream row of each slot, empty -> 0), valid [S, T], scatter [S·T] (stream row
+    of each slot, empty -> the dump row n_rows)."""
+
+    idx: torch.Tensor
+    gather: torch.Tensor
+    valid: torch.Tensor
+    scatter: torch.Tensor
+    n_rows: int
+
+
+def slot_moves(idx: torch.Tensor, n_rows: int) -> SlotMoves:
+    """The SlotMoves of idx [S, T] and a stream of n_rows rows."""
+    valid = idx >= 0
+    return SlotMoves(idx, idx.clamp(min=0).reshape(-1), valid,
+                     torch.where(valid, idx, torch.full_like(idx, n_rows)).reshape(-1), n_rows)
 
 
 def sample_offsets(lengths: list[int]) -> list[int]:
@@ -128,16 +158,15 @@ def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> Str
 
 class _ToSamples(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(q_idx)
+    def forward(ctx, x: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
+        ctx.save_for_backward(mv.idx)
         ctx.n_rows = x.shape[0]
-        valid = q_idx >= 0
         if x.shape[0] == 0:
-            return x.new_zeros(q_idx.shape + x.shape[1:])
+            return x.new_zeros(mv.idx.shape + x.shape[1:])
         # A gather and a select, not boolean indexing: no data-dependent shape, so no host sync
         # on CUDA (the rollout engine's decode loop). Same bytes: valid slots copy, others +0.
-        rows = x[q_idx.clamp(min=0).reshape(-1)].view(q_idx.shape + x.shape[1:])
-        mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
+        rows = x[mv.gather].view(mv.idx.shape + x.shape[1:])
+        mask = mv.valid.view(mv.valid.shape + (1,) * (x.dim() - 1))
         return torch.where(mask, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
     @staticmethod
@@ -151,14 +180,12 @@ class _ToSamples(torch.autograd.Function):
 
 class _ToStream(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
-        ctx.save_for_backward(q_idx)
-        valid = q_idx >= 0
+    def forward(ctx, y: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
+        ctx.save_for_backward(mv.idx)
         # Empty slots land in an extra dump row (dropped): no boolean indexing, no host sync.
-        out = y.new_zeros((n_rows + 1,) + y.shape[2:])
-        idx = torch.where(valid, q_idx, torch.full_like(q_idx, n_rows)).reshape(-1)
-        out.index_copy_(0, idx, y.reshape((-1,) + y.shape[2:]))
-        return out[:n_rows]
+        out = y.new_zeros((mv.n_rows + 1,) + y.shape[2:])
+        out.index_copy_(0, mv.scatter, y.reshape((-1,) + y.shape[2:]))
+        return out[:mv.n_rows]
 
     @staticmethod
     def backward(ctx, dx: torch.Tensor):
@@ -166,17 +193,24 @@ class _ToStream(torch.autograd.Function):
         valid = q_idx >= 0
         dy = dx.new_zeros(q_idx.shape + dx.shape[1:])
         dy[valid] = dx[q_idx[valid]]
-        return dy, None, None
+        return dy, None
 
 
-def to_samples(x: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
-    """Stream rows [L, ...] -> per-sample slots [S, T, ...] (empty slots 0). Exact both ways."""
-    return _ToSamples.apply(x, q_idx)
+def _moves_of(idx: torch.Tensor, n_rows: int, lay: StreamLayout | None) -> SlotMoves:
+    return lay.moves(idx, n_rows) if lay is not None else slot_moves(idx, n_rows)
 
 
-def to_stream(y: torch.Tensor, q_idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+def to_samples(x: torch.Tensor, q_idx: torch.Tensor,
+               lay: StreamLayout | None = None) -> torch.Tensor:
+    """Stream rows [L, ...] -> per-sample slots [S, T, ...] (empty slots 0). Exact both ways.
+    lay: the layout q_idx belongs to (its index tensors are then derived once per pass)."""
+    return _ToSamples.apply(x, _moves_of(q_idx, x.shape[0], lay))
+
+
+def to_stream(y: torch.Tensor, q_idx: torch.Tensor, n_rows: int,
+              lay: StreamLayout | None = None) -> torch.Tensor:
     """Per-sample slots [S, T, ...] -> stream rows [n_rows, ...] (rows no slot maps to: 0)."""
-    return _ToStream.apply(y, q_idx, n_rows)
+    return _ToStream.apply(y, _moves_of(q_idx, n_rows, lay))
 
 
 def cp_local_layout(lay: StreamLayout, local_rows: torch.Tensor) -> StreamLayout:

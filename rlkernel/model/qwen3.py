@@ -137,9 +137,9 @@ class Attention(nn.Module):
         if lay.kv_idx is not None:                # CP-split pass: K/V of the logical stream
             k, v = ops.cp_gather(k, pc), ops.cp_gather(v, pc)           # [L, kv_heads, D]
         k_all, v_all = k, v
-        qs = to_samples(q, lay.q_idx).transpose(1, 2)                    # [S, heads, T, D]
-        ks = to_samples(k_all, lay.keys_idx).transpose(1, 2)            # [S, kv_heads, T, D]
-        vs = to_samples(v_all, lay.keys_idx).transpose(1, 2)
+        qs = to_samples(q, lay.q_idx, lay).transpose(1, 2)               # [S, heads, T, D]
+        ks = to_samples(k_all, lay.keys_idx, lay).transpose(1, 2)       # [S, kv_heads, T, D]
+        vs = to_samples(v_all, lay.keys_idx, lay).transpose(1, 2)
         # bf16 runs: q, k, v rounded to bf16 here (the attention kernels' tensor-core operands;
         # the KV cache stores these bf16 values); the backward of this cast widens dQ, dK, dV.
         qs, ks, vs = (rounding_point(t, self.cd) for t in (qs, ks, vs))
@@ -155,7 +155,7 @@ class Attention(nn.Module):
                               lay.dense_causal and cache is None)
         # Widened exactly; the backward of this cast is the rounding point of dO (bf16 runs).
         o = o.to(torch.float32)
-        o = to_stream(o.transpose(1, 2), lay.q_idx, n).reshape(n, self.heads * c.head_dim)
+        o = to_stream(o.transpose(1, 2), lay.q_idx, n, lay).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc, self.cd)
 
     def _write_cache(self, cache: KVCache, ks, vs, lay: StreamLayout):

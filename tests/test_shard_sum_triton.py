@@ -1,0 +1,28 @@
+"""The row-parallel linears' one-pass virtual-shard sum (kernels/triton_matmul.shard_tree_sum)
+without a GPU: under TRITON_INTERPRET=1 (tests/shard_sum_triton_checks.py) it equals
+numerics.trees.tree_sum(p, 0) bitwise for S = 1 … 64 and ragged sizes, a sequential sum differs
+(control), bad input is refused. On a GPU the linears' tests (tests/test_cuda.py) cover it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from kernel_helpers import check_ok as _ok, run_interpreted_checks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs triton (interpreter / compiler)")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    return run_interpreted_checks(Path(__file__).with_name("shard_sum_triton_checks.py"))
+
+
+@pytest.mark.parametrize("name", ["one_pass_equals_tree_sum",
+                                  "negative_control_sequential_sum_differs",
+                                  "bad_input_is_refused"])
+def test_shard_sum(results, name):
+    _ok(results, name)
