@@ -80,6 +80,26 @@ def qk_norm_and_rope_equal_the_separate_passes():
         assert _same(one, got[3:4]), "alone vs batch"
 
 
+@check
+def bf16_output_is_the_rounded_fp32_output():
+    """out_dtype bf16 == the fp32 result rounded by torch's cast (round to nearest even), with
+    and without RoPE, values spanning the bf16 range and ties."""
+    g = torch.Generator().manual_seed(3)
+    x = _rows(40, 1000, g)
+    w = torch.randn(1000, generator=g) * 1e3
+    got = tn.rms_norm_apply(x, w, 1e-6, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    want = tn.rms_norm_apply(x, w, 1e-6).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    table = RopeTable(128, 1e6)
+    cos, sin = table.lookup(torch.arange(5))
+    xh = _rows(5 * 8, 128, g).view(5, 8, 128)
+    wh = torch.randn(128, generator=g)
+    got = tn.rms_norm_apply(xh, wh, 1e-6, cos, sin, out_dtype=torch.bfloat16)
+    want = _unfused(xh, wh, 1e-6, cos, sin).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @triton.jit
 def _reassociated(X, W, Y, n_rows, H, inv_h_num, eps, HP: tl.constexpr, LOG_HP: tl.constexpr,
                   BLOCK_R: tl.constexpr):

@@ -455,6 +455,12 @@ def test_rms_norm_inference_pass_equals_the_autograd_pass():
     assert _same(rms_norm_inference(xh, wh.detach(), 1e-6, cos, sin), want)
     other = apply_rope(rms_norm_inference(xh, torch.ones_like(wh.detach()), 1e-6), cos, sin)
     assert not _same(other * wh.detach(), want)
+    # bf16 output: the kernel's integer rounding == torch's CUDA cast of the fp32 result
+    big = x * 1e4
+    assert _same(rms_norm_inference(big, w.detach(), 1e-6, out_dtype=torch.bfloat16),
+                 rms_norm(big, w, 1e-6).detach().to(torch.bfloat16))
+    assert _same(rms_norm_inference(xh, wh.detach(), 1e-6, cos, sin, torch.bfloat16),
+                 want.to(torch.bfloat16))
 
 
 # --------------------------------------------------------------------------------- logprobs

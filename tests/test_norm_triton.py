@@ -37,6 +37,10 @@ def test_qk_norm_and_rope_equal_the_separate_passes(results):
     _ok(results, "qk_norm_and_rope_equal_the_separate_passes")
 
 
+def test_bf16_output_is_the_rounded_fp32_output(results):
+    _ok(results, "bf16_output_is_the_rounded_fp32_output")
+
+
 def test_negative_control_reassociated_product_differs(results):
     _ok(results, "negative_control_reassociated_product_differs")
 
@@ -54,10 +58,11 @@ def _ptx(fusion: bool) -> str:
     types = {"X": "*fp32", "W": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Y": "*fp32",
              "n_rows": "i32", "H": "i32", "heads": "i32", "inv_h_num": "fp32", "eps": "fp32",
              "HP": "constexpr", "LOG_HP": "constexpr", "BLOCK_R": "constexpr",
-             "ROPE": "constexpr"}
+             "ROPE": "constexpr", "OUT_BF16": "constexpr"}
     assert list(types) == list(tn._apply_kernel.arg_names)
     src = ASTSource(fn=tn._apply_kernel, signature=types,
-                    constexprs={"HP": 128, "LOG_HP": 7, "BLOCK_R": 32, "ROPE": True})
+                    constexprs={"HP": 128, "LOG_HP": 7, "BLOCK_R": 32, "ROPE": True,
+                                                  "OUT_BF16": False})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "enable_fp_fusion": fusion})
     return k.asm["ptx"]

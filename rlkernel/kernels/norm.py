@@ -84,16 +84,17 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm_inference(x: torch.Tensor, w: torch.Tensor, eps: float,
-                       cos: torch.Tensor | None = None,
-                       sin: torch.Tensor | None = None) -> torch.Tensor:
+                       cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`rms_norm`'s forward without autograd, then kernels/rope.apply_rope(·, cos, sin) when cos
-    and sin are given (x [L, heads, D]): the same bytes as the separate ops, on CUDA in one Triton
-    pass (kernels/triton_norm.rms_norm_apply), elsewhere the composition. x fp32, w fp32 [H]."""
+    and sin are given (x [L, heads, D]), then `.to(out_dtype)` (fp32 or bf16: a linear's rounding
+    point): the same bytes as the separate ops, on CUDA in one Triton pass
+    (kernels/triton_norm.rms_norm_apply), elsewhere the composition. x fp32, w fp32 [H]."""
     if x.is_cuda and w.dtype == torch.float32:
         from rlkernel.kernels import triton_norm
-        return triton_norm.rms_norm_apply(x.to(torch.float32), w, eps, cos, sin)
+        return triton_norm.rms_norm_apply(x.to(torch.float32), w, eps, cos, sin, out_dtype)
     y = _rms_stats(x.to(torch.float32), eps)[1] * w.to(torch.float32)   # _RMSNorm.forward's ops
-    return y if cos is None else apply_rope(y, cos, sin)
+    return (y if cos is None else apply_rope(y, cos, sin)).to(out_dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, tok: TokenSum | None = None,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_elementwise import neg32
+from rlkernel.kernels.triton_elementwise import bf16_rtne, neg32
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 
 
@@ -57,9 +57,10 @@ def _rms_kernel(X, XH, R, n_rows, H, inv_h_num, eps,
 @triton.jit
 def _apply_kernel(X, W, COS, SIN, Y, n_rows, H, heads, inv_h_num, eps,
                   HP: tl.constexpr, LOG_HP: tl.constexpr, BLOCK_R: tl.constexpr,
-                  ROPE: tl.constexpr):
+                  ROPE: tl.constexpr, OUT_BF16: tl.constexpr):
     """y = (x·r)·w per row (rows = token·heads + head), then, with ROPE, the rotate-half
-    rotation y·cos + rot(y)·sin of kernels/rope.apply_rope (cos/sin rows per token)."""
+    rotation y·cos + rot(y)·sin of kernels/rope.apply_rope (cos/sin rows per token); with
+    OUT_BF16 stored rounded to bf16 (round to nearest even, as torch's cast)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, HP)
     row_ok = rows < n_rows
@@ -77,7 +78,10 @@ def _apply_kernel(X, W, COS, SIN, Y, n_rows, H, heads, inv_h_num, eps,
         tok = (rows // heads).to(tl.int64)[:, None] * H + cols[None, :]
         y = y * tl.load(COS + tok, mask=ok, other=0.0) + rot * tl.load(SIN + tok, mask=ok,
                                                                          other=0.0)
-    tl.store(Y + off, y, mask=ok)
+    if OUT_BF16:
+        tl.store(Y + off, bf16_rtne(y), mask=ok)
+    else:
+        tl.store(Y + off, y, mask=ok)
 
 
 def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,12 +118,14 @@ def _launch_shape(h: int) -> tuple[int, int, int]:
 
 
 def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
-                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(x·r)·w for fp32 x [..., H] on CUDA and w [H] fp32, in one pass: the bytes of
     `rms_stats` then `x̂ * w` (kernels/norm.py's forward). With cos, sin [L, H] fp32 (x [L,
-    heads, H], H a power of two): then kernels/rope.apply_rope's rotation, same bytes. No
-    autograd (inference: the rollout engine and no-grad passes). ValueError on bad input."""
+    heads, H], H a power of two): then kernels/rope.apply_rope's rotation, same bytes.
+    out_dtype bf16: the result rounded as `.to(torch.bfloat16)` does (a linear's rounding point,
+    taken here instead of by another pass). No autograd (inference: the rollout engine and
+    no-grad passes). ValueError on bad input."""
     check_cuda("rms_norm", x, w)
     h = x.shape[-1]
     if x.dtype != torch.float32 or w.dtype != torch.float32 or tuple(w.shape) != (h,):
@@ -127,6 +133,8 @@ def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
                          f"{tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
     if not 1 <= h <= 65536:
         raise ValueError(f"rms_norm: row width {h} not in [1, 65536]")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"rms_norm: out_dtype {out_dtype} not in (float32, bfloat16)")
     rope = cos is not None
     heads = 1
     if rope:
@@ -139,7 +147,7 @@ def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
         heads = x.shape[1]
         cos, sin = cos.contiguous(), sin.contiguous()
     xc, wc = x.contiguous(), w.contiguous()
-    y = torch.empty_like(xc)
+    y = torch.empty_like(xc, dtype=out_dtype)
     n = xc.numel() // h
     if n == 0:
         return y
@@ -148,5 +156,5 @@ def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
         _apply_kernel[(triton.cdiv(n, block_r),)](
             xc, wc, cos if rope else wc, sin if rope else wc, y, n, h, heads, float(h),
             float(eps), HP=hp, LOG_HP=hp.bit_length() - 1, BLOCK_R=block_r, ROPE=rope,
-            num_warps=warps, enable_fp_fusion=False)
+            OUT_BF16=out_dtype == torch.bfloat16, num_warps=warps, enable_fp_fusion=False)
     return y

@@ -52,9 +52,11 @@ class InvariantOps:
         return par.sp_scatter(x, pc)
 
     @staticmethod
-    def norm(x, w, eps, tok, head_comm=None, replicas=1):
+    def norm(x, w, eps, tok, head_comm=None, replicas=1, out_dtype=torch.float32):
+        """RMSNorm [..., H] fp32. out_dtype: what an inference pass may return (bf16: the next
+        linear's rounding point, taken in the same kernel); autograd passes return fp32."""
         if not _needs_grad(x, w):      # rollout steps: one pass (the same bytes)
-            return norm.rms_norm_inference(x, w, eps)
+            return norm.rms_norm_inference(x, w, eps, out_dtype=out_dtype)
         return norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas)
 
     @staticmethod
@@ -216,7 +218,7 @@ class NativeOps:
         return NativeOps.sp_scatter(x, pc)
 
     @staticmethod
-    def norm(x, w, eps, tok, head_comm=None, replicas=1):
+    def norm(x, w, eps, tok, head_comm=None, replicas=1, out_dtype=torch.float32):
         var = x.pow(2).mean(-1, keepdim=True)
         return w * (x * torch.rsqrt(var + eps))
 

@@ -154,7 +154,9 @@ class Attention(nn.Module):
             o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc, self.cd,
                               lay.dense_causal and cache is None)
         # Widened exactly; the backward of this cast is the rounding point of dO (bf16 runs).
-        o = o.to(torch.float32)
+        # An inference pass keeps the bf16 output: o_proj would round the widened copy back.
+        if torch.is_grad_enabled() and o.requires_grad:
+            o = o.to(torch.float32)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n, lay).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc, self.cd)
 
@@ -196,9 +198,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, lay, cos, sin, cache):
         norm, tree = self.ops.norm, self.pc.tok_sp
-        x = x + self.self_attn(norm(x, self.input_layernorm.weight, self.eps, tree),
-                               lay, cos, sin, cache)
-        return x + self.mlp(norm(x, self.post_attention_layernorm.weight, self.eps, tree))
+        # An inference pass may return the normed rows already rounded to the compute dtype
+        # (the QKV and gate/up linears' rounding point; autograd passes round in the linears).
+        # Under SP the rows go through the SP all-gather first, which moves fp32.
+        cd = torch.float32 if self.pc.sp else self.self_attn.cd
+        x = x + self.self_attn(norm(x, self.input_layernorm.weight, self.eps, tree,
+                                    out_dtype=cd), lay, cos, sin, cache)
+        return x + self.mlp(norm(x, self.post_attention_layernorm.weight, self.eps, tree,
+                                 out_dtype=cd))
 
 
 class Qwen3Model(nn.Module):
