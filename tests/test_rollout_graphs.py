@@ -274,3 +274,33 @@ def test_property_padded_graph_steps_equal_eager(n, shared, max_seqs, budget, sh
     padded, st_p = _run("padded", reqs, sp_, **kw)
     assert padded == eager
     assert st_p["graph_steps"] > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5), st.integers(0, 40)),
+                min_size=1, max_size=24), st.sampled_from([16, 64]), st.integers(1, 3000))
+def test_property_decode_metadata_equals_the_piece_by_piece_metadata(rows, block, n_blocks):
+    """The decode fast path of _step_metadata (engine._decode_metadata: CP 1, one sampled token
+    per chunk, no copies) gives the general path's arrays — every key, dtype, shape and value —
+    and the same tk / pos_bound / sample count, for random positions (block edges included),
+    generated counts, slots and block ids (taken mod the pool size as the general path does)."""
+    from types import SimpleNamespace
+
+    from rlkernel.distributed.comm import Comm
+    from rlkernel.rollout.sequence import Sequence
+    chunks = []
+    for i, (pos, extra, gen) in enumerate(rows):
+        blocks = [(i * 97 + 13 * b) for b in range(pos // block + 1 + extra)]
+        seq = Sequence(slot=(i * 7) % 50, sample_id=1000 - i, prompt=tuple(range(pos + 1 - min(gen, pos))),
+                       max_new=64, n_generated=min(gen, pos), blocks=blocks)
+        chunks.append(Chunk(seq, pos, 1, True))
+    plan = StepPlan(chunks, [])
+    cache = SimpleNamespace(zero_block=n_blocks, dump_block=n_blocks + 1, blocks=n_blocks)
+    cp = Comm.single("cp")
+    fast = engine_mod._step_metadata(plan, block, cache, cp, 400, 64)
+    slow = engine_mod._piece_metadata(plan, block, cache, cp, 400, 64)
+    assert set(fast.arrays) == set(slow.arrays)
+    for k, a in slow.arrays.items():
+        b = fast.arrays[k]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), k
+    assert (fast.tk, fast.pos_bound, fast.n_sample) == (slow.tk, slow.pos_bound, slow.n_sample)

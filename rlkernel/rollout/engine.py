@@ -406,6 +406,14 @@ def _step_metadata(plan: StepPlan, block: int, cache: PagedKVCache, cp, width: i
     on its own position and the keys it sees), so a step that mixes a long prefill chunk with
     decodes pads every row to `block` queries, not to the longest chunk.
     """
+    if cp.size == 1 and not plan.copies and all(c.n == 1 and c.samples for c in plan.chunks):
+        return _decode_metadata(plan, block, cache, width, max_new)
+    return _piece_metadata(plan, block, cache, cp, width, max_new)
+
+
+def _piece_metadata(plan: StepPlan, block: int, cache: PagedKVCache, cp, width: int,
+                    max_new: int) -> _Meta:
+    """`_step_metadata` of any step, piece by piece."""
     src, positions, rows_q, rows_pos, kv_len, slots, tables = [], [], [], [], [], [], []
     rows, sample_ids, sample_pos, tok_dst, lp_dst, slots_sampled = [], [], [], [], [], []
     p_size, rank = cp.size, cp.rank
@@ -455,6 +463,38 @@ def _step_metadata(plan: StepPlan, block: int, cache: PagedKVCache, cp, width: i
                       sample_pos=torch.tensor(sample_pos), tok_dst=torch.tensor(tok_dst),
                       lp_dst=torch.tensor(lp_dst), slots_sampled=torch.tensor(slots_sampled))
     return _Meta(arrays, max(kv_len), max(kv_len), len(rows))
+
+
+def _decode_metadata(plan: StepPlan, block: int, cache: PagedKVCache, width: int,
+                     max_new: int) -> _Meta:
+    """`_step_metadata` of a decode step at CP = 1 (every chunk one token that samples, no
+    copies): the same arrays, built with a few list passes and tensor ops instead of the
+    general per-piece loop (host time per decode step at 256 sequences of ~1k tokens: 3.2 ->
+    0.6 ms on this project's CPU; tests/test_rollout_graphs.py checks equality with
+    `_piece_metadata`)."""
+    seqs = [c.seq for c in plan.chunks]
+    n = len(seqs)
+    pos = [c.start for c in plan.chunks]
+    slot = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+    p = torch.tensor(pos, dtype=torch.long)
+    nb_row = [q // block + 1 for q in pos]            # blocks up to and including position q
+    nb = max(nb_row)
+    flat = torch.tensor([b for s, k in zip(seqs, nb_row) for b in s.blocks[:k]],
+                        dtype=torch.long) % cache.blocks
+    table = torch.full((n, nb), cache.zero_block, dtype=torch.long)
+    table[torch.arange(nb)[None, :] < torch.tensor(nb_row)[:, None]] = flat
+    last = table.gather(1, (p // block)[:, None])[:, 0]   # the block holding position q
+    num = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
+    rows = torch.arange(n)
+    arrays = {"src": slot * width + p, "positions": p.clone(), "q_idx": rows[:, None].clone(),
+              "q_pos": p[:, None].clone(), "kv_len": p + 1,
+              "slots": (last * block + p % block)[:, None], "table": table,
+              "rows": rows.clone(), "sample_ids": torch.tensor([s.sample_id for s in seqs]),
+              "sample_pos": num, "tok_dst": slot * width + num,
+              "lp_dst": slot * max_new + torch.tensor([s.n_generated for s in seqs]),
+              "slots_sampled": slot.clone()}
+    tk = max(pos) + 1
+    return _Meta(arrays, tk, tk, n)
 
 
 def _upload(arrays: dict[str, torch.Tensor], dev: torch.device) -> dict[str, torch.Tensor]:
