@@ -91,7 +91,8 @@ class RunConfig:
     steps: int = 2
     """Number of RL steps (rollout, train, update, export, audit)."""
     seed: int = 0
-    """Run seed: prompt order and the counter-based sampling noise. 0 <= seed < 2**63."""
+    """Run seed: the built-in task's prompts and the counter-based sampling noise (a --prompts
+    file is read in file order, never shuffled). 0 <= seed < 2**63."""
     n_prompts: int = 4
     """Prompts per step."""
     n_samples_per_prompt: int = 4

@@ -173,7 +173,8 @@ class RunWatch(NullWatch):
                      f"ranks: {ranks}; device: {device}, {c.dtype}, --mode {c.mode}",
                      f"plan: {plan}",
                      f"run dir: {display_run_dir(self.run_dir)}"
-                     + (f" (resuming at step {self.start})" if self.start else "")):
+                     + (f" (resuming at step {self.start + 1}/{c.steps}, evidence step {self.start})"
+                        if self.start else "")):
             self._print(line)
 
     def phase(self, text: str) -> None:
