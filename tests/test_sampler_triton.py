@@ -46,7 +46,9 @@ def test_race_scores_equal_the_torch_scores(results):
 
 
 def test_race_tokens_equal_the_torch_sampler(results):
-    """Tokens == sample_tokens for top-p 1 … 1e-9, ties, −inf ids, several pieces per row."""
+    """Tokens == sample_tokens' torch ops (not the race, which sample_tokens itself dispatches
+    to under the interpreter) for top-p 1 … 1e-9, tied logprobs and tied scores, −inf ids,
+    several pieces per row."""
     _ok(results, "race_tokens_equal_the_torch_sampler")
 
 
