@@ -57,6 +57,12 @@ def test_flags_equal_invalid_rows(results):
     _ok(results, "flags_equal_invalid_rows_and_nan_rows_draw_v")
 
 
+def test_sample_tokens_on_the_race_validates(results):
+    """sample_tokens(validate=True) on race-drawn rows refuses NaN, +inf, no-finite and
+    unnormalised rows as the torch path does; valid rows: the race's tokens."""
+    _ok(results, "sample_tokens_on_the_race_validates")
+
+
 def test_split_and_batch_change_no_token(results):
     """Any piece/block split, and a row alone or in batches of 7 and 13: the same tokens."""
     _ok(results, "pieces_blocks_and_batch_change_no_token")
