@@ -68,8 +68,15 @@ def _logprobs(rows: int, v: int, gen: torch.Generator, scale: float = 3.0) -> to
 
 
 def _torch_tokens(lp, seed, sid, pos, top_p):
-    return sampler.sample_tokens(lp, seed=seed, sample_ids=sid, positions=pos, top_p=top_p,
-                                 validate=False)
+    """sample_tokens' torch ops (the reference). Under TRITON_INTERPRET=1 sampler._fused is true
+    for fp32 rows, so sample_tokens would run the race itself: the dispatch is switched off."""
+    fused = sampler._fused
+    sampler._fused = lambda _: False
+    try:
+        return sampler.sample_tokens(lp, seed=seed, sample_ids=sid, positions=pos, top_p=top_p,
+                                     validate=False)
+    finally:
+        sampler._fused = fused
 
 
 def _ids(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +143,10 @@ def race_scores_equal_the_torch_scores():
 @check
 def race_tokens_equal_the_torch_sampler():
     """Tokens == sample_tokens (torch, CPU) at top-p 1 and < 1, V not a multiple of the piece,
-    several pieces per row, rows with −inf ids (a padded vocabulary) and tied logprobs (so the
-    cut's id matters)."""
+    several pieces per row, rows with −inf ids (a padded vocabulary), tied logprobs (so the
+    cut's id matters) and tied race scores (ties to the smallest id within a block, across the
+    blocks of a piece and across pieces); the top-p cut computed in chunks of rows. The
+    reference is the torch ops, never the race."""
     g = torch.Generator().manual_seed(3)
     rows, v = 9, 1000
     lp = _logprobs(rows, v, g)
@@ -145,6 +154,10 @@ def race_tokens_equal_the_torch_sampler():
     lp[2] = torch.log_softmax(torch.randint(0, 3, (v,), generator=g).float(), -1)   # ties
     lp[3] = torch.log_softmax(torch.zeros(v), -1)                                     # all tied
     lp[4] = torch.log_softmax(torch.randn(v, generator=g) * 30, -1)                   # peaked
+    # Equal scores: −1e30 − log q rounds to −1e30 for every q. With 128-id blocks and 256-id
+    # pieces: two ties in block 0, two in block 1 (same piece), more in pieces 1 and 3.
+    lp[5] = float("-inf")
+    lp[5, [900, 300, 140, 131, 110, 100, 700]] = -1e30
     sid, pos = _ids(rows, g)
     with _split(256, 128):
         for top_p in (1.0, 0.999, 0.9, 0.5, 0.1, 1e-9):
@@ -152,7 +165,17 @@ def race_tokens_equal_the_torch_sampler():
                 got = sampler.draw(lp, seed=seed, sample_ids=sid, positions=pos, top_p=top_p)
                 want = _torch_tokens(lp, seed, sid, pos, top_p)
                 assert torch.equal(got[0], want), f"top_p {top_p} seed {seed}: {got[0]} vs {want}"
+                assert int(want[5]) == 100, want[5]
                 assert not bool(got[1].any()), "a valid row flagged"
+    chunk = sampler._CHUNK_ELEMS
+    sampler._CHUNK_ELEMS = 4 * v        # the race's top-p cut computed 4 rows at a time
+    try:
+        with _split(256, 128):
+            got = sampler.draw(lp, seed=7, sample_ids=sid, positions=pos, top_p=0.5)[0]
+    finally:
+        sampler._CHUNK_ELEMS = chunk
+    want = _torch_tokens(lp, 7, sid, pos, 0.5)
+    assert torch.equal(got, want), f"chunked cut: {got} vs {want}"
 
 
 @check
@@ -175,6 +198,29 @@ def flags_equal_invalid_rows_and_nan_rows_draw_v():
     assert tok[0] == v and tok[3] == v, tok
     want = _torch_tokens(lp, 5, sid, pos, 1.0)
     assert torch.equal(tok[[1, 2, 4, 5]], want[[1, 2, 4, 5]]), (tok, want)
+
+
+@check
+def sample_tokens_on_the_race_validates():
+    """sample_tokens(validate=True) on fp32 rows (drawn by the race) refuses what the torch path
+    refuses — NaN, +inf, a row without a finite entry, an unnormalised row at top-p < 1 — and
+    draws the race's tokens otherwise."""
+    g = torch.Generator().manual_seed(7)
+    lp = _logprobs(3, 300, g)
+    sid, pos = _ids(3, g)
+    kw = dict(seed=3, sample_ids=sid, positions=pos)
+    for row, value, top_p in ((1, float("nan"), 1.0), (2, float("inf"), 1.0),
+                              (0, float("-inf"), 1.0), (1, 0.0, 0.9)):
+        bad = lp.clone()
+        bad[row] = value
+        try:
+            sampler.sample_tokens(bad, top_p=top_p, **kw)
+        except ValueError:
+            continue
+        raise AssertionError(f"row of {value} at top_p {top_p} accepted")
+    got = sampler.sample_tokens(lp, top_p=0.9, **kw)
+    assert torch.equal(got, sampler.draw(lp, top_p=0.9, **kw)[0])
+    assert torch.equal(got, _torch_tokens(lp, 3, sid, pos, 0.9))
 
 
 @check

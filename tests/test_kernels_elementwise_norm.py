@@ -35,7 +35,7 @@ from kernel_helpers import (
 
 from rlkernel.kernels.activation import swiglu
 from rlkernel.kernels.elementwise import exp32, exp64, log32, log64, rsqrt32, sigmoid32
-from rlkernel.kernels.norm import rms_norm
+from rlkernel.kernels.norm import _rms_stats, rms_norm, rms_norm_inference
 from rlkernel.kernels.rope import RopeTable, apply_rope
 
 # ================================================================== elementwise
@@ -235,6 +235,28 @@ def test_rms_norm_dw_identical_for_streams_differing_only_in_padding_rows_x():
         rms_norm(xx, ww, 1e-6).backward(dy)
         grads.append(ww.grad)
     assert_bitwise(grads[0], grads[1])
+
+
+def test_rms_norm_inference_equals_the_autograd_forward():
+    """rms_norm_inference (the no-grad pass: rollout steps, trainer_logprobs) == rms_norm's
+    autograd forward, then apply_rope for Q/K rows, then .to(out_dtype), bitwise, with non-unit
+    weights (the tiny model's unit norm weights hide a reassociated x·(r·w)); out_dtype bf16
+    gives bf16. Control: x·(r·w) differs from (x·r)·w on these rows."""
+    x, w = randn(300, 96, seed=41), 1 + randn(96, seed=42, scale=0.3)
+    ref = rms_norm(x, w.clone().requires_grad_(), 1e-6).detach()
+    with torch.no_grad():
+        got = rms_norm_inference(x, w, 1e-6)
+        half = rms_norm_inference(x, w, 1e-6, out_dtype=torch.bfloat16)
+    assert_bitwise(got, ref)
+    assert half.dtype == torch.bfloat16
+    assert_bitwise(half, ref.to(torch.bfloat16))
+    xq, wq = randn(40, 4, 32, seed=43), 1 + randn(32, seed=44, scale=0.3)
+    cos, sin = RopeTable(32, 1e6).lookup(torch.arange(40) * 37)
+    ref_q = apply_rope(rms_norm(xq, wq.clone().requires_grad_(), 1e-6), cos, sin).detach()
+    with torch.no_grad():
+        assert_bitwise(rms_norm_inference(xq, wq, 1e-6, cos, sin), ref_q)
+    r = _rms_stats(x, 1e-6)[0]
+    assert_stock_differs(x * (r[:, None] * w), got)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -14,6 +14,7 @@ import torch
 
 from rlkernel.model.checkpoint import init_weights
 from rlkernel.model.config import tiny
+from rlkernel.model.layout import packed_layout, to_samples, to_stream
 from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
@@ -111,3 +112,27 @@ def test_padded_vocab_never_samples_masked_ids_and_trainer_equals_rollout():
     assert _trainer_logprobs(InvariantOps, comps, 200) == [_bits(c)[1] for c in comps]
     unmasked = _engine(InvariantOps).generate(reqs, SP)
     assert max(t for c in unmasked for t in c.response_ids) >= 200
+
+
+def test_layout_moves_are_cached_per_index_tensor_and_stream_rows():
+    """StreamLayout.moves (the per-pass cache of to_samples / to_stream's index tensors) keys on
+    the index tensor and the stream's row count: one q_idx with n and n + 4 rows gives two
+    SlotMoves, each sending empty slots to its own dump row (n_rows); a repeated call returns
+    the cached one; to_samples / to_stream with the layout give the bytes and shapes they give
+    without it."""
+    lay = packed_layout([[1, 2, 3], [4, 5]], 257)
+    n = lay.tokens.shape[0]
+    a, b = lay.moves(lay.q_idx, n), lay.moves(lay.q_idx, n + 4)
+    assert lay.moves(lay.q_idx, n) is a and (a.n_rows, b.n_rows) == (n, n + 4)
+    empty = ~a.valid.reshape(-1)
+    assert bool(empty.any())
+    assert a.scatter[empty].tolist() == [n] * int(empty.sum())
+    assert b.scatter[empty].tolist() == [n + 4] * int(empty.sum())
+    x = torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
+    slots = to_samples(x, lay.q_idx, lay)
+    assert torch.equal(slots.view(torch.int32), to_samples(x, lay.q_idx).view(torch.int32))
+    for rows in (n, n + 4):
+        got = to_stream(slots, lay.q_idx, rows, lay)
+        assert got.shape == (rows, 3)
+        assert torch.equal(got.view(torch.int32),
+                           to_stream(slots, lay.q_idx, rows).view(torch.int32))

@@ -24,7 +24,7 @@ from rollout_helpers import CFG, PAD, W, bits, engine, group, requests, sp
 from rlkernel.model.layout import chunk_layout
 from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.model.qwen3 import KVCache, Qwen3ForCausalLM
-from rlkernel.rollout.engine import Request
+from rlkernel.rollout.engine import Request, RolloutEngine
 from rlkernel.rollout.kv_cache import PagedKVCache
 from rlkernel.rollout.sampler import sample_tokens
 from rlkernel.train.step import TrainSample, trainer_logprobs
@@ -339,3 +339,24 @@ def test_per_request_length_cap():
         assert (t, lp) == (ft[:n], flp[:n])
     with pytest.raises(ValueError, match="sample 190: max_new_tokens=0 must be an integer >= 1"):
         engine(InvariantOps).generate([Request(190, (1, 2), 0)], SP)
+
+
+def test_load_rounds_fp32_weights_to_bf16_in_the_held_dtype():
+    """load_weights of fp32 tensors that bf16 cannot hold (W·(1 + 2**-10)): a bf16 engine holds
+    every parameter as its bf16 rounding — 2-D weights in bf16, norm weights in fp32 holding bf16
+    values — and held_form (what the weight audit compares with) gives those bytes. Control: the
+    loaded norm weights were not bf16 values (the rounding did something)."""
+    w32 = {n: t.float() * (1 + 2.0**-10) for n, t in W.items()}
+    e = RolloutEngine(CFG, InvariantOps, torch.bfloat16, pad_id=PAD)
+    e.load_weights(w32)
+    held = e.held_weights()
+    assert set(held) == set(w32)
+    for n, t in w32.items():
+        h, want = held[n], t.to(torch.bfloat16).float()
+        assert h.dtype == (torch.bfloat16 if t.dim() == 2 else torch.float32), n
+        assert torch.equal(h.float().view(torch.int32), want.view(torch.int32)), n
+        form = e.held_form(n, t)
+        assert form.dtype == h.dtype and torch.equal(form.float().view(torch.int32),
+                                                     want.view(torch.int32)), n
+    norm = "model.norm.weight"
+    assert not torch.equal(w32[norm].view(torch.int32), held[norm].view(torch.int32))

@@ -218,6 +218,17 @@ def test_top_p_mask_exact_boundaries():
     assert _top_p_keep_mask(q, 0.3).tolist() == [[True, True, True] + [False] * 5]
 
 
+def test_top_p_ties_kept_by_id_in_wide_rows():
+    """A row of 1000 equal probabilities keeps exactly ids 0..n-1, n from the integer rule
+    (i·round(p·2**60) < ceil(top_p·2**60)): the tie order is the id order at any width. Fails if
+    the sort is not stable (torch's unstable CPU sort reorders ties in rows wider than 16)."""
+    v, p, top_p = 1000, 1e-3, 0.3
+    fixed, bound = round(p * 2.0**60), math.ceil(top_p * 2.0**60)
+    n = sum(1 for i in range(v) if i * fixed < bound)
+    keep = _top_p_keep_mask(torch.full((3, v), p, dtype=torch.float64), top_p)
+    assert keep.tolist() == [[True] * n + [False] * (v - n)] * 3, keep.sum(-1)
+
+
 def test_argmax_ties_to_smallest_id():
     s = torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("-inf"), 0.0, 0.0, 0.0], [5.0, 5.0, 5.0, 5.0]], dtype=torch.float64)
     assert _argmax_lowest_id(s).tolist() == [1, 1, 0]
@@ -267,3 +278,5 @@ def test_shape_validation():
         sample_tokens(torch.full((1, 3), float("-inf")), seed=0, sample_ids=_ids(0), positions=_ids(0), top_p=1.0)
     with pytest.raises(TypeError):
         counter_uniform(0, torch.tensor([0.5]), _ids(0), 4)
+    with pytest.raises(ValueError, match="non-empty vocabulary"):   # no rows: no counter_uniform
+        sample_tokens(torch.zeros(0, 0), seed=0, sample_ids=_ids(), positions=_ids(), top_p=1.0)

@@ -46,13 +46,21 @@ def test_race_scores_equal_the_torch_scores(results):
 
 
 def test_race_tokens_equal_the_torch_sampler(results):
-    """Tokens == sample_tokens for top-p 1 … 1e-9, ties, −inf ids, several pieces per row."""
+    """Tokens == sample_tokens' torch ops (not the race, which sample_tokens itself dispatches
+    to under the interpreter) for top-p 1 … 1e-9, tied logprobs and tied scores, −inf ids,
+    several pieces per row."""
     _ok(results, "race_tokens_equal_the_torch_sampler")
 
 
 def test_flags_equal_invalid_rows(results):
     """bad == invalid_rows (NaN, +inf, all −inf rows); NaN rows draw id V."""
     _ok(results, "flags_equal_invalid_rows_and_nan_rows_draw_v")
+
+
+def test_sample_tokens_on_the_race_validates(results):
+    """sample_tokens(validate=True) on race-drawn rows refuses NaN, +inf, no-finite and
+    unnormalised rows as the torch path does; valid rows: the race's tokens."""
+    _ok(results, "sample_tokens_on_the_race_validates")
 
 
 def test_split_and_batch_change_no_token(results):
