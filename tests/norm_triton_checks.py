@@ -9,28 +9,20 @@ TRITON_INTERPRET=1 .venv/bin/python tests/norm_triton_checks.py [NAME ...]
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    sys.exit("norm_triton_checks.py needs TRITON_INTERPRET=1")
+from kernel_helpers import interpreted_checks, run_checks
+
+CHECKS, check = interpreted_checks(__file__)
 
 import triton
 import triton.language as tl
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
-from kernel_helpers import run_checks
 
 from rlkernel.kernels import triton_norm as tn
 from rlkernel.kernels.rope import RopeTable, apply_rope
-
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -12,34 +12,27 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/sampler_triton_checks.py 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import warnings
 
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    sys.exit("sampler_triton_checks.py needs TRITON_INTERPRET=1")
+from kernel_helpers import interpreted_checks, run_checks
+
+CHECKS, check = interpreted_checks(__file__)
 
 import triton
 import triton.language as tl
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
-from kernel_helpers import run_checks
 
 from rlkernel.kernels import elementwise as ew
 from rlkernel.kernels import triton_elementwise as tew
 from rlkernel.kernels import triton_sampler as ts
 from rlkernel.rollout import sampler
 
-CHECKS = {}
 # int64 products wrap (the hash), NaN -> int casts and overflows to Inf are the torch path's too
 for msg in ("overflow encountered", "invalid value encountered"):
     warnings.filterwarnings("ignore", msg, RuntimeWarning)
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
 
 
 def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

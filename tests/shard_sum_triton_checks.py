@@ -6,26 +6,18 @@ TRITON_INTERPRET=1 .venv/bin/python tests/shard_sum_triton_checks.py [NAME ...]
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    sys.exit("shard_sum_triton_checks.py needs TRITON_INTERPRET=1")
+from kernel_helpers import interpreted_checks, run_checks
+
+CHECKS, check = interpreted_checks(__file__)
 
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
-from kernel_helpers import run_checks
 
 from rlkernel.kernels import triton_matmul as tm
 from rlkernel.numerics.trees import tree_sum
-
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
