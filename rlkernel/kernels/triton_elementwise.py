@@ -1,5 +1,5 @@
-"""Triton jit helpers: kernels/elementwise.py's exp sequence, operation for operation, and exact
-negation. Shared by the Triton kernels that must give the torch path's bits (SwiGLU:
+"""Triton jit helpers: kernels/elementwise.py's exp sequence, operation for operation, exact
+negation, and the pairwise tree over a tile's rows (`tree_rows`). Shared by the Triton kernels that must give the torch path's bits (SwiGLU:
 kernels/triton_activation.py; LM-head d logits: kernels/triton_dlogits.py).
 
 exp64(x), float64 -> float64 (elementwise.exp64):
@@ -114,6 +114,17 @@ def log64(x):
 def log32(x):
     """elementwise.log32 of an fp32 tensor: log64 in float64, rounded once to fp32."""
     return log64(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def tree_rows(v, BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
+    """Pairwise tree over the last dim of v [BR, C] (C = 2**LOG_C; adjacent pairs, level by
+    level, as numerics.trees.tree_sum) -> [BR]: each level is elementwise IEEE adds of the
+    same two values, so a row's bits never depend on the tile or the warp layout."""
+    for lvl in tl.static_range(LOG_C):
+        a, b = tl.split(tl.reshape(v, (BR, C >> (lvl + 1), 2)))
+        v = a + b
+    return tl.reshape(v, (BR,))
 
 
 @triton.jit

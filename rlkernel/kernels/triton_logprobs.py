@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_elementwise import exp32, log32
+from rlkernel.kernels.triton_elementwise import exp32, log32, tree_rows
 from rlkernel.kernels.triton_matmul import BLOCK_K
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.spec import CUDA_VOCAB_CHUNK
@@ -51,15 +51,6 @@ _LOG_CHUNK = 7
 
 
 @triton.jit
-def _tree_rows(v, BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
-    """Pairwise tree over the last dim of v [BR, C] (adjacent pairs, level by level) -> [BR]."""
-    for lvl in tl.static_range(LOG_C):
-        a, b = tl.split(tl.reshape(v, (BR, C >> (lvl + 1), 2)))
-        v = a + b
-    return tl.reshape(v, (BR,))
-
-
-@triton.jit
 def _chunk_update(z, m, s, t, BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
     """Merge one chunk of z [BR, C] (masked ids = -inf) into the running (m, s, t) [BR]."""
     m_c = tl.max(z, 1)
@@ -67,8 +58,8 @@ def _chunk_update(z, m, s, t, BR: tl.constexpr, C: tl.constexpr, LOG_C: tl.const
     m_cs = tl.where(live, m_c, 0.0)
     e = tl.exp(z - m_cs[:, None])                        # masked ids -> exp(-inf) = 0
     ez = tl.where(e > 0, e * z, 0.0)                     # no 0 * -inf
-    s_c = _tree_rows(e, BR, C, LOG_C)
-    t_c = _tree_rows(ez, BR, C, LOG_C)
+    s_c = tree_rows(e, BR, C, LOG_C)
+    t_c = tree_rows(ez, BR, C, LOG_C)
     m_new = tl.maximum(m, m_c)
     m_ns = tl.where(m_new > float("-inf"), m_new, 0.0)
     f_old = tl.exp(m - m_ns)                             # m = -inf -> 0

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels.triton_elementwise import tree_rows
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.spec import CUDA_BLOCK_K
 
@@ -306,10 +307,7 @@ def _shard_sum_kernel(P, Y, mn, S: tl.constexpr, LOG_S: tl.constexpr, BLOCK: tl.
     ok = o < mn
     sh = tl.arange(0, S).to(tl.int64)
     v = tl.load(P + sh[None, :] * mn + o[:, None], mask=ok[:, None], other=0.0)   # [BLOCK, S]
-    for lvl in tl.static_range(LOG_S):          # adjacent pairs, level by level (tree_sum)
-        a, b = tl.split(tl.reshape(v, (BLOCK, S >> (lvl + 1), 2)))
-        v = a + b
-    tl.store(Y + o, tl.reshape(v, (BLOCK,)), mask=ok)
+    tl.store(Y + o, tree_rows(v, BLOCK, S, LOG_S), mask=ok)
 
 
 def shard_tree_sum(p: torch.Tensor) -> torch.Tensor:

@@ -25,19 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_elementwise import bf16_rtne, neg32
+from rlkernel.kernels.triton_elementwise import bf16_rtne, neg32, tree_rows
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 
 
 @triton.jit
 def _rstd(x, inv_h_num, eps, BLOCK_R: tl.constexpr, HP: tl.constexpr, LOG_HP: tl.constexpr):
     """r = 1/sqrt(tree(x²)/H + eps) per row of x [BLOCK_R, HP] (zero-padded past H)."""
-    v = x * x
-    for lvl in tl.static_range(LOG_HP):
-        a, b = tl.split(tl.reshape(v, (BLOCK_R, HP >> (lvl + 1), 2)))
-        v = a + b
-    ss = tl.reshape(v, (BLOCK_R,))
-    ms = tl.math.div_rn(ss, inv_h_num)
+    ms = tl.math.div_rn(tree_rows(x * x, BLOCK_R, HP, LOG_HP), inv_h_num)
     return tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), tl.math.sqrt_rn(ms + eps))
 
 
@@ -90,11 +85,7 @@ def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     Raises ValueError for a non-fp32 input or an oversized row.
     """
     check_cuda("rms_norm", x)
-    if x.dtype != torch.float32:
-        raise ValueError(f"rms_norm: float32 input expected, got {x.dtype}")
-    h = x.shape[-1]
-    if not 1 <= h <= 65536:
-        raise ValueError(f"rms_norm: row width {h} not in [1, 65536]")
+    h = _row_width(x)
     xc = x.contiguous()
     n = xc.numel() // h
     xh = torch.empty_like(xc)
@@ -108,6 +99,16 @@ def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
                                                 BLOCK_R=block_r, num_warps=warps,
                                                 enable_fp_fusion=False)
     return r, xh
+
+
+def _row_width(x: torch.Tensor) -> int:
+    """H of fp32 rows x [..., H]; ValueError for another dtype or H outside [1, 65536]."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"rms_norm: float32 input expected, got {x.dtype}")
+    h = x.shape[-1]
+    if not 1 <= h <= 65536:
+        raise ValueError(f"rms_norm: row width {h} not in [1, 65536]")
+    return h
 
 
 def _launch_shape(h: int) -> tuple[int, int, int]:
@@ -127,12 +128,9 @@ def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
     taken here instead of by another pass). No autograd (inference: the rollout engine and
     no-grad passes). ValueError on bad input."""
     check_cuda("rms_norm", x, w)
-    h = x.shape[-1]
-    if x.dtype != torch.float32 or w.dtype != torch.float32 or tuple(w.shape) != (h,):
-        raise ValueError(f"rms_norm: float32 x [..., {h}] and w [{h}] expected, got {x.dtype} "
-                         f"{tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
-    if not 1 <= h <= 65536:
-        raise ValueError(f"rms_norm: row width {h} not in [1, 65536]")
+    h = _row_width(x)
+    if w.dtype != torch.float32 or tuple(w.shape) != (h,):
+        raise ValueError(f"rms_norm: float32 w [{h}] expected, got {w.dtype} {tuple(w.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"rms_norm: out_dtype {out_dtype} not in (float32, bfloat16)")
     rope = cos is not None

@@ -55,14 +55,14 @@ class InvariantOps:
     def norm(x, w, eps, tok, head_comm=None, replicas=1, out_dtype=torch.float32):
         """RMSNorm [..., H] fp32. out_dtype: what an inference pass may return (bf16: the next
         linear's rounding point, taken in the same kernel); autograd passes return fp32."""
-        if not _needs_grad(x, w):      # rollout steps: one pass (the same bytes)
+        if not needs_grad(x, w):      # rollout steps: one pass (the same bytes)
             return norm.rms_norm_inference(x, w, eps, out_dtype=out_dtype)
         return norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas)
 
     @staticmethod
     def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1):
         """Per-head RMSNorm, then RoPE (Qwen3's Q/K path): x [L, heads, D] -> same, fp32."""
-        if not _needs_grad(x, w):
+        if not needs_grad(x, w):
             return norm.rms_norm_inference(x, w, eps, cos, sin)
         return apply_rope(norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm,
                                         replicas=replicas), cos, sin)
@@ -118,7 +118,7 @@ class InvariantOps:
             p.grad = grads.get(n)
 
 
-def _needs_grad(*ts: torch.Tensor) -> bool:
+def needs_grad(*ts: torch.Tensor) -> bool:
     """Whether autograd records an op on these tensors now (else: inference passes)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 

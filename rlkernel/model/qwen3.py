@@ -31,6 +31,7 @@ from rlkernel.kernels.matmul import rounding_point
 from rlkernel.kernels.rope import RopeTable
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
+from rlkernel.model.ops import needs_grad
 from rlkernel.model.sharding import (dx_shard_rows, kv_replicas, local_tensor, logical_tensor,
                                      shard_of)
 from rlkernel.spec import ATTN_KV_BLOCK
@@ -155,7 +156,7 @@ class Attention(nn.Module):
                               lay.dense_causal and cache is None)
         # Widened exactly; the backward of this cast is the rounding point of dO (bf16 runs).
         # An inference pass keeps the bf16 output: o_proj would round the widened copy back.
-        if torch.is_grad_enabled() and o.requires_grad:
+        if needs_grad(o):
             o = o.to(torch.float32)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n, lay).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc, self.cd)
@@ -271,7 +272,7 @@ class Qwen3ForCausalLM(nn.Module):
         compute dtype for weights `hold_matmul_weights` moved; on t's device). The weight audit
         compares the parameter with it byte for byte, so load and audit share this definition."""
         shard = local_tensor(name, t, self.cfg, self.pc.tp.size, self.pc.tp.rank)
-        return shard.to(self.param_dtype).to(self.logical_params()[name].dtype)
+        return shard.to(self.param_dtype).to(self.get_parameter(name).dtype)
 
     @torch.no_grad()
     def hold_matmul_weights(self) -> None:

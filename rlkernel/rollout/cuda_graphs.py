@@ -68,10 +68,9 @@ def bucket(b: int) -> int:
 
 
 def is_decode(plan) -> bool:
-    """Every chunk feeds one token and samples, no block is copied first, and a bucket holds the
-    batch (a larger one, beyond BUCKETS[-1] sequences, runs eagerly)."""
-    return (bool(plan.chunks) and not plan.copies and len(plan.chunks) <= BUCKETS[-1]
-            and all(c.n == 1 and c.samples for c in plan.chunks))
+    """A decode step (StepPlan.is_decode) whose batch a bucket holds (a larger one, beyond
+    BUCKETS[-1] sequences, runs eagerly)."""
+    return plan.is_decode and len(plan.chunks) <= BUCKETS[-1]
 
 
 class Pads:

@@ -406,7 +406,7 @@ def _step_metadata(plan: StepPlan, block: int, cache: PagedKVCache, cp, width: i
     on its own position and the keys it sees), so a step that mixes a long prefill chunk with
     decodes pads every row to `block` queries, not to the longest chunk.
     """
-    if cp.size == 1 and not plan.copies and all(c.n == 1 and c.samples for c in plan.chunks):
+    if cp.size == 1 and plan.is_decode:
         return _decode_metadata(plan, block, cache, width, max_new)
     return _piece_metadata(plan, block, cache, cp, width, max_new)
 

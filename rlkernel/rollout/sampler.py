@@ -272,13 +272,12 @@ def sample_tokens(
     if validate and (torch.isnan(logprobs).any() or torch.isposinf(logprobs).any()):
         raise ValueError("logprobs contain NaN or +inf")
     if _fused(logprobs):
-        if validate:
-            _validate_rows(logprobs, tp)
+        if validate:   # per chunk of rows: its float64 temporaries stay bounded
+            for r0, r1 in _row_chunks(S, V):
+                _validate_rows(logprobs[r0:r1], tp)
         return _race(logprobs, seed, sid, pos, tp)[0]
     out = torch.empty(S, dtype=torch.int64, device=logprobs.device)
-    rows = max(1, _CHUNK_ELEMS // V)
-    for r0 in range(0, S, rows):
-        r1 = min(S, r0 + rows)
+    for r0, r1 in _row_chunks(S, V):
         lp = logprobs[r0:r1].to(torch.float64)
         if validate:
             _validate_rows(lp, tp)
@@ -290,6 +289,14 @@ def sample_tokens(
             score = torch.where(keep, score, torch.full_like(score, float("-inf")))
         out[r0:r1] = _argmax_lowest_id(score)
     return out
+
+
+def _row_chunks(S: int, V: int):
+    """(r0, r1) row ranges of at most _CHUNK_ELEMS elements of an [S, V] row block (at least one
+    row each): what bounds the float64/int64 temporaries. Rows are independent, so the cut
+    changes no result."""
+    rows = max(1, _CHUNK_ELEMS // V)
+    return ((r0, min(S, r0 + rows)) for r0 in range(0, S, rows))
 
 
 def _validate_rows(lp: torch.Tensor, tp: float) -> None:
@@ -318,9 +325,7 @@ def _race(logprobs: torch.Tensor, seed: int, sid: torch.Tensor, pos: torch.Tenso
         S, V = logprobs.shape
         cut_p = torch.empty(S, dtype=torch.float64, device=logprobs.device)
         cut_id = torch.empty(S, dtype=torch.int64, device=logprobs.device)
-        rows = max(1, _CHUNK_ELEMS // V)
-        for r0 in range(0, S, rows):
-            r1 = min(S, r0 + rows)
+        for r0, r1 in _row_chunks(S, V):
             cut_p[r0:r1], cut_id[r0:r1] = _top_p_cut(exp64(logprobs[r0:r1].to(torch.float64)), tp)
         cut = (cut_p, cut_id)
     return triton_sampler.race(logprobs, _signed64(_seed_state(seed)), sid, pos, cut)

@@ -44,6 +44,12 @@ class StepPlan:
     chunks: list[Chunk]
     copies: list[tuple[int, int]]
 
+    @property
+    def is_decode(self) -> bool:
+        """Every chunk feeds one token and samples, and no block is copied first."""
+        return (bool(self.chunks) and not self.copies
+                and all(c.n == 1 and c.samples for c in self.chunks))
+
 
 class Scheduler:
     """Waiting and running queues over one BlockManager.
