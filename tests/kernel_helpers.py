@@ -17,6 +17,7 @@ distributed tests' job.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlkernel.distributed.comm import Comm
@@ -305,6 +307,20 @@ def check_ok(results: dict[str, str], name: str) -> None:
     """Assert that check `name` of a `run_interpreted_checks` result passed (its failure text
     otherwise)."""
     assert results.get(name) == "ok", results.get(name, f"check {name} did not run")
+
+
+NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs triton (interpreter / compiler)")
+"""`pytestmark` of a test module whose checks need Triton (its CPU interpreter or compiler)."""
+
+
+def checks_fixture(script: str):
+    """A module-scoped `results` fixture: `run_interpreted_checks` of tests/<script>, run once
+    for the module (assign it to `results` in the test module)."""
+    @pytest.fixture(scope="module")
+    def results() -> dict[str, str]:
+        return run_interpreted_checks(Path(__file__).with_name(script))
+    return results
 
 
 def run_interpreted_checks(script: Path, *names: str) -> dict[str, str]:

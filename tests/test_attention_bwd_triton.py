@@ -10,22 +10,10 @@ about 40 s).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
 
-import pytest
-from kernel_helpers import check_ok as _ok, run_interpreted_checks
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton (interpreter)")
-
-_CHECKS = Path(__file__).with_name("attention_bwd_triton_checks.py")
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_interpreted_checks(_CHECKS)
-
+pytestmark = NEEDS_TRITON
+results = checks_fixture("attention_bwd_triton_checks.py")
 
 
 def test_packed_batch_vs_float64(results):

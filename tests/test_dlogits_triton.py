@@ -16,24 +16,14 @@ about 15 s).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import struct
-from pathlib import Path
 
 import pytest
-from kernel_helpers import check_ok as _ok, run_interpreted_checks
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton (interpreter / compiler)")
-
-_CHECKS = Path(__file__).with_name("dlogits_triton_checks.py")
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_interpreted_checks(_CHECKS)
-
+pytestmark = NEEDS_TRITON
+results = checks_fixture("dlogits_triton_checks.py")
 
 
 def test_equals_torch_path_over_temperatures_masks_entropy_and_dtypes(results):

@@ -12,14 +12,12 @@ k > 2**13 check is marked slow: add -m slow).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from kernel_helpers import check_ok as _ok, run_interpreted_checks
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, run_interpreted_checks
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton (interpreter)")
+pytestmark = NEEDS_TRITON
 
 _CHECKS = Path(__file__).with_name("fixedpoint_triton_checks.py")
 
@@ -31,7 +29,6 @@ def _run(*names: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def results() -> dict[str, str]:
     return _run()
-
 
 
 def test_constants_match_the_torch_path(results):

@@ -14,21 +14,10 @@ about 30 s).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
 
-import pytest
-
-from kernel_helpers import check_ok as _ok, run_interpreted_checks
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton (interpreter)")
-
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_interpreted_checks(Path(__file__).with_name("grad_weight_triton_checks.py"))
+pytestmark = NEEDS_TRITON
+results = checks_fixture("grad_weight_triton_checks.py")
 
 
 def test_narrow_range_needs_no_recompute(results):

@@ -16,23 +16,13 @@ about a minute).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import struct
-from pathlib import Path
 
-import pytest
-from kernel_helpers import check_ok as _ok, run_interpreted_checks
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton (interpreter / compiler)")
-
-_CHECKS = Path(__file__).with_name("sampler_triton_checks.py")
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_interpreted_checks(_CHECKS)
+pytestmark = NEEDS_TRITON
+results = checks_fixture("sampler_triton_checks.py")
 
 
 def test_log64_equals_the_torch_log64(results):

@@ -6,19 +6,12 @@ numerics.trees.tree_sum(p, 0) bitwise for S = 1 … 64 and ragged sizes, a seque
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-from kernel_helpers import check_ok as _ok, run_interpreted_checks
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton (interpreter / compiler)")
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_interpreted_checks(Path(__file__).with_name("shard_sum_triton_checks.py"))
+pytestmark = NEEDS_TRITON
+results = checks_fixture("shard_sum_triton_checks.py")
 
 
 @pytest.mark.parametrize("name", ["one_pass_equals_tree_sum",
