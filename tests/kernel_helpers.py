@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -321,6 +322,26 @@ def checks_fixture(script: str):
     def results() -> dict[str, str]:
         return run_interpreted_checks(Path(__file__).with_name(script))
     return results
+
+
+def sm90_ptx(kernel, types, constexprs: dict, num_warps: int, fusion: bool) -> str:
+    """PTX of a jitted kernel compiled for sm_90 on the CPU (no device needed): types, one per
+    argument in order (a list zipped with the kernel's argument names, which it must match in
+    number, or a {name: type} dict), constexprs by name, `fusion` = enable_fp_fusion."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = types if isinstance(types, dict) else dict(zip(kernel.arg_names, types, strict=True))
+    assert list(sig) == list(kernel.arg_names), (list(sig), kernel.arg_names)
+    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "enable_fp_fusion": fusion})
+    return k.asm["ptx"]
+
+
+def ptx_double(x: float) -> str:
+    """How PTX writes the float64 constant x exactly (0d + its 16 hex digits)."""
+    return "0d" + struct.pack(">d", x).hex().upper()
 
 
 def run_interpreted_checks(script: Path, *names: str) -> dict[str, str]:

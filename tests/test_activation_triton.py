@@ -18,9 +18,8 @@ about 10 s).
 from __future__ import annotations
 
 import re
-import struct
 
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, ptx_double, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("activation_triton_checks.py")
@@ -93,19 +92,9 @@ def test_negative_control_fp32_sigmoid_two_roundings_and_reassociated_grads_diff
 
 def _ptx(kernel, fusion: bool) -> str:
     """PTX of a kernel (fp32 pointers, then n, then BLOCK) for sm_90, compiled on the CPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     *ptrs, n, block = kernel.arg_names
-    sig = {**{p: "*fp32" for p in ptrs}, n: "i64", block: "constexpr"}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={block: 1024})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "enable_fp_fusion": fusion})
-    return k.asm["ptx"]
-
-
-def _double(x: float) -> str:
-    return "0d" + struct.pack(">d", x).hex().upper()
+    return sm90_ptx(kernel, {**{p: "*fp32" for p in ptrs}, n: "i64", block: "constexpr"},
+                    {block: 1024}, 4, fusion)
 
 
 def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants():
@@ -125,5 +114,5 @@ def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants():
         == {"div.rn.f64"}
     assert "div" not in bwd and "cvt.rn.f32.f64" in fwd
     for c in (*ew._EXP_COEF, ew._LOG2E, ew._LN2_HI, ew._LN2_LO):
-        assert _double(c) in fwd, c
+        assert ptx_double(c) in fwd, c
     assert "fma.rn.f64" in _ptx(ta._fwd_kernel, True)

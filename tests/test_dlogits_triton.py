@@ -17,10 +17,9 @@ about 15 s).
 from __future__ import annotations
 
 import re
-import struct
 
 import pytest
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, ptx_double, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("dlogits_triton_checks.py")
@@ -85,23 +84,11 @@ def test_negative_control_other_formulas_differ(results):
 def _ptx(out: str, fusion: bool) -> str:
     """PTX of the kernel (entropy term on, z formed from logits) for sm_90, compiled on the CPU;
     out: the output's element type ("fp32" or "bf16")."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from rlkernel.kernels import triton_dlogits as td
     types = ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", f"*{out}", "i32", "i32",
              "i32", "i32", "i32", "fp32", "constexpr", "constexpr", "constexpr", "constexpr"]
-    sig = dict(zip(td._dlogits_kernel.arg_names, types, strict=True))
     consts = {"BR": td.BLOCK_R, "BV": td.BLOCK_V, "HAS_ENT": True, "FROM_LOGITS": True}
-    src = ASTSource(fn=td._dlogits_kernel, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": td.NUM_WARPS, "enable_fp_fusion": fusion})
-    return k.asm["ptx"]
-
-
-def _double(x: float) -> str:
-    return "0d" + struct.pack(">d", x).hex().upper()
+    return sm90_ptx(td._dlogits_kernel, types, consts, td.NUM_WARPS, fusion)
 
 
 @pytest.mark.parametrize("out", ["fp32", "bf16"])
@@ -122,7 +109,7 @@ def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants(out):
     assert divs and set(divs) == {"div.rn.f32"}, set(divs)
     assert "cvt.rn.f32.f64" in ptx and "bf16.f32" not in ptx
     for c in (*ew._EXP_COEF, ew._LOG2E):
-        assert _double(c) in ptx, c
+        assert ptx_double(c) in ptx, c
     for c in (ew._LN2_HI, ew._LN2_LO):   # LLVM spells xc − n·c as xc + n·(−c): the same IEEE ops
-        assert _double(c) in ptx or _double(-c) in ptx, c
+        assert ptx_double(c) in ptx or ptx_double(-c) in ptx, c
     assert "fma.rn.f64" in _ptx(out, True)

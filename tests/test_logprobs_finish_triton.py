@@ -18,10 +18,9 @@ triton; about 15 s).
 from __future__ import annotations
 
 import re
-import struct
 
 import pytest
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, ptx_double, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("logprobs_finish_triton_checks.py")
@@ -84,23 +83,11 @@ def test_negative_control_other_trees_and_roundings_differ(results):
 
 def _ptx(shards: int, fusion: bool) -> str:
     """PTX of the finish kernel for `shards` shards for sm_90, compiled on the CPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from rlkernel.kernels import triton_logprobs as tlp
-    types = ["*fp32"] * 5 + ["i32"] + ["constexpr"] * 4
-    sig = dict(zip(tlp._finish_kernel.arg_names, types, strict=True))
     log_p = (shards - 1).bit_length()
     consts = {"BR": tlp.FINISH_ROWS, "P": 1 << log_p, "LOG_P": log_p, "SHARDS": shards}
-    src = ASTSource(fn=tlp._finish_kernel, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tlp.FINISH_WARPS, "enable_fp_fusion": fusion})
-    return k.asm["ptx"]
-
-
-def _double(x: float) -> str:
-    return "0d" + struct.pack(">d", x).hex().upper()
+    return sm90_ptx(tlp._finish_kernel, ["*fp32"] * 5 + ["i32"] + ["constexpr"] * 4, consts,
+                    tlp.FINISH_WARPS, fusion)
 
 
 @pytest.mark.parametrize("shards", [5, 8])
@@ -122,7 +109,7 @@ def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants(shards):
     assert "max.NaN.f32" in ptx and not re.search(r"\bmax\.f32\b", ptx)
     assert "cvt.rn.f32.f64" in ptx
     for c in (*ew._EXP_COEF, ew._LOG2E, ew._SQRT2, 1.0 / 25.0, *tew.LOG_COEF.value):
-        assert _double(c) in ptx, c
+        assert ptx_double(c) in ptx, c
     for c in (ew._LN2_HI, ew._LN2_LO):
-        assert _double(c) in ptx or _double(-c) in ptx, c
+        assert ptx_double(c) in ptx or ptx_double(-c) in ptx, c
     assert "fma.rn.f64" in _ptx(shards, True)

@@ -12,7 +12,7 @@ the trainer's autograd passes the separate ones).
 
 from __future__ import annotations
 
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("norm_triton_checks.py")
@@ -39,22 +39,11 @@ def test_bad_input_is_refused(results):
 
 
 def _ptx(fusion: bool) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """PTX of the RoPE variant of the apply kernel for sm_90, compiled on the CPU."""
     from rlkernel.kernels import triton_norm as tn
-    types = {"X": "*fp32", "W": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Y": "*fp32",
-             "n_rows": "i32", "H": "i32", "heads": "i32", "inv_h_num": "fp32", "eps": "fp32",
-             "HP": "constexpr", "LOG_HP": "constexpr", "BLOCK_R": "constexpr",
-             "ROPE": "constexpr", "OUT_BF16": "constexpr"}
-    assert list(types) == list(tn._apply_kernel.arg_names)
-    src = ASTSource(fn=tn._apply_kernel, signature=types,
-                    constexprs={"HP": 128, "LOG_HP": 7, "BLOCK_R": 32, "ROPE": True,
-                                                  "OUT_BF16": False})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "enable_fp_fusion": fusion})
-    return k.asm["ptx"]
+    types = ["*fp32"] * 5 + ["i32"] * 3 + ["fp32"] * 2 + ["constexpr"] * 5
+    consts = {"HP": 128, "LOG_HP": 7, "BLOCK_R": 32, "ROPE": True, "OUT_BF16": False}
+    return sm90_ptx(tn._apply_kernel, types, consts, 4, fusion)
 
 
 def test_compiled_ptx_has_no_fma_no_ftz_and_rounded_div_sqrt():

@@ -17,9 +17,8 @@ about a minute).
 from __future__ import annotations
 
 import re
-import struct
 
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, ptx_double, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("sampler_triton_checks.py")
@@ -65,25 +64,11 @@ def test_negative_controls_differ(results):
 
 def _ptx(fusion: bool) -> str:
     """PTX of the piece kernel as `race` launches it (top-p on: every path), for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from rlkernel.kernels import triton_sampler as ts
-    types = {"LP": "*fp32", "s_lp": "i64", "SID": "*i64", "POS": "*i64", "CUT_P": "*fp64",
-             "CUT_ID": "*i64", "BEST": "*fp64", "ARG": "*i64", "FLAGS": "*i32", "V": "i32",
-             "n_pieces": "i32", "h_seed": "i64", "SPLIT_": "constexpr", "BLOCK": "constexpr",
-             "TOP_P": "constexpr"}
-    assert list(types) == list(ts._piece_kernel.arg_names)
-    src = ASTSource(fn=ts._piece_kernel, signature=types,
-                    constexprs={"SPLIT_": ts.SPLIT, "BLOCK": ts.BLOCK_V, "TOP_P": True})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "enable_fp_fusion": fusion})
-    return k.asm["ptx"]
-
-
-def _double(x: float) -> str:
-    return "0d" + struct.pack(">d", x).hex().upper()
+    types = ["*fp32", "i64", "*i64", "*i64", "*fp64", "*i64", "*fp64", "*i64", "*i32", "i32",
+             "i32", "i64", "constexpr", "constexpr", "constexpr"]
+    consts = {"SPLIT_": ts.SPLIT, "BLOCK": ts.BLOCK_V, "TOP_P": True}
+    return sm90_ptx(ts._piece_kernel, types, consts, 4, fusion)
 
 
 def test_compiled_ptx_has_no_fma_no_ftz_and_exact_constants():
@@ -98,5 +83,5 @@ def test_compiled_ptx_has_no_fma_no_ftz_and_exact_constants():
     assert set(re.findall(r"\bdiv\.\w+\.f64\b", ptx)) == {"div.rn.f64"}
     for c in (*[1.0 / k for k in range(25, 0, -2)], ew._SQRT2, 2.0**64, *ew._EXP_COEF[2:],
               ew._LN2_HI, ew._LN2_LO):
-        assert _double(c) in ptx, c
+        assert ptx_double(c) in ptx, c
     assert "fma.rn.f64" in _ptx(True)
