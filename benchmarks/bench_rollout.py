@@ -15,7 +15,10 @@ Reported: output tokens / wall seconds of one `generate` call over all sequences
 Item 2 (GRPO shape): --grpo-prompts prompts × --grpo-samples samples × --grpo-new new tokens
 (prompt length --grpo-prompt-len), invariant engine, with and without prefix sharing: tok/s,
 the KV pool's peak (blocks in use × bytes per block) and torch's peak allocated memory.
-Every arm runs a small warm-up generate first (Triton compiles), then is timed once.
+Every arm runs a small warm-up generate first (Triton compiles), then is timed once; with
+--keep-state the engines keep their state across calls and `prepare` it for the timed call
+before the clock starts (vLLM and nano-vllm capture their graphs at start-up too); without,
+graphs are captured inside the timed call (graph_capture_s says how long that took).
 --profile (why is the invariant engine slow?): instead of the above, for each --profile-seqs
 count (alias --profile-batches; default 32) and each engine arm of --arms, one generate of that
 many distinct prompts of --profile-prompt tokens and --profile-new new tokens (EOS ignored) runs
@@ -96,7 +99,7 @@ def _engine(cfg, weights, arm: str, args, **kw) -> RolloutEngine:
     e = RolloutEngine(cfg, ops, torch.bfloat16, pad_id=0, device=torch.device(args.device),
                       max_seqs=args.max_seqs, max_step_tokens=args.max_step_tokens,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      decode_graphs=graphs, **kw)
+                      decode_graphs=graphs, keep_state=args.keep_state, **kw)
     e.load_weights(weights)
     e.generate(_serve_requests(4, 16, 32, cfg.vocab_size, 99), _sp(16))      # warm-up
     return e
@@ -104,6 +107,12 @@ def _engine(cfg, weights, arm: str, args, **kw) -> RolloutEngine:
 
 def _timed(engine: RolloutEngine, reqs, max_new: int) -> dict:
     cuda = engine.model.device.type == "cuda"
+    prepare_s = None
+    if engine.keep_state:              # a serving engine's start-up: pool and graphs, untimed
+        t0 = time.perf_counter()
+        engine.prepare(reqs, _sp(max_new))
+        _sync("cuda" if cuda else "cpu")
+        prepare_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -120,7 +129,8 @@ def _timed(engine: RolloutEngine, reqs, max_new: int) -> dict:
     return {"seconds": dt, "output_tokens": n_out, "tok_per_s": n_out / dt,
             "steps": st["steps"], "preemptions": st["preemptions"],
             "graph_steps": st["graph_steps"], "graph_buckets": st["graph_buckets"],
-            "pool_blocks": st["pool_blocks"], "peak_blocks": st["peak_blocks"],
+            "graph_capture_s": st["graph_capture_s"], "kept_state": st["kept_state"],
+            "prepare_s": prepare_s, "pool_blocks": st["pool_blocks"], "peak_blocks": st["peak_blocks"],
             "blocks_saved": st["blocks_saved"], "cow_copies": st["cow_copies"],
             "peak_kv_pool_bytes": st["peak_kv_bytes_per_rank"],
             "peak_allocated_over_weights_bytes": (torch.cuda.max_memory_allocated() - base
@@ -248,6 +258,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="32 sequences of 64-256 tokens; GRPO 8 x 8 x 128 (a smoke run)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-state", action="store_true",
+                    help="engines keep KV pool, buffers and decode graphs across calls; "
+                         "`prepare` (pool + every graph, reported as prepare_s) runs untimed "
+                         "before each timed generate, as a serving engine's start-up")
     ap.add_argument("--profile", action="store_true",
                     help="profile one generate per --profile-seqs count instead (module doc)")
     ap.add_argument("--profile-seqs", "--profile-batches", nargs="+", type=int, default=[32])

@@ -504,6 +504,7 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
 # computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
 RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
                                "micro_batch_tokens", "gpu_memory_utilization", "enforce_eager",
+                               "keep_rollout_state",
                                "steps",
                                "save_every", "allow_dirty", "resume", "tensorboard"})
 

@@ -217,6 +217,13 @@ class RunConfig:
     other layouts and --device cpu always run eagerly). The same bytes either way; graphs make
     decode several times faster where the engine is launch-bound (docs/BENCHMARKS.md)."""
 
+    keep_rollout_state: bool = False
+    """Keep the rollout engine's KV pool, buffers and decode CUDA graphs from one step to the
+    next (by default they are made in every step's rollout and freed after it, so the trainer
+    gets that memory back). Saves the pool allocation and the graph captures of every step after
+    the first, at the price of the pool (--gpu-memory-utilization of the memory free at the
+    first rollout) staying allocated while the trainer runs. The same bytes either way."""
+
     # ---- run bookkeeping
     run_dir: str | None = None
     """Run directory (must not exist, or be empty). None: runs/<UTC time>-<config hash>."""
@@ -227,9 +234,9 @@ class RunConfig:
     """Continue the run in this directory (or the RUN.tmp-<pid> a killed run left) from its last
     complete checkpoint. Its saved config is used; only the layout and memory flags (--dp/--tp/
     --cp/--sp/--recompute/--rollout-tp/--rollout-cp, --micro-batch-tokens,
-    --gpu-memory-utilization, --enforce-eager), --steps (to extend), --save-every, --tensorboard
+    --gpu-memory-utilization, --enforce-eager, --keep-rollout-state), --steps (to extend), --save-every, --tensorboard
     and --allow-dirty may be given again (the on/off ones also as --no-sp, --no-recompute,
-    --no-enforce-eager, --no-tensorboard, --no-allow-dirty); its inputs (model files,
+    --no-enforce-eager, --no-keep-rollout-state, --no-tensorboard, --no-allow-dirty); its inputs (model files,
     tokenizer, prompts) must hash as recorded."""
     allow_dirty: bool = False
     """Run even if the rl-kernel checkout has uncommitted changes (recorded in the manifest)."""
@@ -429,7 +436,8 @@ def _validate(c: RunConfig) -> None:
     for f in ("model", "prompts", "run_dir", "resume"):
         _check_path(c, f)
     _check_int(c, "save_every", 0)
-    for f in ("sp", "recompute", "allow_dirty", "require_updates", "tensorboard", "enforce_eager"):
+    for f in ("sp", "recompute", "allow_dirty", "require_updates", "tensorboard", "enforce_eager",
+              "keep_rollout_state"):
         _check_bool(c, f)
     _check_int(c, "model_seed", 0, SEED_LIMIT)
     _check_int(c, "seed", 0, SEED_LIMIT)

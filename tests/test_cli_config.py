@@ -51,9 +51,11 @@ REVIEWED_RUN_FLAGS |= {
 REVIEWED_RUN_FLAGS = (REVIEWED_RUN_FLAGS - {"--token-budget"}) | {"--dp", "--micro-batch-tokens"}
 # Issue 12: the rollout KV pool's share of free GPU memory; decode steps without CUDA graphs.
 REVIEWED_RUN_FLAGS |= {"--gpu-memory-utilization", "--enforce-eager"}
+# Issue 12: the rollout's KV pool and decode graphs kept across steps.
+REVIEWED_RUN_FLAGS |= {"--keep-rollout-state"}
 # Booleans a resume may change also take a --no- form (a resume can turn them off again).
 NO_FORMS = {"--no-sp", "--no-recompute", "--no-enforce-eager", "--no-allow-dirty",
-            "--no-tensorboard"}
+            "--no-tensorboard", "--no-keep-rollout-state"}
 REVIEWED_RUN_FLAGS |= NO_FORMS
 # Second spellings of reviewed flags (cli.RUN_FLAG_ALIASES): not in the usage line, still surface.
 REVIEWED_RUN_ALIASES = {"--learning-rate": "--lr", "--num-generations": "--n-samples-per-prompt",

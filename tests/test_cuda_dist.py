@@ -7,7 +7,8 @@ Two chains, each with a native-mode negative control:
    weights after two AdamW updates of the TP1 run (one GPU, no process group), bytewise. Hence
    any two of them agree.
 2. `rlk run --device cuda` (tiny model, 2 steps) at TP1 (rollout decode on CUDA graphs), TP1
-   with --enforce-eager, TP2/rollout-TP2, CP2/rollout-CP2,
+   with --enforce-eager, TP1 with --keep-rollout-state (pool and graphs kept across steps),
+   TP2/rollout-TP2, CP2/rollout-CP2,
    TP2+SP/rollout-TP1 and DP2 with smaller microbatches: `rlk compare` says IDENTICAL for each against TP1 (sampled tokens, grad
    norms, every tensor hash after every update) and every step has 0 train/rollout logprob
    mismatches over a non-zero number of compared tokens.
@@ -61,6 +62,7 @@ def test_cuda_control_native_tp2_differs(tmp_path):
 RUN = ["--steps", "2", "--require-updates", "--device", "cuda", "--temperature", "0.7",
        "--top-p", "0.95", "--max-response-len", "32", "--kl-coef", "0.01", "--allow-dirty"]
 E2E = {"tp1-eager": ["--enforce-eager"],       # rollout decode without CUDA graphs
+       "tp1-kept": ["--keep-rollout-state"],   # pool and graphs kept from step to step
        "tp2-rtp2": ["--tp", "2", "--rollout-tp", "2"],
        "cp2-rcp2": ["--cp", "2", "--rollout-cp", "2"],
        "tp2-sp": ["--tp", "2", "--sp"],

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from rollout_helpers import CFG, PAD, W, bits, engine, group, requests, sp
+from rlkernel.model.checkpoint import init_weights
 from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.rollout.cuda_graphs import Pads
@@ -185,6 +186,54 @@ def test_cuda_graphs_equal_eager(kw):
     assert graphs == eager
     assert st["graph_steps"] > st["steps"] // 2 and st["graph_buckets"], st
     assert st_e["graph_steps"] == 0
+
+
+_W2 = init_weights(CFG, 1)
+_KEPT_CALLS = [(W, _GRAPH_REQS), (W, requests(5, start=830, lo=3, hi=90)),
+               (_W2, requests(11, start=850, lo=3, hi=150))]
+
+
+def _rebind(e, w) -> None:
+    """A wrong weight load: each parameter rebound to a new tensor instead of copied into."""
+    m = e.model
+    for name, p in m.logical_params().items():
+        p.data = m.local_param(name, w[name]).clone()
+
+
+def _kept_runs(rebind: bool = False):
+    """keep_state engine: prepare (every bucket captured on padding rows), then three calls
+    with a weight load before the third; per call the samples of a fresh eager engine with the
+    same weights alongside."""
+    e = engine(InvariantOps, DEV, keep_state=True)
+    sp_ = sp(24, eos=100, top_p=0.9)
+    e.prepare(_GRAPH_REQS, sp_)
+    got, want = [], []
+    for w, reqs in _KEPT_CALLS:
+        if w is not W:
+            _rebind(e, w) if rebind else e.load_weights(w)
+        got.append([bits(c) for c in e.generate(reqs, sp_)])
+        fresh = engine(InvariantOps, DEV, decode_graphs="eager")
+        fresh.load_weights(w)
+        want.append([bits(c) for c in fresh.generate(reqs, sp_)])
+        assert e.stats["kept_state"] and e.stats["graph_capture_s"] == 0.0, e.stats
+        assert e.stats["graph_steps"] > 0
+    return got, want
+
+
+def test_cuda_kept_state_with_graphs_equals_fresh_eager_engines():
+    """An engine keeping its KV pool, buffers and CUDA graphs across calls (graphs captured up
+    front by `prepare`, none during the calls; new weights loaded in place between calls) ==
+    a fresh eager engine per call, every sample, bitwise."""
+    got, want = _kept_runs()
+    assert got == want
+
+
+def test_cuda_control_weights_rebound_leave_graphs_stale():
+    """Negative control: a weight load that rebinds the parameters to new tensors (instead of
+    copying into them) leaves the kept graphs reading the old weights: the call after it
+    differs from a fresh engine with the new weights."""
+    got, want = _kept_runs(rebind=True)
+    assert got[:2] == want[:2] and got[2] != want[2]
 
 
 def test_cuda_control_graph_padding_into_a_real_slot_differs(monkeypatch):

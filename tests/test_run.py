@@ -158,10 +158,12 @@ def test_acceptance_command(tmp_path):
 
 
 def test_compare_identical_and_different_seed(tmp_path, capsys):
+    """Run b keeps the rollout engine's state across steps (--keep-rollout-state): a memory/
+    speed knob, so still IDENTICAL to a; a different seed is not."""
     flags = [*SMALL, "--steps", "2", "--kl-coef", "0.01", "--lr", "1e-3", "--require-updates"]
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert rlk_run(a, *flags) == 0
-    assert rlk_run(b, *flags) == 0
+    assert rlk_run(b, *flags, "--keep-rollout-state") == 0
     assert rlk_run(c, *flags, "--seed", "1") == 0
     capsys.readouterr()
 

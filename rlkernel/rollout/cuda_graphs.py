@@ -19,10 +19,12 @@ lookup reads rows by position; and a replay runs the captured kernels with the s
 arguments of the eager run that preceded the capture. Tests compare tokens and logprob bytes of
 graph and eager rollouts (tests/test_cuda_rollout.py) and, on any device, of the padded static
 path run eagerly (mode "padded") against the plain eager engine (tests/test_rollout_graphs.py).
-Lifetime: one `generate` call (the graphs point into that call's KV pool and buffers); a bucket
-is captured the first time a step needs it, right after running that step eagerly on the same
+Lifetime: that of the engine state they point into (the KV pool and the token/logprob buffers:
+one `generate` call, or many for an engine with keep_state, rollout/engine.py); a bucket is
+captured the first time a step needs it, right after running that step eagerly on the same
 static buffers (the warm-up that compiles the Triton kernels and does the step's real work —
-capturing records kernels, it runs nothing). The graphs share one memory pool.
+capturing records kernels, it runs nothing), or all at once by `prepare` on padding rows only.
+The graphs share one memory pool.
 Does not: capture steps that prefill or copy blocks (copy-on-write), or any step under rollout
 TP or CP (their collectives check call signatures on the host); those run eagerly.
 """
@@ -30,6 +32,7 @@ TP or CP (their collectives check call signatures on the host); those run eagerl
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -115,6 +118,14 @@ def pad_decode(arrays: dict[str, torch.Tensor], bp: int, pads: Pads) -> dict[str
     return out
 
 
+def _no_rows() -> dict[str, torch.Tensor]:
+    """Host metadata of a decode step with no sequence (pad_decode then fills every row)."""
+    out = {k: torch.zeros(0, dtype=torch.long) for k in _KEYS_1D if k != "real"}
+    out.update({k: torch.zeros(0, 1, dtype=torch.long) for k in _KEYS_2D},
+               table=torch.zeros(0, 0, dtype=torch.long))
+    return out
+
+
 def split_flat(flat: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """Views of consecutive pieces of the 1-D `flat`, one per name, in `shapes`' order."""
     out, off = {}, 0
@@ -159,14 +170,15 @@ class DecodeGraphs:
         self.block, self.device, self.capture = block, torch.device(device), capture
         self.buckets: dict[int, _Bucket] = {}
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None
         self.steps = 0
+        self.capture_s = 0.0
+        """Host seconds spent capturing graphs (each capture waits for the device first)."""
 
     def step(self, plan) -> None:
         """Run one decode step (is_decode(plan)) of len(plan.chunks) sequences."""
         bp = bucket(len(plan.chunks))
-        bk = self.buckets.get(bp)
-        if bk is None:
-            bk = self.buckets[bp] = _Bucket(bp, self.pads.table_width, self.device)
+        bk = self._bucket(bp)
         with record_function("rollout.metadata"):
             bk.write(pad_decode(self.metadata(plan), bp, self.pads))
         self.steps += 1
@@ -178,17 +190,49 @@ class DecodeGraphs:
         if self.capture:
             self._capture(bk)
 
+    def prepare(self, rows: int) -> None:
+        """Make every bucket up to bucket(rows) ready before any step needs it (a serving
+        engine's start-up; vLLM captures its decode graphs when it starts): each runs one step
+        of padding rows only (which write nothing but the dump row and dump block) eagerly,
+        then is captured (`capture`). ValueError past the largest bucket."""
+        top = bucket(rows)
+        for bp in [b for b in BUCKETS if b <= top]:
+            bk = self._bucket(bp)
+            if bk.graph is not None:
+                continue
+            bk.write(pad_decode(_no_rows(), bp, self.pads))
+            self._eager(bk)
+            if self.capture:
+                self._capture(bk)
+
+    def _bucket(self, bp: int) -> _Bucket:
+        bk = self.buckets.get(bp)
+        if bk is None:
+            bk = self.buckets[bp] = _Bucket(bp, self.pads.table_width, self.device)
+        return bk
+
     def _eager(self, bk: _Bucket) -> None:
         self.body(bk.views, self.pads.table_width * self.block, self.pads.width)
 
     def _capture(self, bk: _Bucket) -> None:
-        # The eager run just before compiled every kernel at these shapes; capture only records
-        # (torch.cuda.graph synchronizes the device before it begins).
+        # The eager run just before compiled every kernel at these shapes; capture only records.
+        # Not `torch.cuda.graph`: on entry it empties torch's device and pinned-host caches (and
+        # may run gc), which the next steps then pay for again in fresh allocations — per
+        # bucket, per call. The side stream and the capture calls are the ones it makes.
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            self._eager(bk)
+        with torch.cuda.stream(self.stream):
+            g.capture_begin(*(() if self.pool is None else (self.pool,)))
+            try:
+                self._eager(bk)
+            finally:
+                g.capture_end()
         self.pool = g.pool()
         bk.graph = g
+        self.capture_s += time.perf_counter() - t0
 
     @property
     def used(self) -> list[int]:

@@ -23,13 +23,14 @@ Attention reads K/V through the block table (kernels/paged_attention.py: on CUDA
 forward kernel compiled with PAGED; on CPU the blocks gathered in table order), so no dense copy
 of the cache is made per layer on CUDA.
 Decode steps (every chunk one token, no block copy) replay CUDA graphs captured per batch-size
-bucket on CUDA at rollout TP = CP = 1 (rollout/cuda_graphs.py; same bytes as eager).
+bucket on CUDA at rollout TP = CP = 1 (rollout/cuda_graphs.py; same bytes as eager). The pool,
+buffers and graphs live for one `generate` call, or from call to call with keep_state (a
+serving engine; `prepare` makes them before the first call).
 Does not: capture prefill steps or steps under rollout TP/CP; split prefill across rollout-CP ranks (under rollout CP every rank
 computes every query and stores only its own KV blocks — KV memory per rank ~1/CP, compute
 replicated — and each layer gathers the prefix across the CP group by an exact owner pick);
-Triton sampling (the counter-based sampler runs as torch ops on the device, float64, in row
-chunks); validate the sampler's inputs per step (non-finite rows are flagged on the device and
-raised at the next host check).
+share prompt blocks across calls; validate the sampler's inputs per step (non-finite rows are
+flagged on the device and raised at the next host check).
 """
 
 from __future__ import annotations
@@ -89,6 +90,20 @@ class SamplingParams:
     eos_id: int
 
 
+_CPU_DEFAULT = "CPU default: every sequence at once"
+
+
+def _baked(sp: SamplingParams) -> tuple:
+    """What a decode graph records of the sampling params (`_step` reads these as constants;
+    max_new_tokens only sizes the call)."""
+    return sp.temperature, sp.top_p, sp.seed, sp.eos_id
+
+
+def _pow2(x: int) -> int:
+    """The smallest power of two >= x >= 1."""
+    return 1 << (x - 1).bit_length()
+
+
 def _positive(name: str, v, allow_none: bool = True) -> None:
     if v is None and allow_none:
         return
@@ -120,7 +135,13 @@ class RolloutEngine:
     decode_graphs: "auto" (decode steps replay CUDA graphs on CUDA at rollout TP = CP = 1),
         "eager" (never; `rlk run --enforce-eager`) or "padded" (the graph path's padded steps
         run eagerly, any device: a test mode). Same bytes in every mode (rollout/cuda_graphs.py).
-    The pool exists only during `generate` (freed at its end, for the trainer).
+    keep_state: keep the KV pool, the token/logprob buffers and the decode graphs from one
+        `generate` call to the next (a serving engine's lifetime: no pool allocation or graph
+        capture per call; `prepare` does them up front, `release` frees them). The kept state
+        is sized in powers of two of the call's sequences, positions and new tokens and takes
+        the whole gpu_memory_utilization budget for its pool; a call that needs more makes a
+        new one (after freeing the old). Default False: the state lives for one call (freed at
+        its end, for the trainer). Same bytes either way (tests/test_rollout_graphs.py).
     """
 
     def __init__(self, cfg: Qwen3Config, ops, param_dtype: torch.dtype, pad_id: int,
@@ -129,7 +150,8 @@ class RolloutEngine:
                  max_step_tokens: int = 8192, max_seqs: int = 256, kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.5, prefix_sharing: bool = True,
                  check_every: int = 16, block_shuffle_seed: int | None = None,
-                 paged_kernel: bool = True, decode_graphs: str = "auto") -> None:
+                 paged_kernel: bool = True, decode_graphs: str = "auto",
+                 keep_state: bool = False) -> None:
         """live_vocab: the tokenizer's id bound when below cfg.vocab_size (a padded vocabulary):
         ids >= it get probability 0 in the canonical log-softmax and are never sampled.
         ValueError on a scheduling or memory setting outside its range (named)."""
@@ -155,6 +177,8 @@ class RolloutEngine:
         self.block_shuffle_seed = block_shuffle_seed
         self.paged_kernel = paged_kernel
         self.block = CUDA_ATTN_KV_BLOCK if self.model.device.type == "cuda" else ATTN_KV_BLOCK
+        self.keep_state = bool(keep_state)
+        self._kept: _State | None = None
         self.stats: dict = {}
         """Bookkeeping of the last `generate`: steps, preemptions, blocks, sharing, KV bytes."""
 
@@ -189,8 +213,11 @@ class RolloutEngine:
             return None
         return torch.cuda.mem_get_info(self.model.device)[0]
 
-    def _pool_blocks(self, seqs: list[Sequence], bm_probe: BlockManager) -> int:
-        """Physical blocks per rank for this call; ValueError when one sequence cannot fit."""
+    def _pool_blocks(self, seqs: list[Sequence], bm_probe: BlockManager,
+                     whole: bool = False) -> int:
+        """Physical blocks per rank for this call (whole: all the budget allows, for a state
+        kept across calls; else no more than the call can use); ValueError when one sequence
+        cannot fit."""
         c, pc = self.cfg, self.model.pc
         per_block = PagedKVCache.bytes_per_block(c.num_hidden_layers, self.block, self._kv_heads(),
                                                  c.head_dim, self.model.compute_dtype)
@@ -211,7 +238,7 @@ class RolloutEngine:
                          or pc.cp.size > 1 else ""))
             knob = "--gpu-memory-utilization (engine: gpu_memory_utilization)"
         else:
-            cap, source, knob = useful, "CPU default: every sequence at once", "kv_blocks"
+            cap, source, knob = useful, _CPU_DEFAULT, "kv_blocks"
         if one > cap:
             worst = max(seqs, key=lambda s: s.capacity)
             raise ValueError(
@@ -221,7 +248,7 @@ class RolloutEngine:
                 f"{one * per_block} bytes per sequence per rank, but the pool has {cap} blocks = "
                 f"{cap * per_block} bytes available ({source}); raise {knob}, or lower "
                 f"--max-response-len (engine: max_new_tokens) or the prompt length")
-        return min(cap, useful)
+        return cap if whole and source != _CPU_DEFAULT else min(cap, useful)
 
     # -- generate --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -232,38 +259,18 @@ class RolloutEngine:
         the numbers) and on non-finite logprobs (at the next host check). Collective over the
         rollout TP/CP group (every rank makes the same schedule from the same requests).
         """
-        for r in requests:
-            if not r.prompt_ids:
-                raise ValueError(f"sample {r.sample_id}: empty prompt")
-            m = r.max_new_tokens
-            if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-                raise ValueError(f"sample {r.sample_id}: max_new_tokens={m!r} must be an integer "
-                                 f">= 1 or None")
-        if not requests:
+        seqs = self._sequences(requests, sp)
+        if not seqs:
             return []
-        pc, dev = self.model.pc, self.model.device
-        seqs = [Sequence(i, r.sample_id, tuple(r.prompt_ids), r.max_new_tokens or sp.max_new_tokens)
-                for i, r in enumerate(requests)]
-        probe = BlockManager(1, self.block, pc.cp.size)
-        n_blocks = self._pool_blocks(seqs, probe)
-        bm = BlockManager(n_blocks, self.block, pc.cp.size, self.block_shuffle_seed,
+        pc = self.model.pc
+        st = self._state_for(seqs, sp)
+        bm = BlockManager(st.cache.blocks, self.block, pc.cp.size, self.block_shuffle_seed,
                           self.prefix_sharing)
         sched = Scheduler(seqs, bm, self.max_step_tokens, self.max_seqs, self.prefill_chunk)
-        c = self.cfg
-        cache = PagedKVCache(c.num_hidden_layers, n_blocks, self.block, self._kv_heads(),
-                             c.head_dim, dev, pc.cp, self.paged_kernel, self.model.compute_dtype)
-        width = max(s.capacity for s in seqs)
-        max_new = max(s.max_new for s in seqs)
-        n = len(seqs)
-        # Row n of each buffer is a dump row: padded graph rows write there (cuda_graphs.Pads).
-        host_tok = torch.full((n + 1, width), self.pad_id, dtype=torch.long)
-        for s in seqs:
-            host_tok[s.slot, :len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
-        bufs = _Buffers(host_tok.to(dev),
-                        torch.zeros(n + 1, max_new, dtype=torch.float32, device=dev),
-                        torch.zeros(n + 1, dtype=torch.bool, device=dev),
-                        torch.zeros((), dtype=torch.bool, device=dev))
-        graphs = self._decode_graphs(cache, bufs, sp, n, width, max_new)
+        self._reset(st, seqs)
+        cache, bufs, graphs = st.cache, st.bufs, st.graphs
+        steps0 = graphs.steps if graphs else 0
+        capture0 = graphs.capture_s if graphs else 0.0
         while sched.has_work():
             plan = sched.schedule()
             if graphs is not None and cuda_graphs.is_decode(plan):
@@ -274,10 +281,13 @@ class RolloutEngine:
             if sched.steps % self.check_every == 0:
                 self._host_check(sched, bufs)
         self._host_check(sched, bufs)
+        c = self.cfg
         self.stats = {"steps": sched.steps, "preemptions": sched.preemptions,
-                      "graph_steps": graphs.steps if graphs else 0,
+                      "graph_steps": graphs.steps - steps0 if graphs else 0,
                       "graph_buckets": graphs.used if graphs else [],
-                      "pool_blocks": n_blocks * pc.cp.size, "peak_blocks": bm.peak_used,
+                      "graph_capture_s": graphs.capture_s - capture0 if graphs else 0.0,
+                      "kept_state": self._kept is st,
+                      "pool_blocks": cache.blocks * pc.cp.size, "peak_blocks": bm.peak_used,
                       "shared_block_refs": bm.shared_refs, "cow_copies": bm.cow_copies,
                       "blocks_saved": bm.shared_refs - bm.cow_copies, "block_positions": self.block,
                       "admissions": sched.admissions,
@@ -287,6 +297,90 @@ class RolloutEngine:
                                                    self.model.compute_dtype)}
         toks, lps = bufs.tokens.cpu(), bufs.logprobs.cpu()
         return [self._completion(r, s, toks, lps, sp) for r, s in zip(requests, seqs)]
+
+    @torch.no_grad()
+    def prepare(self, requests: list[Request], sp: SamplingParams) -> None:
+        """keep_state engines: allocate now the state `generate(requests, sp)` will use (KV
+        pool, buffers) and make its decode graphs for every batch size up to min(max_seqs,
+        len(requests)) — a serving engine's start-up, so that no capture falls inside the
+        calls (vLLM captures at start too). Changes no byte of any sample. ValueError without
+        keep_state, and on what `generate` refuses."""
+        if not self.keep_state:
+            raise ValueError("RolloutEngine.prepare needs keep_state=True (without it the state "
+                             "lives for one generate call only)")
+        seqs = self._sequences(requests, sp)
+        if not seqs:
+            return
+        st = self._state_for(seqs, sp)
+        if st.graphs is not None:
+            st.graphs.prepare(min(self.max_seqs, len(seqs), cuda_graphs.BUCKETS[-1]))
+
+    def release(self) -> None:
+        """Free the kept state (KV pool, buffers, graphs) of a keep_state engine; the next
+        `generate` allocates anew. A no-op otherwise."""
+        self._kept = None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _sequences(self, requests: list[Request], sp: SamplingParams) -> list[Sequence]:
+        """One Sequence per request (slot = its index); ValueError on an empty prompt or a bad
+        per-request length cap."""
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError(f"sample {r.sample_id}: empty prompt")
+            m = r.max_new_tokens
+            if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+                raise ValueError(f"sample {r.sample_id}: max_new_tokens={m!r} must be an integer "
+                                 f">= 1 or None")
+        return [Sequence(i, r.sample_id, tuple(r.prompt_ids), r.max_new_tokens or sp.max_new_tokens)
+                for i, r in enumerate(requests)]
+
+    def _state_for(self, seqs: list[Sequence], sp: SamplingParams) -> "_State":
+        """The device state of a call over `seqs`: the kept one where it is large enough (new
+        decode graphs if `sp` differs from the one they were made with in what they record),
+        else a new one (kept
+        if keep_state; the old one is freed first, so the new pool is sized without it)."""
+        n = len(seqs)
+        width = max(s.capacity for s in seqs)
+        max_new = max(s.max_new for s in seqs)
+        probe = BlockManager(1, self.block, self.model.pc.cp.size)
+        one = max(probe.blocks_for(s.capacity - 1)[p] for s in seqs for p in range(probe.pools))
+        kept = self._kept
+        if kept is not None and kept.fits(n, width, max_new, one):
+            if _baked(kept.sp) != _baked(sp):
+                kept.graphs = self._decode_graphs(kept.cache, kept.bufs, sp, kept.rows,
+                                                  kept.width, kept.max_new)
+                kept.sp = sp
+            return kept
+        if kept is not None:
+            self.release()
+        if self.keep_state:           # room for later calls: fewer re-allocations and captures
+            n, width, max_new = (_pow2(x) for x in (n, width, max_new))
+        n_blocks = self._pool_blocks(seqs, probe, whole=self.keep_state)
+        c, pc = self.cfg, self.model.pc
+        dev = self.model.device
+        cache = PagedKVCache(c.num_hidden_layers, n_blocks, self.block, self._kv_heads(),
+                             c.head_dim, dev, pc.cp, self.paged_kernel, self.model.compute_dtype)
+        # Row n of each buffer is a dump row: padded graph rows write there (cuda_graphs.Pads).
+        bufs = _Buffers(torch.full((n + 1, width), self.pad_id, dtype=torch.long, device=dev),
+                        torch.zeros(n + 1, max_new, dtype=torch.float32, device=dev),
+                        torch.zeros(n + 1, dtype=torch.bool, device=dev),
+                        torch.zeros((), dtype=torch.bool, device=dev))
+        graphs = self._decode_graphs(cache, bufs, sp, n, width, max_new)
+        st = _State(cache, bufs, graphs, n, width, max_new, sp)
+        if self.keep_state:
+            self._kept = st
+        return st
+
+    def _reset(self, st: "_State", seqs: list[Sequence]) -> None:
+        """Buffers to a call's start, in place (graphs point into them): prompts then padding
+        in the token rows, zero logprobs, no EOS, no bad row."""
+        host_tok = torch.full(tuple(st.bufs.tokens.shape), self.pad_id, dtype=torch.long)
+        for s in seqs:
+            host_tok[s.slot, :len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
+        st.bufs.tokens.copy_(host_tok)
+        for t in (st.bufs.logprobs, st.bufs.done, st.bufs.bad):
+            t.zero_()
 
     def _completion(self, r: Request, s: Sequence, toks, lps, sp: SamplingParams) -> Completion:
         p = len(s.prompt)
@@ -387,6 +481,26 @@ class _Buffers:
     logprobs: torch.Tensor
     done: torch.Tensor
     bad: torch.Tensor
+
+
+@dataclass
+class _State:
+    """The device state generate calls run on: KV pool, buffers (rows + 1 rows of width tokens
+    and max_new logprobs) and the decode graphs made for `sp` (None: eager steps)."""
+
+    cache: PagedKVCache
+    bufs: _Buffers
+    graphs: cuda_graphs.DecodeGraphs | None
+    rows: int
+    width: int
+    max_new: int
+    sp: SamplingParams
+
+    def fits(self, n: int, width: int, max_new: int, blocks: int) -> bool:
+        """Whether a call of n sequences, at most width positions and max_new new tokens each,
+        the largest needing `blocks` blocks per rank, can run on this state."""
+        return (n <= self.rows and width <= self.width and max_new <= self.max_new
+                and blocks <= self.cache.blocks)
 
 
 @dataclass

@@ -280,7 +280,8 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     ref.requires_grad_(False)
     engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc,
                            live_vocab=live, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                           decode_graphs="eager" if cfg.enforce_eager else "auto")
+                           decode_graphs="eager" if cfg.enforce_eager else "auto",
+                           keep_state=cfg.keep_rollout_state)
     rollout = _Rollout(engine, topo, comms)
     opt = ZeroAdamW({n: p.detach() for n, p in policy.logical_params().items()},
                     AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
