@@ -197,7 +197,7 @@ def _rebind(e, w) -> None:
     """A wrong weight load: each parameter rebound to a new tensor instead of copied into."""
     m = e.model
     for name, p in m.logical_params().items():
-        p.data = m.local_param(name, w[name]).clone()
+        p.data = m.local_param(name, w[name]).to(p.device, copy=True)
 
 
 def _kept_runs(rebind: bool = False):
