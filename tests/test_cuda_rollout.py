@@ -193,10 +193,16 @@ _KEPT_CALLS = [(W, _GRAPH_REQS), (W, requests(5, start=830, lo=3, hi=90)),
                (_W2, requests(11, start=850, lo=3, hi=150))]
 
 
+_OLD: list[torch.Tensor] = []
+
+
 def _rebind(e, w) -> None:
-    """A wrong weight load: each parameter rebound to a new tensor instead of copied into."""
+    """A wrong weight load: each parameter rebound to a new tensor instead of copied into. The
+    old tensors are kept alive (in _OLD), so the graphs read the old weights, not freed memory
+    (which, reused by the allocator, gives non-finite rows: the engine raises on those)."""
     m = e.model
     for name, p in m.logical_params().items():
+        _OLD.append(p.data)
         p.data = m.local_param(name, w[name]).to(p.device, copy=True)
 
 
@@ -232,7 +238,10 @@ def test_cuda_control_weights_rebound_leave_graphs_stale():
     """Negative control: a weight load that rebinds the parameters to new tensors (instead of
     copying into them) leaves the kept graphs reading the old weights: the call after it
     differs from a fresh engine with the new weights."""
-    got, want = _kept_runs(rebind=True)
+    try:
+        got, want = _kept_runs(rebind=True)
+    finally:
+        _OLD.clear()
     assert got[:2] == want[:2] and got[2] != want[2]
 
 
