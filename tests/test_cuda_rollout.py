@@ -103,6 +103,41 @@ def test_cuda_trainer_equals_rollout():
     assert got == [bits(c)[1] for c in comps]
 
 
+def test_cuda_reference_policy_held_in_bf16_equals_fp32_storage():
+    """The reference policy of `rlk run` (no grad, 2-D weights held in bf16 by
+    hold_matmul_weights, half their bytes) gives the logprobs of the same model holding fp32
+    tensors, and of the policy's autograd pass, bitwise. Control: one weight element moved by
+    one bf16 ulp changes the logprobs, so the comparison can fail."""
+    reqs = group(3, 60, start=900) + requests(5, start=910, lo=3, hi=120)
+    comps = engine(InvariantOps, DEV).generate(reqs, SP)
+    samples = [TrainSample(c.sample_id, c.prompt_ids, tuple(c.response_ids), c.logprob_tensor(),
+                           0.0) for c in comps]
+
+    def model(hold: bool, weights=W, grad: bool = False):
+        m = Qwen3ForCausalLM(CFG, InvariantOps, torch.bfloat16).to(DEV)
+        m.load_tensors(weights)
+        m.requires_grad_(grad)
+        if hold:
+            m.hold_matmul_weights()
+        return m
+
+    def lps(m):
+        with torch.set_grad_enabled(any(p.requires_grad for p in m.parameters())):
+            return [lp.view(torch.int32).tolist()
+                    for lp in trainer_logprobs(m, samples, SP.temperature, PAD)]
+    held, plain = model(True), model(False)
+    assert lps(held) == lps(plain) == lps(model(False, grad=True))
+    size = {n: p.element_size() for n, p in held.named_parameters()}
+    assert all(size[n] == (2 if p.dim() == 2 else 4) for n, p in held.named_parameters())
+    name = "model.layers.0.mlp.up_proj.weight"
+    w2 = dict(W)
+    w2[name] = W[name].clone()
+    bits16 = w2[name].to(torch.bfloat16).view(torch.int16)
+    bits16[0, 0] += 1
+    w2[name] = bits16.view(torch.bfloat16).float()
+    assert lps(model(True, w2)) != lps(held)
+
+
 def test_cuda_no_host_sync_per_token():
     """Host syncs in one generate of 16 samples × 64 tokens (about 64 decode steps), counted by
     torch.cuda.set_sync_debug_mode: at most 2 per host check (one every check_every steps, and

@@ -278,6 +278,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
     ref.load_tensors(tensors)
     ref.requires_grad_(False)
+    ref.hold_matmul_weights()     # inference only: bf16 runs hold its 2-D weights in bf16
     engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc,
                            live_vocab=live, gpu_memory_utilization=cfg.gpu_memory_utilization,
                            decode_graphs="eager" if cfg.enforce_eager else "auto",
