@@ -116,7 +116,9 @@ class RunConfig:
 
     # ---- loss
     kl_coef: float = 0.0
-    """Weight of the KL penalty against the initial policy (>= 0; 0 disables it)."""
+    """Weight of the KL penalty against the initial policy (>= 0). 0 disables it: no reference
+    policy is kept (neither its memory nor its forward pass per microbatch) and the evidence's
+    kl is null (not measured), as TRL's GRPO does at beta 0."""
     kl_estimator: str = "k1"
     """KL estimator (Schulman 2020): k1 (log ratio), k2 (half squared log ratio) or k3
     (ratio - 1 - log ratio). k1 is the default: its per-token gradient is non-zero even at the

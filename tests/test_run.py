@@ -245,6 +245,7 @@ def test_entropy_and_k3(tmp_path):
     assert s0["entropy"] > 0
     assert s0["grad_norm"] > 0  # the entropy term acts from the first step (k3 starts at 0)
     assert s0["kl"] == 0.0  # policy == reference at step 0: k3 is exactly 0
+    assert evidence["steps"][1]["kl"] > 0  # the policy moved: measured against the reference
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+import pytest
 import torch
 
 from rlkernel.config import RunConfig
@@ -50,6 +51,30 @@ def _stats(samples, pc: ParallelCtx | None = None):
                              coefs=LossCoefs(0.2, 0.0, 0.0, "k1"), micro_batch_tokens=512,
                              pad_id=257,
                              exp=invariant_exp)
+
+
+def test_no_reference_policy_at_kl_coef_0_changes_no_gradient_bit():
+    """--kl-coef 0 keeps no reference policy (rlk run passes ref=None, as TRL does at beta 0):
+    every gradient, the loss and the entropy have the bytes of the run with a reference, and
+    kl is None (not measured) instead of a number. Control: kl_coef 0.1 with the reference
+    moves the gradients, so the comparison can fail; kl_coef > 0 without one is refused."""
+    samples = _samples()
+
+    def run(ref, kl_coef=0.0):
+        pol = _model()
+        st = compute_gradients(pol, ref, samples, temperature=SP.temperature,
+                               coefs=LossCoefs(0.2, kl_coef, 0.01, "k1"),
+                               micro_batch_tokens=512, pad_id=257, exp=invariant_exp)
+        return st, {n: p.grad.view(torch.int32).clone() for n, p in pol.named_parameters()}
+    with_ref, g_ref = run(_model().requires_grad_(False))
+    without, g_none = run(None)
+    assert without.kl is None and isinstance(with_ref.kl, float)
+    assert dataclasses.replace(with_ref, kl=None) == without
+    assert g_ref.keys() == g_none.keys() and all(torch.equal(g_ref[n], g_none[n]) for n in g_ref)
+    _, g_kl = run(_model().requires_grad_(False), kl_coef=0.1)
+    assert any(not torch.equal(g_kl[n], g_none[n]) for n in g_none)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs the reference logprobs"):
+        run(None, kl_coef=0.1)
 
 
 def test_logprob_compared_counts_the_compared_pairs(monkeypatch):

@@ -175,10 +175,12 @@ def test_run_writes_metrics_and_completions_per_step(run):
         want = json.loads(json.dumps(metrics_row(s)))
         assert {k: v for k, v in row.items() if k not in ("tokens_per_s",)} == \
             {k: v for k, v in want.items() if k not in ("tokens_per_s",)}
-        for key in ("reward_mean", "reward_std", "response_len_mean", "kl", "entropy",
+        for key in ("reward_mean", "reward_std", "response_len_mean", "entropy",
                     "clip_frac", "grad_norm", "logprob_mismatches", "tokens_per_s", "step_s",
                     "rollout_s", "train_s", "sync_s", "lr"):
             assert key in row, key
+        # --kl-coef 0 (the default): no reference policy, so no KL is measured or shown
+        assert s["kl"] is None and "kl" not in row
     comps = read_jsonl(run.dir / "completions.jsonl")
     assert [c["sample_id"] for c in comps] == list(range(8))
     for c in comps:
@@ -208,7 +210,8 @@ def test_run_writes_tensorboard_events(run):
     acc = EventAccumulator(str(run.dir / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"reward/mean", "loss/kl", "optim/grad_norm", "time/step_s"} <= tags
+    assert {"reward/mean", "loss/entropy", "optim/grad_norm", "time/step_s"} <= tags
+    assert "loss/kl" not in tags            # --kl-coef 0: KL not measured, nothing written
     assert [e.step for e in acc.Scalars("optim/grad_norm")] == [0, 1]
 
 
@@ -228,8 +231,9 @@ def test_report_draws_one_and_several_runs(run, tmp_path, capsys):
     assert main(["report", str(run.dir), "--out", str(tmp_path / "one")]) == 0
     written = [pathlib.Path(p) for p in capsys.readouterr().out.split()]
     names = {p.name for p in written}
-    assert {"overview.png", "reward.png", "kl.png", "entropy.png", "grad_norm.png",
+    assert {"overview.png", "reward.png", "entropy.png", "grad_norm.png",
             "step_time.png", "mismatches.png", "clip_frac.png", "lr.png"} <= names
+    assert "kl.png" not in names             # --kl-coef 0: no KL measured, no empty plot
     for p in written:
         _png_ok(p)
     bare = tmp_path / "bare"  # a run directory without metrics.jsonl

@@ -180,6 +180,20 @@ def _stop(topo, msg: str) -> None:
         raise RunAborted(msg)
 
 
+def _reference_policy(cfg, mcfg, ops, pdtype, train_pc, live, dev, tensors):
+    """The frozen initial policy the KL term is measured against, or None at --kl-coef 0: no KL
+    term, so neither its memory nor its forward pass per microbatch (TRL's GRPO does the same at
+    beta = 0); the evidence's kl is then null. Inference only, so bf16 runs hold its 2-D
+    weights in bf16 (half their bytes; the same logprobs)."""
+    if not cfg.kl_coef:
+        return None
+    ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
+    ref.load_tensors(tensors)
+    ref.requires_grad_(False)
+    ref.hold_matmul_weights()
+    return ref
+
+
 class _Rollout:
     """Rollout replicas over the world: replica d generates its contiguous share of the samples."""
 
@@ -275,10 +289,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     policy = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
     policy.load_tensors(tensors)
     policy.recompute = cfg.recompute
-    ref = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
-    ref.load_tensors(tensors)
-    ref.requires_grad_(False)
-    ref.hold_matmul_weights()     # inference only: bf16 runs hold its 2-D weights in bf16
+    ref = _reference_policy(cfg, mcfg, ops, pdtype, train_pc, live, dev, tensors)
     engine = RolloutEngine(mcfg, ops, pdtype, pad_id=tok.pad_id, device=dev, pc=roll_pc,
                            live_vocab=live, gpu_memory_utilization=cfg.gpu_memory_utilization,
                            decode_graphs="eager" if cfg.enforce_eager else "auto",

@@ -73,10 +73,13 @@ def kl_terms(lp: torch.Tensor, ref_lp: torch.Tensor, estimator: str, exp=invaria
 
 
 def token_losses(lp, old_lp, ref_lp, entropy, adv, c: LossCoefs, exp=invariant_exp):
-    """(total, pg, kl, clipped) per token [N]: three fp32 tensors and a bool mask.
+    """(total, pg, kl, clipped) per token [N]: three fp32 tensors (kl None without ref_lp) and a
+    bool mask.
 
     lp: current-policy logprobs (differentiable); old_lp: the rollout's logprobs; ref_lp: the
-    reference policy's; entropy: per-token entropy (differentiable); adv: per-token advantage.
+    reference policy's, or None when kl_coef is 0 and no reference policy is kept (as TRL does
+    at beta = 0; ValueError if kl_coef > 0); entropy: per-token entropy (differentiable); adv:
+    per-token advantage.
     total = pg + kl_coef·kl − entropy_coef·entropy, pg = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A).
     clipped: the clipped term is strictly the smaller one, so the token's policy gradient is 0
     (the "clip fraction" of PPO implementations counts these tokens).
@@ -85,7 +88,9 @@ def token_losses(lp, old_lp, ref_lp, entropy, adv, c: LossCoefs, exp=invariant_e
     unclipped = ratio * adv
     clipped_obj = torch.clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high) * adv
     pg = -torch.minimum(unclipped, clipped_obj)
-    kl = kl_terms(lp, ref_lp, c.kl_estimator, exp)
+    if ref_lp is None and c.kl_coef:
+        raise ValueError(f"token_losses: kl_coef={c.kl_coef} needs the reference logprobs")
+    kl = None if ref_lp is None else kl_terms(lp, ref_lp, c.kl_estimator, exp)
     total = pg
     if c.kl_coef:
         total = total + c.kl_coef * kl

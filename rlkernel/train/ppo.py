@@ -111,9 +111,13 @@ class StepUpdates:
         bad = [u for u in self.updates if not u.applied]
         return (bad[0] if bad else self.updates[0]).grad
 
-    def mean(self, field: str) -> float:
-        """Exact mean over the updates of one StepStats field (loss, pg_loss, kl, entropy)."""
-        return exact_sum(getattr(u.stats, field) for u in self.updates) / len(self.updates)
+    def mean(self, field: str) -> float | None:
+        """Exact mean over the updates of one StepStats field (loss, pg_loss, kl, entropy);
+        None where the field was not measured (kl without a reference policy)."""
+        vals = [getattr(u.stats, field) for u in self.updates]
+        if any(v is None for v in vals):
+            return None
+        return exact_sum(vals) / len(self.updates)
 
     @property
     def clip_frac(self) -> float:
@@ -138,7 +142,7 @@ def mini_batches(samples: list[TrainSample], m: int) -> list[list[TrainSample]]:
     return [samples[i * k:(i + 1) * k] for i in range(m)]
 
 
-def train_on_rollout(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, opt: AdamW | ZeroAdamW,
+def train_on_rollout(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM | None, opt: AdamW | ZeroAdamW,
                      samples: list[TrainSample], plan: UpdatePlan, *, first_update: int,
                      temperature: float, coefs: LossCoefs, micro_batch_tokens: int, pad_id: int,
                      exp, counted: set[str] | None = None, comm: Comm | None = None,

@@ -51,7 +51,8 @@ class StepStats:
     n_tokens: int
     loss: float
     pg_loss: float
-    kl: float
+    kl: float | None
+    """None when no reference policy is kept (--kl-coef 0): not measured."""
     entropy: float
     logprob_mismatches: int
     n_microbatches: int
@@ -186,10 +187,12 @@ def _everyone(pc: ParallelCtx, obj, op: str) -> list:
             for x in part]
 
 
-def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: list[TrainSample],
+def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM | None,
+                      samples: list[TrainSample],
                       *, temperature: float, coefs: LossCoefs, micro_batch_tokens: int,
                       pad_id: int, exp, agg: str = "token-mean") -> StepStats:
     """Set policy's .grad to d(loss)/dθ of the mini-batch `samples` (fp32) and return its stats.
+    `ref`: the reference policy, or None when coefs.kl_coef is 0 (no KL term, kl not measured).
 
     Every rank passes the whole mini-batch; this rank's DP replica trains on its share
     (dp_share). The loss is normalised over all of it by `agg` (agg_weights), so every token's
@@ -213,8 +216,10 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     mismatches = compared = clipped = 0
     for lay, targets, rows, old, adv, who in _loss_rows_on_device(policy, mbs):
         lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
-        with torch.no_grad():
-            ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
+        ref_lp = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
         lp, ent = lp_all[rows], ent_all[rows]
         differs = lp.detach().view(torch.int32) != old.view(torch.int32)
         mismatches += int(differs.sum().item())
@@ -223,7 +228,8 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
         torch.autograd.backward(total, grad_tensors=w32[who])
         clipped += int(cut.sum().item())
         for key, t in (("total", total), ("pg", pg), ("kl", kl), ("ent", ent)):
-            vals[key].extend(t.detach().double().tolist())
+            if t is not None:
+                vals[key].extend(t.detach().double().tolist())
         sample_of.extend(who.tolist())
     policy.ops.sync_grads(policy)
     # Every CP rank and DP replica holds part of the tokens (TP ranks hold copies): gather,
@@ -232,6 +238,8 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM, samples: 
     merged = {k: [x for e in everyone for x in e[0][k]] for k in vals}
     who_all = [s for e in everyone for s in e[1]]
     mean = {k: aggregate(v, who_all, lengths, agg) for k, v in merged.items()}
+    if ref is None:
+        mean["kl"] = None
     return StepStats(sum(lengths), mean["total"], mean["pg"], mean["kl"], mean["ent"],
                      sum(e[2] for e in everyone), len(mbs), sum(e[3] for e in everyone),
                      sum(e[4] for e in everyone))
