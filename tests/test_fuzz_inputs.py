@@ -629,7 +629,9 @@ def _run_ok(base: pathlib.Path, capsys, *flags: str) -> dict:
     assert evidence["complete"] is True
     for s in evidence["steps"]:
         assert s["logprob_mismatches"] == 0
-        assert all(math.isfinite(s[k]) for k in ("loss", "kl", "entropy", "grad_norm"))
+        assert all(math.isfinite(s[k]) for k in ("loss", "entropy", "grad_norm"))
+        # kl: measured (finite) only when a reference policy is kept (--kl-coef > 0)
+        assert s["kl"] is None if "--kl-coef" not in flags else math.isfinite(s["kl"])
     return evidence
 
 
