@@ -183,6 +183,11 @@ def _sync_tp2_rank(rank: int, out: str) -> None:
             b = sync_weights(exported, engine, comm=comms.world)
             assert b.ok, b.problems
             previous = b.version
+    try:                       # refused before any collective: no rank waits for the other
+        sync_weights(exported, engine)
+        res["no_comm"] = None
+    except ValueError as e:
+        res["no_comm"] = str(e)
     pathlib.Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(res))
 
 
@@ -270,3 +275,10 @@ def test_tp2_stale_engine_is_named_as_the_previous_version(tp2):
     assert [p[-8:] for p in reload] == ["(rank 0)", "(rank 1)"]
     assert all(p.startswith("rollout engine parameters differ from the weights sent to it")
                for p in reload)
+
+
+def test_tp2_sync_without_a_comm_is_refused_on_every_rank(tp2):
+    """An engine over 2 rollout TP ranks synced with comm None: ValueError on both ranks before
+    any collective (they could otherwise disagree on the failure path's read-back and hang)."""
+    for r in tp2:
+        assert r["no_comm"] is not None and "spans 2 rollout TP/CP ranks" in r["no_comm"]

@@ -88,8 +88,9 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     `comm`: a rlkernel.distributed.comm.Comm over ranks that all hold this same `exported` and
     that include every rank of this engine's rollout group (the loop passes the world); None
     for a one-rank engine. Collective over it: the hashing is split over its ranks and they
-    agree on whether to take the failure path. Footgun: a multi-rank engine with comm None can
-    hang (one rank enters the read-back collective, its peer does not).
+    agree on whether to take the failure path. ValueError for an engine over several rollout
+    TP/CP ranks without a comm of several ranks (its ranks could disagree on the read-back
+    collective and wait forever).
     Test hooks (rlkernel/runner/faults.py), None in real runs: `tamper(received)` corrupts the
     received copy before loading; `load(engine, received)` stands in for
     engine.load_weights(received).
@@ -98,6 +99,7 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     takes the failure path: under rollout TP the read-back is a collective that the peers make).
     Returns: the trainer's version and hashes and the problems found (empty = ok).
     """
+    _check_comm(engine, comm)
     clock = _Clock()
     hashes = state_hashes(exported, comm)
     version = version_hash(hashes)
@@ -139,6 +141,17 @@ def sync_weights(exported: dict[str, torch.Tensor], engine,
     problems += compare_hashes(hashes, _received_hashes(received, exported, hashes))
     clock.lap("check_s")
     return SyncAudit(version, hashes, tuple(dict.fromkeys(problems)), clock.laps)
+
+
+def _check_comm(engine, comm) -> None:
+    """ValueError when `engine` spans several rollout ranks and `comm` cannot make its ranks
+    take the same path (sync_weights' `comm`)."""
+    pc = getattr(getattr(engine, "model", None), "pc", None)
+    ranks = 1 if pc is None else pc.tp.size * pc.cp.size
+    if ranks > 1 and (comm is None or comm.size < ranks):
+        raise ValueError(f"sync_weights: the engine spans {ranks} rollout TP/CP ranks, so the "
+                         f"sync needs a comm over all of them (got "
+                         f"{'None' if comm is None else f'{comm.size} ranks'})")
 
 
 def _held_differs(engine, exported: dict[str, torch.Tensor]) -> bool:
