@@ -1,15 +1,18 @@
-"""Weight sync + audit (rlkernel/weights/sync.py) on one GPU: time per sync, split into its parts,
-against the previous design measured in the same process.
-The weights stay on the GPU: the engine gets a device copy, its read-back is compared byte for
-byte with the trainer's export there, and only the trainer's export is hashed (8 MiB chunks on
-a thread pool, each copied to the host inside its task).
+"""Weight sync + audit (rlkernel/weights/sync.py) on one GPU or TP GPUs: time per sync, split
+into its parts, against the previous design measured in the same process.
+The weights stay on the GPU: the engine gets a device copy, each rank compares its own engine
+parameters byte for byte with what loading the export puts there, and only the trainer's export
+is hashed (8 MiB chunks on a thread pool, each copied to the host inside its task; under TP each
+rank digests every TP-th chunk and the digests are exchanged).
 
 For each preset: a policy and a rollout engine on the GPU with the same random weights (bf16
 parameters), then `repeats` syncs of the trainer's export into the engine: the median total and
-the median of each lap (trainer export, trainer hash, copy + load, engine export, engine hash,
-checks). "previous" times what the sync did before this version on the same export: a
-safetensors serialise/deserialise round trip and three serial SHA-256 passes. Finally a flipped
-bit in the engine's received copy must be named by the audit.
+the median of each lap (SyncAudit.timings plus the trainer's export), summed into three columns:
+transfer (trainer export, copy + load), hashing (this rank's chunks + the digest exchange),
+checks (engine parameters + the verdict exchange, received copy; the failure path, 0 when
+clean). "previous" times what the sync did before this version on the same export: a
+safetensors serialise/deserialise round trip and three serial SHA-256 passes (TP1 only).
+Finally a flipped bit in the engine's received copy must be named by the audit.
 
 Run (repository root, on the GPU machine):
     PYTHONPATH=. python3 benchmarks/bench_weight_sync.py [--presets qwen3-0.6b qwen3-1.7b] [--out F]
@@ -47,14 +50,18 @@ def _previous_design(exported: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def _flip_is_named(policy, engine) -> bool:
+def _flip_is_named(policy, engine, comm) -> bool:
+    """Whether a flipped bit in element 0 of the first tensor's received copy (every rank) is
+    named by the audit gathered over every rank (rank 0's shard holds the element)."""
     name = next(iter(policy.logical_params()))
 
     def flip(received: dict[str, torch.Tensor]) -> None:
         received[name].view(torch.int16).view(-1)[0] ^= 1
 
-    audit = sync_weights(policy.export_tensors(on_device=True), engine, flip)
-    return (not audit.ok) and any(name in p for p in audit.problems)
+    audit = sync_weights(policy.export_tensors(on_device=True), engine, flip, comm=comm)
+    problems = [p for ps in (comm.all_gather_object(list(audit.problems), "bench-flip")
+                             if comm is not None else [audit.problems]) for p in ps]
+    return bool(problems) and any(name in p for p in problems)
 
 
 def _models(cfg, train_pc=None, roll_pc=None):
@@ -67,16 +74,16 @@ def _models(cfg, train_pc=None, roll_pc=None):
     return policy, engine
 
 
-def _measure(preset: str, policy, engine, repeats: int, previous: bool) -> dict:
+def _measure(preset: str, policy, engine, repeats: int, previous: bool, comm=None) -> dict:
     """Median sync + audit over `repeats` syncs, split into laps; the old design's cost when
-    `previous`; whether a flipped bit is named."""
+    `previous`; whether a flipped bit is named. comm: the ranks' world (TP), None on one GPU."""
     totals, laps = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         exported = policy.export_tensors(on_device=True)
         export_s = time.perf_counter() - t0
-        audit = sync_weights(exported, engine)
+        audit = sync_weights(exported, engine, comm=comm)
         torch.cuda.synchronize()
         totals.append(time.perf_counter() - t0)
         laps.append({"trainer_export_s": export_s, **audit.timings})
@@ -87,16 +94,17 @@ def _measure(preset: str, policy, engine, repeats: int, previous: bool) -> dict:
         "sync_audit_s": statistics.median(totals),
         "laps_s": {k: statistics.median(lap[k] for lap in laps) for k in laps[0]},
         "transfer_s": statistics.median(lap["trainer_export_s"] + lap["copy_load_s"]
-                                        + lap["engine_export_s"] for lap in laps),
+                                        for lap in laps),
         "hashing_s": statistics.median(lap["trainer_hash_s"] for lap in laps),
-        "checks_s": statistics.median(lap["engine_check_s"] + lap["check_s"] for lap in laps),
+        "checks_s": statistics.median(lap["engine_check_s"] + lap["failure_path_s"]
+                                      + lap["check_s"] for lap in laps),
     }
     if previous:
         host = {n: t.cpu() for n, t in exported.items()}   # the old path exported to the host
         row["previous_serialise_and_hash_s"] = min(_previous_design(host) for _ in range(2))
         del host
     del exported
-    row["flipped_bit_named"] = _flip_is_named(policy, engine)
+    row["flipped_bit_named"] = _flip_is_named(policy, engine, comm)
     row["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
 
@@ -107,15 +115,16 @@ def bench(preset: str, repeats: int) -> dict:
 
 
 def _tp_rank(rank: int, preset: str, repeats: int, tp: int, out_dir: str) -> None:
-    """One rank of a TP = rollout TP = `tp` sync (collective export and read-back over NCCL);
-    writes its row to out_dir/rank<r>.json."""
+    """One rank of a TP = rollout TP = `tp` sync (the export's all-gather over NCCL, the hashing
+    split over the `tp` ranks); writes its row to out_dir/rank<r>.json."""
     from rlkernel.distributed.context import build_contexts
     from rlkernel.distributed.topology import Topology, build_comms
     cfg = PRESETS[preset]()
     topo = Topology(world=tp, rank=rank, tp=tp, rollout_tp=tp)
-    train_pc, roll_pc = build_contexts(topo, build_comms(topo), cfg)
+    comms = build_comms(topo)
+    train_pc, roll_pc = build_contexts(topo, comms, cfg)
     policy, engine = _models(cfg, train_pc, roll_pc)
-    row = _measure(preset, policy, engine, repeats, previous=False)
+    row = _measure(preset, policy, engine, repeats, previous=False, comm=comms.world)
     dump(f"{out_dir}/rank{rank}.json", {**row, "tp": tp, "rank": rank})
 
 

@@ -253,6 +253,20 @@ def test_sync_audit_names_each_fault(monkeypatch, action, says):
     assert audit.record()["weight_audit"] == {"ok": False, "problems": list(audit.problems)}
 
 
+def test_an_export_the_engine_cannot_hold_fails_the_audit():
+    """An fp32 export loaded into an engine that holds bf16: its parameters are, byte for byte,
+    held_form(export) (the local check's comparison), yet they are not the export's values; the
+    audit takes the read-back path and names the version (control: a bf16 export passes)."""
+    w = {"a": torch.tensor([1.0, 2.0 ** -12 + 1.0]), "b": torch.ones(3)}
+    audit = sync_weights(w, _DictEngine(w))
+    assert not audit.ok and audit.problems[0].startswith("rollout engine computes with weight "
+                                                         "version ")
+    assert "2 of 2 tensors differ" in audit.problems[0]
+    bf = {n: t.to(torch.bfloat16) for n, t in w.items()}
+    assert sync_weights(bf, _DictEngine(bf)).version == version_hash(state_hashes(bf))
+    assert sync_weights(bf, _DictEngine(bf)).ok
+
+
 def test_flip_bit_flips_exactly_the_named_bit(monkeypatch):
     t = torch.zeros(4, dtype=torch.bfloat16)
     monkeypatch.setenv(faults.ENV, f"sync:flip-bit:step=0:tensor={T}:index=2:bit=15")

@@ -298,8 +298,8 @@ class EvidenceWriter:
         tokens_hash, n_samples, n_response_tokens, logprob_mismatches, logprob_tokens, rewards,
         reward_mean, loss, pg_loss, kl, entropy, clip_frac, lr, weight_audit {"ok", "problems"},
         timings {"rollout_s", "reward_s", "train_s", "export_audit_s", "step_s", "sync" (rank 0's split of
-        export_audit_s: trainer_export_s, trainer_hash_s, copy_load_s, engine_export_s,
-        engine_check_s, check_s)}, resources
+        export_audit_s: trainer_export_s, trainer_hash_s, copy_load_s, engine_check_s,
+        failure_path_s, check_s: weights/sync.py SyncAudit.timings)}, resources
         {"peak_gpu_mem_gib"}; with several optimizer updates per step, updates [one record per
         update, train/ppo.py Update.record].
         `rlk compare` compares every key except timings and resources, so anything

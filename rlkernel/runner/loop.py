@@ -313,7 +313,10 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         t0 = time.perf_counter()
         exported = policy.export_tensors(on_device=True)
         export_s = time.perf_counter() - t0
-        a = sync_weights(exported, engine, tamper, load, previous)
+        # Over the world: every rank holds this same export (TP all-gathers it, DP and CP
+        # replicas hold the same bytes), so the hashing splits over all of them; the world
+        # holds every rollout group, so all agree on whether to take the failure path.
+        a = sync_weights(exported, engine, tamper, load, previous, comm=comms.world)
         problems = comms.world.all_gather_object(list(a.problems), "audit-problems")
         return dataclasses.replace(a, problems=merge_problems(problems),
                                    timings={"trainer_export_s": export_s, **a.timings})

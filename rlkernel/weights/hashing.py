@@ -4,12 +4,14 @@
 tensors hash equal exactly when they have the same dtype, the same shape and the same bits: no
 float conversion, so NaN payloads, -0.0 and bf16 patterns all count. `version_hash` folds the
 per-tensor hashes of one weight version into a Merkle root; `compare_hashes` says, tensor by
-tensor, why two versions differ.
+tensor, why two versions differ. `state_hashes(tensors, comm)` splits the chunk digests of a
+logical state over the ranks that all hold it (the weight sync: every rank holds the export) and
+gives every rank the serial result.
 
 Does not: load, save or shard weights (rlkernel/model/checkpoint.py does), and does not decide
 which tensors are "logical" (param_shapes in rlkernel/model/config.py does). Hashes are of the
 bytes as stored in host memory, which is little-endian on every platform rl-kernel runs on.
-Test: `python -m pytest -q tests/test_checkpoint.py`.
+Test: `python -m pytest -q tests/test_checkpoint.py tests/test_sync.py`.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def tensor_hash(t: torch.Tensor) -> str:
     return state_hashes({"": t})[""]
 
 
-def state_hashes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+def state_hashes(tensors: dict[str, torch.Tensor], comm=None) -> dict[str, str]:
     """`tensor_hash` of every tensor, keeping the dict's (canonical) order.
 
     Every chunk of every tensor is digested on one thread pool (hashlib releases the GIL while it
@@ -109,19 +111,63 @@ def state_hashes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     weights hash at about cores × one core's SHA-256 rate whatever the size of its largest
     tensor; the results do not depend on the scheduling, each digest being a pure function of
     its own chunk.
+
+    `comm` (a rlkernel.distributed.comm.Comm whose every rank holds these same tensors: same
+    names, order, dtypes, shapes and bytes) splits the work: the chunks of all tensors are
+    numbered in order (tensor by tensor, chunk by chunk), rank r digests the chunks i with
+    i % comm.size == r, and one all_gather_object of the 32-byte digests gives every rank every
+    digest, so every rank returns the same dict, bit for bit the serial one. Collective over
+    `comm`: call on every rank. The ranks' bytes are not compared (each chunk is read on one
+    rank only); names, dtypes and shapes are, and ValueError (on every rank alike) names a rank
+    whose layout or digest count differs.
     """
     flats = {name: _flat_bytes(t) for name, t in tensors.items()}
     tasks = [(name, span) for name, flat in flats.items() for span in _chunk_spans(flat.numel())]
-    if len(tasks) < 2:
-        digests = [_chunk_digest(flats[n], span) for n, span in tasks]
+    if comm is None or comm.size == 1:
+        digests = _digest_tasks(flats, tasks)
     else:
-        with ThreadPoolExecutor(max_workers=min(len(tasks), _HASH_THREADS)) as pool:
-            digests = list(pool.map(lambda task: _chunk_digest(flats[task[0]], task[1]), tasks))
+        digests = _split_digests(tensors, flats, tasks, comm)
     per_tensor: dict[str, list[bytes]] = {name: [] for name in tensors}
     for (name, _), d in zip(tasks, digests):
         per_tensor[name].append(d)
     return {name: hashlib.sha256(_header(t) + b"".join(per_tensor[name])).hexdigest()
             for name, t in tensors.items()}
+
+
+def _digest_tasks(flats: dict[str, torch.Tensor],
+                  tasks: list[tuple[str, tuple[int, int]]]) -> list[bytes]:
+    """The chunk digest of every (tensor name, byte span) task, in order (a thread pool)."""
+    if len(tasks) < 2:
+        return [_chunk_digest(flats[n], span) for n, span in tasks]
+    with ThreadPoolExecutor(max_workers=min(len(tasks), _HASH_THREADS)) as pool:
+        return list(pool.map(lambda task: _chunk_digest(flats[task[0]], task[1]), tasks))
+
+
+def _my_tasks(tasks: list, rank: int, size: int) -> list:
+    """The tasks rank `rank` of `size` digests: every size-th, from its own rank on."""
+    return tasks[rank::size]
+
+
+def _split_digests(tensors: dict[str, torch.Tensor], flats: dict[str, torch.Tensor],
+                   tasks: list[tuple[str, tuple[int, int]]], comm) -> list[bytes]:
+    """Every task's digest, this rank having digested its share (state_hashes with a comm)."""
+    # What the task list depends on (names, dtypes, shapes): equal on every rank, or the
+    # digests would be interleaved into hashes of tensors nobody holds.
+    layout = hashlib.sha256(b"".join(name.encode() + b"\0" + _header(t)
+                                     for name, t in tensors.items())).hexdigest()
+    mine = _digest_tasks(flats, _my_tasks(tasks, comm.rank, comm.size))
+    parts = comm.all_gather_object((layout, b"".join(mine)), "hash-chunk-digests")
+    for r, (their_layout, blob) in enumerate(parts):   # the same checks on every rank
+        if their_layout != parts[0][0]:
+            raise ValueError(f"state_hashes: rank {comm.ranks[r]} of {comm.name} holds other "
+                             f"tensors (names, dtypes or shapes) than rank {comm.ranks[0]}")
+        want = len(range(r, len(tasks), comm.size))
+        if len(blob) != 32 * want:
+            raise ValueError(f"state_hashes: rank {comm.ranks[r]} of {comm.name} sent "
+                             f"{len(blob) / 32:g} chunk digests, expected {want}")
+    # Task i was digested by rank i % size, as its (i // size)-th digest.
+    return [parts[i % comm.size][1][32 * (i // comm.size):32 * (i // comm.size + 1)]
+            for i in range(len(tasks))]
 
 
 def version_hash(hashes: dict[str, str]) -> str:
