@@ -223,8 +223,9 @@ class RunConfig:
     """Keep the rollout engine's KV pool, buffers and decode CUDA graphs from one step to the
     next (by default they are made in every step's rollout and freed after it, so the trainer
     gets that memory back). Saves the pool allocation and the graph captures of every step after
-    the first, at the price of the pool (--gpu-memory-utilization of the memory free at the
-    first rollout) staying allocated while the trainer runs. The same bytes either way."""
+    the first, at the price of the pool (as large as the first step's rollout can use, within
+    --gpu-memory-utilization of the memory free then) staying allocated while the trainer runs:
+    the trainer has that much less memory. The same bytes either way."""
 
     # ---- run bookkeeping
     run_dir: str | None = None

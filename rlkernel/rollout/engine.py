@@ -90,9 +90,6 @@ class SamplingParams:
     eos_id: int
 
 
-_CPU_DEFAULT = "CPU default: every sequence at once"
-
-
 def _baked(sp: SamplingParams) -> tuple:
     """What a decode graph records of the sampling params (`_step` reads these as constants;
     max_new_tokens only sizes the call)."""
@@ -138,9 +135,12 @@ class RolloutEngine:
     keep_state: keep the KV pool, the token/logprob buffers and the decode graphs from one
         `generate` call to the next (a serving engine's lifetime: no pool allocation or graph
         capture per call; `prepare` does them up front, `release` frees them). The kept state
-        is sized in powers of two of the call's sequences, positions and new tokens and takes
-        the whole gpu_memory_utilization budget for its pool; a call that needs more makes a
-        new one (after freeing the old). Default False: the state lives for one call (freed at
+        is sized in powers of two of the call's sequences, positions and new tokens, its pool
+        by the call that makes it (what that call can use, within gpu_memory_utilization: the
+        whole budget would starve a trainer sharing the GPU); a call that needs more positions,
+        sequences or tokens, or a larger pool for its longest sequence, makes a new one (after
+        freeing the old); a call with more sequences than the pool holds at once only waits
+        for blocks (admission, preemption), as any call does. Default False: the state lives for one call (freed at
         its end, for the trainer). Same bytes either way (tests/test_rollout_graphs.py).
     """
 
@@ -213,11 +213,9 @@ class RolloutEngine:
             return None
         return torch.cuda.mem_get_info(self.model.device)[0]
 
-    def _pool_blocks(self, seqs: list[Sequence], bm_probe: BlockManager,
-                     whole: bool = False) -> int:
-        """Physical blocks per rank for this call (whole: all the budget allows, for a state
-        kept across calls; else no more than the call can use); ValueError when one sequence
-        cannot fit."""
+    def _pool_blocks(self, seqs: list[Sequence], bm_probe: BlockManager) -> int:
+        """Physical blocks per rank for this call (no more than it can use); ValueError when one
+        sequence cannot fit."""
         c, pc = self.cfg, self.model.pc
         per_block = PagedKVCache.bytes_per_block(c.num_hidden_layers, self.block, self._kv_heads(),
                                                  c.head_dim, self.model.compute_dtype)
@@ -238,7 +236,7 @@ class RolloutEngine:
                          or pc.cp.size > 1 else ""))
             knob = "--gpu-memory-utilization (engine: gpu_memory_utilization)"
         else:
-            cap, source, knob = useful, _CPU_DEFAULT, "kv_blocks"
+            cap, source, knob = useful, "CPU default: every sequence at once", "kv_blocks"
         if one > cap:
             worst = max(seqs, key=lambda s: s.capacity)
             raise ValueError(
@@ -248,7 +246,7 @@ class RolloutEngine:
                 f"{one * per_block} bytes per sequence per rank, but the pool has {cap} blocks = "
                 f"{cap * per_block} bytes available ({source}); raise {knob}, or lower "
                 f"--max-response-len (engine: max_new_tokens) or the prompt length")
-        return cap if whole and source != _CPU_DEFAULT else min(cap, useful)
+        return min(cap, useful)
 
     # -- generate --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -356,7 +354,7 @@ class RolloutEngine:
             self.release()
         if self.keep_state:           # room for later calls: fewer re-allocations and captures
             n, width, max_new = (_pow2(x) for x in (n, width, max_new))
-        n_blocks = self._pool_blocks(seqs, probe, whole=self.keep_state)
+        n_blocks = self._pool_blocks(seqs, probe)
         c, pc = self.cfg, self.model.pc
         dev = self.model.device
         cache = PagedKVCache(c.num_hidden_layers, n_blocks, self.block, self._kv_heads(),
