@@ -336,8 +336,8 @@ class RolloutEngine:
     def _state_for(self, seqs: list[Sequence], sp: SamplingParams) -> "_State":
         """The device state of a call over `seqs`: the kept one where it is large enough (new
         decode graphs if `sp` differs from the one they were made with in what they record),
-        else a new one (kept
-        if keep_state; the old one is freed first, so the new pool is sized without it)."""
+        else a new one (kept if keep_state; the old one is freed first, so the new pool is
+        sized without it)."""
         n = len(seqs)
         width = max(s.capacity for s in seqs)
         max_new = max(s.max_new for s in seqs)
