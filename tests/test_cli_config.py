@@ -626,6 +626,26 @@ def test_gpu_memory_utilization_reaches_the_rollout_engine(capsys, cwd, monkeypa
     assert list(cwd.iterdir()) == []
 
 
+@pytest.mark.parametrize("flags,want", [([], False), (["--keep-rollout-state"], True)])
+def test_keep_rollout_state_reaches_the_rollout_engine(capsys, cwd, monkeypatch, flags, want):
+    """rlk run [--keep-rollout-state] == RolloutEngine(..., keep_state=False/True) in the real
+    loop (a stand-in engine stops it, as above); a non-bool value is refused by name. (A run
+    with the flag is IDENTICAL to one without, test_run.py, so only this sees it dropped.)"""
+    import rlkernel.runner.loop as loop_mod
+
+    seen = []
+
+    def stand_in(*args, **kw):
+        seen.append(kw.get("keep_state"))
+        raise ValueError("stand-in engine: stop before step 0")
+
+    monkeypatch.setattr(loop_mod, "RolloutEngine", stand_in)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--steps", "1", "--n-prompts", "1", *flags)
+    assert seen == [want] and code == 1 and "stand-in engine" in err
+    with pytest.raises(ConfigError, match="keep.rollout.state"):
+        RunConfig(keep_rollout_state="yes")
+
+
 def test_resume_may_change_gpu_memory_utilization(tmp_path):
     """--resume --gpu-memory-utilization F is allowed (a memory knob, like --micro-batch-tokens),
     also for a run whose manifest predates the flag; --seed still cannot change."""

@@ -15,13 +15,16 @@ Run: `.venv/bin/python -m pytest -q tests/test_rollout_state.py` (about 30 s on 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from rollout_helpers import bits, engine, group, requests, sp
+from rollout_helpers import W, bits, engine, group, requests, sp
 from rlkernel.model.ops import InvariantOps
 from rlkernel.rollout import engine as engine_mod
 from rlkernel.rollout.engine import Request
+from rlkernel.rollout.kv_cache import PagedKVCache
 
 # (requests, sampling params) of consecutive calls: the second fits the first's rounded-up
 # state (reuse), the third changes the sampling params (new graphs on the same state), the
@@ -111,3 +114,145 @@ def test_control_buffers_not_reset_change_samples(monkeypatch):
     assert [bits(c) for c in kept.generate(reqs, sp_long)] != _fresh("padded", reqs, sp_long)
     monkeypatch.setattr(engine_mod.RolloutEngine, "_reset", reset)
     assert [bits(c) for c in kept.generate(reqs, sp_long)] == _fresh("padded", reqs, sp_long)
+
+
+# -- added by mutation testing (branch mut-keepstate): each test below fails on a mutant of the
+# keep_state code that the tests above let through.
+
+def _fixed(n: int, start: int, length: int):
+    """n requests (ids start..) with prompts of exactly `length` tokens."""
+    return requests(n, start=start, lo=length, hi=length + 1)
+
+
+def _fresh_run(mode: str, reqs, sp_, **kw):
+    e = engine(InvariantOps, decode_graphs=mode, **kw)
+    return [bits(c) for c in e.generate(reqs, sp_)], e.stats
+
+
+def test_kept_sizes_are_the_smallest_powers_of_two():
+    """_pow2 is the smallest power of two >= x (a power of two stays itself); a kept state of 4
+    sequences, 13 positions and 6 new tokens is 4 rows, 16 wide, 8 new tokens; an engine
+    without keep_state keeps nothing."""
+    assert [engine_mod._pow2(x) for x in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 32]
+    reqs, sp_ = _fixed(4, 300, 7), sp(6, eos=-1)
+    kept = engine(InvariantOps, keep_state=True, kv_blocks=64)
+    kept.generate(reqs, sp_)
+    st = kept._kept
+    assert (st.rows, st.width, st.max_new) == (4, 16, 8)
+    assert tuple(st.bufs.tokens.shape) == (5, 16) and tuple(st.bufs.logprobs.shape) == (5, 8)
+    plain = engine(InvariantOps, kv_blocks=64)
+    plain.generate(reqs, sp_)
+    assert plain._kept is None and not plain.stats["kept_state"]
+
+
+def test_calls_at_the_kept_sizes_reuse_the_state():
+    """A call exactly as large as the kept state (4 rows, 16 positions, 8 new tokens; or the
+    CPU default pool's 1 block for 16 written positions) reuses it, with fresh-engine bytes."""
+    for kw, first, second in ((dict(kv_blocks=64), (_fixed(3, 320, 7), 6), (_fixed(4, 330, 8), 8)),
+                              ({}, (_fixed(1, 340, 9), 8), (_fixed(1, 350, 9), 8))):
+        kept = engine(InvariantOps, decode_graphs="padded", keep_state=True, **kw)
+        states = []
+        for reqs, m in (first, second):
+            sp_ = sp(m, eos=-1)
+            assert [bits(c) for c in kept.generate(reqs, sp_)] == _fresh("padded", reqs, sp_,
+                                                                         **kw)
+            states.append(kept._kept)
+        assert states[1] is states[0]
+
+
+# (first call, second call, engine keywords): the second outgrows the first's rounded-up state
+# in one dimension only — sequences (1 -> rows 1; 3), positions (9 -> 16; 18), new tokens (24
+# positions -> 32 wide, 4 new; 13 positions, 8 new), or, with the CPU default pool (the first
+# call's 1 block), KV blocks (17 positions -> 1 block, 32 wide; 29 positions -> 2 blocks).
+_OUTGROW = {
+    "sequences": ((_fixed(1, 400, 5), 4), (_fixed(3, 410, 5), 4), dict(kv_blocks=64)),
+    "positions": ((_fixed(2, 420, 5), 4), (_fixed(2, 430, 14), 4), dict(kv_blocks=64)),
+    "new_tokens": ((_fixed(2, 440, 20), 4), (_fixed(2, 450, 5), 8), dict(kv_blocks=64)),
+    "blocks": ((_fixed(1, 460, 13), 4), (_fixed(1, 470, 25), 4), {}),
+}
+
+
+@pytest.mark.parametrize("dim", list(_OUTGROW))
+def test_a_call_outgrowing_one_dimension_gets_a_new_state(dim):
+    (reqs1, m1), (reqs2, m2), kw = _OUTGROW[dim]
+    kept = engine(InvariantOps, decode_graphs="padded", keep_state=True, **kw)
+    for reqs, m in ((reqs1, m1), (reqs2, m2)):
+        sp_ = sp(m, eos=-1)
+        assert [bits(c) for c in kept.generate(reqs, sp_)] == _fresh("padded", reqs, sp_, **kw)
+        if m is m1 and reqs is reqs1:
+            first = kept._kept
+    assert kept._kept is not first
+
+
+def test_kept_pool_takes_the_whole_budget_sized_without_the_old_pool():
+    """keep_state: the pool is kv_blocks, or F·free on CUDA (stood in on CPU) — not what the
+    call can use, as without keep_state; a call that outgrows the state frees the old pool
+    before sizing the new one (free memory here = 202 blocks minus the kept pool's)."""
+    reqs, sp_ = _CALLS[0]
+    kept = engine(InvariantOps, keep_state=True, kv_blocks=64)
+    kept.generate(reqs, sp_)
+    plain = engine(InvariantOps, kv_blocks=64)
+    plain.generate(reqs, sp_)
+    assert kept.stats["pool_blocks"] == 64 and plain.stats["pool_blocks"] < 64
+    e = engine(InvariantOps, keep_state=True, gpu_memory_utilization=0.5)
+    per = PagedKVCache.bytes_per_block(e.cfg.num_hidden_layers, e.block, e._kv_heads(),
+                                       e.cfg.head_dim, e.model.compute_dtype)
+    e._free_bytes = lambda: (202 - (e._kept.cache.blocks + 2 if e._kept else 0)) * per
+    for reqs, sp_ in (_CALLS[0], _CALLS[3]):                  # the second outgrows the first
+        assert [bits(c) for c in e.generate(reqs, sp_)] == _fresh("eager", reqs, sp_)
+        assert e.stats["pool_blocks"] == 101 and e.stats["kept_state"]
+
+
+_SP_CHANGES = {"temperature": 1.3, "top_p": 0.5, "seed": 12, "eos_id": -1, "max_new_tokens": 6}
+
+
+@pytest.mark.parametrize("field", list(_SP_CHANGES))
+def test_each_recorded_sampling_param_remakes_the_graphs(field):
+    """A kept state's decode graphs are remade when any one sampling param they record changes
+    (temperature, top_p, seed, eos_id) and only then (not for max_new_tokens), for the state's
+    full size (a later, larger call on the same params uses them); per call the samples and
+    graph steps equal a fresh engine's."""
+    base = sp(8, eos=100, top_p=0.9)
+    changed = dataclasses.replace(base, **{field: _SP_CHANGES[field]})
+    kept = engine(InvariantOps, decode_graphs="padded", keep_state=True, kv_blocks=64)
+    calls = [(requests(5, start=10), base), (requests(5, start=10)[3:], changed),  # 13: EOS
+             (requests(5, start=510), changed)]
+    graphs = []
+    for reqs, sp_ in calls:
+        want, stats = _fresh_run("padded", reqs, sp_)
+        assert [bits(c) for c in kept.generate(reqs, sp_)] == want
+        assert kept.stats["graph_steps"] == stats["graph_steps"] > 0
+        graphs.append(kept._kept.graphs)
+    assert (graphs[1] is graphs[0]) == (field == "max_new_tokens") and graphs[2] is graphs[1]
+    assert _fresh("padded", *calls[1]) != _fresh("padded", calls[1][0], base)   # it matters
+
+
+def test_prepare_stops_at_max_seqs():
+    """prepare makes the buckets of at most max_seqs sequences (a step never runs more)."""
+    kept = engine(InvariantOps, decode_graphs="padded", keep_state=True, kv_blocks=64,
+                  max_seqs=2)
+    reqs, sp_ = _CALLS[0]
+    kept.prepare(reqs, sp_)
+    assert kept._kept.graphs.used == [1, 2]
+    assert [bits(c) for c in kept.generate(reqs, sp_)] == _fresh("padded", reqs, sp_,
+                                                                 max_seqs=2)
+    assert kept._kept.graphs.used == [1, 2]
+
+
+def test_a_call_after_a_failed_one_starts_clean():
+    """A call that raises on non-finite logprobs (a NaN norm weight in layer 0's MLP: NaN K/V
+    in layer 1 of the kept pool, the non-finite flag set) leaves a kept state that the next
+    call, with good weights, reuses: it resets the flag and reads none of the stale NaN keys."""
+    kept = engine(InvariantOps, decode_graphs="padded", keep_state=True, kv_blocks=64)
+    reqs, sp_ = _CALLS[0]
+    name = "model.layers.0.post_attention_layernorm.weight"
+    kept.load_weights({**W, name: torch.full_like(W[name], float("nan"))})
+    with pytest.raises(ValueError, match="logprobs contain NaN"):
+        kept.generate(reqs, sp_)
+    st = kept._kept
+    assert bool(st.bufs.bad) and any(bool(p.isnan().any()) for p in st.cache.k)
+    kept.load_weights(W)
+    for reqs, sp_ in _CALLS[:2]:
+        assert [bits(c) for c in kept.generate(reqs, sp_)] == _fresh("padded", reqs, sp_)
+        assert kept._kept is st
