@@ -7,10 +7,12 @@ GPU test in tests/test_cuda_rollout.py does the same with captured graphs and a 
 between calls. Checked: a sequence of calls of different sizes, sampling params and caps (some
 reuse the kept state, some outgrow it) equals a fresh engine per call, in modes "padded" and
 "eager"; `prepare` (padding-only steps that make every bucket) writes nothing a sample reads
-and leaves every later call's bytes alone; reuse and growth are where they should be; bad use
-is refused. Negative control: a kept state whose buffers are not reset between calls (the
+and leaves every later call's bytes alone; reuse and growth are where they should be (each
+dimension alone: sequences, positions, new tokens, KV blocks; exact powers of two; graphs remade
+for each recorded sampling param and only for those; the pool's whole budget, sized after the
+old pool is freed; a call after a failed one starts clean); bad use is refused. Negative control: a kept state whose buffers are not reset between calls (the
 previous call's tokens left in place) changes samples, so the comparison can fail.
-Run: `.venv/bin/python -m pytest -q tests/test_rollout_state.py` (about 30 s on 2 cores).
+Run: `.venv/bin/python -m pytest -q tests/test_rollout_state.py` (about 60 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -177,11 +179,13 @@ _OUTGROW = {
 def test_a_call_outgrowing_one_dimension_gets_a_new_state(dim):
     (reqs1, m1), (reqs2, m2), kw = _OUTGROW[dim]
     kept = engine(InvariantOps, decode_graphs="padded", keep_state=True, **kw)
-    for reqs, m in ((reqs1, m1), (reqs2, m2)):
-        sp_ = sp(m, eos=-1)
-        assert [bits(c) for c in kept.generate(reqs, sp_)] == _fresh("padded", reqs, sp_, **kw)
-        if m is m1 and reqs is reqs1:
-            first = kept._kept
+    sp1, sp2 = sp(m1, eos=-1), sp(m2, eos=-1)
+    assert [bits(c) for c in kept.generate(reqs1, sp1)] == _fresh("padded", reqs1, sp1, **kw)
+    first = kept._kept
+    # The state is chosen before the call runs: a reused pool too small for the call's longest
+    # sequence would not raise but never finish (the scheduler cannot place it).
+    assert kept._state_for(kept._sequences(reqs2, sp2), sp2) is not first
+    assert [bits(c) for c in kept.generate(reqs2, sp2)] == _fresh("padded", reqs2, sp2, **kw)
     assert kept._kept is not first
 
 
