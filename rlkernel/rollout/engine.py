@@ -90,6 +90,12 @@ class SamplingParams:
     eos_id: int
 
 
+def _largest_need(seqs: list[Sequence], probe: BlockManager) -> int:
+    """Blocks per rank the largest sequence needs (positions ever written: prompt + max_new
+    - 1; the last sampled token is never fed)."""
+    return max(max(probe.blocks_for(s.capacity - 1)) for s in seqs)
+
+
 def _baked(sp: SamplingParams) -> tuple:
     """What a decode graph records of the sampling params (`_step` reads these as constants;
     max_new_tokens only sizes the call)."""
@@ -221,7 +227,7 @@ class RolloutEngine:
                                                  c.head_dim, self.model.compute_dtype)
         # Positions ever written: prompt + max_new - 1 (the last sampled token is never fed).
         needs = [bm_probe.blocks_for(s.capacity - 1) for s in seqs]
-        one = max(max(n) for n in needs)
+        one = _largest_need(seqs, bm_probe)
         useful = max(sum(n[p] for n in needs) for p in range(bm_probe.pools))
         if self.kv_blocks is not None:
             cap, source, knob = self.kv_blocks, f"kv_blocks={self.kv_blocks}", "kv_blocks"
@@ -342,7 +348,7 @@ class RolloutEngine:
         width = max(s.capacity for s in seqs)
         max_new = max(s.max_new for s in seqs)
         probe = BlockManager(1, self.block, self.model.pc.cp.size)
-        one = max(probe.blocks_for(s.capacity - 1)[p] for s in seqs for p in range(probe.pools))
+        one = _largest_need(seqs, probe)
         kept = self._kept
         if kept is not None and kept.fits(n, width, max_new, one):
             if _baked(kept.sp) != _baked(sp):
