@@ -73,12 +73,66 @@ def _row(t: int, n: int, k: int, dtype: torch.dtype, tiles: bool) -> dict:
     return row
 
 
+LEAF_SHAPES = ((16384, 2048, 2048), (16384, 6144, 2048), (16384, 2048, 6144))
+
+
+def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
+    """The fused kernel's double-word pass alone (no digits) at other leaf lengths than the
+    spec's, against cuBLAS and the digit pass + rounding that follows it today: what a longer
+    leaf or a direct rounding of the double words would save (speed study; bits not compared)."""
+    from rlkernel.kernels import triton_grad_weight as tgw
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    import triton
+
+    dy, x = _operands(t, n, k, torch.bfloat16)
+    bn, bk = tgw.TILE[0], tgw.TILE[1]
+    n_tiles = triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    words = torch.empty(2, n, k, dtype=torch.float64, device="cuda")
+    flags = torch.empty(4 * n_tiles, dtype=torch.int32, device="cuda")
+    acc = fx.zeros((n, k), "cuda")
+    row = {"tokens": t, "n": n, "k": k, "cublas_ms": median_ms(lambda: torch.matmul(dy.t(), x))}
+
+    def launch(leaf, tile):
+        bn_, bk_, warps, stages = tile
+        grid = (triton.cdiv(n, bn_) * triton.cdiv(k, bk_),)
+        tgw._dw_kernel[grid](dy, x, words, flags, flags, t, n, k,
+                             dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                             words.stride(0), BLOCK_N=bn_, BLOCK_K=bk_, LEAF=leaf,
+                             PREC="tf32", EMIT=False, FORCE_FLAG=0, num_warps=warps,
+                             num_stages=stages, enable_fp_fusion=False)
+
+    for leaf in leaves:
+        row[f"words_leaf{leaf}_ms"] = median_ms(lambda leaf=leaf: launch(leaf, tgw.TILE))
+        row[f"flagged_leaf{leaf}"] = int(flags[:n_tiles].sum())
+    if (n, k) == (6144, 2048):
+        for leaf in (64, 128):
+            for tile in ((128, 64, 8, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)):
+                try:
+                    row[f"tile{tile}_leaf{leaf}_ms"] = median_ms(
+                        lambda leaf=leaf, tile=tile: launch(leaf, tile))
+                except Exception as e:   # e.g. out of shared memory / registers
+                    row[f"tile{tile}_leaf{leaf}_ms"] = repr(e)[:80]
+    row["digits_and_round_ms"] = median_ms(lambda: (
+        tfx.add_double_words_(acc.zero_().view(-1, fx.N_COLS), words.view(2, -1)),
+        tfx.round_fp32(acc.view(-1, fx.N_COLS))))
+    row["cast_words_ms"] = median_ms(lambda: (words[0] + words[1]).float())
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="two shapes, no tile sweep")
+    ap.add_argument("--leaf-sweep", action="store_true",
+                    help="the double-word pass at leaf lengths 16..128 (1.7b shapes, 16k tokens)")
     a = ap.parse_args()
     require_cuda()
+    if a.leaf_sweep:
+        dump(a.out, {"env": env(), "leaf_rows": [_leaf_row(*s, (16, 32, 64, 128))
+                                                 for s in LEAF_SHAPES]})
+        return
     shapes = SHAPES[:2] if a.quick else SHAPES
     rows = [_row(*s, torch.bfloat16, tiles=(not a.quick and i == 1)) for i, s in enumerate(shapes)]
     rows.append(_row(4096, 1024, 1024, torch.float32, tiles=False))
