@@ -26,17 +26,20 @@ CUDA_VOCAB_CHUNK = 128
 CUDA_BLOCK_K = {"fp32": 32, "bf16": 64}
 """K-tile of the sequential-K Triton matmul per input dtype (the K order inside a tile is the
 tensor core's; across tiles it is sequential)."""
-NUMERICS_VERSION = 4
+NUMERICS_VERSION = 5
 """Bumped whenever the code changes the bits a configuration computes (1: before 2026-11-30
 evening; 2: bf16 rounding points at the linears, the Triton attention backward on CUDA; 3: CUDA
 d logits divided by T exactly (was torch's x·(1/T)): CUDA gradients change when T != 1; 4: bf16
-runs round attention's q, k, v to bf16 (tensor-core attention, bf16 KV cache). A run
-resumes only under the version that wrote it, so one run never mixes two meanings of a number."""
+runs round attention's q, k, v to bf16 (tensor-core attention, bf16 KV cache); 5: bf16 runs'
+attention backward rounds P (for dV) and dS (for dQ, dK) to bf16 and runs its dots on the tensor
+cores (CUDA). A run resumes only under the version that wrote it, so one run never mixes two
+meanings of a number."""
 ROUNDING_POINTS = {
     "bf16": "bf16: each linear's input activation and incoming gradient (x before x·Wᵀ, dY "
             "before dX and dW), fp32 accumulation and outputs; attention's q, k, v (after "
-            "RoPE) and output, P before P·V and the row sum, the output's incoming gradient "
-            "and dQ, dK, dV (fp32 accumulation and softmax statistics); fp32 elsewhere",
+            "RoPE) and output, P before P·V and the row sum, the output's incoming gradient, "
+            "the backward's recomputed P before P·dO and dS before dS·K and dSᵀ·Q, and dQ, "
+            "dK, dV (fp32 accumulation and softmax statistics); fp32 elsewhere",
     "fp32": "none (fp32 throughout)",
 }
 """Where a run's fp32 values become bf16, by --dtype (docs/ARCHITECTURE.md "Precision")."""

@@ -7,10 +7,12 @@ exact sums) against a float64 autograd oracle, and the structural invariances th
 dot whose element depends only on its own row, column and operand shape: a sample's bytes alone
 vs in a batch, the CP split of the query leaves, a Tq split, the TP head split, the chunk sizes.
 bf16 runs with the interpreter's bf16 dot made exact (tests/triton_interpreter_compat.py).
-What it cannot: the GPU's dot orders (numpy's matmul stands in, and may round differently for
-another operand shape, so the dQ tile is pinned where a layout changes the row count); one check
-replaces the dot by a sequential multiply-add chain to pin the summation orders the module doc
-names (keys ascending in dQ, positions ascending in a leaf, dK scaled last);
+What it cannot: the GPU's dot orders. numpy's matmul, which the interpreter uses, may round an
+element differently for another operand shape or memory alignment (seen with numpy 2.4), so
+every check that compares two layouts bitwise runs with tl.dot replaced by a sequential
+multiply-add chain per element (`_sequential_dot`: an element depends on its row, column and
+K order only, the property the GPU's dots have); one check also uses it to pin the summation
+orders the module doc names (keys ascending in dQ, positions ascending in a leaf, dK scaled last);
 tests/test_cuda_attention_bwd.py checks the same properties on the GPU with the real tables.
 The forward here is the Triton forward (also interpreted); where layouts change, the backward is
 given the full run's out/lse rows so that only the backward is under test.
@@ -85,14 +87,37 @@ def _assert_plus_zero(t: torch.Tensor) -> None:
     assert bool((t.contiguous().view(torch.int32) == 0).all()), "not all +0.0"
 
 
+def _chain_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's tl.dot as the module doc describes the kernels' fp32 dots: per output
+    element one chain, acc = d, then acc = acc + a_k·b_k for k ascending (fp32 product, fp32 add)."""
+    a32 = triton_interpreter_compat._widen_bf16(a).data.astype(np.float32)
+    b32 = triton_interpreter_compat._widen_bf16(b).data.astype(np.float32)
+    acc = d.data.astype(np.float32).copy()
+    for i in range(a32.shape[-1]):
+        acc = acc + a32[..., :, i:i + 1] * b32[..., i:i + 1, :]
+    return _interp.TensorHandle(acc.astype(np.float32), d.dtype.scalar)
+
+
+@contextlib.contextmanager
+def _sequential_dot():
+    real = _interp.InterpreterBuilder.create_dot
+    _interp.InterpreterBuilder.create_dot = _chain_dot
+    try:
+        yield
+    finally:
+        _interp.InterpreterBuilder.create_dot = real
+
+
 @functools.cache
 def packed():
     """3 packed samples (lengths 100, 90, 66; NaN in every padding slot), d_out, and the full
-    forward/backward: (inputs tuple, out, lse, d_out, (dq, dk, dv))."""
+    forward/backward (the backward with the sequential dot, as the layout checks that compare
+    with it): (inputs tuple, out, lse, d_out, (dq, dk, dv))."""
     q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack([100, 90, 66], seed=76)
     d_out = randn(*q.shape, seed=77)
     out, lse = _fwd(q, k, v, q_pos, kv_len)
-    grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+    with _sequential_dot():
+        grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
     return (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, grads
 
 
@@ -102,8 +127,9 @@ def small():
     q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack([70, 41], seed=90)
     d_out = randn(*q.shape, seed=91)
     out, lse = _fwd(q, k, v, q_pos, kv_len)
-    return (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, \
-        _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+    with _sequential_dot():
+        grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+    return (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, grads
 
 
 def _near_oracle(q, k, v, q_pos, kv_len, d_out, out, grads) -> None:
@@ -148,12 +174,13 @@ def kv_len_below_positions_and_cp_offset_layout_vs_float64():
 def sample_alone_equals_sample_in_batch():
     """Each sample's dQ/dK/dV alone (S=1, Tq = Tk = its length) == its rows in the padded
     3-sample batch, bitwise (the backward given the batch's out/lse rows)."""
-    (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = packed()
-    for i, n in enumerate([100, 90, 66]):
-        got = _bwd(*(t[i:i + 1, :, :n] for t in (q, k, v, out)), lse[i:i + 1, ..., :n],
-                   d_out[i:i + 1, :, :n], q_pos[i:i + 1, :n], kv_len[i:i + 1])
-        for a, b in zip(got, ref):
-            assert_bitwise(a[0], b[i, :, :n])
+    with _sequential_dot():
+        (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = packed()
+        for i, n in enumerate([100, 90, 66]):
+            got = _bwd(*(t[i:i + 1, :, :n] for t in (q, k, v, out)), lse[i:i + 1, ..., :n],
+                       d_out[i:i + 1, :, :n], q_pos[i:i + 1, :n], kv_len[i:i + 1])
+            for a, b in zip(got, ref):
+                assert_bitwise(a[0], b[i, :, :n])
 
 
 def _cp_rank_sel(q_idx, sl, cp, r):
@@ -167,18 +194,19 @@ def cp_zigzag_ranks_give_single_process_bytes():
     tok = the CP group): on every rank dK/dV == the single-process bytes and its own dQ rows ==
     the single-process rows. Negative control: the ranks' dK rounded separately and added in fp32
     differ from the single-process dK."""
-    (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, ref = small()
-    pos = [torch.where(_cp_rank_sel(q_idx, sl, 2, r), q_pos, -1) for r in range(2)]
-    assert all(bool((p >= 0).any()) for p in pos)
-    res = run_ranks_sequentially(2, lambda r, c: _bwd(q, k, v, out, lse, d_out, pos[r], kv_len,
-                                                      tok=TokenSum(c)))
-    for r, (dq, dk, dv) in enumerate(res):
-        sel = (pos[r] >= 0)[:, None, :, None].expand_as(dq)
-        assert_bitwise(dq[sel], ref[0][sel])
-        assert_bitwise(dk, ref[1])
-        assert_bitwise(dv, ref[2])
-    alone = [_bwd(q, k, v, out, lse, d_out, p, kv_len)[1] for p in pos]
-    assert n_diff(alone[0] + alone[1], ref[1]) > 0, "control: fp32 sum of rank results matched"
+    with _sequential_dot():
+        (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, ref = small()
+        pos = [torch.where(_cp_rank_sel(q_idx, sl, 2, r), q_pos, -1) for r in range(2)]
+        assert all(bool((p >= 0).any()) for p in pos)
+        res = run_ranks_sequentially(2, lambda r, c: _bwd(q, k, v, out, lse, d_out, pos[r], kv_len,
+                                                          tok=TokenSum(c)))
+        for r, (dq, dk, dv) in enumerate(res):
+            sel = (pos[r] >= 0)[:, None, :, None].expand_as(dq)
+            assert_bitwise(dq[sel], ref[0][sel])
+            assert_bitwise(dk, ref[1])
+            assert_bitwise(dv, ref[2])
+        alone = [_bwd(q, k, v, out, lse, d_out, p, kv_len)[1] for p in pos]
+        assert n_diff(alone[0] + alone[1], ref[1]) > 0, "control: fp32 sum of rank results matched"
 
 
 @check
@@ -186,22 +214,23 @@ def tq_split_into_two_calls_gives_the_full_bytes():
     """Queries [0, 48) in one call (Tq 48) and [48, 70) in another (slot t = position 48 + t),
     every key in both, the exact sums joined over a 2-rank group: dK/dV == the full call's, dQ rows
     == its rows (dQ tile pinned: the interpreter's numpy dot may round by operand shape)."""
-    (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
-    q, k, v, out, lse, d_out, q_pos, kv_len = (t[:1] for t in (q, k, v, out, lse, d_out, q_pos,
-                                                                kv_len))
-    tile = (16, 4, 1)
-    full = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len, dq_tile=tile)
-    cuts = [(0, 48), (48, 70)]
+    with _sequential_dot():
+        (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
+        q, k, v, out, lse, d_out, q_pos, kv_len = (t[:1] for t in (q, k, v, out, lse, d_out, q_pos,
+                                                                    kv_len))
+        tile = (16, 4, 1)
+        full = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len, dq_tile=tile)
+        cuts = [(0, 48), (48, 70)]
 
-    def part(r, comm):
-        a, b = cuts[r]
-        return _bwd(q[:, :, a:b], k, v, out[:, :, a:b], lse[..., a:b], d_out[:, :, a:b],
-                    q_pos[:, a:b], kv_len, tok=TokenSum(comm), dq_tile=tile)
+        def part(r, comm):
+            a, b = cuts[r]
+            return _bwd(q[:, :, a:b], k, v, out[:, :, a:b], lse[..., a:b], d_out[:, :, a:b],
+                        q_pos[:, a:b], kv_len, tok=TokenSum(comm), dq_tile=tile)
 
-    for (a, b), (dq, dk, dv) in zip(cuts, run_ranks_sequentially(2, part)):
-        assert_bitwise(dq, full[0][:, :, a:b])
-        assert_bitwise(dk, full[1])
-        assert_bitwise(dv, full[2])
+        for (a, b), (dq, dk, dv) in zip(cuts, run_ranks_sequentially(2, part)):
+            assert_bitwise(dq, full[0][:, :, a:b])
+            assert_bitwise(dk, full[1])
+            assert_bitwise(dv, full[2])
 
 
 @check
@@ -209,53 +238,59 @@ def kv_head_replicated_over_tp_ranks_gives_single_process_bytes():
     """One KV head shared by 6 query heads; TP = 2 ranks hold 3 heads each and a replica of the
     KV head (kv_comm over them): dK/dV == single-process bytes (the halving tree's 3 + 3 split),
     each rank's dQ == its heads' rows."""
-    q, k, v, q_pos, kv_len, *_ = _pack([70, 41], seed=92, hq=6)
-    k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
-    d_out = randn(*q.shape, seed=93)
-    out, lse = _fwd(q, k, v, q_pos, kv_len)
-    full = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+    with _sequential_dot():
+        q, k, v, q_pos, kv_len, *_ = _pack([70, 41], seed=92, hq=6)
+        k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
+        d_out = randn(*q.shape, seed=93)
+        out, lse = _fwd(q, k, v, q_pos, kv_len)
+        full = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
 
-    def rank(r, comm):
-        h = slice(3 * r, 3 * r + 3)
-        return _bwd(q[:, h], k, v, out[:, h], lse[:, :, h], d_out[:, h], q_pos, kv_len,
-                    kv_comm=comm)
+        def rank(r, comm):
+            h = slice(3 * r, 3 * r + 3)
+            return _bwd(q[:, h], k, v, out[:, h], lse[:, :, h], d_out[:, h], q_pos, kv_len,
+                        kv_comm=comm)
 
-    for r, (dq, dk, dv) in enumerate(run_ranks_sequentially(2, rank)):
-        assert_bitwise(dq, full[0][:, 3 * r:3 * r + 3])
-        assert_bitwise(dk, full[1])
-        assert_bitwise(dv, full[2])
+        for r, (dq, dk, dv) in enumerate(run_ranks_sequentially(2, rank)):
+            assert_bitwise(dq, full[0][:, 3 * r:3 * r + 3])
+            assert_bitwise(dk, full[1])
+            assert_bitwise(dv, full[2])
 
 
 @check
-def chunk_sizes_and_leaves_per_program_change_no_bit():
-    """Exact accumulators of one key block of one sample (acc_elems 8192: sample and key chunks),
-    one leaf per step (buf_elems = one chunk), 1 or 4 leaves per program: the default bytes."""
-    (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
-    for kw in ({"acc_elems": 8192, "buf_elems": 1}, {"acc_elems": 1 << 14, "buf_elems": 1 << 16},
-               {"kv_tile": (64, 1, 4, 1)}, {"kv_tile": (64, 4, 4, 1)}):
-        got = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len, **kw)
-        for a, b in zip(got, ref):
-            assert_bitwise(a, b)
+def chunk_sizes_tiles_and_the_fallback_change_no_bit():
+    """Double-word chunks of one key block of one sample (words_elems 4096: sample and key
+    chunks) and of two blocks, dK/dV tiles of 32 keys and of 8 output columns, every program
+    through the per-leaf fallback (force_flag: EMIT partials + exponent bins): the default
+    bytes."""
+    with _sequential_dot():
+        (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
+        for kw in ({"words_elems": 4096}, {"words_elems": 1 << 13}, {"kv_tile": (32, 16, 4, 1)},
+                   {"kv_tile": (64, 8, 4, 1)}, {"force_flag": True},
+                   {"force_flag": True, "words_elems": 4096}):
+            got = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len, **kw)
+            for a, b in zip(got, ref):
+                assert_bitwise(a, b)
 
 
 @check
 def decode_row_dq_equals_prefill_row():
     """The query at position p alone (Tq 1, a 96-slot KV cache with NaN past kv_len = p + 1) has
     the dQ bytes of its row in the full backward, for p in 0, 15, 16, 63, 64, 69."""
-    (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
-    tile = (16, 4, 1)
-    full = _bwd(q[:1], k[:1], v[:1], out[:1], lse[:1], d_out[:1], q_pos[:1], kv_len[:1],
-                dq_tile=tile)[0]
-    cache_k = torch.full((1, 2, 96, D), NAN)
-    cache_v = torch.full((1, 2, 96, D), NAN)
-    cache_k[:, :, :70], cache_v[:, :, :70] = k[:1, :, :70], v[:1, :, :70]
-    for p in (0, 15, 16, 63, 64, 69):
-        ck, cv = cache_k.clone(), cache_v.clone()
-        ck[:, :, p + 1:], cv[:, :, p + 1:] = NAN, NAN
-        row = slice(p, p + 1)
-        dq = _bwd(q[:1, :, row], ck, cv, out[:1, :, row], lse[:1, ..., row], d_out[:1, :, row],
-                  torch.tensor([[p]]), torch.tensor([p + 1]), dq_tile=tile)[0]
-        assert_bitwise(dq, full[:, :, row])
+    with _sequential_dot():
+        (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
+        tile = (16, 4, 1)
+        full = _bwd(q[:1], k[:1], v[:1], out[:1], lse[:1], d_out[:1], q_pos[:1], kv_len[:1],
+                    dq_tile=tile)[0]
+        cache_k = torch.full((1, 2, 96, D), NAN)
+        cache_v = torch.full((1, 2, 96, D), NAN)
+        cache_k[:, :, :70], cache_v[:, :, :70] = k[:1, :, :70], v[:1, :, :70]
+        for p in (0, 15, 16, 63, 64, 69):
+            ck, cv = cache_k.clone(), cache_v.clone()
+            ck[:, :, p + 1:], cv[:, :, p + 1:] = NAN, NAN
+            row = slice(p, p + 1)
+            dq = _bwd(q[:1, :, row], ck, cv, out[:1, :, row], lse[:1, ..., row], d_out[:1, :, row],
+                      torch.tensor([[p]]), torch.tensor([p + 1]), dq_tile=tile)[0]
+            assert_bitwise(dq, full[:, :, row])
 
 
 @check
@@ -264,25 +299,23 @@ def dkv_is_the_exact_sum_of_leaf_partials_negative_control_fp32_order():
     head tree (and ·scale for dK), are the backward's dK/dV bytes; their exact sum does not
     change when the leaves are reversed. Negative control: a plain fp32 sum of the same partials
     in leaf order and in reverse order differ (so an order-dependent sum would fail the CP test)."""
-    (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
-    s_, hq, tq, _ = q.shape
-    tk = k.shape[2]
-    n_leaves = int(q_pos.max()) // 16 + 1
-    lse_h = lse.reshape(s_, hq, tq)
-    delta = tb._delta(out, d_out, q_pos)
-    part = torch.empty(n_leaves, 2, s_, hq, tk, D)
-    tb._launch_partials(q, k, v, d_out, lse_h, delta, tb.slot_map(q_pos, n_leaves), kv_len,
-                        SCALE, part, 0, 0, 0, n_leaves, None)
-    exact = fx.exact_sum_fp32(part)
-    assert_bitwise(fx.exact_sum_fp32(part.flip(0)), exact)
-    heads = tree_sum_halving(exact.view(2, s_, 2, 2, tk, D), 3)
-    assert_bitwise(heads[0] * SCALE, ref[1])
-    assert_bitwise(heads[1], ref[2])
-    fwd, rev = torch.zeros_like(exact), torch.zeros_like(exact)
-    for i in range(n_leaves):
-        fwd = fwd + part[i]
-        rev = rev + part[n_leaves - 1 - i]
-    assert n_diff(fwd, rev) > 0, "control: fp32 sums in two leaf orders matched"
+    with _sequential_dot():
+        (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
+        s_, hq, tq, _ = q.shape
+        tk = k.shape[2]
+        n_leaves = int(q_pos.max()) // 16 + 1
+        part = tb.leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
+        assert part.shape[0] == n_leaves
+        exact = fx.exact_sum_fp32(part)
+        assert_bitwise(fx.exact_sum_fp32(part.flip(0)), exact)
+        heads = tree_sum_halving(exact.view(2, s_, 2, 2, tk, D), 3)
+        assert_bitwise(heads[0] * SCALE, ref[1])
+        assert_bitwise(heads[1], ref[2])
+        fwd, rev = torch.zeros_like(exact), torch.zeros_like(exact)
+        for i in range(n_leaves):
+            fwd = fwd + part[i]
+            rev = rev + part[n_leaves - 1 - i]
+        assert n_diff(fwd, rev) > 0, "control: fp32 sums in two leaf orders matched"
 
 
 @check
@@ -291,43 +324,23 @@ def bf16_packed_batch_vs_float64_and_alone_equals_in_batch():
     so the logic is checked, not the tensor cores' rounding): dQ/dK/dV in bf16 within 2e-2
     relative norm of float64 (the forward's bf16 out feeds delta; measured ~4e-3), padding rows
     +0.0; each sample alone (exact length) == its batch rows, bitwise."""
-    q, k, v, q_pos, kv_len, *_ = _pack([70, 41, 33], seed=94)
-    q, k, v = (t.bfloat16() for t in (q, k, v))
-    d_out = randn(*q.shape, seed=95).bfloat16()
-    out, lse = _fwd(q, k, v, q_pos, kv_len)
-    grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
-    ref = attention_oracle64(q, k, v, q_pos, kv_len, d_out, SCALE)
-    for got, want in zip(grads, ref[1:]):
-        assert got.dtype == torch.bfloat16
-        assert float((got.double() - want).norm() / want.norm()) < 2e-2
-    pad = (q_pos < 0)[:, None, :, None].expand_as(grads[0])
-    _assert_plus_zero(grads[0][pad].float())
-    for i, n in enumerate([70, 41, 33]):
-        alone = _bwd(*(t[i:i + 1, :, :n] for t in (q, k, v, out)), lse[i:i + 1, ..., :n],
-                     d_out[i:i + 1, :, :n], q_pos[i:i + 1, :n], kv_len[i:i + 1])
-        for a, b in zip(alone, grads):
-            assert_bitwise(a[0].float(), b[i, :, :n].float())
-
-
-def _chain_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    """The interpreter's tl.dot as the module doc describes the kernels' fp32 dots: per output
-    element one chain, acc = d, then acc = acc + a_k·b_k for k ascending (fp32 product, fp32 add)."""
-    a32 = triton_interpreter_compat._widen_bf16(a).data.astype(np.float32)
-    b32 = triton_interpreter_compat._widen_bf16(b).data.astype(np.float32)
-    acc = d.data.astype(np.float32).copy()
-    for i in range(a32.shape[-1]):
-        acc = acc + a32[..., :, i:i + 1] * b32[..., i:i + 1, :]
-    return _interp.TensorHandle(acc.astype(np.float32), d.dtype.scalar)
-
-
-@contextlib.contextmanager
-def _sequential_dot():
-    real = _interp.InterpreterBuilder.create_dot
-    _interp.InterpreterBuilder.create_dot = _chain_dot
-    try:
-        yield
-    finally:
-        _interp.InterpreterBuilder.create_dot = real
+    with _sequential_dot():
+        q, k, v, q_pos, kv_len, *_ = _pack([70, 41, 33], seed=94)
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+        d_out = randn(*q.shape, seed=95).bfloat16()
+        out, lse = _fwd(q, k, v, q_pos, kv_len)
+        grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+        ref = attention_oracle64(q, k, v, q_pos, kv_len, d_out, SCALE)
+        for got, want in zip(grads, ref[1:]):
+            assert got.dtype == torch.bfloat16
+            assert float((got.double() - want).norm() / want.norm()) < 2e-2
+        pad = (q_pos < 0)[:, None, :, None].expand_as(grads[0])
+        _assert_plus_zero(grads[0][pad].float())
+        for i, n in enumerate([70, 41, 33]):
+            alone = _bwd(*(t[i:i + 1, :, :n] for t in (q, k, v, out)), lse[i:i + 1, ..., :n],
+                         d_out[i:i + 1, :, :n], q_pos[i:i + 1, :n], kv_len[i:i + 1])
+            for a, b in zip(alone, grads):
+                assert_bitwise(a[0].float(), b[i, :, :n].float())
 
 
 def _chain(terms):
@@ -366,7 +379,7 @@ def summation_orders_with_a_sequential_dot():
         (q if zero == "q" else k).zero_()
         with _sequential_dot():
             runs = [tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, **kw)
-                    for kw in ({}, {"acc_elems": 8192, "buf_elems": 3 * 8192})]
+                    for kw in ({}, {"words_elems": 4096}, {"force_flag": True})]
         delta = _chain([out[0, ..., d] * d_out[0, ..., d] for d in range(D)])           # [h, t]
         dp = _chain([d_out[0, :, :, None, d] * v[0, 0, None, None, :, d] for d in range(D)])
         ds = torch.where(vis, dp - delta[..., None], torch.zeros(()))                  # [h, t, j]

@@ -218,23 +218,25 @@ def test_cuda_attention_bwd_decode_row_dq_equals_prefill_row(dtype):
 
 _EXTRA_DQ_TILES = {torch.float32: [(16, 4, 1), (32, 4, 1), (64, 8, 1)],
                    torch.bfloat16: [(64, 4, 1), (128, 8, 1)]}
-_EXTRA_KV_TILES = [(64, 1, 8, 1), (64, 4, 4, 1), (32, 2, 4, 1)]
+# (BLOCK_N keys, D_TILE columns, warps, stages). bf16 keeps 64 keys (the wgmma row tile):
+# the key tile is the M of every dK/dV dot.
+_EXTRA_KV_TILES = {torch.float32: [(64, 64, 8, 1), (32, 128, 4, 1), (64, 128, 4, 2)],
+                   torch.bfloat16: [(64, 64, 8, 1), (64, 128, 4, 1), (64, 128, 8, 2)]}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_attention_bwd_every_tile_and_chunk_size_gives_the_same_bits(dtype):
     """Every dQ tile of the table and a few others (bf16: BLOCK_M >= 64, warps % 4 == 0, the
-    forward's rule), dK/dV tiles with 32/64 keys and 1/2/4 leaves per program, and chunks of
-    the exact accumulator down to one 64-key block of one sample and one leaf per step: the
-    default bytes."""
+    forward's rule), dK/dV tiles with other key / column tiles, warps and stages, chunks of the
+    double words down to one 64-key block of one sample, and every dK/dV program through the
+    per-leaf fallback (force_flag): the default bytes."""
     from rlkernel.kernels import triton_attention_bwd as tb
     q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, dtype, seed=7)
     ref = _grads(q, k, v, q_pos, kv_len, d_out)
     variants = [{"dq_tile": cfg} for _, cfg in tb._DQ_TILES[dtype]]
     variants += [{"dq_tile": cfg} for cfg in _EXTRA_DQ_TILES[dtype]]
-    variants += [{"kv_tile": cfg} for cfg in _EXTRA_KV_TILES]
-    variants += [{"acc_elems": 2 * HQ * D * 64, "buf_elems": 1},
-                 {"acc_elems": 1 << 16, "buf_elems": 1 << 20}]
+    variants += [{"kv_tile": cfg} for cfg in _EXTRA_KV_TILES[dtype]]
+    variants += [{"words_elems": HQ * D * 64}, {"words_elems": 1 << 16}, {"force_flag": True}]
     for kw in variants:
         got = _grads(q, k, v, q_pos, kv_len, d_out, **kw)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
@@ -329,12 +331,8 @@ def test_cuda_negative_control_fp32_sum_of_leaf_partials_depends_on_order():
     _, dk, dv = tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
     s_, hq, tq, _ = q.shape
     tk = k.shape[2]
-    n_leaves = max(LENGTHS) // TOKEN_LEAF + 1
-    lse_h = lse.reshape(s_, hq, tq)
-    part = torch.empty(n_leaves, 2, s_, hq, tk, D, device=DEV)
-    tb._launch_partials(q, k, v, d_out, lse_h, tb._delta(out, d_out, q_pos),
-                        tb.slot_map(q_pos, n_leaves), kv_len, SCALE, part, 0, 0, 0, n_leaves,
-                        None)
+    part = tb.leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
+    n_leaves = part.shape[0]
     exact = fx.exact_sum_fp32(part)
     _assert_same(fx.exact_sum_fp32(part.flip(0)), exact, "exact sum reversed")
     heads = tree_sum_halving(exact.view(2, s_, HKV, hq // HKV, tk, D), 3)

@@ -4,8 +4,9 @@ Checked two ways: against a float64 oracle with a tolerance, and against itself 
 offset / shard / rank-split changes bitwise (`assert_bitwise`), each with a negative control that
 shows the stock torch path differs. Helpers and in-process thread ranks: tests/kernel_helpers.py.
 
-bf16 q/k/v (bf16 runs, NUMERICS_VERSION 4): the same invariances bitwise, float64 oracles with
-bf16 bounds, and a check that P is rounded (the fp32 kernel rounded once at the end differs).
+bf16 q/k/v (bf16 runs, NUMERICS_VERSION 4 and 5): the same invariances bitwise, float64 oracles with
+bf16 bounds, and checks that P and the backward's dO, P, dS are rounded (the fp32 kernel rounded
+once at the end differs).
 Run: .venv/bin/python -m pytest -q tests/test_kernels_attention.py
 """
 
@@ -28,7 +29,8 @@ from kernel_helpers import (
 )
 
 from rlkernel.distributed.parallel import cp_segments
-from rlkernel.kernels.attention import attention, attention_forward
+from rlkernel.distributed.tokensum import TokenSum
+from rlkernel.kernels.attention import attention, attention_backward, attention_forward
 from rlkernel.spec import TOKEN_LEAF
 
 # ================================================================== attention
@@ -323,7 +325,7 @@ def test_negative_control_stock_sdpa_grads_of_a_sample_alone_vs_in_the_packed_ba
         assert_stock_differs(a, b)
 
 
-# ------------------------------------------------------------------ bf16 (NUMERICS_VERSION 4)
+# ------------------------------------------------------------------ bf16 (NUMERICS_VERSION 4, 5)
 
 def _ours_bf16(q, k, v, q_pos, kv_len):
     return attention_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_pos, kv_len, SCALE)[0]
@@ -364,6 +366,14 @@ def test_bf16_attention_vs_float64_and_its_rounding_points():
     once = attention_forward(q.detach().float(), k.detach().float(), v.detach().float(), q_pos,
                              kv_len, SCALE)[0].bfloat16()
     assert not torch.equal(once.view(torch.int16), out.detach().view(torch.int16))
+    # The backward's rounding points (dO, P before P·dO, dS) are real too: the fp32 backward on
+    # the same values and the bf16 forward's out/lse, rounded once at the end, differs.
+    _, lse = attention_forward(q.detach(), k.detach(), v.detach(), q_pos, kv_len, SCALE)
+    grads32 = attention_backward(q.detach().float(), k.detach().float(), v.detach().float(),
+                                 out.detach().float(), lse, d_out.float(), q_pos, kv_len, SCALE,
+                                 TokenSum.single(), None)
+    for g32, g in zip(grads32, (q.grad, k.grad, v.grad)):
+        assert not torch.equal(g32.bfloat16().view(torch.int16), g.view(torch.int16))
 
 
 def test_attention_refuses_mixed_dtypes():

@@ -29,9 +29,11 @@ size, fused dots) but obey the same invariances.
 Precision: q, k, v come in fp32 or bf16 (bf16 runs round them in the model, model/qwen3.py).
 With bf16 the products accumulate in fp32, P is rounded to bf16 before P·V and the row sum l
 (the CUDA kernel's tensor-core dots take bf16 P; the CPU rounds P the same way and widens it),
-m, l and lse stay fp32 and the output is rounded to bf16 once; the backward recomputes P from
-lse unrounded, computes in fp32 on the exactly widened operands and rounds dQ, dK, dV to bf16
-once at the end. Every rounding is elementwise, so none moves a bit with batch, layout or rank.
+m, l and lse stay fp32 and the output is rounded to bf16 once. The backward (FlashAttention-2's
+rounding points, NUMERICS_VERSION 5) takes dO in bf16, recomputes P from lse and rounds it to
+bf16 before P·dO (dV), rounds dS to bf16 before dS·K (dQ) and dSᵀ·Q (dK), keeps delta, P, dS
+and every accumulation in fp32 and rounds dQ, dK, dV to bf16 once at the end. Every rounding is
+elementwise, so none moves a bit with batch, layout or rank.
 Does not: communicate (CP gathers K/V in rlkernel/distributed).
 """
 
@@ -101,7 +103,7 @@ def attention_forward(q, k, v, q_pos, kv_len, scale):
         m_safe = torch.where(row, m_new, torch.zeros_like(m_new))
         p = exp32(s - m_safe[..., None])
         if dtype == torch.bfloat16:      # the rounding point of P, as the CUDA kernel's bf16 dots
-            p = p.to(torch.bfloat16).to(torch.float32)
+            p = _bf16(p)
         alpha = exp32(torch.where(row, m - m_safe, torch.zeros_like(m)))
         pv = _skip_sum(torch.zeros_like(acc), p, vb.unsqueeze(-3).squeeze(-3).expand(
             s_, hkv, g, n, d), vis.expand(s_, hkv, g, tq, n))
@@ -113,6 +115,11 @@ def attention_forward(q, k, v, q_pos, kv_len, scale):
                       torch.zeros_like(acc))
     lse = torch.where(has, m + log32(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
     return out.reshape(s_, hq, tq, d).to(dtype), lse
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (round-to-nearest-even) and widened back to fp32 exactly."""
+    return x.to(torch.bfloat16).to(torch.float32)
 
 
 def _check_dtype(q, k, v) -> torch.dtype:
@@ -160,15 +167,18 @@ def attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok: Toke
     `attention`, out/lse from `attention_forward`. Any device; on CUDA `_Attention` runs
     kernels/triton_attention_bwd.py instead (benchmarks/bench_attention.py times both there).
     Memory: O(Tq·Tk) (p and ds of every block, per-leaf partials [S, Hkv, G, n_leaves, Tk, D]).
-    bf16 q/k/v (and out, d_out): computed in fp32 on the exactly widened values, p recomputed
-    unrounded, dQ/dK/dV rounded once to bf16 at the end (the CUDA backward's rounding points)."""
+    bf16 q/k/v (and out, d_out): d_out rounded to bf16, computed in fp32 on the exactly widened
+    values, p recomputed from lse and rounded to bf16 before dV, ds rounded to bf16 before dQ and
+    dK, dQ/dK/dV rounded once to bf16 at the end (the CUDA backward's rounding points, whose
+    tensor-core dots the CPU does not emulate)."""
     dtype = _check_dtype(q, k, v)
     q, k, v, out = (t.to(torch.float32) for t in (q, k, v, out))
     s_, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv
     qg = q.reshape(s_, hkv, g, tq, d)
-    dog = d_out.reshape(s_, hkv, g, tq, d).to(torch.float32)
+    # dO at its rounding point (q's dtype), then widened exactly.
+    dog = d_out.reshape(s_, hkv, g, tq, d).to(dtype).to(torch.float32)
     og = out.reshape(s_, hkv, g, tq, d)
     delta = tree_sum(dog * og, -1)
     dq = torch.zeros_like(qg)
@@ -183,6 +193,8 @@ def attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok: Toke
         p = torch.where(vis, p, torch.zeros_like(p))
         dp = seq_matmul(dog, vb.transpose(-1, -2))
         ds = torch.where(vis, p * (dp - delta[..., None]), torch.zeros_like(p))
+        if dtype == torch.bfloat16:   # the rounding points of P (for dV) and dS (dQ, dK)
+            p, ds = _bf16(p), _bf16(ds)
         dq = _skip_sum(dq, ds, kb, vis)
         p_all.append(p)
         ds_all.append(ds)

@@ -12,60 +12,63 @@ Three kernels:
 - `_delta_kernel`: delta [S, Hq, Tq] fp32, one row per query (0 for a padding slot).
 - `_dq_kernel`: one program per tile of rows (t, g) of one KV head's G query heads, like the
   forward. It walks the forward's absolute 64-key blocks in order and continues ONE fp32
-  accumulator per element through them (`acc = dot(ds, k, acc)`, input_precision="ieee": one
-  multiply-add per key, keys ascending), so dQ_t is a fixed chain over the keys the query
-  sees. An invisible key inside a visited block adds ds = 0 times a finite key, which leaves the
-  accumulator's bits unchanged (it starts at +0.0 and an add of ±0 can never make it −0.0), so
-  which other rows share the tile — batch, padding, a CP rank's query subset, a chunked or
-  decode layout — cannot change a bit. Keys at or past kv_len are never loaded (NaN there is
-  harmless); keys below kv_len must be finite, as in the forward.
-- `_dkv_partials_kernel`: the token reduction over queries. One program per (64-key tile,
-  sample × KV head, group of leaves); for each leaf (TOKEN_LEAF = 16 absolute positions of one
-  sample, read through a position -> slot map) and each query head g of the group it writes the
-  leaf partials Σ_{t in leaf} ds_tj·q_t and Σ_t p_tj·dO_t [64, D] as fp32 dots over the 16
-  queries (input_precision="ieee": a multiply-add chain in position order starting at +0.0).
-  An absent position is loaded as zeros and adds nothing (the same argument as above), so a leaf
-  partial depends only on that leaf's queries: it is the same on every CP rank and in every
-  layout. A (leaf, key tile) pair no query of the leaf sees (causality, kv_len, no query at all)
-  is not computed; its partial is written as exact zeros. (Finite q and dO are assumed, as in
-  the forward: with an Inf in a present query's row, 0·Inf = NaN may land on keys it does not
-  see, on other keys than the CPU reference's, which never skips a pair.)
-The host adds the leaf partials EXACTLY (numerics/fixedpoint.py; order-free, so CP ranks that hold
-other leaves give the same sum), sums the accumulator over `tok.comm` and rounds once
-(`TokenSum.round_exact`), then sums the G heads of each group by `tree_sum_halving` and across
-`kv_comm` as the CPU path does, and multiplies dK by scale last.
+  accumulator per element through them (`acc = dot(ds, k, acc)`), so dQ_t is a fixed chain
+  over the keys the query sees, in key-block order (fp32: input_precision="ieee", one
+  multiply-add per key, keys ascending; bf16: the tensor cores, whose per-element bits depend
+  on the K order only). An invisible key inside a visited block adds ds = 0 times a finite key,
+  which leaves the accumulator's bits unchanged (it starts at +0.0 and an add of ±0 can never
+  make it −0.0), so which other rows share the tile — batch, padding, a CP rank's query subset,
+  a chunked or decode layout — cannot change a bit. Keys at or past kv_len are never loaded (NaN
+  there is harmless); keys below kv_len must be finite, as in the forward.
+- `_dkv_kernel`: the token reduction over queries, with its exact sum inside. One program per
+  (64-key tile, output columns, sample × query head) and per gradient (KIND: dK or dV). It walks
+  the leaves (TOKEN_LEAF absolute positions of one sample, read through a position -> slot map)
+  that can see the tile, in order; for each it forms the leaf partials Σ_{t in leaf} ds_tj·q_t
+  (dK) or Σ_t p_tj·dO_t (dV) [64, D] as one dot over the leaf's queries (the dot's K dimension,
+  position order), and adds them EXACTLY into a float64 double word per element (hi, lo), with
+  Knuth's TwoSum and every lo addition checked exact (as kernels/triton_grad_weight.py: every
+  value is a multiple of 2**-149, so hi + lo is the exact sum unless a check fails — a span of
+  ~2**100, NaN/Inf, |hi| >= 2**150). No per-leaf partial is written. An absent position is
+  loaded as zeros and adds nothing (the same argument as above), so a leaf partial depends only
+  on that leaf's queries: the same on every CP rank and in every layout. A (leaf, key tile) pair
+  no query of the leaf sees is skipped (adds nothing). A program whose check failed writes zeros
+  and is flagged; the same kernel in EMIT mode recomputes it and stores its per-leaf partials,
+  which the exponent-bin accumulator adds. The host turns the words into exact digits, sums them
+  over `tok.comm` (the CP ranks holding the other leaves: integers, order-free) and rounds once
+  (`TokenSum.round_exact`), then sums the G heads of each group by `tree_sum_halving` and across
+  `kv_comm` as the CPU path does, and multiplies dK by scale last. The bytes never depend on
+  which programs took which path (the same exact sum of the same partials).
+
+Precision. fp32 q/k/v: every dot is input_precision="ieee" (multiply-add chains), bitwise the
+per-leaf-partial design before NUMERICS_VERSION 5. bf16 q/k/v (NUMERICS_VERSION 5): every dot
+runs on the tensor cores with fp32 accumulation, as FlashAttention-2's backward does —
+s = q·kᵀ (the forward's operands), dp = dO·vᵀ with dO rounded to bf16 (the output gradient's
+rounding point), P (recomputed from lse, fp32) rounded to bf16 before P·dO (dV), and dS rounded to
+bf16 before dS·k (dQ) and dSᵀ·q (dK); delta, exp, p, ds and every accumulation stay fp32, and
+dQ, dK, dV are rounded to bf16 once at the end. The dK/dV kernel forms sᵀ = k·qᵀ with the keys as
+rows (its tile), the dQ kernel s = q·kᵀ with the queries as rows; both are per-element functions
+of the same operands in one fixed D order, so neither depends on the layout.
 
 Chunking (why memory is O(L), never O(L²)): keys are cut into chunks of whole 64-key blocks
 (and, when one block of every sample is already too big, samples into chunks) so that a chunk
-holds at most `acc_elems` results [2 (dK, dV), samples, Hq, keys, D]; for each chunk one exact
-accumulator (104 bytes per result) lives, and the leaf partials of `rows` = buf_elems // chunk
-leaves at a time are written into one reused fp32 buffer and added to it. Only leaves that can
-see the chunk (leaf >= first key // 16) are visited. The chunk cut depends on (S, Hq, D, the
-largest kv_len) only, so every CP rank runs the same collectives.
+holds at most `words_elems` results [samples, Hq, keys, D] of one gradient; its double words
+(16 bytes per result) are turned into digits and rounded DIGIT_ELEMS results at a time. The chunk
+cut depends on (S, Hq, D, the largest kv_len) only, so every CP rank runs the same collectives.
 Peak device memory beyond the inputs, out, lse and d_out, an upper bound (`peak_bytes`; bytes;
-c = 2·S_c·Hq·K_c·D <= acc_elems unless one 64-key block of one sample exceeds it; rows·c <=
-max(buf_elems, c)):
+c = S_c·Hq·K_c·D <= words_elems unless one 64-key block of one sample exceeds it):
     4·S·Hq·Tq (delta) + 4·S·(16·n_leaves + 1) (slot map) + 4·S·Hq·Tq·D (dQ, fp32)
   + 8·S·Hq·Tk·D (per-head dK, dV) + 8·S·Hq·Tk·D (head-tree levels) + 8·S·Hkv·Tk·D (dK·scale,
     and the kv_comm gather's copies when TP replicates the KV head: ×kv_comm.size)
-  + 4·rows·c (partial buffer) + 6·104·c (accumulator, the comm's copy, round_fp32's temporaries)
-With the defaults (acc_elems = 2^19, buf_elems = 2^26) the chunk part is at most ~0.55 GiB.
-For one 32k-token sample with 4 query heads, 1 KV head, D = 128: ~0.9 GiB in all, where one
+  + 16·c (double words) + 4·c (a chunk's fp32 result) + 6·104·min(c, DIGIT_ELEMS) (digits, the
+    comm's copy, round_fp32's temporaries) + EMIT_BYTES (the fallback's partials, if any)
+For one 32k-token sample with 4 query heads, 1 KV head, D = 128: ~1.3 GiB in all, where one
 fp32 [Tq, Tk] score matrix alone is 4 GiB (tests/test_cuda_attention_bwd.py measures it).
-
-bf16 q/k/v (the forward's other dtype): s uses the bf16 tensor-core dot as in the forward, every
-other product runs in fp32 ("ieee") on exactly converted operands; gradients are returned in
-the inputs' dtype, rounded once from fp32. In `_dkv_partials_kernel` the s dot has 16 rows, where
-the forward's bf16 tiles have >= 64 (possibly another tensor-core instruction on the H200, not
-measured): invariance holds (the shape never changes), but the recomputed s may differ from the
-forward's in the last bit for bf16. fp32 s is the forward's bit for bit (the same multiply-add chain over D).
-Cost: the contract's 16-position leaves make the dK/dV partials 2·Hq·D values per (leaf, key a
-leaf sees), ≈ Hq·D·L²/16 for a causal sample of L tokens (16× the dot outputs of a plain
-dK/dV), each written once and read once by the fixed-point kernel; the dQ kernel recomputes s
-and dp (7 matmul-sized dots in all where FlashAttention-2 with atomics has 5).
+Cost: the exact additions, 2·Hq·D per (leaf, key a leaf sees) ≈ Hq·D·L²/16 float64 TwoSum pairs
+for a causal sample of L tokens, bound the dK/dV kernel (float64 units); the dots are the
+tensor cores' (bf16) or the CUDA cores' (fp32).
 Kernels launch with enable_fp_fusion=False, as the forward does: no mul+add is contracted
-differently between kernels or tiles. Tiles come from literal tables; none changes a bit on the
-GPU (tests/test_cuda_attention_bwd.py checks every row).
+differently between kernels or tiles (and TwoSum stays exact). Tiles come from literal tables;
+none changes a bit on the GPU (tests/test_cuda_attention_bwd.py checks every row).
 Does not: run on CPU tensors (kernels/attention.py's torch code is the reference there; under
 TRITON_INTERPRET=1 these kernels run on CPU tensors for tests/test_attention_bwd_triton.py),
 communicate other than through `tok.comm` / `kv_comm`, or take fp16.
@@ -80,17 +83,22 @@ import triton.language as tl
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels.triton_attention import query_rows
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import INTERPRET, check_cuda, device_ctx
 from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.numerics.trees import tree_sum_halving
 from rlkernel.spec import CUDA_ATTN_KV_BLOCK, TOKEN_LEAF
 
 KV_BLOCK = CUDA_ATTN_KV_BLOCK
 """The forward's absolute key block (64): dQ walks these blocks in order; key chunks are whole blocks."""
-ACC_ELEMS = 1 << 19
-"""Results per exact-accumulator chunk: 2^19 · 104 bytes = 52 MiB of int64 digits."""
-BUF_ELEMS = 1 << 26
-"""fp32 leaf partials per step (256 MiB buffer): bounds the leaves added per fixed-point call."""
+WORDS_ELEMS = 1 << 24
+"""dK or dV results per chunk: their float64 double words take 16 bytes each (256 MiB)."""
+DIGIT_ELEMS = 1 << 21
+"""Results turned into exact digits (104 bytes each: 208 MiB) and rounded per step."""
+_DIGIT_BLOCK = 4096 if INTERPRET else tfx.BLOCK
+"""Lanes per program of the digit conversion (speed only): the CPU interpreter pays per program."""
+EMIT_BYTES = 1 << 28
+"""Bound on the per-leaf partials of the flagged programs redone at once (256 MiB)."""
 
 # dtype -> [(max rows Tq·G, (BLOCK_M, num_warps, num_stages)), ...] of the dQ kernel; first fit.
 # bf16 keeps BLOCK_M >= 64 and warps % 4 == 0 like the forward (its s dot is the forward's).
@@ -98,8 +106,9 @@ _DQ_TILES = {
     torch.float32: [(16, (16, 4, 1)), (1 << 62, (32, 8, 1))],
     torch.bfloat16: [(1 << 62, (64, 8, 1))],
 }
-# dtype -> (BLOCK_N keys per program, LEAVES per program, num_warps, num_stages) of the partials.
-_KV_TILES = {torch.float32: (64, 2, 8, 1), torch.bfloat16: (64, 2, 8, 1)}
+# dtype -> (BLOCK_N keys, D_TILE output columns per program, num_warps, num_stages) of dK/dV.
+# BLOCK_N must divide KV_BLOCK (chunks are whole blocks).
+_KV_TILES = {torch.float32: (64, 128, 8, 1), torch.bfloat16: (64, 128, 8, 1)}
 _DELTA_TILE = (32, 4)   # (BLOCK_M rows, num_warps)
 
 
@@ -133,18 +142,19 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN,
                s_os, s_oh, s_ot, s_od, s_ps, s_pt,
                Tq, Tk, HKV, n_tiles, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr, BF16: tl.constexpr):
     s, hk, t, g, row_ok, pos, kvl, _, hi = query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV,
                                                       n_tiles, G, BLOCK_M)
     head = (hk * G + g).to(tl.int64)
     live = row_ok & (pos >= 0)
     dd = tl.arange(0, D)
     tt = t.to(tl.int64)
-    # Padding slots are not read (zeros): no NaN garbage enters the dots.
+    # Padding slots are not read (zeros): no NaN garbage enters the dots. dO in q's dtype: the
+    # bf16 rounding point of the output's gradient (exact for fp32).
     q = tl.load(Q + s * s_qs + head[:, None] * s_qh + tt[:, None] * s_qt + dd[None, :] * s_qd,
                 mask=live[:, None], other=0.0)
     do = tl.load(DO + s * s_gs + head[:, None] * s_gh + tt[:, None] * s_gt + dd[None, :] * s_gd,
-                 mask=live[:, None], other=0.0).to(tl.float32)
+                 mask=live[:, None], other=0.0).to(Q.dtype.element_ty)
     lse = tl.load(LSE + s * s_ls + head * s_lh + tt * s_lt, mask=live, other=0.0)
     delta = tl.load(DELTA + s * s_es + head * s_eh + tt * s_et, mask=live, other=0.0)
     kbase = K + s * s_ks + hk.to(tl.int64) * s_kh
@@ -157,77 +167,131 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN,
         kt = tl.load(kbase + jj[None, :] * s_kt + dd[:, None] * s_kd,
                      mask=k_ok[None, :], other=0.0)                            # [D, BN]
         vt = tl.load(vbase + jj[None, :] * s_vt + dd[:, None] * s_vd,
-                     mask=k_ok[None, :], other=0.0).to(tl.float32)             # [D, BN]
+                     mask=k_ok[None, :], other=0.0)                            # [D, BN]
         qk = tl.dot(q, kt, input_precision=PREC)                               # the forward's
         vis = (j[None, :] <= pos[:, None]) & k_ok[None, :]
         p = tl.where(vis, tl.exp(qk * scale - lse[:, None]), 0.0)
-        dp = tl.dot(do, vt, input_precision="ieee")
+        dp = tl.dot(do, vt, input_precision=PREC)
         ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
-        acc = tl.dot(ds, tl.trans(kt).to(tl.float32), acc, input_precision="ieee")
+        if BF16:
+            # dS rounded to bf16 (a rounding point): the tensor cores continue the fp32 chain.
+            acc = tl.dot(ds.to(tl.bfloat16), tl.trans(kt), acc)
+        else:
+            acc = tl.dot(ds, tl.trans(kt), acc, input_precision="ieee")
     dq = tl.where(live[:, None], acc * scale, 0.0)
     tl.store(DQ + s * s_os + head[:, None] * s_oh + tt[:, None] * s_ot + dd[None, :] * s_od,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _dkv_partials_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, BUF,
-                         s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd, s_vs, s_vh, s_vt, s_vd,
-                         s_gs, s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et, s_ms, s_mp,
-                         s_bf, s_bw, s_bs, s_bh, s_bj, s_bd,
-                         s0, j0, width, f0, f1, HKV, scale,
-                         G: tl.constexpr, D: tl.constexpr, LEAF: tl.constexpr,
-                         BLOCK_N: tl.constexpr, LEAVES: tl.constexpr, PREC: tl.constexpr):
-    # BUF [rows, 2, S_c, Hq, width, D] fp32: row f - f0, [0] = Σ ds·q (dK), [1] = Σ p·dO (dV).
-    sl = tl.program_id(1) // HKV
-    s = (s0 + sl).to(tl.int64)
-    hk = tl.program_id(1) % HKV
-    jt = j0 + tl.program_id(0) * BLOCK_N            # absolute first key of this tile
-    j = jt + tl.arange(0, BLOCK_N)
+def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
+                s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd, s_vs, s_vh, s_vt, s_vd,
+                s_gs, s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et, s_ms, s_mp,
+                s_ow, s0, j0, width, n_tiles_k, n_leaves, HQ, scale,
+                G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, LEAF: tl.constexpr,
+                BLOCK_N: tl.constexpr, KIND: tl.constexpr, PREC: tl.constexpr,
+                BF16: tl.constexpr, EMIT: tl.constexpr, FORCE_FLAG: tl.constexpr):
+    # One program: BLOCK_N keys [jt, jt + BLOCK_N) x output columns [d0, d0 + DT) of one query
+    # head h of sample s; KIND 0 = dK (Σ_t ds·q), 1 = dV (Σ_t p·dO), over every leaf that sees
+    # the keys. Not EMIT: the leaf partials are added exactly into a float64 double word (hi, lo)
+    # (checked TwoSum, as kernels/triton_grad_weight.py) and OUT [2, S_c, Hq, width, D] gets the
+    # words, FLAGS[pid] whether a check failed (then the words are zeros). EMIT (flagged programs
+    # PIDS[i] redone): OUT [n_leaves, n, BLOCK_N, DT] fp32 gets each leaf's partial at row f.
+    i = tl.program_id(0)
+    if EMIT:
+        pid = tl.load(PIDS + i)
+    else:
+        pid = i
+    n_dt: tl.constexpr = D // DT
+    tile = pid % n_tiles_k
+    rest = pid // n_tiles_k
+    dt = rest % n_dt
+    sh = rest // n_dt
+    h = sh % HQ
+    s = (s0 + sh // HQ).to(tl.int64)
+    head = h.to(tl.int64)
+    hk = (h // G).to(tl.int64)
+    jt = j0 + tile * BLOCK_N                       # absolute first key of this tile
+    jn = jt + tl.arange(0, BLOCK_N)
     dd = tl.arange(0, D)
+    do_ = dt * DT + tl.arange(0, DT)               # output columns
     ii = tl.arange(0, LEAF)
     kvl = tl.load(KVLEN + s).to(tl.int32)
-    k_ok = j < kvl
-    jj = j.to(tl.int64)
-    kt = tl.load(K + s * s_ks + hk.to(tl.int64) * s_kh + jj[None, :] * s_kt + dd[:, None] * s_kd,
-                 mask=k_ok[None, :], other=0.0)                                # [D, BN]
-    vt = tl.load(V + s * s_vs + hk.to(tl.int64) * s_vh + jj[None, :] * s_vt + dd[:, None] * s_vd,
-                 mask=k_ok[None, :], other=0.0).to(tl.float32)                 # [D, BN]
-    col = (j - j0).to(tl.int64)
-    in_chunk = (j - j0) < width
-    out = BUF + sl.to(tl.int64) * s_bs + col[:, None] * s_bj + dd[None, :].to(tl.int64) * s_bd
-    for li in range(LEAVES):
-        f = f0 + tl.program_id(2) * LEAVES + li
-        if f < f1:
-            p_abs = f * LEAF + ii                                              # positions
-            slot = tl.load(SLOT + s * s_ms + p_abs.to(tl.int64) * s_mp)
-            here = slot >= 0
-            tq = tl.where(here, slot, 0).to(tl.int64)
-            # The pair is live iff some query of the leaf sees a key of the tile.
-            seen = tl.max(tl.where(here, tl.minimum(p_abs, kvl - 1), -1), 0)
-            row = out + (f - f0).to(tl.int64) * s_bf
-            for g in range(G):
-                head = (hk * G + g).to(tl.int64)
-                pk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
-                pv = tl.zeros((BLOCK_N, D), dtype=tl.float32)
-                if jt <= seen:
-                    q = tl.load(Q + s * s_qs + head * s_qh + tq[:, None] * s_qt
-                                + dd[None, :] * s_qd, mask=here[:, None], other=0.0)    # [16, D]
-                    do = tl.load(DO + s * s_gs + head * s_gh + tq[:, None] * s_gt
-                                 + dd[None, :] * s_gd, mask=here[:, None],
-                                 other=0.0).to(tl.float32)
-                    lse = tl.load(LSE + s * s_ls + head * s_lh + tq * s_lt, mask=here, other=0.0)
-                    delta = tl.load(DELTA + s * s_es + head * s_eh + tq * s_et, mask=here,
-                                    other=0.0)
-                    qk = tl.dot(q, kt, input_precision=PREC)                   # the forward's
-                    vis = here[:, None] & (j[None, :] <= p_abs[:, None]) & k_ok[None, :]
-                    p = tl.where(vis, tl.exp(qk * scale - lse[:, None]), 0.0)
-                    dp = tl.dot(do, vt, input_precision="ieee")
-                    ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
-                    # Leaf sums: 16 queries = the dots' K dim, position order.
-                    pv = tl.dot(tl.trans(p), do, input_precision="ieee")
-                    pk = tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
-                tl.store(row + head * s_bh, pk, mask=in_chunk[:, None])
-                tl.store(row + s_bw + head * s_bh, pv, mask=in_chunk[:, None])
+    k_ok = jn < kvl
+    jj = jn.to(tl.int64)
+    kb = tl.load(K + s * s_ks + hk * s_kh + jj[:, None] * s_kt + dd[None, :] * s_kd,
+                 mask=k_ok[:, None], other=0.0)                                # [BN, D]
+    if KIND == 0:
+        vb = tl.load(V + s * s_vs + hk * s_vh + jj[:, None] * s_vt + dd[None, :] * s_vd,
+                     mask=k_ok[:, None], other=0.0)                            # [BN, D]
+    hi = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
+    lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
+    bad = tl.zeros((BLOCK_N, DT), dtype=tl.int32)
+    e_ptr = OUT + i * (BLOCK_N * DT) + tl.arange(0, BLOCK_N)[:, None] * DT \
+        + tl.arange(0, DT)[None, :]
+    e_step = tl.zeros([], dtype=tl.int64) + s_ow          # int64: n_leaves·stride may pass 2**31
+    # Leaves below jt // LEAF hold positions < jt only: they see no key of the tile.
+    for f in range(jt // LEAF, n_leaves):
+        p_abs = f * LEAF + ii                                                  # positions
+        slot = tl.load(SLOT + s * s_ms + p_abs.to(tl.int64) * s_mp)
+        here = slot >= 0
+        tq = tl.where(here, slot, 0).to(tl.int64)
+        # The pair is live iff some query of the leaf sees a key of the tile.
+        seen = tl.max(tl.where(here, tl.minimum(p_abs, kvl - 1), -1), 0)
+        if jt <= seen:
+            q = tl.load(Q + s * s_qs + head * s_qh + tq[:, None] * s_qt + dd[None, :] * s_qd,
+                        mask=here[:, None], other=0.0)                         # [LEAF, D]
+            lse = tl.load(LSE + s * s_ls + head * s_lh + tq * s_lt, mask=here, other=0.0)
+            st = tl.dot(kb, tl.trans(q), input_precision=PREC)                 # [BN, LEAF]
+            vis = here[None, :] & (jn[:, None] <= p_abs[None, :]) & k_ok[:, None]
+            pt = tl.where(vis, tl.exp(st * scale - lse[None, :]), 0.0)
+            if KIND == 1:
+                dov = tl.load(DO + s * s_gs + head * s_gh + tq[:, None] * s_gt
+                              + do_[None, :] * s_gd, mask=here[:, None],
+                              other=0.0).to(Q.dtype.element_ty)                # [LEAF, DT]
+                # Leaf sums: the LEAF queries are the dot's K dim, in position order.
+                if BF16:
+                    part = tl.dot(pt.to(tl.bfloat16), dov)
+                else:
+                    part = tl.dot(pt, dov, input_precision="ieee")
+            else:
+                do = tl.load(DO + s * s_gs + head * s_gh + tq[:, None] * s_gt
+                             + dd[None, :] * s_gd, mask=here[:, None],
+                             other=0.0).to(Q.dtype.element_ty)                 # [LEAF, D]
+                delta = tl.load(DELTA + s * s_es + head * s_eh + tq * s_et, mask=here,
+                                other=0.0)
+                dpt = tl.dot(vb, tl.trans(do), input_precision=PREC)           # [BN, LEAF]
+                dst = tl.where(vis, pt * (dpt - delta[None, :]), 0.0)
+                qo = tl.load(Q + s * s_qs + head * s_qh + tq[:, None] * s_qt
+                             + do_[None, :] * s_qd, mask=here[:, None], other=0.0)
+                if BF16:
+                    part = tl.dot(dst.to(tl.bfloat16), qo)
+                else:
+                    part = tl.dot(dst, qo, input_precision="ieee")
+            if EMIT:
+                tl.store(e_ptr + f * e_step, part)
+            else:
+                # tfx.two_sum twice, written out: a jitted call per leaf would make the CPU
+                # interpreter (the tests) re-patch triton.language each time.
+                x = part.to(tl.float64)
+                s1 = hi + x
+                b1 = s1 - hi
+                e = (hi - (s1 - b1)) + (x - b1)
+                s2 = lo + e
+                b2 = s2 - lo
+                e2 = (lo - (s2 - b2)) + (e - b2)
+                hi, lo = s1, s2
+                bad |= (e2 != 0.0).to(tl.int32)        # NaN != 0: non-finite partials flag too
+    if not EMIT:
+        top = tl.full([], tfx.TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
+        bad |= (tl.abs(hi) >= top).to(tl.int32)
+        good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
+        o = OUT + (sh.to(tl.int64) * width + (jn - j0).to(tl.int64))[:, None] * D \
+            + do_[None, :].to(tl.int64)
+        m = ((jn - j0) < width)[:, None] & (do_[None, :] < D)
+        tl.store(o, tl.where(good, hi, 0.0), mask=m)
+        tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
+        tl.store(FLAGS + pid, (good == 0).to(tl.int32))
 
 
 def _pick(table, rows):
@@ -282,7 +346,7 @@ def _dq(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tile) -> torch.Tensor:
         q, k, v, d_out, lse, delta, dq, q_pos, kv_len,
         *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *lse.stride(), *delta.stride(),
         *dq.stride(), *q_pos.stride(), tq, tk, hkv, n_tiles, float(scale),
-        G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec,
+        G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec, BF16=q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return dq
 
@@ -303,83 +367,177 @@ def slot_map(q_pos: torch.Tensor, n_leaves: int) -> torch.Tensor:
     return slot
 
 
-def chunk_shape(s_: int, hq: int, d: int, tk_eff: int, acc_elems: int) -> tuple[int, int]:
-    """(samples, keys) of one exact-accumulator chunk: keys a multiple of KV_BLOCK, at most
-    `acc_elems` results [2, samples, hq, keys, d] unless one block of one sample exceeds it.
-    Depends on shapes and the largest kv_len only (the same on every CP rank)."""
-    per_key = 2 * hq * d
-    keys = acc_elems // (s_ * per_key) // KV_BLOCK * KV_BLOCK
+def chunk_shape(s_: int, hq: int, d: int, tk_eff: int, words_elems: int) -> tuple[int, int]:
+    """(samples, keys) of one chunk of the dK or dV double words: keys a multiple of KV_BLOCK,
+    at most `words_elems` results [samples, hq, keys, d] unless one block of one sample exceeds
+    it. Depends on shapes and the largest kv_len only (the same on every CP rank)."""
+    per_key = hq * d
+    keys = words_elems // (s_ * per_key) // KV_BLOCK * KV_BLOCK
     if keys >= KV_BLOCK:
         return s_, min(keys, triton.cdiv(tk_eff, KV_BLOCK) * KV_BLOCK)
-    return max(1, acc_elems // (KV_BLOCK * per_key)), KV_BLOCK
+    return max(1, words_elems // (KV_BLOCK * per_key)), KV_BLOCK
 
 
 def peak_bytes(s_: int, hq: int, hkv: int, tq: int, tk: int, d: int, n_leaves: int,
-               acc_elems: int = ACC_ELEMS, buf_elems: int = BUF_ELEMS, kv_ranks: int = 1) -> int:
+               words_elems: int = WORDS_ELEMS, kv_ranks: int = 1) -> int:
     """Upper bound of `attention_backward`'s peak device memory beyond its inputs, in bytes (the
     module doc's formula; tk is the keys the chunks cover, kv_ranks the kv_comm size)."""
-    sc, kc = chunk_shape(s_, hq, d, tk, acc_elems)
-    c = 2 * sc * hq * kc * d
-    rows = max(1, buf_elems // c)
+    sc, kc = chunk_shape(s_, hq, d, tk, words_elems)
+    c = sc * hq * kc * d
     return (4 * s_ * hq * tq + 4 * s_ * (TOKEN_LEAF * n_leaves + 1) + 4 * s_ * hq * tq * d
             + 16 * s_ * hq * tk * d + 8 * s_ * hkv * tk * d * kv_ranks
-            + 4 * rows * c + 6 * 104 * c)
+            + 16 * c + 4 * c + 6 * 104 * min(c, DIGIT_ELEMS) + EMIT_BYTES)
 
 
-def _launch_partials(q, k, v, d_out, lse, delta, slot, kv_len, scale, part, s0, j0, f0, f1,
-                     tile) -> None:
-    """Leaf partials of leaves [f0, f1) x keys [j0, j0 + width) of samples [s0, s0 + S_c) into
-    part [f1 - f0, 2, S_c, Hq, width, D] fp32 (`_dkv_partials_kernel`)."""
+def _kv_tile(dtype: torch.dtype, d: int, tile) -> tuple[int, int, int, int]:
+    bn, dt, warps, stages = tile or _KV_TILES[dtype]
+    return bn, min(dt, d), warps, stages
+
+
+def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int, n_tiles_k: int,
+                n_leaves: int, grid: int, tile, emit: bool, force_flag: bool) -> None:
+    """One `_dkv_kernel` launch of `grid` programs (module doc); args = (q, k, v, d_out, lse_h,
+    delta, slot, kv_len, scale)."""
+    q, k, v, d_out, lse_h, delta, slot, kv_len, scale = args
     hq, d = q.shape[1], q.shape[3]
-    hkv = k.shape[1]
-    width = part.shape[4]
-    bn, leaves, warps, stages = tile or _KV_TILES[q.dtype]
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(width, bn), part.shape[2] * hkv, triton.cdiv(f1 - f0, leaves))
-    _dkv_partials_kernel[grid](
-        q, k, v, d_out, lse, delta, slot, kv_len, part,
-        *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *lse.stride(), *delta.stride(),
-        *slot.stride(), *part.stride(), s0, j0, width, f0, f1, hkv, float(scale),
-        G=hq // hkv, D=d, LEAF=TOKEN_LEAF, BLOCK_N=bn, LEAVES=leaves, PREC=prec,
+    bn, dt, warps, stages = tile
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
+    s_ow = out.stride(0)
+    _dkv_kernel[(grid,)](
+        q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids,
+        *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *lse_h.stride(), *delta.stride(),
+        *slot.stride(), s_ow, s0, j0, width, n_tiles_k, n_leaves, hq, float(scale),
+        G=hq // k.shape[1], D=d, DT=dt, LEAF=TOKEN_LEAF, BLOCK_N=bn, KIND=kind, PREC=prec,
+        BF16=q.dtype == torch.bfloat16, EMIT=emit, FORCE_FLAG=int(force_flag),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
 
 
+def _program_rows(pids: torch.Tensor, n_tiles_k: int, n_dt: int, bn: int, dt: int, width: int,
+                  d: int) -> torch.Tensor:
+    """[n, bn, dt] long: the flat element of [S_c·Hq, width, D] each (key, column) of programs
+    `pids` covers, or −1 past the chunk's width."""
+    tile = pids % n_tiles_k
+    rest = pids // n_tiles_k
+    col0 = (rest % n_dt) * dt
+    sh = rest // n_dt
+    key = tile[:, None] * bn + torch.arange(bn, device=pids.device)          # [n, bn]
+    flat = (sh[:, None, None] * width + key[:, :, None]) * d \
+        + col0[:, None, None] + torch.arange(dt, device=pids.device)
+    return torch.where((key < width)[:, :, None], flat, torch.full_like(flat, -1))
+
+
+def _redo_flagged(args, flagged: torch.Tensor, kind: int, s0: int, j0: int, width: int,
+                  n_tiles_k: int, n_leaves: int, tile, n_elems: int) -> tuple[torch.Tensor, ...]:
+    """Exact digits of the programs whose TwoSum check failed: each one's per-leaf partials
+    (the same dots, EMIT mode) added by the bin accumulator. Returns (flat element indices [m],
+    digits [m, N_COLS]) of their elements inside the chunk."""
+    q = args[0]
+    bn, dt, _, _ = tile
+    d = q.shape[3]
+    per = max(1, EMIT_BYTES // (4 * max(1, n_leaves) * bn * dt))
+    idx_all, dig_all = [], []
+    for a in range(0, flagged.numel(), per):
+        ids = flagged[a:a + per].to(torch.int32).contiguous()
+        scratch = torch.zeros(max(1, n_leaves), ids.numel(), bn, dt, dtype=torch.float32,
+                              device=q.device)
+        _launch_dkv(args, scratch, ids, ids, kind, s0, j0, width, n_tiles_k, n_leaves,
+                    ids.numel(), tile, True, False)
+        rows = _program_rows(ids.long(), n_tiles_k, d // dt, bn, dt, width, d).reshape(-1)
+        dig = fx.accumulate_(fx.zeros((rows.numel(),), q.device), scratch.view(scratch.shape[0], -1))
+        live = rows >= 0
+        idx_all.append(rows[live])
+        dig_all.append(dig[live])
+    return torch.cat(idx_all), torch.cat(dig_all)
+
+
+def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str) -> torch.Tensor:
+    """[m] fp32: per element the exact sum hi + lo of `words` [2, m] (plus, for the flat indices
+    of `fix` = (indices, digits) or None, those digits), summed over `tok.comm` and rounded once.
+    In slices of DIGIT_ELEMS elements (the cut depends on m only: every rank of the group makes
+    the same collective calls)."""
+    m = words.shape[1]
+    out = torch.empty(m, dtype=torch.float32, device=words.device)
+    for a in range(0, m, DIGIT_ELEMS):
+        b = min(m, a + DIGIT_ELEMS)
+        acc = tfx.add_double_words_(fx.zeros((b - a,), words.device), words[:, a:b],
+                                    block=_DIGIT_BLOCK)
+        if fix is not None:
+            idx, dig = fix
+            sel = (idx >= a) & (idx < b)
+            acc.index_add_(0, idx[sel] - a, dig[sel])      # integer digits: exact
+        out[a:b] = tok.round_exact(acc, op)
+    return out
+
+
 def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leaves, tk_eff,
-                  acc_elems, buf_elems, tile) -> torch.Tensor:
+                  words_elems, tile, force_flag=False) -> torch.Tensor:
     """[2, S, Hq, Tk, D] fp32: per query head, Σ over queries of ds·q (0) and p·dO (1) by the
-    token reduction (leaf partials, exact sum over leaves and `tok.comm`, rounded once)."""
+    token reduction (leaf partials added exactly inside `_dkv_kernel`, summed over `tok.comm`,
+    rounded once)."""
     s_, hq, _, d = q.shape
     tk = k.shape[2]
     out = torch.zeros(2, s_, hq, tk, d, dtype=torch.float32, device=q.device)
     if tk_eff == 0:
         return out
-    slot = slot_map(q_pos, n_leaves)
-    sc, kc = chunk_shape(s_, hq, d, tk_eff, acc_elems)
-    rows = max(1, buf_elems // (2 * sc * hq * kc * d))
-    buf = torch.empty(rows * 2 * sc * hq * kc * d, dtype=torch.float32, device=q.device)
+    tile = _kv_tile(q.dtype, d, tile)
+    bn, dt = tile[0], tile[1]
+    args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, scale)
+    sc, kc = chunk_shape(s_, hq, d, tk_eff, words_elems)
+    words = torch.empty(2, sc * hq * kc * d, dtype=torch.float64, device=q.device)
     for s0 in range(0, s_, sc):
         s1 = min(s_, s0 + sc)
         for j0 in range(0, tk_eff, kc):
             width = min(kc, tk_eff - j0)
-            shape = (2, s1 - s0, hq, width, d)
-            acc = fx.zeros(shape, q.device)
-            # Leaves below j0 // 16 hold positions < j0 only: they see no key of this chunk.
-            for f0 in range(j0 // TOKEN_LEAF, n_leaves, rows):
-                f1 = min(n_leaves, f0 + rows)
-                part = buf[:(f1 - f0) * acc[..., 0].numel()].view(f1 - f0, *shape)
-                _launch_partials(q, k, v, d_out, lse, delta, slot, kv_len, scale, part,
-                                 s0, j0, f0, f1, tile)
-                fx.accumulate_(acc, part)
-            out[:, s0:s1, :, j0:j0 + width] = tok.round_exact(acc, "token-sum-attention-dkv")
+            n_tiles_k = triton.cdiv(width, bn)
+            grid = n_tiles_k * (d // dt) * (s1 - s0) * hq
+            w = words[:, :(s1 - s0) * hq * width * d]
+            for kind in (0, 1):
+                flags = torch.empty(grid, dtype=torch.int32, device=q.device)
+                _launch_dkv(args, w, flags, flags, kind, s0, j0, width, n_tiles_k, n_leaves,
+                            grid, tile, False, force_flag)
+                flagged = torch.nonzero(flags).flatten()
+                fix = _redo_flagged(args, flagged, kind, s0, j0, width, n_tiles_k, n_leaves,
+                                    tile, w.shape[1]) if flagged.numel() else None
+                res = _words_to_fp32(w, fix, tok, "token-sum-attention-dkv")
+                out[kind, s0:s1, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
     return out
+
+
+def leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, scale,
+                  kv_tile=None) -> torch.Tensor:
+    """[n_leaves, 2, S, Hq, Tk, D] fp32: every leaf partial the backward adds for dK (0, before
+    the head tree and ·scale) and dV (1) — the kernel in EMIT mode (tests: their exact sum is the
+    backward's, a plain fp32 sum depends on the order)."""
+    _check(q, k, v, out, lse, d_out, q_pos, kv_len)
+    s_, hq, tq, d = q.shape
+    tk = k.shape[2]
+    n_leaves = int(q_pos.max()) // TOKEN_LEAF + 1
+    lse_h = lse.reshape(s_, hq, tq)
+    tile = _kv_tile(q.dtype, d, kv_tile)
+    bn, dt = tile[0], tile[1]
+    args = (q, k, v, d_out, lse_h, _delta(out, d_out, q_pos), slot_map(q_pos, n_leaves),
+            kv_len, scale)
+    n_tiles_k = triton.cdiv(tk, bn)
+    grid = n_tiles_k * (d // dt) * s_ * hq
+    res = torch.zeros(n_leaves, 2, s_ * hq * tk * d, device=q.device)
+    pids = torch.arange(grid, dtype=torch.int32, device=q.device)
+    rows = _program_rows(pids.long(), n_tiles_k, d // dt, bn, dt, tk, d).reshape(-1)
+    live = rows >= 0
+    for kind in (0, 1):
+        scratch = torch.zeros(n_leaves, grid, bn, dt, device=q.device)
+        _launch_dkv(args, scratch, pids, pids, kind, 0, 0, tk, n_tiles_k, n_leaves, grid, tile,
+                    True, False)
+        res[:, kind, rows[live]] = scratch.view(n_leaves, -1)[:, live]
+    return res.view(n_leaves, 2, s_, hq, tk, d)
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, d_out: torch.Tensor, q_pos: torch.Tensor,
                        kv_len: torch.Tensor, scale: float, tok: TokenSum | None = None,
-                       kv_comm: Comm | None = None, *, acc_elems: int = ACC_ELEMS,
-                       buf_elems: int = BUF_ELEMS, dq_tile: tuple[int, int, int] | None = None,
-                       kv_tile: tuple[int, int, int, int] | None = None):
+                       kv_comm: Comm | None = None, *, words_elems: int = WORDS_ELEMS,
+                       dq_tile: tuple[int, int, int] | None = None,
+                       kv_tile: tuple[int, int, int, int] | None = None,
+                       force_flag: bool = False):
     """(dQ, dK, dV) of invariant causal GQA attention on CUDA (module doc; FlashAttention-2 §3.1).
 
     q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D]: one dtype, float32 or bfloat16, any strides; D a power
@@ -388,9 +546,11 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     q_pos [S, Tq] long (−1 = padding; a sample's positions distinct); kv_len [S] long; scale the
     forward's. tok: the token reduction's group (CP ranks holding the other queries; default one
     rank); kv_comm: the TP ranks replicating this KV head (kernels/attention.attention).
-    acc_elems / buf_elems: chunk sizes (module doc; never change a bit); dq_tile / kv_tile
-    override the tile tables (tests). Returns dQ like q, dK and dV like k, in q's dtype.
-    ValueError on bad input. Syncs the host once (largest position and kv_len).
+    words_elems: the dK / dV chunk size (module doc); dq_tile / kv_tile override the tile tables;
+    force_flag sends every dK/dV program through the per-leaf fallback (tests) — none of these
+    changes a bit. Returns dQ like q, dK and dV like k, in q's dtype.
+    ValueError on bad input. Syncs the host once (largest position and kv_len), and once per
+    dK/dV chunk and kind (which programs, if any, failed their exactness check).
     """
     _check(q, k, v, out, lse, d_out, q_pos, kv_len)
     tok = tok or TokenSum.single()
@@ -411,7 +571,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         dq = _dq(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, dq_tile) if tq \
             else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = _dkv_per_head(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, tok, n_leaves,
-                            tk_eff, acc_elems, buf_elems, kv_tile)
+                            tk_eff, words_elems, kv_tile, force_flag)
     # The G heads of each group by the halving tree, as kernels/attention.py does: this rank's
     # equal part locally, then across the TP ranks replicating the KV head.
     dkv = tree_sum_halving(dkv.view(2, s_, hkv, g, tk, d), 3)
