@@ -243,7 +243,15 @@ def _accumulate_kernel(X, ACC, k, m, s_k, s_m, N_COLS: tl.constexpr, SEG: tl.con
     live = cols < m
     row = ACC + cols * N_COLS
     sk = tl.zeros([], dtype=tl.int64) + s_k              # int64: UNROLL·s_k must not wrap
-    ptr = X + cols * s_m                                  # row `start` of x, advanced by sk
+    _accumulate_rows(X + cols * s_m, row, live, k, sk, SEG, BLOCK, UNROLL, FAST)
+
+
+@triton.jit
+def _accumulate_rows(ptr, row, live, k, sk, SEG: tl.constexpr, BLOCK: tl.constexpr,
+                     UNROLL: tl.constexpr, FAST: tl.constexpr):
+    """Accumulator rows (pointers `row`, N_COLS int64 each) += the exact sum of the k values a
+    lane reads at `ptr`, `ptr + sk`, ... (int64 sk; lanes where `live`): the double-word fast
+    path, else (a lane of the block failed it) the bins. The kernel's whole body."""
     todo = k                                              # rows left for the bin path
     if FAST:
         # Fast path: every column's values added into a float64 double word (hi, lo) with
