@@ -34,9 +34,8 @@ CUDA tensors go to Triton kernels (triton_fixedpoint.py): one for `accumulate_` 
 bins in registers and gives the same integer (and its segmented form for
 `accumulate_segments_`: many row ranges into many accumulator rows, one launch), one for
 `round_fp32` that gives the same fp32 bytes in one pass per element; these torch paths are the
-references and the CPU backend. `normalise_`
-has no kernel: on CUDA only the torch references and tests call it (the kernels carry in
-registers).
+references and the CPU backend. `normalise_` has no kernel: on CUDA only the torch references
+and tests call it (the kernels carry in registers).
 Cost (torch path): ~5 vector ops and one float64 `index_add_` per added value, ~15 per element
 and non-empty bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element.
 Does not: communicate (callers sum accumulators across ranks).

@@ -389,7 +389,6 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
     return acc
 
 
-
 def accumulate_segments_(acc: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                          dest: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS,
                          seg: int = SEG, fast: bool = True) -> torch.Tensor:
@@ -432,6 +431,7 @@ def _check_values(what: str, x: torch.Tensor, seg: int, *others: torch.Tensor) -
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"{what}: fp32 [k, m] expected, got {x.dtype} {tuple(x.shape)}")
     return x.shape[0], x.shape[1]
+
 
 # ------------------------------------------------------------------------------------ rounding
 ROUND_BLOCK = 128       # accumulator rows per program of the rounding kernel, one per lane
