@@ -11,6 +11,7 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/fixedpoint_triton_checks.
 
 from __future__ import annotations
 
+import contextlib
 import fractions
 import functools
 import math
@@ -323,17 +324,24 @@ def _no_flush(row, live, hi, lo):
     accumulator rows as they were (its bins are skipped), one that took the bins does not."""
 
 
-def _spied(x: torch.Tensor, top_bits: int | None = None, **launch) -> torch.Tensor:
-    """accumulate_(zeros, x) with the double-word flush replaced by `_no_flush` (and the fast
-    path's bound TOP_F64_BITS replaced by `top_bits`, float64 bits, if given); restored after."""
+@contextlib.contextmanager
+def _flush_spied(top_bits: int | None = None):
+    """The double-word flush replaced by `_no_flush` (and the fast path's bound TOP_F64_BITS by
+    `top_bits`, float64 bits, if given) for the block; restored after."""
     real_top, real_flush = tfx.TOP_F64_BITS, tfx.flush_double_word
     try:
         tfx.flush_double_word = _no_flush
         if top_bits is not None:
             tfx.TOP_F64_BITS = tl.constexpr(top_bits)
-        return tfx.accumulate_(fx.zeros((x.shape[1],)), x, **launch)
+        yield
     finally:
         tfx.TOP_F64_BITS, tfx.flush_double_word = real_top, real_flush
+
+
+def _spied(x: torch.Tensor, top_bits: int | None = None, **launch) -> torch.Tensor:
+    """accumulate_(zeros, x) with the double-word flush spied (`_flush_spied`)."""
+    with _flush_spied(top_bits):
+        return tfx.accumulate_(fx.zeros((x.shape[1],)), x, **launch)
 
 
 @check
@@ -445,6 +453,130 @@ def double_words_add_exactly():
         bad = torch.nonzero((got != want).any(1)).flatten()
         assert bad.numel() == 0, (f"{launch}: elements {bad[:6].tolist()}, words "
                                   f"{words[:, bad[:3]].t().tolist()}")
+
+
+# ------------------------------------------------------------------- segments (accumulate_segments_)
+# Each: the segmented kernel's accumulator == one torch-path accumulate_ per segment onto the
+# same rows (and == fixedpoint.accumulate_segments_, the CPU path), torch.equal on all columns.
+
+def _segments_same_as_torch(x: torch.Tensor, offsets: list[int], dest: list[int],
+                            acc0: torch.Tensor, **launch) -> torch.Tensor:
+    """Segmented kernel(acc0, x) == per-segment torch accumulate_ == CPU accumulate_segments_,
+    bytewise (rows of no non-empty segment keep acc0's bytes); returns the kernel's acc."""
+    off, dst = torch.tensor(offsets), torch.tensor(dest)
+    want = acc0.clone()
+    for g, d in enumerate(dest):
+        if offsets[g + 1] > offsets[g]:
+            fx.accumulate_(want[d], x[offsets[g]:offsets[g + 1]])
+    assert torch.equal(fx.accumulate_segments_(acc0.clone(), x, off, dst), want), "CPU path"
+    got = tfx.accumulate_segments_(acc0.clone(), x, off, dst, **launch)
+    bad = torch.nonzero((got != want).flatten(1).any(1)).flatten()
+    assert bad.numel() == 0, f"{launch}: accumulator rows {bad.tolist()} differ"
+    return got
+
+
+def _segment_case() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    """x [60, 150] wide values (`_every_bin`, a column's span within the double word), 8
+    segments onto 12 accumulator rows in scrambled order: empty ones (first, middle, last), one
+    row, 3 rows, 37 rows (> UNROLL and no multiple of it), 14 rows; segment 4 (rows 4..40) holds
+    2**100, 1.5·2**46 and 2**-100 in column 5 (a span no double word holds: its first block
+    must take the bins), segment 5 a NaN, +Inf
+    and −Inf in column 140 (its second block). acc0: a sum of two accumulators (digits not
+    normalised) in every row, so an untouched row is checked bytewise too."""
+    cols = 150
+    x = _every_bin(60, cols=cols, seed=21)
+    x[10, 5], x[11, 5], x[12, 5] = 2.0**100, 1.5 * 2.0**46, 2.0**-100
+    x[41, 140], x[42, 140], x[43, 140] = NAN, INF, -INF
+    offsets = [0, 0, 1, 1, 4, 41, 46, 60, 60]
+    dest = [3, 7, 0, 11, 5, 2, 9, 6]
+    r = 12
+    acc0 = fx.accumulate_(fx.zeros((r, cols)), torch.randn(3, r, cols) * 2.0**40)
+    acc0 += fx.accumulate_(fx.zeros((r, cols)), -torch.randn(2, r, cols) * 2.0**-40)
+    return x, offsets, dest, acc0
+
+
+@check
+def segments_match_the_torch_path():
+    """kernel == torch for `_segment_case` at BLOCK 128 (two column blocks, a tail) and 32, an
+    8-row flush (the 37-row segment's bins flush five times), bins only (fast=False), and for
+    a non-contiguous x (a column-major copy); G = 0 and n = 0 leave acc unchanged."""
+    x, offsets, dest, acc0 = _segment_case()
+    for launch in ({}, {"block": 32, "num_warps": 1}, {"seg": 8}, {"fast": False}):
+        _segments_same_as_torch(x, offsets, dest, acc0, **launch)
+    _segments_same_as_torch(x.t().contiguous().t(), offsets, dest, acc0)
+    empty = torch.zeros(1, dtype=torch.int64)
+    assert torch.equal(tfx.accumulate_segments_(acc0.clone(), x[:0], empty,
+                                                empty[:0]), acc0)
+    assert torch.equal(tfx.accumulate_segments_(acc0.clone(), x[:0], torch.zeros(3).long(),
+                                                torch.tensor([1, 2])), acc0)
+
+
+@check
+def segments_take_the_fast_path_and_the_bins():
+    """Both paths of a segment are taken: with the double-word flush spied (`_flush_spied`: a
+    program that took the fast path adds nothing), BLOCK 128, the (segment, block) programs that
+    hold the 2**100..2**-100 span or the NaN/±Inf get torch's bytes (the bins), every other
+    non-empty segment's rows keep acc0 (the fast path was taken); restored: == torch."""
+    x, offsets, dest, acc0 = _segment_case()
+    with _flush_spied():
+        got = tfx.accumulate_segments_(acc0.clone(), x, torch.tensor(offsets),
+                                       torch.tensor(dest))
+    want = _segments_same_as_torch(x, offsets, dest, acc0)
+    binned = {(5, 0), (2, 1)}                       # (dest row, column block) of the bins
+    for d in range(acc0.shape[0]):
+        for b, cols in enumerate((slice(0, 128), slice(128, 150))):
+            ref = want if (d, b) in binned else acc0
+            assert torch.equal(got[d, cols], ref[d, cols]), f"row {d} block {b}"
+    assert not torch.equal(want[5, :128], acc0[5, :128]), "control: the segment added nothing"
+
+
+@check
+def segments_negative_control_a_plain_float64_sum_differs():
+    """The check can fail: with TwoSum replaced by a plain float64 add, segments of columns
+    that need the lo word (`_needs_lo`) give other bytes than torch; restored: == torch."""
+    x = _needs_lo(k=24, cols=40)
+    offsets, dest = [0, 3, 10, 24], [2, 0, 1]
+    acc0 = fx.zeros((3, 40))
+    real = tfx.two_sum
+    try:
+        tfx.two_sum = _one_sum
+        got = tfx.accumulate_segments_(acc0.clone(), x, torch.tensor(offsets),
+                                       torch.tensor(dest))
+    finally:
+        tfx.two_sum = real
+    want = fx.accumulate_segments_(acc0.clone(), x, torch.tensor(offsets), torch.tensor(dest))
+    assert not torch.equal(got, want), "a plain float64 sum gave the same bytes"
+    _segments_same_as_torch(x, offsets, dest, acc0)
+
+
+@check
+def segments_launch_disables_fp_fusion():
+    """accumulate_segments_ launches with enable_fp_fusion=False, fast path or not."""
+    x, offsets, dest, acc0 = _needs_lo(k=8, cols=20), [0, 3, 8], [1, 0], fx.zeros((2, 20))
+    with LaunchRecorder.swapped_in(tfx, "_segments_kernel") as rec:
+        for fast in (True, False):
+            tfx.accumulate_segments_(acc0.clone(), x, torch.tensor(offsets), torch.tensor(dest),
+                                     fast=fast)
+    assert [kw.get("enable_fp_fusion") for _, kw in rec.launches] == [False, False]
+
+
+@check
+def segments_bad_arguments_are_refused():
+    """A 2-D or float accumulator, rows of another width, float64 values, int32 offsets or
+    dest, offsets of the wrong length, a non-contiguous accumulator, seg 12: ValueError."""
+    x, off, dst = torch.zeros(4, 5), torch.tensor([0, 2, 4]), torch.tensor([1, 0])
+    acc = fx.zeros((3, 5))
+    bad = [(fx.zeros((5,)), x, off, dst, {}), (acc.float(), x, off, dst, {}),
+           (fx.zeros((3, 6)), x, off, dst, {}), (acc, x.double(), off, dst, {}),
+           (acc, x, off.int(), dst, {}), (acc, x, off, dst.int(), {}),
+           (acc, x, off[:2], dst, {}), (fx.zeros((5, 3)).transpose(0, 1), x, off, dst, {}),
+           (acc, x, off, dst, {"seg": 12})]
+    for i, (a, v, o, d, kw) in enumerate(bad):
+        try:
+            tfx.accumulate_segments_(a, v, o, d, **kw)
+        except ValueError:
+            continue
+        raise AssertionError(f"case {i} accepted")
 
 
 @triton.jit

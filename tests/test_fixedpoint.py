@@ -220,3 +220,78 @@ def test_round_fp32_torch_at_the_rounding_hazards_is_the_fraction_oracle():
     got = fx.round_fp32_torch(rows).view(torch.int32).tolist()
     want = [torch.tensor(_fp32_of(Fraction(v, 2**149))).view(torch.int32).item() for v in values]
     assert got[0::2] == want and got[1::2] == want
+
+
+# ------------------------------------------------------------------ accumulate_segments_
+
+def _per_segment(acc0: torch.Tensor, x: torch.Tensor, offsets: list[int],
+                 dest: list[int]) -> torch.Tensor:
+    """The definition: one accumulate_ per non-empty segment onto its row of a copy of acc0."""
+    want = acc0.clone()
+    for g, d in enumerate(dest):
+        if offsets[g + 1] > offsets[g]:
+            fx.accumulate_(want[d], x[offsets[g]:offsets[g + 1]])
+    return want
+
+
+@pytest.mark.parametrize("elems", [fx._SEGMENT_ELEMS, 24, 1])
+def test_segments_equal_one_accumulate_per_segment(monkeypatch, elems):
+    """accumulate_segments_(acc0, x, offsets, dest) == an accumulate_ per segment onto acc0's
+    rows dest[g], bitwise (torch.equal on the int64 columns): 9 segments of 0..23 rows
+    (several empty), dest scrambled, rows [r, 2, 3] (values [n, 2, 3]), wide values with
+    NaN/±Inf, acc0 a non-normalised sum of accumulators whose untouched rows keep their bytes;
+    also with the rounds cut into chunks of 24 accumulator elements (4 segments) and of one
+    segment. A bf16 x equals its exact fp32 conversion."""
+    monkeypatch.setattr(fx, "_SEGMENT_ELEMS", elems)
+    g = torch.Generator().manual_seed(31)
+    lens = [3, 0, 23, 1, 0, 7, 8, 0, 2]
+    offsets = [0] + torch.tensor(lens).cumsum(0).tolist()
+    dest = [4, 9, 0, 7, 2, 11, 1, 5, 8]
+    n, r = offsets[-1], 12
+    x = torch.randn(n, 2, 3, generator=g) * torch.exp2(torch.randint(-100, 100, (n, 2, 3),
+                                                                     generator=g).float())
+    x[5, 0, 1], x[6, 1, 2], x[7, 1, 2] = math.nan, math.inf, -math.inf
+    acc0 = fx.accumulate_(fx.zeros((r, 2, 3)), torch.randn(4, r, 2, 3, generator=g))
+    acc0 = acc0 + fx.accumulate_(fx.zeros((r, 2, 3)), -torch.randn(3, r, 2, 3, generator=g))
+    got = fx.accumulate_segments_(acc0.clone(), x, torch.tensor(offsets), torch.tensor(dest))
+    assert torch.equal(got, _per_segment(acc0, x, offsets, dest))
+    untouched = [d for d, k in zip(dest, lens) if k == 0] + [3, 6, 10]
+    assert torch.equal(got[untouched], acc0[untouched])
+    xb = x.bfloat16()
+    got = fx.accumulate_segments_(acc0.clone(), xb, torch.tensor(offsets), torch.tensor(dest))
+    assert torch.equal(got, _per_segment(acc0, xb.float(), offsets, dest))
+
+
+def test_segments_negative_control_fp32_segment_sums_differ():
+    """The comparison can fail: summing each segment in fp32 first (in row order) and
+    accumulating that one value gives other bytes on values whose fp32 sum rounds (1, 2**-24,
+    2**-24 in one segment: fp32 1.0, exactly 1 + 2**-23)."""
+    x = torch.tensor([[1.0], [2.0**-24], [2.0**-24], [3.0]])
+    offsets, dest = [0, 3, 4], [1, 0]
+    got = fx.accumulate_segments_(fx.zeros((2, 1)), x, torch.tensor(offsets), torch.tensor(dest))
+    fp32 = fx.zeros((2, 1))
+    for s, d in enumerate(dest):
+        part = torch.zeros(1, 1)
+        for row in x[offsets[s]:offsets[s + 1]]:
+            part = part + row                              # fp32, in row order
+        fx.accumulate_(fp32[d], part)
+    assert not torch.equal(got, fp32)
+    assert fx.round_fp32(got)[1, 0].item() == 1.0 + 2.0**-23
+
+
+def test_segments_bad_arguments_are_refused():
+    """ValueError for: a 1-D, float or non-contiguous accumulator; values of other rows; int32
+    offsets; offsets of the wrong length, not starting at 0, not ending at n, decreasing; dest
+    repeated or outside [0, r)."""
+    x, acc = torch.ones(4, 3), fx.zeros((5, 3))
+    off, dst = torch.tensor([0, 1, 4]), torch.tensor([2, 0])
+    bad = [(fx.zeros((3,)), x, off, dst), (acc.float(), x, off, dst),
+           (fx.zeros((3, 5)).transpose(0, 1), x, off, dst), (acc, torch.ones(4, 2), off, dst),
+           (acc, x, off.int(), dst), (acc, x, off[:2], dst), (acc, x, torch.tensor([1, 1, 4]), dst),
+           (acc, x, torch.tensor([0, 1, 3]), dst), (acc, x, torch.tensor([0, 3, 1, 4]),
+                                                    torch.tensor([0, 1, 2])),
+           (acc, x, off, torch.tensor([2, 2])), (acc, x, off, torch.tensor([5, 0])),
+           (acc, x, off, torch.tensor([-1, 0]))]
+    for a, v, o, d in bad:
+        with pytest.raises(ValueError):
+            fx.accumulate_segments_(a, v, o, d)

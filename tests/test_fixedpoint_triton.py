@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, run_interpreted_checks
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, run_interpreted_checks, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 
@@ -221,3 +221,53 @@ def test_double_words_add_exactly(results):
     counts unchanged, for |hi| up to just below TOP_F64_BITS, ±2**-149, ±0, random words over
     the whole range with lo of either sign; row-strided words; BLOCK 128 and 32."""
     _ok(results, "double_words_add_exactly")
+
+
+# ------------------------------------------------------------- segments (accumulate_segments_)
+# Each: the segmented kernel's accumulator == a torch-path accumulate_ per segment onto the same
+# rows == fixedpoint.accumulate_segments_ on CPU, torch.equal on all columns.
+
+def test_segments_match_the_torch_path(results):
+    """8 segments onto 12 rows of a non-normalised accumulator (empty segments first, middle,
+    last; 1, 3, 37 and 14 rows; dest scrambled), wide values with a span only the bins hold and
+    NaN/±Inf: == torch at BLOCK 128 and 32, an 8-row flush, bins only, a column-major x; rows
+    of no non-empty segment keep their bytes; G = 0 and n = 0 change nothing."""
+    _ok(results, "segments_match_the_torch_path")
+
+
+def test_segments_take_the_fast_path_and_the_bins(results):
+    """With the double-word flush spied, exactly the (segment, column block) programs holding
+    the wide span or NaN/±Inf added (the bins); every other one took the fast path."""
+    _ok(results, "segments_take_the_fast_path_and_the_bins")
+
+
+def test_segments_negative_control_a_plain_float64_sum_differs(results):
+    """With TwoSum replaced by a plain float64 add the segmented kernel's bytes change (the
+    comparison can fail); restored, == torch."""
+    _ok(results, "segments_negative_control_a_plain_float64_sum_differs")
+
+
+def test_segments_launch_disables_fp_fusion(results):
+    """accumulate_segments_ launches with enable_fp_fusion=False, fast path or not."""
+    _ok(results, "segments_launch_disables_fp_fusion")
+
+
+def test_segments_bad_arguments_are_refused(results):
+    """Wrong accumulator rank/dtype/width/contiguity, float64 values, int32 or mis-sized
+    offsets/dest, a bad flush length: ValueError."""
+    _ok(results, "segments_bad_arguments_are_refused")
+
+
+def test_segments_kernel_compiles_for_sm90():
+    """The segmented kernel compiles for sm_90 on the CPU, as the wrapper launches it (FAST, no
+    fp fusion): the interpreter above runs it as Python and checks no Triton typing (e.g. of the
+    int64 segment bounds or the `if k > 0` around the body). Both paths are in the one binary
+    (the bins are the runtime fallback): its PTX holds the TwoSum float64 adds."""
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    ptrs = {"X": "*fp32", "ACC": "*i64", "OFFS": "*i64", "DEST": "*i64"}
+    ints = {a: "i32" for a in ("m", "n_blocks", "s_k", "s_m")}
+    consts = {"N_COLS": tfx.N_COLS, "SEG": tfx.SEG, "BLOCK": tfx.BLOCK, "UNROLL": tfx.UNROLL,
+              "FAST": True}
+    ptx = sm90_ptx(tfx._segments_kernel, {**ptrs, **ints, **dict.fromkeys(consts, "constexpr")},
+                   consts, tfx.NUM_WARPS, fusion=False)
+    assert ".entry _segments_kernel" in ptx and "add.rn.f64" in ptx

@@ -4,8 +4,9 @@ Forward is a row gather (exact). Backward: for each vocab row, the gradients of 
 id are summed by the canonical token reduction (distributed/tokensum.py) — in order inside each
 leaf of TOKEN_LEAF tokens, the leaf partials added exactly (DESIGN.md §1 "Embedding grads").
 Within a leaf, the i-th token of every leaf is added in one `index_put_` whose (leaf, id) indices
-are all distinct, so no add ever races another. Only the rows present on this rank are
-materialised per leaf.
+are all distinct, so no add ever races another. Only the (leaf, id) pairs that occur are
+materialised (at most one per token), and each id's pairs go into its accumulator row in one
+segmented exact sum: memory O(L·H), not O(leaves · distinct ids · H).
 Does not: shard the vocab (rlkernel/distributed adds vocab-parallel masking).
 """
 
@@ -15,32 +16,56 @@ import torch
 
 from rlkernel.distributed.tokensum import TokenSum, leaves_of
 from rlkernel.numerics import fixedpoint as fx
+from rlkernel.spec import TOKEN_LEAF
 
 
 def accumulate_embedding_grad_(acc: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor,
                                offset: int = 0) -> torch.Tensor:
     """acc [vocab, H, N_COLS] += the exact sum of the leaf partials of this rank's vocab rows
-    [offset, offset + vocab). ids [L] long, dy [L, H] fp32 (a local stream of whole leaves).
-    Tokens outside the range contribute nothing. Returns acc."""
-    vocab = acc.shape[0]
+    [offset, offset + vocab). ids [L] long, dy [L, H] (a local stream of whole leaves).
+    Tokens outside the range contribute nothing. Returns acc.
+
+    Leaf partial P[l, v] = the fp32 sum of leaf l's dy rows with id v, in position order from
+    0.0. Only the (leaf, id) pairs that occur are made: `leaf_partials`, one row each. Then each
+    id's pairs are added exactly into its row of acc (`fixedpoint.accumulate_segments_`: one
+    Triton launch on CUDA); the rows of the ids present leave carry-normalised, the others are
+    untouched. Memory beyond acc and dy: P, 4·H·(pairs + 1) <= 4·H·(L + 1) bytes; int64 index
+    tensors of L entries (< 100·L bytes); the dy[:, i] slice an index_put_ reads (4·H·L/16);
+    an fp32 copy of dy (4·H·L) if dy is bf16/fp16; on CPU the segment path's bounded
+    temporaries (~80 MB, fixedpoint.accumulate_segments_torch_). At qwen3-1.7b's 16,384 tokens
+    and H = 2048: P <= 128 MiB (the dense partials were ~100 GiB). Never [leaves, ids, H] nor
+    [vocab, H] floats.
+    """
+    return fx.accumulate_segments_(acc, *leaf_partials(ids, dy, offset, acc.shape[0]))
+
+
+def leaf_partials(ids: torch.Tensor, dy: torch.Tensor, offset: int,
+                  vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The leaf partials of the ids in [offset, offset + vocab) as segments: (P [pairs, H] fp32,
+    offsets [G + 1], rows [G]) — one row of P per (leaf, id) pair that occurs, sorted by (id,
+    leaf); the pairs of local id rows[g] (ascending) are P[offsets[g]:offsets[g + 1]].
+    P's row of (l, v) = the sum of leaf l's dy rows with id v, added in position order onto 0.0:
+    position i of every leaf in one `index_put_`, whose indices of real pairs are distinct (one
+    pair per leaf), so no add races another. Tokens outside the range go to one extra row of P,
+    dropped."""
     leaves = leaves_of(dy.shape[0])
     n_tok, h = dy.shape
-    m = n_tok // leaves
     local = ids - offset
     inside = (local >= 0) & (local < vocab)
-    present = torch.unique(local[inside])
-    sink = present.numel()                              # out-of-range tokens land in a dropped row
-    compact = torch.searchsorted(present, local.clamp(min=0))
-    compact = torch.where(inside, compact, torch.full_like(compact, sink))
-    cl = compact.reshape(leaves, m)
-    dyl = dy.to(torch.float32).reshape(leaves, m, h)
-    part = torch.zeros(leaves, sink + 1, h, dtype=torch.float32, device=dy.device)
-    leaf_idx = torch.arange(leaves, device=dy.device)
-    for i in range(m):
-        part.index_put_((leaf_idx, cl[:, i]), dyl[:, i], accumulate=True)
-    rows = fx.accumulate_(fx.zeros((sink, h), dy.device), part[:, :sink])
-    acc.index_add_(0, present, rows)    # integer adds: exact
-    return acc
+    leaf = torch.arange(n_tok, device=dy.device) // TOKEN_LEAF
+    # Key (id, leaf) as one integer; out-of-range tokens share the largest key (the dropped row).
+    key = torch.where(inside, local * leaves + leaf, torch.full_like(local, vocab * leaves))
+    keys, pair = torch.unique(key, return_inverse=True)
+    n_pairs = int((keys < vocab * leaves).sum())
+    pl = pair.reshape(leaves, TOKEN_LEAF)
+    dyl = dy.to(torch.float32).reshape(leaves, TOKEN_LEAF, h)
+    part = torch.zeros(keys.numel(), h, dtype=torch.float32, device=dy.device)
+    for i in range(TOKEN_LEAF):
+        part.index_put_((pl[:, i],), dyl[:, i], accumulate=True)
+    rows, counts = torch.unique_consecutive(keys[:n_pairs] // leaves, return_counts=True)
+    offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=dy.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return part[:n_pairs], offsets, rows
 
 
 def embedding_grad(ids: torch.Tensor, dy: torch.Tensor, vocab: int, offset: int = 0,

@@ -31,10 +31,11 @@ Prior art: Kulisch's exact (long) accumulator; Demmel–Nguyen's reproducible su
 bins by exponent in the same spirit but is not exact. Written from the definitions above.
 
 CUDA tensors go to Triton kernels (triton_fixedpoint.py): one for `accumulate_` that holds the
-bins in registers and gives the same integer, one for `round_fp32` that gives the same fp32 bytes
-in one pass per element; these torch paths are the references and the CPU backend. `normalise_`
-has no kernel: on CUDA only the torch references and tests call it (the kernels carry in
-registers).
+bins in registers and gives the same integer (and its segmented form for
+`accumulate_segments_`: many row ranges into many accumulator rows, one launch), one for
+`round_fp32` that gives the same fp32 bytes in one pass per element; these torch paths are the
+references and the CPU backend. `normalise_` has no kernel: on CUDA only the torch references
+and tests call it (the kernels carry in registers).
 Cost (torch path): ~5 vector ops and one float64 `index_add_` per added value, ~15 per element
 and non-empty bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element.
 Does not: communicate (callers sum accumulators across ranks).
@@ -42,6 +43,8 @@ Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_fixedp
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -98,6 +101,90 @@ def accumulate_torch_(flat: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
             normalise_(flat)
         _add_chunk(flat, vals[start:start + rows])
     return normalise_(flat)
+
+
+def accumulate_segments_(acc: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                         dest: torch.Tensor) -> torch.Tensor:
+    """acc[dest[g]] += the exact sum of x[offsets[g]:offsets[g + 1]] over dim 0, for every
+    segment g, in place; returns acc. One `accumulate_` per segment, in one pass.
+
+    acc int64 [r, *S, N_COLS] (contiguous), x fp32 [n, *S] (bf16/fp16 converted exactly),
+    offsets int64 [G + 1] non-decreasing from 0 to n, dest int64 [G] distinct rows of acc.
+    A non-empty segment's row leaves normalised (the bytes `accumulate_` gives it); an empty
+    segment's row and rows no segment names are untouched. CUDA tensors go to one Triton launch
+    (triton_fixedpoint.accumulate_segments_), others to `accumulate_segments_torch_`: the same
+    bytes (tests/test_fixedpoint_triton.py). Raises ValueError on mismatched shapes or dtypes and
+    on offsets/dest values outside that contract (checked here, at one host sync: the kernel
+    would race on a repeated row or read out of bounds).
+    """
+    if acc.dtype != torch.int64 or acc.dim() < 2 or acc.shape[-1] != N_COLS \
+            or not acc.is_contiguous():
+        raise ValueError(f"accumulate_segments_: accumulator must be contiguous int64 "
+                         f"[r, ..., {N_COLS}], got {acc.dtype} {tuple(acc.shape)}")
+    if x.dim() < 1 or tuple(x.shape[1:]) != tuple(acc.shape[1:-1]):
+        raise ValueError(f"accumulate_segments_: values {tuple(x.shape)} do not sum to "
+                         f"accumulator rows {tuple(acc.shape[1:-1])}")
+    g, n, r = dest.numel(), x.shape[0], acc.shape[0]
+    if (offsets.dtype != torch.int64 or dest.dtype != torch.int64 or dest.dim() != 1
+            or tuple(offsets.shape) != (g + 1,)):
+        raise ValueError(f"accumulate_segments_: int64 offsets [G + 1] and dest [G] expected, "
+                         f"got {offsets.dtype} {tuple(offsets.shape)} and {dest.dtype} "
+                         f"{tuple(dest.shape)}")
+    d = dest.sort().values
+    bad = torch.stack([offsets[0] != 0, offsets[-1] != n, (offsets.diff() < 0).any(),
+                       (d < 0).any() | (d >= r).any(), (d.diff() == 0).any()]).tolist()
+    if any(bad):
+        raise ValueError(f"accumulate_segments_: offsets must rise from 0 to {n} and dest hold "
+                         f"distinct rows in [0, {r}); failed (start, end, order, range, "
+                         f"distinct): {bad}")
+    m = math.prod(x.shape[1:])
+    if g == 0 or n == 0 or m == 0:
+        return acc
+    rows = acc.view(r, m, N_COLS)
+    vals = x.detach().to(torch.float32).reshape(n, m)
+    if acc.is_cuda:   # one Triton launch, same integers (tests/test_fixedpoint_triton.py)
+        from rlkernel.numerics import triton_fixedpoint
+        triton_fixedpoint.accumulate_segments_(rows, vals, offsets.contiguous(),
+                                               dest.contiguous())
+    else:
+        accumulate_segments_torch_(rows, vals, offsets, dest)
+    return acc
+
+
+_SEGMENT_ELEMS = 1 << 18   # accumulator elements a round of the segment torch path gathers
+
+
+def accumulate_segments_torch_(rows: torch.Tensor, vals: torch.Tensor, offsets: torch.Tensor,
+                               dest: torch.Tensor) -> torch.Tensor:
+    """The torch path of `accumulate_segments_` on any device (checked arguments): rows
+    [r, m, N_COLS] += per segment the exact Σ of its rows of vals [n, m]. The CPU backend and the
+    reference of the CUDA kernel. Returns rows.
+
+    Segments sorted by length (longest first) are taken in chunks of at most _SEGMENT_ELEMS
+    accumulator elements; round j of a chunk gathers the j-th value of every segment longer than
+    j (a prefix of the chunk) and adds it with `accumulate_torch_` (carry-normalising the rows,
+    as the kernel does). Temporaries: the chunk's rows (104 bytes per element) and one round's
+    working set (`_add_chunk`: ~200 bytes per element), so ~80 MB at most, whatever r, G or n.
+    """
+    m = vals.shape[1]
+    lengths = offsets.diff()
+    order = torch.argsort(lengths, descending=True, stable=True)
+    lens, starts, dest = lengths[order].tolist(), offsets[:-1][order], dest[order]
+    per = max(1, _SEGMENT_ELEMS // m)
+    for c0 in range(0, len(lens), per):
+        c_lens = lens[c0:c0 + per]
+        if c_lens[0] == 0:
+            break                                  # the rest are empty: rows untouched
+        idx = dest[c0:c0 + per]
+        got = rows[idx]                            # [c, m, N_COLS] (a copy)
+        live = len(c_lens)
+        for j in range(c_lens[0]):
+            while c_lens[live - 1] <= j:
+                live -= 1                          # segments of length <= j are done
+            x = vals[starts[c0:c0 + live] + j]     # [live, m]: value j of each live segment
+            accumulate_torch_(got[:live].view(live * m, N_COLS), x.reshape(1, live * m))
+        rows[idx] = got
+    return rows
 
 
 _BIN_FIELDS = 16          # fp32 exponent fields per float64 bin

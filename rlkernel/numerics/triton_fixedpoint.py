@@ -18,6 +18,10 @@ program runs the bins below over the same rows instead: either way the same inte
 value: one conversion and ~13 float64 operations, against ~80 mostly integer instructions in
 the bins (214 -> 73 ms of accumulate per qwen3-0.6b step on an H200). `add_double_words_` takes
 double words made elsewhere (kernels/triton_grad_weight.py) into an accumulator.
+`accumulate_segments_` is the same sum over segments of rows (CSR offsets) into per-segment
+accumulator rows, one launch (the embedding gradient: each id's leaf partials into its row):
+its `_segments_kernel` runs `_accumulate_rows`, the plain kernel's whole body, once per (segment,
+block of columns), so a segment's bytes are those `accumulate_` gives it, fast path or bins.
 Bin path, per element (the same two stages as `_add_chunk`, fixedpoint.py's docstring has the
 representation):
   1. Each value goes by its exponent field f to float64 register bin j = f >> 4 (16 bins). All
@@ -243,7 +247,33 @@ def _accumulate_kernel(X, ACC, k, m, s_k, s_m, N_COLS: tl.constexpr, SEG: tl.con
     live = cols < m
     row = ACC + cols * N_COLS
     sk = tl.zeros([], dtype=tl.int64) + s_k              # int64: UNROLL·s_k must not wrap
-    ptr = X + cols * s_m                                  # row `start` of x, advanced by sk
+    _accumulate_rows(X + cols * s_m, row, live, k, sk, SEG, BLOCK, UNROLL, FAST)
+
+
+@triton.jit
+def _segments_kernel(X, ACC, OFFS, DEST, m, n_blocks, s_k, s_m, N_COLS: tl.constexpr,
+                     SEG: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                     FAST: tl.constexpr):
+    # One program per (segment g, block of BLOCK columns), on one grid axis (a CUDA grid's
+    # second axis stops at 65535): rows [OFFS[g], OFFS[g + 1]) of x into accumulator row DEST[g].
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid // n_blocks
+    cols = (pid % n_blocks) * BLOCK + tl.arange(0, BLOCK)
+    first = tl.load(OFFS + g)                             # int64: first * s_k cannot wrap
+    k = tl.load(OFFS + g + 1) - first
+    if k > 0:   # an empty segment leaves its row's bytes alone (no carry pass), as the torch path
+        live = cols < m
+        row = ACC + (tl.load(DEST + g) * m + cols) * N_COLS
+        sk = tl.zeros([], dtype=tl.int64) + s_k
+        _accumulate_rows(X + first * sk + cols * s_m, row, live, k, sk, SEG, BLOCK, UNROLL, FAST)
+
+
+@triton.jit
+def _accumulate_rows(ptr, row, live, k, sk, SEG: tl.constexpr, BLOCK: tl.constexpr,
+                     UNROLL: tl.constexpr, FAST: tl.constexpr):
+    """Accumulator rows (pointers `row`, N_COLS int64 each) += the exact sum of the k values a
+    lane reads at `ptr`, `ptr + sk`, ... (int64 sk; lanes where `live`): the double-word fast
+    path, else (a lane of the block failed it) the bins. The body of both kernels above."""
     todo = k                                              # rows left for the bin path
     if FAST:
         # Fast path: every column's values added into a float64 double word (hi, lo) with
@@ -346,14 +376,7 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
     `block`/`num_warps` (launch), `seg` (rows per bin flush: a multiple of UNROLL up to SEG,
     smaller only to test flushes cheaply under the interpreter) and `fast` (try the double-word
     path first; False: bins only) never change a bit."""
-    check_cuda("fixedpoint accumulate", acc, x)
-    if seg % UNROLL or not 0 < seg <= SEG:
-        raise ValueError(f"fixedpoint accumulate: seg {seg} must be a multiple of {UNROLL} "
-                         f"in [{UNROLL}, {SEG}]")
-    if x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"fixedpoint accumulate: fp32 [k, m] expected, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    k, m = x.shape
+    k, m = _check_values("fixedpoint accumulate", x, seg, acc)
     if acc.dtype != torch.int64 or tuple(acc.shape) != (m, N_COLS) or not acc.is_contiguous():
         raise ValueError(f"fixedpoint accumulate: contiguous int64 [{m}, {N_COLS}] accumulator "
                          f"expected, got {acc.dtype} {tuple(acc.shape)}")
@@ -364,6 +387,50 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
             x, acc, k, m, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg, BLOCK=block,
             UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
     return acc
+
+
+def accumulate_segments_(acc: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                         dest: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS,
+                         seg: int = SEG, fast: bool = True) -> torch.Tensor:
+    """Segmented `accumulate_`, one launch: for every segment g, acc[dest[g]] [m, N_COLS] += the
+    exact sum of rows offsets[g] .. offsets[g + 1] − 1 of x [n, m] fp32 (any strides), in place;
+    returns acc [r, m, N_COLS] int64 (contiguous). Rows of a non-empty segment leave normalised,
+    an empty segment's row and rows that are no segment's dest are not touched. offsets int64
+    [G + 1] (contiguous, non-decreasing, 0 .. n), dest int64 [G] (contiguous, distinct rows in
+    [0, r)): the caller guarantees these values (checking them needs a host sync;
+    fixedpoint.accumulate_segments_ does) — a repeated dest would race, an index out of range
+    reads or writes out of bounds. No host sync. Launch arguments as `accumulate_`: no bit."""
+    n, m = _check_values("fixedpoint segments", x, seg, acc, offsets, dest)
+    if acc.dtype != torch.int64 or acc.dim() != 3 or tuple(acc.shape[1:]) != (m, N_COLS) \
+            or not acc.is_contiguous():
+        raise ValueError(f"fixedpoint segments: contiguous int64 [r, {m}, {N_COLS}] accumulator "
+                         f"expected, got {acc.dtype} {tuple(acc.shape)}")
+    g = dest.numel()
+    if (offsets.dtype != torch.int64 or dest.dtype != torch.int64 or dest.dim() != 1
+            or tuple(offsets.shape) != (g + 1,) or not offsets.is_contiguous()
+            or not dest.is_contiguous()):
+        raise ValueError(f"fixedpoint segments: contiguous int64 offsets [G + 1] and dest [G] "
+                         f"expected, got {offsets.dtype} {tuple(offsets.shape)} and {dest.dtype} "
+                         f"{tuple(dest.shape)}")
+    if n == 0 or m == 0 or g == 0:
+        return acc
+    n_blocks = triton.cdiv(m, block)
+    with device_ctx(x):
+        _segments_kernel[(g * n_blocks,)](
+            x, acc, offsets, dest, m, n_blocks, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg,
+            BLOCK=block, UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
+    return acc
+
+
+def _check_values(what: str, x: torch.Tensor, seg: int, *others: torch.Tensor) -> tuple[int, int]:
+    """The checks both accumulate wrappers make of the values x (fp32 [k, m]), the flush length
+    `seg` and the devices; (k, m). ValueError naming `what`."""
+    check_cuda(what, x, *others)
+    if seg % UNROLL or not 0 < seg <= SEG:
+        raise ValueError(f"{what}: seg {seg} must be a multiple of {UNROLL} in [{UNROLL}, {SEG}]")
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"{what}: fp32 [k, m] expected, got {x.dtype} {tuple(x.shape)}")
+    return x.shape[0], x.shape[1]
 
 
 # ------------------------------------------------------------------------------------ rounding
