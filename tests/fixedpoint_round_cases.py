@@ -239,10 +239,11 @@ def random_words(m: int, seed: int, top: float = WORD_TOP) -> torch.Tensor:
 def two_sum_words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the dW kernel keeps per element: fp32 x [k, m] added in order into a float64 double
     word with TwoSum (lo += each error, that addition's own error checked zero) ->
-    (words [2, m], ok [m]: every check held and |hi| < 2**150, so hi + lo is the exact sum)."""
-    hi = torch.zeros(x.shape[1], dtype=torch.float64)
+    (words [2, m], ok [m]: every check held and |hi| < 2**150, so hi + lo is the exact sum),
+    on x's device."""
+    hi = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
     lo = torch.zeros_like(hi)
-    ok = torch.ones(x.shape[1], dtype=torch.bool)
+    ok = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
     for row in x.double():
         hi, err = fx.two_sum(hi, row)
         lo, err2 = fx.two_sum(lo, err)
