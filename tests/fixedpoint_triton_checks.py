@@ -220,15 +220,16 @@ def _round_same_as_torch(acc: torch.Tensor, **launch) -> torch.Tensor:
     return got
 
 
-def _round_case_check(case: str):
-    def fn():
-        _round_same_as_torch(_round_cases()[case])
-    fn.__name__ = f"round_{case}"
-    return check(fn)
+def _case_checks(prefix: str, names, cases, same) -> None:
+    """Register one check per case name: `same(cases()[name])`, named prefix + name."""
+    for name in names:
+        def fn(name=name):
+            same(cases()[name])
+        fn.__name__ = prefix + name
+        check(fn)
 
 
-for _case in rc.CASES:
-    _round_case_check(_case)
+_case_checks("round_", rc.CASES, _round_cases, _round_same_as_torch)
 
 
 @check
@@ -431,15 +432,7 @@ def _words_same_as_digits(words: torch.Tensor, **launch) -> torch.Tensor:
     return got
 
 
-def _words_case_check(case: str):
-    def fn():
-        _words_same_as_digits(_word_cases()[case])
-    fn.__name__ = f"round_words_{case}"
-    return check(fn)
-
-
-for _case in rc.WORD_CASES:
-    _words_case_check(_case)
+_case_checks("round_words_", rc.WORD_CASES, _word_cases, _words_same_as_digits)
 
 
 @check
