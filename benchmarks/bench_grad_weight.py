@@ -78,8 +78,9 @@ LEAF_SHAPES = ((16384, 2048, 2048), (16384, 6144, 2048), (16384, 2048, 6144))
 
 def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
     """The fused kernel's double-word pass alone (no digits) at other leaf lengths than the
-    spec's, against cuBLAS and the digit pass + rounding that follows it today: what a longer
-    leaf or a direct rounding of the double words would save (speed study; bits not compared)."""
+    spec's, against cuBLAS, the digit pass + rounding of the persistent and multi-rank paths,
+    and the direct rounding of the double words that one-rank direct mode runs instead
+    (round_double_words): what a longer leaf saves (speed study; bits not compared)."""
     from rlkernel.kernels import triton_grad_weight as tgw
     from rlkernel.numerics import fixedpoint as fx
     from rlkernel.numerics import triton_fixedpoint as tfx
@@ -116,6 +117,7 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
     row["digits_and_round_ms"] = median_ms(lambda: (
         tfx.add_double_words_(acc.zero_().view(-1, fx.N_COLS), words.view(2, -1)),
         tfx.round_fp32(acc.view(-1, fx.N_COLS))))
+    row["round_words_ms"] = median_ms(lambda: tfx.round_double_words(words.view(2, -1)))
     row["cast_words_ms"] = median_ms(lambda: (words[0] + words[1]).float())
     print(row, flush=True)
     return row

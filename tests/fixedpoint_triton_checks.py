@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fractions
 import functools
-import math
 import os
 import struct
 import sys
@@ -42,6 +41,8 @@ CHECKS = {}
 # numpy warns when the interpreter widens a signalling-NaN fp32 to float64; the kernel counts
 # that value as NaN and never adds it, so the warning says nothing about the result.
 warnings.filterwarnings("ignore", "invalid value encountered in cast", RuntimeWarning)
+# ... and when round_double_words' float64 -> fp32 cast overflows to ±Inf, as it must.
+warnings.filterwarnings("ignore", "overflow encountered in cast", RuntimeWarning)
 
 
 def check(fn):
@@ -221,15 +222,16 @@ def _round_same_as_torch(acc: torch.Tensor, **launch) -> torch.Tensor:
     return got
 
 
-def _round_case_check(case: str):
-    def fn():
-        _round_same_as_torch(_round_cases()[case])
-    fn.__name__ = f"round_{case}"
-    return check(fn)
+def _case_checks(prefix: str, names, cases, same) -> None:
+    """Register one check per case name: `same(cases()[name])`, named prefix + name."""
+    for name in names:
+        def fn(name=name):
+            same(cases()[name])
+        fn.__name__ = prefix + name
+        check(fn)
 
 
-for _case in rc.CASES:
-    _round_case_check(_case)
+_case_checks("round_", rc.CASES, _round_cases, _round_same_as_torch)
 
 
 @check
@@ -391,45 +393,6 @@ def accumulate_launches_disable_fp_fusion():
     assert [kw.get("enable_fp_fusion") for _, kw in rec.launches] == [False, False]
 
 
-def _units(v: float) -> int:
-    """v, a float64 multiple of 2**-149, as its exact integer number of 2**-149 units."""
-    f = fractions.Fraction(v) * 2**149
-    assert f.denominator == 1, v
-    return f.numerator
-
-
-def _digits_of(n: int) -> list[int]:
-    """The integer n (units of 2**-149) in fixedpoint.normalise_'s form: digits 0..8 in
-    [0, 2**31), the top one signed (Python's >> floors, like int64's)."""
-    top = fx.N_DIGITS - 1
-    return [(n >> (31 * i)) & 0x7FFFFFFF for i in range(top)] + [n >> (31 * top)]
-
-
-def _double_words(m: int, seed: int) -> torch.Tensor:
-    """[2, m + 5] float64 whose first m columns are (hi, lo) pairs of multiples of 2**-149 with
-    |hi| < TOP_F64_BITS (read from the module): the largest float64 below the bound with lo 0 and
-    ±2**-149, both signs; ±2**-149; ±0.0; 1 and 2**-80; then random hi = ±s·2**e, s a 53-bit
-    significand, e uniform over the whole range, and lo 0 or ±s'·2**e', e' <= e."""
-    top = math.nextafter(struct.unpack("<d", struct.pack("<q", tfx.TOP_F64_BITS.value))[0], 0.0)
-    tiny = 2.0**-149
-    fixed = [(top, 0.0), (-top, 0.0), (top, -tiny), (-top, tiny), (top, tiny), (-top, -tiny),
-             (tiny, 0.0), (-tiny, -tiny), (0.0, 0.0), (-0.0, -0.0), (1.0, 2.0**-80),
-             (-1.0, 2.0**-80)]
-    g = torch.Generator().manual_seed(seed)
-    n = m - len(fixed)
-    top_e = math.frexp(top)[1] - 53                       # s·2**top_e < 2**frexp(top)[1]
-    sig = torch.randint(2**52, 2**53, (2, n), generator=g, dtype=torch.int64).double()
-    e_hi = torch.randint(-149, top_e + 1, (n,), generator=g)
-    e_lo = -149 + ((e_hi + 150) * torch.rand(n, generator=g)).long()
-    sign = torch.randint(0, 2, (2, n), generator=g).double() * 2 - 1
-    hi = sign[0] * torch.ldexp(sig[0], e_hi.double())
-    lo = sign[1] * torch.ldexp(sig[1], e_lo.double()) * (torch.rand(n, generator=g) < 0.8)
-    words = torch.zeros(2, m + 5, dtype=torch.float64)
-    words[:, :len(fixed)] = torch.tensor(fixed, dtype=torch.float64).t()
-    words[0, len(fixed):m], words[1, len(fixed):m] = hi, lo
-    return words
-
-
 @check
 def double_words_add_exactly():
     """add_double_words_ (the dW kernel's second pass) adds hi + lo exactly: onto an accumulator
@@ -438,7 +401,8 @@ def double_words_add_exactly():
     with rows not contiguous to each other (row stride m + 5), at BLOCK 128 and 32, |hi| up to
     the largest float64 below TOP_F64_BITS (so a bound past add_f64's range fails here)."""
     m = 300
-    words = _double_words(m, seed=14)[:, :m]
+    top = struct.unpack("<d", struct.pack("<q", tfx.TOP_F64_BITS.value))[0]
+    words = rc.random_words(m, seed=14, top=top)[:, :m]
     x = -_every_bin(6, cols=m, seed=13)
     x[:, ::2] *= -1
     x[0, 7], x[1, 8], x[2, 9] = NAN, INF, -INF
@@ -446,8 +410,8 @@ def double_words_add_exactly():
     want = acc0.clone()
     for i in range(m):
         n = sum(int(d) << (31 * j) for j, d in enumerate(acc0[i, :fx.N_DIGITS].tolist()))
-        n += _units(words[0, i].item()) + _units(words[1, i].item())
-        want[i, :fx.N_DIGITS] = torch.tensor(_digits_of(n))
+        n += rc.units(words[0, i].item()) + rc.units(words[1, i].item())
+        want[i, :fx.N_DIGITS] = torch.tensor(rc.digits(n))
     for launch in ({}, {"block": 32, "num_warps": 1}):
         got = tfx.add_double_words_(acc0.clone(), words, **launch)
         bad = torch.nonzero((got != want).any(1)).flatten()
@@ -577,6 +541,94 @@ def segments_bad_arguments_are_refused():
         except ValueError:
             continue
         raise AssertionError(f"case {i} accepted")
+
+
+# ------------------------------------------------------- rounding double words (round_double_words)
+@functools.cache
+def _word_cases() -> dict[str, torch.Tensor]:
+    return rc.word_cases()
+
+
+def _words_same_as_digits(words: torch.Tensor, **launch) -> torch.Tensor:
+    """round_double_words(words) == round_fp32_torch of the accumulator holding hi + lo (Python
+    integers, rc.word_accumulator) == the CPU reference fixedpoint.round_double_words_torch,
+    bytewise (int32 views: −0.0 counts); returns the kernel's fp32. (The accumulator is what
+    add_double_words_ gives, `double_words_add_exactly`, and round_fp32's kernel rounds it as
+    round_fp32_torch does, the round_* checks; `round_words_equal_the_digit_kernels` runs that
+    chain of kernels itself on a sample: the interpreter is too slow for all of it.)"""
+    want = fx.round_fp32_torch(rc.word_accumulator(words)).view(torch.int32)
+    got = tfx.round_double_words(words, **launch)
+    bad = torch.nonzero(got.view(torch.int32) != want).flatten()
+    assert bad.numel() == 0, (f"{bad.numel()} differ from the digit path, e.g. words "
+                              f"{words[:, bad[:3]].t().tolist()}: {got[bad[:3]].tolist()}")
+    assert torch.equal(fx.round_double_words_torch(words).view(torch.int32), want)
+    return got
+
+
+_case_checks("round_words_", rc.WORD_CASES, _word_cases, _words_same_as_digits)
+
+
+@check
+def round_words_equal_the_digit_kernels():
+    """round_double_words == round_fp32(add_double_words_(zeros, words)), both digit-path
+    kernels run, on every 8th element of each double-word case."""
+    words = torch.cat([w[:, ::8] for w in _word_cases().values()], 1)
+    acc = tfx.add_double_words_(fx.zeros((words.shape[1],)), words)
+    want = tfx.round_fp32(acc).view(torch.int32)
+    assert torch.equal(_words_same_as_digits(words).view(torch.int32), want)
+
+
+@check
+def round_words_launch_shapes_and_strides():
+    """BLOCK 32/128 with 1/4 warps, a row stride that is not m (words[:, :m] of [2, m + 5]),
+    one element and none give the digit path's bytes."""
+    words = _word_cases()["two_sum_accumulations"]
+    for block, warps in ((32, 1), (128, 4)):
+        _words_same_as_digits(words, block=block, num_warps=warps)
+    wide = torch.zeros(2, words.shape[1] + 5, dtype=torch.float64)
+    wide[:, :words.shape[1]] = words
+    _words_same_as_digits(wide[:, :words.shape[1]])
+    _words_same_as_digits(words[:, 7:8])
+    assert tfx.round_double_words(words[:, :0]).shape == (0,)
+
+
+@check
+def round_words_negative_control_without_the_error_word():
+    """The check can fail: with TwoSum's error dropped (`_one_sum`: no round-to-odd step, i.e.
+    the plain cast of RN64(hi + lo)) the kernel gives other bytes on the ties case, as does
+    the plain cast (hi + lo).to(float32); restored, it matches again."""
+    words = _word_cases()["ties"]
+    want = fx.round_double_words_torch(words).view(torch.int32)
+    assert not torch.equal((words[0] + words[1]).float().view(torch.int32), want)
+    real = tfx.two_sum
+    try:
+        tfx.two_sum = _one_sum
+        got = tfx.round_double_words(words).view(torch.int32)
+        assert not torch.equal(got, want), "the kernel without the error word gave the same bytes"
+    finally:
+        tfx.two_sum = real
+    _words_same_as_digits(words)                             # restored
+
+
+@check
+def round_words_launches_disable_fp_fusion():
+    """round_double_words launches with enable_fp_fusion=False (TwoSum's adds round on their own;
+    the interpreter ignores the flag, so the argument is what can be checked here)."""
+    with LaunchRecorder.swapped_in(tfx, "_round_words_kernel") as rec:
+        tfx.round_double_words(_word_cases()["zeros"])
+    assert [kw.get("enable_fp_fusion") for _, kw in rec.launches] == [False]
+
+
+@check
+def round_words_bad_arguments_are_refused():
+    """float32 words, [3, m], [2, m] with strided rows, 1-D: ValueError."""
+    w = _word_cases()["zeros"]
+    for bad in (w.float(), torch.zeros(3, 4, dtype=torch.float64), w[:, ::2], w[0]):
+        try:
+            tfx.round_double_words(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad.dtype} {tuple(bad.shape)} {bad.stride()}")
 
 
 @triton.jit

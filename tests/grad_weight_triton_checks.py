@@ -7,8 +7,9 @@ The interpreter's dot is numpy's matmul (no defined order), so the operands are 
 leaf dot is exact in fp32 in any order: small integers times a power of two that is constant
 within a leaf (the scale varies from leaf to leaf, which is what the exactness logic is about).
 What is checked is the kernel's logic — TwoSum into (hi, lo), the fp32 cut, the flag, the EMIT
-recompute of flagged tiles, edge tiles, a non-zero starting accumulator — not the GPU's
-tensor-core bits (tests/test_cuda_grad_weight.py does that).
+recompute of flagged tiles, edge tiles, a non-zero starting accumulator, the double words
+rounded directly (`rounded_grad_weight`) and the direct sink's words_rows hook that uses them —
+not the GPU's tensor-core bits (tests/test_cuda_grad_weight.py does that).
 Prints one JSON object {check name: "ok" or the failure}.
 Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/grad_weight_triton_checks.py [NAME ...]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -27,6 +29,8 @@ import triton.language as tl
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
 from kernel_helpers import LaunchRecorder, run_checks
 
+from rlkernel.distributed import tokensum
+from rlkernel.distributed.comm import Comm
 from rlkernel.kernels import matmul as mm
 from rlkernel.kernels import triton_grad_weight as tgw
 from rlkernel.numerics import fixedpoint as fx
@@ -35,6 +39,8 @@ from rlkernel.spec import TOKEN_LEAF
 
 CHECKS = {}
 SMALL = (16, 16, 1, 1)     # interpreter tile: few programs, fast
+# numpy warns when round_double_words' float64 -> fp32 cast overflows to +Inf, as it must.
+warnings.filterwarnings("ignore", "overflow encountered in cast", RuntimeWarning)
 
 
 def check(fn):
@@ -232,6 +238,118 @@ def tiles_never_change_bytes():
     _same(dy, x, tile=(16, 32, 1, 1))
 
 
+# ---------------------------------------------------- rounding the double words directly
+def _rounded_same(dy, x, **kw) -> None:
+    """rounded_grad_weight == round_fp32 of the kernel's accumulator onto zeros == round_fp32 of
+    the reference's, bytewise (int32 views)."""
+    tile = kw.pop("tile", SMALL)
+    got = tgw.rounded_grad_weight(dy, x, tile=tile, **kw)
+    assert got is not None, "a tile was flagged"
+    acc = tgw.accumulate_grad_weight_(fx.zeros((dy.shape[1], x.shape[1])), dy, x, tile=tile)[0]
+    want = fx.round_fp32(acc).view(torch.int32)
+    assert torch.equal(want, fx.round_fp32(_reference(dy, x)).view(torch.int32))
+    bad = torch.nonzero(got.view(torch.int32) != want)
+    assert bad.numel() == 0, f"elements {bad[:6].tolist()}"
+
+
+@check
+def rounded_is_the_digit_path_rounding():
+    """rounded_grad_weight (the double words rounded by round_double_words) gives the digit
+    path's fp32 bytes: narrow and wide leaf scales, an element that needs the lo word (1,
+    2**-24, 2**-80: rounds up to 1 + 2**-23), sums past the fp32 range (+Inf), edge tiles and
+    odd shapes, strided operands, other tiles, bf16 and mixed operands; no token: +0.0."""
+    for leaves, n, k, bits, seed in ((6, 40, 24, 4, 20), (8, 40, 24, 20, 21), (1, 17, 33, 6, 22),
+                                     (3, 70, 5, 6, 23), (2, 16, 16, 6, 24)):
+        _rounded_same(*_operands(leaves, n, k, bits, seed))
+    dy, x = _operands(8, 40, 24, 20, seed=1)
+    _plant(dy, x, 3, 5, [1.0, 2.0**-24, 2.0**-80])
+    _rounded_same(dy, x)
+    assert tgw.rounded_grad_weight(dy, x, tile=SMALL)[3, 5].item() == 1.0 + 2.0**-23
+    _rounded_same(torch.full((4 * TOKEN_LEAF, 17), 2.0**62), torch.full((4 * TOKEN_LEAF, 19),
+                                                                         2.0**61))
+    big_dy, big_x = _operands(4, 60, 44, 8, seed=7)
+    _rounded_same(big_dy[:, ::2], big_x[:, 1::2])
+    dy, x = _operands(4, 50, 40, 12, seed=8)
+    for tile in ((32, 16, 1, 1), (16, 32, 1, 1)):
+        _rounded_same(dy, x, tile=tile)
+    _rounded_same(dy.bfloat16(), x.bfloat16())
+    _rounded_same(dy.bfloat16(), x)
+    empty = tgw.rounded_grad_weight(dy[:0], x[:0])
+    assert empty.shape == (50, 40) and not empty.view(torch.int32).any()
+
+
+@check
+def rounded_is_none_when_a_tile_is_flagged():
+    """None (the caller takes the digits) when any tile is flagged: an extreme element (2**100,
+    1.5·2**46, 2**-100), a non-finite operand, every tile forced; with OUT_ELEMS lowered to four
+    launches, an extreme element in the third launch gives None and none gives the digit path's
+    bytes (the launches' rows put together)."""
+    dy, x = _operands(8, 40, 24, 12, seed=2)
+    _plant(dy, x, 1, 1, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    assert tgw.rounded_grad_weight(dy, x, tile=SMALL) is None
+    dy, x = _operands(4, 35, 20, 3, seed=3)
+    assert tgw.rounded_grad_weight(dy, x, tile=SMALL, force_flag=True) is None
+    dy[40, 30] = float("nan")
+    assert tgw.rounded_grad_weight(dy, x, tile=SMALL) is None
+    real = tgw.OUT_ELEMS
+    try:
+        tgw.OUT_ELEMS = 16 * 40
+        dy, x = _operands(4, 50, 40, 12, seed=10)
+        _rounded_same(dy, x)
+        _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+        assert tgw.rounded_grad_weight(dy, x, tile=SMALL) is None
+    finally:
+        tgw.OUT_ELEMS = real
+
+
+def _direct(dy, x, words: bool, force_flag: bool = False):
+    """w's gradient through a one-rank direct sink (DIRECT_CHUNK_ELEMS set by the caller):
+    add_rows = the fused kernel's accumulate, words_rows = rounded_grad_weight (if `words`).
+    Returns (gradient, [rows of the chunks add_rows ran], [rows words_rows rounded])."""
+    w = torch.nn.Parameter(torch.zeros(dy.shape[1], x.shape[1]))
+    sink = tokensum.GradSink.single()
+    sink.begin({"w": w}, direct=True)
+    adds, rounded = [], []
+
+    def add_rows(a, b, acc):
+        adds.append((a, b))
+        tgw.accumulate_grad_weight_(acc, dy[:, a:b], x, tile=SMALL)
+
+    def words_rows(a, b):
+        out = tgw.rounded_grad_weight(dy[:, a:b], x, tile=SMALL, force_flag=force_flag)
+        if out is not None:
+            rounded.append((a, b))
+        return out
+    assert tokensum.TokenSum(Comm.single("tokens"), sink=sink).finish_now(
+        w, add_rows, "dw", words_rows=words_rows if words else None)
+    return sink.finish()["w"], adds, rounded
+
+
+@check
+def direct_sink_words_path_equals_the_digit_path():
+    """A one-rank direct sink (distributed/tokensum.py) over the [50, 40] weight in chunks of 16
+    rows (DIRECT_CHUNK_ELEMS = 640) with the kernel's words_rows hook: the chunk holding the
+    planted row 37 is flagged and goes through add_rows (digits), the three others are rounded
+    from the double words; with force_flag every chunk goes through add_rows. The gradient ==
+    the digit-only direct path == the persistent reference, bytewise, each way."""
+    dy, x = _operands(4, 50, 40, 12, seed=10)
+    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    real = tokensum.DIRECT_CHUNK_ELEMS
+    try:
+        tokensum.DIRECT_CHUNK_ELEMS = 16 * 40
+        got, adds, rounded = _direct(dy, x, words=True)
+        assert adds == [(32, 48)] and rounded == [(0, 16), (16, 32), (48, 50)], (adds, rounded)
+        assert torch.equal(got.view(torch.int32), want)
+        got, adds, rounded = _direct(dy, x, words=True, force_flag=True)
+        assert len(adds) == 4 and rounded == []
+        assert torch.equal(got.view(torch.int32), want)
+        got, adds, _ = _direct(dy, x, words=False)
+        assert len(adds) == 4 and torch.equal(got.view(torch.int32), want)
+    finally:
+        tokensum.DIRECT_CHUNK_ELEMS = real
+
+
 @check
 def bad_arguments_are_refused():
     dy, x = _operands(2, 8, 8, 1, seed=9)
@@ -242,6 +360,12 @@ def bad_arguments_are_refused():
         except ValueError:
             continue
         raise AssertionError(f"accepted acc {tuple(acc.shape)} dy {tuple(a.shape)} x {tuple(b.shape)}")
+    for a, b in ((dy[:-1], x[:-1]), (dy, x[:16])):
+        try:
+            tgw.rounded_grad_weight(a, b)
+        except ValueError:
+            continue
+        raise AssertionError(f"rounded_grad_weight accepted dy {tuple(a.shape)} x {tuple(b.shape)}")
 
 
 if __name__ == "__main__":

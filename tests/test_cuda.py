@@ -303,6 +303,40 @@ def test_fixedpoint_round_kernel_equals_cpu_torch_path_on_adversarial_accumulato
     assert not _same((digits * scale).sum(1).float(), fx.round_fp32(ties))
 
 
+def test_round_double_words_kernel_equals_cpu_reference_and_the_digit_kernels():
+    """fixedpoint.round_double_words on CUDA (the Triton kernel: TwoSum, round to odd and the
+    device's cvt.rn.f32.f64) == round_double_words_torch on the CPU == round_fp32_torch of the
+    accumulator holding hi + lo (Python integers), bytewise, for every double-word case of
+    tests/fixedpoint_round_cases.py (fp32 ties at every binade, powers of two, subnormal results,
+    the fp32 top, zeros, TwoSum accumulations, random words), also at BLOCK 128 with 1 warp;
+    and for 2**22 double words made on the GPU by TwoSum accumulation of 32 fp32 values per
+    element (a per-element scale 2**[−100, 90], jitter 2**±20, a third cancelling exactly; the
+    few whose checks fail dropped) == round_fp32(add_double_words_(zeros, words)) on the
+    device. Negative control: the plain cast of hi + lo differs on the ties."""
+    import fixedpoint_round_cases as rc
+
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    for name, words in rc.word_cases().items():
+        want = fx.round_fp32_torch(rc.word_accumulator(words))
+        assert _same(fx.round_double_words_torch(words), want), name
+        dev = words.to(DEV)
+        assert _same(fx.round_double_words(dev).cpu(), want), name
+        assert _same(tfx.round_double_words(dev, block=128, num_warps=1).cpu(), want), name
+        if name == "ties":
+            assert not _same((dev[0] + dev[1]).float().cpu(), want)
+    g, k, m = _gen(17), 32, 1 << 22
+    scale = torch.exp2(torch.randint(-100, 91, (1, m), generator=g, device=DEV).double())
+    jitter = torch.exp2(torch.randint(-20, 21, (k, m), generator=g, device=DEV).double())
+    x = (torch.randn(k, m, generator=g, device=DEV, dtype=torch.float64) * scale * jitter).float()
+    x[k // 2:, ::3] = -x[:k // 2, ::3]
+    words, ok = rc.two_sum_words(x)
+    assert ok.float().mean() > 0.99
+    words = words[:, ok].contiguous()
+    acc = tfx.add_double_words_(fx.zeros((words.shape[1],), DEV), words)
+    assert _same(tfx.round_double_words(words), tfx.round_fp32(acc))
+
+
 # ---------------------------------------------------------------------------------- attention
 def _attn_inputs(dtype, s_=3, hq=8, hkv=2, t=300, d=128, seed=10):
     g = _gen(seed)

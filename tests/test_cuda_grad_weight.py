@@ -8,6 +8,11 @@ whose partials only the EMIT path can hold; a stream cut at any leaf boundary in
 (microbatches, CP ranks) adds up to the one-call accumulator. Against float64: the rounded dW
 within (TOKEN_LEAF + 1)·2**-24·Σ|terms| of dYᵀ·X computed in float64 from the same bf16 operands.
 Negative control: cuBLAS (torch.matmul) dW of the two halves, added, differs from the whole.
+Direct rounding: `rounded_grad_weight` (the double words rounded by round_double_words) ==
+round_fp32 of the accumulator, bytewise, or None when a tile is flagged; and kernels/matmul.py
+`grad_weight` in a one-rank direct sink, which takes that path chunk by chunk, == the same sink
+with the hook off (digits) == a persistent sink, bytewise, including a chunk with a flagged
+tile (digits for it alone).
 Skipped without CUDA. Run on the GPU machine:
     PYTHONPATH=. python3 -m pytest -q tests/test_cuda_grad_weight.py
 """
@@ -20,6 +25,9 @@ import torch
 if not torch.cuda.is_available():   # before the Triton modules: CPU installs have no triton
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from rlkernel.distributed import tokensum  # noqa: E402
+from rlkernel.distributed.comm import Comm  # noqa: E402
+from rlkernel.kernels import matmul as mm  # noqa: E402
 from rlkernel.kernels import triton_grad_weight as tgw  # noqa: E402
 from rlkernel.kernels import triton_matmul as tmm  # noqa: E402
 from rlkernel.numerics import fixedpoint as fx  # noqa: E402
@@ -69,10 +77,9 @@ def test_tiles_never_change_bytes(dtype):
         assert torch.equal(_fused(dy, x, tile=tile)[0], want), tile
 
 
-def test_planted_extreme_element_is_redone_exactly():
-    """Element (3, 7)'s leaf partials 2**100, 1.5·2**46, 2**-100 (bf16 operands, one token per
-    leaf): only the EMIT path can hold them; exactly its tile is redone, bytes == reference."""
-    dy, x = _operands(256, 300, 200, torch.bfloat16, seed=2)
+def _plant_extreme(dy, x) -> None:
+    """Element (3, 7)'s leaf partials become 2**100, 1.5·2**46, 2**-100 (one token per leaf
+    against a 1, in place): no double word holds their sum, so its tile is flagged."""
     dy[:, 3] = 0
     x[:, 7] = 0
     for leaf, v in enumerate([2.0**100, 1.5 * 2.0**46, 2.0**-100]):
@@ -80,6 +87,13 @@ def test_planted_extreme_element_is_redone_exactly():
         x[t] = 0            # so row 3's other elements get plain partials
         dy[t, 3] = v
         x[t, 7] = 1.0
+
+
+def test_planted_extreme_element_is_redone_exactly():
+    """Element (3, 7)'s leaf partials 2**100, 1.5·2**46, 2**-100 (bf16 operands, one token per
+    leaf): only the EMIT path can hold them; exactly its tile is redone, bytes == reference."""
+    dy, x = _operands(256, 300, 200, torch.bfloat16, seed=2)
+    _plant_extreme(dy, x)
     got, redone = _fused(dy, x)
     assert redone == 1
     assert torch.equal(got, _reference(dy, x))
@@ -110,3 +124,73 @@ def test_rounded_dw_is_within_float64_bound():
     # then one rounding of the exact sum of partials
     bound = (TOKEN_LEAF + 1) * 2.0**-24 * (a.abs().t() @ b.abs())
     assert ((got - ref).abs() <= bound).all()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,n,k", [(1024, 1024, 3072), (512, 2048, 1024), (272, 200, 130)])
+def test_rounded_grad_weight_is_the_digit_path_rounding(dtype, tokens, n, k):
+    """rounded_grad_weight(dy, x) == round_fp32(accumulate_grad_weight_(zeros, dy, x)), bytewise;
+    with every tile forced through the flag: None (the caller's digit path)."""
+    dy, x = _operands(tokens, n, k, dtype, seed=5)
+    want = fx.round_fp32(_fused(dy, x)[0])
+    got = tgw.rounded_grad_weight(dy, x)
+    assert got is not None and torch.equal(_bits(got), _bits(want)), \
+        int((_bits(got) != _bits(want)).sum())
+    assert tgw.rounded_grad_weight(dy, x, force_flag=True) is None
+
+
+def _sink_grad(dy, x, direct: bool) -> torch.Tensor:
+    """w's gradient through kernels/matmul.py grad_weight in a one-rank sink (direct or
+    persistent), finished."""
+    w = torch.nn.Parameter(torch.zeros(dy.shape[1], x.shape[1], device=DEV))
+    sink = tokensum.GradSink.single()
+    sink.begin({"w": w}, direct=direct)
+    assert mm.grad_weight(dy, x, w, tokensum.TokenSum(Comm.single("tokens"), sink=sink)) is None
+    return sink.finish()["w"]
+
+
+_ROUNDED = tgw.rounded_grad_weight
+
+
+def _spied_rounded(monkeypatch) -> list:
+    """A fresh spy in place of rounded_grad_weight (the real one inside): records each call of
+    the direct path as (rows, returned a gradient)."""
+    calls = []
+
+    def spy(dy, x, **kw):
+        out = _ROUNDED(dy, x, **kw)
+        calls.append((dy.shape[1], out is not None))
+        return out
+    monkeypatch.setattr(tgw, "rounded_grad_weight", spy)
+    return calls
+
+
+@pytest.mark.parametrize("tokens,n,k,chunk_rows", [(1024, 1024, 3072, 256), (512, 2048, 1024, 700),
+                                                   (272, 200, 130, 64)])
+def test_direct_grad_weight_words_path_equals_the_digit_path(monkeypatch, tokens, n, k,
+                                                             chunk_rows):
+    """bf16 operands through kernels/matmul.py grad_weight: a one-rank direct sink
+    (DIRECT_CHUNK_ELEMS = chunk_rows·K: several chunks, the last shorter) rounds every chunk
+    from the double words (spied: each call returned a gradient), and its bytes == the same
+    sink with the hook off (_rounded_rows -> None: digits for every chunk) == a persistent
+    sink. With an extreme element planted in row 3 (leaf partials 2**100, 1.5·2**46, 2**-100:
+    a flagged tile) the first chunk alone takes the digits, same bytes as the other paths."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", chunk_rows * k)
+    dy, x = _operands(tokens, n, k, torch.bfloat16, seed=6)
+    chunks = -(-n // chunk_rows)
+    for plant in (False, True):
+        if plant:
+            _plant_extreme(dy, x)
+        persistent = _sink_grad(dy, x, direct=False)
+        calls = _spied_rounded(monkeypatch)
+        got = _sink_grad(dy, x, direct=True)
+        assert [ok for _, ok in calls] == [not (plant and i == 0) for i in range(chunks)], calls
+        with monkeypatch.context() as m:
+            m.setattr(mm, "_rounded_rows", lambda dy, x: None)
+            digits = _sink_grad(dy, x, direct=True)
+        assert torch.equal(_bits(got), _bits(persistent)), int((got != persistent).sum())
+        assert torch.equal(_bits(digits), _bits(persistent))

@@ -7,6 +7,10 @@
    accumulators that are then added as integers (what microbatches and DP/CP ranks do) give
    the same bytes. Negative control: fp32 sums of the same groups differ.
 3. Zero is +0.0; NaN/±Inf follow IEEE; an fp32-overflowing sum is ±Inf.
+4. round_double_words (a float64 pair hi + lo rounded once: TwoSum, round to odd, cast) ==
+   round_fp32 of the accumulator holding hi + lo, bitwise, on the double-word cases of
+   tests/fixedpoint_round_cases.py (and == the Fraction oracle); the plain cast of hi + lo
+   (double rounding) is the negative control.
 
 Run: .venv/bin/python -m pytest -q tests/test_fixedpoint.py
 """
@@ -295,3 +299,67 @@ def test_segments_bad_arguments_are_refused():
     for a, v, o, d in bad:
         with pytest.raises(ValueError):
             fx.accumulate_segments_(a, v, o, d)
+
+
+# --------------------------------------------------------------- round_double_words (CPU)
+def _words_cases():
+    import fixedpoint_round_cases as rc
+    return rc.word_cases()
+
+
+@pytest.mark.parametrize("case", ["ties", "powers_of_two", "subnormal_and_tiny", "fp32_range_top",
+                                  "zeros", "two_sum_accumulations", "random_words"])
+def test_round_double_words_is_the_digit_path_rounding(case):
+    """round_double_words(words) == round_fp32(accumulator of hi + lo), bitwise (int32 views:
+    +0.0 for every exact zero, −0.0 words included), for: fp32 ties at every binade with lo 0,
+    ±2**-149, ±u, reached through lo or from hi's float64 neighbour; powers of two with lo of
+    the other sign (the tie below, either side of it); subnormal results and 2**-149; fp32 max,
+    the overflow tie 2**128·(1 − 2**-25) and around it; zeros; TwoSum accumulations of random
+    fp32 values as the dW kernel makes them; random words over the whole range; each negated."""
+    import fixedpoint_round_cases as rc
+    words = _words_cases()[case]
+    want = fx.round_fp32_torch(rc.word_accumulator(words)).view(torch.int32)
+    got = fx.round_double_words(words).view(torch.int32)
+    bad = torch.nonzero(got != want).flatten()
+    assert bad.numel() == 0, f"{bad.numel()} differ, e.g. words {words[:, bad[:3]].t().tolist()}"
+
+
+def test_round_double_words_at_the_hazards_is_the_fraction_oracle():
+    """On the ties, powers-of-two and range-top cases, round_double_words == the Fraction
+    oracle's fp32 of hi + lo (so the digit path it is compared with above is not wrong alike)."""
+    import fixedpoint_round_cases as rc
+    cases = _words_cases()
+    words = torch.cat([cases[c] for c in ("ties", "powers_of_two", "fp32_range_top")], 1)
+    got = fx.round_double_words(words).view(torch.int32).tolist()
+    want = [torch.tensor(_fp32_of(Fraction(rc.units(hi) + rc.units(lo), 2**149)))
+            .view(torch.int32).item() for hi, lo in words.t().tolist()]
+    assert got == want
+
+
+def test_round_double_words_negative_control_a_plain_cast_rounds_twice():
+    """(hi + lo).to(float32) rounds twice: hi = 1 + 2**-24 (an fp32 tie), lo = 2**-149 sums in
+    float64 to the tie, which goes to even (1.0); the exact sum is above it: 1 + 2**-23. On the
+    ties case the plain cast differs in thousands of elements, round_double_words in none."""
+    words = torch.tensor([[1.0 + 2.0**-24], [2.0**-149]], dtype=torch.float64)
+    assert (words[0] + words[1]).float().item() == 1.0
+    assert fx.round_double_words(words).item() == 1.0 + 2.0**-23
+    import fixedpoint_round_cases as rc
+    ties = _words_cases()["ties"]
+    want = fx.round_fp32_torch(rc.word_accumulator(ties)).view(torch.int32)
+    assert int(((ties[0] + ties[1]).float().view(torch.int32) != want).sum()) > 1000
+
+
+def test_round_double_words_shapes_strides_and_bad_arguments():
+    """[2, *S] -> [*S] for N-d and strided words (the same bytes as the contiguous [2, m]);
+    float32 words, a first dimension of 3 or a 0-d tensor: ValueError."""
+    words = _words_cases()["two_sum_accumulations"][:, :600]
+    flat = fx.round_double_words(words).view(torch.int32)
+    assert torch.equal(fx.round_double_words(words.reshape(2, 20, 30)).view(torch.int32),
+                       flat.reshape(20, 30))
+    wide = torch.zeros(2, 600, 3, dtype=torch.float64)
+    wide[:, :, 1] = words
+    assert torch.equal(fx.round_double_words(wide[:, :, 1]).view(torch.int32), flat)
+    for bad in (words.float(), torch.zeros(3, 4, dtype=torch.float64),
+                torch.tensor(1.0, dtype=torch.float64)):
+        with pytest.raises(ValueError):
+            fx.round_double_words(bad)

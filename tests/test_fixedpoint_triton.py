@@ -2,7 +2,9 @@
 TRITON_INTERPRET=1 (Triton on the CPU): the accumulation kernel's accumulator == the torch path's
 (fixedpoint.accumulate_ on CPU, the reference), bytewise (torch.equal on the int64 columns, after
 both normalise), and the rounding kernel's fp32 == fixedpoint.round_fp32_torch's (as int32), for
-every case below; `add_double_words_` against exact Python integers. The checks live in
+every case below; `add_double_words_` against exact Python integers; `round_double_words`'s
+fp32 == the digit path's rounding of hi + lo (and the CPU reference), and its compiled PTX
+(cvt.rn.f32.f64, no .ftz; compiled in this process, no interpreter). The checks live in
 tests/fixedpoint_triton_checks.py and run in one subprocess (the interpreter is chosen before
 triton is imported, and must not leak into this process); each test asserts its check's result.
 On a GPU: tests/test_cuda.py.
@@ -12,6 +14,7 @@ k > 2**13 check is marked slow: add -m slow).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -271,3 +274,81 @@ def test_segments_kernel_compiles_for_sm90():
     ptx = sm90_ptx(tfx._segments_kernel, {**ptrs, **ints, **dict.fromkeys(consts, "constexpr")},
                    consts, tfx.NUM_WARPS, fusion=False)
     assert ".entry _segments_kernel" in ptx and "add.rn.f64" in ptx
+
+
+# ----------------------------------------------------- rounding double words (round_double_words)
+# Each: the kernel's fp32 == round_fp32_torch of the accumulator holding hi + lo (Python
+# integers) == fixedpoint.round_double_words_torch, as int32. Cases: fixedpoint_round_cases.py.
+
+def test_round_words_fp32_ties_at_every_binade(results):
+    """Midpoints (M odd, even, 2**24 − 1) at every binade from 2**-125 up, with lo 0, ±2**-149,
+    ±u; reached through lo (hi = mid ∓ d, lo = ±d ± u); from hi's float64 neighbour, lo back
+    by u or half a float64 unit; both signs."""
+    _ok(results, "round_words_ties")
+
+
+def test_round_words_powers_of_two_with_lo_of_the_other_sign(results):
+    _ok(results, "round_words_powers_of_two")
+
+
+def test_round_words_subnormal_results_and_the_smallest_unit(results):
+    _ok(results, "round_words_subnormal_and_tiny")
+
+
+def test_round_words_around_fp32_max_and_the_overflow_tie(results):
+    """fp32 max ± 2**-149, 2**128·(1 − 2**-25) (to +Inf) directly or through lo, just below it
+    (to max), hi up to the contract's bound, cancellation from 2**149 to one unit."""
+    _ok(results, "round_words_fp32_range_top")
+
+
+def test_round_words_zeros_are_plus_zero(results):
+    """hi = lo = −0.0, ±0.0 mixed, hi = −lo: +0.0, as the digit path gives."""
+    _ok(results, "round_words_zeros")
+
+
+def test_round_words_two_sum_accumulations_of_random_fp32(results):
+    """Double words made as the dW kernel makes them from 64 random fp32 values per element
+    (wide scales, exact cancellation, ties broken by a tail)."""
+    _ok(results, "round_words_two_sum_accumulations")
+
+
+def test_round_words_random_words(results):
+    _ok(results, "round_words_random_words")
+
+
+def test_round_words_equal_the_digit_kernels(results):
+    """== round_fp32(add_double_words_(zeros, words)), those two kernels run, on a sample."""
+    _ok(results, "round_words_equal_the_digit_kernels")
+
+
+def test_round_words_launch_shapes_and_strides(results):
+    _ok(results, "round_words_launch_shapes_and_strides")
+
+
+def test_round_words_negative_control_without_the_error_word(results):
+    """With TwoSum's error dropped (no round to odd: the cast of RN64(hi + lo)) the kernel
+    gives other bytes on the ties, as does the plain (hi + lo).to(float32)."""
+    _ok(results, "round_words_negative_control_without_the_error_word")
+
+
+def test_round_words_launches_disable_fp_fusion(results):
+    _ok(results, "round_words_launches_disable_fp_fusion")
+
+
+def test_round_words_bad_arguments_are_refused(results):
+    _ok(results, "round_words_bad_arguments_are_refused")
+
+
+def test_round_words_compiled_ptx_rounds_to_nearest_without_ftz():
+    """sm_90 PTX of _round_words_kernel as launched (enable_fp_fusion=False): the fp32 comes from
+    cvt.rn.f32.f64 — round-half-even — with no .ftz anywhere, so fp32 subnormal results are
+    kept (a flush would turn 2**-149 into 0); no other rounding mode, no fma; TwoSum's float64
+    adds and subtracts all round to nearest (add.rn.f64 / sub.rn.f64, never a bare add.f64)."""
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    ptx = sm90_ptx(tfx._round_words_kernel, ["*fp64", "*fp32", "i32", "i32", "constexpr"],
+                   {"BLOCK": tfx.WORDS_BLOCK}, tfx.WORDS_WARPS, False)
+    cvts = set(re.findall(r"\bcvt\.[\w.]*f32\.f64\b", ptx))
+    assert cvts == {"cvt.rn.f32.f64"}, cvts
+    assert ".ftz" not in ptx and "fma" not in ptx and ".approx" not in ptx
+    assert not re.search(r"\b(add|sub|mul)\.f(32|64)\b", ptx)
+    assert "add.rn.f64" in ptx and "sub.rn.f64" in ptx

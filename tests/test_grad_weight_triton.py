@@ -5,7 +5,10 @@ ranges of leaf partials, non-finite partials, sums past the fp32 range, forced r
 tiles, strided operands, a non-zero starting accumulator, other tiles, several launches and
 EMIT batches, sums at the double-word bound (lowered to 2**129); with the control that the wide
 case's naive float64 sum is wrong; and the launch arguments the interpreter cannot show (fp
-fusion off, "ieee" fp32 dots, bf16 operands kept bf16). The checks live in
+fusion off, "ieee" fp32 dots, bf16 operands kept bf16); `rounded_grad_weight` (the double words
+rounded straight to fp32) == the digit path's rounding, or None when a tile is flagged, and a
+one-rank direct GradSink with that words_rows hook == the digit-only path (flagged and forced
+chunks take the digits). The checks live in
 tests/grad_weight_triton_checks.py and run in one subprocess. On a GPU:
 tests/test_cuda_grad_weight.py (the tensor cores' bits against the reference's `bmm`).
 Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_grad_weight_triton.py (needs triton;
@@ -83,7 +86,27 @@ def test_tiles_never_change_bytes(results):
     _ok(results, "tiles_never_change_bytes")
 
 
+def test_rounded_grad_weight_is_the_digit_path_rounding(results):
+    """rounded_grad_weight == round_fp32(accumulator) == round_fp32(reference), bytewise: narrow
+    and wide scales, the lo-word element (rounds up to 1 + 2**-23), sums past fp32 (+Inf), edge
+    tiles, strided operands, other tiles, bf16 and mixed operands, no token (+0.0)."""
+    _ok(results, "rounded_is_the_digit_path_rounding")
+
+
+def test_rounded_grad_weight_is_none_when_a_tile_is_flagged(results):
+    """An extreme element, a NaN operand, forced flags: None; four launches (OUT_ELEMS lowered):
+    the digit path's bytes, or None with an extreme element in the third."""
+    _ok(results, "rounded_is_none_when_a_tile_is_flagged")
+
+
+def test_direct_sink_words_path_equals_the_digit_path(results):
+    """One-rank direct sink in 16-row chunks with the words_rows hook: the flagged chunk takes
+    add_rows (digits), the others are rounded from the words; forced flags: all digits; bytes
+    == the digit-only direct path == the reference."""
+    _ok(results, "direct_sink_words_path_equals_the_digit_path")
+
+
 def test_bad_arguments_are_refused(results):
     """Token counts that differ or are not whole leaves, accumulators of the wrong shape or
-    layout: ValueError."""
+    layout: ValueError (rounded_grad_weight too, for the token counts)."""
     _ok(results, "bad_arguments_are_refused")

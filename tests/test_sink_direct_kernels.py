@@ -4,6 +4,12 @@ the same gradient bytes with no sink, with a persistent sink, and with a direct 
 DIRECT_CHUNK_ELEMS cuts every weight into small row chunks (the chunk's row offset must reach
 each kernel's partials). The embedding shard's gradient is the slice of the full-vocab one.
 And compute_gradients picks direct mode from every DP replica's microbatch count (a stub model).
+The `words_rows` hook (a kernel's chunk rounded from double words, or None): with a one-rank
+scope group, chunks it rounds need no accumulator and a None chunk takes the digit path, the
+bytes those of the digit-only and persistent paths; with two ranks it is never called. The hook
+is driven here by a CPU model of the CUDA dW kernel's double words (TwoSum of the leaf
+partials); tests/grad_weight_triton_checks.py drives it with the kernel under the interpreter,
+tests/test_cuda_grad_weight.py through kernels/matmul.py on a GPU.
 Run: .venv/bin/python -m pytest -q tests/test_sink_direct_kernels.py
 """
 
@@ -12,11 +18,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_helpers import run_ranks_sequentially
+
 from rlkernel.distributed import tokensum
 from rlkernel.distributed.comm import Comm
+from rlkernel.kernels import matmul as mm
 from rlkernel.kernels.embedding import embed
 from rlkernel.kernels.matmul import column_parallel_linear
 from rlkernel.kernels.norm import rms_norm
+from rlkernel.numerics import fixedpoint as fx
 from rlkernel.spec import TOKEN_LEAF
 
 VOCAB, OFFSET, ROWS, H, N = 20, 6, 12, 10, 16
@@ -105,3 +115,88 @@ def test_direct_mode_is_chosen_from_every_dp_replicas_microbatch_count(monkeypat
         step.compute_gradients(policy, None, samples, temperature=1.0, coefs=None,
                                micro_batch_tokens=64, pad_id=0, exp=torch.exp)
     assert seen == [direct]
+
+
+# ------------------------------------------------------------------ the words_rows hook
+def _dw_operands(leaves: int = 6, n: int = 16, k: int = 10, seed: int = 4):
+    """dy [L, n], x [L, k] fp32 (randn at a per-leaf scale) with row 9's leaf partials of
+    column 4 planted as 2**100, 1.5·2**46, 2**-100: no double word holds that sum (a flagged
+    tile on CUDA, None from the words model)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-8, 9, (leaves, 1), generator=g).float())
+    dy = torch.randn(leaves * TOKEN_LEAF, n, generator=g) * scale.repeat_interleave(TOKEN_LEAF, 0)
+    x = torch.randn(leaves * TOKEN_LEAF, k, generator=g)
+    dy[:, 9], x[:, 4] = 0.0, 0.0
+    for leaf, v in enumerate([2.0**100, 1.5 * 2.0**46, 2.0**-100]):
+        t = leaf * TOKEN_LEAF
+        dy[t, 9], x[t] = v, 0.0
+        x[t, 4] = 1.0
+    return dy, x
+
+
+def _words_model(dy: torch.Tensor, x: torch.Tensor, calls: list):
+    """A CPU stand-in for the CUDA kernel's `rounded_grad_weight` as a words_rows hook: rows
+    [a, b) of dW's leaf partials added into double words with checked TwoSum, rounded by
+    fixedpoint.round_double_words, or None when a check failed. Records (a, b, used)."""
+    import fixedpoint_round_cases as rc
+
+    def rows(a, b):
+        parts = mm.token_leaf_partials(dy[:, a:b], x, dy.shape[0] // TOKEN_LEAF)
+        words, ok = rc.two_sum_words(parts.reshape(parts.shape[0], -1))
+        calls.append((a, b, bool(ok.all())))
+        return fx.round_double_words(words).view(b - a, -1) if ok.all() else None
+    return rows
+
+
+def _finish(sink: tokensum.GradSink, w: torch.nn.Parameter, dy, x, words_rows, adds: list):
+    sink.begin({"w": w}, direct=True)
+
+    def add_rows(a, b, acc):
+        adds.append((a, b))
+        mm.accumulate_grad_weight_(acc, dy[:, a:b], x)
+    assert tokensum.TokenSum(Comm.single("tokens"), sink=sink).finish_now(
+        w, add_rows, "dw", words_rows=words_rows)
+    return sink.finish()["w"]
+
+
+def test_words_rows_rounds_one_rank_chunks_and_a_none_chunk_takes_the_digits(monkeypatch):
+    """One-rank scope group, DIRECT_CHUNK_ELEMS = 30 (chunks of 3 rows of the [16, 10] weight):
+    every chunk asks words_rows first; the five it rounds never reach add_rows, the one holding
+    the planted row 9 gets None and goes through add_rows (digits). The gradient == the
+    digit-only direct path (no hook) == the persistent sink, bytewise; the CPU path of
+    kernels/matmul.py hands no hook (it has no double words)."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 30)
+    dy, x = _dw_operands()
+    w = torch.nn.Parameter(torch.zeros(16, 10))
+    calls, adds = [], []
+    got = _finish(tokensum.GradSink.single(), w, dy, x, _words_model(dy, x, calls), adds)
+    assert calls == [(0, 3, True), (3, 6, True), (6, 9, True), (9, 12, False), (12, 15, True),
+                     (15, 16, True)]
+    assert adds == [(9, 12)]
+    digits_adds = []
+    digits = _finish(tokensum.GradSink.single(), w, dy, x, None, digits_adds)
+    assert len(digits_adds) == 6
+    persistent = fx.round_fp32(mm.accumulate_grad_weight_(fx.zeros((16, 10)), dy, x))
+    assert _same(got, digits) and _same(got, persistent)
+    assert mm._rounded_rows(dy, x) is None
+
+
+def test_words_rows_is_not_used_when_other_ranks_hold_tokens(monkeypatch):
+    """Two ranks in the scope group (each with half of the leaves; ranks replayed one after
+    another): words_rows is never called (their integers must be added first), every chunk goes
+    through add_rows and sum_ints, and the gradient == one rank holding all leaves."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 30)
+    dy, x = _dw_operands()
+    half = dy.shape[0] // 2
+    calls = []
+
+    def rank(r, comm):
+        sink = tokensum.GradSink({"dp_cp": comm, "world": comm})
+        w = torch.nn.Parameter(torch.zeros(16, 10))
+        mine = slice(r * half, (r + 1) * half)
+        return _finish(sink, w, dy[mine], x[mine], _words_model(dy[mine], x[mine], calls), [])
+
+    got = run_ranks_sequentially(2, rank)
+    assert calls == []
+    whole = fx.round_fp32(mm.accumulate_grad_weight_(fx.zeros((16, 10)), dy, x))
+    assert _same(got[0], whole) and _same(got[1], whole)

@@ -59,6 +59,9 @@ class GradSink:
     finishes the gradient there (`finish_direct`: row chunks summed over the scope group and
     rounded) and the sink keeps only the fp32 result — no 104-byte accumulator per element lives
     for the mini-batch. The bytes are those of the persistent path (same exact sum, rounded once).
+    With a scope group of one rank, a kernel that holds a chunk's exact sum as float64 double
+    words (the CUDA dW: kernels/triton_grad_weight.py) rounds them directly
+    (fixedpoint.round_double_words) and no accumulator is made for that chunk.
     Weights used more than once per forward (`keep`, e.g. tied embeddings) stay persistent.
     """
 
@@ -104,14 +107,20 @@ class GradSink:
         """Whether w's kernel finishes its gradient itself (`finish_direct`) in this mini-batch."""
         return self.open and self.direct and self._name(w) not in self._keep
 
-    def finish_direct(self, w: torch.Tensor, scope: str, add_rows, op: str) -> None:
+    def finish_direct(self, w: torch.Tensor, scope: str, add_rows, op: str,
+                      words_rows=None) -> None:
         """Finish parameter w's gradient now (direct mode): for row chunks [a, b) of w (at most
         DIRECT_CHUNK_ELEMS elements; the cut depends on w's shape only, so every rank of the
         group runs the same collectives), `add_rows(a, b, acc)` adds this rank's leaf partials of
         those rows into a zero accumulator int64 [b - a, *w.shape[1:], N_COLS]; the chunk is
         summed over the scope group (integers: exact) and rounded once into an fp32 gradient the
         sink keeps. RuntimeError for a weight finished twice (a second use in the same backward
-        would be lost: such weights belong in `keep`)."""
+        would be lost: such weights belong in `keep`).
+        `words_rows(a, b)` (optional, e.g. the CUDA dW kernel's double words): the same exact
+        sum of this rank's partials of rows [a, b), rounded once — fp32 [b - a, *w.shape[1:]] —
+        or None when it cannot hold it (a flagged tile). Used only when the scope group is this
+        rank alone (no integers of other ranks to add): a chunk it returns needs no accumulator;
+        a None chunk takes add_rows. Same bytes either way (the same exact sum, rounded once)."""
         name = self._name(w)
         if name in self._done:
             raise RuntimeError(f"GradSink: {name} reached a second kernel in one direct-mode "
@@ -123,6 +132,11 @@ class GradSink:
         rows = max(1, DIRECT_CHUNK_ELEMS // max(1, math.prod(w.shape[1:])))
         for a in range(0, n, rows):
             b = min(n, a + rows)
+            if words_rows is not None and comm.size == 1:
+                vals = words_rows(a, b)
+                if vals is not None:
+                    out[a:b] = vals
+                    continue
             acc = fx.zeros((b - a, *w.shape[1:]), w.device)
             add_rows(a, b, acc)
             out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
@@ -228,13 +242,15 @@ class TokenSum:
     def _scope_for(self, heads: Comm | None) -> str:
         return "world" if heads is not None and heads.size > 1 else self.scope
 
-    def finish_now(self, w: torch.Tensor, add_rows, op: str, heads: Comm | None = None) -> bool:
+    def finish_now(self, w: torch.Tensor, add_rows, op: str, heads: Comm | None = None,
+                   words_rows=None) -> bool:
         """In the open sink's direct mode, finish w's gradient here (GradSink.finish_direct with
-        `add_rows(a, b, acc)` adding this rank's leaf partials of w's rows [a, b)) and return
-        True: the kernel then returns no gradient to autograd. False (nothing done) otherwise."""
+        `add_rows(a, b, acc)` adding this rank's leaf partials of w's rows [a, b), and the
+        optional `words_rows(a, b)` -> those rows rounded, or None) and return True: the kernel
+        then returns no gradient to autograd. False (nothing done) otherwise."""
         if self.sink is None or not self.sink.is_direct(w):
             return False
-        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op)
+        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op, words_rows)
         return True
 
     def accumulator(self, w: torch.Tensor, heads: Comm | None = None) -> torch.Tensor:

@@ -23,7 +23,8 @@ Canonical reductions (DESIGN.md §1):
   cut into leaves of TOKEN_LEAF tokens (each inside one sample), tokens summed in order inside a
   leaf (`token_leaf_partials`), the leaf partials added exactly and rounded once. On CUDA the
   partials are made and added inside one kernel (kernels/triton_grad_weight.py), never written
-  out per leaf; the exact sum is the same.
+  out per leaf; the exact sum is the same. In direct mode with a one-rank scope group the kernel's
+  double words are rounded straight to the fp32 gradient (`_rounded_rows`): the same bytes.
 
 Compute dtype (`--dtype`, DESIGN.md "Precision"): the linears take `compute_dtype` (fp32, or bf16
 for bf16 runs). With bf16 there are two rounding points per linear, the same on every rank and in
@@ -218,6 +219,16 @@ def token_grad_weight(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return fx.round_fp32(accumulate_grad_weight_(acc, dy, x))
 
 
+def _rounded_rows(dy: torch.Tensor, x: torch.Tensor):
+    """`words_rows` for TokenSum.finish_now: on CUDA, rows [a, b) of dW rounded straight from
+    the fused kernel's double words (None for a chunk with a flagged tile: the digit path runs);
+    None on CPU, whose path has no double words (it stays as it is)."""
+    if not dy.is_cuda:
+        return None
+    kernel = _grad_weight_kernel()
+    return lambda a, b: kernel.rounded_grad_weight(dy[:, a:b], x)
+
+
 def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                 tok: TokenSum | None) -> torch.Tensor | None:
     """w's gradient dW = dYᵀ·X through `tok` (distributed/tokensum.py): None when tok's sink is
@@ -225,7 +236,7 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     rounded, in w's dtype. dy [L, N], x [L, K] (L = this rank's local stream), w [N, K]."""
     tok = tok or TokenSum.single()
     if tok.finish_now(w, lambda a, b, acc: accumulate_grad_weight_(acc, dy[:, a:b], x),
-                      "token-sum-dw"):
+                      "token-sum-dw", words_rows=_rounded_rows(dy, x)):
         return None
     acc = accumulate_grad_weight_(tok.accumulator(w), dy, x)
     return tok.result(w, acc, "token-sum-dw")

@@ -30,9 +30,15 @@ depends on which tiles took which path (and so not on the tile, the call's other
 CP/DP/microbatch layout), and is bytewise the reference path's whenever the dot gives the bits of
 the reference's `bmm` (tests/test_cuda_grad_weight.py).
 Launched with enable_fp_fusion=False: a contracted mul+add would break TwoSum's exactness.
+Direct rounding (`rounded_grad_weight`): where no other rank's integers are to be added (direct
+mode with a scope group of one rank, distributed/tokensum.py), the double words are rounded to
+fp32 straight away (numerics/fixedpoint.py `round_double_words`: one pass, no accumulator), the
+bytes the digits would round to; if any tile was flagged it returns None and the caller takes
+the digit path above for those rows.
 
-Does not: run on CPU (kernels/matmul.py keeps the reference and dispatches here), round, or
-communicate (distributed/tokensum.py sums accumulators over ranks and rounds once).
+Does not: run on CPU (kernels/matmul.py keeps the reference and dispatches here), round an
+accumulator, or communicate (distributed/tokensum.py sums accumulators over ranks and rounds
+once).
 Tests: TRITON_INTERPRET=1 via tests/test_grad_weight_triton.py; on a GPU
 tests/test_cuda_grad_weight.py.
 """
@@ -143,6 +149,37 @@ def _redo_flagged(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, flagged: 
         flat[idx] = part[live]
 
 
+def _operands(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy, x in `operand_dtype(dy, x)`; ValueError unless both hold one token count, a multiple
+    of TOKEN_LEAF."""
+    if x.shape[0] != dy.shape[0] or dy.shape[0] % TOKEN_LEAF:
+        raise ValueError(f"grad weight: dy {tuple(dy.shape)} and x {tuple(x.shape)} need one "
+                         f"token count, a multiple of TOKEN_LEAF={TOKEN_LEAF}")
+    dt = operand_dtype(dy, x)
+    return dy.to(dt), x.to(dt)
+
+
+def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool):
+    """One launch of the double-word pass over all rows of a [L, n], b [L, K] (n·K within
+    OUT_ELEMS): words [2, n, K] float64 (a flagged tile's elements 0) and flags [tiles] int32,
+    no host sync. The row cut of launches is `_launch_rows`."""
+    bn, bk = tile[0], tile[1]
+    n, k = a.shape[1], b.shape[1]
+    n_tiles = triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    words = torch.empty(2, n, k, dtype=torch.float64, device=a.device)
+    flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
+    _launch(a, b, words, flags, flags, (n_tiles,), tile, False, force_flag)
+    return words, flags
+
+
+def _launch_rows(n: int, k: int, tile) -> list[tuple[int, int]]:
+    """Row ranges [r0, r1) of the launches over n rows of K columns: whole tile rows, at most
+    OUT_ELEMS elements each (one tile row at least)."""
+    bn = tile[0]
+    rows = max(bn, OUT_ELEMS // k // bn * bn)
+    return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
+
+
 def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
                             tile: tuple[int, int, int, int] = TILE,
                             force_flag: bool = False) -> tuple[torch.Tensor, int]:
@@ -158,30 +195,49 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     check_cuda("grad weight", acc, dy, x)
     n_tok, n = dy.shape
     k = x.shape[1]
-    if x.shape[0] != n_tok or n_tok % TOKEN_LEAF:
-        raise ValueError(f"grad weight: dy {tuple(dy.shape)} and x {tuple(x.shape)} need one "
-                         f"token count, a multiple of TOKEN_LEAF={TOKEN_LEAF}")
+    a, b = _operands(dy, x)
     if acc.dtype != torch.int64 or tuple(acc.shape) != (n, k, tfx.N_COLS) \
             or not acc.is_contiguous():
         raise ValueError(f"grad weight: contiguous int64 [{n}, {k}, {tfx.N_COLS}] accumulator "
                          f"expected, got {acc.dtype} {tuple(acc.shape)}")
     if n_tok == 0 or n == 0 or k == 0:
         return acc, 0
-    dt = operand_dtype(dy, x)
-    a, b = dy.to(dt), x.to(dt)
-    bn, bk = tile[0], tile[1]
-    rows = max(bn, OUT_ELEMS // k // bn * bn)        # whole tile rows per launch
     redone = 0
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
+    for r0, r1 in _launch_rows(n, k, tile):
         ac, aa = acc[r0:r1], a[:, r0:r1]
-        n_tiles = triton.cdiv(r1 - r0, bn) * triton.cdiv(k, bk)
-        words = torch.empty(2, r1 - r0, k, dtype=torch.float64, device=a.device)
-        flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
-        _launch(aa, b, words, flags, flags, (n_tiles,), tile, False, force_flag)
+        words, flags = _double_words(aa, b, tile, force_flag)
         tfx.add_double_words_(ac.view(-1, tfx.N_COLS), words.view(2, -1))
         flagged = torch.nonzero(flags).flatten()
         if flagged.numel():
             _redo_flagged(ac, aa, b, flagged, tile)
             redone += flagged.numel()
     return acc, redone
+
+
+def rounded_grad_weight(dy: torch.Tensor, x: torch.Tensor, *,
+                        tile: tuple[int, int, int, int] = TILE,
+                        force_flag: bool = False) -> torch.Tensor | None:
+    """dW [N, K] fp32 of dy [L, N], x [L, K] (L a multiple of TOKEN_LEAF) rounded once straight
+    from the double words — bytewise round_fp32 of what `accumulate_grad_weight_` adds to a zero
+    accumulator — or None when a tile was flagged (its double word cannot hold its sum: the
+    caller then takes the digit path, distributed/tokensum.py GradSink.finish_direct).
+
+    Why: with no other rank's integers to add (direct mode, a scope group of one), the digits
+    and their 104-byte accumulator were only a way to round; fixedpoint.round_double_words
+    rounds the pair itself (one pass reading 16 bytes per element). `tile` and `force_flag`
+    (every tile flagged: None; tests) as in accumulate_grad_weight_. One host sync per launch
+    (the flags). Raises ValueError on devices or shapes."""
+    check_cuda("grad weight", dy, x)
+    n_tok, n = dy.shape
+    k = x.shape[1]
+    a, b = _operands(dy, x)
+    if n_tok == 0 or n == 0 or k == 0:
+        return torch.zeros(n, k, dtype=torch.float32, device=dy.device)
+    parts = []
+    for r0, r1 in _launch_rows(n, k, tile):
+        words, flags = _double_words(a[:, r0:r1], b, tile, force_flag)
+        # Rounded before the flags are read, so the host waits once for both kernels.
+        parts.append(tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k))
+        if bool(flags.any()):
+            return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -27,15 +27,20 @@ find the top non-zero digit, keep the top two digits (a window below 2**62), rou
 24 significant bits with the digits below as sticky bits, scale. Exact zero gives +0.0 (the sign of a zero sum is not defined by a
 multiset); NaN if a NaN or both infinities were added, else ±Inf if one infinity was; a finite
 sum beyond the fp32 range rounds to ±Inf as IEEE does.
+Double words (`round_double_words`): where a value is already held exactly as a float64 pair
+hi + lo (a checked TwoSum accumulation, kernels/triton_grad_weight.py) and no other rank's
+integers are to be added, it is rounded straight from the pair (TwoSum, round to odd at 53
+bits, then round to nearest at 24: its doc says why that is the direct rounding) — the bytes
+`round_fp32` gives for an accumulator holding hi + lo, without the 13 digits.
 Prior art: Kulisch's exact (long) accumulator; Demmel–Nguyen's reproducible summation (ReproBLAS)
 bins by exponent in the same spirit but is not exact. Written from the definitions above.
 
 CUDA tensors go to Triton kernels (triton_fixedpoint.py): one for `accumulate_` that holds the
 bins in registers and gives the same integer (and its segmented form for
 `accumulate_segments_`: many row ranges into many accumulator rows, one launch), one for
-`round_fp32` that gives the same fp32 bytes in one pass per element; these torch paths are the
-references and the CPU backend. `normalise_` has no kernel: on CUDA only the torch references
-and tests call it (the kernels carry in registers).
+`round_fp32` and one for `round_double_words` that give the same fp32 bytes in one pass per
+element; these torch paths are the references and the CPU backend. `normalise_` has no kernel:
+on CUDA only the torch references and tests call it (the kernels carry in registers).
 Cost (torch path): ~5 vector ops and one float64 `index_add_` per added value, ~15 per element
 and non-empty bin per chunk; memory N_COLS int64 (104 bytes) per accumulated element.
 Does not: communicate (callers sum accumulators across ranks).
@@ -333,6 +338,59 @@ def round_fp32_torch(acc: torch.Tensor) -> torch.Tensor:
     val = torch.where(ninf, torch.full_like(val, float("-inf")), val)
     val = torch.where(nan | (pinf & ninf), torch.full_like(val, float("nan")), val)
     return val.reshape(shape)
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, e): s = fl(a + b) and its exact rounding error e = a + b − s, elementwise (Knuth's
+    TwoSum, TAOCP vol. 2 §4.2.2; each torch op rounds on its own, so no contraction can break
+    it). The torch twin of triton_fixedpoint.two_sum."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def round_double_words(words: torch.Tensor) -> torch.Tensor:
+    """words float64 [2, *S] (hi = words[0], lo = words[1]) -> fp32 [*S]: the exact real hi + lo
+    rounded once to fp32, round-half-even, ±Inf past the range, an exact zero as +0.0 — the bytes
+    of `round_fp32` of an accumulator holding hi + lo. Contract (not checked): hi and lo finite
+    multiples of 2**-149 with |hi| < 2**150, what a checked TwoSum accumulation of fp32 values
+    leaves (kernels/triton_grad_weight.py); no NaN/Inf. CUDA tensors go to one Triton pass
+    (triton_fixedpoint.round_double_words), others to `round_double_words_torch`; same bytes.
+    Raises ValueError for another dtype or a first dimension other than 2."""
+    if words.dtype != torch.float64 or words.dim() < 1 or words.shape[0] != 2:
+        raise ValueError(f"round_double_words: expected float64 [2, ...], got {words.dtype} "
+                         f"{tuple(words.shape)}")
+    if words.is_cuda:
+        from rlkernel.numerics import triton_fixedpoint
+        flat = words.reshape(2, -1)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        return triton_fixedpoint.round_double_words(flat).reshape(words.shape[1:])
+    return round_double_words_torch(words)
+
+
+def round_double_words_torch(words: torch.Tensor) -> torch.Tensor:
+    """The torch path of `round_double_words` on any device (same contract; the CPU backend and
+    the reference of the CUDA kernel).
+
+    Why it is exact: (s, e) = TwoSum(hi, lo) gives s = RN64(hi + lo) and the exact error e. If
+    e != 0 and s's last significand bit is 0, s moves one unit toward e (its bit pattern +1 when
+    e has s's sign, −1 otherwise: float64 bit patterns are monotone in magnitude), so s becomes
+    hi + lo rounded to odd at 53 bits. Rounding that to nearest at 24 bits or fewer (fp32,
+    subnormals included) is the direct rounding: Boldo & Melquiond, "Emulation of FMA and
+    correctly rounded sums: proved algorithms using rounding to odd", IEEE TC 2008 (needs
+    53 >= 24 + 2). The float64 -> fp32 conversion is IEEE's round-half-even, overflow to ±Inf
+    included (2**128·(1 − 2**-25) is on the 53-bit grid, so an odd rounding never crosses it).
+    s = ±0 only for an exact zero: −0.0 (hi = lo = −0.0) is written as +0.0."""
+    s, e = two_sum(words[0], words[1])
+    bits = s.contiguous().view(torch.int64)
+    toward = torch.where((bits ^ e.contiguous().view(torch.int64)) < 0, -1, 1)
+    bits = bits + torch.where((e != 0) & ((bits & 1) == 0), toward, 0)
+    bits = torch.where(bits == _F64_NEG_ZERO, 0, bits)
+    return bits.view(torch.float64).to(torch.float32)
+
+
+_F64_NEG_ZERO = -(1 << 63)   # −0.0 as int64 bits
 
 
 def exact_sum_fp32(x: torch.Tensor) -> torch.Tensor:
