@@ -5,7 +5,7 @@ tests/attention_bwd_triton_checks.py and run in one subprocess (the interpreter 
 triton is imported, and must not leak into this process); each test asserts its check's result.
 On a GPU: tests/test_cuda_attention_bwd.py (the same properties with the GPU's dot orders).
 Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_attention_bwd_triton.py (needs triton;
-about 40 s).
+about 2 min).
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ def test_kv_head_replicated_over_tp_ranks_gives_single_process_bytes(results):
     _ok(results, "kv_head_replicated_over_tp_ranks_gives_single_process_bytes")
 
 
-def test_chunk_sizes_and_leaves_per_program_change_no_bit(results):
-    """Sample/key chunks of the exact accumulator, leaf steps and leaves per program: same bytes."""
-    _ok(results, "chunk_sizes_and_leaves_per_program_change_no_bit")
+def test_chunk_sizes_tiles_and_the_fallback_change_no_bit(results):
+    """Sample/key chunks of the double words, key/column tiles, and every dK/dV program through
+    the per-leaf fallback (force_flag): same bytes."""
+    _ok(results, "chunk_sizes_tiles_and_the_fallback_change_no_bit")
 
 
 def test_decode_row_dq_equals_prefill_row(results):

@@ -33,10 +33,11 @@ Three kernels:
   on that leaf's queries: the same on every CP rank and in every layout. A (leaf, key tile) pair
   no query of the leaf sees is skipped (adds nothing). A program whose check failed writes zeros
   and is flagged; the same kernel in EMIT mode recomputes it and stores its per-leaf partials,
-  which the exponent-bin accumulator adds. The host turns the words into exact digits, sums them
-  over `tok.comm` (the CP ranks holding the other leaves: integers, order-free) and rounds once
-  (`TokenSum.round_exact`), then sums the G heads of each group by `tree_sum_halving` and across
-  `kv_comm` as the CPU path does, and multiplies dK by scale last. The bytes never depend on
+  which the exponent-bin accumulator adds. The host rounds each element's exact sum once: on one
+  rank directly from the words (`fixedpoint.round_double_words`), otherwise through exact
+  digits summed over `tok.comm` (the CP ranks holding the other leaves: integers, order-free;
+  `TokenSum.round_exact`), the same bytes either way; then it sums the G heads of each group by
+  `tree_sum_halving` and across `kv_comm` as the CPU path does, and multiplies dK by scale last. The bytes never depend on
   which programs took which path (the same exact sum of the same partials).
 
 Precision. fp32 q/k/v: every dot is input_precision="ieee" (multiply-add chains), bitwise the
@@ -453,9 +454,14 @@ def _redo_flagged(args, flagged: torch.Tensor, kind: int, s0: int, j0: int, widt
 def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str) -> torch.Tensor:
     """[m] fp32: per element the exact sum hi + lo of `words` [2, m] (plus, for the flat indices
     of `fix` = (indices, digits) or None, those digits), summed over `tok.comm` and rounded once.
-    In slices of DIGIT_ELEMS elements (the cut depends on m only: every rank of the group makes
-    the same collective calls)."""
+    Over several ranks (or with a fix) in slices of DIGIT_ELEMS elements through the exact digits
+    (the cut depends on m only: every rank of the group makes the same collective calls); on one
+    rank without a fix, `fixedpoint.round_double_words` (same bytes)."""
     m = words.shape[1]
+    if fix is None and tok.comm.size == 1:
+        # One rank holds every query: no integer all-reduce, so the words are rounded directly
+        # (round-to-odd, then RN: the bytes of the digit path, without its 104-byte digits).
+        return fx.round_double_words(words)
     out = torch.empty(m, dtype=torch.float32, device=words.device)
     for a in range(0, m, DIGIT_ELEMS):
         b = min(m, a + DIGIT_ELEMS)
