@@ -95,7 +95,7 @@ def _timed(fn, rep_ms=200):
         return None
 
 
-def backward_rows() -> list[dict]:
+def backward_rows(dtypes=("fp32", "bf16"), sweep: bool = True) -> list[dict]:
     """The backward rows (module doc): ours fp32/bf16 vs SDPA flash bf16, old torch backward."""
     from rlkernel.distributed.tokensum import TokenSum
     from rlkernel.kernels import attention as ref_attention
@@ -110,6 +110,8 @@ def backward_rows() -> list[dict]:
             t_ref = _timed(f_ref)
             row = {"case": f"backward {t} heads {hq}/{hkv}", "sdpa_bf16_ms": t_ref, "sdpa": how}
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                if name not in dtypes:
+                    continue
                 q, k, v, pos, lens, out, lse, dout = bf if dtype == torch.bfloat16 else \
                     _bwd_case(hq, hkv, t, dtype)
                 ms = _timed(lambda: tb.attention_backward(q, k, v, out, lse, dout, pos, lens, sc))
@@ -117,10 +119,10 @@ def backward_rows() -> list[dict]:
                 if ms and t_ref:
                     row[f"ratio_{name}"] = t_ref / ms
                     row[f"ours_{name}_tflops"] = flops / ms / 1e9
+                row[f"dq_and_delta_{name}_ms"] = _timed(lambda: tb._dq(
+                    q, k, v, dout, lse.reshape(1, hq, t), tb._delta(out, dout, pos), pos,
+                    lens, sc, None))
                 if name == "fp32":
-                    row["dq_and_delta_fp32_ms"] = _timed(lambda: tb._dq(
-                        q, k, v, dout, lse.reshape(1, hq, t), tb._delta(out, dout, pos), pos,
-                        lens, sc, None))
                     if hq == 16:   # the CUDA path before this kernel (qwen3-0.6b's heads)
                         tok = TokenSum.single()
                         row["old_torch_fp32_ms"] = _timed(lambda: ref_attention.attention_backward(
@@ -131,6 +133,8 @@ def backward_rows() -> list[dict]:
                 row["sdpa_bf16_tflops"] = flops / t_ref / 1e9
             rows.append(row)
             print(row, flush=True)
+    if not sweep:
+        return rows
     q, k, v, pos, lens, out, lse, dout = _bwd_case(HQ, HKV, 4096, torch.bfloat16)
     ref = tb.attention_backward(q, k, v, out, lse, dout, pos, lens, sc)
     for kw in [{"dq_tile": c} for c in ((64, 4, 1), (64, 8, 1), (128, 8, 1), (64, 8, 2))] + \
@@ -203,6 +207,8 @@ def main() -> None:
     ap.add_argument("--only-backward", action="store_true")
     ap.add_argument("--fp32-sweep", action="store_true",
                     help="only the fp32 forward tile sweep at the model's shapes")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="backward: which of ours to time")
+    ap.add_argument("--no-sweep", action="store_true", help="backward: skip the tile sweep")
     args = ap.parse_args()
     require_cuda()
     from rlkernel.kernels.triton_attention import attention_forward
@@ -211,7 +217,8 @@ def main() -> None:
         dump(args.out, {"env": env(), "rows": fp32_tile_sweep()})
         return
     if args.only_backward:
-        dump(args.out, {"env": env(), "rows": backward_rows()})
+        dump(args.out, {"env": env(), "rows": backward_rows(args.dtypes.split(","),
+                                                            not args.no_sweep)})
         return
     rows = []
     sc = 1 / math.sqrt(D)

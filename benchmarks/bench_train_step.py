@@ -44,20 +44,25 @@ def _sync(dev: torch.device) -> None:
 
 
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
-         dev: torch.device):
+         dev: torch.device, micro_samples: int = 0, kl: bool = True):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
     policy.load_tensors({k: v.to(dev) for k, v in weights.items()})
     policy.recompute = recompute
-    ref = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev).requires_grad_(False)
-    ref.load_tensors({k: v.to(dev) for k, v in weights.items()})
+    ref = None
+    if kl:
+        ref = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev).requires_grad_(False)
+        ref.load_tensors({k: v.to(dev) for k, v in weights.items()})
+        ref.hold_matmul_weights()
     opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()}, AdamWParams(lr=1e-6))
     exp = invariant_exp if mode == "invariant" else torch.exp
-    budget = sum(len(s.prompt_ids) + len(s.response_ids) + 16 for s in samples)
+    per = [len(s.prompt_ids) + len(s.response_ids) + 64 for s in samples]
+    budget = sum(per) if not micro_samples else sum(per[:micro_samples])
 
     def step():
         compute_gradients(policy, ref, samples, temperature=1.0,
-                          coefs=LossCoefs(0.2, 0.01, 0.0, "k3"), micro_batch_tokens=budget,
+                          coefs=LossCoefs(0.2, 0.01 if kl else 0.0, 0.0, "k3"),
+                          micro_batch_tokens=budget,
                           pad_id=PAD, exp=exp)
         grads = {n: p.grad for n, p in policy.logical_params().items()}
         opt.clip(grads, 1.0)
@@ -99,6 +104,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--arms", default="invariant,native")
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--native-micro-samples", type=int, default=0,
+                    help="samples per microbatch of the native arm (0: all in one, as the "
+                         "invariant arm, whose one-microbatch direct mode keeps no accumulators)")
+    ap.add_argument("--no-kl", action="store_true",
+                    help="--kl-coef 0 as rlk run's default: no reference policy kept or run")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--out")
@@ -113,8 +123,11 @@ def main() -> None:
     res = {"env": env() if dev.type == "cuda" else {"device": "cpu"}, "model": a.model, "samples": a.samples, "prompt_len": a.prompt_len,
            "response_len": a.response_len, "tokens": tokens, "arms": {}}
     for mode in a.arms.split(","):
-        r = _arm(mode, cfg, weights, samples, a.steps, a.recompute, a.profile and mode == "invariant", dev)
+        r = _arm(mode, cfg, weights, samples, a.steps, a.recompute,
+                 a.profile and mode == "invariant", dev,
+                 a.native_micro_samples if mode == "native" else 0, not a.no_kl)
         res["arms"][mode] = r
+        dump(a.out, res)          # after each arm: a later arm's failure keeps this one
         print(f"{mode}: warm step {r['warm_step_s']:.3f} s ({tokens / r['warm_step_s']:.0f} tok/s), "
               f"peak {r['peak_gib']:.2f} GiB, steps {[round(t, 3) for t in r['step_s']]}", flush=True)
         for k in r.get("top_kernels", [])[:25]:

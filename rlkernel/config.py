@@ -27,9 +27,9 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_VOCAB_CHUNK,
-                           MATMUL_ORDER, NUMERICS_VERSION, ROUNDING_POINTS, TOKEN_LEAF,
-                           VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
+from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_TOKEN_LEAF,
+                           CUDA_VOCAB_CHUNK, MATMUL_ORDER, NUMERICS_VERSION, ROUNDING_POINTS,
+                           TOKEN_LEAF, VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -41,7 +41,7 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 TOKEN_REDUCTION = (
     "every token reduction (weight gradients, norm weights, embedding rows, attention dK/dV) sums "
-    f"the tokens of each leaf of {TOKEN_LEAF} consecutive positions of one sample in position "
+    "the tokens of each leaf (token_leaf consecutive positions of one sample) in position "
     "order in fp32, adds the leaf partials exactly in fixed point and rounds once to fp32 "
     "(round-half-even) per mini-batch; so it depends on the samples of the mini-batch and their "
     "tokens only, not on --micro-batch-tokens, --dp, --tp, --cp, --sp, packing, padding or the "
@@ -339,7 +339,10 @@ class RunConfig:
         }
         if self.device == "cuda":
             spec.update(matmul=f"sequential-K fp32 accumulate, BLOCK_K {CUDA_BLOCK_K}",
-                        attention_kv_block=CUDA_ATTN_KV_BLOCK, vocab_chunk=CUDA_VOCAB_CHUNK)
+                        attention_kv_block=CUDA_ATTN_KV_BLOCK, vocab_chunk=CUDA_VOCAB_CHUNK,
+                        token_leaf={"linear_weights": CUDA_TOKEN_LEAF,
+                                    "attention_dkv": CUDA_TOKEN_LEAF,
+                                    "norm_weights": TOKEN_LEAF, "embedding_rows": TOKEN_LEAF})
         return spec
 
 

@@ -49,7 +49,7 @@ from kernel_helpers import (
     run_checks,
     run_ranks_sequentially,
 )
-from test_kernels_attention import _pack
+from test_kernels_attention import _pack as _pack_cpu
 
 from rlkernel.distributed.parallel import cp_segments
 from rlkernel.distributed.tokensum import TokenSum
@@ -68,6 +68,14 @@ CHECKS = {}
 warnings.filterwarnings("ignore", "All-NaN slice encountered", RuntimeWarning)
 # exp(s − lse) of a masked pair may overflow in numpy; tl.where selects 0 there.
 warnings.filterwarnings("ignore", "overflow encountered in exp", RuntimeWarning)
+
+
+LEAF = tb.CUDA_TOKEN_LEAF
+"""The kernels' leaf: samples are packed at its multiples, as the trainer does on CUDA."""
+
+
+def _pack(lengths, **kw):
+    return _pack_cpu(lengths, leaf=LEAF, **kw)
 
 
 def check(fn):
@@ -211,7 +219,8 @@ def cp_zigzag_ranks_give_single_process_bytes():
 
 @check
 def tq_split_into_two_calls_gives_the_full_bytes():
-    """Queries [0, 48) in one call (Tq 48) and [48, 70) in another (slot t = position 48 + t),
+    """Queries [0, 64) in one call (Tq 64: one whole leaf) and [64, 70) in another (slot t =
+    position 64 + t),
     every key in both, the exact sums joined over a 2-rank group: dK/dV == the full call's, dQ rows
     == its rows (dQ tile pinned: the interpreter's numpy dot may round by operand shape)."""
     with _sequential_dot():
@@ -220,7 +229,7 @@ def tq_split_into_two_calls_gives_the_full_bytes():
                                                                     kv_len))
         tile = (16, 4, 1)
         full = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len, dq_tile=tile)
-        cuts = [(0, 48), (48, 70)]
+        cuts = [(0, LEAF), (LEAF, 70)]
 
         def part(r, comm):
             a, b = cuts[r]
@@ -295,17 +304,21 @@ def decode_row_dq_equals_prefill_row():
 
 @check
 def dkv_is_the_exact_sum_of_leaf_partials_negative_control_fp32_order():
-    """The kernel's leaf partials of the small batch, added exactly and rounded once, then the
-    head tree (and ·scale for dK), are the backward's dK/dV bytes; their exact sum does not
-    change when the leaves are reversed. Negative control: a plain fp32 sum of the same partials
-    in leaf order and in reverse order differ (so an order-dependent sum would fail the CP test)."""
+    """The kernel's leaf partials of 2 packed samples (200 and 90 tokens: 4 and 2 leaves),
+    added exactly and rounded once, then the head tree (and ·scale for dK), are the backward's
+    dK/dV bytes; their exact sum does not change when the leaves are reversed. Negative
+    control: a plain fp32 sum of the same partials in leaf order and in reverse order differ (so
+    an order-dependent sum would fail the CP test)."""
+    q, k, v, q_pos, kv_len, *_ = _pack([200, 90], seed=96)
+    d_out = randn(*q.shape, seed=97)
+    out, lse = _fwd(q, k, v, q_pos, kv_len)
     with _sequential_dot():
-        (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
+        ref = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
         s_, hq, tq, _ = q.shape
         tk = k.shape[2]
-        n_leaves = int(q_pos.max()) // 16 + 1
+        n_leaves = int(q_pos.max()) // LEAF + 1
         part = tb.leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE)
-        assert part.shape[0] == n_leaves
+        assert part.shape[0] == n_leaves == 4
         exact = fx.exact_sum_fp32(part)
         assert_bitwise(fx.exact_sum_fp32(part.flip(0)), exact)
         heads = tree_sum_halving(exact.view(2, s_, 2, 2, tk, D), 3)
@@ -356,13 +369,13 @@ def summation_orders_with_a_sequential_dot():
     """With tl.dot made one multiply-add chain per element (K ascending: numpy's matmul, which the
     interpreter uses, has no documented order), the kernels' bytes are the orders of the module
     doc, rebuilt here from fp32 products: dQ_t = scale·(one chain over keys ascending, through
-    all 64-key blocks); per 16-position leaf a chain over its queries in position order; the
+    all 64-key blocks); per 64-position leaf (LEAF) a chain over its queries in position order; the
     leaves added exactly; the 4 query heads by the halving tree; dK times scale last (scale 0.3,
     no power of two). q = 0 (for dQ, dV) or k = 0 (for dK, dV) and lse = 0 make p = exp(0) = 1
-    exactly, so no exp needs reproducing. 150 keys (3 blocks), position 37 absent and leaf 8
-    holding position 128 alone (it sees only the first key of a tile); default chunks and
-    chunks of one key block with 3 leaves per step. Negative controls: the chains reversed (keys
-    descending, positions descending) give other bytes."""
+    exactly, so no exp needs reproducing. 150 keys (3 blocks), position 37 absent and positions
+    129..143 absent (leaf 2 holds 128, which sees only the first key of a tile, and 144..149);
+    default chunks, chunks of one key block, and the per-leaf fallback. Negative controls: the
+    chains reversed (keys descending, positions descending) give other bytes."""
     n, hq, scale = 150, 4, 0.3
     q_pos = torch.arange(n)[None]
     q_pos[0, 37] = -1
@@ -372,7 +385,7 @@ def summation_orders_with_a_sequential_dot():
     lse = torch.zeros(1, 1, hq, n)
     here = q_pos[0] >= 0
     vis = (torch.arange(n)[None, :] <= torch.arange(n)[:, None]) & here[:, None]    # [t, j]
-    leaves = [range(16 * f, min(n, 16 * f + 16)) for f in range(math.ceil(n / 16))]
+    leaves = [range(LEAF * f, min(n, LEAF * f + LEAF)) for f in range(math.ceil(n / LEAF))]
     for zero in ("q", "k"):
         q = randn(1, hq, n, D, seed=303)
         k, v = randn(1, 1, n, D, seed=304), randn(1, 1, n, D, seed=305)

@@ -35,7 +35,11 @@ from rlkernel.kernels import matmul as mm
 from rlkernel.kernels import triton_grad_weight as tgw
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics import triton_fixedpoint as tfx
-from rlkernel.spec import TOKEN_LEAF
+from rlkernel.spec import CUDA_TOKEN_LEAF as TOKEN_LEAF  # the kernel's leaf
+
+_BIG = 66 - (TOKEN_LEAF.bit_length() - 1)
+"""dy = 2**_BIG times x = 2**61: a leaf partial of TOKEN_LEAF such products is 2**127 (fp32 max
+range), four leaves 2**129."""
 
 CHECKS = {}
 SMALL = (16, 16, 1, 1)     # interpreter tile: few programs, fast
@@ -140,7 +144,7 @@ def nonfinite_partials_take_the_emit_path():
 def sums_past_the_fp32_range_stay_exact():
     """Partials near the fp32 maximum whose exact sum is 2**129: the double word and the digits
     hold it (no recompute); it rounds to +Inf as the reference does."""
-    dy = torch.full((4 * TOKEN_LEAF, 17), 2.0**62)
+    dy = torch.full((4 * TOKEN_LEAF, 17), 2.0**_BIG)
     x = torch.full((4 * TOKEN_LEAF, 19), 2.0**61)
     assert _same(dy, x) == 0
     assert torch.isinf(fx.round_fp32(_reference(dy, x))).all()
@@ -152,7 +156,7 @@ def sums_at_the_double_word_bound_take_the_emit_path():
     it). Sums of 2**150 need 2**22 leaves of fp32 maxima, so the bound is lowered to 2**129:
     sums of exactly 2**129 (x > 0) and −2**129 (x < 0), each in whole tiles, flag all 4 tiles and
     are redone, bytes == reference; sums of ±2**128 (below it) flag none."""
-    dy = torch.full((4 * TOKEN_LEAF, 17), 2.0**62)
+    dy = torch.full((4 * TOKEN_LEAF, 17), 2.0**_BIG)
     x = torch.full((4 * TOKEN_LEAF, 19), 2.0**61)
     x[:, 16:] *= -1                                   # the second tile column sums to −2**129
     real = tfx.TOP_F64_BITS
@@ -265,7 +269,7 @@ def rounded_is_the_digit_path_rounding():
     _plant(dy, x, 3, 5, [1.0, 2.0**-24, 2.0**-80])
     _rounded_same(dy, x)
     assert tgw.rounded_grad_weight(dy, x, tile=SMALL)[3, 5].item() == 1.0 + 2.0**-23
-    _rounded_same(torch.full((4 * TOKEN_LEAF, 17), 2.0**62), torch.full((4 * TOKEN_LEAF, 19),
+    _rounded_same(torch.full((4 * TOKEN_LEAF, 17), 2.0**_BIG), torch.full((4 * TOKEN_LEAF, 19),
                                                                          2.0**61))
     big_dy, big_x = _operands(4, 60, 44, 8, seed=7)
     _rounded_same(big_dy[:, ::2], big_x[:, 1::2])

@@ -31,7 +31,7 @@ from kernel_helpers import attention_oracle64, n_diff, run_ranks_sequentially
 
 from rlkernel.distributed.parallel import cp_segments
 from rlkernel.distributed.tokensum import TokenSum
-from rlkernel.spec import TOKEN_LEAF
+from rlkernel.spec import CUDA_TOKEN_LEAF as TOKEN_LEAF  # the kernel's leaf
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -64,7 +64,7 @@ def _randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 def _pack(lengths, dtype, hq=HQ, hkv=HKV, tk=None, seed=0):
     """Samples as the trainer packs them (each starting at a multiple of TOKEN_LEAF in the
     stream): per-sample padded q/k/v with NaN in every padding slot, q_pos, kv_len, q_idx (stream
-    row of each query), the stream length (a multiple of 256) and d_out (random everywhere)."""
+    row of each query), the stream length (a multiple of 512 = 2·CP·64 at CP4) and d_out (random everywhere)."""
     s_, tq = len(lengths), max(lengths)
     tk = tk or tq
     q = torch.full((s_, hq, tq, D), NAN, device=DEV, dtype=dtype)
@@ -81,7 +81,7 @@ def _pack(lengths, dtype, hq=HQ, hkv=HKV, tk=None, seed=0):
         q_idx[i, :n] = off + torch.arange(n, device=DEV)
         off += -(-n // TOKEN_LEAF) * TOKEN_LEAF
     kv_len = torch.tensor(lengths, device=DEV)
-    return q, k, v, q_pos, kv_len, q_idx, -(-off // 256) * 256, _randn(*q.shape, seed=seed + 99,
+    return q, k, v, q_pos, kv_len, q_idx, -(-off // 512) * 512, _randn(*q.shape, seed=seed + 99,
                                                                        dtype=dtype)
 
 

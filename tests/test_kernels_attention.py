@@ -39,9 +39,10 @@ HQ, HKV, HD = 4, 2, 16
 SCALE = 1.0 / math.sqrt(HD)
 
 
-def _pack(lengths, tq=None, tk=None, seed=70, fill=NAN, hq=HQ):
+def _pack(lengths, tq=None, tk=None, seed=70, fill=NAN, hq=HQ, leaf=TOKEN_LEAF):
     """Samples packed in one stream as the trainer packs them (each starting at a multiple of
-    TOKEN_LEAF): per-sample padded q/k/v, q_pos, kv_len, q_idx (stream row of each query).
+    `leaf`: TOKEN_LEAF, the CPU's, or the CUDA kernels' CUDA_TOKEN_LEAF): per-sample padded
+    q/k/v, q_pos, kv_len, q_idx (stream row of each query).
 
     Padding q/k/v slots are `fill` (NaN: they must not matter). Returns (q, k, v, q_pos, kv_len,
     q_idx, stream_len (a multiple of 256), per-sample clean q/k/v list)."""
@@ -60,7 +61,7 @@ def _pack(lengths, tq=None, tk=None, seed=70, fill=NAN, hq=HQ):
         q[i, :, :n], k[i, :, :n], v[i, :, :n] = qs, ks, vs
         q_pos[i, :n] = torch.arange(n)
         q_idx[i, :n] = off + torch.arange(n)
-        off += -(-n // TOKEN_LEAF) * TOKEN_LEAF
+        off += -(-n // leaf) * leaf
         samples.append((qs, ks, vs))
     stream_len = -(-off // 256) * 256
     return q, k, v, q_pos, torch.tensor(lengths), q_idx, stream_len, samples

@@ -1,6 +1,7 @@
 """The train step's logprob comparison (rlkernel/train/step.py): `logprob_compared` (the evidence's
 `logprob_tokens`) counts the (trainer, rollout) pairs actually compared, not the planned count;
-under CP the mismatch, compared and clipped counts cover every CP rank's tokens (2 gloo ranks).
+under CP the mismatch, compared and clipped counts cover every CP rank's tokens (2 gloo ranks);
+the CUDA stream alignment changes no CPU gradient bit.
 
 Run: `.venv/bin/python -m pytest -q tests/test_train_step.py`.
 """
@@ -77,6 +78,58 @@ def test_no_reference_policy_at_kl_coef_0_changes_no_gradient_bit():
         run(None, kl_coef=0.1)
 
 
+def test_cuda_stream_alignment_changes_no_cpu_gradient_bit(monkeypatch):
+    """The packer's CUDA alignment (spec.stream_leaf: samples at multiples of CUDA_TOKEN_LEAF,
+    CP/SP cuts at its multiples) on the CPU backend, whose token reductions keep TOKEN_LEAF
+    leaves: every gradient and stat has the bytes of the CPU alignment, and the layout really
+    moved (sample 1 starts at row 64 instead of 16·k). So the CUDA alignment logic is covered
+    by the CPU path, and padding/alignment never enters a number."""
+    from rlkernel.spec import CUDA_TOKEN_LEAF, TOKEN_LEAF
+
+    samples = _samples()
+    pc = ParallelCtx.single()
+    lay16 = microbatches(samples, 512, 257, pc)[0][0]
+    lay64 = microbatches(samples, 512, 257, pc, leaf=CUDA_TOKEN_LEAF)[0][0]
+    first = [int(lay.q_idx[1, 0]) for lay in (lay16, lay64)]
+    assert first[0] % TOKEN_LEAF == 0 and first[1] == CUDA_TOKEN_LEAF != first[0]
+
+    def run():
+        pol = _model()
+        st = compute_gradients(pol, None, samples, temperature=SP.temperature,
+                               coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
+                               pad_id=257, exp=invariant_exp)
+        return st, {n: p.grad.view(torch.int32).clone() for n, p in pol.named_parameters()}
+    st16, g16 = run()
+    monkeypatch.setattr(step_mod, "stream_leaf", lambda device_type: CUDA_TOKEN_LEAF)
+    st64, g64 = run()
+    assert st16 == st64
+    assert all(torch.equal(g16[n], g64[n]) for n in g16)
+
+
+def test_stream_multiple_and_packed_len_hold_whole_leaves_of_both_sizes():
+    """stream_multiple = 2·CP·max(leaf, TOKEN_LEAF·TP under SP): at CP4 with the CUDA leaf 512,
+    under SP at TP8 (16·8 > 64) 2·4·128 = 1024; packed_len aligns every sample to the leaf and
+    pads to the multiple; a leaf that is not a multiple of TOKEN_LEAF is refused, and so is a
+    multiple that is not a multiple of the leaf."""
+    from rlkernel.distributed.parallel import stream_multiple
+    from rlkernel.model.layout import packed_len, sample_offsets
+    from rlkernel.spec import CUDA_TOKEN_LEAF, TOKEN_LEAF
+
+    base = ParallelCtx.single()
+    cp4 = dataclasses.replace(base, cp=Comm("cp", None, range(4), 0))
+    sp8 = dataclasses.replace(cp4, tp=Comm("tp", None, range(8), 0), sp=True)
+    assert stream_multiple(base) == 2 * TOKEN_LEAF
+    assert stream_multiple(cp4, CUDA_TOKEN_LEAF) == 512
+    assert stream_multiple(sp8, CUDA_TOKEN_LEAF) == 1024 == stream_multiple(sp8)
+    assert sample_offsets([70, 1, 64], CUDA_TOKEN_LEAF) == [0, 128, 192]
+    assert packed_len([70, 1, 64], 512, CUDA_TOKEN_LEAF) == 512
+    assert packed_len([70, 1, 64], 16) == 80 + 16 + 64
+    with pytest.raises(ValueError, match="stream leaf 24"):
+        sample_offsets([5], 24)
+    with pytest.raises(ValueError, match="multiple 32 is not a multiple of the stream leaf 64"):
+        packed_len([5], 32, CUDA_TOKEN_LEAF)
+
+
 def test_logprob_compared_counts_the_compared_pairs(monkeypatch):
     """every response token compared once -> compared == N, 0 mismatches; a layout that compares
     one token fewer per sample (loss_rows mutated) -> compared == N − samples, N unchanged."""
@@ -87,8 +140,8 @@ def test_logprob_compared_counts_the_compared_pairs(monkeypatch):
 
     real = step_mod.loss_rows
 
-    def drop_last_row_of_each_sample(group, stream_len):
-        targets, mask, old, adv = real(group, stream_len)
+    def drop_last_row_of_each_sample(group, stream_len, leaf):
+        targets, mask, old, adv = real(group, stream_len, leaf)
         rows = mask.nonzero(as_tuple=True)[0]
         ends = torch.cumsum(torch.tensor([len(s.response_ids) for s in group]), 0) - 1
         mask[rows[ends]] = False

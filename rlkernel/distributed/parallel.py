@@ -14,8 +14,8 @@ Autograd pairs (forward ↔ backward), every sum finished by the canonical tree 
 - sp_scatter: own sequence slice ↔ all-gather.
 - cp_gather_stream: all-gather of CP-local streams into the logical stream ↔ own rows; the
   consumer (attention) finishes its own token reduction, so every rank already holds the whole grad.
-CP layout: a stream of L rows (L a multiple of 2·CP·TOKEN_LEAF, so cuts fall between leaves) is cut
-into 2·CP equal segments; CP rank r holds segments r and 2·CP−1−r (zig-zag, causal load balance, as
+CP layout: a stream of L rows (L a multiple of `stream_multiple`, so cuts fall between leaves) is
+cut into 2·CP equal segments; CP rank r holds segments r and 2·CP−1−r (zig-zag, causal load balance, as
 Megatron's CP), in that order, as its local stream.
 Does not: create groups (topology.py) or shard parameters (model/sharding.py).
 """
@@ -77,10 +77,12 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t.view_as(t)
 
 
-def stream_multiple(pc: ParallelCtx) -> int:
+def stream_multiple(pc: ParallelCtx, leaf: int = TOKEN_LEAF) -> int:
     """What a packed stream's length must be a multiple of under pc's CP/SP layout, so that every
-    CP segment and SP slice holds whole token leaves: TOKEN_LEAF · 2·CP · (TP under SP)."""
-    return TOKEN_LEAF * 2 * pc.cp.size * (pc.tp.size if pc.sp else 1)
+    CP segment holds whole leaves of `leaf` (the backend's spec.stream_leaf: the matmul token
+    reductions') and every SP slice whole TOKEN_LEAF leaves (norm weights):
+    2·CP · max(leaf, TOKEN_LEAF · (TP under SP)) — powers of two, so a multiple of both."""
+    return 2 * pc.cp.size * max(leaf, TOKEN_LEAF * (pc.tp.size if pc.sp else 1))
 
 
 def cp_segments(cp: int, cp_rank: int) -> tuple[int, int]:

@@ -20,10 +20,10 @@ Canonical reductions (DESIGN.md §1):
   empty shards are skipped (never added as zeros), and TP rank r of t owns exactly the rows
   [⌊r·N/t⌋, ⌊(r+1)·N/t⌋) — the same cut whatever t.
 - dW = dYᵀ·X of every linear: a token reduction (distributed/tokensum.py) — the local stream is
-  cut into leaves of TOKEN_LEAF tokens (each inside one sample), tokens summed in order inside a
-  leaf (`token_leaf_partials`), the leaf partials added exactly and rounded once. On CUDA the
-  partials are made and added inside one kernel (kernels/triton_grad_weight.py), never written
-  out per leaf; the exact sum is the same. In direct mode with a one-rank scope group the kernel's
+  cut into leaves (each inside one sample; TOKEN_LEAF tokens on CPU, CUDA_TOKEN_LEAF on CUDA),
+  tokens summed in order inside a leaf (`token_leaf_partials`), the leaf partials added exactly
+  and rounded once. On CUDA the partials are made and added inside one kernel
+  (kernels/triton_grad_weight.py), never written out per leaf. In direct mode with a one-rank scope group the kernel's
   double words are rounded straight to the fp32 gradient (`_rounded_rows`): the same bytes.
 
 Compute dtype (`--dtype`, DESIGN.md "Precision"): the linears take `compute_dtype` (fp32, or bf16
@@ -200,11 +200,12 @@ def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int) -> torch
 
 
 def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """acc [N, K, N_COLS] += exact Σ over the TOKEN_LEAF leaves of the stream of their dWᵀ
-    partials (dy [L, N], x [L, K], L a multiple of TOKEN_LEAF); returns acc."""
-    leaves = leaves_of(dy.shape[0])
-    if dy.is_cuda:   # partials made and added inside one kernel (same exact sum, same bytes)
+    """acc [N, K, N_COLS] += exact Σ over the leaves of the stream of their dWᵀ partials (dy
+    [L, N], x [L, K]; CPU: TOKEN_LEAF leaves, CUDA: CUDA_TOKEN_LEAF leaves, L a multiple of the
+    backend's leaf; ValueError otherwise); returns acc."""
+    if dy.is_cuda:   # partials made and added inside one kernel
         return _grad_weight_kernel().accumulate_grad_weight_(acc, dy, x)[0]
+    leaves = leaves_of(dy.shape[0])
     n = dy.shape[1]
     rows = max(1, _CHUNK_ELEMS // max(1, leaves * x.shape[1]))   # rows of dW are independent
     for i in range(0, n, rows):

@@ -2,10 +2,12 @@
 produced and added inside one kernel, never written out per leaf.
 
 What it computes: the same exact sum as the reference path (kernels/matmul.py
-`token_leaf_partials` + numerics/fixedpoint.py `accumulate_`), added into the same fixed-point
-accumulator: for every element (n, k), the TOKEN_LEAF-token partials p_l = Σ_{t in leaf l}
-dy[t, n]·x[t, k] (one tensor-core dot per leaf, fp32 accumulation; for fp32 operands the fma chain
-over the leaf's tokens in order), summed exactly over the leaves l of the call.
+`token_leaf_partials` with leaves of CUDA_TOKEN_LEAF = 64 tokens + numerics/fixedpoint.py
+`accumulate_`), added into the same fixed-point accumulator: for every element (n, k), the
+64-token partials p_l = Σ_{t in leaf l} dy[t, n]·x[t, k] (one 64-deep tensor-core dot per leaf,
+fp32 accumulation; for fp32 operands the fma chain over the leaf's tokens in order), summed
+exactly over the leaves l of the call. (The leaf was 16 tokens before NUMERICS_VERSION 6: four
+times the exact additions, which bound this kernel — docs/BENCHMARKS.md.)
 
 Why: the reference path writes 4 bytes × (tokens / 16) per weight element and reads them back into
 the exact accumulator — on an H200, a qwen3-0.6b step of 4,096 tokens spent 709 ms of 1.74 s
@@ -52,7 +54,7 @@ import triton.language as tl
 from rlkernel.kernels.triton_matmul import operand_dtype
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.numerics import triton_fixedpoint as tfx
-from rlkernel.spec import TOKEN_LEAF
+from rlkernel.spec import CUDA_TOKEN_LEAF
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): speed only (the sum is exact whatever the tile).
 TILE = (64, 64, 8, 3)      # the fastest of the H200 sweep (docs/BENCHMARKS.md)
@@ -120,7 +122,7 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag):
         _dw_kernel[grid](a, b, out, flags, tiles, a.shape[0], a.shape[1], b.shape[1],
                          a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                          0 if emit else out.stride(0),
-                         BLOCK_N=bn, BLOCK_K=bk, LEAF=TOKEN_LEAF, PREC=prec, EMIT=emit,
+                         BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF, PREC=prec, EMIT=emit,
                          FORCE_FLAG=int(force_flag), num_warps=warps, num_stages=stages,
                          enable_fp_fusion=False)
 
@@ -131,7 +133,7 @@ def _redo_flagged(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, flagged: 
     mode stores each tile's per-leaf partials, accumulate_ adds them (acc [N, K, N_COLS])."""
     bn, bk = tile[0], tile[1]
     n, k = a.shape[1], b.shape[1]
-    leaves = a.shape[0] // TOKEN_LEAF
+    leaves = a.shape[0] // CUDA_TOKEN_LEAF
     num_k = triton.cdiv(k, bk)
     flat = acc.view(-1, tfx.N_COLS)
     for i in range(0, flagged.numel(), EMIT_TILES):
@@ -151,10 +153,10 @@ def _redo_flagged(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, flagged: 
 
 def _operands(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dy, x in `operand_dtype(dy, x)`; ValueError unless both hold one token count, a multiple
-    of TOKEN_LEAF."""
-    if x.shape[0] != dy.shape[0] or dy.shape[0] % TOKEN_LEAF:
+    of CUDA_TOKEN_LEAF."""
+    if x.shape[0] != dy.shape[0] or dy.shape[0] % CUDA_TOKEN_LEAF:
         raise ValueError(f"grad weight: dy {tuple(dy.shape)} and x {tuple(x.shape)} need one "
-                         f"token count, a multiple of TOKEN_LEAF={TOKEN_LEAF}")
+                         f"token count, a multiple of CUDA_TOKEN_LEAF={CUDA_TOKEN_LEAF}")
     dt = operand_dtype(dy, x)
     return dy.to(dt), x.to(dt)
 
@@ -183,8 +185,8 @@ def _launch_rows(n: int, k: int, tile) -> list[tuple[int, int]]:
 def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
                             tile: tuple[int, int, int, int] = TILE,
                             force_flag: bool = False) -> tuple[torch.Tensor, int]:
-    """acc += the exact sum over the TOKEN_LEAF leaves of dy [L, N], x [L, K] of their dWᵀ
-    partials, in place (acc int64 [N, K, N_COLS], contiguous; L a multiple of TOKEN_LEAF).
+    """acc += the exact sum over the CUDA_TOKEN_LEAF leaves of dy [L, N], x [L, K] of their dWᵀ
+    partials, in place (acc int64 [N, K, N_COLS], contiguous; L a multiple of CUDA_TOKEN_LEAF).
 
     Operands in `operand_dtype(dy, x)` (bf16 on the tensor cores, else the fp32 fma chain).
     Returns (acc, number of tiles that took the EMIT path). `tile` (BLOCK_N, BLOCK_K, warps,
@@ -217,7 +219,7 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
 def rounded_grad_weight(dy: torch.Tensor, x: torch.Tensor, *,
                         tile: tuple[int, int, int, int] = TILE,
                         force_flag: bool = False) -> torch.Tensor | None:
-    """dW [N, K] fp32 of dy [L, N], x [L, K] (L a multiple of TOKEN_LEAF) rounded once straight
+    """dW [N, K] fp32 of dy [L, N], x [L, K] (L a multiple of CUDA_TOKEN_LEAF) rounded once straight
     from the double words — bytewise round_fp32 of what `accumulate_grad_weight_` adds to a zero
     accumulator — or None when a tile was flagged (its double word cannot hold its sum: the
     caller then takes the digit path, distributed/tokensum.py GradSink.finish_direct).

@@ -90,40 +90,51 @@ def slot_moves(idx: torch.Tensor, n_rows: int) -> SlotMoves:
                      torch.where(valid, idx, torch.full_like(idx, n_rows)).reshape(-1), n_rows)
 
 
-def sample_offsets(lengths: list[int]) -> list[int]:
+def _check_leaf(leaf: int) -> None:
+    if leaf < TOKEN_LEAF or leaf % TOKEN_LEAF:
+        raise ValueError(f"stream leaf {leaf} is not a positive multiple of TOKEN_LEAF={TOKEN_LEAF}")
+
+
+def sample_offsets(lengths: list[int], leaf: int = TOKEN_LEAF) -> list[int]:
     """Stream row where each sample starts in a packed stream: samples back to back, each
-    starting at a multiple of TOKEN_LEAF (so a token leaf never holds two samples)."""
+    starting at a multiple of `leaf` (spec.stream_leaf of the backend: so a token leaf never
+    holds two samples). ValueError for a leaf that is not a multiple of TOKEN_LEAF."""
+    _check_leaf(leaf)
     out, off = [], 0
     for n in lengths:
         out.append(off)
-        off += -(-n // TOKEN_LEAF) * TOKEN_LEAF
+        off += -(-n // leaf) * leaf
     return out
 
 
-def packed_len(lengths: list[int], multiple: int) -> int:
+def packed_len(lengths: list[int], multiple: int, leaf: int = TOKEN_LEAF) -> int:
     """Rows of the packed stream of samples of `lengths`: the leaf-aligned samples, padded at the
-    end to a positive multiple of `multiple` (itself a multiple of TOKEN_LEAF; ValueError)."""
-    if multiple < 1 or multiple % TOKEN_LEAF:
-        raise ValueError(f"packed_len: multiple {multiple} is not a multiple of "
-                         f"TOKEN_LEAF={TOKEN_LEAF}")
-    used = sum(-(-n // TOKEN_LEAF) * TOKEN_LEAF for n in lengths)
+    end to a positive multiple of `multiple` (itself a multiple of `leaf`; ValueError)."""
+    _check_leaf(leaf)
+    if multiple < 1 or multiple % leaf:
+        raise ValueError(f"packed_len: multiple {multiple} is not a multiple of the stream "
+                         f"leaf {leaf}")
+    used = sum(-(-n // leaf) * leaf for n in lengths)
     return max(1, -(-used // multiple)) * multiple
 
 
-def packed_layout(seqs: list[list[int]], pad_id: int, multiple: int = TOKEN_LEAF) -> StreamLayout:
-    """Training (and CP prefill) layout: sample i starts at row sample_offsets(...)[i] (a multiple
-    of TOKEN_LEAF), padding fills the gaps and the end up to packed_len(lengths, multiple) rows.
+def packed_layout(seqs: list[list[int]], pad_id: int, multiple: int = TOKEN_LEAF,
+                  leaf: int = TOKEN_LEAF) -> StreamLayout:
+    """Training (and CP prefill) layout: sample i starts at row sample_offsets(..., leaf)[i] (a
+    multiple of `leaf`), padding fills the gaps and the end up to packed_len(lengths, multiple,
+    leaf) rows. The alignment never changes a number: kernels are row-invariant and reduce over
+    sample-relative leaves, and padding rows add exact zeros.
 
     seqs: token ids per sample (positions start at 0 each). Padding rows hold pad_id at position
     0 and belong to no sample: they never shift a real token, and their gradient rows are zero.
     """
-    stream_len = packed_len([len(s) for s in seqs], multiple)
+    stream_len = packed_len([len(s) for s in seqs], multiple, leaf)
     t_max = max(len(s) for s in seqs)
     tokens = torch.full((stream_len,), pad_id, dtype=torch.long)
     positions = torch.zeros(stream_len, dtype=torch.long)
     q_idx = torch.full((len(seqs), t_max), -1, dtype=torch.long)
     q_pos = torch.full((len(seqs), t_max), -1, dtype=torch.long)
-    for i, (s, off) in enumerate(zip(seqs, sample_offsets([len(s) for s in seqs]))):
+    for i, (s, off) in enumerate(zip(seqs, sample_offsets([len(s) for s in seqs], leaf))):
         n = len(s)
         tokens[off:off + n] = torch.tensor(s, dtype=torch.long)
         positions[off:off + n] = torch.arange(n)

@@ -2,7 +2,8 @@
 
 DP rank d of D takes samples [d·n/D, (d+1)·n/D) of the mini-batch (logical order); its samples are
 packed in order into microbatches of at most --micro-batch-tokens tokens (data/packing.py), each
-one token stream whose samples start at multiples of TOKEN_LEAF (model/layout.py). Row t of a
+one token stream whose samples start at multiples of the backend's stream leaf (spec.stream_leaf:
+TOKEN_LEAF on CPU, CUDA_TOKEN_LEAF on CUDA; model/layout.py). Row t of a
 sample predicts token t+1, so the rows that predict response tokens carry the loss. The trainer's
 logprobs of those tokens are compared byte for byte with the rollout's (the train/rollout
 mismatch count of the evidence). The loss is normalised once over the WHOLE mini-batch (its
@@ -27,6 +28,7 @@ from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows, stream_mul
 from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout, sample_offsets
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum
+from rlkernel.spec import TOKEN_LEAF, stream_leaf
 from rlkernel.train.losses import LossCoefs, token_losses
 
 
@@ -100,19 +102,19 @@ def aggregate(values: list[float], sample_of: list[int], lengths: list[int], agg
     return exact_sum(exact_sum(per[s]) / lengths[s] for s in per) / n_seq
 
 
-def _offsets(group: list[TrainSample]) -> list[int]:
-    return sample_offsets([len(s.prompt_ids) + len(s.response_ids) for s in group])
+def _offsets(group: list[TrainSample], leaf: int) -> list[int]:
+    return sample_offsets([len(s.prompt_ids) + len(s.response_ids) for s in group], leaf)
 
 
-def loss_rows(group: list[TrainSample], stream_len: int):
-    """Per row of the packed stream of `group` (model/layout.packed_layout, stream_len rows):
-    target id [L] long, loss mask [L] bool (rows that predict a response token), rollout
-    logprob [L] fp32, advantage [L] fp32."""
+def loss_rows(group: list[TrainSample], stream_len: int, leaf: int = TOKEN_LEAF):
+    """Per row of the packed stream of `group` (model/layout.packed_layout with this `leaf`,
+    stream_len rows): target id [L] long, loss mask [L] bool (rows that predict a response
+    token), rollout logprob [L] fp32, advantage [L] fp32."""
     targets = torch.zeros(stream_len, dtype=torch.long)
     mask = torch.zeros(stream_len, dtype=torch.bool)
     old = torch.zeros(stream_len, dtype=torch.float32)
     adv = torch.zeros(stream_len, dtype=torch.float32)
-    for s, off in zip(group, _offsets(group)):
+    for s, off in zip(group, _offsets(group, leaf)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         idx = torch.arange(off + p - 1, off + p + r - 1)
         targets[idx] = torch.tensor(s.response_ids, dtype=torch.long)
@@ -122,11 +124,12 @@ def loss_rows(group: list[TrainSample], stream_len: int):
     return targets, mask, old, adv
 
 
-def _row_samples(group: list[TrainSample], index: list[int], stream_len: int) -> torch.Tensor:
+def _row_samples(group: list[TrainSample], index: list[int], stream_len: int,
+                 leaf: int) -> torch.Tensor:
     """[L] long: for each row that predicts a response token, the mini-batch index of its
     sample (`index[i]` for group[i]); -1 elsewhere."""
     who = torch.full((stream_len,), -1, dtype=torch.long)
-    for s, i, off in zip(group, index, _offsets(group)):
+    for s, i, off in zip(group, index, _offsets(group, leaf)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         who[off + p - 1:off + p + r - 1] = i
     return who
@@ -142,14 +145,15 @@ def dp_share(n: int, dp: Comm) -> range:
 
 
 def microbatches(samples: list[TrainSample], micro_batch_tokens: int, pad_id: int,
-                 pc: ParallelCtx, index: list[int] | None = None
+                 pc: ParallelCtx, index: list[int] | None = None, leaf: int = TOKEN_LEAF
                  ) -> list[tuple[StreamLayout, tuple[torch.Tensor, ...], torch.Tensor]]:
     """The microbatches of `samples` as this rank holds them, in logical order (what
     compute_gradients runs): per microbatch (layout of this rank's rows — the CP-local view under
     CP —, per row: (target id, loss mask, rollout logprob, advantage, mini-batch index of the
     row's sample or -1), logical stream row [Lc] long of each). `index[i]`: the mini-batch index
     of samples[i] (default i). Grouping depends only on the samples and micro_batch_tokens; the
-    stream's end padding on the CP/SP layout (parallel.stream_multiple). Neither changes a number.
+    stream's end padding on the CP/SP layout (parallel.stream_multiple) and samples start at
+    multiples of `leaf` (spec.stream_leaf of the policy's backend). Neither changes a number.
     Raises ValueError if a sample exceeds micro_batch_tokens.
     """
     index = list(range(len(samples))) if index is None else index
@@ -159,9 +163,10 @@ def microbatches(samples: list[TrainSample], micro_batch_tokens: int, pad_id: in
     for g in groups:
         group = [samples[i] for i in g]
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
-        lay = packed_layout(seqs, pad_id, stream_multiple(pc))
+        lay = packed_layout(seqs, pad_id, stream_multiple(pc, leaf), leaf)
         n_rows = lay.tokens.shape[0]
-        per_row = (*loss_rows(group, n_rows), _row_samples(group, [index[i] for i in g], n_rows))
+        per_row = (*loss_rows(group, n_rows, leaf),
+                   _row_samples(group, [index[i] for i in g], n_rows, leaf))
         local = torch.arange(n_rows)
         if pc.cp.size > 1:
             local = cp_local_rows(pc, local)
@@ -204,7 +209,8 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM | None,
     weights = agg_weights(lengths, agg)
     pc = policy.pc
     share = list(dp_share(len(samples), pc.dp))
-    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, pc, share)
+    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, pc, share,
+                       stream_leaf(torch.device(policy.device).type))
     # One microbatch on every DP replica (CP/TP ranks share their replica's grouping): weights
     # can be finished inside the backward, without mini-batch accumulators. Same bytes.
     counts = pc.dp.all_gather_object(len(mbs), "microbatch-count")
@@ -256,7 +262,8 @@ def rollout_mismatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], *,
     first update of a step, for the mini-batches that compute_gradients will only see after the
     policy has moved."""
     share = list(dp_share(len(samples), policy.pc.dp))
-    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, policy.pc)
+    mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, policy.pc,
+                       leaf=stream_leaf(torch.device(policy.device).type))
     n = compared = 0
     for lay, targets, rows, old, _, _ in _loss_rows_on_device(policy, mbs):
         lp, _ = policy.token_logprobs(policy.hidden(lay), targets, temperature)
