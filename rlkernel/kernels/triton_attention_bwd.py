@@ -63,8 +63,10 @@ c = S_c·Hq·K_c·D <= words_elems unless one 64-key block of one sample exceeds
     and the kv_comm gather's copies when TP replicates the KV head: ×kv_comm.size)
   + 16·c (double words) + 4·c (a chunk's fp32 result) + 6·104·min(c, DIGIT_ELEMS) (digits, the
     comm's copy, round_fp32's temporaries) + EMIT_BYTES (the fallback's partials, if any)
-For one 32k-token sample with 4 query heads, 1 KV head, D = 128: ~1.3 GiB in all, where one
-fp32 [Tq, Tk] score matrix alone is 4 GiB (tests/test_cuda_attention_bwd.py measures it).
+For one 32k-token sample with 4 query heads, 1 KV head, D = 128 the bound is 2.1 GiB (it counts
+the digits and the fallback, which one rank with no flagged program never allocates); measured on
+an H200: 0.56 GiB, where one fp32 [Tq, Tk] score matrix alone is 4 GiB
+(tests/test_cuda_attention_bwd.py measures it).
 Cost: the exact additions, 2·Hq·D per (leaf, key a leaf sees) ≈ Hq·D·L²/64 float64 TwoSum pairs
 for a causal sample of L tokens, bound the dK/dV kernel (float64 units); the dots are the
 tensor cores' (bf16) or the CUDA cores' (fp32).
