@@ -432,7 +432,7 @@ def _program_rows(pids: torch.Tensor, n_tiles_k: int, n_dt: int, bn: int, dt: in
 
 
 def _redo_flagged(args, flagged: torch.Tensor, kind: int, s0: int, j0: int, width: int,
-                  n_tiles_k: int, n_leaves: int, tile, n_elems: int) -> tuple[torch.Tensor, ...]:
+                  n_tiles_k: int, n_leaves: int, tile) -> tuple[torch.Tensor, ...]:
     """Exact digits of the programs whose TwoSum check failed: each one's per-leaf partials
     (the same dots, EMIT mode) added by the bin accumulator. Returns (flat element indices [m],
     digits [m, N_COLS]) of their elements inside the chunk."""
@@ -448,7 +448,8 @@ def _redo_flagged(args, flagged: torch.Tensor, kind: int, s0: int, j0: int, widt
         _launch_dkv(args, scratch, ids, ids, kind, s0, j0, width, n_tiles_k, n_leaves,
                     ids.numel(), tile, True, False)
         rows = _program_rows(ids.long(), n_tiles_k, d // dt, bn, dt, width, d).reshape(-1)
-        dig = fx.accumulate_(fx.zeros((rows.numel(),), q.device), scratch.view(scratch.shape[0], -1))
+        dig = fx.accumulate_(fx.zeros((rows.numel(),), q.device),
+                             scratch.view(scratch.shape[0], -1))
         live = rows >= 0
         idx_all.append(rows[live])
         dig_all.append(dig[live])
@@ -507,7 +508,7 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
                             grid, tile, False, force_flag)
                 flagged = torch.nonzero(flags).flatten()
                 fix = _redo_flagged(args, flagged, kind, s0, j0, width, n_tiles_k, n_leaves,
-                                    tile, w.shape[1]) if flagged.numel() else None
+                                    tile) if flagged.numel() else None
                 res = _words_to_fp32(w, fix, tok, "token-sum-attention-dkv")
                 out[kind, s0:s1, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
     return out
