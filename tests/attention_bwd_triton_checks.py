@@ -38,6 +38,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("attention_bwd_triton_checks.py needs TRITON_INTERPRET=1")
 
 import triton_interpreter_compat  # noqa: F401 - before any launch
+import triton.language as tl
 import triton.runtime.interpreter as _interp
 from kernel_helpers import (
     NAN,
@@ -56,6 +57,7 @@ from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels import triton_attention as ta
 from rlkernel.kernels import triton_attention_bwd as tb
 from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.numerics.trees import tree_sum_halving
 
 D = 16
@@ -439,6 +441,90 @@ def keys_past_kv_len_stay_out_of_dq_where_exp_overflows():
     for got, want in zip(grads, ref[1:]):
         assert bool(torch.isfinite(got).all()), "a non-finite gradient"
         assert_near(got, want, atol=1e-4 * float(want.abs().max()))
+
+
+def _planted_dv(partials_per_sample, n_leaves, seed):
+    """q = 0 and lse = 0 make p = 1 for every visible pair, so with d_out zero in column 0 except
+    at the first query of each leaf (d_out[s, 0, LEAF·f, 0] = partials[s][f]) the dV leaf
+    partials of key 0, column 0 are exactly those values (a single term each); v and out are 0
+    in column 0, so dp and delta, and dK, stay finite and small. Returns the backward's
+    arguments."""
+    s_, n = len(partials_per_sample), n_leaves * LEAF
+    q = torch.zeros(s_, 1, n, D)
+    k, v = randn(s_, 1, n, D, seed=seed), randn(s_, 1, n, D, seed=seed + 1)
+    out, d_out = randn(s_, 1, n, D, seed=seed + 2), randn(s_, 1, n, D, seed=seed + 3)
+    d_out[..., 0] = 0.0
+    v[..., 0], out[..., 0] = 0.0, 0.0          # dp and delta never see column 0 (finite dK)
+    for s, parts in enumerate(partials_per_sample):
+        for f, x in enumerate(parts):
+            d_out[s, 0, LEAF * f, 0] = x
+    lse = torch.zeros(s_, 1, 1, n)
+    q_pos = torch.arange(n).expand(s_, n).contiguous()
+    return q, k, v, out, lse, d_out, q_pos, torch.full((s_,), n)
+
+
+def _bwd_seeing_flags(args, **kw):
+    """(the `_redo_flagged` calls as (kind, flagged program ids), the backward's grads)."""
+    seen, real = [], tb._redo_flagged
+
+    def spy(a, flagged, kind, *rest, **kws):
+        seen.append((kind, flagged.tolist()))
+        return real(a, flagged, kind, *rest, **kws)
+
+    tb._redo_flagged = spy
+    try:
+        return seen, _bwd(*args, **kw)
+    finally:
+        tb._redo_flagged = real
+
+
+@check
+def dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback():
+    """dV[key 0, column 0] from planted leaf partials (p = 1 exactly), two one-sample calls:
+    A: 1, 2**-24, -2**-53, -2**-53, 2**-52, 2**-120 — TwoSum leaves hi = 1 + 2**-24 + 2**-52,
+    lo = -2**-52 and the last lo addition is inexact (2**-120 lost), so its program, and only
+    it, is flagged and redone (per-leaf partials + exponent bins + digits); B: 1, 2**-24, 2**-80
+    — exact in (hi, lo), nothing flagged, so the words are rounded directly
+    (`fixedpoint.round_double_words`). Both exact sums round up to 1 + 2**-23, which a kernel that
+    dropped the lo check (A: hi + lo is a tie, rounds to 1.0) or a host that rounded hi + lo in
+    float64 first (B: a tie again) would miss; force_flag gives the same bytes. Controls: those
+    two wrong roundings really give 1.0 here."""
+    want = 1.0 + 2.0**-23
+    plants = [([1.0, 2.0**-24, -2.0**-53, -2.0**-53, 2.0**-52, 2.0**-120], [(1, [0])]),
+              ([1.0, 2.0**-24, 2.0**-80], [])]
+    for parts, flags in plants:
+        args = _planted_dv([parts], len(parts), seed=321)
+        seen, grads = _bwd_seeing_flags(args)
+        assert grads[2][0, 0, 0, 0].item() == want, grads[2][0, 0, 0, 0].item()
+        assert seen == flags, seen                # (dV, program 0 = key tile 0) or none
+        for a, b in zip(_bwd(*args, force_flag=True), grads):
+            assert_bitwise(a, b)
+    no_check = torch.tensor([[1.0 + 2.0**-24 + 2.0**-52], [-2.0**-52]], dtype=torch.float64)
+    assert fx.round_double_words(no_check).item() == 1.0
+    words_b = torch.tensor([1.0 + 2.0**-24, 2.0**-80], dtype=torch.float64)
+    assert fx.round_double_words(words_b[:, None]).item() == want
+    assert (words_b[0] + words_b[1]).float().item() == 1.0
+
+
+@check
+def dkv_sums_at_the_double_word_bound_are_flagged():
+    """|hi| >= triton_fixedpoint.TOP_F64_BITS flags a dK/dV program (the digits are exact only
+    below it). Sums of 2**150 need 2**22 leaves of fp32 maxima, so the bound is lowered to 2**128:
+    dV leaf partials 1.5·2**127, 1.5·2**127 (p = 1, as `_planted_dv`) sum to 1.5·2**128 and flag
+    key tile 0 of dV (redone: +Inf, the exact sum rounded); under the real bound nothing is
+    flagged and the bytes are the same."""
+    args = _planted_dv([[1.5 * 2.0**127, 1.5 * 2.0**127]], 2, seed=341)
+    real_top = tfx.TOP_F64_BITS
+    tfx.TOP_F64_BITS = tl.constexpr((1023 + 128) << 52)
+    try:
+        seen_low, low = _bwd_seeing_flags(args)
+    finally:
+        tfx.TOP_F64_BITS = real_top
+    seen_real, grads = _bwd_seeing_flags(args)
+    assert seen_low == [(1, [0])] and seen_real == [], (seen_low, seen_real)
+    assert low[2][0, 0, 0, 0].item() == float("inf")
+    for a, b in zip(low, grads):
+        assert_bitwise(a, b)
 
 
 @check

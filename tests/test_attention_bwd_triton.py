@@ -86,6 +86,19 @@ def test_keys_past_kv_len_stay_out_of_dq_where_exp_overflows(results):
     _ok(results, "keys_past_kv_len_stay_out_of_dq_where_exp_overflows")
 
 
+def test_dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback(results):
+    """Planted dV leaf partials whose exact sums sit just past an fp32 tie: one kept exactly in
+    (hi, lo), one whose inexact lo addition flags its program (only it) for the per-leaf
+    fallback; both round up, as hi + lo in float64 or a dropped lo check would not."""
+    _ok(results, "dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback")
+
+
+def test_dkv_sums_at_the_double_word_bound_are_flagged(results):
+    """With TOP_F64_BITS lowered to 2**128, a dV sum of 1.5·2**128 flags its program (and only
+    it); the bytes (+Inf) equal the unflagged run's under the real bound."""
+    _ok(results, "dkv_sums_at_the_double_word_bound_are_flagged")
+
+
 def test_bad_arguments_are_refused(results):
     """fp16, heads not a multiple of the KV heads, a wrong lse shape: ValueError."""
     _ok(results, "bad_arguments_are_refused")
