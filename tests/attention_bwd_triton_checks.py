@@ -38,6 +38,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("attention_bwd_triton_checks.py needs TRITON_INTERPRET=1")
 
 import triton_interpreter_compat  # noqa: F401 - before any launch
+import triton
 import triton.language as tl
 import triton.runtime.interpreter as _interp
 from kernel_helpers import (
@@ -418,6 +419,80 @@ def summation_orders_with_a_sequential_dot():
                  for ts in leaves]
         assert n_diff(tree_sum_halving(fx.exact_sum_fp32(torch.stack(rev_v)), 0), want_dv) > 0, \
             "control: leaf positions descending gave the same dV bytes"
+
+
+@triton.jit
+def _to_bf16_kernel(X, Y, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i, mask=i < N).to(tl.bfloat16), mask=i < N)
+
+
+def _triton_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 -> fp32 values of Triton's `.to(tl.bfloat16)`, the kernels' rounding points (the
+    interpreter truncates, unlike torch's and the GPU's round-to-nearest-even: so the expected
+    bytes take the conversion from Triton itself)."""
+    flat = x.contiguous().reshape(-1)
+    y = torch.empty(flat.shape, dtype=torch.bfloat16)
+    _to_bf16_kernel[(triton.cdiv(flat.numel(), 1024),)](flat, y, flat.numel(), BLOCK=1024)
+    return y.float().reshape(x.shape)
+
+
+@check
+def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
+    """bf16 q/k/v/out/d_out, 2 query heads on 2 KV heads (G = 1: no head tree), tl.dot one
+    multiply-add chain per element (bf16 widened exactly): the bytes are those of the module doc's
+    rounding points (Triton's own fp32 -> bf16 conversion, `_triton_bf16`), rebuilt from exact
+    products and fp32 chains. Run 1 (q = 0, v = 0, k random):
+    head 0 has lse 0, so p = 1 and ds_tj = −delta_t: dQ_t = bf16(scale·chain_j bf16(ds_tj)·k_j);
+    head 1 has lse −0.0048, so p = exp(0.0048) (not a bf16 value): dV_j = bf16(exact Σ_leaves
+    chain_t bf16(p)·dO_t). Run 2 (k = 0, v = 0, q random, lse 0): dK_j = bf16(scale·exact
+    Σ_leaves chain_t bf16(ds_tj)·q_t). 130 queries (3 leaves). Controls: the same sums without
+    the P or the dS rounding give other bytes."""
+    n, scale, lse1 = 130, 0.3, -0.0048
+    q_pos, kv_len = torch.arange(n)[None], torch.tensor([n])
+    vis = (torch.arange(n)[None, :] <= torch.arange(n)[:, None]).float()     # [t, j]
+    leaves = [range(LEAF * f, min(n, LEAF * f + LEAF)) for f in range(math.ceil(n / LEAF))]
+    out = randn(1, 2, n, D, seed=331).bfloat16()
+    d_out = randn(1, 2, n, D, seed=332).bfloat16()
+    do32 = d_out.float()[0]
+    delta = _chain([out.float()[0, ..., d] * do32[..., d] for d in range(D)])     # [h, t]
+    p1 = torch.exp(torch.tensor(-lse1))
+    p1_bf = _triton_bf16(p1)
+    assert p1_bf.item() != p1.item()
+    zeros = torch.zeros(1, 2, n, D).bfloat16()
+
+    def token_sum(w, x):      # w [t, j], x [t, D] -> [j, D]: leaf chains, exact over leaves
+        part = [_chain([w[t, :, None] * x[t] for t in ts]) for ts in leaves]
+        return fx.exact_sum_fp32(torch.stack(part))
+
+    def dq_want(ds, k_h):     # ds [t] on the visible pairs -> [t, D]
+        return (_chain([(vis[:, j] * ds)[:, None] * k_h[j] for j in range(n)]) * scale).bfloat16()
+
+    lse = torch.zeros(1, 2, 1, n)
+    lse[:, 1] = lse1
+    k = randn(1, 2, n, D, seed=333).bfloat16()
+    with _sequential_dot():
+        dq, _, dv = tb.attention_backward(zeros, k, zeros, out, lse, d_out, q_pos, kv_len, scale)
+    ds0 = -delta[0]
+    assert_bitwise(dq[0, 0], dq_want(_triton_bf16(ds0), k.float()[0, 0]))
+    assert_bitwise(dv[0, 1], token_sum(vis * p1_bf, do32[1]).bfloat16())
+    assert n_diff(dq_want(ds0, k.float()[0, 0]),
+                  dq_want(_triton_bf16(ds0), k.float()[0, 0])) > 0, \
+        "control: dS unrounded gave the same dQ bytes"
+    assert n_diff(token_sum(vis * p1, do32[1]).bfloat16(),
+                  token_sum(vis * p1_bf, do32[1]).bfloat16()) > 0, \
+        "control: P unrounded gave the same dV bytes"
+
+    q = randn(1, 2, n, D, seed=334).bfloat16()
+    with _sequential_dot():
+        _, dk, _ = tb.attention_backward(q, zeros, zeros, out, torch.zeros(1, 2, 1, n), d_out,
+                                         q_pos, kv_len, scale)
+    for h in range(2):
+        ds = -delta[h]
+        want = (token_sum(vis * _triton_bf16(ds)[:, None], q.float()[0, h]) * scale)
+        assert_bitwise(dk[0, h], want.bfloat16())
+        assert n_diff((token_sum(vis * ds[:, None], q.float()[0, h]) * scale).bfloat16(),
+                      want.bfloat16()) > 0, "control: dS unrounded gave the same dK bytes"
 
 
 @check

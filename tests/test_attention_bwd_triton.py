@@ -80,6 +80,13 @@ def test_summation_orders_with_a_sequential_dot(results):
     _ok(results, "summation_orders_with_a_sequential_dot")
 
 
+def test_bf16_rounding_points_of_p_and_ds_with_a_sequential_dot(results):
+    """bf16 with a sequential dot and p exact or constant: dQ, dK, dV == sums rebuilt with P
+    rounded to bf16 before P·dO and dS before dS·K and dSᵀ·Q, bitwise; controls: unrounded
+    differs."""
+    _ok(results, "bf16_rounding_points_of_p_and_ds_with_a_sequential_dot")
+
+
 def test_keys_past_kv_len_stay_out_of_dq_where_exp_overflows(results):
     """kv_len below the positions with scores near −100 (exp(0 − lse) = Inf for a key loaded as
     0): finite gradients within 1e-4·max|ref| of float64."""
