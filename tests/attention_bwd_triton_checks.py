@@ -182,6 +182,20 @@ def kv_len_below_positions_and_cp_offset_layout_vs_float64():
 
 
 @check
+def leaf_whose_last_query_is_a_tile_first_key_vs_float64():
+    """The (leaf, key tile) pairs whose only seeing query sits at the tile's first key (the
+    `jt <= seen` boundary): sample 0 has 129 tokens (leaf 2 holds position 128 alone); sample 1
+    has 80 queries and kv_len 65 (leaf 1 sees key 64 only; keys past it NaN). Within TOL of
+    float64, padding +0.0."""
+    q, k, v, q_pos, kv_len, *_ = _pack([129, 80], seed=351)
+    kv_len[1] = 65
+    k[1, :, 65:], v[1, :, 65:] = NAN, NAN
+    d_out = randn(*q.shape, seed=352)
+    out, lse = _fwd(q, k, v, q_pos, kv_len)
+    _near_oracle(q, k, v, q_pos, kv_len, d_out, out, _bwd(q, k, v, out, lse, d_out, q_pos, kv_len))
+
+
+@check
 def sample_alone_equals_sample_in_batch():
     """Each sample's dQ/dK/dV alone (S=1, Tq = Tk = its length) == its rows in the padded
     3-sample batch, bitwise (the backward given the batch's out/lse rows)."""

@@ -28,6 +28,12 @@ def test_kv_len_below_positions_and_cp_offset_layout_vs_float64(results):
     _ok(results, "kv_len_below_positions_and_cp_offset_layout_vs_float64")
 
 
+def test_leaf_whose_last_query_is_a_tile_first_key_vs_float64(results):
+    """A leaf whose only query that sees a key tile sits at the tile's first key (a 129-token
+    sample; kv_len 65 under 80 queries): within 1e-5·max|ref| of float64."""
+    _ok(results, "leaf_whose_last_query_is_a_tile_first_key_vs_float64")
+
+
 def test_sample_alone_equals_sample_in_batch(results):
     """A sample's dQ/dK/dV alone (exact length) == its rows in the padded batch, bitwise."""
     _ok(results, "sample_alone_equals_sample_in_batch")
