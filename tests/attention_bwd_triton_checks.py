@@ -38,6 +38,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("attention_bwd_triton_checks.py needs TRITON_INTERPRET=1")
 
 import triton_interpreter_compat  # noqa: F401 - before any launch
+import triton
+import triton.language as tl
 import triton.runtime.interpreter as _interp
 from kernel_helpers import (
     NAN,
@@ -56,6 +58,7 @@ from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels import triton_attention as ta
 from rlkernel.kernels import triton_attention_bwd as tb
 from rlkernel.numerics import fixedpoint as fx
+from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.numerics.trees import tree_sum_halving
 
 D = 16
@@ -174,6 +177,20 @@ def kv_len_below_positions_and_cp_offset_layout_vs_float64():
     q[1, :, 8:24] = NAN
     kv_len = torch.tensor([50, 91])
     d_out = randn(*q.shape, seed=4)
+    out, lse = _fwd(q, k, v, q_pos, kv_len)
+    _near_oracle(q, k, v, q_pos, kv_len, d_out, out, _bwd(q, k, v, out, lse, d_out, q_pos, kv_len))
+
+
+@check
+def leaf_whose_last_query_is_a_tile_first_key_vs_float64():
+    """The (leaf, key tile) pairs whose only seeing query sits at the tile's first key (the
+    `jt <= seen` boundary): sample 0 has 129 tokens (leaf 2 holds position 128 alone); sample 1
+    has 80 queries and kv_len 65 (leaf 1 sees key 64 only; keys past it NaN). Within TOL of
+    float64, padding +0.0."""
+    q, k, v, q_pos, kv_len, *_ = _pack([129, 80], seed=351)
+    kv_len[1] = 65
+    k[1, :, 65:], v[1, :, 65:] = NAN, NAN
+    d_out = randn(*q.shape, seed=352)
     out, lse = _fwd(q, k, v, q_pos, kv_len)
     _near_oracle(q, k, v, q_pos, kv_len, d_out, out, _bwd(q, k, v, out, lse, d_out, q_pos, kv_len))
 
@@ -418,6 +435,80 @@ def summation_orders_with_a_sequential_dot():
             "control: leaf positions descending gave the same dV bytes"
 
 
+@triton.jit
+def _to_bf16_kernel(X, Y, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i, mask=i < N).to(tl.bfloat16), mask=i < N)
+
+
+def _triton_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 -> fp32 values of Triton's `.to(tl.bfloat16)`, the kernels' rounding points (the
+    interpreter truncates, unlike torch's and the GPU's round-to-nearest-even: so the expected
+    bytes take the conversion from Triton itself)."""
+    flat = x.contiguous().reshape(-1)
+    y = torch.empty(flat.shape, dtype=torch.bfloat16)
+    _to_bf16_kernel[(triton.cdiv(flat.numel(), 1024),)](flat, y, flat.numel(), BLOCK=1024)
+    return y.float().reshape(x.shape)
+
+
+@check
+def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
+    """bf16 q/k/v/out/d_out, 2 query heads on 2 KV heads (G = 1: no head tree), tl.dot one
+    multiply-add chain per element (bf16 widened exactly): the bytes are those of the module doc's
+    rounding points (Triton's own fp32 -> bf16 conversion, `_triton_bf16`), rebuilt from exact
+    products and fp32 chains. Run 1 (q = 0, v = 0, k random):
+    head 0 has lse 0, so p = 1 and ds_tj = −delta_t: dQ_t = bf16(scale·chain_j bf16(ds_tj)·k_j);
+    head 1 has lse −0.0048, so p = exp(0.0048) (not a bf16 value): dV_j = bf16(exact Σ_leaves
+    chain_t bf16(p)·dO_t). Run 2 (k = 0, v = 0, q random, lse 0): dK_j = bf16(scale·exact
+    Σ_leaves chain_t bf16(ds_tj)·q_t). 130 queries (3 leaves). Controls: the same sums without
+    the P or the dS rounding give other bytes."""
+    n, scale, lse1 = 130, 0.3, -0.0048
+    q_pos, kv_len = torch.arange(n)[None], torch.tensor([n])
+    vis = (torch.arange(n)[None, :] <= torch.arange(n)[:, None]).float()     # [t, j]
+    leaves = [range(LEAF * f, min(n, LEAF * f + LEAF)) for f in range(math.ceil(n / LEAF))]
+    out = randn(1, 2, n, D, seed=331).bfloat16()
+    d_out = randn(1, 2, n, D, seed=332).bfloat16()
+    do32 = d_out.float()[0]
+    delta = _chain([out.float()[0, ..., d] * do32[..., d] for d in range(D)])     # [h, t]
+    p1 = torch.exp(torch.tensor(-lse1))
+    p1_bf = _triton_bf16(p1)
+    assert p1_bf.item() != p1.item()
+    zeros = torch.zeros(1, 2, n, D).bfloat16()
+
+    def token_sum(w, x):      # w [t, j], x [t, D] -> [j, D]: leaf chains, exact over leaves
+        part = [_chain([w[t, :, None] * x[t] for t in ts]) for ts in leaves]
+        return fx.exact_sum_fp32(torch.stack(part))
+
+    def dq_want(ds, k_h):     # ds [t] on the visible pairs -> [t, D]
+        return (_chain([(vis[:, j] * ds)[:, None] * k_h[j] for j in range(n)]) * scale).bfloat16()
+
+    lse = torch.zeros(1, 2, 1, n)
+    lse[:, 1] = lse1
+    k = randn(1, 2, n, D, seed=333).bfloat16()
+    with _sequential_dot():
+        dq, _, dv = tb.attention_backward(zeros, k, zeros, out, lse, d_out, q_pos, kv_len, scale)
+    ds0 = -delta[0]
+    assert_bitwise(dq[0, 0], dq_want(_triton_bf16(ds0), k.float()[0, 0]))
+    assert_bitwise(dv[0, 1], token_sum(vis * p1_bf, do32[1]).bfloat16())
+    assert n_diff(dq_want(ds0, k.float()[0, 0]),
+                  dq_want(_triton_bf16(ds0), k.float()[0, 0])) > 0, \
+        "control: dS unrounded gave the same dQ bytes"
+    assert n_diff(token_sum(vis * p1, do32[1]).bfloat16(),
+                  token_sum(vis * p1_bf, do32[1]).bfloat16()) > 0, \
+        "control: P unrounded gave the same dV bytes"
+
+    q = randn(1, 2, n, D, seed=334).bfloat16()
+    with _sequential_dot():
+        _, dk, _ = tb.attention_backward(q, zeros, zeros, out, torch.zeros(1, 2, 1, n), d_out,
+                                         q_pos, kv_len, scale)
+    for h in range(2):
+        ds = -delta[h]
+        want = (token_sum(vis * _triton_bf16(ds)[:, None], q.float()[0, h]) * scale)
+        assert_bitwise(dk[0, h], want.bfloat16())
+        assert n_diff((token_sum(vis * ds[:, None], q.float()[0, h]) * scale).bfloat16(),
+                      want.bfloat16()) > 0, "control: dS unrounded gave the same dK bytes"
+
+
 @check
 def keys_past_kv_len_stay_out_of_dq_where_exp_overflows():
     """kv_len 40 below positions up to 79 (keys past it NaN) and every score near −100, so
@@ -439,6 +530,90 @@ def keys_past_kv_len_stay_out_of_dq_where_exp_overflows():
     for got, want in zip(grads, ref[1:]):
         assert bool(torch.isfinite(got).all()), "a non-finite gradient"
         assert_near(got, want, atol=1e-4 * float(want.abs().max()))
+
+
+def _planted_dv(partials_per_sample, n_leaves, seed):
+    """q = 0 and lse = 0 make p = 1 for every visible pair, so with d_out zero in column 0 except
+    at the first query of each leaf (d_out[s, 0, LEAF·f, 0] = partials[s][f]) the dV leaf
+    partials of key 0, column 0 are exactly those values (a single term each); v and out are 0
+    in column 0, so dp and delta, and dK, stay finite and small. Returns the backward's
+    arguments."""
+    s_, n = len(partials_per_sample), n_leaves * LEAF
+    q = torch.zeros(s_, 1, n, D)
+    k, v = randn(s_, 1, n, D, seed=seed), randn(s_, 1, n, D, seed=seed + 1)
+    out, d_out = randn(s_, 1, n, D, seed=seed + 2), randn(s_, 1, n, D, seed=seed + 3)
+    d_out[..., 0] = 0.0
+    v[..., 0], out[..., 0] = 0.0, 0.0          # dp and delta never see column 0 (finite dK)
+    for s, parts in enumerate(partials_per_sample):
+        for f, x in enumerate(parts):
+            d_out[s, 0, LEAF * f, 0] = x
+    lse = torch.zeros(s_, 1, 1, n)
+    q_pos = torch.arange(n).expand(s_, n).contiguous()
+    return q, k, v, out, lse, d_out, q_pos, torch.full((s_,), n)
+
+
+def _bwd_seeing_flags(args, **kw):
+    """(the `_redo_flagged` calls as (kind, flagged program ids), the backward's grads)."""
+    seen, real = [], tb._redo_flagged
+
+    def spy(a, flagged, kind, *rest, **kws):
+        seen.append((kind, flagged.tolist()))
+        return real(a, flagged, kind, *rest, **kws)
+
+    tb._redo_flagged = spy
+    try:
+        return seen, _bwd(*args, **kw)
+    finally:
+        tb._redo_flagged = real
+
+
+@check
+def dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback():
+    """dV[key 0, column 0] from planted leaf partials (p = 1 exactly), two one-sample calls:
+    A: 1, 2**-24, -2**-53, -2**-53, 2**-52, 2**-120 — TwoSum leaves hi = 1 + 2**-24 + 2**-52,
+    lo = -2**-52 and the last lo addition is inexact (2**-120 lost), so its program, and only
+    it, is flagged and redone (per-leaf partials + exponent bins + digits); B: 1, 2**-24, 2**-80
+    — exact in (hi, lo), nothing flagged, so the words are rounded directly
+    (`fixedpoint.round_double_words`). Both exact sums round up to 1 + 2**-23, which a kernel that
+    dropped the lo check (A: hi + lo is a tie, rounds to 1.0) or a host that rounded hi + lo in
+    float64 first (B: a tie again) would miss; force_flag gives the same bytes. Controls: those
+    two wrong roundings really give 1.0 here."""
+    want = 1.0 + 2.0**-23
+    plants = [([1.0, 2.0**-24, -2.0**-53, -2.0**-53, 2.0**-52, 2.0**-120], [(1, [0])]),
+              ([1.0, 2.0**-24, 2.0**-80], [])]
+    for parts, flags in plants:
+        args = _planted_dv([parts], len(parts), seed=321)
+        seen, grads = _bwd_seeing_flags(args)
+        assert grads[2][0, 0, 0, 0].item() == want, grads[2][0, 0, 0, 0].item()
+        assert seen == flags, seen                # (dV, program 0 = key tile 0) or none
+        for a, b in zip(_bwd(*args, force_flag=True), grads):
+            assert_bitwise(a, b)
+    no_check = torch.tensor([[1.0 + 2.0**-24 + 2.0**-52], [-2.0**-52]], dtype=torch.float64)
+    assert fx.round_double_words(no_check).item() == 1.0
+    words_b = torch.tensor([1.0 + 2.0**-24, 2.0**-80], dtype=torch.float64)
+    assert fx.round_double_words(words_b[:, None]).item() == want
+    assert (words_b[0] + words_b[1]).float().item() == 1.0
+
+
+@check
+def dkv_sums_at_the_double_word_bound_are_flagged():
+    """|hi| >= triton_fixedpoint.TOP_F64_BITS flags a dK/dV program (the digits are exact only
+    below it). Sums of 2**150 need 2**22 leaves of fp32 maxima, so the bound is lowered to 2**128:
+    dV leaf partials 1.5·2**127, 1.5·2**127 (p = 1, as `_planted_dv`) sum to 1.5·2**128 and flag
+    key tile 0 of dV (redone: +Inf, the exact sum rounded); under the real bound nothing is
+    flagged and the bytes are the same."""
+    args = _planted_dv([[1.5 * 2.0**127, 1.5 * 2.0**127]], 2, seed=341)
+    real_top = tfx.TOP_F64_BITS
+    tfx.TOP_F64_BITS = tl.constexpr((1023 + 128) << 52)
+    try:
+        seen_low, low = _bwd_seeing_flags(args)
+    finally:
+        tfx.TOP_F64_BITS = real_top
+    seen_real, grads = _bwd_seeing_flags(args)
+    assert seen_low == [(1, [0])] and seen_real == [], (seen_low, seen_real)
+    assert low[2][0, 0, 0, 0].item() == float("inf")
+    for a, b in zip(low, grads):
+        assert_bitwise(a, b)
 
 
 @check

@@ -28,6 +28,12 @@ def test_kv_len_below_positions_and_cp_offset_layout_vs_float64(results):
     _ok(results, "kv_len_below_positions_and_cp_offset_layout_vs_float64")
 
 
+def test_leaf_whose_last_query_is_a_tile_first_key_vs_float64(results):
+    """A leaf whose only query that sees a key tile sits at the tile's first key (a 129-token
+    sample; kv_len 65 under 80 queries): within 1e-5·max|ref| of float64."""
+    _ok(results, "leaf_whose_last_query_is_a_tile_first_key_vs_float64")
+
+
 def test_sample_alone_equals_sample_in_batch(results):
     """A sample's dQ/dK/dV alone (exact length) == its rows in the padded batch, bitwise."""
     _ok(results, "sample_alone_equals_sample_in_batch")
@@ -80,10 +86,30 @@ def test_summation_orders_with_a_sequential_dot(results):
     _ok(results, "summation_orders_with_a_sequential_dot")
 
 
+def test_bf16_rounding_points_of_p_and_ds_with_a_sequential_dot(results):
+    """bf16 with a sequential dot and p exact or constant: dQ, dK, dV == sums rebuilt with P
+    rounded to bf16 before P·dO and dS before dS·K and dSᵀ·Q, bitwise; controls: unrounded
+    differs."""
+    _ok(results, "bf16_rounding_points_of_p_and_ds_with_a_sequential_dot")
+
+
 def test_keys_past_kv_len_stay_out_of_dq_where_exp_overflows(results):
     """kv_len below the positions with scores near −100 (exp(0 − lse) = Inf for a key loaded as
     0): finite gradients within 1e-4·max|ref| of float64."""
     _ok(results, "keys_past_kv_len_stay_out_of_dq_where_exp_overflows")
+
+
+def test_dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback(results):
+    """Planted dV leaf partials whose exact sums sit just past an fp32 tie: one kept exactly in
+    (hi, lo), one whose inexact lo addition flags its program (only it) for the per-leaf
+    fallback; both round up, as hi + lo in float64 or a dropped lo check would not."""
+    _ok(results, "dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback")
+
+
+def test_dkv_sums_at_the_double_word_bound_are_flagged(results):
+    """With TOP_F64_BITS lowered to 2**128, a dV sum of 1.5·2**128 flags its program (and only
+    it); the bytes (+Inf) equal the unflagged run's under the real bound."""
+    _ok(results, "dkv_sums_at_the_double_word_bound_are_flagged")
 
 
 def test_bad_arguments_are_refused(results):

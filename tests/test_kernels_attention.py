@@ -377,6 +377,42 @@ def test_bf16_attention_vs_float64_and_its_rounding_points():
         assert not torch.equal(g32.bfloat16().view(torch.int16), g.view(torch.int16))
 
 
+def test_bf16_backward_rounds_an_fp32_d_out_at_its_rounding_point():
+    """bf16 q/k/v with an fp32 d_out (the backward's public contract allows any float dtype):
+    dQ/dK/dV == those of d_out rounded to bf16 first, bitwise (dO's rounding point, delta's
+    products included). Control: the fp32 backward (no rounding point) on the same two d_outs
+    differs, so the d_outs really differ where it matters."""
+    q, k, v, q_pos, kv_len, *_ = _pack([37, 20], fill=0.0)
+    d32 = randn(*q.shape, seed=72)
+    assert not torch.equal(d32.bfloat16().float(), d32)
+
+    def grads(dtype, d_out):
+        qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+        out, lse = attention_forward(qd, kd, vd, q_pos, kv_len, SCALE)
+        return attention_backward(qd, kd, vd, out, lse, d_out, q_pos, kv_len, SCALE,
+                                  TokenSum.single(), None)
+
+    for a, b in zip(grads(torch.bfloat16, d32), grads(torch.bfloat16, d32.bfloat16())):
+        assert_bitwise(a, b)
+    for a, b in zip(grads(torch.float32, d32), grads(torch.float32, d32.bfloat16().float())):
+        assert_stock_differs(a, b)
+
+
+def test_bf16_rounding_point_helper_rounds_to_nearest_even():
+    """attention._bf16, every bf16 rounding point of the CPU attention (forward P, backward P
+    and dS): round-to-nearest-even, ties to the even neighbour, not truncation (which Triton's
+    interpreter does) — fixed values, both signs, subnormal and overflow edges."""
+    from rlkernel.kernels.attention import _bf16
+
+    ulp = 2.0**-7
+    cases = [(1 + ulp / 2 + ulp / 8, 1 + ulp), (1 + ulp / 2, 1.0), (1 + 1.5 * ulp, 1 + 2 * ulp),
+             (1 + ulp / 4, 1.0), (-(1 + ulp / 2 + ulp / 8), -(1 + ulp)), (2.0**-133 * 1.75, 2.0**-132),
+             (3.4e38, float("inf"))]
+    x = torch.tensor([c[0] for c in cases], dtype=torch.float32)
+    want = torch.tensor([c[1] for c in cases], dtype=torch.float32)
+    assert_bitwise(_bf16(x), want)
+
+
 def test_attention_refuses_mixed_dtypes():
     q, k, v, q_pos, kv_len, *_ = _pack([5])
     with pytest.raises(ValueError, match="share dtype float32 or bfloat16, got torch.bfloat16, torch.float32"):

@@ -130,6 +130,71 @@ def test_stream_multiple_and_packed_len_hold_whole_leaves_of_both_sizes():
         packed_len([5], 32, CUDA_TOKEN_LEAF)
 
 
+@pytest.mark.parametrize("leaf", [16, 64])
+def test_loss_rows_and_row_samples_follow_the_layout_of_the_leaf(leaf):
+    """Per microbatch row, at either stream leaf: the loss mask, target ids and the row's
+    mini-batch sample index (what the per-sample loss weights are gathered by) sit exactly on the
+    rows that predict a response token in the packed layout (lay.q_idx of each sample: rows
+    p − 1 .. p + r − 2), mask and index agree (index −1 elsewhere), and the samples start at
+    multiples of the leaf."""
+    samples = _samples()
+    index = [7, 3, 5]
+    (lay, (targets, mask, _, _, who), _), = microbatches(samples, 512, 257,
+                                                         ParallelCtx.single(), index, leaf=leaf)
+    want_who = torch.full_like(who, -1)
+    want_tgt = torch.zeros_like(targets)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        assert int(lay.q_idx[i, 0]) % leaf == 0
+        rows = lay.q_idx[i, p - 1:p + r - 1]
+        want_who[rows] = index[i]
+        want_tgt[rows] = torch.tensor(s.response_ids)
+    assert torch.equal(who, want_who)
+    assert torch.equal(mask, want_who >= 0)
+    assert torch.equal(targets, want_tgt)
+    if leaf == 64:     # control: the layout really differs from the CPU leaf's
+        lay16 = microbatches(samples, 512, 257, ParallelCtx.single(), index)[0][0]
+        assert not torch.equal(lay16.q_idx, lay.q_idx)
+
+
+def test_the_step_packs_with_the_backends_stream_leaf(monkeypatch):
+    """spec.stream_leaf: CUDA_TOKEN_LEAF for "cuda", TOKEN_LEAF otherwise; compute_gradients and
+    rollout_mismatches pack their microbatches with stream_leaf of the policy's device (patched
+    to CUDA's here: every sample starts at a multiple of 64). Control: unpatched, on the CPU, a
+    sample starts off a multiple of 64."""
+    from rlkernel.spec import CUDA_TOKEN_LEAF, TOKEN_LEAF, stream_leaf
+
+    assert stream_leaf("cuda") == CUDA_TOKEN_LEAF == 64
+    assert stream_leaf("cpu") == TOKEN_LEAF == 16
+    samples = _samples()
+    starts: list[int] = []
+    real = step_mod.microbatches
+
+    def spy(*args, **kw):
+        mbs = real(*args, **kw)
+        for lay, _, _ in mbs:
+            starts.extend(int(lay.q_idx[i, 0]) for i in range(lay.n_samples))
+        return mbs
+
+    monkeypatch.setattr(step_mod, "microbatches", spy)
+
+    def run():
+        starts.clear()
+        pol = _model()
+        compute_gradients(pol, None, samples, temperature=SP.temperature,
+                          coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
+                          pad_id=257, exp=invariant_exp)
+        n_cg = len(starts)
+        step_mod.rollout_mismatches(pol, samples, temperature=SP.temperature,
+                                    micro_batch_tokens=512, pad_id=257)
+        assert n_cg == len(samples) == len(starts) - n_cg
+        return list(starts)
+
+    assert any(x % CUDA_TOKEN_LEAF for x in run()), "control: CPU starts all multiples of 64"
+    monkeypatch.setattr(step_mod, "stream_leaf", lambda device_type: CUDA_TOKEN_LEAF)
+    assert all(x % CUDA_TOKEN_LEAF == 0 for x in run())
+
+
 def test_logprob_compared_counts_the_compared_pairs(monkeypatch):
     """every response token compared once -> compared == N, 0 mismatches; a layout that compares
     one token fewer per sample (loss_rows mutated) -> compared == N − samples, N unchanged."""
