@@ -617,6 +617,26 @@ def dkv_sums_at_the_double_word_bound_are_flagged():
 
 
 @check
+def fp32_d_out_is_read_at_the_bf16_rounding_point():
+    """bf16 q/k/v with an fp32 d_out = a bf16 value times (1 + 2**-10): its extra bits are below
+    a quarter of a bf16 ulp, so truncation (the interpreter's fp32 -> bf16) and round-to-nearest-
+    even (the GPU's) both give the bf16 value back. The backward then equals the one given that
+    bf16 d_out, bitwise: every kernel — delta included — reads dO at its rounding point. Control:
+    the fp32 d_out does differ from the bf16 one."""
+    q, k, v, q_pos, kv_len, *_ = _pack([70, 41], seed=98)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    base = randn(*q.shape, seed=99).bfloat16()
+    d32 = base.float() * (1 + 2.0**-10)                # exact: 8 + 10 significant bits
+    assert n_diff(d32, base.float()) > 0, "control: the fp32 d_out has no extra bits"
+    out, lse = _fwd(q, k, v, q_pos, kv_len)
+    with _sequential_dot():
+        got = _bwd(q, k, v, out, lse, d32, q_pos, kv_len)
+        want = _bwd(q, k, v, out, lse, base, q_pos, kv_len)
+    for a, b in zip(got, want):
+        assert_bitwise(a.float(), b.float())
+
+
+@check
 def bad_arguments_are_refused():
     """fp16, a head count not a multiple of the KV heads, a wrong lse shape: ValueError."""
     (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()

@@ -115,3 +115,9 @@ def test_dkv_sums_at_the_double_word_bound_are_flagged(results):
 def test_bad_arguments_are_refused(results):
     """fp16, heads not a multiple of the KV heads, a wrong lse shape: ValueError."""
     _ok(results, "bad_arguments_are_refused")
+
+
+def test_fp32_d_out_is_read_at_the_bf16_rounding_point(results):
+    """bf16 q/k/v, an fp32 d_out whose extra bits every rounding drops: the bytes of the bf16
+    d_out (delta reads dO at its rounding point too); control: the extra bits are real."""
+    _ok(results, "fp32_d_out_is_read_at_the_bf16_rounding_point")

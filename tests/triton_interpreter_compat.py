@@ -8,7 +8,8 @@ arrays can be converted to Python scalars"), so any kernel loop with a runtime b
 after the interpreter's own per-launch patch of `tl.tensor`, an `__index__` that takes the single
 element with `.item()`; the interpreter's patch scope restores both on exit (last in, first out).
 Second fix: the interpreter stores bfloat16 tensors as their raw uint16 bits and `tl.dot` runs
-np.matmul on those bits (a bf16 dot returns ~1e10 garbage; conversions with `.to` are right).
+np.matmul on those bits (a bf16 dot returns ~1e10 garbage; `.to` conversions give bf16 values,
+but fp32 -> bf16 truncates where the GPU rounds to nearest even).
 The shim widens bf16 dot operands exactly to float32 first (the bits shifted into the top half),
 so a bf16 dot is a float32 matmul of the exact values: the GPU's tensor cores are not emulated
 (they may round differently), but kernel logic around a bf16 dot can be checked.

@@ -132,8 +132,9 @@ def _delta_kernel(O, DO, QPOS, DELTA, s_os, s_oh, s_ot, s_od, s_gs, s_gh, s_gt, 
     tt = t.to(tl.int64)[:, None]
     o = tl.load(O + s * s_os + h * s_oh + tt * s_ot + dd[None, :] * s_od,
                 mask=live[:, None], other=0.0).to(tl.float32)
+    # dO at its rounding point (the output's dtype, q's), as the other kernels read it.
     do = tl.load(DO + s * s_gs + h * s_gh + tt * s_gt + dd[None, :] * s_gd,
-                 mask=live[:, None], other=0.0).to(tl.float32)
+                 mask=live[:, None], other=0.0).to(O.dtype.element_ty).to(tl.float32)
     ones = tl.full((D, 16), 1.0, dtype=tl.float32)
     delta = tl.max(tl.dot(o * do, ones, input_precision="ieee"), 1)   # 16 equal columns
     tl.store(DELTA + s * s_es + h * s_eh + t.to(tl.int64) * s_et, delta, mask=t < Tq)
