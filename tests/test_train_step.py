@@ -205,8 +205,8 @@ def test_logprob_compared_counts_the_compared_pairs(monkeypatch):
 
     real = step_mod.loss_rows
 
-    def drop_last_row_of_each_sample(group, stream_len, leaf):
-        targets, mask, old, adv = real(group, stream_len, leaf)
+    def drop_last_row_of_each_sample(group, lay):
+        targets, mask, old, adv = real(group, lay)
         rows = mask.nonzero(as_tuple=True)[0]
         ends = torch.cumsum(torch.tensor([len(s.response_ids) for s in group]), 0) - 1
         mask[rows[ends]] = False

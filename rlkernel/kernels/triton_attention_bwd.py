@@ -267,8 +267,11 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
                                 other=0.0)
                 dpt = tl.dot(vb, tl.trans(do), input_precision=PREC)           # [BN, LEAF]
                 dst = tl.where(vis, pt * (dpt - delta[None, :]), 0.0)
-                qo = tl.load(Q + s * s_qs + head * s_qh + tq[:, None] * s_qt
-                             + do_[None, :] * s_qd, mask=here[:, None], other=0.0)
+                if DT == D:
+                    qo = q
+                else:
+                    qo = tl.load(Q + s * s_qs + head * s_qh + tq[:, None] * s_qt
+                                 + do_[None, :] * s_qd, mask=here[:, None], other=0.0)
                 if BF16:
                     part = tl.dot(dst.to(tl.bfloat16), qo)
                 else:
@@ -276,16 +279,8 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
             if EMIT:
                 tl.store(e_ptr + f * e_step, part)
             else:
-                # tfx.two_sum twice, written out: a jitted call per leaf would make the CPU
-                # interpreter (the tests) re-patch triton.language each time.
-                x = part.to(tl.float64)
-                s1 = hi + x
-                b1 = s1 - hi
-                e = (hi - (s1 - b1)) + (x - b1)
-                s2 = lo + e
-                b2 = s2 - lo
-                e2 = (lo - (s2 - b2)) + (e - b2)
-                hi, lo = s1, s2
+                hi, e = tfx.two_sum(hi, part.to(tl.float64))
+                lo, e2 = tfx.two_sum(lo, e)
                 bad |= (e2 != 0.0).to(tl.int32)        # NaN != 0: non-finite partials flag too
     if not EMIT:
         top = tl.full([], tfx.TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)

@@ -25,7 +25,7 @@ from rlkernel.config import LOSS_AGGS
 from rlkernel.data.packing import pack_by_budget
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows, stream_multiple
-from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout, sample_offsets
+from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum
 from rlkernel.spec import TOKEN_LEAF, stream_leaf
@@ -102,19 +102,22 @@ def aggregate(values: list[float], sample_of: list[int], lengths: list[int], agg
     return exact_sum(exact_sum(per[s]) / lengths[s] for s in per) / n_seq
 
 
-def _offsets(group: list[TrainSample], leaf: int) -> list[int]:
-    return sample_offsets([len(s.prompt_ids) + len(s.response_ids) for s in group], leaf)
+def _offsets(lay: StreamLayout) -> list[int]:
+    """Stream row where each sample of a packed layout starts (the row of its position 0)."""
+    return lay.q_idx[:, 0].tolist()
 
 
-def loss_rows(group: list[TrainSample], stream_len: int, leaf: int = TOKEN_LEAF):
-    """Per row of the packed stream of `group` (model/layout.packed_layout with this `leaf`,
-    stream_len rows): target id [L] long, loss mask [L] bool (rows that predict a response
-    token), rollout logprob [L] fp32, advantage [L] fp32."""
+def loss_rows(group: list[TrainSample], lay: StreamLayout):
+    """Per row of `lay`, the packed stream of `group` (model/layout.packed_layout; its sample
+    offsets are read from the layout, so the rows follow any alignment): target id [L] long,
+    loss mask [L] bool (rows that predict a response token), rollout logprob [L] fp32,
+    advantage [L] fp32."""
+    stream_len = lay.tokens.shape[0]
     targets = torch.zeros(stream_len, dtype=torch.long)
     mask = torch.zeros(stream_len, dtype=torch.bool)
     old = torch.zeros(stream_len, dtype=torch.float32)
     adv = torch.zeros(stream_len, dtype=torch.float32)
-    for s, off in zip(group, _offsets(group, leaf)):
+    for s, off in zip(group, _offsets(lay)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         idx = torch.arange(off + p - 1, off + p + r - 1)
         targets[idx] = torch.tensor(s.response_ids, dtype=torch.long)
@@ -124,12 +127,11 @@ def loss_rows(group: list[TrainSample], stream_len: int, leaf: int = TOKEN_LEAF)
     return targets, mask, old, adv
 
 
-def _row_samples(group: list[TrainSample], index: list[int], stream_len: int,
-                 leaf: int) -> torch.Tensor:
-    """[L] long: for each row that predicts a response token, the mini-batch index of its
-    sample (`index[i]` for group[i]); -1 elsewhere."""
-    who = torch.full((stream_len,), -1, dtype=torch.long)
-    for s, i, off in zip(group, index, _offsets(group, leaf)):
+def _row_samples(group: list[TrainSample], index: list[int], lay: StreamLayout) -> torch.Tensor:
+    """[L] long: for each row of `lay` that predicts a response token, the mini-batch index of
+    its sample (`index[i]` for group[i]); -1 elsewhere."""
+    who = torch.full((lay.tokens.shape[0],), -1, dtype=torch.long)
+    for s, i, off in zip(group, index, _offsets(lay)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         who[off + p - 1:off + p + r - 1] = i
     return who
@@ -165,8 +167,7 @@ def microbatches(samples: list[TrainSample], micro_batch_tokens: int, pad_id: in
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in group]
         lay = packed_layout(seqs, pad_id, stream_multiple(pc, leaf), leaf)
         n_rows = lay.tokens.shape[0]
-        per_row = (*loss_rows(group, n_rows, leaf),
-                   _row_samples(group, [index[i] for i in g], n_rows, leaf))
+        per_row = (*loss_rows(group, lay), _row_samples(group, [index[i] for i in g], lay))
         local = torch.arange(n_rows)
         if pc.cp.size > 1:
             local = cp_local_rows(pc, local)
@@ -281,7 +282,7 @@ def trainer_logprobs(policy: Qwen3ForCausalLM, samples: list[TrainSample], tempe
     computed the way compute_gradients does: one packed stream, no KV cache (single process)."""
     seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
     lay = packed_layout(seqs, pad_id)
-    targets, mask, _, _ = loss_rows(samples, lay.tokens.shape[0])
+    targets, mask, _, _ = loss_rows(samples, lay)
     lp, _ = policy.token_logprobs(policy.hidden(lay), targets.to(policy.device), temperature)
     return list(lp.cpu()[mask].split([len(s.response_ids) for s in samples]))
 
