@@ -10,7 +10,7 @@ bf16 runs with the interpreter's bf16 dot made exact (tests/triton_interpreter_c
 What it cannot: the GPU's dot orders. numpy's matmul, which the interpreter uses, may round an
 element differently for another operand shape or memory alignment (seen with numpy 2.4), so
 every check that compares two layouts bitwise runs with tl.dot replaced by a sequential
-multiply-add chain per element (`_sequential_dot`: an element depends on its row, column and
+multiply-add chain per element (`triton_interpreter_compat.sequential_dot`: an element depends on its row, column and
 K order only, the property the GPU's dots have); one check also uses it to pin the summation
 orders the module doc names (keys ascending in dQ, positions ascending in a leaf, dK scaled last);
 tests/test_cuda_attention_bwd.py checks the same properties on the GPU with the real tables.
@@ -24,23 +24,21 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/attention_bwd_triton_chec
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
 import sys
 import warnings
 
-import numpy as np
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("attention_bwd_triton_checks.py needs TRITON_INTERPRET=1")
 
 import triton_interpreter_compat  # noqa: F401 - before any launch
+from triton_interpreter_compat import sequential_dot
 import triton
 import triton.language as tl
-import triton.runtime.interpreter as _interp
 from kernel_helpers import (
     NAN,
     assert_bitwise,
@@ -98,27 +96,6 @@ def _assert_plus_zero(t: torch.Tensor) -> None:
     assert bool((t.contiguous().view(torch.int32) == 0).all()), "not all +0.0"
 
 
-def _chain_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    """The interpreter's tl.dot as the module doc describes the kernels' fp32 dots: per output
-    element one chain, acc = d, then acc = acc + a_k·b_k for k ascending (fp32 product, fp32 add)."""
-    a32 = triton_interpreter_compat._widen_bf16(a).data.astype(np.float32)
-    b32 = triton_interpreter_compat._widen_bf16(b).data.astype(np.float32)
-    acc = d.data.astype(np.float32).copy()
-    for i in range(a32.shape[-1]):
-        acc = acc + a32[..., :, i:i + 1] * b32[..., i:i + 1, :]
-    return _interp.TensorHandle(acc.astype(np.float32), d.dtype.scalar)
-
-
-@contextlib.contextmanager
-def _sequential_dot():
-    real = _interp.InterpreterBuilder.create_dot
-    _interp.InterpreterBuilder.create_dot = _chain_dot
-    try:
-        yield
-    finally:
-        _interp.InterpreterBuilder.create_dot = real
-
-
 @functools.cache
 def packed():
     """3 packed samples (lengths 100, 90, 66; NaN in every padding slot), d_out, and the full
@@ -127,7 +104,7 @@ def packed():
     q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack([100, 90, 66], seed=76)
     d_out = randn(*q.shape, seed=77)
     out, lse = _fwd(q, k, v, q_pos, kv_len)
-    with _sequential_dot():
+    with sequential_dot():
         grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
     return (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, grads
 
@@ -138,7 +115,7 @@ def small():
     q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack([70, 41], seed=90)
     d_out = randn(*q.shape, seed=91)
     out, lse = _fwd(q, k, v, q_pos, kv_len)
-    with _sequential_dot():
+    with sequential_dot():
         grads = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
     return (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, grads
 
@@ -199,7 +176,7 @@ def leaf_whose_last_query_is_a_tile_first_key_vs_float64():
 def sample_alone_equals_sample_in_batch():
     """Each sample's dQ/dK/dV alone (S=1, Tq = Tk = its length) == its rows in the padded
     3-sample batch, bitwise (the backward given the batch's out/lse rows)."""
-    with _sequential_dot():
+    with sequential_dot():
         (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = packed()
         for i, n in enumerate([100, 90, 66]):
             got = _bwd(*(t[i:i + 1, :, :n] for t in (q, k, v, out)), lse[i:i + 1, ..., :n],
@@ -219,7 +196,7 @@ def cp_zigzag_ranks_give_single_process_bytes():
     tok = the CP group): on every rank dK/dV == the single-process bytes and its own dQ rows ==
     the single-process rows. Negative control: the ranks' dK rounded separately and added in fp32
     differ from the single-process dK."""
-    with _sequential_dot():
+    with sequential_dot():
         (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, ref = small()
         pos = [torch.where(_cp_rank_sel(q_idx, sl, 2, r), q_pos, -1) for r in range(2)]
         assert all(bool((p >= 0).any()) for p in pos)
@@ -240,7 +217,7 @@ def tq_split_into_two_calls_gives_the_full_bytes():
     position 64 + t),
     every key in both, the exact sums joined over a 2-rank group: dK/dV == the full call's, dQ rows
     == its rows (dQ tile pinned: the interpreter's numpy dot may round by operand shape)."""
-    with _sequential_dot():
+    with sequential_dot():
         (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
         q, k, v, out, lse, d_out, q_pos, kv_len = (t[:1] for t in (q, k, v, out, lse, d_out, q_pos,
                                                                     kv_len))
@@ -264,7 +241,7 @@ def kv_head_replicated_over_tp_ranks_gives_single_process_bytes():
     """One KV head shared by 6 query heads; TP = 2 ranks hold 3 heads each and a replica of the
     KV head (kv_comm over them): dK/dV == single-process bytes (the halving tree's 3 + 3 split),
     each rank's dQ == its heads' rows."""
-    with _sequential_dot():
+    with sequential_dot():
         q, k, v, q_pos, kv_len, *_ = _pack([70, 41], seed=92, hq=6)
         k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
         d_out = randn(*q.shape, seed=93)
@@ -288,7 +265,7 @@ def chunk_sizes_tiles_and_the_fallback_change_no_bit():
     chunks) and of two blocks, dK/dV tiles of 32 keys and of 8 output columns, every program
     through the per-leaf fallback (force_flag: EMIT partials + exponent bins): the default
     bytes."""
-    with _sequential_dot():
+    with sequential_dot():
         (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
         for kw in ({"words_elems": 4096}, {"words_elems": 1 << 13}, {"kv_tile": (32, 16, 4, 1)},
                    {"kv_tile": (64, 8, 4, 1)}, {"force_flag": True},
@@ -302,7 +279,7 @@ def chunk_sizes_tiles_and_the_fallback_change_no_bit():
 def decode_row_dq_equals_prefill_row():
     """The query at position p alone (Tq 1, a 96-slot KV cache with NaN past kv_len = p + 1) has
     the dQ bytes of its row in the full backward, for p in 0, 15, 16, 63, 64, 69."""
-    with _sequential_dot():
+    with sequential_dot():
         (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
         tile = (16, 4, 1)
         full = _bwd(q[:1], k[:1], v[:1], out[:1], lse[:1], d_out[:1], q_pos[:1], kv_len[:1],
@@ -329,7 +306,7 @@ def dkv_is_the_exact_sum_of_leaf_partials_negative_control_fp32_order():
     q, k, v, q_pos, kv_len, *_ = _pack([200, 90], seed=96)
     d_out = randn(*q.shape, seed=97)
     out, lse = _fwd(q, k, v, q_pos, kv_len)
-    with _sequential_dot():
+    with sequential_dot():
         ref = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
         s_, hq, tq, _ = q.shape
         tk = k.shape[2]
@@ -354,7 +331,7 @@ def bf16_packed_batch_vs_float64_and_alone_equals_in_batch():
     so the logic is checked, not the tensor cores' rounding): dQ/dK/dV in bf16 within 2e-2
     relative norm of float64 (the forward's bf16 out feeds delta; measured ~4e-3), padding rows
     +0.0; each sample alone (exact length) == its batch rows, bitwise."""
-    with _sequential_dot():
+    with sequential_dot():
         q, k, v, q_pos, kv_len, *_ = _pack([70, 41, 33], seed=94)
         q, k, v = (t.bfloat16() for t in (q, k, v))
         d_out = randn(*q.shape, seed=95).bfloat16()
@@ -382,7 +359,7 @@ def _chain(terms):
 
 
 @check
-def summation_orders_with_a_sequential_dot():
+def summation_orders_with_asequential_dot():
     """With tl.dot made one multiply-add chain per element (K ascending: numpy's matmul, which the
     interpreter uses, has no documented order), the kernels' bytes are the orders of the module
     doc, rebuilt here from fp32 products: dQ_t = scale·(one chain over keys ascending, through
@@ -407,7 +384,7 @@ def summation_orders_with_a_sequential_dot():
         q = randn(1, hq, n, D, seed=303)
         k, v = randn(1, 1, n, D, seed=304), randn(1, 1, n, D, seed=305)
         (q if zero == "q" else k).zero_()
-        with _sequential_dot():
+        with sequential_dot():
             runs = [tb.attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, **kw)
                     for kw in ({}, {"words_elems": 4096}, {"force_flag": True})]
         delta = _chain([out[0, ..., d] * d_out[0, ..., d] for d in range(D)])           # [h, t]
@@ -452,7 +429,7 @@ def _triton_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @check
-def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
+def bf16_rounding_points_of_p_and_ds_with_asequential_dot():
     """bf16 q/k/v/out/d_out, 2 query heads on 2 KV heads (G = 1: no head tree), tl.dot one
     multiply-add chain per element (bf16 widened exactly): the bytes are those of the module doc's
     rounding points (Triton's own fp32 -> bf16 conversion, `_triton_bf16`), rebuilt from exact
@@ -485,7 +462,7 @@ def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
     lse = torch.zeros(1, 2, 1, n)
     lse[:, 1] = lse1
     k = randn(1, 2, n, D, seed=333).bfloat16()
-    with _sequential_dot():
+    with sequential_dot():
         dq, _, dv = tb.attention_backward(zeros, k, zeros, out, lse, d_out, q_pos, kv_len, scale)
     ds0 = -delta[0]
     assert_bitwise(dq[0, 0], dq_want(_triton_bf16(ds0), k.float()[0, 0]))
@@ -498,7 +475,7 @@ def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
         "control: P unrounded gave the same dV bytes"
 
     q = randn(1, 2, n, D, seed=334).bfloat16()
-    with _sequential_dot():
+    with sequential_dot():
         _, dk, _ = tb.attention_backward(q, zeros, zeros, out, torch.zeros(1, 2, 1, n), d_out,
                                          q_pos, kv_len, scale)
     for h in range(2):
@@ -629,7 +606,7 @@ def fp32_d_out_is_read_at_the_bf16_rounding_point():
     d32 = base.float() * (1 + 2.0**-10)                # exact: 8 + 10 significant bits
     assert n_diff(d32, base.float()) > 0, "control: the fp32 d_out has no extra bits"
     out, lse = _fwd(q, k, v, q_pos, kv_len)
-    with _sequential_dot():
+    with sequential_dot():
         got = _bwd(q, k, v, out, lse, d32, q_pos, kv_len)
         want = _bwd(q, k, v, out, lse, base, q_pos, kv_len)
     for a, b in zip(got, want):

@@ -18,6 +18,8 @@ Changes nothing else and nothing outside the interpreter. Does not: touch compil
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import triton.language as tl
 import triton.runtime.interpreter as _interp
@@ -51,3 +53,28 @@ def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 if getattr(_interp.InterpreterBuilder.create_dot, "__module__", None) != __name__:
     _interp.InterpreterBuilder.create_dot = _create_dot
+
+
+def _chain_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """tl.dot as one chain per output element: acc = d, then acc = acc + a_k·b_k for k ascending
+    (fp32 product, fp32 add)."""
+    a32 = _widen_bf16(a).data.astype(np.float32)
+    b32 = _widen_bf16(b).data.astype(np.float32)
+    acc = d.data.astype(np.float32).copy()
+    for i in range(a32.shape[-1]):
+        acc = acc + a32[..., :, i:i + 1] * b32[..., i:i + 1, :]
+    return _interp.TensorHandle(acc.astype(np.float32), d.dtype.scalar)
+
+
+@contextlib.contextmanager
+def sequential_dot():
+    """Within the block, the interpreter's tl.dot is `_chain_dot`: an element then depends on its
+    row, column and K order only (the property the GPU's dots have), where numpy's matmul may
+    round an element by operand shape and memory alignment (numpy 2.4). Layout comparisons
+    (one kernel against another, one tile against another) run under it."""
+    real = _interp.InterpreterBuilder.create_dot
+    _interp.InterpreterBuilder.create_dot = _chain_dot
+    try:
+        yield
+    finally:
+        _interp.InterpreterBuilder.create_dot = real
