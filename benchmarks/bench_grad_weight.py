@@ -37,11 +37,11 @@ def _row(t: int, n: int, k: int, dtype: torch.dtype, tiles: bool) -> dict:
     from rlkernel.kernels import triton_matmul as tmm
     from rlkernel.numerics import fixedpoint as fx
     from rlkernel.numerics import triton_fixedpoint as tfx
-    from rlkernel.spec import TOKEN_LEAF
+    from rlkernel.spec import CUDA_TOKEN_LEAF
 
     dy, x = _operands(t, n, k, dtype)
     acc = fx.zeros((n, k), "cuda")
-    leaves = t // TOKEN_LEAF
+    leaves = t // CUDA_TOKEN_LEAF   # the fused kernel's leaf
     rows = max(1, (1 << 28) // (leaves * k))        # the reference's 1 GiB partial chunks
 
     def fused():
@@ -94,18 +94,25 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
     acc = fx.zeros((n, k), "cuda")
     row = {"tokens": t, "n": n, "k": k, "cublas_ms": median_ms(lambda: torch.matmul(dy.t(), x))}
 
-    def launch(leaf, tile):
+    every = torch.arange(4 * n_tiles, dtype=torch.int32, device="cuda")
+
+    def launch(leaf, tile, retry=False):
+        # retry=True: every tile in RETRY mode, i.e. every error through the checked lo word
+        # (the scheme the kernel used before add_word; the cost of the old pass).
         bn_, bk_, warps, stages = tile
         grid = (triton.cdiv(n, bn_) * triton.cdiv(k, bk_),)
-        tgw._dw_kernel[grid](dy, x, words, flags, flags, t, n, k,
+        tgw._dw_kernel[grid](dy, x, words, flags, every, t, n, k,
                              dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                              words.stride(0), BLOCK_N=bn_, BLOCK_K=bk_, LEAF=leaf,
-                             PREC="tf32", EMIT=False, FORCE_FLAG=0, num_warps=warps,
-                             num_stages=stages, enable_fp_fusion=False)
+                             PREC="tf32", EMIT=False, RETRY=retry, FORCE_FLAG=0,
+                             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
 
     for leaf in leaves:
         row[f"words_leaf{leaf}_ms"] = median_ms(lambda leaf=leaf: launch(leaf, tgw.TILE))
         row[f"flagged_leaf{leaf}"] = int(flags[:n_tiles].sum())
+        row[f"words_checked_leaf{leaf}_ms"] = median_ms(
+            lambda leaf=leaf: launch(leaf, tgw.TILE, retry=True))
+        row[f"flagged_checked_leaf{leaf}"] = int(flags[:n_tiles].sum())
     if (n, k) == (6144, 2048):
         for leaf in (64, 128):
             for tile in ((128, 64, 8, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)):

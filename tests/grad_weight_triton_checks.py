@@ -108,17 +108,36 @@ def _plant(dy, x, row: int, col: int, values) -> None:
 
 
 @check
-def wide_range_is_exact_through_the_lo_word():
+def one_inexact_add_is_exact_through_the_lo_word():
     """Element (3, 5) gets leaf partials 1, 2**-24, 2**-80 (exact sum 1 + 2**-24 + 2**-80 rounds
-    up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): exact without a
-    recompute, through the lo word; the naive float64 sum gives other bytes there (the control:
-    a kernel that dropped lo would fail this check). Other elements span up to ~2**90."""
-    dy, x = _operands(8, 40, 24, 20, seed=1)
+    up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): one inexact add,
+    exact without a retry or a recompute, through the lo word; the naive float64 sum gives other
+    bytes there (the control: a kernel that dropped lo would fail this check). Other elements
+    span up to ~2**20 (no inexact add)."""
+    dy, x = _operands(8, 40, 24, 4, seed=1)
     _plant(dy, x, 3, 5, [1.0, 2.0**-24, 2.0**-80])
-    assert _same(dy, x) == 0
+    with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+        assert _same(dy, x) == 0
+    modes = [(kw["RETRY"], kw["EMIT"]) for _, kw in rec.launches]
+    assert modes == [(False, False)], modes
     want = fx.round_fp32(_reference(dy, x))
     assert want[3, 5].item() == 1.0 + 2.0**-23
     assert _naive64(dy, x)[3, 5].item() == 1.0, "control: the naive float64 sum is not wrong here"
+
+
+@check
+def two_inexact_adds_are_retried_and_exact():
+    """Element (3, 5) gets 1, 2**-80, 2**-81 (two inexact adds: one lo slot cannot hold both),
+    and the other elements span up to ~2**90 (wide: many elements with several inexact adds):
+    the flagged tiles are retried with the checked lo word, none reaches the EMIT path, and the
+    accumulator is the reference's."""
+    dy, x = _operands(8, 40, 24, 20, seed=1)
+    _plant(dy, x, 3, 5, [1.0, 2.0**-80, 2.0**-81])
+    with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+        assert _same(dy, x) == 0
+    modes = [(kw["RETRY"], kw["EMIT"]) for _, kw in rec.launches]
+    assert modes[0] == (False, False) and (True, False) in modes, modes
+    assert not any(emit for _, emit in modes), modes
 
 
 @check
@@ -190,7 +209,8 @@ def several_launches_and_emit_batches_change_no_bit():
 @check
 def launch_arguments():
     """What the interpreter cannot show (its dot is numpy's matmul, it ignores fp fusion), checked
-    as launch arguments: every launch has enable_fp_fusion=False; fp32 operands go in as fp32
+    as launch arguments: every launch has enable_fp_fusion=False (a forced flag goes through the
+    retry, then EMIT); fp32 operands go in as fp32
     with input_precision "ieee" (the reference's fp32 fma chain, not tf32); bf16 dy and x go in
     as bf16 (the tensor cores), mixed bf16/fp32 as fp32 (operand_dtype); bytes == reference."""
     rec = LaunchRecorder(tgw._dw_kernel)
@@ -203,10 +223,12 @@ def launch_arguments():
     finally:
         tgw._dw_kernel = rec.kernel
     assert all(kw["enable_fp_fusion"] is False for _, kw in rec.launches)
-    got = [(args[0].dtype, args[1].dtype, kw["PREC"], kw["EMIT"]) for args, kw in rec.launches]
+    got = [(args[0].dtype, args[1].dtype, kw["PREC"], kw["RETRY"], kw["EMIT"])
+           for args, kw in rec.launches]
     f32, b16 = torch.float32, torch.bfloat16
-    assert got == [(f32, f32, "ieee", False), (f32, f32, "ieee", True),
-                   (b16, b16, "tf32", False), (f32, f32, "ieee", False)], got
+    assert got == [(f32, f32, "ieee", False, False), (f32, f32, "ieee", True, False),
+                   (f32, f32, "ieee", False, True), (b16, b16, "tf32", False, False),
+                   (f32, f32, "ieee", False, False)], got
 
 
 @check

@@ -28,10 +28,16 @@ def test_narrow_range_needs_no_recompute(results):
     _ok(results, "narrow_range_needs_no_recompute")
 
 
-def test_wide_range_is_exact_through_the_lo_word(results):
-    """Partials 1, 2**-24, 2**-80 in one element: exact (rounds up to 1 + 2**-23), no recompute;
-    control: the naive float64 sum gives 1.0 there."""
-    _ok(results, "wide_range_is_exact_through_the_lo_word")
+def test_one_inexact_add_is_exact_through_the_lo_word(results):
+    """Partials 1, 2**-24, 2**-80 in one element: exact (rounds up to 1 + 2**-23), one pass, no
+    retry or recompute; control: the naive float64 sum gives 1.0 there."""
+    _ok(results, "one_inexact_add_is_exact_through_the_lo_word")
+
+
+def test_two_inexact_adds_are_retried_and_exact(results):
+    """Partials 1, 2**-80, 2**-81 in one element and wide leaf scales elsewhere: the flagged
+    tiles are retried with the checked lo word (no EMIT path); bytes == reference."""
+    _ok(results, "two_inexact_adds_are_retried_and_exact")
 
 
 def test_extreme_range_takes_the_emit_path(results):

@@ -27,9 +27,9 @@ Three kernels:
   that can see the tile, in order; for each it forms the leaf partials Σ_{t in leaf} ds_tj·q_t
   (dK) or Σ_t p_tj·dO_t (dV) [64, D] as one dot over the leaf's queries (the dot's K dimension,
   position order), and adds them EXACTLY into a float64 double word per element (hi, lo), with
-  Knuth's TwoSum and every lo addition checked exact (as kernels/triton_grad_weight.py: every
-  value is a multiple of 2**-149, so hi + lo is the exact sum unless a check fails — a span of
-  ~2**100, NaN/Inf, |hi| >= 2**150). No per-leaf partial is written. An absent position is
+  Knuth's TwoSum and every lo addition checked exact (numerics/triton_fixedpoint.py
+  `add_word_checked`: every value is a multiple of 2**-149, so hi + lo is the exact sum unless a
+  check fails — a span of ~2**100, NaN/Inf, |hi| >= 2**150). No per-leaf partial is written. An absent position is
   loaded as zeros and adds nothing (the same argument as above), so a leaf partial depends only
   on that leaf's queries: the same on every CP rank and in every layout. A (leaf, key tile) pair
   no query of the leaf sees is skipped (adds nothing). A program whose check failed writes zeros
@@ -199,7 +199,7 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
     # One program: BLOCK_N keys [jt, jt + BLOCK_N) x output columns [d0, d0 + DT) of one query
     # head h of sample s; KIND 0 = dK (Σ_t ds·q), 1 = dV (Σ_t p·dO), over every leaf that sees
     # the keys. Not EMIT: the leaf partials are added exactly into a float64 double word (hi, lo)
-    # (checked TwoSum, as kernels/triton_grad_weight.py) and OUT [2, S_c, Hq, width, D] gets the
+    # (checked TwoSum, tfx.add_word_checked) and OUT [2, S_c, Hq, width, D] gets the
     # words, FLAGS[pid] whether a check failed (then the words are zeros). EMIT (flagged programs
     # PIDS[i] redone): OUT [n_leaves, n, BLOCK_N, DT] fp32 gets each leaf's partial at row f.
     i = tl.program_id(0)
@@ -231,7 +231,7 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
                      mask=k_ok[:, None], other=0.0)                            # [BN, D]
     hi = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
     lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
-    bad = tl.zeros((BLOCK_N, DT), dtype=tl.int32)
+    n_inexact = tl.zeros((BLOCK_N, DT), dtype=tl.int32)
     e_ptr = OUT + i * (BLOCK_N * DT) + tl.arange(0, BLOCK_N)[:, None] * DT \
         + tl.arange(0, DT)[None, :]
     e_step = tl.zeros([], dtype=tl.int64) + s_ow          # int64: n_leaves·stride may pass 2**31
@@ -279,12 +279,9 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
             if EMIT:
                 tl.store(e_ptr + f * e_step, part)
             else:
-                hi, e = tfx.two_sum(hi, part.to(tl.float64))
-                lo, e2 = tfx.two_sum(lo, e)
-                bad |= (e2 != 0.0).to(tl.int32)        # NaN != 0: non-finite partials flag too
+                hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, part.to(tl.float64))
     if not EMIT:
-        top = tl.full([], tfx.TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
-        bad |= (tl.abs(hi) >= top).to(tl.int32)
+        bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
         o = OUT + (sh.to(tl.int64) * width + (jn - j0).to(tl.int64))[:, None] * D \
             + do_[None, :].to(tl.int64)

@@ -16,17 +16,22 @@ there (docs/BENCHMARKS.md), and the traffic grows with tokens × parameters.
 Algorithm, per output tile [BLOCK_N, BLOCK_K] (one program): walk the leaves in order; for each,
 p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then add p exactly into a float64
 double-word (hi, lo) per element with Knuth's TwoSum (TAOCP vol. 2, §4.2.2): s = hi + p and its
-exact error e; hi = s; lo = lo + e, whose own TwoSum error must be 0. Every value here is a
-multiple of 2**-149 (an fp32 partial is), so hi + lo is the exact sum as long as every lo addition
-was exact (the check), i.e. unless the leaf partials of one element span ~2**100, are not
-finite or sum past 2**150 (the digit conversion's range). The double words are written out
-([2, N, K] float64: 16 bytes per element, against 4 per element and leaf before) and a second
+exact error e; hi = s; the first nonzero e of an element is kept in lo (numerics/
+triton_fixedpoint.py `add_word`: an add is inexact only when p is ~2**-29 of the running sum or
+smaller, so a second one in the same element is rare and flags the tile). Every value here is a
+multiple of 2**-149 (an fp32 partial is), so hi + lo is the exact sum unless the check fails:
+two inexact adds in one element, a partial that is not finite, or a sum past 2**150 (the digit
+conversion's range). (Before, every e went into lo through a second checked TwoSum: the same
+words when neither flags, six more float64 ops per leaf and element; it is now the retry tier
+below.) The double words are written out ([2, N, K] float64: 16 bytes per element, against 4 per element and leaf before) and a second
 pass (numerics/triton_fixedpoint.py `add_double_words_`) adds both words' exact integers to
 the digits. (Adding them in this kernel's epilogue was tried: on the H200 it gave wrong bytes for
 bf16 tiles and ran 2.7x slower, register pressure of ten int64 digits per element of a 2-D tile;
-not pursued.) A tile where any check failed writes zeros and is flagged: the same kernel in
-EMIT mode recomputes it and stores its per-leaf
-partials (the same dot of the same operands), which the bin accumulator (`accumulate_`) adds.
+not pursued.) A tile where any check failed writes zeros and is flagged: the same kernel runs it
+again in RETRY mode, every error added into lo by a checked TwoSum (`add_word_checked`: exact
+over a spread of ~2**100, so a sample whose gradients are 2**-30 of the others' costs a retry,
+not the bins); a tile still flagged is recomputed in EMIT mode, which stores its per-leaf
+partials (the same dot of the same operands) for the bin accumulator (`accumulate_`) to add.
 Either way the accumulator receives the exact sum of the same partials, so the result never
 depends on which tiles took which path (and so not on the tile, the call's other leaves,
 CP/DP/microbatch layout), and is bytewise the reference path's whenever the dot gives the bits of
@@ -35,7 +40,7 @@ Launched with enable_fp_fusion=False: a contracted mul+add would break TwoSum's 
 Direct rounding (`rounded_grad_weight`): where no other rank's integers are to be added (direct
 mode with a scope group of one rank, distributed/tokensum.py), the double words are rounded to
 fp32 straight away (numerics/fixedpoint.py `round_double_words`: one pass, no accumulator), the
-bytes the digits would round to; if any tile was flagged it returns None and the caller takes
+bytes the digits would round to; if a tile is still flagged after its retry it returns None and the caller takes
 the digit path above for those rows.
 
 Does not: run on CPU (kernels/matmul.py keeps the reference and dispatches here), round an
@@ -57,7 +62,7 @@ from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import CUDA_TOKEN_LEAF
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): speed only (the sum is exact whatever the tile).
-TILE = (64, 64, 8, 3)      # the fastest of the H200 sweep (docs/BENCHMARKS.md)
+TILE = (64, 64, 4, 3)      # the fastest of the H200 sweep (docs/BENCHMARKS.md, add_word pass)
 EMIT_TILES = 64            # flagged tiles recomputed per EMIT launch (bounds the scratch)
 OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] double words (1 GiB)
 
@@ -66,9 +71,10 @@ OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] 
 def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
                s_dl, s_dn, s_xl, s_xk, s_ow,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEAF: tl.constexpr,
-               PREC: tl.constexpr, EMIT: tl.constexpr, FORCE_FLAG: tl.constexpr):
+               PREC: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
+               FORCE_FLAG: tl.constexpr):
     pid = tl.program_id(0)
-    if EMIT:
+    if EMIT or RETRY:   # the listed (flagged) tiles only
         tile = tl.load(TILES + pid)
     else:
         tile = pid
@@ -84,7 +90,7 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
     b_ptr = X + rt[:, None] * s_xl + rk[None, :] * s_xk           # x tile [LEAF, BLOCK_K]
     hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
-    bad = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    n_inexact = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     # EMIT scratch (OUT): [leaves, flagged tiles, BLOCK_N, BLOCK_K] fp32, a leaf's rows contiguous.
     e_ptr = OUT + pid * (BLOCK_N * BLOCK_K) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K \
         + tl.arange(0, BLOCK_K)[None, :]
@@ -100,13 +106,12 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
         if EMIT:
             tl.store(e_ptr, p)
             e_ptr += e_step
+        elif RETRY:
+            hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, p.to(tl.float64))
         else:
-            hi, e = tfx.two_sum(hi, p.to(tl.float64))
-            lo, e2 = tfx.two_sum(lo, e)
-            bad |= (e2 != 0.0).to(tl.int32)        # NaN != 0: non-finite partials flag too
+            hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
     if not EMIT:
-        top = tl.full([], tfx.TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
-        bad |= (tl.abs(hi) >= top).to(tl.int32)
+        bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
         o = OUT + rn[:, None] * K + rk[None, :]
         m = n_ok[:, None] & k_ok[None, :]
@@ -115,7 +120,7 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
         tl.store(FLAGS + tile, (good == 0).to(tl.int32))
 
 
-def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag):
+def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False):
     bn, bk, warps, stages = tile
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     with device_ctx(a):
@@ -123,8 +128,20 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag):
                          a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                          0 if emit else out.stride(0),
                          BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF, PREC=prec, EMIT=emit,
-                         FORCE_FLAG=int(force_flag), num_warps=warps, num_stages=stages,
-                         enable_fp_fusion=False)
+                         RETRY=retry, FORCE_FLAG=int(force_flag), num_warps=warps,
+                         num_stages=stages, enable_fp_fusion=False)
+
+
+def _retry_flagged(a, b, words, flags, tile, force_flag) -> torch.Tensor:
+    """The flagged tiles of a `_double_words` launch again, every error through the checked lo
+    (tfx.add_word_checked), into the same words and flags; returns the tiles still flagged
+    (int64, on the device). One host sync (which tiles were flagged)."""
+    flagged = torch.nonzero(flags).flatten()
+    if flagged.numel():
+        ids = flagged.to(torch.int32)
+        _launch(a, b, words, flags, ids, (ids.numel(),), tile, False, force_flag, retry=True)
+        flagged = flagged[flags[flagged] != 0]
+    return flagged
 
 
 def _redo_flagged(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, flagged: torch.Tensor,
@@ -208,8 +225,8 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     for r0, r1 in _launch_rows(n, k, tile):
         ac, aa = acc[r0:r1], a[:, r0:r1]
         words, flags = _double_words(aa, b, tile, force_flag)
+        flagged = _retry_flagged(aa, b, words, flags, tile, force_flag)
         tfx.add_double_words_(ac.view(-1, tfx.N_COLS), words.view(2, -1))
-        flagged = torch.nonzero(flags).flatten()
         if flagged.numel():
             _redo_flagged(ac, aa, b, flagged, tile)
             redone += flagged.numel()
@@ -239,7 +256,10 @@ def rounded_grad_weight(dy: torch.Tensor, x: torch.Tensor, *,
     for r0, r1 in _launch_rows(n, k, tile):
         words, flags = _double_words(a[:, r0:r1], b, tile, force_flag)
         # Rounded before the flags are read, so the host waits once for both kernels.
-        parts.append(tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k))
+        rounded = tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k)
         if bool(flags.any()):
-            return None
+            if _retry_flagged(a[:, r0:r1], b, words, flags, tile, force_flag).numel():
+                return None
+            rounded = tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k)
+        parts.append(rounded)
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -226,6 +226,45 @@ def two_sum(a, b):
 
 
 @triton.jit
+def add_word(hi, lo, n_inexact, p):
+    """(hi, lo, n_inexact) after adding the float64 tile p exactly into the double words (hi, lo)
+    while at most one add per element is inexact: hi, e = TwoSum(hi, p); the first nonzero error
+    e of an element is kept in lo, and n_inexact (int32) counts them. `words_exact` says whether
+    hi + lo is still the exact sum (n_inexact <= 1, hi in range).
+
+    Why one error slot: fl(hi + p) is exact unless p has bits below ulp(hi), i.e. unless the
+    leaf partial is ~2**-29 of the running sum or smaller, which is rare (zeros, the usual
+    padding and prompt partials, are exact). Adding every e into lo by a second checked TwoSum
+    cost six more float64 ops per leaf and element — most of the passes that call this — to
+    cover what a tile's fallback covers. An element with two inexact adds flags its tile; a
+    NaN/inf partial makes e NaN and hi non-finite, which `words_exact` refuses. The words are
+    those of the old two-TwoSum scheme whenever neither flags (lo = 0 + e + 0 … = e).
+    Launch with enable_fp_fusion=False (TwoSum)."""
+    hi, e = two_sum(hi, p)
+    nz = e != 0.0
+    return hi, tl.where(nz, e, lo), n_inexact + nz.to(tl.int32)
+
+
+@triton.jit
+def add_word_checked(hi, lo, n_inexact, p):
+    """As `add_word`, but every error goes into lo through a second TwoSum whose own error must
+    be 0 (a failed lo add counts 2, past what `words_exact` accepts): slower (six more float64
+    ops), and exact over a far wider spread of partials (up to ~2**100). The retry tier for
+    tiles that `add_word` flagged."""
+    hi, e = two_sum(hi, p)
+    lo, e2 = two_sum(lo, e)
+    return hi, lo, n_inexact + 2 * (e2 != 0.0).to(tl.int32)
+
+
+@triton.jit
+def words_exact(hi, n_inexact):
+    """Per element: whether the double word that `add_word` built holds its exact sum within
+    add_f64's range (|hi| < 2**150, finite; at most one inexact add)."""
+    top = tl.full([], TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
+    return (n_inexact <= 1) & (tl.abs(hi) < top)
+
+
+@triton.jit
 def add_f64(v, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
     """Digits += v exactly: v a finite float64, an integer multiple of 2**-149 below 2**150
     (TOP_F64_BITS) in magnitude (sums of fp32 values are multiples of 2**-149); q <= 7, so a2 lands in
