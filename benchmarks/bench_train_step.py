@@ -72,14 +72,17 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
     times = []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    host = []
     for _ in range(steps):
         _sync(dev)
         t0 = time.perf_counter()
         step()
+        host.append(time.perf_counter() - t0)   # until the host has issued the step's work
         _sync(dev)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-    out = {"step_s": times, "warm_step_s": min(times[1:] or times), "peak_gib": peak}
+    out = {"step_s": times, "warm_step_s": min(times[1:] or times), "peak_gib": peak,
+           "host_issue_s": host}
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
         with prof(activities=[ProfilerActivity.CUDA]) as pr:
@@ -102,7 +105,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--response-len", type=int, default=448)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--arms", default="invariant,native")
+    ap.add_argument("--arms", default="invariant,native",
+                    help="comma list of invariant, native, invariant-unfused (the invariant arm "
+                         "with the virtual-TP shard trees as bmm partials + adds; run it last)")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--native-micro-samples", type=int, default=0,
                     help="samples per microbatch of the native arm (0: all in one, as the "
@@ -123,7 +128,10 @@ def main() -> None:
     res = {"env": env() if dev.type == "cuda" else {"device": "cpu"}, "model": a.model, "samples": a.samples, "prompt_len": a.prompt_len,
            "response_len": a.response_len, "tokens": tokens, "arms": {}}
     for mode in a.arms.split(","):
-        r = _arm(mode, cfg, weights, samples, a.steps, a.recompute,
+        if mode == "invariant-unfused":   # the invariant arm with the shard trees unfused
+            from rlkernel.kernels import triton_shard_matmul as tsm
+            tsm.FLAT_MAX_CHUNKS, tsm.fusable = -1, (lambda bounds: False)
+        r = _arm(mode.split("-")[0], cfg, weights, samples, a.steps, a.recompute,
                  a.profile and mode == "invariant", dev,
                  a.native_micro_samples if mode == "native" else 0, not a.no_kl)
         res["arms"][mode] = r

@@ -59,6 +59,19 @@ def _triton():
     return triton_matmul
 
 
+def operand_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The dtype two operands are multiplied in: their own when both share a 16-bit dtype
+    (tensor cores on CUDA, fp32 accumulation), else float32 (the fp32 fma chain)."""
+    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return a.dtype
+    return torch.float32
+
+
+def _shard_kernel():
+    from rlkernel.kernels import triton_shard_matmul  # lazy, as _triton
+    return triton_shard_matmul
+
+
 def _grad_weight_kernel():
     from rlkernel.kernels import triton_grad_weight  # lazy, as _triton
     return triton_grad_weight
@@ -125,8 +138,15 @@ def row_parallel_nt(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) 
     """x @ wᵀ with K cut into `shards` virtual-TP shards summed by the pairwise tree.
 
     x [M, K], w [N, K], K % shards == 0 -> [M, N] fp32. Equals the tree of per-shard partials that
-    a TP group computes and tree-all-reduces (rlkernel.distributed).
+    a TP group computes and tree-all-reduces (rlkernel.distributed). On CUDA the tree runs inside
+    one kernel (kernels/triton_shard_matmul.py: the same bytes).
     """
+    k = x.shape[-1]
+    if x.is_cuda and shards in (1, 2, 4, 8) and k % shards == 0 and k >= shards:
+        ks = k // shards
+        if _shard_kernel().worth_fusing(operand_dtype(x, w),
+                                        [[(s * ks, (s + 1) * ks)] for s in range(shards)]):
+            return _shard_kernel().row_parallel_nt(x, w, shards)
     return shard_sum(row_parallel_partials(x, w, shards))
 
 
@@ -175,10 +195,12 @@ def column_parallel_dx(dy: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_
     n = w.shape[0]
     if n < 1:
         raise ValueError(f"column-parallel linear: N={n} rows; at least one is needed")
+    rows = virtual_shard_rows(n, shards)
+    if dy.is_cuda and _shard_kernel().worth_fusing(operand_dtype(dy, w), [[r] for r in rows]):
+        return _shard_kernel().column_dx([dy], [w], [rows])    # the tree in one kernel
     if dy.is_cuda and n % shards == 0:   # one launch; the same shards as the loop below
         return shard_sum(_triton().column_dx_partials(dy, w, shards))
-    parts = [seq_matmul(dy[:, a:b], w[a:b]) if b > a else None
-             for a, b in virtual_shard_rows(n, shards)]
+    parts = [seq_matmul(dy[:, a:b], w[a:b]) if b > a else None for a, b in rows]
     return tree_combine(parts)  # type: ignore[return-value]  (n >= 1: some shard has a row)
 
 
@@ -243,6 +265,26 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     return tok.result(w, acc, "token-sum-dw")
 
 
+def column_dx_by_shards(dys, ws, shard_rows, product=seq_matmul) -> torch.Tensor | None:
+    """This rank's local subtree of a column-parallel dX, shard by shard: per local virtual
+    shard s, the projections' partials product(dY_i[:, rows], W_i[rows]) (rows =
+    shard_rows[i][s]) added in projection order — a projection with no row in the shard is
+    skipped, not added as zeros — then the shards by the pairwise tree (tree_combine); the TP
+    tree all-reduce (parallel.enter_tp) finishes it. dys [M, N_i], ws [N_i, K] -> [M, K] fp32,
+    or None when no shard has a row. `product` (default seq_matmul) lets the Triton tests run
+    the same loop on the interpreter's bmm; kernels/triton_shard_matmul.py fuses it."""
+    parts = []
+    for s in range(len(shard_rows[0])):
+        acc = None
+        for dy, w, rows in zip(dys, ws, shard_rows):
+            a, b = rows[s]
+            if b > a:
+                p = product(dy[:, a:b], w[a:b])
+                acc = p if acc is None else acc + p
+        parts.append(acc)
+    return tree_combine(parts)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard_rows, tok, cd, *ws):
@@ -259,20 +301,12 @@ class _ColumnParallelLinear(torch.autograd.Function):
         dys = tuple(rounding_point(dy, ctx.cd) for dy in dys)
         ws = [rounding_point(w, ctx.cd) for w in ws]
         dx = None
-        if ctx.needs_input_grad[0]:
-            # Per local virtual shard: the fused projections' partials added in fixed order
-            # (a projection with no row in the shard is skipped, not added as zeros), then the
-            # local subtree; the TP tree all-reduce (parallel.enter_tp) finishes it.
-            parts = []
-            for s in range(len(ctx.shard_rows[0])):
-                acc = None
-                for dy, w, rows in zip(dys, ws, ctx.shard_rows):
-                    a, b = rows[s]
-                    if b > a:
-                        p = seq_matmul(dy[:, a:b], w[a:b])
-                        acc = p if acc is None else acc + p
-                parts.append(acc)
-            dx = tree_combine(parts)
+        if ctx.needs_input_grad[0] and x.is_cuda and _shard_kernel().worth_fusing(
+                operand_dtype(dys[0], ws[0]),
+                [[rows[s] for rows in ctx.shard_rows] for s in range(len(ctx.shard_rows[0]))]):
+            dx = _shard_kernel().column_dx(dys, ws, ctx.shard_rows)   # the loop below, fused
+        elif ctx.needs_input_grad[0]:
+            dx = column_dx_by_shards(dys, ws, ctx.shard_rows)
             if dx is None:   # this rank owns no row of any projection (N < TP): no partial
                 dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         dws = tuple(grad_weight(dy, x, w, ctx.tok) if ctx.needs_input_grad[4 + i]
@@ -286,7 +320,7 @@ class _RowParallelLinear(torch.autograd.Function):
         xr = rounding_point(x, cd)
         ctx.save_for_backward(xr, w)
         ctx.tok, ctx.param, ctx.cd = tok, w, cd   # the parameter keys the sink (see column)
-        return shard_sum(row_parallel_partials(xr, rounding_point(w, cd), local_shards))
+        return row_parallel_nt(xr, rounding_point(w, cd), local_shards)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels.matmul import operand_dtype  # noqa: F401  (re-exported: callers import it here)
 from rlkernel.kernels.triton_elementwise import tree_rows
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.spec import CUDA_BLOCK_K
@@ -138,14 +139,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype = torch.f
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"matmul: 2-D operands expected, got {tuple(a.shape)} @ {tuple(b.shape)}")
     return bmm(a[None], b[None], out_dtype=out_dtype, tile=tile)[0]
-
-
-def operand_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
-    """The dtype two operands are multiplied in: their own when both share a 16-bit dtype
-    (tensor cores, fp32 accumulation), else float32 (the fp32 fma chain)."""
-    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
-        return a.dtype
-    return torch.float32
 
 
 def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

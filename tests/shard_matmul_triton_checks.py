@@ -1,0 +1,176 @@
+"""The checks behind tests/test_shard_matmul_triton.py, under TRITON_INTERPRET=1: the fused
+virtual-TP shard tree (kernels/triton_shard_matmul.py) gives the unfused path's bytes — per
+shard `bmm` chains, projections added in order, the pairwise tree over shards — for the
+row-parallel forward and the column-parallel dX (1 to 3 projections, 1 to 8 shards, ragged K
+tails, the k/v projections' unequal floor-bound shards), bf16 and fp32 operands, any tile; a
+sequential sum over the shards differs (control); bad input is refused.
+Every comparison runs under `sequential_dot` (numpy's matmul, the interpreter's dot, rounds by
+operand shape, which two kernels with other tiles would expose); the GPU's tensor-core bits are
+tests/test_cuda_shard_matmul.py's. Prints {check: "ok" or the failure}. Run by hand:
+TRITON_INTERPRET=1 .venv/bin/python tests/shard_matmul_triton_checks.py [NAME ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kernel_helpers import LaunchRecorder, interpreted_checks, run_checks
+
+CHECKS, check = interpreted_checks(__file__)
+
+import triton_interpreter_compat  # noqa: F401,E402 - numpy >= 2.3: before any launch
+from triton_interpreter_compat import sequential_dot  # noqa: E402
+
+from rlkernel.kernels import triton_matmul as tm  # noqa: E402
+from rlkernel.kernels import triton_shard_matmul as tsm  # noqa: E402
+from rlkernel.kernels import matmul as mm  # noqa: E402
+from rlkernel.kernels.matmul import virtual_shard_rows  # noqa: E402
+from rlkernel.numerics.trees import tree_sum  # noqa: E402
+
+SMALL = (16, 16, 1, 1, 2)   # interpreter tile: (BLOCK_M, BLOCK_N, warps, stages, GROUP_M)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _unfused(dys, ws, shard_rows):
+    """kernels/matmul.py's column backward loop on the Triton `bmm` chains."""
+    return mm.column_dx_by_shards(dys, ws, shard_rows, product=tm.matmul)
+
+
+@check
+def row_parallel_equals_the_partials_tree():
+    """S = 1, 2, 4, 8; K = S·40 (a ragged BLOCK_K tail in every shard) and S·64; M, N odd."""
+    with sequential_dot():
+        for dtype in (torch.bfloat16, torch.float32):
+            for s in (1, 2, 4, 8):
+                for ks in (40, 64):
+                    x = _randn(19, s * ks, seed=s + ks, dtype=dtype)
+                    w = _randn(21, s * ks, seed=100 + s + ks, dtype=dtype)
+                    want = tree_sum(tm.row_parallel_partials(x, w, s), 0)
+                    got = tsm.row_parallel_nt(x, w, s)
+                    assert _same(got, want), (dtype, s, ks)
+
+
+@check
+def column_dx_equals_the_unfused_loop():
+    """q, k, v-like projections (32, 12, 12 rows: k/v shards of 1 or 2 rows by floor bounds),
+    gate/up-like (two of 40), one projection; 8, 4 and 2 local shards (a TP rank's rows)."""
+    with sequential_dot():
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows in ((32, 12, 12), (40, 40), (48,)):
+                dys = [_randn(23, n, seed=i + n, dtype=dtype) for i, n in enumerate(rows)]
+                ws = [_randn(n, 27, seed=50 + i + n, dtype=dtype) for i, n in enumerate(rows)]
+                for s in (8, 4, 2):
+                    # the first s of 8 virtual shards, as TP rank 0 of 8/s holds them
+                    sr = [[(a, b) for a, b in virtual_shard_rows(n)[:s]] for n in rows]
+                    top = [max(b for _, b in r) for r in sr]
+                    d = [dy[:, :t] for dy, t in zip(dys, top)]
+                    v = [w[:t] for w, t in zip(ws, top)]
+                    assert tsm.fusable([[r[j] for r in sr] for j in range(s)])
+                    assert _same(tsm.column_dx(d, v, sr), _unfused(d, v, sr)), (rows, s)
+
+
+@check
+def tiles_change_no_bit():
+    with sequential_dot():
+        x = _randn(37, 8 * 40, seed=1, dtype=torch.bfloat16)
+        w = _randn(45, 8 * 40, seed=2, dtype=torch.bfloat16)
+        bounds = [[(j * 40, (j + 1) * 40)] for j in range(8)]
+        ref = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL)
+        for tile in ((32, 16, 1, 1, 1), (16, 64, 1, 1, 8), (64, 64, 4, 2, 8)):
+            got = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=tile)
+            assert _same(got, ref), tile
+
+
+@check
+def tma_fetches_equal_pointer_loads():
+    """16-bit operands with K ranges on BLOCK_K multiples take the flat TMA kernel (one loop over
+    every chunk); the nested kernel with TMA (flat=False) and with pointer loads (use_tma=False)
+    give the same bytes, row-parallel and column dX; unequal shards take the nested kernel."""
+    with sequential_dot():
+        x = _randn(37, 8 * 64, seed=5, dtype=torch.bfloat16)
+        w = _randn(45, 8 * 64, seed=6, dtype=torch.bfloat16)
+        bounds = [[(j * 64, (j + 1) * 64)] for j in range(8)]
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat:
+            auto = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL)
+        assert len(flat.launches) == 1, "the flat TMA kernel did not run"
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_kernel") as rec:
+            nested = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL, flat=False)
+        assert rec.launches[0][1]["TMA"] is True
+        plain = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL, use_tma=False)
+        assert _same(auto, plain) and _same(nested, plain)
+        dys = [_randn(30, 128, seed=7, dtype=torch.bfloat16), _randn(30, 64, seed=8,
+                                                                       dtype=torch.bfloat16)]
+        ws = [_randn(128, 48, seed=9, dtype=torch.bfloat16), _randn(64, 48, seed=10,
+                                                                      dtype=torch.bfloat16)]
+        # projection 1's two shards both read its 64 rows, as ranks sharing a KV head may not;
+        # any non-empty ranges are a valid input of the kernel
+        sr = [[(0, 64), (64, 128)], [(0, 64), (0, 64)]]
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat:
+            a = tsm.column_dx(dys, ws, sr, tile=SMALL)
+        assert len(flat.launches) == 1, "the flat TMA kernel did not run"
+        b = tsm.column_dx(dys, ws, sr, tile=SMALL, use_tma=False)
+        c = tsm.column_dx(dys, ws, sr, tile=SMALL, flat=False)
+        assert _same(a, b) and _same(a, c) and _same(a, _unfused(dys, ws, sr))
+        # unequal ranges across shards (the flat kernel's period does not exist): nested kernel
+        sr = [[(0, 64), (64, 128)], [(0, 64), (0, 128)]]
+        assert tsm._flat_period(torch.bfloat16, [[r[j] for r in sr] for j in range(2)]) is None
+        dys[1], ws[1] = torch.cat([dys[1], dys[1]], 1), torch.cat([ws[1], ws[1]])
+        assert _same(tsm.column_dx(dys, ws, sr, tile=SMALL), _unfused(dys, ws, sr))
+
+
+@check
+def negative_control_sequential_shard_sum_differs():
+    """Adding the 8 shard partials left to right gives other bytes on some element, so the
+    equality checks above can fail."""
+    with sequential_dot():
+        x = _randn(64, 8 * 64, seed=3)
+        w = _randn(64, 8 * 64, seed=4)
+        p = tm.row_parallel_partials(x, w, 8)
+        seq = p[0]
+        for i in range(1, 8):
+            seq = seq + p[i]
+        assert not _same(tsm.row_parallel_nt(x, w, 8), seq)
+
+
+@check
+def bad_input_is_refused():
+    x, w = torch.randn(4, 64), torch.randn(5, 64)
+    cases = [
+        lambda: tsm.shard_tree_matmul(x, w, [[(0, 32)], [(32, 32)]], b_kmajor=True),  # empty
+        lambda: tsm.shard_tree_matmul(x, w, [[(0, 20)]] * 3, b_kmajor=True),          # S = 3
+        lambda: tsm.shard_tree_matmul(x, w, [[(0, 80)]], b_kmajor=True),              # > K
+        lambda: tsm.shard_tree_matmul(x, w.t(), [[(0, 64)]], b_kmajor=True),          # shape
+        lambda: tsm.shard_tree_matmul(x, w, [[(0, 8)] * 4], b_kmajor=True),           # P = 4
+        lambda: tsm.row_parallel_nt(x, w, 3),
+        lambda: tsm.column_dx([x], [w], [[(0, 4)]]),                                  # N_i
+        lambda: tsm.column_dx([x], [w.t()], [[(0, 70)]]),                             # rows
+    ]
+    for i, case in enumerate(cases):
+        try:
+            case()
+        except ValueError:
+            continue
+        raise AssertionError(f"case {i} accepted")
+    assert not tsm.fusable([[(0, 4)], [(4, 4)]])
+    # the model's dispatch: 16-bit with whole-chunk shards only (qwen3-1.7b's q/k/v and
+    # down_proj: yes; an 18,992-row vocab shard, fp32: no)
+    qkv = [[(s * 256, s * 256 + 256), (2048 + s * 128, 2048 + s * 128 + 128),
+            (3072 + s * 128, 3072 + s * 128 + 128)] for s in range(8)]
+    assert tsm.worth_fusing(torch.bfloat16, qkv)
+    assert tsm.worth_fusing(torch.bfloat16, [[(s * 768, (s + 1) * 768)] for s in range(8)])
+    assert not tsm.worth_fusing(torch.float32, qkv)
+    assert not tsm.worth_fusing(torch.bfloat16, [[(s * 18992, (s + 1) * 18992)] for s in range(8)])
+    assert tsm.fusable([[(0, 4), (0, 1)], [(4, 8), (1, 2)]])
+
+
+if __name__ == "__main__":
+    run_checks(CHECKS, sys.argv[1:])

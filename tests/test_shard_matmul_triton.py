@@ -1,0 +1,23 @@
+"""The fused virtual-TP shard tree of the linears (kernels/triton_shard_matmul.py) without a GPU:
+under TRITON_INTERPRET=1 (tests/shard_matmul_triton_checks.py) it gives the unfused path's bytes
+for the row-parallel forward and the column-parallel dX, for any tile; a sequential shard sum
+differs (control); bad input is refused. tests/test_cuda_shard_matmul.py has the GPU's bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+
+pytestmark = NEEDS_TRITON
+results = checks_fixture("shard_matmul_triton_checks.py")
+
+
+@pytest.mark.parametrize("name", ["row_parallel_equals_the_partials_tree",
+                                  "column_dx_equals_the_unfused_loop",
+                                  "tiles_change_no_bit",
+                                  "tma_fetches_equal_pointer_loads",
+                                  "negative_control_sequential_shard_sum_differs",
+                                  "bad_input_is_refused"])
+def test_shard_matmul(results, name):
+    _ok(results, name)
