@@ -78,6 +78,37 @@ class _Parser(argparse.ArgumentParser):
         text = " ".join(message.split()).removeprefix("argument ")
         self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse takes a token for a value only if its regex calls it a negative number, and
+        # that regex misses '-1e-5', '-inf', '-nan' ("expected one argument" for --lr -1e-5, so
+        # RunConfig never says what range is allowed). The `--flag=value` form is argparse's own
+        # documented way to pass a value that starts with '-'; subparsers come back through here.
+        args = sys.argv[1:] if args is None else list(args)
+        one_value = {s for a in self._actions if a.nargs is None for s in a.option_strings}
+        return super().parse_known_args(_attach_negative_numbers(args, one_value), namespace)
+
+
+def _attach_negative_numbers(args: list[str], one_value: set[str]) -> list[str]:
+    """`--lr -1e-5` -> `--lr=-1e-5` for each flag in `one_value` (those taking one value) followed
+    by a token float() reads that starts with '-'; nothing after a `--` is touched."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        if out and out[-1] in one_value and arg.startswith("-") and _is_float(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 def _integer(value: str) -> int:
     """An int flag value; ArgumentTypeError (argparse names the flag) for '1.5', 'x', ''."""

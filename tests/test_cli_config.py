@@ -863,3 +863,36 @@ def test_more_local_ranks_than_the_machine_takes_are_refused(capsys, cwd, loop, 
 def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
     code, _, err = rlk(capsys, "run", "--micro-batch-tokens", str(2**31 + 1))
     assert code == 2 and "must be at most 2,147,483,648" in err and loop.calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI input defects: negative numbers as separate argv items, a file as --run-dir, the
+# microbatch limit blamed on the flag that was moved
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--lr", "-1e-5"], "--lr -1e-05: must be a finite number > 0"),
+    (["--learning-rate", "-1e-5"], "--lr -1e-05: must be a finite number > 0"),
+    (["--kl-coef", "-1e-3"], "--kl-coef -0.001: must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 1e-06"),
+    (["--temperature", "-inf"], "--temperature -inf: must be a finite number >= 1e-06"),
+    (["--clip-eps-low", "-2E+3"], "--clip-eps-low -2000.0: must be a finite number >= 0"),
+    (["--steps", "-1e5"], "--steps: '-1e5' is not an integer"),
+])
+def test_negative_number_as_its_own_argument_reaches_the_validator(capsys, cwd, loop, argv, want):
+    """`--lr -1e-5` (two argv items) gets the same message as `--lr=-1e-5`, not argparse's
+    "expected one argument" (its negative-number regex misses exponents, inf, nan)."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {want}"), line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+def test_negative_numbers_are_attached_to_value_flags_only():
+    """Only a value flag takes the number; after `--` nothing is rewritten."""
+    one = {"--lr"}
+    assert cli._attach_negative_numbers(["--lr", "-1e-5", "--sp"], one) == ["--lr=-1e-5", "--sp"]
+    assert cli._attach_negative_numbers(["--sp", "-1e-5"], one) == ["--sp", "-1e-5"]
+    assert cli._attach_negative_numbers(["--lr", "-x"], one) == ["--lr", "-x"]
+    assert cli._attach_negative_numbers(["--", "--lr", "-1"], one) == ["--", "--lr", "-1"]
