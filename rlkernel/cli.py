@@ -300,6 +300,16 @@ def _dir_is_free(d: pathlib.Path) -> bool:
     return not d.exists() or (d.is_dir() and not any(d.iterdir()))
 
 
+def _why_not_free(d: pathlib.Path) -> str:
+    """Why `d` (not _dir_is_free) cannot be a new directory: a file given by mistake is named as
+    one, not as a directory that holds something."""
+    if d.is_file():
+        return "is a file, not a directory"
+    if not d.is_dir():
+        return "exists and is not a directory"
+    return "exists and is not an empty directory"
+
+
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     """Final run directory. Raises ConfigError when --run-dir is occupied."""
     if cfg.run_dir is not None:
@@ -308,8 +318,8 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
                               "current one")
         if not _dir_is_free(d):
-            raise ConfigError(f"--run-dir {cfg.run_dir!r}: exists and is not an empty directory; "
-                              "give a new or empty directory")
+            raise ConfigError(f"--run-dir {cfg.run_dir!r}: {_why_not_free(d)}; give a new or "
+                              "empty directory")
         return d
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = pathlib.Path("runs") / f"{stamp}-{cfg.fingerprint()[:10]}"
@@ -892,8 +902,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
     out = pathlib.Path(args.out)
     if not _dir_is_free(out):
-        return _error("init-model", f"--out {args.out!r}: exists and is not an empty directory; "
-                                    "give a new or empty directory", 2)
+        return _error("init-model", f"--out {args.out!r}: {_why_not_free(out)}; give a new or "
+                                    "empty directory", 2)
     from rlkernel.model.checkpoint import init_model
 
     try:

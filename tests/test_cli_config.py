@@ -896,3 +896,26 @@ def test_negative_numbers_are_attached_to_value_flags_only():
     assert cli._attach_negative_numbers(["--sp", "-1e-5"], one) == ["--sp", "-1e-5"]
     assert cli._attach_negative_numbers(["--lr", "-x"], one) == ["--lr", "-x"]
     assert cli._attach_negative_numbers(["--", "--lr", "-1"], one) == ["--", "--lr", "-1"]
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda p: p.write_text("x"), "is a file, not a directory"),
+    (lambda p: (p.mkdir(), (p / "x").write_text("x")), "exists and is not an empty directory"),
+])
+def test_occupied_run_dir_says_what_is_there(capsys, cwd, loop, make, why):
+    """--run-dir naming a file says it is a file (not "not an empty directory"); the file and
+    everything else are left as they were."""
+    make(cwd / "taken")
+    before = sorted(p.name for p in cwd.rglob("*"))
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "taken")
+    assert code == 2 and loop.calls == []
+    assert err.strip().splitlines() == [
+        f"rlk run: error: --run-dir 'taken': {why}; give a new or empty directory"]
+    assert sorted(p.name for p in cwd.rglob("*")) == before
+
+
+def test_init_model_out_naming_a_file_says_it_is_a_file(capsys, cwd):
+    (cwd / "m").write_text("x")
+    code, _, err = rlk(capsys, "init-model", "--preset", "tiny", "--out", "m")
+    assert code == 2 and "--out 'm': is a file, not a directory" in err
+    assert (cwd / "m").read_text() == "x"

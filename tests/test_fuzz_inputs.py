@@ -347,7 +347,7 @@ def test_refused_topologies_and_values(tmp_path, flags, words):
 
 @pytest.mark.parametrize("run_dir, words", [
     ("{file}/sub", "Not a directory"),
-    ("{file}", "exists and is not an empty directory"),
+    ("{file}", "is a file, not a directory"),
 ])
 def test_unusable_run_dir(tmp_path, run_dir, words):
     """A --run-dir that cannot be created is a usage error naming the flag (exit 2)."""
