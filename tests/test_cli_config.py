@@ -919,3 +919,34 @@ def test_init_model_out_naming_a_file_says_it_is_a_file(capsys, cwd):
     code, _, err = rlk(capsys, "init-model", "--preset", "tiny", "--out", "m")
     assert code == 2 and "--out 'm': is a file, not a directory" in err
     assert (cwd / "m").read_text() == "x"
+
+
+@pytest.mark.parametrize("argv,want", [
+    # --micro-batch-tokens left at its default: the length given is what is too large
+    (["--max-response-len", "100000"],
+     "--max-response-len 100000: must be at most 3840 (--micro-batch-tokens 4096, its default, "
+     "minus --max-prompt-len 256: one whole sample must fit in one microbatch); or raise "
+     "--micro-batch-tokens to 100256 or more"),
+    (["--max-prompt-len", "5000"], "--max-prompt-len 5000: must be at most 4032 "
+                                   "(--micro-batch-tokens 4096, its default, minus "
+                                   "--max-response-len 64"),
+    (["--max-prompt-len", "5000", "--max-response-len", "100"],
+     "--max-prompt-len 5000 + --max-response-len 100 = 5100: must be at most "
+     "--micro-batch-tokens 4096, its default"),
+    # beyond the budget's own upper bound, raising the budget is not offered
+    (["--max-response-len", str(2**32)], "must be at most 3840 (--micro-batch-tokens 4096, its "
+                                         "default, minus --max-prompt-len 256: one whole sample "
+                                         "must fit in one microbatch)"),
+    # a budget that was set too small is still the one named
+    (["--max-response-len", "100000", "--micro-batch-tokens", "5000"],
+     "--micro-batch-tokens 5000: must be >= --max-prompt-len + --max-response-len = 100256"),
+])
+def test_sample_longer_than_the_microbatch_names_the_flag_that_was_moved(capsys, cwd, loop, argv,
+                                                                         want):
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("rlk run: error: ") and want in line, line
+    if want.endswith("microbatch)"):
+        assert line.endswith(want), line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
