@@ -78,6 +78,37 @@ class _Parser(argparse.ArgumentParser):
         text = " ".join(message.split()).removeprefix("argument ")
         self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse takes a token for a value only if its regex calls it a negative number, and
+        # that regex misses '-1e-5', '-inf', '-nan' ("expected one argument" for --lr -1e-5, so
+        # RunConfig never says what range is allowed). The `--flag=value` form is argparse's own
+        # documented way to pass a value that starts with '-'; subparsers come back through here.
+        args = sys.argv[1:] if args is None else list(args)
+        one_value = {s for a in self._actions if a.nargs is None for s in a.option_strings}
+        return super().parse_known_args(_attach_negative_numbers(args, one_value), namespace)
+
+
+def _attach_negative_numbers(args: list[str], one_value: set[str]) -> list[str]:
+    """`--lr -1e-5` -> `--lr=-1e-5` for each flag in `one_value` (those taking one value) followed
+    by a token float() reads that starts with '-'; nothing after a `--` is touched."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        if out and out[-1] in one_value and arg.startswith("-") and _is_float(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 def _integer(value: str) -> int:
     """An int flag value; ArgumentTypeError (argparse names the flag) for '1.5', 'x', ''."""
@@ -269,6 +300,16 @@ def _dir_is_free(d: pathlib.Path) -> bool:
     return not d.exists() or (d.is_dir() and not any(d.iterdir()))
 
 
+def _why_not_free(d: pathlib.Path) -> str:
+    """Why `d` (not _dir_is_free) cannot be a new directory: a file given by mistake is named as
+    one, not as a directory that holds something."""
+    if d.is_file():
+        return "is a file, not a directory"
+    if not d.is_dir():
+        return "exists and is not a directory"
+    return "exists and is not an empty directory"
+
+
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     """Final run directory. Raises ConfigError when --run-dir is occupied."""
     if cfg.run_dir is not None:
@@ -277,8 +318,8 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
                               "current one")
         if not _dir_is_free(d):
-            raise ConfigError(f"--run-dir {cfg.run_dir!r}: exists and is not an empty directory; "
-                              "give a new or empty directory")
+            raise ConfigError(f"--run-dir {cfg.run_dir!r}: {_why_not_free(d)}; give a new or "
+                              "empty directory")
         return d
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = pathlib.Path("runs") / f"{stamp}-{cfg.fingerprint()[:10]}"
@@ -861,8 +902,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
     out = pathlib.Path(args.out)
     if not _dir_is_free(out):
-        return _error("init-model", f"--out {args.out!r}: exists and is not an empty directory; "
-                                    "give a new or empty directory", 2)
+        return _error("init-model", f"--out {args.out!r}: {_why_not_free(out)}; give a new or "
+                                    "empty directory", 2)
     from rlkernel.model.checkpoint import init_model
 
     try:

@@ -479,13 +479,47 @@ def _validate(c: RunConfig) -> None:
                           "TP group, so it needs --tp > 1; allowed: --sp with --tp 2, 4 or 8, "
                           "or leave out --sp")
 
-    need = c.max_prompt_len + c.max_response_len
-    if c.micro_batch_tokens < need:
-        raise _fail("micro_batch_tokens", c.micro_batch_tokens,
-                    f"must be >= --max-prompt-len + --max-response-len = {need} "
-                    "(one whole sample must fit in one microbatch)")
+    _validate_sample_fits(c)
     _validate_updates(c)
     _validate_dp(c)
+
+
+def _validate_sample_fits(c: RunConfig) -> None:
+    """One whole sample (--max-prompt-len + --max-response-len tokens) must fit in one
+    microbatch (--micro-batch-tokens). The message leads with the flag the user most likely
+    moved: --micro-batch-tokens when it is off its default (set too small), else the length(s)
+    off theirs (--max-response-len 100000 must not read as an error of a flag never given)."""
+    need = c.max_prompt_len + c.max_response_len
+    if c.micro_batch_tokens >= need:
+        return
+    fits = "one whole sample must fit in one microbatch"
+    if c.micro_batch_tokens != _default("micro_batch_tokens"):
+        raise _fail("micro_batch_tokens", c.micro_batch_tokens,
+                    f"must be >= --max-prompt-len + --max-response-len = {need} ({fits})")
+    moved = [f for f in ("max_response_len", "max_prompt_len") if getattr(c, f) != _default(f)]
+    if len(moved) != 1:
+        raise ConfigError(f"--max-prompt-len {c.max_prompt_len} + --max-response-len "
+                          f"{c.max_response_len} = {need}: must be at most --micro-batch-tokens "
+                          f"{c.micro_batch_tokens}, its default ({fits}){_raise_budget_hint(need)}")
+    # One length moved, the other at its default: the defaults fit the default budget, so the
+    # moved one's limit is at least 1.
+    field, = moved
+    other = "max_prompt_len" if field == "max_response_len" else "max_response_len"
+    raise _fail(field, getattr(c, field),
+                f"must be at most {c.micro_batch_tokens - getattr(c, other)} (--micro-batch-tokens "
+                f"{c.micro_batch_tokens}, its default, minus {flag_name(other)} "
+                f"{getattr(c, other)}: {fits}){_raise_budget_hint(need)}")
+
+
+def _raise_budget_hint(need: int) -> str:
+    """The other way out, offered only where --micro-batch-tokens can go (SIZE_LIMITS)."""
+    if need > SIZE_LIMITS["micro_batch_tokens"]:
+        return ""
+    return f"; or raise --micro-batch-tokens to {need} or more"
+
+
+def _default(field: str) -> Any:
+    return next(f.default for f in dataclasses.fields(RunConfig) if f.name == field)
 
 
 SIZE_LIMITS = {"steps": 10**6, "n_prompts": 2**16, "n_samples_per_prompt": 2**12,

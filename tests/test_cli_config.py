@@ -863,3 +863,90 @@ def test_more_local_ranks_than_the_machine_takes_are_refused(capsys, cwd, loop, 
 def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
     code, _, err = rlk(capsys, "run", "--micro-batch-tokens", str(2**31 + 1))
     assert code == 2 and "must be at most 2,147,483,648" in err and loop.calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI input defects: negative numbers as separate argv items, a file as --run-dir, the
+# microbatch limit blamed on the flag that was moved
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--lr", "-1e-5"], "--lr -1e-05: must be a finite number > 0"),
+    (["--learning-rate", "-1e-5"], "--lr -1e-05: must be a finite number > 0"),
+    (["--kl-coef", "-1e-3"], "--kl-coef -0.001: must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 1e-06"),
+    (["--temperature", "-inf"], "--temperature -inf: must be a finite number >= 1e-06"),
+    (["--clip-eps-low", "-2E+3"], "--clip-eps-low -2000.0: must be a finite number >= 0"),
+    (["--steps", "-1e5"], "--steps: '-1e5' is not an integer"),
+])
+def test_negative_number_as_its_own_argument_reaches_the_validator(capsys, cwd, loop, argv, want):
+    """`--lr -1e-5` (two argv items) gets the same message as `--lr=-1e-5`, not argparse's
+    "expected one argument" (its negative-number regex misses exponents, inf, nan)."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {want}"), line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+def test_negative_numbers_are_attached_to_value_flags_only():
+    """Only a value flag takes the number; after `--` nothing is rewritten."""
+    one = {"--lr"}
+    assert cli._attach_negative_numbers(["--lr", "-1e-5", "--sp"], one) == ["--lr=-1e-5", "--sp"]
+    assert cli._attach_negative_numbers(["--sp", "-1e-5"], one) == ["--sp", "-1e-5"]
+    assert cli._attach_negative_numbers(["--lr", "-x"], one) == ["--lr", "-x"]
+    assert cli._attach_negative_numbers(["--", "--lr", "-1"], one) == ["--", "--lr", "-1"]
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda p: p.write_text("x"), "is a file, not a directory"),
+    (lambda p: (p.mkdir(), (p / "x").write_text("x")), "exists and is not an empty directory"),
+])
+def test_occupied_run_dir_says_what_is_there(capsys, cwd, loop, make, why):
+    """--run-dir naming a file says it is a file (not "not an empty directory"); the file and
+    everything else are left as they were."""
+    make(cwd / "taken")
+    before = sorted(p.name for p in cwd.rglob("*"))
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "taken")
+    assert code == 2 and loop.calls == []
+    assert err.strip().splitlines() == [
+        f"rlk run: error: --run-dir 'taken': {why}; give a new or empty directory"]
+    assert sorted(p.name for p in cwd.rglob("*")) == before
+
+
+def test_init_model_out_naming_a_file_says_it_is_a_file(capsys, cwd):
+    (cwd / "m").write_text("x")
+    code, _, err = rlk(capsys, "init-model", "--preset", "tiny", "--out", "m")
+    assert code == 2 and "--out 'm': is a file, not a directory" in err
+    assert (cwd / "m").read_text() == "x"
+
+
+@pytest.mark.parametrize("argv,want", [
+    # --micro-batch-tokens left at its default: the length given is what is too large
+    (["--max-response-len", "100000"],
+     "--max-response-len 100000: must be at most 3840 (--micro-batch-tokens 4096, its default, "
+     "minus --max-prompt-len 256: one whole sample must fit in one microbatch); or raise "
+     "--micro-batch-tokens to 100256 or more"),
+    (["--max-prompt-len", "5000"], "--max-prompt-len 5000: must be at most 4032 "
+                                   "(--micro-batch-tokens 4096, its default, minus "
+                                   "--max-response-len 64"),
+    (["--max-prompt-len", "5000", "--max-response-len", "100"],
+     "--max-prompt-len 5000 + --max-response-len 100 = 5100: must be at most "
+     "--micro-batch-tokens 4096, its default"),
+    # beyond the budget's own upper bound, raising the budget is not offered
+    (["--max-response-len", str(2**32)], "must be at most 3840 (--micro-batch-tokens 4096, its "
+                                         "default, minus --max-prompt-len 256: one whole sample "
+                                         "must fit in one microbatch)"),
+    # a budget that was set too small is still the one named
+    (["--max-response-len", "100000", "--micro-batch-tokens", "5000"],
+     "--micro-batch-tokens 5000: must be >= --max-prompt-len + --max-response-len = 100256"),
+])
+def test_sample_longer_than_the_microbatch_names_the_flag_that_was_moved(capsys, cwd, loop, argv,
+                                                                         want):
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("rlk run: error: ") and want in line, line
+    if want.endswith("microbatch)"):
+        assert line.endswith(want), line
+    assert list(cwd.iterdir()) == [] and loop.calls == []

@@ -347,7 +347,7 @@ def test_refused_topologies_and_values(tmp_path, flags, words):
 
 @pytest.mark.parametrize("run_dir, words", [
     ("{file}/sub", "Not a directory"),
-    ("{file}", "exists and is not an empty directory"),
+    ("{file}", "is a file, not a directory"),
 ])
 def test_unusable_run_dir(tmp_path, run_dir, words):
     """A --run-dir that cannot be created is a usage error naming the flag (exit 2)."""
@@ -642,6 +642,19 @@ def test_extreme_sampling(tmp_path, capsys):
                  "--top-p", "1e-9", "--temperature", "1e-6", "--kl-coef", "0.01",
                  "--entropy-coef", "0.01")
     assert ev["steps"][0]["n_samples"] == 2 and ev["steps"][0]["n_response_tokens"] <= 2
+
+
+def test_one_sample_per_prompt_warns_once(tmp_path, capsys):
+    """--n-samples-per-prompt 1 without KL/entropy: the zero gradient is warned about once, before
+    the run, not again when step 0 finds every advantage 0."""
+    run_dir = tmp_path / "r"
+    rc = main(["run", *SMALL, "--n-samples-per-prompt", "1", "--max-response-len", "1",
+               "--allow-dirty", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    warnings = [ln for ln in err.splitlines() if "warning:" in ln]
+    assert len(warnings) == 1 and "--n-samples-per-prompt 1 makes every GRPO advantage 0" \
+        in warnings[0], err
 
 
 def test_huge_temperature(tmp_path, capsys):
