@@ -359,7 +359,7 @@ def _chain(terms):
 
 
 @check
-def summation_orders_with_asequential_dot():
+def summation_orders_with_a_sequential_dot():
     """With tl.dot made one multiply-add chain per element (K ascending: numpy's matmul, which the
     interpreter uses, has no documented order), the kernels' bytes are the orders of the module
     doc, rebuilt here from fp32 products: dQ_t = scale·(one chain over keys ascending, through
@@ -429,7 +429,7 @@ def _triton_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @check
-def bf16_rounding_points_of_p_and_ds_with_asequential_dot():
+def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
     """bf16 q/k/v/out/d_out, 2 query heads on 2 KV heads (G = 1: no head tree), tl.dot one
     multiply-add chain per element (bf16 widened exactly): the bytes are those of the module doc's
     rounding points (Triton's own fp32 -> bf16 conversion, `_triton_bf16`), rebuilt from exact
