@@ -128,6 +128,32 @@ def tma_fetches_equal_pointer_loads():
 
 
 @check
+def random_configs_equal_the_unfused_loop():
+    """12 random configurations — shards 1/2/4/8, 1-3 projections, each projection's shard
+    rows either whole 64-row chunks (the flat TMA kernel) or any length (the pointer kernel),
+    bf16 or fp32, M and K odd, a random tile — fused == the unfused loop bytewise."""
+    rng = torch.Generator().manual_seed(2026)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    with sequential_dot():
+        for case in range(12):
+            s, p = pick((1, 2, 4, 8)), pick((1, 2, 3))
+            dtype = pick((torch.bfloat16, torch.bfloat16, torch.float32))
+            whole = bool(pick((True, False)))
+            lens = [64 * pick((1, 2)) if whole else pick((1, 5, 17, 40)) for _ in range(p)]
+            m, k = pick((1, 9, 33)), pick((8, 24, 40))
+            dys = [_randn(m, s * n, seed=100 * case + i, dtype=dtype) for i, n in enumerate(lens)]
+            ws = [_randn(s * n, k, seed=100 * case + 50 + i, dtype=dtype)
+                  for i, n in enumerate(lens)]
+            sr = [[(j * n, (j + 1) * n) for j in range(s)] for n in lens]
+            tile = pick((SMALL, (32, 16, 1, 1, 1), (16, 32, 2, 2, 4)))
+            got = tsm.column_dx(dys, ws, sr, tile=tile)
+            assert _same(got, _unfused(dys, ws, sr)), (case, s, p, dtype, lens, m, k, tile)
+
+
+@check
 def negative_control_sequential_shard_sum_differs():
     """Adding the 8 shard partials left to right gives other bytes on some element, so the
     equality checks above can fail."""

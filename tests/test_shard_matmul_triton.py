@@ -17,6 +17,7 @@ results = checks_fixture("shard_matmul_triton_checks.py")
                                   "column_dx_equals_the_unfused_loop",
                                   "tiles_change_no_bit",
                                   "tma_fetches_equal_pointer_loads",
+                                  "random_configs_equal_the_unfused_loop",
                                   "negative_control_sequential_shard_sum_differs",
                                   "bad_input_is_refused"])
 def test_shard_matmul(results, name):
