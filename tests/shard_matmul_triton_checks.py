@@ -172,5 +172,79 @@ def bad_input_is_refused():
     assert tsm.fusable([[(0, 4), (0, 1)], [(4, 8), (1, 2)]])
 
 
+@check
+def flat_kernel_three_projections_of_unequal_lengths():
+    """q/k/v-like column dX on the flat TMA kernel: 2 shards of 128, 64 and 64 rows (whole
+    BLOCK_K chunks: the period is 4 chunks, the projections end at chunks 2, 3 and 4), so the
+    second range's end (E1) is a fold point of its own: (p0 + p1) + p2, not p0 + a p1 chain run
+    on into p2; == the unfused loop."""
+    with sequential_dot():
+        rows = (256, 128, 128)
+        dys = [_randn(20, n, seed=60 + n, dtype=torch.bfloat16) for n in rows]
+        ws = [_randn(n, 24, seed=70 + n, dtype=torch.bfloat16) for n in rows]
+        sr = [virtual_shard_rows(n, 2) for n in rows]
+        assert tsm._flat_period(torch.bfloat16, [[r[j] for r in sr] for j in range(2)]) \
+            == (4, [2, 3, 4])
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat:
+            got = tsm.column_dx(dys, ws, sr, tile=SMALL)
+        assert len(flat.launches) == 1, "the flat TMA kernel did not run"
+        assert _same(got, _unfused(dys, ws, sr))
+
+
+@check
+def flat_kernel_bounds_off_zero_or_with_gaps_are_laid_end_to_end():
+    """shard_tree_matmul's flat path with whole-chunk ranges that do not start at K = 0, or leave
+    a gap: the ranges are copied end to end first; == pointer loads (no copy) and the loop."""
+    with sequential_dot():
+        x = _randn(19, 256, seed=11, dtype=torch.bfloat16)
+        w = _randn(21, 256, seed=12, dtype=torch.bfloat16)
+        for bounds in ([[(64, 128)], [(128, 192)]], [[(0, 64)], [(128, 192)]]):
+            with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat:
+                got = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL)
+            assert len(flat.launches) == 1, "the flat TMA kernel did not run"
+            want = _unfused([x], [w.t()], [[sb[0] for sb in bounds]])
+            assert _same(got, want), bounds
+            plain = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL, use_tma=False)
+            assert _same(got, plain), bounds
+
+
+@check
+def long_row_parallel_shards_take_the_partials_tree():
+    """Shards longer than FLAT_MAX_CHUNKS chunks (8 × 576 bf16 columns): row_parallel_nt takes
+    the unfused partials (no fused launch), still summed by the pairwise tree."""
+    with sequential_dot():
+        ks = (tsm.FLAT_MAX_CHUNKS + 1) * tm.BLOCK_K[torch.bfloat16]
+        x = _randn(5, 8 * ks, seed=13, dtype=torch.bfloat16)
+        w = _randn(7, 8 * ks, seed=14, dtype=torch.bfloat16)
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat, \
+                LaunchRecorder.swapped_in(tsm, "_shard_tree_kernel") as nested:
+            got = tsm.row_parallel_nt(x, w, 8)
+        assert not flat.launches and not nested.launches
+        p = tm.row_parallel_partials(x, w, 8)
+        assert _same(got, tree_sum(p, 0))
+        seq = p[0]
+        for i in range(1, 8):
+            seq = seq + p[i]
+        assert not _same(got, seq), "control: the sequential shard sum is not different here"
+
+
+@check
+def odd_bounds_are_neither_fusable_nor_worth_fusing():
+    """worth_fusing implies fusable: 3 shards, 4 projections, empty ranges (whole-chunk periods
+    of their own) are not worth fusing; shards with different projection counts are refused."""
+    for bounds in ([[(0, 64)]] * 3, [[(0, 64)] * 4] * 2, [[(0, 0)], [(0, 0)]],
+                   [[(0, 64), (64, 64)], [(64, 128), (128, 128)]]):
+        assert not tsm.worth_fusing(torch.bfloat16, bounds), bounds
+    ragged = [[(0, 64), (64, 128)], [(128, 192)]]
+    assert not tsm.fusable(ragged)
+    x, w = torch.randn(4, 192).bfloat16(), torch.randn(5, 192).bfloat16()
+    try:
+        tsm.shard_tree_matmul(x, w, ragged, b_kmajor=True)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("shards of 2 and 1 ranges accepted")
+
+
 if __name__ == "__main__":
     run_checks(CHECKS, sys.argv[1:])
