@@ -141,6 +141,21 @@ def two_inexact_adds_are_retried_and_exact():
 
 
 @check
+def a_lone_flagged_tile_is_retried_in_place():
+    """Narrow leaf scales (no inexact add) but element (35, 20), in the last of the 6 tiles: 1,
+    2**-80, 2**-81 flag that tile alone; the retry launch lists it (TILES = [5]) and redoes that
+    tile, not the first one (no EMIT); bytes == reference, and rounded_grad_weight's too."""
+    dy, x = _operands(8, 40, 24, 4, seed=13)
+    _plant(dy, x, 35, 20, [1.0, 2.0**-80, 2.0**-81])
+    with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+        assert _same(dy, x) == 0
+        _rounded_same(dy, x)
+    modes = [(kw["RETRY"], kw["EMIT"]) for _, kw in rec.launches]
+    assert modes[:2] == [(False, False), (True, False)], modes
+    assert rec.launches[1][0][4].tolist() == [5], rec.launches[1][0][4]
+    assert not any(emit for _, emit in modes), modes
+
+@check
 def extreme_range_takes_the_emit_path():
     """Element (1, 1) gets leaf partials 2**100, 1.5·2**46, 2**-100: the second's rounding error
     lands in lo, and the third cannot be added to lo exactly, so its tile is flagged and redone

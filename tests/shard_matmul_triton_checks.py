@@ -3,7 +3,8 @@ virtual-TP shard tree (kernels/triton_shard_matmul.py) gives the unfused path's 
 shard `bmm` chains, projections added in order, the pairwise tree over shards — for the
 row-parallel forward and the column-parallel dX (1 to 3 projections, 1 to 8 shards, ragged K
 tails, the k/v projections' unequal floor-bound shards), bf16 and fp32 operands, any tile; a
-sequential sum over the shards differs (control); bad input is refused.
+sequential sum over the shards differs (control); bad input is refused; kernels/matmul.py's
+linears pick the fused kernel exactly where `worth_fusing` says (on stand-in CUDA tensors).
 Every comparison runs under `sequential_dot` (numpy's matmul, the interpreter's dot, rounds by
 operand shape, which two kernels with other tiles would expose); the GPU's tensor-core bits are
 tests/test_cuda_shard_matmul.py's. Prints {check: "ok" or the failure}. Run by hand:
@@ -12,7 +13,9 @@ TRITON_INTERPRET=1 .venv/bin/python tests/shard_matmul_triton_checks.py [NAME ..
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import types
 
 import torch
 
@@ -196,6 +199,155 @@ def bad_input_is_refused():
     assert not tsm.worth_fusing(torch.float32, qkv)
     assert not tsm.worth_fusing(torch.bfloat16, [[(s * 18992, (s + 1) * 18992)] for s in range(8)])
     assert tsm.fusable([[(0, 4), (0, 1)], [(4, 8), (1, 2)]])
+
+
+@check
+def flat_kernel_three_projections_of_unequal_lengths():
+    """q/k/v-like column dX on the flat TMA kernel: 2 shards of 128, 64 and 64 rows (whole
+    BLOCK_K chunks: the period is 4 chunks, the projections end at chunks 2, 3 and 4), so the
+    second range's end (E1) is a fold point of its own: (p0 + p1) + p2, not p0 + a p1 chain run
+    on into p2; == the unfused loop."""
+    with sequential_dot():
+        rows = (256, 128, 128)
+        dys = [_randn(20, n, seed=60 + n, dtype=torch.bfloat16) for n in rows]
+        ws = [_randn(n, 24, seed=70 + n, dtype=torch.bfloat16) for n in rows]
+        sr = [virtual_shard_rows(n, 2) for n in rows]
+        assert tsm._flat_period(torch.bfloat16, [[r[j] for r in sr] for j in range(2)]) \
+            == (4, [2, 3, 4])
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat:
+            got = tsm.column_dx(dys, ws, sr, tile=SMALL)
+        assert len(flat.launches) == 1, "the flat TMA kernel did not run"
+        assert _same(got, _unfused(dys, ws, sr))
+
+
+@check
+def flat_kernel_bounds_off_zero_or_with_gaps_are_laid_end_to_end():
+    """shard_tree_matmul's flat path with whole-chunk ranges that do not start at K = 0, or leave
+    a gap: the ranges are copied end to end first; == pointer loads (no copy) and the loop."""
+    with sequential_dot():
+        x = _randn(19, 256, seed=11, dtype=torch.bfloat16)
+        w = _randn(21, 256, seed=12, dtype=torch.bfloat16)
+        for bounds in ([[(64, 128)], [(128, 192)]], [[(0, 64)], [(128, 192)]]):
+            with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat:
+                got = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL)
+            assert len(flat.launches) == 1, "the flat TMA kernel did not run"
+            want = _unfused([x], [w.t()], [[sb[0] for sb in bounds]])
+            assert _same(got, want), bounds
+            plain = tsm.shard_tree_matmul(x, w, bounds, b_kmajor=True, tile=SMALL, use_tma=False)
+            assert _same(got, plain), bounds
+
+
+@check
+def long_row_parallel_shards_take_the_partials_tree():
+    """Shards longer than FLAT_MAX_CHUNKS chunks (8 × 576 bf16 columns): row_parallel_nt takes
+    the unfused partials (no fused launch), still summed by the pairwise tree."""
+    with sequential_dot():
+        ks = (tsm.FLAT_MAX_CHUNKS + 1) * tm.BLOCK_K[torch.bfloat16]
+        x = _randn(5, 8 * ks, seed=13, dtype=torch.bfloat16)
+        w = _randn(7, 8 * ks, seed=14, dtype=torch.bfloat16)
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat, \
+                LaunchRecorder.swapped_in(tsm, "_shard_tree_kernel") as nested:
+            got = tsm.row_parallel_nt(x, w, 8)
+        assert not flat.launches and not nested.launches
+        p = tm.row_parallel_partials(x, w, 8)
+        assert _same(got, tree_sum(p, 0))
+        seq = p[0]
+        for i in range(1, 8):
+            seq = seq + p[i]
+        assert not _same(got, seq), "control: the sequential shard sum is not different here"
+
+
+@check
+def odd_bounds_are_neither_fusable_nor_worth_fusing():
+    """worth_fusing implies fusable: 3 shards, 4 projections, empty ranges (whole-chunk periods
+    of their own) are not worth fusing; shards with different projection counts are refused."""
+    for bounds in ([[(0, 64)]] * 3, [[(0, 64)] * 4] * 2, [[(0, 0)], [(0, 0)]],
+                   [[(0, 64), (64, 64)], [(64, 128), (128, 128)]]):
+        assert not tsm.worth_fusing(torch.bfloat16, bounds), bounds
+    ragged = [[(0, 64), (64, 128)], [(128, 192)]]
+    assert not tsm.fusable(ragged)
+    x, w = torch.randn(4, 192).bfloat16(), torch.randn(5, 192).bfloat16()
+    try:
+        tsm.shard_tree_matmul(x, w, ragged, b_kmajor=True)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("shards of 2 and 1 ranges accepted")
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, so that kernels/matmul.py's dispatch (behind
+    `x.is_cuda`) runs here; the kernels it picks are stubs (`_dispatch`)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@contextlib.contextmanager
+def _dispatch():
+    """kernels/matmul.py with every kernel its linears pick stubbed to say which path it is:
+    "fused" (triton_shard_matmul's row_parallel_nt / column_dx, chosen by its real
+    worth_fusing) or "unfused" (the partials + shard_sum, the per-shard loop)."""
+    fused = types.SimpleNamespace(worth_fusing=tsm.worth_fusing,
+                                  row_parallel_nt=lambda *a, **k: "fused",
+                                  column_dx=lambda *a, **k: "fused")
+    stubs = {"_shard_kernel": lambda: fused, "row_parallel_partials": lambda *a: "partials",
+             "shard_sum": lambda p: "unfused", "seq_matmul": lambda a, b: "part",
+             "tree_combine": lambda parts: "unfused",
+             "column_dx_by_shards": lambda *a, **k: "unfused",
+             "_triton": lambda: types.SimpleNamespace(column_dx_partials=lambda *a: "partials")}
+    real = {k: getattr(mm, k) for k in stubs}
+    try:
+        for k, v in stubs.items():
+            setattr(mm, k, v)
+        yield
+    finally:
+        for k, v in real.items():
+            setattr(mm, k, v)
+
+
+def _column_backward(dys, ws, shard_rows, cd, on_cuda=True):
+    """kernels/matmul.py `_ColumnParallelLinear.backward` on a stand-in ctx: dX only."""
+    x = torch.zeros(dys[0].shape[0], ws[0].shape[1], dtype=cd)
+    x = x.as_subclass(_OnCuda) if on_cuda else x
+    ctx = types.SimpleNamespace(saved_tensors=(x, *ws), cd=cd, shard_rows=shard_rows, tok=None,
+                                params=ws, needs_input_grad=(True,) + (False,) * (3 + len(ws)))
+    return mm._ColumnParallelLinear.backward(ctx, *dys)[0]
+
+
+@check
+def model_linears_dispatch_to_the_fused_tree_where_worth_it():
+    """kernels/matmul.py's linears on (stand-in) CUDA tensors call the fused shard tree for bf16
+    operands with whole-chunk shards only: row_parallel_nt, column_parallel_dx and the column
+    linear's backward (its [P][S] shard rows taken per shard: q/k/v-like); fp32, mixed dtypes,
+    ragged chunks, fewer rows than shards (empty shards, which the fused kernel refuses) and CPU
+    tensors keep the unfused path."""
+    b16, f32 = torch.bfloat16, torch.float32
+
+    def t(*shape, dtype=b16):
+        return torch.zeros(*shape, dtype=dtype).as_subclass(_OnCuda)
+    with _dispatch():
+        assert mm.row_parallel_nt(t(4, 8 * 64), t(3, 8 * 64), 8) == "fused"
+        assert mm.row_parallel_nt(t(4, 2 * 64), t(3, 2 * 64), 2) == "fused"
+        assert mm.row_parallel_nt(t(4, 8 * 64, dtype=f32), t(3, 8 * 64, dtype=f32), 8) == "unfused"
+        assert mm.row_parallel_nt(t(4, 8 * 64), t(3, 8 * 64, dtype=f32), 8) == "unfused"
+        assert mm.row_parallel_nt(t(4, 8 * 40), t(3, 8 * 40), 8) == "unfused"
+        assert mm.row_parallel_nt(torch.zeros(4, 512, dtype=b16), torch.zeros(3, 512, dtype=b16),
+                                  8) == "unfused"                       # a CPU tensor
+        assert mm.column_parallel_dx(t(4, 512), t(512, 16)) == "fused"
+        assert mm.column_parallel_dx(t(4, 512, dtype=f32), t(512, 16, dtype=f32)) == "unfused"
+        assert mm.column_parallel_dx(t(4, 5), t(5, 16)) == "unfused"    # 3 of 8 shards empty
+        assert mm.column_parallel_dx(t(4, 8 * 40), t(8 * 40, 16)) == "unfused"
+        rows = (1024, 512, 512)                          # 8 shards of 128, 64, 64 rows
+        sr = tuple(virtual_shard_rows(n) for n in rows)
+        for cd, want in ((b16, "fused"), (f32, "unfused")):
+            dys = [t(4, n, dtype=cd) for n in rows]
+            ws = [t(n, 16, dtype=cd) for n in rows]
+            assert _column_backward(dys, ws, sr, cd) == want, cd
+        cpu = [torch.zeros(4, n, dtype=b16) for n in rows], [torch.zeros(n, 16, dtype=b16)
+                                                            for n in rows]
+        assert _column_backward(*cpu, sr, b16, on_cuda=False) == "unfused"   # CPU tensors
 
 
 if __name__ == "__main__":

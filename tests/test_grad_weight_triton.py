@@ -40,6 +40,11 @@ def test_two_inexact_adds_are_retried_and_exact(results):
     _ok(results, "two_inexact_adds_are_retried_and_exact")
 
 
+def test_a_lone_flagged_tile_is_retried_in_place(results):
+    """Only the last tile holds an element with two inexact adds: the retry launch redoes that
+    tile (TILES = [5]), no EMIT; bytes == reference (accumulator and rounded)."""
+    _ok(results, "a_lone_flagged_tile_is_retried_in_place")
+
 def test_extreme_range_takes_the_emit_path(results):
     """Partials 2**100, 1.5·2**46, 2**-100: the double word cannot hold them; exactly one tile is
     flagged and redone from its per-leaf partials; bytes == reference."""
