@@ -16,7 +16,7 @@ there (docs/BENCHMARKS.md), and the traffic grows with tokens × parameters.
 Algorithm, per output tile [BLOCK_N, BLOCK_K] (one program): walk the leaves in order; for each,
 p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then add p exactly into a float64
 double-word (hi, lo) per element with Knuth's TwoSum (TAOCP vol. 2, §4.2.2): s = hi + p and its
-exact error e; hi = s; the first nonzero e of an element is kept in lo (numerics/
+exact error e; hi = s; an element's one nonzero e is kept in lo (numerics/
 triton_fixedpoint.py `add_word`: an add is inexact only when p is ~2**-29 of the running sum or
 smaller, so a second one in the same element is rare and flags the tile). Every value here is a
 multiple of 2**-149 (an fp32 partial is), so hi + lo is the exact sum unless the check fails:
