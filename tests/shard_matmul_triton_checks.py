@@ -239,16 +239,20 @@ def flat_kernel_bounds_off_zero_or_with_gaps_are_laid_end_to_end():
 
 @check
 def long_row_parallel_shards_take_the_partials_tree():
-    """Shards longer than FLAT_MAX_CHUNKS chunks (8 × 576 bf16 columns): row_parallel_nt takes
-    the unfused partials (no fused launch), still summed by the pairwise tree."""
+    """Shards longer than FLAT_MAX_CHUNKS chunks (8 × 576 bf16 columns): the model's
+    row-parallel forward is not worth fusing there (worth_fusing(long_shards=False); the
+    dispatch check runs it through kernels/matmul.py), while the column dX still is; fused
+    anyway (tsm.row_parallel_nt, the flat kernel), the bytes are the pairwise tree's."""
+    ks = (tsm.FLAT_MAX_CHUNKS + 1) * tm.BLOCK_K[torch.bfloat16]
+    long = [[(s * ks, (s + 1) * ks)] for s in range(8)]
+    assert not tsm.worth_fusing(torch.bfloat16, long, long_shards=False)
+    assert tsm.worth_fusing(torch.bfloat16, long)
     with sequential_dot():
-        ks = (tsm.FLAT_MAX_CHUNKS + 1) * tm.BLOCK_K[torch.bfloat16]
         x = _randn(5, 8 * ks, seed=13, dtype=torch.bfloat16)
         w = _randn(7, 8 * ks, seed=14, dtype=torch.bfloat16)
-        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat, \
-                LaunchRecorder.swapped_in(tsm, "_shard_tree_kernel") as nested:
+        with LaunchRecorder.swapped_in(tsm, "_shard_tree_flat_kernel") as flat:
             got = tsm.row_parallel_nt(x, w, 8)
-        assert not flat.launches and not nested.launches
+        assert len(flat.launches) == 1, "the flat kernel did not run"
         p = tm.row_parallel_partials(x, w, 8)
         assert _same(got, tree_sum(p, 0))
         seq = p[0]
@@ -333,6 +337,9 @@ def model_linears_dispatch_to_the_fused_tree_where_worth_it():
         assert mm.row_parallel_nt(t(4, 8 * 64, dtype=f32), t(3, 8 * 64, dtype=f32), 8) == "unfused"
         assert mm.row_parallel_nt(t(4, 8 * 64), t(3, 8 * 64, dtype=f32), 8) == "unfused"
         assert mm.row_parallel_nt(t(4, 8 * 40), t(3, 8 * 40), 8) == "unfused"
+        long = 8 * (tsm.FLAT_MAX_CHUNKS + 1) * 64      # shards past the flat kernel's gain
+        assert mm.row_parallel_nt(t(4, long), t(3, long), 8) == "unfused"
+        assert mm.column_parallel_dx(t(4, long), t(long, 16)) == "fused"
         assert mm.row_parallel_nt(torch.zeros(4, 512, dtype=b16), torch.zeros(3, 512, dtype=b16),
                                   8) == "unfused"                       # a CPU tensor
         assert mm.column_parallel_dx(t(4, 512), t(512, 16)) == "fused"

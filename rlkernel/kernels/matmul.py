@@ -145,7 +145,8 @@ def row_parallel_nt(x: torch.Tensor, w: torch.Tensor, shards: int = VIRTUAL_TP) 
     if x.is_cuda and shards in (1, 2, 4, 8) and k % shards == 0 and k >= shards:
         ks = k // shards
         if _shard_kernel().worth_fusing(operand_dtype(x, w),
-                                        [[(s * ks, (s + 1) * ks)] for s in range(shards)]):
+                                        [[(s * ks, (s + 1) * ks)] for s in range(shards)],
+                                        long_shards=False):
             return _shard_kernel().row_parallel_nt(x, w, shards)
     return shard_sum(row_parallel_partials(x, w, shards))
 

@@ -56,8 +56,8 @@ TILES = {
     torch.float32: (64, 64, 4, 2, 8),
 }
 FLAT_MAX_CHUNKS = 8
-"""Chunks (of BLOCK_K) per shard up to which `row_parallel_nt` / `column_dx` take the flat
-kernel. Longer shards are where it loses (H200, 16k tokens, docs/BENCHMARKS.md): down_proj's
+"""Chunks (of BLOCK_K) per shard up to which the model's linears take the flat kernel
+(`worth_fusing(long_shards=False)` for the row-parallel forward, `column_dx`'s kernel choice). Longer shards are where it loses (H200, 16k tokens, docs/BENCHMARKS.md): down_proj's
 8 × 768 forward ran 1.55 ms fused against 1.17 ms for the unfused `bmm` partials + one-pass
 sum, gate/up's dX 3.40 ms flat against 2.37 ms for the nested kernel at LONG_TILE — the
 128×64 or 64×64 tiles that keep five accumulators in registers cost more than the partials'
@@ -219,9 +219,16 @@ def _period(shard_bounds, block_k: int) -> tuple[int, list[int]] | None:
     return at, ends
 
 
-def _flat_ok(t: torch.Tensor) -> bool:
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """A 2-D operand TMA can describe: unit inner stride, 16-byte aligned rows and base."""
     return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 \
         and t.data_ptr() % 16 == 0
+
+
+def _end_to_end(a_pieces, b_pieces, b_kmajor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K ranges' pieces of A [M, k] and B laid end to end (one copy each), in the order
+    given: the flat kernel's operand layout."""
+    return torch.cat(a_pieces, 1), torch.cat(b_pieces, 1 if b_kmajor else 0)
 
 
 def _flat(a: torch.Tensor, b: torch.Tensor, period: tuple[int, list[int]], shards: int,
@@ -229,7 +236,7 @@ def _flat(a: torch.Tensor, b: torch.Tensor, period: tuple[int, list[int]], shard
     """Y of `_shard_tree_flat_kernel` for 16-bit a [M, K], b whose K ranges already lie end to
     end from K = 0 (period = `_period` of them, `shards` periods); None where TMA cannot take
     the operands (16-byte aligned rows and bases)."""
-    if not (_flat_ok(a) and _flat_ok(b)):
+    if not (_tma_aligned(a) and _tma_aligned(b)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
     lp, ends = period
@@ -255,15 +262,20 @@ def _flat_period(dtype: torch.dtype, shard_bounds) -> tuple[int, list[int]] | No
     return _period(shard_bounds, BLOCK_K[dtype])
 
 
-def worth_fusing(dtype: torch.dtype, shard_bounds) -> bool:
+def worth_fusing(dtype: torch.dtype, shard_bounds, *, long_shards: bool = True) -> bool:
     """Whether kernels/matmul.py should call `row_parallel_nt` / `column_dx` for operands of
     `dtype` with these [S][P] K ranges: `fusable`, 16-bit, and every range whole BLOCK_K chunks
     of one length per projection (a TMA path exists: the flat kernel, the nested one at
     LONG_TILE, or the unfused partials for long row-parallel shards). Ragged shards — a
     vocab shard of 18,992 rows, k/v shards of a few rows — would take the pointer kernel, which
     ran the LM head's dX far slower than the per-shard `bmm` loop it replaces; fp32 keeps that
-    loop too. Speed only: every path gives the same bytes."""
-    return fusable(shard_bounds) and _flat_period(dtype, shard_bounds) is not None
+    loop too. `long_shards=False` (the row-parallel forward) also refuses shards longer than
+    FLAT_MAX_CHUNKS, where the unfused partials are faster. Speed only: every path gives the
+    same bytes."""
+    if not fusable(shard_bounds):
+        return False
+    period = _flat_period(dtype, shard_bounds)
+    return period is not None and (long_shards or period[0] <= FLAT_MAX_CHUNKS)
 
 
 def fusable(shard_bounds: Sequence[Sequence[tuple[int, int]]]) -> bool:
@@ -291,8 +303,7 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor, shard_bounds, block_k: int) -> boo
         return False
     if any(k0 % block_k or k1 % block_k for sb in shard_bounds for k0, k1 in sb):
         return False
-    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-               and t.data_ptr() % 16 == 0 for t in (a, b))
+    return _tma_aligned(a) and _tma_aligned(b)
 
 
 def shard_tree_matmul(a: torch.Tensor, b: torch.Tensor,
@@ -306,8 +317,8 @@ def shard_tree_matmul(a: torch.Tensor, b: torch.Tensor,
     one 16-bit dtype or fp32 (taken in `operand_dtype`), one CUDA device. `tile` overrides
     TILES / POINTER_TILES, `use_tma` the choice of TMA fetches (default: where `_tma_ok`;
     False: pointer loads only) and `flat=False` turns off the one-loop TMA kernel (default:
-    where `_period` allows it); none changes a bit (tests). Raises ValueError when the bounds are not `fusable` or out of range, or the
-    shapes disagree.
+    where `_period` allows it); none changes a bit (tests). Raises ValueError when the bounds
+    are not `fusable` or out of range, or the shapes disagree.
     """
     if not fusable(shard_bounds):
         raise ValueError(f"shard tree matmul: bounds {shard_bounds}; need S in {SHARD_COUNTS} "
@@ -331,10 +342,10 @@ def shard_tree_matmul(a: torch.Tensor, b: torch.Tensor,
     if period is not None:
         order = [rng for sb in shard_bounds for rng in sb]
         if order[0][0] != 0 or any(x[1] != y[0] for x, y in zip(order, order[1:])):
-            # lay the ranges end to end (one copy; the column dX gathers its own: column_dx)
-            a = torch.cat([a[:, k0:k1] for k0, k1 in order], 1)
-            b = torch.cat([b[:, k0:k1] if b_kmajor else b[k0:k1] for k0, k1 in order],
-                          1 if b_kmajor else 0)
+            # lay the ranges end to end (the column dX gathers its own: column_dx)
+            a, b = _end_to_end([a[:, k0:k1] for k0, k1 in order],
+                               [b[:, k0:k1] if b_kmajor else b[k0:k1] for k0, k1 in order],
+                               b_kmajor)
         y = _flat(a, b, period, len(shard_bounds), b_kmajor, tile)
         if y is not None:
             return y
@@ -362,17 +373,14 @@ def shard_tree_matmul(a: torch.Tensor, b: torch.Tensor,
 
 def row_parallel_nt(x: torch.Tensor, w: torch.Tensor, shards: int) -> torch.Tensor:
     """The local subtree of x [M, K] @ w [N, K]ᵀ over `shards` equal K shards -> [M, N] fp32:
-    the bytes of shard_sum(row_parallel_partials(x, w, shards)), by the flat kernel, or for
-    shards longer than FLAT_MAX_CHUNKS by those unfused partials (faster there). ValueError
-    unless K % shards == 0 with K >= shards and shards in SHARD_COUNTS."""
+    the bytes of shard_sum(row_parallel_partials(x, w, shards)), fused (kernels/matmul.py keeps
+    the unfused partials where `worth_fusing(long_shards=False)` says no). ValueError unless
+    K % shards == 0 with K >= shards and shards in SHARD_COUNTS."""
     k = x.shape[-1]
     if shards not in SHARD_COUNTS or k % shards or k < shards:
         raise ValueError(f"row-parallel linear: K={k} in {shards} shards; need shards in "
                          f"{SHARD_COUNTS} dividing K")
     ks = k // shards
-    if x.dtype in BLOCK_K and ks > FLAT_MAX_CHUNKS * BLOCK_K[operand_dtype(x, w)]:
-        from rlkernel.kernels import triton_matmul as tm
-        return tm.shard_tree_sum(tm.row_parallel_partials(x, w, shards))   # the same bytes
     return shard_tree_matmul(x, w, [[(s * ks, (s + 1) * ks)] for s in range(shards)],
                              b_kmajor=True)
 
@@ -408,9 +416,9 @@ def column_dx(dys: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
     elif period is not None:
         # gathered straight into the flat kernel's order: shard by shard, projections in order
         dt = operand_dtype(dys[0], ws[0])
-        a = torch.cat([dys[i][:, r0:r1].to(dt) for sb in per_shard
-                       for i, (r0, r1) in enumerate(sb)], 1)
-        b = torch.cat([ws[i][r0:r1].to(dt) for sb in per_shard for i, (r0, r1) in enumerate(sb)], 0)
+        order = [(i, r0, r1) for sb in per_shard for i, (r0, r1) in enumerate(sb)]
+        a, b = _end_to_end([dys[i][:, r0:r1].to(dt) for i, r0, r1 in order],
+                           [ws[i][r0:r1].to(dt) for i, r0, r1 in order], False)
         y = _flat(a, b, period, len(per_shard), False, kw.get("tile"))
         if y is not None:
             return y

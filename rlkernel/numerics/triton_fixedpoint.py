@@ -230,8 +230,8 @@ def add_word(hi, lo, n_inexact, p):
     """(hi, lo, n_inexact) after adding the float64 tile p exactly into the double words (hi, lo)
     while at most one add per element is inexact: hi, e = TwoSum(hi, p); a nonzero error e is
     stored in lo (the last one; with at most one, the only one), and n_inexact (int32) counts
-    them. `words_exact` says whether
-    hi + lo is still the exact sum (n_inexact <= 1, hi in range).
+    them. `words_exact` says whether hi + lo is still the exact sum (n_inexact <= 1, hi in
+    range).
 
     Why one error slot: fl(hi + p) is exact unless p has bits below ulp(hi), i.e. unless the
     leaf partial is ~2**-29 of the running sum or smaller, which is rare (zeros, the usual
