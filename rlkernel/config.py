@@ -27,8 +27,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_TOKEN_LEAF,
-                           CUDA_VOCAB_CHUNK, MATMUL_ORDER, NUMERICS_VERSION, ROUNDING_POINTS,
+from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_DKV_LEAF,
+                           CUDA_TOKEN_LEAF, CUDA_VOCAB_CHUNK, MATMUL_ORDER, NUMERICS_VERSION, ROUNDING_POINTS,
                            TOKEN_LEAF, VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
 
 
@@ -341,7 +341,7 @@ class RunConfig:
             spec.update(matmul=f"sequential-K fp32 accumulate, BLOCK_K {CUDA_BLOCK_K}",
                         attention_kv_block=CUDA_ATTN_KV_BLOCK, vocab_chunk=CUDA_VOCAB_CHUNK,
                         token_leaf={"linear_weights": CUDA_TOKEN_LEAF,
-                                    "attention_dkv": CUDA_TOKEN_LEAF,
+                                    "attention_dkv": CUDA_DKV_LEAF,
                                     "norm_weights": TOKEN_LEAF, "embedding_rows": TOKEN_LEAF})
         return spec
 

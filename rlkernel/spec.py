@@ -26,13 +26,17 @@ CUDA_VOCAB_CHUNK = 128
 CUDA_BLOCK_K = {"fp32": 32, "bf16": 64}
 """K-tile of the sequential-K Triton matmul per input dtype (the K order inside a tile is the
 tensor core's; across tiles it is sequential)."""
-CUDA_TOKEN_LEAF = 64
-"""Tokens per leaf of the CUDA backend's matmul token reductions — every linear's dW (the LM
-head's too) and attention's dK/dV: a leaf partial is one 64-deep tensor-core dot (four k16
-steps, fp32 accumulation), so a quarter of TOKEN_LEAF's exact additions, which bound those
-kernels (float64 units). Norm weights and embedding rows keep TOKEN_LEAF on every backend (SP
-slices hold whole leaves of those). On CUDA samples start at multiples of it and CP segments are
-whole leaves of it (`stream_leaf`)."""
+CUDA_TOKEN_LEAF = 128
+"""Tokens per leaf of the CUDA backend's linear dW (the LM head's too): a leaf partial is one
+128-deep tensor-core dot (eight k16 steps, fp32 accumulation), so an eighth of TOKEN_LEAF's
+exact additions, which bound that kernel (float64 units; 64 before NUMERICS_VERSION 7). Norm
+weights and embedding rows keep TOKEN_LEAF on every backend (SP slices hold whole leaves of
+those). On CUDA samples start at multiples of it and CP segments are whole leaves of it
+(`stream_leaf`)."""
+CUDA_DKV_LEAF = 64
+"""Query positions per leaf of the CUDA attention backward's dK/dV sum (one 64-deep dot over a
+leaf's queries): a divisor of CUDA_TOKEN_LEAF, so the stream's alignment holds whole ones."""
+assert CUDA_TOKEN_LEAF % CUDA_DKV_LEAF == 0
 
 
 def stream_leaf(device_type: str) -> int:
@@ -40,14 +44,15 @@ def stream_leaf(device_type: str) -> int:
     return CUDA_TOKEN_LEAF if device_type == "cuda" else TOKEN_LEAF
 
 
-NUMERICS_VERSION = 6
+NUMERICS_VERSION = 7
 """Bumped whenever the code changes the bits a configuration computes (1: before 2026-11-30
 evening; 2: bf16 rounding points at the linears, the Triton attention backward on CUDA; 3: CUDA
 d logits divided by T exactly (was torch's x·(1/T)): CUDA gradients change when T != 1; 4: bf16
 runs round attention's q, k, v to bf16 (tensor-core attention, bf16 KV cache); 5: bf16 runs'
 attention backward rounds P (for dV) and dS (for dQ, dK) to bf16 and runs its dots on the tensor
 cores (CUDA); 6: CUDA's linear dW and attention dK/dV sum 64-token leaves (CUDA_TOKEN_LEAF), samples
-start at multiples of 64 there. A run resumes only under the version that wrote it, so one run
+start at multiples of 64 there; 7: CUDA's linear dW sums 128-token leaves, samples start at
+multiples of 128 there (attention dK/dV keeps 64: CUDA_DKV_LEAF). A run resumes only under the version that wrote it, so one run
 never mixes two meanings of a number."""
 ROUNDING_POINTS = {
     "bf16": "bf16: each linear's input activation and incoming gradient (x before x·Wᵀ, dY "

@@ -71,7 +71,7 @@ warnings.filterwarnings("ignore", "All-NaN slice encountered", RuntimeWarning)
 warnings.filterwarnings("ignore", "overflow encountered in exp", RuntimeWarning)
 
 
-LEAF = tb.CUDA_TOKEN_LEAF
+LEAF = tb.CUDA_DKV_LEAF
 """The kernels' leaf: samples are packed at its multiples, as the trainer does on CUDA."""
 
 

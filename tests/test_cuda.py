@@ -164,11 +164,11 @@ def test_token_dw_equals_cp_ranks_adding_their_leaves_exactly(tm):
     from rlkernel.kernels.matmul import accumulate_grad_weight_, token_grad_weight
     from rlkernel.numerics import fixedpoint as fx
     g = _gen(9)
-    dy = torch.randn(512, 96, device=DEV, generator=g)
-    x = torch.randn(512, 80, device=DEV, generator=g)
+    dy = torch.randn(1024, 96, device=DEV, generator=g)
+    x = torch.randn(1024, 80, device=DEV, generator=g)
     full = token_grad_weight(dy, x)
     for c in (2, 4, 8):
-        per = 512 // c
+        per = 1024 // c   # whole CUDA_TOKEN_LEAF leaves (128) per rank
         accs = [accumulate_grad_weight_(fx.zeros((96, 80), DEV), dy[r * per:(r + 1) * per],
                                         x[r * per:(r + 1) * per]) for r in range(c)]
         assert _same(fx.round_fp32(torch.stack(accs).sum(0)), full), c
@@ -615,16 +615,16 @@ def test_fused_logprobs_gradients_equal_unfused_column_parallel_path(cd):
 
 @pytest.mark.parametrize("which", ["column", "row"])
 def test_bf16_linears_batch_invariant_and_within_bf16_of_float64(which):
-    """bf16 compute dtype on the tensor cores: forward, dX and dW of 64 rows alone == the same
-    rows inside a 1088-row batch (leaf-aligned, so dW sums the same leaves plus others: compared
-    through the 64-row run's own dW vs a run on those rows padded with zero rows), bitwise; and
+    """bf16 compute dtype on the tensor cores: forward, dX and dW of 128 rows alone == the same
+    rows inside a 1152-row batch (leaf-aligned, so dW sums the same leaves plus others: compared
+    through the 128-row run's own dW vs a run on those rows padded with zero rows), bitwise; and
     y within 2·2**-8·Σ|x||w| + 1e-4 of float64 (bf16 operand rounding). Control: cuBLAS bf16
     changes row 0 with the batch (test_negative_control_cublas_bf16_row0_changes_with_batch)."""
     from rlkernel.kernels.matmul import column_parallel_linear, row_parallel_linear
     g = _gen(41)
-    x = torch.randn(1088, 512, device=DEV, generator=g)
+    x = torch.randn(1152, 512, device=DEV, generator=g)
     w = (torch.randn(384, 512, device=DEV, generator=g) * 0.05).bfloat16().float()
-    dy = torch.randn(1088, 384, device=DEV, generator=g)
+    dy = torch.randn(1152, 384, device=DEV, generator=g)
 
     def run(xx, dd):
         xx, ww = xx.clone().requires_grad_(), w.clone().requires_grad_()
@@ -634,10 +634,10 @@ def test_bf16_linears_batch_invariant_and_within_bf16_of_float64(which):
         return y.detach(), xx.grad, ww.grad
 
     y, gx, gw = run(x, dy)
-    y1, gx1, gw1 = run(x[:64], dy[:64])
-    assert _same(y1, y[:64]) and _same(gx1, gx[:64])
+    y1, gx1, gw1 = run(x[:128], dy[:128])
+    assert _same(y1, y[:128]) and _same(gx1, gx[:128])
     pad = torch.zeros(1024, 512, device=DEV), torch.zeros(1024, 384, device=DEV)
-    _, _, gw_pad = run(torch.cat([x[:64], pad[0]]), torch.cat([dy[:64], pad[1]]))
+    _, _, gw_pad = run(torch.cat([x[:128], pad[0]]), torch.cat([dy[:128], pad[1]]))
     assert _same(gw1, gw_pad)
     ref = x.double() @ w.double().t()
     bound = 2 * 2.0 ** -8 * (x.double().abs() @ w.double().abs().t()) + 1e-4

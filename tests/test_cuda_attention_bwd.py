@@ -31,7 +31,7 @@ from kernel_helpers import attention_oracle64, n_diff, run_ranks_sequentially
 
 from rlkernel.distributed.parallel import cp_segments
 from rlkernel.distributed.tokensum import TokenSum
-from rlkernel.spec import CUDA_TOKEN_LEAF as TOKEN_LEAF  # the kernel's leaf
+from rlkernel.spec import CUDA_DKV_LEAF as TOKEN_LEAF  # the kernel's leaf
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

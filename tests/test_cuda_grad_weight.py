@@ -59,7 +59,7 @@ def _fused(dy, x, acc0=None, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,n,k", [(1024, 1024, 3072), (512, 2048, 1024), (320, 200, 130)])
+@pytest.mark.parametrize("tokens,n,k", [(1024, 1024, 3072), (512, 2048, 1024), (384, 200, 130)])
 def test_fused_accumulator_is_the_reference_bytes(dtype, tokens, n, k):
     dy, x = _operands(tokens, n, k, dtype)
     want = _reference(dy, x)
@@ -100,7 +100,7 @@ def test_two_inexact_adds_in_one_element_are_retried_exactly(monkeypatch):
     lose 2**-81 and round differently: the exact sum 1 + 3·2**-81 rounds to 1.0 either way, so
     the accumulator is compared, not the fp32 gradient)."""
     seen = _count_retries(monkeypatch)
-    dy, x = _operands(256, 300, 200, torch.bfloat16, seed=2)
+    dy, x = _operands(3 * TOKEN_LEAF, 300, 200, torch.bfloat16, seed=2)
     dy[:, 3] = 0
     x[:, 7] = 0
     for leaf, v in enumerate([1.0, 2.0**-80, 2.0**-81]):
@@ -136,7 +136,7 @@ def _plant_extreme(dy, x) -> None:
 def test_planted_extreme_element_is_redone_exactly():
     """Element (3, 7)'s leaf partials 2**100, 1.5·2**46, 2**-100 (bf16 operands, one token per
     leaf): only the EMIT path can hold them; exactly its tile is redone, bytes == reference."""
-    dy, x = _operands(256, 300, 200, torch.bfloat16, seed=2)
+    dy, x = _operands(3 * TOKEN_LEAF, 300, 200, torch.bfloat16, seed=2)
     _plant_extreme(dy, x)
     got, redone = _fused(dy, x)
     assert redone == 1
@@ -149,7 +149,7 @@ def test_split_stream_adds_up_to_one_call_and_cublas_does_not():
     added, differs from the whole."""
     dy, x = _operands(1024, 1024, 1024, torch.bfloat16, seed=3)
     whole = _fused(dy, x)[0]
-    for cut in (64, 448, 512):
+    for cut in (TOKEN_LEAF, 384, 512):
         acc = _fused(dy[:cut], x[:cut])[0]
         acc = _fused(dy[cut:], x[cut:], acc0=acc)[0]
         assert torch.equal(fx.round_fp32(acc).view(torch.int32),
@@ -175,7 +175,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,n,k", [(1024, 1024, 3072), (512, 2048, 1024), (320, 200, 130)])
+@pytest.mark.parametrize("tokens,n,k", [(1024, 1024, 3072), (512, 2048, 1024), (384, 200, 130)])
 def test_rounded_grad_weight_is_the_digit_path_rounding(dtype, tokens, n, k):
     """rounded_grad_weight(dy, x) == round_fp32(accumulate_grad_weight_(zeros, dy, x)), bytewise;
     with every tile forced through the flag: None (the caller's digit path)."""
@@ -214,7 +214,7 @@ def _spied_rounded(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("tokens,n,k,chunk_rows", [(1024, 1024, 3072, 256), (512, 2048, 1024, 700),
-                                                   (320, 200, 130, 64)])
+                                                   (384, 200, 130, 64)])
 def test_direct_grad_weight_words_path_equals_the_digit_path(monkeypatch, tokens, n, k,
                                                              chunk_rows):
     """bf16 operands through kernels/matmul.py grad_weight: a one-rank direct sink

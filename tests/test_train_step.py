@@ -82,7 +82,7 @@ def test_cuda_stream_alignment_changes_no_cpu_gradient_bit(monkeypatch):
     """The packer's CUDA alignment (spec.stream_leaf: samples at multiples of CUDA_TOKEN_LEAF,
     CP/SP cuts at its multiples) on the CPU backend, whose token reductions keep TOKEN_LEAF
     leaves: every gradient and stat has the bytes of the CPU alignment, and the layout really
-    moved (sample 1 starts at row 64 instead of 16·k). So the CUDA alignment logic is covered
+    moved (sample 1 starts at row 128 instead of 16·k). So the CUDA alignment logic is covered
     by the CPU path, and padding/alignment never enters a number."""
     from rlkernel.spec import CUDA_TOKEN_LEAF, TOKEN_LEAF
 
@@ -107,8 +107,8 @@ def test_cuda_stream_alignment_changes_no_cpu_gradient_bit(monkeypatch):
 
 
 def test_stream_multiple_and_packed_len_hold_whole_leaves_of_both_sizes():
-    """stream_multiple = 2·CP·max(leaf, TOKEN_LEAF·TP under SP): at CP4 with the CUDA leaf 512,
-    under SP at TP8 (16·8 > 64) 2·4·128 = 1024; packed_len aligns every sample to the leaf and
+    """stream_multiple = 2·CP·max(leaf, TOKEN_LEAF·TP under SP): at CP4 with the CUDA leaf 1024,
+    under SP at TP8 (16·8 = 128) 2·4·128 = 1024, and at SP TP16 with the CUDA leaf 2·4·256; packed_len aligns every sample to the leaf and
     pads to the multiple; a leaf that is not a multiple of TOKEN_LEAF is refused, and so is a
     multiple that is not a multiple of the leaf."""
     from rlkernel.distributed.parallel import stream_multiple
@@ -119,18 +119,21 @@ def test_stream_multiple_and_packed_len_hold_whole_leaves_of_both_sizes():
     cp4 = dataclasses.replace(base, cp=Comm("cp", None, range(4), 0))
     sp8 = dataclasses.replace(cp4, tp=Comm("tp", None, range(8), 0), sp=True)
     assert stream_multiple(base) == 2 * TOKEN_LEAF
-    assert stream_multiple(cp4, CUDA_TOKEN_LEAF) == 512
+    sp16 = dataclasses.replace(sp8, tp=Comm("tp", None, range(16), 0))
+    assert stream_multiple(cp4, CUDA_TOKEN_LEAF) == 1024
     assert stream_multiple(sp8, CUDA_TOKEN_LEAF) == 1024 == stream_multiple(sp8)
-    assert sample_offsets([70, 1, 64], CUDA_TOKEN_LEAF) == [0, 128, 192]
+    assert stream_multiple(sp16, CUDA_TOKEN_LEAF) == 2048
+    assert sample_offsets([70, 1, 64], CUDA_TOKEN_LEAF) == [0, 128, 256]
+    assert sample_offsets([70, 1, 64], 64) == [0, 128, 192]
     assert packed_len([70, 1, 64], 512, CUDA_TOKEN_LEAF) == 512
     assert packed_len([70, 1, 64], 16) == 80 + 16 + 64
     with pytest.raises(ValueError, match="stream leaf 24"):
         sample_offsets([5], 24)
-    with pytest.raises(ValueError, match="multiple 32 is not a multiple of the stream leaf 64"):
-        packed_len([5], 32, CUDA_TOKEN_LEAF)
+    with pytest.raises(ValueError, match="multiple 64 is not a multiple of the stream leaf 128"):
+        packed_len([5], 64, CUDA_TOKEN_LEAF)
 
 
-@pytest.mark.parametrize("leaf", [16, 64])
+@pytest.mark.parametrize("leaf", [16, 64, 128])
 def test_loss_rows_and_row_samples_follow_the_layout_of_the_leaf(leaf):
     """Per microbatch row, at either stream leaf: the loss mask, target ids and the row's
     mini-batch sample index (what the per-sample loss weights are gathered by) sit exactly on the
@@ -152,7 +155,7 @@ def test_loss_rows_and_row_samples_follow_the_layout_of_the_leaf(leaf):
     assert torch.equal(who, want_who)
     assert torch.equal(mask, want_who >= 0)
     assert torch.equal(targets, want_tgt)
-    if leaf == 64:     # control: the layout really differs from the CPU leaf's
+    if leaf != 16:     # control: the layout really differs from the CPU leaf's
         lay16 = microbatches(samples, 512, 257, ParallelCtx.single(), index)[0][0]
         assert not torch.equal(lay16.q_idx, lay.q_idx)
 
@@ -160,11 +163,11 @@ def test_loss_rows_and_row_samples_follow_the_layout_of_the_leaf(leaf):
 def test_the_step_packs_with_the_backends_stream_leaf(monkeypatch):
     """spec.stream_leaf: CUDA_TOKEN_LEAF for "cuda", TOKEN_LEAF otherwise; compute_gradients and
     rollout_mismatches pack their microbatches with stream_leaf of the policy's device (patched
-    to CUDA's here: every sample starts at a multiple of 64). Control: unpatched, on the CPU, a
-    sample starts off a multiple of 64."""
+    to CUDA's here: every sample starts at a multiple of 128). Control: unpatched, on the CPU, a
+    sample starts off a multiple of 128."""
     from rlkernel.spec import CUDA_TOKEN_LEAF, TOKEN_LEAF, stream_leaf
 
-    assert stream_leaf("cuda") == CUDA_TOKEN_LEAF == 64
+    assert stream_leaf("cuda") == CUDA_TOKEN_LEAF == 128
     assert stream_leaf("cpu") == TOKEN_LEAF == 16
     samples = _samples()
     starts: list[int] = []
@@ -190,7 +193,7 @@ def test_the_step_packs_with_the_backends_stream_leaf(monkeypatch):
         assert n_cg == len(samples) == len(starts) - n_cg
         return list(starts)
 
-    assert any(x % CUDA_TOKEN_LEAF for x in run()), "control: CPU starts all multiples of 64"
+    assert any(x % CUDA_TOKEN_LEAF for x in run()), "control: CPU starts all multiples of 128"
     monkeypatch.setattr(step_mod, "stream_leaf", lambda device_type: CUDA_TOKEN_LEAF)
     assert all(x % CUDA_TOKEN_LEAF == 0 for x in run())
 

@@ -22,8 +22,8 @@ Three kernels:
   there is harmless); keys below kv_len must be finite, as in the forward.
 - `_dkv_kernel`: the token reduction over queries, with its exact sum inside. One program per
   (64-key tile, output columns, sample × query head) and per gradient (KIND: dK or dV). It walks
-  the leaves (CUDA_TOKEN_LEAF = 64 absolute positions of one sample — the packer's CUDA stream
-  leaf, so a CP rank holds whole ones —, read through a position -> slot map)
+  the leaves (CUDA_DKV_LEAF = 64 absolute positions of one sample — a divisor of the packer's
+  CUDA stream leaf, so a CP rank holds whole ones —, read through a position -> slot map)
   that can see the tile, in order; for each it forms the leaf partials Σ_{t in leaf} ds_tj·q_t
   (dK) or Σ_t p_tj·dO_t (dV) [64, D] as one dot over the leaf's queries (the dot's K dimension,
   position order), and adds them EXACTLY into a float64 double word per element (hi, lo), with
@@ -91,7 +91,7 @@ from rlkernel.kernels.triton_util import INTERPRET, check_cuda, device_ctx
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.numerics.trees import tree_sum_halving
-from rlkernel.spec import CUDA_ATTN_KV_BLOCK, CUDA_TOKEN_LEAF
+from rlkernel.spec import CUDA_ATTN_KV_BLOCK, CUDA_DKV_LEAF
 
 KV_BLOCK = CUDA_ATTN_KV_BLOCK
 """The forward's absolute key block (64): dQ walks these blocks in order; key chunks are whole blocks."""
@@ -349,14 +349,14 @@ def _dq(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tile) -> torch.Tensor:
 
 
 def slot_map(q_pos: torch.Tensor, n_leaves: int) -> torch.Tensor:
-    """[S, LEAF·n_leaves + 1] int32 (LEAF = CUDA_TOKEN_LEAF): slot t of the query at absolute
+    """[S, LEAF·n_leaves + 1] int32 (LEAF = CUDA_DKV_LEAF): slot t of the query at absolute
     position p of sample s, or −1.
 
     q_pos [S, Tq] long (−1 = padding; positions of one sample distinct, < LEAF·n_leaves). The
     last column collects the padding slots and is never read. Lets a kernel read a leaf's
     queries in position order whatever the layout (CP subsets, chunks, decode rows)."""
     s_, tq = q_pos.shape
-    width = n_leaves * CUDA_TOKEN_LEAF
+    width = n_leaves * CUDA_DKV_LEAF
     slot = torch.full((s_, width + 1), -1, dtype=torch.int32, device=q_pos.device)
     at = torch.where(q_pos >= 0, q_pos, torch.full_like(q_pos, width))
     slots = torch.arange(tq, dtype=torch.int32, device=q_pos.device).expand(s_, tq)
@@ -382,7 +382,7 @@ def peak_bytes(s_: int, hq: int, hkv: int, tq: int, tk: int, d: int, n_leaves: i
     module doc's formula; tk is the keys the chunks cover, kv_ranks the kv_comm size)."""
     sc, kc = chunk_shape(s_, hq, d, tk, words_elems)
     c = sc * hq * kc * d
-    return (4 * s_ * hq * tq + 4 * s_ * (CUDA_TOKEN_LEAF * n_leaves + 1) + 4 * s_ * hq * tq * d
+    return (4 * s_ * hq * tq + 4 * s_ * (CUDA_DKV_LEAF * n_leaves + 1) + 4 * s_ * hq * tq * d
             + 16 * s_ * hq * tk * d + 8 * s_ * hkv * tk * d * kv_ranks
             + 16 * c + 4 * c + 6 * 104 * min(c, DIGIT_ELEMS) + EMIT_BYTES)
 
@@ -405,7 +405,7 @@ def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int,
         q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids,
         *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *lse_h.stride(), *delta.stride(),
         *slot.stride(), s_ow, s0, j0, width, n_tiles_k, n_leaves, hq, float(scale),
-        G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_TOKEN_LEAF, BLOCK_N=bn, KIND=kind, PREC=prec,
+        G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_DKV_LEAF, BLOCK_N=bn, KIND=kind, PREC=prec,
         BF16=q.dtype == torch.bfloat16, EMIT=emit, FORCE_FLAG=int(force_flag),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
 
@@ -515,7 +515,7 @@ def leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, scale,
     _check(q, k, v, out, lse, d_out, q_pos, kv_len)
     s_, hq, tq, d = q.shape
     tk = k.shape[2]
-    n_leaves = int(q_pos.max()) // CUDA_TOKEN_LEAF + 1
+    n_leaves = int(q_pos.max()) // CUDA_DKV_LEAF + 1
     lse_h = lse.reshape(s_, hq, tq)
     tile = _kv_tile(q.dtype, d, kv_tile)
     bn, dt = tile[0], tile[1]
@@ -568,7 +568,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         top_pos, top_len = torch.stack([q_pos.max(), kv_len.max()]).tolist()
     else:
         top_pos, top_len = -1, int(kv_len.max())
-    n_leaves = max(0, top_pos) // CUDA_TOKEN_LEAF + 1
+    n_leaves = max(0, top_pos) // CUDA_DKV_LEAF + 1
     tk_eff = max(0, min(tk, top_len))
     with device_ctx(q):
         delta = _delta(out, d_out, q_pos) if tq else torch.zeros(s_, hq, 0, device=q.device)

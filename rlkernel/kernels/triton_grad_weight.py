@@ -2,12 +2,12 @@
 produced and added inside one kernel, never written out per leaf.
 
 What it computes: the same exact sum as the reference path (kernels/matmul.py
-`token_leaf_partials` with leaves of CUDA_TOKEN_LEAF = 64 tokens + numerics/fixedpoint.py
+`token_leaf_partials` with leaves of CUDA_TOKEN_LEAF = 128 tokens + numerics/fixedpoint.py
 `accumulate_`), added into the same fixed-point accumulator: for every element (n, k), the
-64-token partials p_l = Σ_{t in leaf l} dy[t, n]·x[t, k] (one 64-deep tensor-core dot per leaf,
-fp32 accumulation; for fp32 operands the fma chain over the leaf's tokens in order), summed
-exactly over the leaves l of the call. (The leaf was 16 tokens before NUMERICS_VERSION 6: four
-times the exact additions, which bound this kernel — docs/BENCHMARKS.md.)
+128-token partials p_l = Σ_{t in leaf l} dy[t, n]·x[t, k] (one 128-deep tensor-core dot per
+leaf, fp32 accumulation; for fp32 operands the fma chain over the leaf's tokens in order), summed
+exactly over the leaves l of the call. (The leaf was 16 tokens before NUMERICS_VERSION 6 and 64
+before 7: the exact additions per leaf and element bound this kernel — docs/BENCHMARKS.md.)
 
 Why: the reference path writes 4 bytes × (tokens / 16) per weight element and reads them back into
 the exact accumulator — on an H200, a qwen3-0.6b step of 4,096 tokens spent 709 ms of 1.74 s
