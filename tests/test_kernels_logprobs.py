@@ -248,23 +248,28 @@ def test_padded_vocab_rejects_a_live_vocab_outside_1_to_v():
 
 
 _INTERPRETED_FUSED_CHECK = textwrap.dedent("""
-    import triton_interpreter_compat  # numpy >= 2.3: before any launch
+    from triton_interpreter_compat import sequential_dot  # numpy >= 2.3: before any launch
     import torch
     from rlkernel.kernels import triton_logprobs as tlp
+    from rlkernel.kernels import triton_matmul as tmm
     from rlkernel.kernels.logprobs import _div_t
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(8, 32, generator=g), torch.randn(2048, 32, generator=g) * 0.3
-    for live in (1500, 300, 129, 1):
-        tgt = torch.randint(0, live, (8,), generator=g)
-        tgt[0] = live          # one masked target: its logprob must be -inf
-        fused = tlp.linear_shard_stats(h, w, tgt, 0.7, 8, live)
-        unfused = tlp.shard_stats(_div_t(h @ w.T, 0.7, live), 1.0, 8, tgt)
-        for a, b in zip(fused, unfused):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), live
-        m, s, t, zt = fused
-        dead = [k for k in range(8) if k * 256 >= live]
-        assert (m[:, dead] == float("-inf")).all() and (s[:, dead] == 0).all(), live
-        assert (t[:, dead] == 0).all() and zt[0] == float("-inf"), live
+    # A layout comparison (the fused kernel against the logits kernel, tile against tile): dots
+    # as sequential chains, numpy's matmul rounds by shape (tests/triton_interpreter_compat.py).
+    with sequential_dot():
+        for tile in (tlp.LINEAR_STATS_TILE, (64, 8, 2)):
+            for live in (1500, 300, 129, 1):
+                tgt = torch.randint(0, live, (8,), generator=g)
+                tgt[0] = live          # one masked target: its logprob must be -inf
+                fused = tlp.linear_shard_stats(h, w, tgt, 0.7, 8, live, tile=tile)
+                unfused = tlp.shard_stats(_div_t(tmm.linear_nt(h, w), 0.7, live), 1.0, 8, tgt)
+                for a, b in zip(fused, unfused):
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (tile, live)
+                m, s, t, zt = fused
+                dead = [k for k in range(8) if k * 256 >= live]
+                assert (m[:, dead] == float("-inf")).all() and (s[:, dead] == 0).all(), live
+                assert (t[:, dead] == 0).all() and zt[0] == float("-inf"), live
     print("ok")
 """)
 

@@ -196,14 +196,21 @@ def shard_stats(logits: torch.Tensor, temperature: float, shards: int,
     return m, s, t, (zt.amax(1) if targets is not None else None)
 
 
+LINEAR_STATS_TILE = (128, 8, 3)
+"""(BR rows, num_warps, num_stages) of `_linear_stats_kernel`: speed only (a row's statistics
+are per-row chains; benchmarks/bench_lm_head_stats.py times and byte-checks others)."""
+
+
 def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
-                       temperature: float, shards: int, live_vocab: int | None = None):
+                       temperature: float, shards: int, live_vocab: int | None = None,
+                       tile: tuple[int, int, int] = LINEAR_STATS_TILE):
     """Fused LM head + statistics: as `shard_stats` of z = h @ wᵀ / T with z = -inf for ids >=
     live_vocab (logprobs._div_t), bitwise, without forming the logits.
 
     h [N, K], w [V, K] (any strides; both float32 or both bfloat16: the logits are the bytes of
     triton_matmul.linear_nt for that dtype), targets [N] long, V % shards == 0, live_vocab in
-    [1, V] or None (= V). Returns (m, s, t [N, shards] fp32, z_target [N] fp32).
+    [1, V] or None (= V); `tile` as LINEAR_STATS_TILE. Returns (m, s, t [N, shards] fp32,
+    z_target [N] fp32).
     """
     check_cuda("fused logprobs", h, w, targets)
     if h.dtype != w.dtype or h.dtype not in (torch.float32, torch.bfloat16):
@@ -217,14 +224,14 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
     n_live = v if live_vocab is None else live_vocab
     m, s, t, zt = _outs(n, shards, h.device)
     if n:
-        br = 64
+        br, warps, stages = tile
         with device_ctx(h):
             _linear_stats_kernel[(shards, triton.cdiv(n, br))](
                 h, w, targets, m, s, t, zt, n, k, v // shards, n_live,
                 h.stride(0), h.stride(1), w.stride(0), w.stride(1), float(temperature),
                 BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[h.dtype],
                 PREC="ieee" if h.dtype == torch.float32 else "tf32",   # ignored for bf16 dots
-                num_warps=8, num_stages=2, enable_fp_fusion=False)
+                num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return m, s, t, zt.amax(1)
 
 
