@@ -3,7 +3,7 @@
 
 qwen3-1.7b's head: 16,384 tokens × hidden 2048 × vocab 151,936 (8 vocab shards of 18,992),
 bf16 operands. Each tile's four outputs are compared bytewise with the table tile's
-(LINEAR_STATS_TILE) before it is timed: a tile is speed only. cuBLAS forms the logits and nothing
+(LINEAR_STATS_TILES) before it is timed: a tile is speed only. cuBLAS forms the logits and nothing
 else (no statistics), so its time is a floor, not a like-for-like arm.
 Run (repository root, CUDA machine): PYTHONPATH=. python3 benchmarks/bench_lm_head_stats.py
     [--tokens N] [--out FILE.json]
@@ -38,7 +38,7 @@ def main() -> None:
     def run(tile):
         return tlp.linear_shard_stats(h, w, tg, 1.0, VIRTUAL_TP, tile=tile)
 
-    ref = run(tlp.LINEAR_STATS_TILE)
+    ref = run(tlp.LINEAR_STATS_TILES[torch.bfloat16])
     rows = [{"case": "cublas h @ w.t() bf16 (logits only)",
              "ms": median_ms(lambda: torch.matmul(h, w.t()))}]
     for tile in TILES:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_DKV_LEAF,
-                           CUDA_TOKEN_LEAF, CUDA_VOCAB_CHUNK, MATMUL_ORDER, NUMERICS_VERSION, ROUNDING_POINTS,
-                           TOKEN_LEAF, VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
+                           CUDA_TOKEN_LEAF, CUDA_VOCAB_CHUNK, MATMUL_ORDER, NUMERICS_VERSION,
+                           ROUNDING_POINTS, TOKEN_LEAF, VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")

@@ -258,7 +258,7 @@ _INTERPRETED_FUSED_CHECK = textwrap.dedent("""
     # A layout comparison (the fused kernel against the logits kernel, tile against tile): dots
     # as sequential chains, numpy's matmul rounds by shape (tests/triton_interpreter_compat.py).
     with sequential_dot():
-        for tile in (tlp.LINEAR_STATS_TILE, (64, 8, 2)):
+        for tile in (tlp.LINEAR_STATS_TILES[torch.bfloat16], (64, 8, 2)):
             for live in (1500, 300, 129, 1):
                 tgt = torch.randint(0, live, (8,), generator=g)
                 tgt[0] = live          # one masked target: its logprob must be -inf

@@ -196,20 +196,22 @@ def shard_stats(logits: torch.Tensor, temperature: float, shards: int,
     return m, s, t, (zt.amax(1) if targets is not None else None)
 
 
-LINEAR_STATS_TILE = (128, 8, 3)
-"""(BR rows, num_warps, num_stages) of `_linear_stats_kernel`: speed only (a row's statistics
-are per-row chains; benchmarks/bench_lm_head_stats.py times and byte-checks others)."""
+LINEAR_STATS_TILES = {torch.bfloat16: (128, 8, 3), torch.float32: (64, 8, 2)}
+"""Operand dtype -> (BR rows, num_warps, num_stages) of `_linear_stats_kernel`: speed only (a
+row's statistics are per-row chains). bf16: the fastest of benchmarks/bench_lm_head_stats.py's
+sweep (27 ms against 77 for (64, 8, 2) at qwen3-1.7b's 16k-token step, same bytes); fp32 keeps
+the tile it was measured with."""
 
 
 def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                        temperature: float, shards: int, live_vocab: int | None = None,
-                       tile: tuple[int, int, int] = LINEAR_STATS_TILE):
+                       tile: tuple[int, int, int] | None = None):
     """Fused LM head + statistics: as `shard_stats` of z = h @ wᵀ / T with z = -inf for ids >=
     live_vocab (logprobs._div_t), bitwise, without forming the logits.
 
     h [N, K], w [V, K] (any strides; both float32 or both bfloat16: the logits are the bytes of
     triton_matmul.linear_nt for that dtype), targets [N] long, V % shards == 0, live_vocab in
-    [1, V] or None (= V); `tile` as LINEAR_STATS_TILE. Returns (m, s, t [N, shards] fp32,
+    [1, V] or None (= V); `tile` None = LINEAR_STATS_TILES[h.dtype]. Returns (m, s, t [N, shards] fp32,
     z_target [N] fp32).
     """
     check_cuda("fused logprobs", h, w, targets)
@@ -224,7 +226,7 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
     n_live = v if live_vocab is None else live_vocab
     m, s, t, zt = _outs(n, shards, h.device)
     if n:
-        br, warps, stages = tile
+        br, warps, stages = tile or LINEAR_STATS_TILES[h.dtype]
         with device_ctx(h):
             _linear_stats_kernel[(shards, triton.cdiv(n, br))](
                 h, w, targets, m, s, t, zt, n, k, v // shards, n_live,
