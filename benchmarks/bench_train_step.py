@@ -125,8 +125,10 @@ def main() -> None:
     weights = init_weights(cfg, 0)
     samples = _samples(a.samples, a.prompt_len, a.response_len, cfg.vocab_size, 1)
     tokens = a.samples * (a.prompt_len + a.response_len)
-    res = {"env": env() if dev.type == "cuda" else {"device": "cpu"}, "model": a.model, "samples": a.samples, "prompt_len": a.prompt_len,
-           "response_len": a.response_len, "tokens": tokens, "arms": {}}
+    n_params = sum(w.numel() for w in weights.values())
+    res = {"env": env() if dev.type == "cuda" else {"device": "cpu"}, "model": a.model,
+           "samples": a.samples, "prompt_len": a.prompt_len, "response_len": a.response_len,
+           "tokens": tokens, "parameters": n_params, "arms": {}}
     for mode in a.arms.split(","):
         if mode == "invariant-unfused":   # the invariant arm with the shard trees unfused
             from rlkernel.kernels import triton_shard_matmul as tsm
@@ -134,10 +136,13 @@ def main() -> None:
         r = _arm(mode.split("-")[0], cfg, weights, samples, a.steps, a.recompute,
                  a.profile and mode == "invariant", dev,
                  a.native_micro_samples if mode == "native" else 0, not a.no_kl)
+        # Peak bytes per parameter element: weights, grads, masters, moments and the step's
+        # activations and workspace together (the arms keep the same model state).
+        r["peak_bytes_per_param"] = r["peak_gib"] * 2**30 / n_params
         res["arms"][mode] = r
         dump(a.out, res)          # after each arm: a later arm's failure keeps this one
         print(f"{mode}: warm step {r['warm_step_s']:.3f} s ({tokens / r['warm_step_s']:.0f} tok/s), "
-              f"peak {r['peak_gib']:.2f} GiB, steps {[round(t, 3) for t in r['step_s']]}", flush=True)
+              f"peak {r['peak_gib']:.2f} GiB ({r['peak_bytes_per_param']:.1f} B/param), steps {[round(t, 3) for t in r['step_s']]}", flush=True)
         for k in r.get("top_kernels", [])[:25]:
             print(f"   {k['ms']:9.1f} ms {k['calls']:6d}x  {k['name']}")
     if {"invariant", "native"} <= res["arms"].keys():
