@@ -310,6 +310,15 @@ def _why_not_free(d: pathlib.Path) -> str:
     return "exists and is not an empty directory"
 
 
+def _occupied(flag: str, value: str) -> str | None:
+    """The usage error for a new-directory flag (`--run-dir`, `--out`) whose value is taken, in
+    one wording for every command; None when the directory is free."""
+    d = pathlib.Path(value)
+    if _dir_is_free(d):
+        return None
+    return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
+
+
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     """Final run directory. Raises ConfigError when --run-dir is occupied."""
     if cfg.run_dir is not None:
@@ -317,9 +326,9 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
         if d.resolve() == pathlib.Path.cwd().resolve():
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
                               "current one")
-        if not _dir_is_free(d):
-            raise ConfigError(f"--run-dir {cfg.run_dir!r}: {_why_not_free(d)}; give a new or "
-                              "empty directory")
+        taken = _occupied("--run-dir", cfg.run_dir)
+        if taken:
+            raise ConfigError(taken)
         return d
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = pathlib.Path("runs") / f"{stamp}-{cfg.fingerprint()[:10]}"
@@ -900,10 +909,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
+    taken = _occupied("--out", args.out)
+    if taken:
+        return _error("init-model", taken, 2)
     out = pathlib.Path(args.out)
-    if not _dir_is_free(out):
-        return _error("init-model", f"--out {args.out!r}: {_why_not_free(out)}; give a new or "
-                                    "empty directory", 2)
     from rlkernel.model.checkpoint import init_model
 
     try:
@@ -919,6 +928,11 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from rlkernel.runner.export import ExportError, ExportUsageError, export_run
 
+    # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
+    # its own check for callers of the API.
+    taken = _occupied("--out", args.out)
+    if taken:
+        return _error("export", taken, 2)
     try:
         info = export_run(args.run, args.out, args.step)
     except ExportUsageError as e:

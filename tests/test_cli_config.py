@@ -921,6 +921,17 @@ def test_init_model_out_naming_a_file_says_it_is_a_file(capsys, cwd):
     assert (cwd / "m").read_text() == "x"
 
 
+def test_export_out_naming_a_file_says_it_is_a_file(capsys, cwd):
+    """rlk export --out FILE: worded as --run-dir and init-model's --out (it said "exists and is
+    not an empty directory"); checked before the run is read, the file left as it was."""
+    (cwd / "m").write_text("x")
+    code, out, err = rlk(capsys, "export", "no-such-run", "--out", "m")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [
+        "rlk export: error: --out 'm': is a file, not a directory; give a new or empty directory"]
+    assert (cwd / "m").read_text() == "x"
+
+
 @pytest.mark.parametrize("argv,want", [
     # --micro-batch-tokens left at its default: the length given is what is too large
     (["--max-response-len", "100000"],
