@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "against the SHA-256 the run recorded. Steps with weights: the last one "
                     "(RUN/final) and those with a --save-every checkpoint.")
     exp.add_argument("run", metavar="RUN", help="run directory written by rlk run")
-    exp.add_argument("--step", type=int, default=None, metavar="N",
+    # No type=int: argparse's "invalid int value" names neither the rule nor the run's steps;
+    # cmd_export parses it (export.parse_step).
+    exp.add_argument("--step", default=None, metavar="N",
                      help="evidence step (from 0) whose weights to export (default: the final "
                           "weights of a complete run)")
     exp.add_argument("--out", required=True, metavar="DIR",
@@ -926,7 +928,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rlkernel.runner.export import ExportError, ExportUsageError, export_run
+    from rlkernel.runner.export import ExportError, ExportUsageError, export_run, parse_step
 
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
     # its own check for callers of the API.
@@ -934,7 +936,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if taken:
         return _error("export", taken, 2)
     try:
-        info = export_run(args.run, args.out, args.step)
+        info = export_run(args.run, args.out, parse_step(args.step, args.run))
     except ExportUsageError as e:
         if _debug():
             raise

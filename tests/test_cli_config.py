@@ -932,6 +932,25 @@ def test_export_out_naming_a_file_says_it_is_a_file(capsys, cwd):
     assert (cwd / "m").read_text() == "x"
 
 
+@pytest.mark.parametrize("weights,tail", [
+    (False, "of 'r' that kept weights"),
+    (True, "of 'r' that kept weights; steps with weights: 1 (final)"),
+])
+def test_export_step_that_is_no_integer_names_the_flag_value_and_the_steps(capsys, cwd, weights,
+                                                                          tail):
+    """rlk export --step x: one line naming --step, the value and what is allowed (argparse said
+    "invalid int value: 'x'"), with the run's steps that have weights when it has any."""
+    if weights:   # what available_steps reads: final/rlk_weights.json
+        (cwd / "r" / "final").mkdir(parents=True)
+        (cwd / "r" / "final" / "rlk_weights.json").write_text('{"step": 1, "version": "v"}')
+    code, out, err = rlk(capsys, "export", "r", "--step", "x", "--out", "o")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [
+        "rlk export: error: --step 'x': must be a non-negative integer, an evidence step "
+        f"(counted from 0) {tail}"]
+    assert not (cwd / "o").exists()
+
+
 @pytest.mark.parametrize("argv,want", [
     # --micro-batch-tokens left at its default: the length given is what is too large
     (["--max-response-len", "100000"],
