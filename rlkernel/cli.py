@@ -31,6 +31,7 @@ import datetime
 import difflib
 import glob
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -121,9 +122,24 @@ def _integer(value: str) -> int:
 def _number(value: str) -> float:
     """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed)."""
     try:
-        return float(value)
+        x = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    return x if math.isfinite(x) else _AsTyped(value)
+
+
+class _AsTyped(float):
+    """A non-finite flag value that RunConfig's message shows as the user typed it: repr()
+    turns '-nan' and 'NaN' into nan and '1e999' into inf, values nobody typed. Only non-finite
+    values get it: every float field refuses them, so none reaches a valid config."""
+
+    def __new__(cls, text: str) -> _AsTyped:
+        self = super().__new__(cls, text)
+        self.text = text.strip()
+        return self
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 # Spellings users bring from TRL/verl/OpenRLHF, accepted as second names of our flags (messages

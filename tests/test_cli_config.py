@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import types
+import typing
 
 import pytest
 
@@ -886,6 +887,22 @@ def test_negative_number_as_its_own_argument_reaches_the_validator(capsys, cwd, 
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
     assert line.startswith(f"rlk run: error: {want}"), line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+FLOAT_FLAGS = [flag_name(f.name) for f in dataclasses.fields(RunConfig)
+               if cli._unoptional(typing.get_type_hints(RunConfig)[f.name]) is float]
+
+
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+@pytest.mark.parametrize("text", ["-nan", "NaN", "1e999", "-Infinity"])
+def test_non_finite_value_is_echoed_as_typed(capsys, cwd, loop, flag, text):
+    """`--top-p -nan` is refused as `--top-p -nan`, not `nan` (float's repr drops a NaN's sign
+    and spelling, and shows 1e999 as inf); every float flag refuses every non-finite value."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", flag, text)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {flag} {text}: must be "), line
     assert list(cwd.iterdir()) == [] and loop.calls == []
 
 
