@@ -264,7 +264,7 @@ def _unknown_args(parser: argparse.ArgumentParser, command: str | None,
     sub = _subparser(parser, command)
     where = f"rlk {command}" if command else "rlk"
     arg = extras[0]
-    if arg.startswith("-"):
+    if arg.startswith("-") and not _is_float(arg):   # '-5' is a stray value, not a flag
         flag = arg.split("=", 1)[0]
         known = sorted({s for a in sub._actions for s in a.option_strings})
         longer = [k for k in known if flag.startswith("--") and k.startswith(flag)]

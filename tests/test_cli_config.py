@@ -267,6 +267,10 @@ def test_aliases_are_exactly_the_reviewed_list_and_set_the_same_field(capsys, cw
                                "--temperature? (flags are not abbreviated)"),
     (["run", "--zzzz"], "rlk run: error: unknown flag --zzzz; rlk run --help lists every flag"),
     (["run", "stray"], "rlk run: error: unexpected argument 'stray'; see rlk run --help"),
+    # a stray negative number is a value nobody took, not an unknown flag
+    (["run", "--steps", "2", "-5"], "rlk run: error: unexpected argument '-5'; see rlk run --help"),
+    (["run", "-1e-5"], "rlk run: error: unexpected argument '-1e-5'; see rlk run --help"),
+    (["run", "--sp", "-nan"], "rlk run: error: unexpected argument '-nan'; see rlk run --help"),
     (["export", "r", "--out", "o", "--stp", "1"], "rlk export: error: unknown flag --stp; did "
                                                   "you mean --step?"),
 ])
