@@ -31,6 +31,7 @@ import datetime
 import difflib
 import glob
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -121,9 +122,24 @@ def _integer(value: str) -> int:
 def _number(value: str) -> float:
     """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed)."""
     try:
-        return float(value)
+        x = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    return x if math.isfinite(x) else _AsTyped(value)
+
+
+class _AsTyped(float):
+    """A non-finite flag value that RunConfig's message shows as the user typed it: repr()
+    turns '-nan' and 'NaN' into nan and '1e999' into inf, values nobody typed. Only non-finite
+    values get it: every float field refuses them, so none reaches a valid config."""
+
+    def __new__(cls, text: str) -> _AsTyped:
+        self = super().__new__(cls, text)
+        self.text = text.strip()
+        return self
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 # Spellings users bring from TRL/verl/OpenRLHF, accepted as second names of our flags (messages
@@ -223,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "against the SHA-256 the run recorded. Steps with weights: the last one "
                     "(RUN/final) and those with a --save-every checkpoint.")
     exp.add_argument("run", metavar="RUN", help="run directory written by rlk run")
-    exp.add_argument("--step", type=int, default=None, metavar="N",
+    # No type=int: argparse's "invalid int value" names neither the rule nor the run's steps;
+    # cmd_export parses it (export.parse_step).
+    exp.add_argument("--step", default=None, metavar="N",
                      help="evidence step (from 0) whose weights to export (default: the final "
                           "weights of a complete run)")
     exp.add_argument("--out", required=True, metavar="DIR",
@@ -246,7 +264,7 @@ def _unknown_args(parser: argparse.ArgumentParser, command: str | None,
     sub = _subparser(parser, command)
     where = f"rlk {command}" if command else "rlk"
     arg = extras[0]
-    if arg.startswith("-"):
+    if arg.startswith("-") and not _is_float(arg):   # '-5' is a stray value, not a flag
         flag = arg.split("=", 1)[0]
         known = sorted({s for a in sub._actions for s in a.option_strings})
         longer = [k for k in known if flag.startswith("--") and k.startswith(flag)]
@@ -310,6 +328,15 @@ def _why_not_free(d: pathlib.Path) -> str:
     return "exists and is not an empty directory"
 
 
+def _occupied(flag: str, value: str) -> str | None:
+    """The usage error for a new-directory flag (`--run-dir`, `--out`) whose value is taken, in
+    one wording for every command; None when the directory is free."""
+    d = pathlib.Path(value)
+    if _dir_is_free(d):
+        return None
+    return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
+
+
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     """Final run directory. Raises ConfigError when --run-dir is occupied."""
     if cfg.run_dir is not None:
@@ -317,9 +344,9 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
         if d.resolve() == pathlib.Path.cwd().resolve():
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
                               "current one")
-        if not _dir_is_free(d):
-            raise ConfigError(f"--run-dir {cfg.run_dir!r}: {_why_not_free(d)}; give a new or "
-                              "empty directory")
+        taken = _occupied("--run-dir", cfg.run_dir)
+        if taken:
+            raise ConfigError(taken)
         return d
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = pathlib.Path("runs") / f"{stamp}-{cfg.fingerprint()[:10]}"
@@ -900,10 +927,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
+    taken = _occupied("--out", args.out)
+    if taken:
+        return _error("init-model", taken, 2)
     out = pathlib.Path(args.out)
-    if not _dir_is_free(out):
-        return _error("init-model", f"--out {args.out!r}: {_why_not_free(out)}; give a new or "
-                                    "empty directory", 2)
     from rlkernel.model.checkpoint import init_model
 
     try:
@@ -917,10 +944,15 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rlkernel.runner.export import ExportError, ExportUsageError, export_run
+    from rlkernel.runner.export import ExportError, ExportUsageError, export_run, parse_step
 
+    # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
+    # its own check for callers of the API.
+    taken = _occupied("--out", args.out)
+    if taken:
+        return _error("export", taken, 2)
     try:
-        info = export_run(args.run, args.out, args.step)
+        info = export_run(args.run, args.out, parse_step(args.step, args.run))
     except ExportUsageError as e:
         if _debug():
             raise

@@ -55,6 +55,16 @@ MIN_TEMPERATURE = 1e-6
 At T >= 1e-6 every |logit| < FP32_MAX · 1e-6 ≈ 3.4e32 (any working model's) stays finite; at
 T = 1e-40 a logit of 1 is already inf, and the log-softmax NaN."""
 
+SAME_EVIDENCE_SETTINGS = frozenset({
+    "dp", "tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp", "micro_batch_tokens",
+    "gpu_memory_utilization", "enforce_eager", "keep_rollout_state",
+    "run_dir", "save_every", "resume", "allow_dirty", "require_updates", "tensorboard"})
+"""RunConfig fields that never change a byte of the evidence (--mode invariant): where and how a
+run executes (layout, memory, CUDA graphs) and its bookkeeping. `rlk compare` calls a difference
+in any other field a difference of configuration, whose evidence is expected to differ."""
+SAMPLING_SETTINGS = ("temperature", "top_p")
+"""The fields that choose which tokens are sampled from the same logits (named apart by compare)."""
+
 
 class ConfigError(ValueError):
     """An invalid run setting; the message names the flag, the value and what is allowed."""

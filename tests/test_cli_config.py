@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import types
+import typing
 
 import pytest
 
@@ -266,6 +267,10 @@ def test_aliases_are_exactly_the_reviewed_list_and_set_the_same_field(capsys, cw
                                "--temperature? (flags are not abbreviated)"),
     (["run", "--zzzz"], "rlk run: error: unknown flag --zzzz; rlk run --help lists every flag"),
     (["run", "stray"], "rlk run: error: unexpected argument 'stray'; see rlk run --help"),
+    # a stray negative number is a value nobody took, not an unknown flag
+    (["run", "--steps", "2", "-5"], "rlk run: error: unexpected argument '-5'; see rlk run --help"),
+    (["run", "-1e-5"], "rlk run: error: unexpected argument '-1e-5'; see rlk run --help"),
+    (["run", "--sp", "-nan"], "rlk run: error: unexpected argument '-nan'; see rlk run --help"),
     (["export", "r", "--out", "o", "--stp", "1"], "rlk export: error: unknown flag --stp; did "
                                                   "you mean --step?"),
 ])
@@ -889,6 +894,22 @@ def test_negative_number_as_its_own_argument_reaches_the_validator(capsys, cwd, 
     assert list(cwd.iterdir()) == [] and loop.calls == []
 
 
+FLOAT_FLAGS = [flag_name(f.name) for f in dataclasses.fields(RunConfig)
+               if cli._unoptional(typing.get_type_hints(RunConfig)[f.name]) is float]
+
+
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+@pytest.mark.parametrize("text", ["-nan", "NaN", "1e999", "-Infinity"])
+def test_non_finite_value_is_echoed_as_typed(capsys, cwd, loop, flag, text):
+    """`--top-p -nan` is refused as `--top-p -nan`, not `nan` (float's repr drops a NaN's sign
+    and spelling, and shows 1e999 as inf); every float flag refuses every non-finite value."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", flag, text)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {flag} {text}: must be "), line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
 def test_negative_numbers_are_attached_to_value_flags_only():
     """Only a value flag takes the number; after `--` nothing is rewritten."""
     one = {"--lr"}
@@ -919,6 +940,36 @@ def test_init_model_out_naming_a_file_says_it_is_a_file(capsys, cwd):
     code, _, err = rlk(capsys, "init-model", "--preset", "tiny", "--out", "m")
     assert code == 2 and "--out 'm': is a file, not a directory" in err
     assert (cwd / "m").read_text() == "x"
+
+
+def test_export_out_naming_a_file_says_it_is_a_file(capsys, cwd):
+    """rlk export --out FILE: worded as --run-dir and init-model's --out (it said "exists and is
+    not an empty directory"); checked before the run is read, the file left as it was."""
+    (cwd / "m").write_text("x")
+    code, out, err = rlk(capsys, "export", "no-such-run", "--out", "m")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [
+        "rlk export: error: --out 'm': is a file, not a directory; give a new or empty directory"]
+    assert (cwd / "m").read_text() == "x"
+
+
+@pytest.mark.parametrize("weights,tail", [
+    (False, "of 'r' that kept weights"),
+    (True, "of 'r' that kept weights; steps with weights: 1 (final)"),
+])
+def test_export_step_that_is_no_integer_names_the_flag_value_and_the_steps(capsys, cwd, weights,
+                                                                          tail):
+    """rlk export --step x: one line naming --step, the value and what is allowed (argparse said
+    "invalid int value: 'x'"), with the run's steps that have weights when it has any."""
+    if weights:   # what available_steps reads: final/rlk_weights.json
+        (cwd / "r" / "final").mkdir(parents=True)
+        (cwd / "r" / "final" / "rlk_weights.json").write_text('{"step": 1, "version": "v"}')
+    code, out, err = rlk(capsys, "export", "r", "--step", "x", "--out", "o")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [
+        "rlk export: error: --step 'x': must be a non-negative integer, an evidence step "
+        f"(counted from 0) {tail}"]
+    assert not (cwd / "o").exists()
 
 
 @pytest.mark.parametrize("argv,want", [

@@ -8,12 +8,14 @@ Run: `.venv/bin/python -m pytest -q tests/test_compare.py`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
 import pytest
 
 from rlkernel import cli
+from rlkernel.config import SAME_EVIDENCE_SETTINGS, RunConfig
 from rlkernel.runner.compare import CompareError, compare_runs, format_report, same_value
 from rlkernel.runner.evidence import EvidenceWriter
 
@@ -85,6 +87,51 @@ def test_a_run_compared_with_itself_says_so(tmp_path, capsys):
         assert "info  A and B are the same run" in out, out
     b = write_run(tmp_path / "b", [_step(0)])
     assert "same run" not in rlk_compare(capsys, a, b)[1]
+
+
+def _set_config(run, **settings):
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["config"].update(settings)
+    path.write_text(json.dumps(manifest))
+
+
+def test_runs_of_other_sampling_settings_are_said_to_differ_in_configuration(tmp_path, capsys):
+    """--temperature/--top-p differing: a note line before the per-field results says the runs
+    are two configurations, so differing tokens are expected (the info lines alone read as a
+    broken promise); the info lines, the verdict and --quiet's output stay as they were."""
+    s = _step(0)
+    s["tokens_hash"] = "cd" * 32
+    a = write_run(tmp_path / "a", [_step(0)], tp=2)
+    b = write_run(tmp_path / "b", [s], tp=4)
+    _set_config(a, temperature=1.0, top_p=1.0, seed=0)
+    _set_config(b, temperature=0.7, top_p=0.9, seed=1)
+    code, out, _ = rlk_compare(capsys, a, b)
+    lines = out.splitlines()
+    assert code == 1 and lines[-1] == "DIFFERENT: 1 field differs"
+    assert "info  config: temperature 1.0 vs 0.7" in lines and "info  config: tp 2 vs 4" in lines
+    (i, note), = [(i, ln) for i, ln in enumerate(lines) if ln.startswith("note  ")]
+    assert note == ("note  A and B differ in configuration (sampling settings: --temperature, "
+                    "--top-p; other settings: --seed): differing tokens and evidence are "
+                    "expected, not a reproducibility failure (identical evidence is promised for "
+                    "one configuration across layouts)")
+    assert i == max(j for j, ln in enumerate(lines) if ln.startswith("info  ")) + 1
+    assert compare_runs(a, b).config_differences == ["temperature", "top_p", "seed"]
+    assert cli.main(["compare", "--quiet", str(a), str(b)]) == 1
+    assert capsys.readouterr().out.splitlines()[0].startswith("step 0")
+
+
+def test_a_layout_difference_is_no_difference_of_configuration(tmp_path, capsys):
+    """--tp (a layout setting, config.SAME_EVIDENCE_SETTINGS) differing: no note line. Those
+    settings are RunConfig fields, and hold every one a resume may change but --steps."""
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    assert SAME_EVIDENCE_SETTINGS <= fields
+    assert cli.RESUME_MAY_CHANGE - {"steps"} <= SAME_EVIDENCE_SETTINGS
+    a = write_run(tmp_path / "a", [_step(0)], tp=2)
+    b = write_run(tmp_path / "b", [_step(0)], tp=4)
+    _set_config(b, micro_batch_tokens=8192)
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 0 and "note" not in out and compare_runs(a, b).config_differences == []
 
 
 def test_one_bit_of_grad_norm_differs(tmp_path, capsys):

@@ -6,6 +6,9 @@ floats with the same bits (`float.hex`, so 0.0 != -0.0), lists elementwise, dict
 A step present in one run only is a difference. Manifest differences (config, canonical spec,
 inputs: file hashes, vocab, stored dtypes; versions, git commit) are reported as information:
 two topologies of one run are *expected* to differ in config and to be identical in evidence.
+A config difference outside config.SAME_EVIDENCE_SETTINGS (e.g. --temperature, --top-p, --seed)
+makes two runs of different configurations, whose tokens and evidence are expected to differ:
+the report says so in a line before the per-field results.
 
 Does not: read tensors or checkpoints (only evidence.json / manifest.json), or tolerate anything.
 
@@ -20,6 +23,8 @@ import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlkernel.config import SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
 
 IGNORED_STEP_FIELDS = frozenset({"timings", "resources"})
 """Step fields that are allowed to differ (wall-clock measurements)."""
@@ -45,12 +50,15 @@ class FieldResult:
 
 @dataclass
 class CompareReport:
-    """Everything `rlk compare` found. `results` decide the verdict; `info` does not."""
+    """Everything `rlk compare` found. `results` decide the verdict; `info` and
+    `config_differences` (the config fields, outside SAME_EVIDENCE_SETTINGS, whose values differ)
+    do not."""
 
     a: str
     b: str
     results: list[FieldResult] = field(default_factory=list)
     info: list[str] = field(default_factory=list)
+    config_differences: list[str] = field(default_factory=list)
 
     @property
     def n_differences(self) -> int:
@@ -233,6 +241,26 @@ def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     return info
 
 
+def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
+    """The config fields of A and B that differ and may change the evidence, in A's order."""
+    ca, cb = (m.get("config") if isinstance(m.get("config"), dict) else {} for m in (ma, mb))
+    keys = list(ca) + [k for k in cb if k not in ca]
+    return [k for k in keys if k not in SAME_EVIDENCE_SETTINGS
+            and not same_value(ca.get(k, "<absent>"), cb.get(k, "<absent>"))]
+
+
+def _config_note(keys: list[str]) -> str:
+    """The line that says A and B are two configurations, so that a DIFFERENT below (their
+    tokens, above all with other sampling settings) is not read as a broken promise."""
+    sampling = [flag_name(k) for k in keys if k in SAMPLING_SETTINGS]
+    other = [flag_name(k) for k in keys if k not in SAMPLING_SETTINGS]
+    groups = [f"sampling settings: {', '.join(sampling)}"] if sampling else []
+    groups += [f"{'other ' if sampling else ''}settings: {', '.join(other)}"] if other else []
+    return (f"A and B differ in configuration ({'; '.join(groups)}): differing tokens and "
+            "evidence are expected, not a reproducibility failure (identical evidence is "
+            "promised for one configuration across layouts)")
+
+
 # ---------------------------------------------------------------------------------------------
 # public API
 
@@ -244,7 +272,8 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     """
     ma, ea = load_run(a_dir)
     mb, eb = load_run(b_dir)
-    report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb))
+    report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb),
+                           config_differences=_config_differences(ma, mb))
     same = _run_path(a_dir).resolve()
     if same == _run_path(b_dir).resolve():
         report.info.insert(0, f"A and B are the same run ({same}): this compares a run with "
@@ -280,14 +309,17 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
 
 
 def format_report(report: CompareReport, quiet: bool = False) -> str:
-    """Human-readable report: run paths, manifest information, one line per field, the verdict.
+    """Human-readable report: run paths, manifest information, a "note" line when the runs
+    differ in configuration (report.config_differences), one line per field, the verdict.
 
-    quiet: only the fields that differ, then the verdict (no paths, no information lines).
+    quiet: only the fields that differ, then the verdict (no paths, information or note lines).
     The last line is "IDENTICAL" or "DIFFERENT: N fields differ".
     """
     shown = [r for r in report.results if not (quiet and r.same)]
     lines = [] if quiet else [f"A: {report.a}", f"B: {report.b}"]
     lines += [] if quiet else [f"info  {s}" for s in report.info]
+    if report.config_differences and not quiet:
+        lines.append(f"note  {_config_note(report.config_differences)}")
     width = max((len(r.where) for r in shown), default=0)
     name_width = max((len(r.name) for r in shown), default=0)
     for r in shown:

@@ -205,6 +205,22 @@ def _load_weights(src: pathlib.Path, cfg: Qwen3Config,
     return out
 
 
+def parse_step(text: str | None, run: str | os.PathLike) -> int | None:
+    """`rlk export --step` as typed -> an int (None when not given). A negative or too large
+    integer is left to export_run, which names the range. Raises ExportUsageError for text that
+    is no integer, naming the steps of `run` that have weights (when it has any)."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    avail = available_steps(run)
+    which = f"; {_steps_text(avail)}" if avail else ""
+    raise ExportUsageError(f"--step {text!r}: must be a non-negative integer, an evidence step "
+                           f"(counted from 0) of {str(run)!r} that kept weights{which}")
+
+
 def export_run(run: str | os.PathLike, out: str | os.PathLike,
                step: int | None = None) -> Exported:
     """Export the weights of `run` after evidence step `step` (None: the final weights of a
