@@ -191,18 +191,28 @@ def _sink_spy(monkeypatch) -> list[tuple[bool, set, set]]:
 @pytest.mark.parametrize("tied", [True, False])
 def test_one_microbatch_finishes_weights_in_their_backward_with_the_same_bytes(monkeypatch, tied):
     """Direct mode (one microbatch per rank): every weight's gradient is finished inside its
-    backward and no mini-batch accumulator is kept, except the tied embedding's (the lookup and
-    the LM head both add to it); 1-sample microbatches keep an accumulator for every weight. The
-    gradients are identical (int32 views), also when direct mode cuts every weight into 64-element
-    row chunks (the embedding's vocab rows included). Untied: lm_head and embedding are direct."""
+    backward and no mini-batch accumulator is kept — the tied embedding too (the lookup and the
+    LM head both add to it: the head finishes every row and keeps an accumulator of the looked-up
+    rows only, which the lookup completes; tokensum.GradSink.note_rows); 1-sample microbatches
+    keep an accumulator for every weight. The gradients are identical (int32 views), also when
+    direct mode cuts every weight into 64-element row chunks (the embedding's vocab rows
+    included). Untied: lm_head and embedding are direct, nothing is split."""
     from rlkernel.distributed import tokensum
 
     model = MODEL.replace(tie_word_embeddings=tied)
     seen = _sink_spy(monkeypatch)
+    split: list[set] = []
+    real_finish = tokensum.GradSink.finish     # the spy's wrapper: records the split weights
+
+    def finish(self):
+        split.append(set(self._split))
+        return real_finish(self)
+    monkeypatch.setattr(tokensum.GradSink, "finish", finish)
     whole = _grads_one_process("whole step", model=model)
     keep = {"model.embed_tokens.weight"} if tied else set()
     assert ("lm_head.weight" in whole) is not tied
-    assert seen[-1] == (True, keep, set(whole) - keep)
+    assert seen[-1] == (True, set(), set(whole))
+    assert split[-1] == keep
     one = _grads_one_process("1 sample", model=model)
     assert seen[-1] == (False, set(one), set())
     assert _differing(one, whole) == []

@@ -200,3 +200,75 @@ def test_words_rows_is_not_used_when_other_ranks_hold_tokens(monkeypatch):
     assert calls == []
     whole = fx.round_fp32(mm.accumulate_grad_weight_(fx.zeros((16, 10)), dy, x))
     assert _same(got[0], whole) and _same(got[1], whole)
+
+
+def _tied_grads(w: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor, offset: int,
+                sink: str, split: bool = True):
+    """Gradient of sum(coef * (embed(ids, W) @ Wᵀ)) for one tied W (the lookup, then the same
+    weight as a dense head; the head's backward runs first), with `sink` = none | persistent |
+    direct (W kept, as begin_grads keeps a tied embedding). split=False: rows not noted (the
+    persistent accumulator path of a kept weight). Returns (grad, the sink or None)."""
+    p = torch.nn.Parameter(w.clone())
+    gs = None
+    if sink != "none":
+        gs = tokensum.GradSink.single()
+        gs.begin({"emb": p}, direct=sink == "direct", keep={"emb"})
+        if not split:
+            gs.note_rows = lambda *a, **k: None
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=gs)
+    h = embed(ids, p, offset=offset, tok=tok)
+    (y,) = column_parallel_linear(h, [p], tok=tok)
+    (y * coef).sum().backward()
+    return (p.grad if gs is None else gs.finish()["emb"]), gs
+
+
+@pytest.mark.parametrize("chunk", [1 << 23, 7])
+def test_tied_weight_split_path_gives_the_persistent_bytes_without_its_accumulator(
+        monkeypatch, chunk):
+    """A kept (tied) weight in direct mode on one rank: the dense use finishes every row
+    directly and keeps an accumulator of the looked-up rows only, the lookup adds into it —
+    bytes == the persistent sink (both uses' partials summed exactly, rounded once) == the kept
+    weight's persistent path in direct mode (split off), at a vocab shard offset and with row
+    chunks of 1 row (DIRECT_CHUNK_ELEMS = 7). The split path made no [V, H] accumulator, its
+    row accumulator held exactly the ids present. Controls: the head's gradient alone differs
+    exactly on those rows; a split path that dropped the lookup's part would give it."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", chunk)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (3 * TOKEN_LEAF,), generator=g)
+    w = torch.randn(ROWS, H, generator=g)
+    coef = torch.randn(3 * TOKEN_LEAF, ROWS, generator=g)
+    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent")
+    seen = {}
+    real = tokensum.GradSink.finish
+
+    def spy(self):
+        seen.update(acc=set(self._acc), split={n: r.clone() for n, (r, _) in self._split.items()})
+        return real(self)
+    monkeypatch.setattr(tokensum.GradSink, "finish", spy)
+    got, _ = _tied_grads(w, ids, coef, OFFSET, "direct")
+    assert seen["acc"] == set()
+    local = ids - OFFSET
+    want_rows = torch.unique(local[(local >= 0) & (local < ROWS)])
+    assert torch.equal(seen["split"]["emb"], want_rows)
+    assert 0 < want_rows.numel() < ROWS     # some rows looked up, some not (both paths used)
+    assert _same(got, base)
+    other, _ = _tied_grads(w, ids, coef, OFFSET, "direct", split=False)
+    assert _same(other, base)
+    head_only = torch.nn.Parameter(w.clone())
+    (column_parallel_linear(embed(ids, w, offset=OFFSET), [head_only])[0] * coef).sum().backward()
+    differs = ~(head_only.grad.view(torch.int32) == base.view(torch.int32)).all(1)
+    assert torch.equal(torch.nonzero(differs)[:, 0], want_rows), "control"
+
+
+def test_split_rows_refuses_the_sparse_use_before_the_dense_one():
+    """note_rows then the lookup's backward with no dense use before it: a RuntimeError, not a
+    gradient that silently lacks the head's part; a frozen tensor's rows are ignored."""
+    p = torch.nn.Parameter(torch.randn(ROWS, H))
+    gs = tokensum.GradSink.single()
+    gs.begin({"emb": p}, direct=True, keep={"emb"})
+    gs.note_rows(torch.zeros(3), torch.tensor([1]), "dp_cp")     # not a parameter: ignored
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=gs)
+    ids = torch.arange(TOKEN_LEAF) % ROWS
+    h = embed(ids, p, tok=tok)
+    with pytest.raises(RuntimeError, match="before its dense use"):
+        h.sum().backward()

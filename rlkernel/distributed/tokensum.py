@@ -62,7 +62,14 @@ class GradSink:
     With a scope group of one rank, a kernel that holds a chunk's exact sum as float64 double
     words (the CUDA dW: kernels/triton_grad_weight.py) rounds them directly
     (fixedpoint.round_double_words) and no accumulator is made for that chunk.
-    Weights used more than once per forward (`keep`, e.g. tied embeddings) stay persistent.
+    Weights used more than once per forward (`keep`, e.g. tied embeddings) stay persistent —
+    except a kept weight whose second use touches only a few rows that are known before the
+    first use's backward (the tied embedding: the lookup's ids, `note_rows` at its forward):
+    with a scope group of one rank, the dense use (the LM head's dW) finishes every row
+    directly and also adds its partials of the noted rows into a small accumulator of those
+    rows only; the sparse use (the lookup's backward) adds into that one (`add_split_rows`);
+    `finish` rounds it over those rows. The same exact sum of the same partials, rounded once:
+    the persistent path's bytes, without its [V, H, N_COLS] accumulator (32 GB at qwen3-1.7b).
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
@@ -77,6 +84,8 @@ class GradSink:
         self._done: dict[str, torch.Tensor] = {}
         self.direct = False
         self._keep: frozenset[str] = frozenset()
+        self._rows: dict[str, tuple[torch.Tensor, str]] = {}    # noted rows, scope (split weights)
+        self._split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # rows, their accumulator
 
     @classmethod
     def single(cls) -> "GradSink":
@@ -93,6 +102,7 @@ class GradSink:
         self._names = {id(p): n for n, p in params.items()}
         self._order = list(params)
         self._acc, self._scope, self._done = {}, {}, {}
+        self._rows, self._split = {}, {}
         self.direct, self._keep = direct, frozenset(keep)
         self.open = True
 
@@ -104,11 +114,48 @@ class GradSink:
         return name
 
     def is_direct(self, w: torch.Tensor) -> bool:
-        """Whether w's kernel finishes its gradient itself (`finish_direct`) in this mini-batch."""
-        return self.open and self.direct and self._name(w) not in self._keep
+        """Whether w's kernel finishes its gradient itself (`finish_direct`) in this mini-batch:
+        a weight not kept, or a kept one whose sparse rows were noted (its dense use, once)."""
+        if not (self.open and self.direct):
+            return False
+        name = self._name(w)
+        return name not in self._keep or (name in self._rows and name not in self._done)
+
+    def note_rows(self, w: torch.Tensor, rows: torch.Tensor, scope: str) -> None:
+        """A kept weight's sparse use will add to w's rows `rows` only (long, any order and
+        repeats; e.g. the lookup's local ids), reduced over `scope`: where the sink is direct and
+        that scope group is this rank alone, w is finished split (class doc) instead of through a
+        persistent accumulator. Call before the dense use's backward (the lookup's forward);
+        several calls add rows. RuntimeError once the dense use has finished w."""
+        name = self._names.get(id(w))   # None: not a trained parameter (a frozen model's)
+        if (name is None or not (self.open and self.direct and name in self._keep)
+                or self.groups[scope].size != 1):
+            return
+        if name in self._done:
+            raise RuntimeError(f"GradSink: rows of {name} noted after its dense use finished it")
+        if name in self._rows:
+            if self._rows[name][1] != scope:
+                raise RuntimeError(f"GradSink: {name} reduced over {self._rows[name][1]} and "
+                                   f"{scope}")
+            rows = torch.cat([self._rows[name][0], rows.reshape(-1)])
+        self._rows[name] = (torch.unique(rows.reshape(-1)), scope)
+
+    def add_split_rows(self, w: torch.Tensor, add_at) -> bool:
+        """The sparse use of a split weight (`note_rows`): `add_at(rows, acc)` adds this rank's
+        leaf partials of w's rows `rows` (ascending long [R]) into acc int64 [R, *w.shape[1:],
+        N_COLS]; returns True. False (nothing done) for a weight that is not split. RuntimeError
+        when the dense use has not run yet (its partials of these rows would be lost)."""
+        name = self._name(w)
+        if name in self._split:
+            add_at(*self._split[name])
+            return True
+        if self.open and name in self._rows:
+            raise RuntimeError(f"GradSink: the sparse use of {name} reached the sink before its "
+                               "dense use (the split path needs the dense use first)")
+        return False
 
     def finish_direct(self, w: torch.Tensor, scope: str, add_rows, op: str,
-                      words_rows=None) -> None:
+                      words_rows=None, add_rows_at=None) -> None:
         """Finish parameter w's gradient now (direct mode): for row chunks [a, b) of w (at most
         DIRECT_CHUNK_ELEMS elements; the cut depends on w's shape only, so every rank of the
         group runs the same collectives), `add_rows(a, b, acc)` adds this rank's leaf partials of
@@ -120,7 +167,10 @@ class GradSink:
         sum of this rank's partials of rows [a, b), rounded once — fp32 [b - a, *w.shape[1:]] —
         or None when it cannot hold it (a flagged tile). Used only when the scope group is this
         rank alone (no integers of other ranks to add): a chunk it returns needs no accumulator;
-        a None chunk takes add_rows. Same bytes either way (the same exact sum, rounded once)."""
+        a None chunk takes add_rows. Same bytes either way (the same exact sum, rounded once).
+        `add_rows_at(rows, acc)`: as add_rows for the rows `rows` (ascending long [R]) into acc
+        [R, ...]; needed for a split weight (`note_rows`), whose noted rows it fills (RuntimeError
+        without it)."""
         name = self._name(w)
         if name in self._done:
             raise RuntimeError(f"GradSink: {name} reached a second kernel in one direct-mode "
@@ -140,6 +190,14 @@ class GradSink:
             acc = fx.zeros((b - a, *w.shape[1:]), w.device)
             add_rows(a, b, acc)
             out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
+        if name in self._rows:
+            rows, noted = self._rows[name]
+            if add_rows_at is None or noted != scope:
+                raise RuntimeError(f"GradSink: {name} is split (rows noted over {noted}) but its "
+                                   f"dense use over {scope} gave no add_rows_at")
+            acc = fx.zeros((rows.numel(), *w.shape[1:]), w.device)
+            add_rows_at(rows, acc)
+            self._split[name] = (rows, acc)
         self._done[name] = out
         self._scope[name] = scope
 
@@ -177,8 +235,10 @@ class GradSink:
             for bucket in _buckets([(n, self._acc[n][..., 0].numel()) for n in names]):
                 self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
         self._acc = {}
+        for n, (rows, acc) in self._split.items():   # scope groups of one rank: no collective
+            self._done[n][rows] = fx.round_fp32(acc)
         out.update(self._done)
-        self._done = {}
+        self._done, self._rows, self._split = {}, {}, {}
         return {n: out[n] for n in self._order if n in out}
 
     def _finish_bucket(self, bucket: list[tuple[str, int, int]], comm: Comm, op: str,
@@ -243,15 +303,25 @@ class TokenSum:
         return "world" if heads is not None and heads.size > 1 else self.scope
 
     def finish_now(self, w: torch.Tensor, add_rows, op: str, heads: Comm | None = None,
-                   words_rows=None) -> bool:
+                   words_rows=None, add_rows_at=None) -> bool:
         """In the open sink's direct mode, finish w's gradient here (GradSink.finish_direct with
-        `add_rows(a, b, acc)` adding this rank's leaf partials of w's rows [a, b), and the
-        optional `words_rows(a, b)` -> those rows rounded, or None) and return True: the kernel
-        then returns no gradient to autograd. False (nothing done) otherwise."""
+        `add_rows(a, b, acc)` adding this rank's leaf partials of w's rows [a, b), the optional
+        `words_rows(a, b)` -> those rows rounded, or None, and `add_rows_at(rows, acc)` for a
+        split weight's noted rows) and return True: the kernel then returns no gradient to
+        autograd. False (nothing done) otherwise."""
         if self.sink is None or not self.sink.is_direct(w):
             return False
-        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op, words_rows)
+        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op, words_rows, add_rows_at)
         return True
+
+    def note_rows(self, w: torch.Tensor, rows: torch.Tensor) -> None:
+        """GradSink.note_rows of the open sink, over this TokenSum's scope (else nothing)."""
+        if self.sink is not None and self.sink.open:
+            self.sink.note_rows(w, rows, self.scope)
+
+    def add_split_rows(self, w: torch.Tensor, add_at) -> bool:
+        """GradSink.add_split_rows of the sink (False without one)."""
+        return self.sink is not None and self.sink.add_split_rows(w, add_at)
 
     def accumulator(self, w: torch.Tensor, heads: Comm | None = None) -> torch.Tensor:
         """Integer accumulator [*w.shape, N_COLS] for w's gradient: the open sink's (persistent)

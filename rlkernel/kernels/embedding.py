@@ -68,6 +68,16 @@ def leaf_partials(ids: torch.Tensor, dy: torch.Tensor, offset: int,
     return part[:n_pairs], offsets, rows
 
 
+def _accumulate_rows_(acc: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                      dy: torch.Tensor, offset: int) -> torch.Tensor:
+    """acc [R, H, N_COLS] += the exact sums of the leaf partials of the local rows `rows`
+    (ascending long [R], a superset of the local ids present in ids - offset), row i of acc for
+    local row rows[i]: `accumulate_embedding_grad_`'s sums, on a compact accumulator."""
+    vocab = int(rows[-1]) + 1 if rows.numel() else 0
+    part, offsets, present = leaf_partials(ids, dy, offset, vocab)
+    return fx.accumulate_segments_(acc, part, offsets, torch.searchsorted(rows, present))
+
+
 def embedding_grad(ids: torch.Tensor, dy: torch.Tensor, vocab: int, offset: int = 0,
                    tok: TokenSum | None = None) -> torch.Tensor:
     """Canonical dW [vocab, H] fp32 of this rank's vocab rows [offset, offset + vocab), finished
@@ -92,6 +102,9 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         (ids,) = ctx.saved_tensors
         tok = ctx.tok or TokenSum.single()
+        if tok.add_split_rows(ctx.w, lambda rows, acc: _accumulate_rows_(acc, rows, ids, dy,
+                                                                         ctx.offset)):
+            return None, None, None, None
         if tok.finish_now(ctx.w, lambda a, b, acc: accumulate_embedding_grad_(
                 acc, ids, dy, ctx.offset + a), "token-sum-embedding"):
             return None, None, None, None
@@ -106,4 +119,9 @@ def embed(ids: torch.Tensor, w: torch.Tensor, *, offset: int = 0,
     Rows of ids outside [offset, offset + V_local) are 0 (another TP rank owns them; the model
     picks the owner's row exactly). Canonical gradient, see module doc.
     """
+    if tok is not None and torch.is_grad_enabled() and w.requires_grad:
+        # A tied weight's sink can then finish the LM head's dense dW directly and keep only
+        # these rows' exact sums for the lookup's backward (tokensum.GradSink.note_rows).
+        local = ids - offset
+        tok.note_rows(w, local[(local >= 0) & (local < w.shape[0])])
     return _Embedding.apply(ids, w, offset, tok)

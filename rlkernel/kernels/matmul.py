@@ -260,7 +260,8 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     rounded, in w's dtype. dy [L, N], x [L, K] (L = this rank's local stream), w [N, K]."""
     tok = tok or TokenSum.single()
     if tok.finish_now(w, lambda a, b, acc: accumulate_grad_weight_(acc, dy[:, a:b], x),
-                      "token-sum-dw", words_rows=_rounded_rows(dy, x)):
+                      "token-sum-dw", words_rows=_rounded_rows(dy, x),
+                      add_rows_at=lambda rows, acc: accumulate_grad_weight_(acc, dy[:, rows], x)):
         return None
     acc = accumulate_grad_weight_(tok.accumulator(w), dy, x)
     return tok.result(w, acc, "token-sum-dw")
