@@ -332,6 +332,10 @@ def _occupied(flag: str, value: str) -> str | None:
     """The usage error for a new-directory flag (`--run-dir`, `--out`) whose value is taken, in
     one wording for every command; None when the directory is free."""
     d = pathlib.Path(value)
+    blocked = next((p for p in d.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:   # mkdir would fail with a bare OS error after the work
+        return (f"{flag} {value!r}: cannot be created, {str(blocked)!r} is a file, not a "
+                f"directory; give a new or empty directory")
     if _dir_is_free(d):
         return None
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
@@ -908,6 +912,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return _error("compare", e, 2)
     print(format_report(report, quiet=args.quiet))
     return report.exit_code
+
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -935,6 +935,22 @@ def test_occupied_run_dir_says_what_is_there(capsys, cwd, loop, make, why):
     assert sorted(p.name for p in cwd.rglob("*")) == before
 
 
+def test_new_directories_under_a_file_name_the_file(capsys, cwd, loop):
+    """--run-dir, init-model --out and export --out inside a path whose parent is a file: one
+    line naming the flag, the value and the file, exit 2, before any work (it was a bare
+    "[Errno 17] File exists" after the model was built); nothing is created."""
+    (cwd / "f").write_text("x")
+    want = ("'f/sub': cannot be created, 'f' is a file, not a directory; give a new or empty "
+            "directory")
+    for argv, flag in ((("run", "--allow-dirty", "--run-dir", "f/sub"), "--run-dir"),
+                       (("init-model", "--preset", "tiny", "--out", "f/sub"), "--out"),
+                       (("export", "no-such-run", "--out", "f/sub"), "--out")):
+        code, out, err = rlk(capsys, *argv)
+        assert (code, out) == (2, ""), argv
+        assert err.strip().splitlines() == [f"rlk {argv[0]}: error: {flag} {want}"], err
+    assert loop.calls == [] and sorted(p.name for p in cwd.iterdir()) == ["f"]
+
+
 def test_init_model_out_naming_a_file_says_it_is_a_file(capsys, cwd):
     (cwd / "m").write_text("x")
     code, _, err = rlk(capsys, "init-model", "--preset", "tiny", "--out", "m")

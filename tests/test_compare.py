@@ -232,6 +232,18 @@ def test_unreadable_run_is_a_clear_error(tmp_path, capsys, breakage, expect):
     assert err.startswith("rlk compare: error: ") and str(b) in err and expect in err
 
 
+def test_a_file_given_as_a_run_is_named_as_a_file(tmp_path, capsys):
+    """rlk compare FILE B: says the path is a file, not a run directory (it said "no such run
+    directory" of a path that exists); a missing path still says no such run directory."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    code, out, err = rlk_compare(capsys, f, a)
+    assert (code, out) == (2, "") and f"{f}: is a file, not a run directory" in err
+    code, _, err = rlk_compare(capsys, tmp_path / "gone", a)
+    assert code == 2 and "no such run directory" in err
+
+
 def test_evidence_file_is_valid_strict_json(tmp_path):
     s = _step(0)
     s["grad_norm"] = math.inf

@@ -104,6 +104,9 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     evidence is malformed or incomplete (the run did not finish).
     """
     d = _run_path(run_dir)
+    if d.exists() and not d.is_dir():
+        raise CompareError(f"{d}: is a file, not a run directory (give the directory a run "
+                           "wrote, or its evidence.json)")
     if not d.is_dir():
         raise CompareError(f"{d}: no such run directory")
     evidence = _load_json(d / "evidence.json")

@@ -50,6 +50,8 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     Raises ReportError naming the directory when neither holds a step.
     """
     d = pathlib.Path(run_dir)
+    if d.exists() and not d.is_dir():
+        raise ReportError(f"{d}: is a file, not a run directory")
     if not d.is_dir():
         raise ReportError(f"{d}: no such run directory")
     path = d / METRICS
