@@ -677,14 +677,17 @@ def test_rank_hanging_outside_a_collective_is_named_and_leaves_nothing(env, tmp_
 
 
 def test_rank_raising_mid_step_propagates_its_error(env, tmp_path):
-    """Rank 2 raises at step 1: the others are stopped, the CLI exits 1 with rank 2's error text
-    and traceback (a raise stands for a bug), keeps step 0's evidence, leaves no process."""
+    """Rank 2 raises at step 1: the others are stopped within the timeout of the raise (timed
+    from its announcement, not from the start: step 0's own time on a loaded machine is not the
+    point), the CLI exits 1 with rank 2's error text and traceback (a raise stands for a bug),
+    keeps step 0's evidence, leaves no process."""
     root = tmp_path / "runs"
-    t0 = time.monotonic()
     code, lines = rlk_subprocess(env, root / "r", "rank:raise:step=1:rank=2")
     err = "\n".join(ln for _, ln in lines)
     assert code == 1, err
-    assert lines[-1][0] - t0 < TIMEOUT_S + 60
+    raised = [t for t, ln in lines if ln.startswith("RLK_FAULT: rank 2 raises at step 1")]
+    assert len(raised) == 1, lines
+    assert lines[-1][0] - raised[0] < TIMEOUT_S + GRACE_S, lines
     assert ("rlkernel.distributed.launch.RankFailure: rank 2: rlkernel.runner.faults.InjectedFault: "
             "RLK_FAULT: rank 2 raised at step 1 (rank:raise:step=1:rank=2)") in err
     assert "--- traceback of rank 2 ---" in err

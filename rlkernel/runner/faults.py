@@ -236,6 +236,8 @@ def maybe_die(step: int, rank: int) -> None:
     if f is None or not f.fires("rank", step, rank):
         return
     if f.action == "raise":
+        # Announced as the kill and hang faults are, so a test can time the stop from here.
+        print(f"{ENV}: rank {rank} raises at step {step}", file=sys.stderr, flush=True)
         raise InjectedFault(f"{ENV}: rank {rank} raised at step {step} ({f.spec})")
     if f.action == "hang":
         print(f"{ENV}: rank {rank} hangs at step {step}", file=sys.stderr, flush=True)
