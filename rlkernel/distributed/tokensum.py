@@ -145,7 +145,7 @@ class GradSink:
         leaf partials of w's rows `rows` (ascending long [R]) into acc int64 [R, *w.shape[1:],
         N_COLS]; returns True. False (nothing done) for a weight that is not split. RuntimeError
         when the dense use has not run yet (its partials of these rows would be lost)."""
-        name = self._name(w)
+        name = self._names.get(id(w))   # a foreign tensor is the other paths' to refuse
         if name in self._split:
             add_at(*self._split[name])
             return True
