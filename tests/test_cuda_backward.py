@@ -233,3 +233,46 @@ def test_cuda_token_logprobs_backward_equals_cpu_torch_path(dl_case):
                             g_lp.cpu(), g_ent.cpu(), _DL_T, torch.float32)
     got = logits.grad.cpu()
     assert same_bits(got, want), describe_diff(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypatch, dtype):
+    """The tiny tied model on CUDA: one microbatch (direct mode: the LM head's dW finishes every
+    row from its double words and keeps exact partials of the looked-up rows, the lookup adds
+    into them; tokensum.GradSink.note_rows) == two microbatches (persistent accumulators), every
+    gradient bytewise; the split really ran (no embedding accumulator), and did not in the
+    persistent run."""
+    from rlkernel.distributed import tokensum
+    from rlkernel.model.checkpoint import init_weights
+    from rlkernel.model.config import preset
+    from rlkernel.model.ops import ops_for
+    from rlkernel.model.qwen3 import Qwen3ForCausalLM
+    from rlkernel.spec import CUDA_TOKEN_LEAF
+    from rlkernel.train.losses import LossCoefs, invariant_exp
+    from rlkernel.train.step import TrainSample, compute_gradients
+
+    cfg = preset("tiny")
+    weights = init_weights(cfg, 0)
+    samples = [TrainSample(i, tuple(range(1, 9)), tuple(range(10 + i, 30 + i)),
+                           torch.full((20,), -2.0), 1.0 if i % 2 else -1.0) for i in range(4)]
+    seen = []
+    real = tokensum.GradSink.finish
+
+    def spy(self):
+        seen.append((set(self._split), set(self._acc)))
+        return real(self)
+    monkeypatch.setattr(tokensum.GradSink, "finish", spy)
+
+    def grads(budget):
+        pol = Qwen3ForCausalLM(cfg, ops_for("invariant"), dtype).to(DEV)
+        pol.load_tensors({k: v.to(DEV) for k, v in weights.items()})
+        compute_gradients(pol, None, samples, temperature=1.0,
+                          coefs=LossCoefs(0.2, 0.0, 0.01, "k3"), micro_batch_tokens=budget,
+                          pad_id=0, exp=invariant_exp)
+        return {n: p.grad.clone() for n, p in pol.logical_params().items()}
+    emb = "model.embed_tokens.weight"
+    one = grads(4 * CUDA_TOKEN_LEAF)            # every sample fits one leaf: one microbatch
+    two = grads(2 * CUDA_TOKEN_LEAF)
+    assert seen[0] == ({emb}, set()) and emb in seen[1][1] and not seen[1][0], seen
+    assert [n for n in one if not torch.equal(one[n].view(torch.int32),
+                                              two[n].view(torch.int32))] == []
