@@ -378,22 +378,25 @@ def _check_inputs(cfg: RunConfig) -> None:
 
 def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
     """Load what the run reads besides weights, before any work: the reward function, the
-    prompts file's keys, the chat template (rendered once). Returns the manifest's additions
+    whole prompts file, the chat template (rendered once). Returns the manifest's additions
     {"reward": ..., "tokenizer_files": ...}. Raises ConfigError naming the flag and the value."""
     from rlkernel.data.chat import ChatTemplateError, load_chat_template
-    from rlkernel.data.prompts import PromptFileError, check_prompt_keys
+    from rlkernel.data.prompts import PromptFileError, load_prompts
     from rlkernel.data.rewards import RewardError, load_reward
     from rlkernel.runner.export import tokenizer_file_hashes
 
     try:
         reward = load_reward(cfg.reward)
         if cfg.prompts is not None:
-            check_prompt_keys(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
+            # Parsed in full (the loop parses it again): a bad line 2,000 is then a usage error
+            # now, not a failure after the model has loaded.
+            load_prompts(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
         if cfg.apply_chat_template:
             load_chat_template(cfg.model).render("probe")
         tokenizer_files = tokenizer_file_hashes(cfg.model)
     except PromptFileError as e:
-        raise ConfigError(f"--prompts: {e}") from None
+        # Its message starts "FILE:LINE: " or "FILE: ": one prefix for every content problem.
+        raise ConfigError(f"--prompts {e}") from None
     except ChatTemplateError as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith("--") else f"--apply-chat-template: {msg}") \

@@ -1017,3 +1017,59 @@ def test_sample_longer_than_the_microbatch_names_the_flag_that_was_moved(capsys,
     if want.endswith("microbatch)"):
         assert line.endswith(want), line
     assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# --prompts: every problem with the file's content is one usage error, before any work
+
+GOOD_LINE = '{"prompt": "Compute 1+1=", "label": "2"}\n'
+FORMAT = 'each non-blank line must be one JSON object like {"prompt": "...", "label": "..."}'
+
+
+def _parquet_bytes(columns: dict) -> bytes:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns), sink)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize("name,content,want", [
+    # line 1 was checked at start-up already (exit 2); line 2 only in the loop (exit 1, no prefix)
+    ("p.jsonl", "{bad\n", "--prompts p.jsonl:1: invalid JSON (Expecting property name"),
+    ("p.jsonl", GOOD_LINE + "{bad\n", "--prompts p.jsonl:2: invalid JSON (Expecting property "
+                                      f"name enclosed in double quotes: line 1 column 2 (char "
+                                      f"1)); {FORMAT}"),
+    ("p.jsonl", "", f"--prompts p.jsonl: no prompts (the file is empty or only blank lines); "
+                    f"{FORMAT}"),
+    ("p.jsonl", "\n  \n", "--prompts p.jsonl: no prompts"),
+    ("p.jsonl", '{"prompt": 5, "label": "1"}\n',
+     f'--prompts p.jsonl:1: "prompt" must be a string, got int; {FORMAT}'),
+    ("p.jsonl", GOOD_LINE + '{"prompt": 5, "label": "1"}\n',
+     f'--prompts p.jsonl:2: "prompt" must be a string, got int; {FORMAT}'),
+    ("p.jsonl", GOOD_LINE * 3 + '{"prompt": "x"}\n',
+     f'--prompts p.jsonl:4: missing "label" (or "answer"); {FORMAT}'),
+    ("p.jsonl", GOOD_LINE + "[1]\n", "--prompts p.jsonl:2: expected a JSON object, got list"),
+    ("p.jsonl", GOOD_LINE.encode() + b"\xff\n", "--prompts p.jsonl:2: invalid UTF-8"),
+    ("bad.parquet", "parquet-bad-row", '--prompts bad.parquet: row 1: "prompt" must be a string, '
+                                       "got NoneType"),
+])
+def test_prompts_file_content_errors_are_one_usage_line_before_any_work(
+        capsys, cwd, loop, name, content, want):
+    """Whatever is wrong inside the --prompts file, and on whichever line: exit 2, one stderr
+    line `--prompts FILE[:LINE]: what; allowed`, nothing written and the loop never entered
+    (errors past line 1 were exit 1 with no --prompts prefix, after the model had loaded)."""
+    if content == "parquet":
+        content = _parquet_bytes({"prompt": ["a"], "label": ["1"]})
+    elif content == "parquet-head":
+        content = _parquet_bytes({"prompt": ["a"], "label": ["1"]})[:-10]
+    elif content == "parquet-bad-row":
+        content = _parquet_bytes({"prompt": ["a", None], "label": ["1", "2"]})
+    (cwd / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--prompts", name)
+    assert (code, out) == (2, "")
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {want}"), line
+    assert [p.name for p in cwd.iterdir()] == [name] and loop.calls == []
+

@@ -203,29 +203,11 @@ def parse_prompts(data: bytes, name: str, *, input_key: str = "prompt",
     return parse(data, name, input_key=input_key, label_key=label_key)
 
 
-def check_prompt_keys(path: str | os.PathLike, *, input_key: str, label_key: str) -> None:
-    """Cheap start-up check that `path` is readable and holds the keys: a Parquet file's schema,
-    or a JSONL file's first non-blank record (the full parse happens when the run loads it).
-    Raises PromptFileError naming the key and the keys the file has."""
-    name = os.fspath(path)
-    data = read_prompt_file(path)
-    if is_parquet(data):
-        columns = parquet_columns(data, name)
-        missing = [] if input_key in columns else [input_key]
-        if not any(k in columns for k in _label_keys(label_key)):
-            missing.append(label_key)
-        if missing:
-            raise PromptFileError(f"{name}: no column {' or '.join(map(repr, missing))}; the file "
-                                  f"has columns {columns}; name them with --input-key/--label-key")
-        return
-    lines = data.split(b"\n")
-    for lineno, raw in enumerate(lines, start=1):
-        if (raw[3:] if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") else raw).strip():
-            # The lines so far, parsed as the full parser does: same message (FILE:LINE).
-            parse_jsonl(b"\n".join(lines[:lineno]), name, input_key=input_key,
-                        label_key=label_key)
-            return
-    # no record at all: the full parse names the problem ("no prompts")
+def load_prompts(path: str | os.PathLike, *, input_key: str = "prompt",
+                 label_key: str = "label") -> list[Prompt]:
+    """Prompts of the JSONL or Parquet file at `path` (`parse_prompts`). Raises PromptFileError."""
+    return parse_prompts(read_prompt_file(path), os.fspath(path), input_key=input_key,
+                         label_key=label_key)
 
 
 def read_prompt_file(path: str | os.PathLike) -> bytes:
