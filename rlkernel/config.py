@@ -81,8 +81,9 @@ class RunConfig:
     model_seed: int = 0
     """Seed of the random initialisation of the embedded tiny model (ignored with --model)."""
     prompts: str | None = None
-    """Prompts file: JSONL (one object per line) or Parquet (needs pyarrow), read by
-    --input-key/--label-key. None: the built-in verifiable arithmetic task."""
+    """Prompts file: JSONL (one object per line) or Parquet (needs pyarrow), told apart by its
+    bytes (a .parquet or .jsonl/.json name must agree with them), read by --input-key/--label-key.
+    None: the built-in verifiable arithmetic task."""
 
     # ---- rewards and prompt data (issue 13)
     reward: str | None = None

@@ -1052,6 +1052,17 @@ def _parquet_bytes(columns: dict) -> bytes:
      f'--prompts p.jsonl:4: missing "label" (or "answer"); {FORMAT}'),
     ("p.jsonl", GOOD_LINE + "[1]\n", "--prompts p.jsonl:2: expected a JSON object, got list"),
     ("p.jsonl", GOOD_LINE.encode() + b"\xff\n", "--prompts p.jsonl:2: invalid UTF-8"),
+    # item 3: a name claiming the other format is said to be the mismatch
+    ("fake.parquet", "hello\n", "--prompts fake.parquet: named .parquet but not a Parquet file "
+                                "(no PAR1 header); give a Parquet file, or name a JSONL file "
+                                ".jsonl"),
+    ("fake.parquet", GOOD_LINE, "--prompts fake.parquet: named .parquet but not a Parquet file"),
+    ("cut.parquet", "parquet-head", "--prompts cut.parquet: named .parquet but not a Parquet "
+                                    "file (starts with PAR1 but does not end with it: truncated?); "
+                                    "give the whole file"),
+    ("p.jsonl", "parquet", "--prompts p.jsonl: named .jsonl but is a Parquet file (PAR1 magic at "
+                           "both ends); name it .parquet, or give the JSONL file"),
+    ("p.JSON", "parquet", "--prompts p.JSON: named .json but is a Parquet file"),
     ("bad.parquet", "parquet-bad-row", '--prompts bad.parquet: row 1: "prompt" must be a string, '
                                        "got NoneType"),
 ])
@@ -1073,3 +1084,12 @@ def test_prompts_file_content_errors_are_one_usage_line_before_any_work(
     assert line.startswith(f"rlk run: error: {want}"), line
     assert [p.name for p in cwd.iterdir()] == [name] and loop.calls == []
 
+
+def test_prompts_file_with_an_extension_of_neither_format_is_read_by_content(capsys, cwd, loop):
+    """The content decides the format: Parquet named .pq and JSONL named .txt both run."""
+    (cwd / "p.pq").write_bytes(_parquet_bytes({"prompt": ["a"], "label": ["1"]}))
+    (cwd / "p.txt").write_text(GOOD_LINE)
+    for name in ("p.pq", "p.txt"):
+        code, _, err = rlk(capsys, "run", "--allow-dirty", "--prompts", name)
+        assert code == 0, err
+    assert len(loop.calls) == 2

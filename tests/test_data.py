@@ -386,6 +386,23 @@ def test_load_prompts_parses_every_line_and_row(tmp_path):
         load_prompts(pq_path)
 
 
+@pytest.mark.parametrize("name,parquet,words", [
+    ("x.parquet", False, "x.parquet: named .parquet but not a Parquet file (no PAR1 header)"),
+    ("x.jsonl", True, "x.jsonl: named .jsonl but is a Parquet file"),
+    ("x.ndjson", True, "x.ndjson: named .ndjson but is a Parquet file"),
+])
+def test_a_name_claiming_the_other_format_is_refused_by_the_loader(tmp_path, name, parquet,
+                                                                   words):
+    """prompt_source (what the run loop reads) refuses the mix-up with the message the CLI's
+    start-up check gives; content, not name, still picks the parser."""
+    content = (_parquet(tmp_path / "src.parquet", {"prompt": ["a"], "label": ["1"]}).read_bytes()
+               if parquet else b'{"prompt": "a", "label": "1"}\n')
+    path = _write(tmp_path, content, name=name)
+    with pytest.raises(PromptFileError) as e:
+        prompt_source(path, n_prompts_per_step=1, steps=1, seed=0)
+    assert str(e.value).startswith(str(tmp_path)) and words in str(e.value)
+
+
 def test_run_on_a_parquet_file_with_keys(tmp_path, capsys):
     """rlk run --prompts x.parquet --input-key question --label-key gold: a complete run; a
     missing column is exit 2 naming it, before any work."""
