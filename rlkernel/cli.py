@@ -360,12 +360,31 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     return d
 
 
+_MODEL_EXPECTED = ("give a Hugging Face model directory with config.json and *.safetensors "
+                   "weights, or leave out --model for the embedded tiny model")
+
+
+def _check_model_dir(model: str) -> None:
+    """--model names a directory holding config.json and *.safetensors: refused here as a usage
+    error, not by the checkpoint loader after the run has started (exit 1). Only existence is
+    checked; what the files hold is the loader's to report. Raises ConfigError."""
+    d = pathlib.Path(model)
+    if not d.is_dir():
+        what = "is a file, not a directory" if d.exists() else "no such directory"
+        raise ConfigError(f"--model {model!r}: {what}; {_MODEL_EXPECTED}")
+    missing = [what for what, present in (("no config.json", (d / "config.json").is_file()),
+                                          ("no *.safetensors weights",
+                                           any(d.glob("*.safetensors"))))
+               if not present]
+    if missing:
+        what = "is an empty directory" if not any(d.iterdir()) else " and ".join(missing)
+        raise ConfigError(f"--model {model!r}: {what}; {_MODEL_EXPECTED}")
+
+
 def _check_inputs(cfg: RunConfig) -> None:
     """Cheap existence checks before any work. Raises ConfigError."""
-    if cfg.model is not None and not pathlib.Path(cfg.model).is_dir():
-        raise ConfigError(f"--model {cfg.model!r}: no such directory; give a Hugging Face model "
-                          "directory (config.json, *.safetensors), or leave out --model for the "
-                          "embedded tiny model")
+    if cfg.model is not None:
+        _check_model_dir(cfg.model)
     if cfg.prompts is not None and not pathlib.Path(cfg.prompts).is_file():
         raise ConfigError(f"--prompts {cfg.prompts!r}: no such file; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")

@@ -770,6 +770,7 @@ def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_pro
     model.mkdir()
     hf = tiny().to_hf_dict() | change
     (model / "config.json").write_text(json.dumps(hf))
+    (model / "model.safetensors").write_bytes(b"")   # present: the shape is refused before it is read
     run_dir = tmp_path / "r"
     code, _, err = rlk(capsys, "run", "--model", str(model), "--allow-dirty", "--run-dir",
                        str(run_dir))
@@ -1093,3 +1094,31 @@ def test_prompts_file_with_an_extension_of_neither_format_is_read_by_content(cap
         code, _, err = rlk(capsys, "run", "--allow-dirty", "--prompts", name)
         assert code == 0, err
     assert len(loop.calls) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# --model: a directory without config.json or weights is a usage error, like a missing one
+
+MODEL_EXPECTED = ("give a Hugging Face model directory with config.json and *.safetensors "
+                  "weights, or leave out --model for the embedded tiny model")
+
+
+@pytest.mark.parametrize("make,what", [
+    (lambda d: None, "no such directory"),
+    (lambda d: d.write_text("x"), "is a file, not a directory"),
+    (lambda d: d.mkdir(), "is an empty directory"),
+    (lambda d: (d.mkdir(), (d / "README.md").write_text("x")),
+     "no config.json and no *.safetensors weights"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{}")), "no *.safetensors weights"),
+    (lambda d: (d.mkdir(), (d / "model.safetensors").write_bytes(b"")), "no config.json"),
+])
+def test_model_dir_without_config_or_weights_is_a_usage_error(capsys, cwd, loop, make, what):
+    """--model DIR that is missing, a file, empty, or lacks config.json or *.safetensors: exit 2,
+    one line naming --model, the path and what a model directory holds, before any work (an
+    empty directory was exit 1 from the checkpoint loader, without the flag)."""
+    make(cwd / "m")
+    before = sorted(p.name for p in cwd.rglob("*"))
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--model", "m")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [f"rlk run: error: --model 'm': {what}; {MODEL_EXPECTED}"]
+    assert sorted(p.name for p in cwd.rglob("*")) == before and loop.calls == []
