@@ -148,7 +148,18 @@ BAD += [
     (["--n-prompts", "3", "--mini-batches", "5"], "--mini-batches", "5",
      "--n-prompts 3 x --n-samples-per-prompt 4 = 12); allowed: 1, 2, 3, 4, 6, 12"),
     (["--ppo-epochs", "0"], "--ppo-epochs", "0", ">= 1"),
-    (["--clip-eps-low", "-0.1"], "--clip-eps-low", "-0.1", "finite number >= 0"),
+    (["--clip-eps-low", "-0.1"], "--clip-eps-low", "-0.1", "a number in [0, 1)"),
+    # the lower bound 1 - eps can act only while > 0 (the ratio is > 0): --clip-eps-low 5 was
+    # accepted with a bound of -4
+    (["--clip-eps-low", "5"], "--clip-eps-low", "5.0", "must be a number in [0, 1) (the ratio, "
+                                                        "always > 0, is clipped below at 1 - eps: "
+                                                        "a bound <= 0 never acts)"),
+    (["--clip-eps-low", "1"], "--clip-eps-low", "1.0", "[0, 1)"),
+    (["--clip-eps-low", "nan"], "--clip-eps-low", "nan", "[0, 1)"),
+    (["--clip-eps", "5"], "--clip-eps", "5.0", "must be a number in (0, 1) while it is also the "
+                                               "lower clip range"),
+    (["--clip-eps", "1", "--clip-eps-high", "0.3"], "--clip-eps", "1.0",
+     "or give --clip-eps-low for the lower side"),
     (["--clip-eps-high", "nan"], "--clip-eps-high", "nan", "finite number >= 0"),
     (["--clip-eps-high", "inf"], "--clip-eps-high", "inf", "finite number >= 0"),
     (["--loss-agg", "sum"], "--loss-agg", "sum",
@@ -727,6 +738,16 @@ def test_resume_cannot_extend_a_decaying_lr_schedule(capsys, cwd, loop):
     assert "--lr-schedule cosine" in err and "--steps 4" in err and len(err.strip().splitlines()) == 1
 
 
+def test_clip_ranges_that_can_act_are_accepted():
+    """The edges of the clip ranges: a lower eps of 0 (clip at 1), an upper one above 1, and a
+    --clip-eps >= 1 once --clip-eps-low takes the lower side (it is then the upper range only)."""
+    for kw in ({"clip_eps_low": 0.0}, {"clip_eps_low": 0.999}, {"clip_eps_high": 5.0},
+               {"clip_eps_high": 0.0}, {"clip_eps": 5.0, "clip_eps_low": 0.2},
+               {"clip_eps": 0.999}):
+        cfg = RunConfig(**kw)
+        assert 1 - cfg.clip_low > 0 and cfg.clip_high >= 0
+
+
 def test_optional_float_flags_parse_as_floats():
     """--clip-eps-low/high are `float | None` fields: the flag gives a float, absent keeps None."""
     args = cli.build_parser().parse_args(["run", "--clip-eps-high", "0.28"])
@@ -882,7 +903,7 @@ def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
     (["--kl-coef", "-1e-3"], "--kl-coef -0.001: must be a finite number >= 0"),
     (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 1e-06"),
     (["--temperature", "-inf"], "--temperature -inf: must be a finite number >= 1e-06"),
-    (["--clip-eps-low", "-2E+3"], "--clip-eps-low -2000.0: must be a finite number >= 0"),
+    (["--clip-eps-low", "-2E+3"], "--clip-eps-low -2000.0: must be a number in [0, 1)"),
     (["--steps", "-1e5"], "--steps: '-1e5' is not an integer"),
 ])
 def test_negative_number_as_its_own_argument_reaches_the_validator(capsys, cwd, loop, argv, want):
