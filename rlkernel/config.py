@@ -79,7 +79,8 @@ class RunConfig:
     """Hugging Face-layout model directory (config.json + *.safetensors + tokenizer). None: the
     embedded tiny Qwen3, randomly initialised from --model-seed."""
     model_seed: int = 0
-    """Seed of the random initialisation of the embedded tiny model (ignored with --model)."""
+    """Seed of the random initialisation of the embedded tiny model (ignored with --model, which
+    the run warns about)."""
     prompts: str | None = None
     """Prompts file: JSONL (one object per line) or Parquet (needs pyarrow), told apart by its
     bytes (a .parquet or .jsonl/.json name must agree with them), read by --input-key/--label-key.

@@ -599,6 +599,7 @@ def test_write_json_atomic_non_finite(tmp_path):
     (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1"),
     (["--clip-eps-high", "0.28"], "--ppo-epochs or --mini-batches"),
     (["--clip-eps", "0.1"], "cannot act with one update"),
+    (["--kl-estimator", "k3"], "--kl-estimator k3 is ignored with --kl-coef 0"),
 ])
 def test_setting_that_cannot_act_warns_one_line_and_runs(capsys, cwd, loop, argv, needle):
     """A valid setting that can do nothing == one 'warning' line on stderr, and the run goes on."""
@@ -1143,3 +1144,20 @@ def test_model_dir_without_config_or_weights_is_a_usage_error(capsys, cwd, loop,
     assert (code, out) == (2, "")
     assert err.strip().splitlines() == [f"rlk run: error: --model 'm': {what}; {MODEL_EXPECTED}"]
     assert sorted(p.name for p in cwd.rglob("*")) == before and loop.calls == []
+
+
+def test_model_seed_with_model_warns_one_line_and_runs(capsys, cwd, loop, tmp_path):
+    """--model DIR --model-seed 5: the seed cannot act (it seeds the embedded model only); one
+    warning line on stderr and the run goes on (it was silently ignored)."""
+    from rlkernel.model.config import tiny
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny().to_hf_dict()))
+    (model / "model.safetensors").write_bytes(b"")   # never read: the loop is stubbed
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--model", str(model), "--model-seed", "5")
+    assert code == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
+    assert warnings == ["rlk run: warning: --model-seed 5 is ignored with --model: it seeds only "
+                        "the random weights of the embedded tiny model"], err
+    assert len(loop.calls) == 1
