@@ -360,12 +360,31 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     return d
 
 
+_MODEL_EXPECTED = ("give a Hugging Face model directory with config.json and *.safetensors "
+                   "weights, or leave out --model for the embedded tiny model")
+
+
+def _check_model_dir(model: str) -> None:
+    """--model names a directory holding config.json and *.safetensors: refused here as a usage
+    error, not by the checkpoint loader after the run has started (exit 1). Only existence is
+    checked; what the files hold is the loader's to report. Raises ConfigError."""
+    d = pathlib.Path(model)
+    if not d.is_dir():
+        what = "is a file, not a directory" if d.exists() else "no such directory"
+        raise ConfigError(f"--model {model!r}: {what}; {_MODEL_EXPECTED}")
+    missing = [what for what, present in (("no config.json", (d / "config.json").is_file()),
+                                          ("no *.safetensors weights",
+                                           any(d.glob("*.safetensors"))))
+               if not present]
+    if missing:
+        what = "is an empty directory" if not any(d.iterdir()) else " and ".join(missing)
+        raise ConfigError(f"--model {model!r}: {what}; {_MODEL_EXPECTED}")
+
+
 def _check_inputs(cfg: RunConfig) -> None:
     """Cheap existence checks before any work. Raises ConfigError."""
-    if cfg.model is not None and not pathlib.Path(cfg.model).is_dir():
-        raise ConfigError(f"--model {cfg.model!r}: no such directory; give a Hugging Face model "
-                          "directory (config.json, *.safetensors), or leave out --model for the "
-                          "embedded tiny model")
+    if cfg.model is not None:
+        _check_model_dir(cfg.model)
     if cfg.prompts is not None and not pathlib.Path(cfg.prompts).is_file():
         raise ConfigError(f"--prompts {cfg.prompts!r}: no such file; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")
@@ -378,22 +397,25 @@ def _check_inputs(cfg: RunConfig) -> None:
 
 def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
     """Load what the run reads besides weights, before any work: the reward function, the
-    prompts file's keys, the chat template (rendered once). Returns the manifest's additions
+    whole prompts file, the chat template (rendered once). Returns the manifest's additions
     {"reward": ..., "tokenizer_files": ...}. Raises ConfigError naming the flag and the value."""
     from rlkernel.data.chat import ChatTemplateError, load_chat_template
-    from rlkernel.data.prompts import PromptFileError, check_prompt_keys
+    from rlkernel.data.prompts import PromptFileError, load_prompts
     from rlkernel.data.rewards import RewardError, load_reward
     from rlkernel.runner.export import tokenizer_file_hashes
 
     try:
         reward = load_reward(cfg.reward)
         if cfg.prompts is not None:
-            check_prompt_keys(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
+            # Parsed in full (the loop parses it again): a bad line 2,000 is then a usage error
+            # now, not a failure after the model has loaded.
+            load_prompts(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
         if cfg.apply_chat_template:
             load_chat_template(cfg.model).render("probe")
         tokenizer_files = tokenizer_file_hashes(cfg.model)
     except PromptFileError as e:
-        raise ConfigError(f"--prompts: {e}") from None
+        # Its message starts "FILE:LINE: " or "FILE: ": one prefix for every content problem.
+        raise ConfigError(f"--prompts {e}") from None
     except ChatTemplateError as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith("--") else f"--apply-chat-template: {msg}") \

@@ -79,10 +79,12 @@ class RunConfig:
     """Hugging Face-layout model directory (config.json + *.safetensors + tokenizer). None: the
     embedded tiny Qwen3, randomly initialised from --model-seed."""
     model_seed: int = 0
-    """Seed of the random initialisation of the embedded tiny model (ignored with --model)."""
+    """Seed of the random initialisation of the embedded tiny model (ignored with --model, which
+    the run warns about)."""
     prompts: str | None = None
-    """Prompts file: JSONL (one object per line) or Parquet (needs pyarrow), read by
-    --input-key/--label-key. None: the built-in verifiable arithmetic task."""
+    """Prompts file: JSONL (one object per line) or Parquet (needs pyarrow), told apart by its
+    bytes (a .parquet or .jsonl/.json name must agree with them), read by --input-key/--label-key.
+    None: the built-in verifiable arithmetic task."""
 
     # ---- rewards and prompt data (issue 13)
     reward: str | None = None
@@ -137,7 +139,9 @@ class RunConfig:
     """Weight of the entropy bonus (>= 0; 0 disables it)."""
     clip_eps: float = 0.2
     """PPO ratio clipping: the ratio is clipped to [1 - eps, 1 + eps] (each side unless
-    --clip-eps-low/--clip-eps-high). Acts only with several updates per rollout batch."""
+    --clip-eps-low/--clip-eps-high). eps in (0, 1) while it sets the lower side (1 - eps must be
+    > 0 to act); with --clip-eps-low it sets the upper side only: finite > 0. Acts only with
+    several updates per rollout batch."""
 
     # ---- policy updates per rollout batch (issue 13): epochs, mini-batches, clip, loss, LR
     ppo_epochs: int = 1
@@ -148,7 +152,8 @@ class RunConfig:
     equal mini-batches (must divide --n-prompts x --n-samples-per-prompt). Old logprobs are
     always the rollout's."""
     clip_eps_low: float | None = None
-    """Lower PPO clip range: the ratio is clipped below at 1 - eps_low (finite >= 0). None: --clip-eps."""
+    """Lower PPO clip range eps_low in [0, 1): the ratio is clipped below at 1 - eps_low (the
+    ratio is > 0, so a bound <= 0 could never act; 0 clips at 1). None: --clip-eps."""
     clip_eps_high: float | None = None
     """Upper PPO clip range: the ratio is clipped above at 1 + eps_high (finite >= 0); DAPO's
     clip-higher (Yu et al. 2025, arXiv 2503.14476) uses 0.28 with eps_low 0.2. None: --clip-eps."""
@@ -404,9 +409,9 @@ def _check_int(c: RunConfig, field: str, lo: int, hi: int | None = None) -> None
         raise _fail(field, v, f"must be {bound}")
 
 
-def _check_float(c: RunConfig, field: str, rule: str) -> None:
+def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
     """rule: 'pos' (> 0), 'nonneg' (>= 0), 'unit_open0' ((0, 1]), 'unit_open1' ([0, 1)),
-    'temperature' (>= MIN_TEMPERATURE)."""
+    'temperature' (>= MIN_TEMPERATURE); `why`, when given, follows the range in the message."""
     v = getattr(c, field)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _fail(field, v, f"must be a number, not {type(v).__name__}")
@@ -424,7 +429,7 @@ def _check_float(c: RunConfig, field: str, rule: str) -> None:
     except OverflowError:  # an int beyond float range (e.g. from a manifest via from_dict)
         finite = False
     if not (finite and allowed[1](v)):
-        raise _fail(field, v, f"must be {allowed[0]}")
+        raise _fail(field, v, f"must be {allowed[0]}{why}")
     if abs(v) > FP32_MAX:   # the losses, the optimizer and the sampler compute in fp32
         raise _fail(field, v, f"must be {allowed[0]} within the fp32 range (at most "
                               f"{FP32_MAX:.8g})")
@@ -566,9 +571,7 @@ def _validate_updates(c: RunConfig) -> None:
         raise _fail("mini_batches", c.mini_batches,
                     f"must divide the samples per step (--n-prompts {c.n_prompts} x "
                     f"--n-samples-per-prompt {c.n_samples_per_prompt} = {n}); allowed: {divisors}")
-    for f in ("clip_eps_low", "clip_eps_high"):
-        if getattr(c, f) is not None:
-            _check_float(c, f, "nonneg")
+    _validate_clip(c)
     _check_choice(c, "loss_agg", LOSS_AGGS)
     _check_choice(c, "lr_schedule", LR_SCHEDULES)
     _check_int(c, "lr_warmup_steps", 0)
@@ -577,6 +580,23 @@ def _validate_updates(c: RunConfig) -> None:
                     f"must be < the run's optimizer updates (--steps {c.steps} x --ppo-epochs "
                     f"{c.ppo_epochs} x --mini-batches {c.mini_batches} = {c.total_updates}), "
                     "or the learning rate never reaches --lr")
+
+
+_LOWER_CLIP = "the ratio, always > 0, is clipped below at 1 - eps: a bound <= 0 never acts"
+
+
+def _validate_clip(c: RunConfig) -> None:
+    """--clip-eps (checked > 0 in _validate), --clip-eps-low, --clip-eps-high: the ratio is
+    clipped to [1 - low, 1 + high], so the lower eps in use must be < 1; the upper one only
+    finite >= 0."""
+    if c.clip_eps_low is not None:
+        _check_float(c, "clip_eps_low", "unit_open1", f" ({_LOWER_CLIP})")
+    elif c.clip_eps >= 1:
+        raise _fail("clip_eps", c.clip_eps, f"must be a number in (0, 1) while it is also the "
+                                            f"lower clip range ({_LOWER_CLIP}); allowed: (0, 1), "
+                                            "or give --clip-eps-low for the lower side")
+    if c.clip_eps_high is not None:
+        _check_float(c, "clip_eps_high", "nonneg")
 
 
 def _divisors_text(n: int) -> str:

@@ -148,7 +148,18 @@ BAD += [
     (["--n-prompts", "3", "--mini-batches", "5"], "--mini-batches", "5",
      "--n-prompts 3 x --n-samples-per-prompt 4 = 12); allowed: 1, 2, 3, 4, 6, 12"),
     (["--ppo-epochs", "0"], "--ppo-epochs", "0", ">= 1"),
-    (["--clip-eps-low", "-0.1"], "--clip-eps-low", "-0.1", "finite number >= 0"),
+    (["--clip-eps-low", "-0.1"], "--clip-eps-low", "-0.1", "a number in [0, 1)"),
+    # the lower bound 1 - eps can act only while > 0 (the ratio is > 0): --clip-eps-low 5 was
+    # accepted with a bound of -4
+    (["--clip-eps-low", "5"], "--clip-eps-low", "5.0", "must be a number in [0, 1) (the ratio, "
+                                                        "always > 0, is clipped below at 1 - eps: "
+                                                        "a bound <= 0 never acts)"),
+    (["--clip-eps-low", "1"], "--clip-eps-low", "1.0", "[0, 1)"),
+    (["--clip-eps-low", "nan"], "--clip-eps-low", "nan", "[0, 1)"),
+    (["--clip-eps", "5"], "--clip-eps", "5.0", "must be a number in (0, 1) while it is also the "
+                                               "lower clip range"),
+    (["--clip-eps", "1", "--clip-eps-high", "0.3"], "--clip-eps", "1.0",
+     "or give --clip-eps-low for the lower side"),
     (["--clip-eps-high", "nan"], "--clip-eps-high", "nan", "finite number >= 0"),
     (["--clip-eps-high", "inf"], "--clip-eps-high", "inf", "finite number >= 0"),
     (["--loss-agg", "sum"], "--loss-agg", "sum",
@@ -588,6 +599,7 @@ def test_write_json_atomic_non_finite(tmp_path):
     (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1"),
     (["--clip-eps-high", "0.28"], "--ppo-epochs or --mini-batches"),
     (["--clip-eps", "0.1"], "cannot act with one update"),
+    (["--kl-estimator", "k3"], "--kl-estimator k3 is ignored with --kl-coef 0"),
 ])
 def test_setting_that_cannot_act_warns_one_line_and_runs(capsys, cwd, loop, argv, needle):
     """A valid setting that can do nothing == one 'warning' line on stderr, and the run goes on."""
@@ -727,6 +739,16 @@ def test_resume_cannot_extend_a_decaying_lr_schedule(capsys, cwd, loop):
     assert "--lr-schedule cosine" in err and "--steps 4" in err and len(err.strip().splitlines()) == 1
 
 
+def test_clip_ranges_that_can_act_are_accepted():
+    """The edges of the clip ranges: a lower eps of 0 (clip at 1), an upper one above 1, and a
+    --clip-eps >= 1 once --clip-eps-low takes the lower side (it is then the upper range only)."""
+    for kw in ({"clip_eps_low": 0.0}, {"clip_eps_low": 0.999}, {"clip_eps_high": 5.0},
+               {"clip_eps_high": 0.0}, {"clip_eps": 5.0, "clip_eps_low": 0.2},
+               {"clip_eps": 0.999}):
+        cfg = RunConfig(**kw)
+        assert 1 - cfg.clip_low > 0 and cfg.clip_high >= 0
+
+
 def test_optional_float_flags_parse_as_floats():
     """--clip-eps-low/high are `float | None` fields: the flag gives a float, absent keeps None."""
     args = cli.build_parser().parse_args(["run", "--clip-eps-high", "0.28"])
@@ -770,6 +792,7 @@ def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_pro
     model.mkdir()
     hf = tiny().to_hf_dict() | change
     (model / "config.json").write_text(json.dumps(hf))
+    (model / "model.safetensors").write_bytes(b"")   # present: the shape is refused before it is read
     run_dir = tmp_path / "r"
     code, _, err = rlk(capsys, "run", "--model", str(model), "--allow-dirty", "--run-dir",
                        str(run_dir))
@@ -881,7 +904,7 @@ def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
     (["--kl-coef", "-1e-3"], "--kl-coef -0.001: must be a finite number >= 0"),
     (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 1e-06"),
     (["--temperature", "-inf"], "--temperature -inf: must be a finite number >= 1e-06"),
-    (["--clip-eps-low", "-2E+3"], "--clip-eps-low -2000.0: must be a finite number >= 0"),
+    (["--clip-eps-low", "-2E+3"], "--clip-eps-low -2000.0: must be a number in [0, 1)"),
     (["--steps", "-1e5"], "--steps: '-1e5' is not an integer"),
 ])
 def test_negative_number_as_its_own_argument_reaches_the_validator(capsys, cwd, loop, argv, want):
@@ -1017,3 +1040,124 @@ def test_sample_longer_than_the_microbatch_names_the_flag_that_was_moved(capsys,
     if want.endswith("microbatch)"):
         assert line.endswith(want), line
     assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# --prompts: every problem with the file's content is one usage error, before any work
+
+GOOD_LINE = '{"prompt": "Compute 1+1=", "label": "2"}\n'
+FORMAT = 'each non-blank line must be one JSON object like {"prompt": "...", "label": "..."}'
+
+
+def _parquet_bytes(columns: dict) -> bytes:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns), sink)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize("name,content,want", [
+    # line 1 was checked at start-up already (exit 2); line 2 only in the loop (exit 1, no prefix)
+    ("p.jsonl", "{bad\n", "--prompts p.jsonl:1: invalid JSON (Expecting property name"),
+    ("p.jsonl", GOOD_LINE + "{bad\n", "--prompts p.jsonl:2: invalid JSON (Expecting property "
+                                      f"name enclosed in double quotes: line 1 column 2 (char "
+                                      f"1)); {FORMAT}"),
+    ("p.jsonl", "", f"--prompts p.jsonl: no prompts (the file is empty or only blank lines); "
+                    f"{FORMAT}"),
+    ("p.jsonl", "\n  \n", "--prompts p.jsonl: no prompts"),
+    ("p.jsonl", '{"prompt": 5, "label": "1"}\n',
+     f'--prompts p.jsonl:1: "prompt" must be a string, got int; {FORMAT}'),
+    ("p.jsonl", GOOD_LINE + '{"prompt": 5, "label": "1"}\n',
+     f'--prompts p.jsonl:2: "prompt" must be a string, got int; {FORMAT}'),
+    ("p.jsonl", GOOD_LINE * 3 + '{"prompt": "x"}\n',
+     f'--prompts p.jsonl:4: missing "label" (or "answer"); {FORMAT}'),
+    ("p.jsonl", GOOD_LINE + "[1]\n", "--prompts p.jsonl:2: expected a JSON object, got list"),
+    ("p.jsonl", GOOD_LINE.encode() + b"\xff\n", "--prompts p.jsonl:2: invalid UTF-8"),
+    # item 3: a name claiming the other format is said to be the mismatch
+    ("fake.parquet", "hello\n", "--prompts fake.parquet: named .parquet but not a Parquet file "
+                                "(no PAR1 header); give a Parquet file, or name a JSONL file "
+                                ".jsonl"),
+    ("fake.parquet", GOOD_LINE, "--prompts fake.parquet: named .parquet but not a Parquet file"),
+    ("cut.parquet", "parquet-head", "--prompts cut.parquet: named .parquet but not a Parquet "
+                                    "file (starts with PAR1 but does not end with it: truncated?); "
+                                    "give the whole file"),
+    ("p.jsonl", "parquet", "--prompts p.jsonl: named .jsonl but is a Parquet file (PAR1 magic at "
+                           "both ends); name it .parquet, or give the JSONL file"),
+    ("p.JSON", "parquet", "--prompts p.JSON: named .json but is a Parquet file"),
+    ("bad.parquet", "parquet-bad-row", '--prompts bad.parquet: row 1: "prompt" must be a string, '
+                                       "got NoneType"),
+])
+def test_prompts_file_content_errors_are_one_usage_line_before_any_work(
+        capsys, cwd, loop, name, content, want):
+    """Whatever is wrong inside the --prompts file, and on whichever line: exit 2, one stderr
+    line `--prompts FILE[:LINE]: what; allowed`, nothing written and the loop never entered
+    (errors past line 1 were exit 1 with no --prompts prefix, after the model had loaded)."""
+    if content == "parquet":
+        content = _parquet_bytes({"prompt": ["a"], "label": ["1"]})
+    elif content == "parquet-head":
+        content = _parquet_bytes({"prompt": ["a"], "label": ["1"]})[:-10]
+    elif content == "parquet-bad-row":
+        content = _parquet_bytes({"prompt": ["a", None], "label": ["1", "2"]})
+    (cwd / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--prompts", name)
+    assert (code, out) == (2, "")
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {want}"), line
+    assert [p.name for p in cwd.iterdir()] == [name] and loop.calls == []
+
+
+def test_prompts_file_with_an_extension_of_neither_format_is_read_by_content(capsys, cwd, loop):
+    """The content decides the format: Parquet named .pq and JSONL named .txt both run."""
+    (cwd / "p.pq").write_bytes(_parquet_bytes({"prompt": ["a"], "label": ["1"]}))
+    (cwd / "p.txt").write_text(GOOD_LINE)
+    for name in ("p.pq", "p.txt"):
+        code, _, err = rlk(capsys, "run", "--allow-dirty", "--prompts", name)
+        assert code == 0, err
+    assert len(loop.calls) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# --model: a directory without config.json or weights is a usage error, like a missing one
+
+MODEL_EXPECTED = ("give a Hugging Face model directory with config.json and *.safetensors "
+                  "weights, or leave out --model for the embedded tiny model")
+
+
+@pytest.mark.parametrize("make,what", [
+    (lambda d: None, "no such directory"),
+    (lambda d: d.write_text("x"), "is a file, not a directory"),
+    (lambda d: d.mkdir(), "is an empty directory"),
+    (lambda d: (d.mkdir(), (d / "README.md").write_text("x")),
+     "no config.json and no *.safetensors weights"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{}")), "no *.safetensors weights"),
+    (lambda d: (d.mkdir(), (d / "model.safetensors").write_bytes(b"")), "no config.json"),
+])
+def test_model_dir_without_config_or_weights_is_a_usage_error(capsys, cwd, loop, make, what):
+    """--model DIR that is missing, a file, empty, or lacks config.json or *.safetensors: exit 2,
+    one line naming --model, the path and what a model directory holds, before any work (an
+    empty directory was exit 1 from the checkpoint loader, without the flag)."""
+    make(cwd / "m")
+    before = sorted(p.name for p in cwd.rglob("*"))
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--model", "m")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [f"rlk run: error: --model 'm': {what}; {MODEL_EXPECTED}"]
+    assert sorted(p.name for p in cwd.rglob("*")) == before and loop.calls == []
+
+
+def test_model_seed_with_model_warns_one_line_and_runs(capsys, cwd, loop, tmp_path):
+    """--model DIR --model-seed 5: the seed cannot act (it seeds the embedded model only); one
+    warning line on stderr and the run goes on (it was silently ignored)."""
+    from rlkernel.model.config import tiny
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny().to_hf_dict()))
+    (model / "model.safetensors").write_bytes(b"")   # never read: the loop is stubbed
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--model", str(model), "--model-seed", "5")
+    assert code == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
+    assert warnings == ["rlk run: warning: --model-seed 5 is ignored with --model: it seeds only "
+                        "the random weights of the embedded tiny model"], err
+    assert len(loop.calls) == 1

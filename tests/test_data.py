@@ -369,19 +369,38 @@ def test_parquet_without_pyarrow_names_the_install_command(tmp_path, monkeypatch
     assert "pip install 'rl-kernel[parquet]'" in str(e.value) and str(path) in str(e.value)
 
 
-def test_check_prompt_keys_reads_only_the_header(tmp_path):
-    """check_prompt_keys: a bad key in record 1 (JSONL) or in the schema (Parquet) is caught;
-    a bad record further down is left to the full parse."""
-    from rlkernel.data.prompts import check_prompt_keys
+def test_load_prompts_parses_every_line_and_row(tmp_path):
+    """load_prompts (the CLI's start-up check): a bad record anywhere is caught, naming its
+    line (JSONL) or row (Parquet); it used to look at record 1 and the schema only."""
+    from rlkernel.data.prompts import load_prompts
 
     ok_then_bad = _write(tmp_path, '\ufeff\n{"q": "a", "a": "1"}\n{"q": 3, "a": "1"}\n')
-    check_prompt_keys(ok_then_bad, input_key="q", label_key="a")
-    with pytest.raises(PromptFileError, match=r":2: missing \"prompt\""):
-        check_prompt_keys(ok_then_bad, input_key="prompt", label_key="a")
-    pq_path = _parquet(tmp_path / "p.parquet", {"q": ["a"], "a": ["1"]})
-    check_prompt_keys(pq_path, input_key="q", label_key="a")
-    with pytest.raises(PromptFileError, match="no column 'prompt' or 'label'"):
-        check_prompt_keys(pq_path, input_key="prompt", label_key="label")
+    with pytest.raises(PromptFileError, match=r'p.jsonl:3: "q" must be a string, got int'):
+        load_prompts(ok_then_bad, input_key="q", label_key="a")
+    with pytest.raises(PromptFileError, match=r':2: missing "prompt"'):
+        load_prompts(ok_then_bad, input_key="prompt", label_key="a")
+    pq_path = _parquet(tmp_path / "p.parquet", {"q": ["a", "b"], "a": ["1", None]})
+    with pytest.raises(PromptFileError, match='row 1: "a" must be a string or a number'):
+        load_prompts(pq_path, input_key="q", label_key="a")
+    with pytest.raises(PromptFileError, match='no column "prompt"; the file has columns'):
+        load_prompts(pq_path)
+
+
+@pytest.mark.parametrize("name,parquet,words", [
+    ("x.parquet", False, "x.parquet: named .parquet but not a Parquet file (no PAR1 header)"),
+    ("x.jsonl", True, "x.jsonl: named .jsonl but is a Parquet file"),
+    ("x.ndjson", True, "x.ndjson: named .ndjson but is a Parquet file"),
+])
+def test_a_name_claiming_the_other_format_is_refused_by_the_loader(tmp_path, name, parquet,
+                                                                   words):
+    """prompt_source (what the run loop reads) refuses the mix-up with the message the CLI's
+    start-up check gives; content, not name, still picks the parser."""
+    content = (_parquet(tmp_path / "src.parquet", {"prompt": ["a"], "label": ["1"]}).read_bytes()
+               if parquet else b'{"prompt": "a", "label": "1"}\n')
+    path = _write(tmp_path, content, name=name)
+    with pytest.raises(PromptFileError) as e:
+        prompt_source(path, n_prompts_per_step=1, steps=1, seed=0)
+    assert str(e.value).startswith(str(tmp_path)) and words in str(e.value)
 
 
 def test_run_on_a_parquet_file_with_keys(tmp_path, capsys):
@@ -401,7 +420,8 @@ def test_run_on_a_parquet_file_with_keys(tmp_path, capsys):
     assert main([*args, "--input-key", "q", "--label-key", "gold", "--run-dir",
                  str(tmp_path / "r2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no column 'q'" in err[0] and "'question'" in err[0]
+    assert len(err) == 1 and err[0].startswith(f'rlk run: error: --prompts {path}: no column "q"')
+    assert "'question'" in err[0]
     assert not (tmp_path / "r2").exists()
 
 

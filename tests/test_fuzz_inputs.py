@@ -237,13 +237,14 @@ def test_prompt_file_huge_lines(tmp_path):
     (b"\xef\xbb\xbf" + _good_line("bom", "1") + b"\n\xc0\xaf\n", ":2: invalid UTF-8"),
 ])
 def test_bad_prompt_file_through_rlk_run(tmp_path, content, where):
-    """`rlk run --prompts BAD`: exit 1, one line naming FILE[:LINE], nothing on disk."""
+    """`rlk run --prompts BAD`: a usage error (exit 2), one line naming --prompts FILE[:LINE],
+    nothing on disk (these were exit 1 from the loop, after the model had loaded)."""
     path = tmp_path / "p.jsonl"
     path.write_bytes(content)
     run_dir = tmp_path / "runs" / "r"
     rc, err = rlk("run", "--prompts", str(path), "--allow-dirty", "--run-dir", str(run_dir))
-    assert rc == 1
-    assert error_line(err).startswith(f"{path}{where}"), err
+    assert rc == 2
+    assert error_line(err).startswith(f"--prompts {path}{where}"), err
     assert_nothing_left(run_dir)
     assert not (tmp_path / "runs").exists()  # the parent it created is removed too
 

@@ -99,6 +99,18 @@ def test_display_run_dir_and_warnings():
     assert "--save-every 3 > --steps 2" in w
 
 
+def test_flags_made_inert_by_another_flag_warn():
+    """--model-seed with --model, --kl-estimator with --kl-coef 0: one warning each, naming both
+    flags; at their defaults, or where they act, nothing."""
+    (w,) = config_warnings(RunConfig(model="m", model_seed=5))
+    assert w.startswith("--model-seed 5 is ignored with --model: it seeds only")
+    (w,) = config_warnings(RunConfig(kl_estimator="k3"))
+    assert w.startswith("--kl-estimator k3 is ignored with --kl-coef 0: no KL term is computed")
+    for cfg in (RunConfig(model="m"), RunConfig(model_seed=5), RunConfig(kl_estimator="k1"),
+                RunConfig(kl_estimator="k3", kl_coef=0.01)):
+        assert config_warnings(cfg) == [], cfg
+
+
 def test_summary_lines_tolerate_missing_keys():
     lines = summary_lines([_rec(0), _rec(1, reward_mean=0.75), {"step": 2}], "runs/r")
     assert lines[0].startswith("done: 3 steps in 8.0 s")

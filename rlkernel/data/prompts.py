@@ -6,7 +6,10 @@ Every problem is reported as a PromptFileError whose message reads "FILE:LINE: w
 is allowed" (JSONL) or "FILE: row N: ..." (Parquet, N counted from 0), so a user can fix the file
 without reading code. The parsers work on the file's bytes, which lets the caller hash exactly the
 bytes it parsed. A file is Parquet when its bytes start and end with the magic b"PAR1", whatever
-its name; anything else is read as JSONL.
+its name; anything else is read as JSONL. A name that claims the other format (.parquet on a file
+that is not Parquet, .jsonl/.json/.ndjson on one that is) is refused, naming the mismatch: it is
+most often the wrong or a truncated file, and the parser's error would speak of a format the user
+did not mean ("invalid JSON" for a broken Parquet file).
 
 Parquet needs pyarrow, an optional extra (`pip install 'rl-kernel[parquet]'`): it is a 40+ MB
 wheel that JSONL users do not need; without it a Parquet file is refused with that command.
@@ -25,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 
 PARQUET_MAGIC = b"PAR1"
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_HINT = "pip install 'rl-kernel[parquet]' (or: pip install pyarrow)"
 
 
@@ -196,36 +200,35 @@ def parse_parquet(data: bytes, name: str, *, input_key: str = "prompt",
     return prompts
 
 
+def check_name_matches(data: bytes, name: str) -> None:
+    """Refuse a file whose name claims the format its bytes are not (module doc): the content
+    still decides the format, the name only catches a mix-up. Raises PromptFileError."""
+    suffix = os.path.splitext(name)[1].lower()
+    if suffix == ".parquet" and not is_parquet(data):
+        if data.startswith(PARQUET_MAGIC):
+            why, fix = "starts with PAR1 but does not end with it: truncated?", "give the whole file"
+        else:
+            why, fix = "no PAR1 header", "give a Parquet file, or name a JSONL file .jsonl"
+        raise PromptFileError(f"{name}: named .parquet but not a Parquet file ({why}); {fix}")
+    if suffix in JSONL_SUFFIXES and is_parquet(data):
+        raise PromptFileError(f"{name}: named {suffix} but is a Parquet file (PAR1 magic at both "
+                              "ends); name it .parquet, or give the JSONL file")
+
+
 def parse_prompts(data: bytes, name: str, *, input_key: str = "prompt",
                   label_key: str = "label") -> list[Prompt]:
-    """`parse_parquet` when `data` is Parquet (`is_parquet`), else `parse_jsonl`."""
+    """`parse_parquet` when `data` is Parquet (`is_parquet`), else `parse_jsonl`, after
+    `check_name_matches`."""
+    check_name_matches(data, name)
     parse = parse_parquet if is_parquet(data) else parse_jsonl
     return parse(data, name, input_key=input_key, label_key=label_key)
 
 
-def check_prompt_keys(path: str | os.PathLike, *, input_key: str, label_key: str) -> None:
-    """Cheap start-up check that `path` is readable and holds the keys: a Parquet file's schema,
-    or a JSONL file's first non-blank record (the full parse happens when the run loads it).
-    Raises PromptFileError naming the key and the keys the file has."""
-    name = os.fspath(path)
-    data = read_prompt_file(path)
-    if is_parquet(data):
-        columns = parquet_columns(data, name)
-        missing = [] if input_key in columns else [input_key]
-        if not any(k in columns for k in _label_keys(label_key)):
-            missing.append(label_key)
-        if missing:
-            raise PromptFileError(f"{name}: no column {' or '.join(map(repr, missing))}; the file "
-                                  f"has columns {columns}; name them with --input-key/--label-key")
-        return
-    lines = data.split(b"\n")
-    for lineno, raw in enumerate(lines, start=1):
-        if (raw[3:] if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") else raw).strip():
-            # The lines so far, parsed as the full parser does: same message (FILE:LINE).
-            parse_jsonl(b"\n".join(lines[:lineno]), name, input_key=input_key,
-                        label_key=label_key)
-            return
-    # no record at all: the full parse names the problem ("no prompts")
+def load_prompts(path: str | os.PathLike, *, input_key: str = "prompt",
+                 label_key: str = "label") -> list[Prompt]:
+    """Prompts of the JSONL or Parquet file at `path` (`parse_prompts`). Raises PromptFileError."""
+    return parse_prompts(read_prompt_file(path), os.fspath(path), input_key=input_key,
+                         label_key=label_key)
 
 
 def read_prompt_file(path: str | os.PathLike) -> bytes:

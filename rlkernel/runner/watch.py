@@ -19,6 +19,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_watch.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -55,7 +56,26 @@ def config_warnings(cfg) -> list[str]:
         out.append(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} has no effect with "
                    "--device cpu: the CPU rollout's KV pool holds every sample of the step at "
                    "once")
+    return out + _ignored_flags(cfg)
+
+
+def _ignored_flags(cfg) -> list[str]:
+    """Flags another flag makes inert, given away from their defaults (a flag left at its
+    default cannot be told from one given at it, and warning on defaults would be noise)."""
+    out = []
+    if cfg.model is not None and _moved(cfg, "model_seed"):
+        out.append(f"--model-seed {cfg.model_seed} is ignored with --model: it seeds only the "
+                   "random weights of the embedded tiny model")
+    if not cfg.kl_coef and _moved(cfg, "kl_estimator"):
+        out.append(f"--kl-estimator {cfg.kl_estimator} is ignored with --kl-coef 0: no KL term "
+                   "is computed; give --kl-coef > 0 for it to act")
     return out
+
+
+def _moved(cfg, name: str) -> bool:
+    """True when field `name` of the RunConfig `cfg` is off its default."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+    return getattr(cfg, name) != default
 
 
 def _never_learns(cfg) -> bool:

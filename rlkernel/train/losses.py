@@ -39,8 +39,9 @@ def invariant_exp(x: torch.Tensor) -> torch.Tensor:
 class LossCoefs:
     """clip_eps > 0, kl_coef >= 0, entropy_coef >= 0, kl_estimator in {k1, k2, k3}.
 
-    clip_eps_low / clip_eps_high (finite >= 0, None = clip_eps) clip the ratio to
-    [1 - low, 1 + high]: DAPO's decoupled clip (Yu et al. 2025, arXiv 2503.14476 §3.1).
+    clip_eps_low / clip_eps_high (None = clip_eps) clip the ratio to [1 - low, 1 + high]:
+    DAPO's decoupled clip (Yu et al. 2025, arXiv 2503.14476 §3.1). RunConfig keeps the lower one
+    in [0, 1) (a bound 1 - low <= 0 never acts) and the upper one finite >= 0.
     """
 
     clip_eps: float
