@@ -266,7 +266,7 @@ def test_split_rows_refuses_the_sparse_use_before_the_dense_one():
     p = torch.nn.Parameter(torch.randn(ROWS, H))
     gs = tokensum.GradSink.single()
     gs.begin({"emb": p}, direct=True, keep={"emb"})
-    gs.note_rows(torch.zeros(3), torch.tensor([1]), "dp_cp")     # not a parameter: ignored
+    gs.note_rows(torch.zeros(3), torch.tensor([1]), 0, "dp_cp")   # not a parameter: ignored
     tok = tokensum.TokenSum(Comm.single("tokens"), sink=gs)
     ids = torch.arange(TOKEN_LEAF) % ROWS
     h = embed(ids, p, tok=tok)

@@ -121,9 +121,10 @@ class GradSink:
         name = self._name(w)
         return name not in self._keep or (name in self._rows and name not in self._done)
 
-    def note_rows(self, w: torch.Tensor, rows: torch.Tensor, scope: str) -> None:
-        """A kept weight's sparse use will add to w's rows `rows` only (long, any order and
-        repeats; e.g. the lookup's local ids), reduced over `scope`: where the sink is direct and
+    def note_rows(self, w: torch.Tensor, ids: torch.Tensor, offset: int, scope: str) -> None:
+        """A kept weight's sparse use will add to w's rows ids - offset only (ids long, any order
+        and repeats; those outside [0, rows of w) are another rank's: the lookup's ids of a vocab
+        shard at `offset`), reduced over `scope`: where the sink is direct and
         that scope group is this rank alone, w is finished split (class doc) instead of through a
         persistent accumulator. Call before the dense use's backward (the lookup's forward);
         several calls add rows. RuntimeError once the dense use has finished w."""
@@ -133,12 +134,16 @@ class GradSink:
             return
         if name in self._done:
             raise RuntimeError(f"GradSink: rows of {name} noted after its dense use finished it")
+        # Only here, past the checks: the mask is a host sync on CUDA, which no other forward
+        # (untied, persistent, DP/CP) should pay.
+        local = ids.reshape(-1) - offset
+        rows = local[(local >= 0) & (local < w.shape[0])]
         if name in self._rows:
             if self._rows[name][1] != scope:
                 raise RuntimeError(f"GradSink: {name} reduced over {self._rows[name][1]} and "
                                    f"{scope}")
-            rows = torch.cat([self._rows[name][0], rows.reshape(-1)])
-        self._rows[name] = (torch.unique(rows.reshape(-1)), scope)
+            rows = torch.cat([self._rows[name][0], rows])
+        self._rows[name] = (torch.unique(rows), scope)
 
     def add_split_rows(self, w: torch.Tensor, add_at) -> bool:
         """The sparse use of a split weight (`note_rows`): `add_at(rows, acc)` adds this rank's
@@ -314,10 +319,10 @@ class TokenSum:
         self.sink.finish_direct(w, self._scope_for(heads), add_rows, op, words_rows, add_rows_at)
         return True
 
-    def note_rows(self, w: torch.Tensor, rows: torch.Tensor) -> None:
+    def note_rows(self, w: torch.Tensor, ids: torch.Tensor, offset: int) -> None:
         """GradSink.note_rows of the open sink, over this TokenSum's scope (else nothing)."""
         if self.sink is not None and self.sink.open:
-            self.sink.note_rows(w, rows, self.scope)
+            self.sink.note_rows(w, ids, offset, self.scope)
 
     def add_split_rows(self, w: torch.Tensor, add_at) -> bool:
         """GradSink.add_split_rows of the sink (False without one)."""

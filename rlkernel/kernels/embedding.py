@@ -122,6 +122,5 @@ def embed(ids: torch.Tensor, w: torch.Tensor, *, offset: int = 0,
     if tok is not None and torch.is_grad_enabled() and w.requires_grad:
         # A tied weight's sink can then finish the LM head's dense dW directly and keep only
         # these rows' exact sums for the lookup's backward (tokensum.GradSink.note_rows).
-        local = ids - offset
-        tok.note_rows(w, local[(local >= 0) & (local < w.shape[0])])
+        tok.note_rows(w, ids, offset)
     return _Embedding.apply(ids, w, offset, tok)
