@@ -136,3 +136,33 @@ def test_layout_moves_are_cached_per_index_tensor_and_stream_rows():
         assert got.shape == (rows, 3)
         assert torch.equal(got.view(torch.int32),
                            to_stream(slots, lay.q_idx, rows).view(torch.int32))
+
+
+def test_to_samples_and_to_stream_gradients_are_the_slot_copies():
+    """The backward of to_samples scatters each valid slot's gradient to its stream row and of
+    to_stream gathers it (the layout.py Functions, which run no boolean indexing: no CUDA host
+    sync): bytewise the boolean-index formula, −0.0 and the +0 of rows no slot names included
+    (the padding rows, which the dump row of empty slots must not reach)."""
+    lay = packed_layout([[1, 2, 3], [4, 5, 6, 7, 8]], 257)
+    n = lay.tokens.shape[0]
+    q_idx = lay.q_idx
+    valid = q_idx >= 0
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 3, generator=g).requires_grad_(True)
+    dy = torch.randn(q_idx.shape + (3,), generator=g)
+    dy[valid.nonzero()[0].tolist()] = -0.0
+    to_samples(x, q_idx, lay).backward(dy)
+    want = torch.zeros(n, 3)
+    want[q_idx[valid]] = dy[valid]
+    assert torch.equal(x.grad.view(torch.int32), want.view(torch.int32))
+    unread = torch.ones(n, dtype=torch.bool)
+    unread[q_idx[valid]] = False
+    assert bool(unread.any()) and not bool(x.grad[unread].view(torch.int32).any())
+    slots = torch.randn(q_idx.shape + (3,), generator=g).requires_grad_(True)
+    dx = torch.randn(n + 2, 3, generator=g)
+    dx[q_idx[valid][0]] = -0.0
+    to_stream(slots, q_idx, n + 2, lay).backward(dx)
+    want = torch.zeros(q_idx.shape + (3,))
+    want[valid] = dx[q_idx[valid]]
+    assert torch.equal(slots.grad.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(slots.grad[~valid], torch.zeros_like(slots.grad[~valid]))

@@ -167,44 +167,47 @@ def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> Str
     return StreamLayout(tokens, positions, q_idx, q_pos, kv_len)
 
 
+def _gather_slots(x: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
+    """[S, T, ...] slot view of stream rows x [n_rows, ...]: valid slots copy their row, empty
+    ones +0. A gather and a select, not boolean indexing: no data-dependent shape, so no host
+    sync on CUDA (the rollout decode loop, the training backward)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(mv.idx.shape + x.shape[1:])
+    rows = x[mv.gather].view(mv.idx.shape + x.shape[1:])
+    mask = mv.valid.view(mv.valid.shape + (1,) * (x.dim() - 1))
+    return torch.where(mask, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _scatter_slots(y: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
+    """Stream rows [n_rows, ...] of the slot view y [S, T, ...]: each valid slot's values at its
+    row, rows no slot names +0. Empty slots land in an extra dump row (dropped): no boolean
+    indexing, no host sync."""
+    out = y.new_zeros((mv.n_rows + 1,) + y.shape[2:])
+    out.index_copy_(0, mv.scatter, y.reshape((-1,) + y.shape[2:]))
+    return out[:mv.n_rows]
+
+
 class _ToSamples(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
-        ctx.save_for_backward(mv.idx)
-        ctx.n_rows = x.shape[0]
-        if x.shape[0] == 0:
-            return x.new_zeros(mv.idx.shape + x.shape[1:])
-        # A gather and a select, not boolean indexing: no data-dependent shape, so no host sync
-        # on CUDA (the rollout engine's decode loop). Same bytes: valid slots copy, others +0.
-        rows = x[mv.gather].view(mv.idx.shape + x.shape[1:])
-        mask = mv.valid.view(mv.valid.shape + (1,) * (x.dim() - 1))
-        return torch.where(mask, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+        ctx.mv = mv
+        return _gather_slots(x, mv)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (q_idx,) = ctx.saved_tensors
-        valid = q_idx >= 0
-        dx = dy.new_zeros((ctx.n_rows,) + dy.shape[2:])
-        dx[q_idx[valid]] = dy[valid]
-        return dx, None
+        # A stream row is read by one slot at most: its gradient is that slot's, copied.
+        return _scatter_slots(dy, ctx.mv), None
 
 
 class _ToStream(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
-        ctx.save_for_backward(mv.idx)
-        # Empty slots land in an extra dump row (dropped): no boolean indexing, no host sync.
-        out = y.new_zeros((mv.n_rows + 1,) + y.shape[2:])
-        out.index_copy_(0, mv.scatter, y.reshape((-1,) + y.shape[2:]))
-        return out[:mv.n_rows]
+        ctx.mv = mv
+        return _scatter_slots(y, mv)
 
     @staticmethod
     def backward(ctx, dx: torch.Tensor):
-        (q_idx,) = ctx.saved_tensors
-        valid = q_idx >= 0
-        dy = dx.new_zeros(q_idx.shape + dx.shape[1:])
-        dy[valid] = dx[q_idx[valid]]
-        return dy, None
+        return _gather_slots(dx, ctx.mv), None
 
 
 def _moves_of(idx: torch.Tensor, n_rows: int, lay: StreamLayout | None) -> SlotMoves:
