@@ -361,8 +361,16 @@ def _direct(dy, x, words: bool, force_flag: bool = False):
         if out is not None:
             rounded.append((a, b))
         return out
+
+    def deferred(a, b):      # the flag count left unread: the sink redoes a flagged chunk
+        out, flagged = tgw.rounded_grad_weight_deferred(dy[:, a:b], x, tile=SMALL,
+                                                        force_flag=force_flag)
+        if not int(flagged):
+            rounded.append((a, b))
+        return out, flagged
+    hook = {False: None, True: words_rows, "deferred": deferred}[words]
     assert tokensum.TokenSum(Comm.single("tokens"), sink=sink).finish_now(
-        w, add_rows, "dw", words_rows=words_rows if words else None)
+        w, add_rows, "dw", words_rows=hook)
     return sink.finish()["w"], adds, rounded
 
 
@@ -372,7 +380,9 @@ def direct_sink_words_path_equals_the_digit_path():
     rows (DIRECT_CHUNK_ELEMS = 640) with the kernel's words_rows hook: the chunk holding the
     planted row 37 is flagged and goes through add_rows (digits), the three others are rounded
     from the double words; with force_flag every chunk goes through add_rows. The gradient ==
-    the digit-only direct path == the persistent reference, bytewise, each way."""
+    the digit-only direct path == the persistent reference, bytewise, each way; and so with the
+    deferred hook (rounded_grad_weight_deferred: flag counts read by the sink, the flagged
+    chunk redone by add_rows)."""
     dy, x = _operands(4, 50, 40, 12, seed=10)
     _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
     want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
@@ -387,6 +397,11 @@ def direct_sink_words_path_equals_the_digit_path():
         assert torch.equal(got.view(torch.int32), want)
         got, adds, _ = _direct(dy, x, words=False)
         assert len(adds) == 4 and torch.equal(got.view(torch.int32), want)
+        for force in (False, True):      # rounded_grad_weight_deferred through GradSink._defer
+            got, adds, rounded = _direct(dy, x, words="deferred", force_flag=force)
+            assert (adds, rounded) == (([(32, 48)], [(0, 16), (16, 32), (48, 50)]) if not force
+                                       else ([(0, 16), (16, 32), (32, 48), (48, 50)], []))
+            assert torch.equal(got.view(torch.int32), want)
     finally:
         tokensum.DIRECT_CHUNK_ELEMS = real
 

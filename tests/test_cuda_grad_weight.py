@@ -197,19 +197,20 @@ def _sink_grad(dy, x, direct: bool) -> torch.Tensor:
     return sink.finish()["w"]
 
 
-_ROUNDED = tgw.rounded_grad_weight
+_DEFERRED = tgw.rounded_grad_weight_deferred
 
 
 def _spied_rounded(monkeypatch) -> list:
-    """A fresh spy in place of rounded_grad_weight (the real one inside): records each call of
-    the direct path as (rows, returned a gradient)."""
+    """A fresh spy in place of rounded_grad_weight_deferred (the real one inside; the hook
+    kernels/matmul.py hands the sink): records each call of the direct path as (rows, no tile
+    still flagged). The spy reads the count (a host sync the sink itself does not take)."""
     calls = []
 
     def spy(dy, x, **kw):
-        out = _ROUNDED(dy, x, **kw)
-        calls.append((dy.shape[1], out is not None))
-        return out
-    monkeypatch.setattr(tgw, "rounded_grad_weight", spy)
+        out, flagged = _DEFERRED(dy, x, **kw)
+        calls.append((dy.shape[1], int(flagged) == 0))
+        return out, flagged
+    monkeypatch.setattr(tgw, "rounded_grad_weight_deferred", spy)
     return calls
 
 
@@ -222,7 +223,9 @@ def test_direct_grad_weight_words_path_equals_the_digit_path(monkeypatch, tokens
     from the double words (spied: each call returned a gradient), and its bytes == the same
     sink with the hook off (_rounded_rows -> None: digits for every chunk) == a persistent
     sink. With an extreme element planted in row 3 (leaf partials 2**100, 1.5·2**46, 2**-100:
-    a flagged tile) the first chunk alone takes the digits, same bytes as the other paths."""
+    a flagged tile) the first chunk alone takes the digits — redone by the sink once it reads
+    the chunk's flag count behind its CUDA event (GradSink._defer) —, same bytes as the other
+    paths."""
     monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", chunk_rows * k)
     dy, x = _operands(tokens, n, k, torch.bfloat16, seed=6)
     chunks = -(-n // chunk_rows)

@@ -202,6 +202,87 @@ def test_words_rows_is_not_used_when_other_ranks_hold_tokens(monkeypatch):
     assert _same(got[0], whole) and _same(got[1], whole)
 
 
+def _deferred_model(dy: torch.Tensor, x: torch.Tensor, calls: list):
+    """`_words_model` as a deferred hook (the CUDA kernel's rounded_grad_weight_deferred): rows
+    [a, b) and their flag count as a tensor, never None; a flagged chunk's rows are garbage
+    (NaN), as the kernel's are where a tile was zeroed, so only its redo can make them right."""
+    words = _words_model(dy, x, calls)
+
+    def rows(a, b):
+        out = words(a, b)
+        if out is None:
+            return torch.full((b - a, x.shape[1]), float("nan")), torch.tensor(1)
+        return out, torch.tensor(0)
+    return rows
+
+
+def test_deferred_chunks_are_redone_by_the_digits_when_their_flag_is_set(monkeypatch):
+    """A words_rows hook that leaves its flag count unread (a tensor): the sink writes every
+    chunk's rows, queues the flags (GradSink._defer) and redoes the flagged chunk (row 9's)
+    by add_rows before finish returns. The gradient == the digit-only direct path bytewise, and
+    add_rows ran for that chunk alone."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 30)
+    dy, x = _dw_operands()
+    w = torch.nn.Parameter(torch.zeros(16, 10))
+    calls, adds = [], []
+    got = _finish(tokensum.GradSink.single(), w, dy, x, _deferred_model(dy, x, calls), adds)
+    assert [c[2] for c in calls].count(False) == 1 and adds == [(9, 12)]
+    digits = _finish(tokensum.GradSink.single(), w, dy, x, None, [])
+    assert _same(got, digits) and not bool(got.isnan().any())
+
+
+class _Event:
+    """A stand-in CUDA event: query() says whether it has passed; synchronize() records a wait."""
+
+    def __init__(self, done: bool, waits: list):
+        self.done, self.waits = done, waits
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits.append(self)
+
+
+def test_deferred_chunks_resolve_in_order_waiting_only_beyond_the_lag():
+    """GradSink._resolve(keep): chunks whose event has passed resolve without waiting; an
+    unpassed one stops the walk while at most `keep` are queued, and is waited for when more
+    are; a redo runs only for a nonzero count; finish waits for all."""
+    sink = tokensum.GradSink.single()
+    sink.begin({}, direct=True)
+    waits, redone = [], []
+    evs = [_Event(True, waits), _Event(False, waits), _Event(False, waits), _Event(True, waits)]
+    for i, (ev, n) in enumerate(zip(evs, (1, 0, 1, 1))):
+        sink._pending.append((ev, torch.tensor(n), lambda i=i: redone.append(i)))
+    sink._resolve(3)
+    assert redone == [0] and len(sink._pending) == 3      # stopped at the unpassed event 1
+    sink._resolve(2)
+    assert redone == [0] and len(sink._pending) == 2      # waited for 1 (count 0: no redo)
+    assert waits[-1] is evs[1]
+    sink.finish()
+    assert redone == [0, 2, 3] and not sink._pending
+
+
+def test_a_deferred_redo_refuses_operands_changed_in_place(monkeypatch):
+    """kernels/matmul.grad_weight's add_rows checks the version counters of dy and x: a
+    deferred chunk redone after dy was changed in place raises instead of using other bytes."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 30)
+    dy, x = _dw_operands()
+    monkeypatch.setattr(mm, "_rounded_rows", lambda d, xx: _deferred_model(d, xx, []))
+    w = torch.nn.Parameter(torch.zeros(16, 10))
+    sink = tokensum.GradSink.single()
+    sink.begin({"w": w}, direct=True)
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
+    # The CPU stand-in's counts would resolve at once: hold them until finish (as a CUDA
+    # event not yet passed does), so the redo comes after the change.
+    real = sink._resolve
+    monkeypatch.setattr(sink, "_resolve", lambda keep: real(keep) if keep == 0 else None)
+    assert mm.grad_weight(dy, x, w, tok) is None
+    dy.mul_(2.0)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        sink.finish()
+
+
 def _tied_grads(w: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor, offset: int,
                 sink: str, split: bool = True):
     """Gradient of sum(coef * (embed(ids, W) @ Wᵀ)) for one tied W (the lookup, then the same

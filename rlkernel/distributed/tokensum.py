@@ -28,6 +28,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_kernel
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +62,11 @@ class GradSink:
     for the mini-batch. The bytes are those of the persistent path (same exact sum, rounded once).
     With a scope group of one rank, a kernel that holds a chunk's exact sum as float64 double
     words (the CUDA dW: kernels/triton_grad_weight.py) rounds them directly
-    (fixedpoint.round_double_words) and no accumulator is made for that chunk.
+    (fixedpoint.round_double_words) and no accumulator is made for that chunk. Such a kernel may
+    leave its exactness flag on the device (a deferred chunk): the sink copies it to pinned host
+    memory behind a CUDA event and reads it only once the event has passed (at the latest
+    PENDING_LAG chunks later, or in `finish`), redoing a flagged chunk by the digit path then —
+    so the backward never waits for the GPU to drain. The bytes are the same either way.
     Weights used more than once per forward (`keep`, e.g. tied embeddings) stay persistent —
     except a kept weight whose second use touches only a few rows that are known before the
     first use's backward (the tied embedding: the lookup's ids, `note_rows` at its forward):
@@ -86,6 +91,7 @@ class GradSink:
         self._keep: frozenset[str] = frozenset()
         self._rows: dict[str, tuple[torch.Tensor, str]] = {}    # noted rows, scope (split weights)
         self._split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # rows, their accumulator
+        self._pending: deque = deque()    # (event or None, flag count, redo) of deferred chunks
 
     @classmethod
     def single(cls) -> "GradSink":
@@ -170,9 +176,12 @@ class GradSink:
         would be lost: such weights belong in `keep`).
         `words_rows(a, b)` (optional, e.g. the CUDA dW kernel's double words): the same exact
         sum of this rank's partials of rows [a, b), rounded once — fp32 [b - a, *w.shape[1:]] —
-        or None when it cannot hold it (a flagged tile). Used only when the scope group is this
-        rank alone (no integers of other ranks to add): a chunk it returns needs no accumulator;
-        a None chunk takes add_rows. Same bytes either way (the same exact sum, rounded once).
+        or None when it cannot hold it (a flagged tile), or (those rows, flag count [] int on
+        the device) when it has not read its flags: a deferred chunk (`_defer`), redone by
+        add_rows later — possibly after this returns, so add_rows must stay valid — if the
+        count is not 0. Used only when the scope group is this rank alone (no integers of other
+        ranks to add): a chunk it returns needs no accumulator; a None chunk takes add_rows.
+        Same bytes either way (the same exact sum, rounded once).
         `add_rows_at(rows, acc)`: as add_rows for the rows `rows` (ascending long [R]) into acc
         [R, ...]; needed for a split weight (`note_rows`), whose noted rows it fills (RuntimeError
         without it)."""
@@ -189,12 +198,15 @@ class GradSink:
             b = min(n, a + rows)
             if words_rows is not None and comm.size == 1:
                 vals = words_rows(a, b)
+                if isinstance(vals, tuple):     # (rows, flag count still on the device)
+                    out[a:b] = vals[0]
+                    self._defer(vals[1], lambda a=a, b=b: self._digits_into(
+                        out, a, b, add_rows, comm, op))
+                    continue
                 if vals is not None:
                     out[a:b] = vals
                     continue
-            acc = fx.zeros((b - a, *w.shape[1:]), w.device)
-            add_rows(a, b, acc)
-            out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
+            self._digits_into(out, a, b, add_rows, comm, op)
         if name in self._rows:
             rows, noted = self._rows[name]
             if add_rows_at is None or noted != scope:
@@ -205,6 +217,44 @@ class GradSink:
             self._split[name] = (rows, acc)
         self._done[name] = out
         self._scope[name] = scope
+
+    @staticmethod
+    def _digits_into(out: torch.Tensor, a: int, b: int, add_rows, comm: Comm, op: str) -> None:
+        """out[a:b] = rows [a, b) by the digit path: add_rows into a zero accumulator, summed
+        over comm, rounded once."""
+        acc = fx.zeros((b - a, *out.shape[1:]), out.device)
+        add_rows(a, b, acc)
+        out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
+
+    def _defer(self, flagged: torch.Tensor, redo) -> None:
+        """Queue a deferred chunk: `redo()` runs if its flag count `flagged` ([] int, on the
+        chunk's device) turns out nonzero. On CUDA the count is copied to pinned memory behind
+        an event (no host sync now); then every chunk whose event has passed is resolved, and
+        the oldest ones are waited for while more than PENDING_LAG are queued (their redo keeps
+        the kernel's operands alive)."""
+        if flagged.is_cuda:
+            host = torch.empty((), dtype=flagged.dtype, pin_memory=True)
+            host.copy_(flagged, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((event, host, redo))
+        else:
+            self._pending.append((None, flagged, redo))
+        self._resolve(PENDING_LAG)
+
+    def _resolve(self, keep: int) -> None:
+        """Resolve queued chunks in order: those whose flag is readable without waiting, then
+        (waiting on their events) the oldest until at most `keep` remain."""
+        while self._pending:
+            event, count, redo = self._pending[0]
+            passed = event is None or event.query()
+            if not passed and len(self._pending) <= keep:
+                return
+            self._pending.popleft()
+            if not passed:
+                event.synchronize()     # the oldest, waited for beyond the lag (or at finish)
+            if int(count):
+                redo()
 
     def accumulator(self, w: torch.Tensor, scope: str) -> torch.Tensor:
         """The mini-batch accumulator of parameter w (created at zero on first use). A weight must
@@ -229,6 +279,7 @@ class GradSink:
         of at most _BUCKET_ROWS elements (small tensors share one, large ones are cut), so the
         transient beyond the accumulators themselves is a few bucket copies, not a second set."""
         self.open = False
+        self._resolve(0)    # every deferred chunk exact before any gradient leaves the sink
         out: dict[str, torch.Tensor] = {}
         for scope in SCOPES:
             # Every rank must reduce the same list in the same buckets; the signature check of
@@ -267,6 +318,8 @@ _BUCKET_ROWS = 1 << 21
 """Accumulator elements per finishing all-reduce (218 MB of int64 digits)."""
 DIRECT_CHUNK_ELEMS = 1 << 23
 """Gradient elements finished per chunk in direct mode (a transient 872 MB accumulator)."""
+PENDING_LAG = 8
+"""Deferred direct chunks (GradSink._defer) queued at most before the oldest is waited for."""
 
 
 def _buckets(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:

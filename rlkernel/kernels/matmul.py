@@ -245,22 +245,31 @@ def token_grad_weight(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _rounded_rows(dy: torch.Tensor, x: torch.Tensor):
     """`words_rows` for TokenSum.finish_now: on CUDA, rows [a, b) of dW rounded straight from
-    the fused kernel's double words (None for a chunk with a flagged tile: the digit path runs);
-    None on CPU, whose path has no double words (it stays as it is)."""
+    the fused kernel's double words, with the count of still-flagged tiles left on the device
+    (a deferred chunk: the sink redoes it by the digit path if the count is not 0); None on
+    CPU, whose path has no double words (it stays as it is)."""
     if not dy.is_cuda:
         return None
     kernel = _grad_weight_kernel()
-    return lambda a, b: kernel.rounded_grad_weight(dy[:, a:b], x)
+    return lambda a, b: kernel.rounded_grad_weight_deferred(dy[:, a:b], x)
 
 
 def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                 tok: TokenSum | None) -> torch.Tensor | None:
     """w's gradient dW = dYᵀ·X through `tok` (distributed/tokensum.py): None when tok's sink is
     open (the sink keeps the exact sum), else the exact sum over this rank's leaves and tok.comm,
-    rounded, in w's dtype. dy [L, N], x [L, K] (L = this rank's local stream), w [N, K]."""
+    rounded, in w's dtype. dy [L, N], x [L, K] (L = this rank's local stream), w [N, K].
+    A deferred chunk's redo may run after this returns (GradSink._defer): RuntimeError then if
+    dy or x was changed in place meanwhile (their version counters)."""
     tok = tok or TokenSum.single()
-    if tok.finish_now(w, lambda a, b, acc: accumulate_grad_weight_(acc, dy[:, a:b], x),
-                      "token-sum-dw", words_rows=_rounded_rows(dy, x),
+    versions = (dy._version, x._version)
+
+    def add_rows(a: int, b: int, acc: torch.Tensor) -> None:
+        if (dy._version, x._version) != versions:
+            raise RuntimeError("grad weight: dy or x was changed in place before a deferred "
+                               "dW chunk was redone")
+        accumulate_grad_weight_(acc, dy[:, a:b], x)
+    if tok.finish_now(w, add_rows, "token-sum-dw", words_rows=_rounded_rows(dy, x),
                       add_rows_at=lambda rows, acc: accumulate_grad_weight_(acc, dy[:, rows], x)):
         return None
     acc = accumulate_grad_weight_(tok.accumulator(w), dy, x)

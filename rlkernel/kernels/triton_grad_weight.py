@@ -40,8 +40,9 @@ Launched with enable_fp_fusion=False: a contracted mul+add would break TwoSum's 
 Direct rounding (`rounded_grad_weight`): where no other rank's integers are to be added (direct
 mode with a scope group of one rank, distributed/tokensum.py), the double words are rounded to
 fp32 straight away (numerics/fixedpoint.py `round_double_words`: one pass, no accumulator), the
-bytes the digits would round to; if a tile is still flagged after its retry it returns None and the caller takes
-the digit path above for those rows.
+bytes the digits would round to; if a tile is still flagged after its retry, the caller takes
+the digit path above for those rows. `rounded_grad_weight_deferred` leaves that flag count on
+the device (no host sync; distributed/tokensum.py GradSink reads it later, behind an event).
 
 Does not: run on CPU (kernels/matmul.py keeps the reference and dispatches here), round an
 accumulator, or communicate (distributed/tokensum.py sums accumulators over ranks and rounds
@@ -72,9 +73,13 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
                s_dl, s_dn, s_xl, s_xk, s_ow,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEAF: tl.constexpr,
                PREC: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
-               FORCE_FLAG: tl.constexpr):
+               FORCE_FLAG: tl.constexpr, RETRY_ALL: tl.constexpr):
     pid = tl.program_id(0)
-    if EMIT or RETRY:   # the listed (flagged) tiles only
+    if RETRY_ALL:       # a retry launched over every tile (no host sync): the clean ones leave
+        tile = pid
+        if tl.load(FLAGS + tile) == 0:
+            return
+    elif EMIT or RETRY:   # the listed (flagged) tiles only
         tile = tl.load(TILES + pid)
     else:
         tile = pid
@@ -120,7 +125,7 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
         tl.store(FLAGS + tile, (good == 0).to(tl.int32))
 
 
-def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False):
+def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, retry_all=False):
     bn, bk, warps, stages = tile
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     with device_ctx(a):
@@ -128,7 +133,8 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False):
                          a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                          0 if emit else out.stride(0),
                          BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF, PREC=prec, EMIT=emit,
-                         RETRY=retry, FORCE_FLAG=int(force_flag), num_warps=warps,
+                         RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
+                         RETRY_ALL=retry_all, num_warps=warps,
                          num_stages=stages, enable_fp_fusion=False)
 
 
@@ -233,33 +239,45 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     return acc, redone
 
 
-def rounded_grad_weight(dy: torch.Tensor, x: torch.Tensor, *,
-                        tile: tuple[int, int, int, int] = TILE,
-                        force_flag: bool = False) -> torch.Tensor | None:
-    """dW [N, K] fp32 of dy [L, N], x [L, K] (L a multiple of CUDA_TOKEN_LEAF) rounded once straight
-    from the double words — bytewise round_fp32 of what `accumulate_grad_weight_` adds to a zero
-    accumulator — or None when a tile was flagged (its double word cannot hold its sum: the
-    caller then takes the digit path, distributed/tokensum.py GradSink.finish_direct).
+def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
+                                 tile: tuple[int, int, int, int] = TILE,
+                                 force_flag: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dW [N, K] fp32, flagged [] int32) of dy [L, N], x [L, K] (L a multiple of
+    CUDA_TOKEN_LEAF), with no host sync: dW rounded once straight from the double words —
+    bytewise round_fp32 of what `accumulate_grad_weight_` adds to a zero accumulator — valid
+    only if `flagged`, the count of tiles still flagged after their checked retry, is 0 (a
+    double word that cannot hold its sum: the caller then takes the digit path for these rows,
+    distributed/tokensum.py GradSink.finish_direct).
 
     Why: with no other rank's integers to add (direct mode, a scope group of one), the digits
     and their 104-byte accumulator were only a way to round; fixedpoint.round_double_words
-    rounds the pair itself (one pass reading 16 bytes per element). `tile` and `force_flag`
-    (every tile flagged: None; tests) as in accumulate_grad_weight_. One host sync per launch
-    (the flags). Raises ValueError on devices or shapes."""
+    rounds the pair itself (one pass reading 16 bytes per element). The retry runs over every
+    tile (the clean ones return at once, RETRY_ALL) rather than over a list the host reads:
+    the host sync per call it saves was a drained GPU queue per linear. `tile` and `force_flag`
+    (every tile flagged; tests) as in accumulate_grad_weight_. Raises ValueError on devices or
+    shapes."""
     check_cuda("grad weight", dy, x)
     n_tok, n = dy.shape
     k = x.shape[1]
     a, b = _operands(dy, x)
+    flagged = torch.zeros((), dtype=torch.int32, device=dy.device)
     if n_tok == 0 or n == 0 or k == 0:
-        return torch.zeros(n, k, dtype=torch.float32, device=dy.device)
+        return torch.zeros(n, k, dtype=torch.float32, device=dy.device), flagged
     parts = []
     for r0, r1 in _launch_rows(n, k, tile):
-        words, flags = _double_words(a[:, r0:r1], b, tile, force_flag)
-        # Rounded before the flags are read, so the host waits once for both kernels.
-        rounded = tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k)
-        if bool(flags.any()):
-            if _retry_flagged(a[:, r0:r1], b, words, flags, tile, force_flag).numel():
-                return None
-            rounded = tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k)
-        parts.append(rounded)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        aa = a[:, r0:r1]
+        words, flags = _double_words(aa, b, tile, force_flag)
+        _launch(aa, b, words, flags, flags, (flags.numel(),), tile, False, force_flag,
+                retry_all=True)
+        parts.append(tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k))
+        flagged += flags.sum(dtype=torch.int32)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), flagged
+
+
+def rounded_grad_weight(dy: torch.Tensor, x: torch.Tensor, *,
+                        tile: tuple[int, int, int, int] = TILE,
+                        force_flag: bool = False) -> torch.Tensor | None:
+    """`rounded_grad_weight_deferred`'s dW, or None when a tile was still flagged after its
+    retry (the caller then takes the digit path). One host sync (the flag count)."""
+    out, flagged = rounded_grad_weight_deferred(dy, x, tile=tile, force_flag=force_flag)
+    return None if int(flagged) else out
