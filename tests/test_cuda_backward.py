@@ -247,7 +247,6 @@ def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypa
     from rlkernel.model.config import preset
     from rlkernel.model.ops import ops_for
     from rlkernel.model.qwen3 import Qwen3ForCausalLM
-    from rlkernel.spec import CUDA_TOKEN_LEAF
     from rlkernel.train.losses import LossCoefs, invariant_exp
     from rlkernel.train.step import TrainSample, compute_gradients
 
@@ -271,8 +270,9 @@ def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypa
                           pad_id=0, exp=invariant_exp)
         return {n: p.grad.clone() for n, p in pol.logical_params().items()}
     emb = "model.embed_tokens.weight"
-    one = grads(4 * CUDA_TOKEN_LEAF)            # every sample fits one leaf: one microbatch
-    two = grads(2 * CUDA_TOKEN_LEAF)
+    per = len(samples[0].prompt_ids) + len(samples[0].response_ids)   # the budget counts these
+    one = grads(4 * per)                        # all four samples: one microbatch
+    two = grads(2 * per)                        # two samples each: two microbatches
     assert seen[0] == ({emb}, set()) and emb in seen[1][1] and not seen[1][0], seen
     assert [n for n in one if not torch.equal(one[n].view(torch.int32),
                                               two[n].view(torch.int32))] == []
