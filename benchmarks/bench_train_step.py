@@ -44,7 +44,8 @@ def _sync(dev: torch.device) -> None:
 
 
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
-         dev: torch.device, micro_samples: int = 0, kl: bool = True):
+         dev: torch.device, micro_samples: int = 0, kl: bool = True, trace: bool = False,
+         sync_sites: bool = False):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
     policy.load_tensors({k: v.to(dev) for k, v in weights.items()})
@@ -92,10 +93,108 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         out["top_kernels"] = [{"name": e.key[:120], "calls": e.count,
                                "ms": e.device_time_total / 1e3} for e in rows]
         out["profiled_total_ms"] = sum(e.device_time_total for e in pr.key_averages()) / 1e3
+    if trace:
+        out["trace"] = _traced_step(step, dev)
+    if sync_sites:
+        out["sync_sites"] = _sync_sites(step, dev)
     del policy, ref, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _traced_step(step, dev: torch.device) -> dict:
+    """One step under torch.profiler (host ops and kernels): profile_trace.summarize with the
+    phases train.forward / train.backward (labels put around Qwen3ForCausalLM.hidden and
+    autograd's backward for this step only), and where the host was while the device idled."""
+    import os
+    import tempfile
+    from unittest import mock
+
+    from torch.profiler import ProfilerActivity, profile as prof, record_function
+
+    from benchmarks import profile_trace
+    from rlkernel.train import step as step_mod
+
+    def labelled(name, fn):
+        def run(*a, **k):
+            with record_function(name):
+                return fn(*a, **k)
+        return run
+    hidden = Qwen3ForCausalLM.hidden
+    with mock.patch.object(Qwen3ForCausalLM, "hidden", labelled("train.forward", hidden)), \
+            mock.patch.object(step_mod.torch.autograd, "backward",
+                              labelled("train.backward", torch.autograd.backward)), \
+            prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as d:
+        pr.export_chrome_trace(os.path.join(d, "trace.json"))
+        events = profile_trace.load(os.path.join(d, "trace.json"))
+    out = profile_trace.summarize(events, wall, "train.")
+    out["wall_s"] = wall
+    out["idle"] = profile_trace.idle_attribution(events)
+    return out
+
+
+SYNC_CAT, SYNC_NAME = "cuda_runtime", "Synchronize"
+
+
+def _sync_sites(step, dev: torch.device, top: int = 30) -> list[dict]:
+    """The host syncs of one step by call site: the step under torch.profiler with Python
+    stacks; every cudaStreamSynchronize / cudaDeviceSynchronize is keyed by the innermost three
+    rlkernel frames (python_function events on its thread) around it."""
+    import bisect
+    import os
+    import tempfile
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    from benchmarks import profile_trace
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as pr:
+        step()
+        _sync(dev)
+    with tempfile.TemporaryDirectory() as d:
+        pr.export_chrome_trace(os.path.join(d, "trace.json"))
+        events = profile_trace.load(os.path.join(d, "trace.json"))
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    frames: dict = {}
+    for e in xs:
+        if e.get("cat") == "python_function" and "rlkernel/" in e["name"]:
+            frames.setdefault(e["tid"], []).append(e)
+    for fs in frames.values():
+        fs.sort(key=lambda e: e["ts"])
+    starts = {t: [f["ts"] for f in fs] for t, fs in frames.items()}
+    sites: Counter = Counter()
+    for e in xs:
+        if e.get("cat") != SYNC_CAT or SYNC_NAME not in e["name"]:
+            continue
+        fs, live = frames.get(e["tid"], []), []
+        i = bisect.bisect_right(starts.get(e["tid"], []), e["ts"]) - 1
+        while i >= 0 and len(live) < 3:     # the latest-starting frame around it is innermost
+            if fs[i]["ts"] + fs[i]["dur"] >= e["ts"]:
+                live.append(fs[i]["name"].split("rlkernel/")[-1])
+            i -= 1
+        sites[" < ".join(live) or "(outside)"] += 1
+    return [{"site": k, "syncs": n} for k, n in sites.most_common(top)]
+
+
+def _print_trace(t: dict) -> None:
+    print(f"  traced step: wall {t['wall_s']:.3f} s, device {t['device_s']:.3f} s "
+          f"({t['device_over_wall'] or 0:.2f}), {t['kernels']} kernels, idle {t['idle']['idle_ms']:.0f} ms "
+          f"in {t['idle']['gaps']} gaps")
+    for name, p in t["phases"].items():
+        print(f"    phase {name}: {p['calls']}x host {p['host_ms']:.0f} ms, {p['kernels']} kernels "
+              f"{p['device_ms']:.0f} ms")
+    for key in ("by_scope", "by_op"):
+        for row in t["idle"][key][:12]:
+            print(f"    idle {key} {row['idle_ms']:7.1f} ms  {row['name']}")
+    for row in t["top_cpu_ops"][:15]:
+        print(f"    host self {row['self_ms']:7.1f} ms {row['count']:6d}x  {row['name']}")
 
 
 def main() -> None:
@@ -115,6 +214,11 @@ def main() -> None:
     ap.add_argument("--no-kl", action="store_true",
                     help="--kl-coef 0 as rlk run's default: no reference policy kept or run")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--trace", action="store_true",
+                    help="one more invariant step under the host+device profiler: phases, host "
+                         "ops, where the host was while the device idled")
+    ap.add_argument("--sync-sites", action="store_true",
+                    help="one more step with CUDA sync debugging: the host syncs by call site")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -135,7 +239,8 @@ def main() -> None:
             tsm.fusable = lambda bounds: False   # worth_fusing then says no everywhere
         r = _arm(mode.split("-")[0], cfg, weights, samples, a.steps, a.recompute,
                  a.profile and mode == "invariant", dev,
-                 a.native_micro_samples if mode == "native" else 0, not a.no_kl)
+                 a.native_micro_samples if mode == "native" else 0, not a.no_kl,
+                 a.trace and mode == "invariant", a.sync_sites)
         # Peak bytes per parameter element: weights, grads, masters, moments and the step's
         # activations and workspace together (the arms keep the same model state).
         r["peak_bytes_per_param"] = r["peak_gib"] * 2**30 / n_params
@@ -145,6 +250,10 @@ def main() -> None:
               f"peak {r['peak_gib']:.2f} GiB ({r['peak_bytes_per_param']:.1f} B/param), steps {[round(t, 3) for t in r['step_s']]}", flush=True)
         for k in r.get("top_kernels", [])[:25]:
             print(f"   {k['ms']:9.1f} ms {k['calls']:6d}x  {k['name']}")
+        if "trace" in r:
+            _print_trace(r["trace"])
+        for row in r.get("sync_sites", []):
+            print(f"    syncs {row['syncs']:5d}  {row['site']}")
     if {"invariant", "native"} <= res["arms"].keys():
         res["ratio"] = res["arms"]["invariant"]["warm_step_s"] / res["arms"]["native"]["warm_step_s"]
         print(f"ratio invariant / native: {res['ratio']:.2f}")

@@ -109,3 +109,43 @@ def summarize(events: list[dict], wall_s: float, label_prefix: str, top: int = 2
                                   "total_ms": t / 1e3} for n, (c, s, t) in host.items()],
                                 top, "self_ms"),
     }
+
+
+def _idle_gaps(kernels: list[dict], min_us: float) -> list[tuple[float, float]]:
+    """The device's idle intervals (µs) of at least min_us between its first and last kernel."""
+    spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels)
+    gaps, end = [], spans[0][1] if spans else 0.0
+    for t0, t1 in spans[1:]:
+        if t0 - end >= min_us:
+            gaps.append((end, t0))
+        end = max(end, t1)
+    return gaps
+
+
+def idle_attribution(events: list[dict], min_gap_us: float = 20.0, top: int = 25) -> dict:
+    """Where the host was while the device idled: every device gap of at least min_gap_us is
+    charged, at its midpoint, to the innermost host op (`by_op`) and to the innermost
+    autograd function or record_function label (`by_scope`) running then (µs summed, in ms).
+    `idle_ms` is the gaps' total. Does not: split a gap across the ops it spans."""
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in xs if e.get("cat") == "kernel"]
+    host = sorted((e for e in xs if e.get("cat") in ("cpu_op", "user_annotation")),
+                  key=lambda e: e["ts"])
+    starts = [e["ts"] for e in host]
+    by_op, by_scope = defaultdict(float), defaultdict(float)
+    gaps = _idle_gaps(kernels, min_gap_us)
+    longest = max((e["dur"] for e in host), default=0.0)
+    for g0, g1 in gaps:
+        mid = (g0 + g1) / 2
+        lo = bisect.bisect_left(starts, mid - longest)
+        hi = bisect.bisect_right(starts, mid)
+        live = sorted((e for e in host[lo:hi] if e["ts"] + e["dur"] >= mid),
+                      key=lambda e: e["dur"])
+        op = live[0]["name"][:80] if live else "(no host op)"
+        scope = next((e["name"][:80] for e in live if e.get("cat") == "user_annotation"
+                      or e["name"].startswith("autograd::engine")), "(none)")
+        by_op[op] += (g1 - g0) / 1e3
+        by_scope[scope] += (g1 - g0) / 1e3
+    rows = lambda d: [{"name": n, "idle_ms": v} for n, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+    return {"idle_ms": sum(g1 - g0 for g0, g1 in gaps) / 1e3, "gaps": len(gaps),
+            "by_op": rows(by_op), "by_scope": rows(by_scope)}
