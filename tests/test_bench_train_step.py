@@ -1,0 +1,73 @@
+"""benchmarks/bench_train_step.py's diagnostics run on CPU, and profile_trace.idle_attribution
+charges the device's idle gaps to the host op running then.
+
+Properties: on a hand-made CUDA-shaped trace, every gap of at least min_gap_us between kernels
+is counted once, at its midpoint, to the innermost host op and to the innermost autograd
+function or label around it; shorter gaps and overlapping kernels add nothing. The CPU smoke
+run of --trace reports the forward and backward phases; --sync-sites keys each synchronizing
+event by the rlkernel frames around it (on CPU, with aten::nonzero standing in for CUDA's
+synchronize calls, which a CPU run has none of).
+Run: `.venv/bin/python -m pytest -q tests/test_bench_train_step.py` (about 15 s).
+"""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_train_step, profile_trace
+
+
+def _ev(cat, name, ts, dur, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def test_idle_attribution_charges_each_gap_to_the_op_around_its_midpoint():
+    events = [
+        _ev("kernel", "k0", 0, 10), _ev("kernel", "k1", 5, 20),      # overlap: no gap
+        _ev("kernel", "k2", 35, 5),                                  # gap 25..35 (10 us)
+        _ev("kernel", "k3", 100, 5),                                 # gap 40..100 (60 us)
+        _ev("kernel", "k4", 130, 5),                                 # gap 105..130 (25 us)
+        _ev("user_annotation", "train.backward", 0, 200),
+        _ev("cpu_op", "autograd::engine::evaluate_function: _RMSNormBackward", 50, 60),
+        _ev("cpu_op", "_RMSNormBackward", 55, 40),
+        _ev("cpu_op", "aten::nonzero", 60, 20),                      # holds 70, gap 1's middle
+        _ev("cpu_op", "aten::add", 112, 10),                         # holds 117.5, gap 2's
+    ]
+    got = profile_trace.idle_attribution(events, min_gap_us=20.0)
+    assert got["gaps"] == 2 and abs(got["idle_ms"] - 0.085) < 1e-12
+    assert {r["name"]: round(r["idle_ms"], 6) for r in got["by_op"]} == {
+        "aten::nonzero": 0.06, "aten::add": 0.025}
+    assert {r["name"]: round(r["idle_ms"], 6) for r in got["by_scope"]} == {
+        "autograd::engine::evaluate_function: _RMSNormBackward": 0.06, "train.backward": 0.025}
+
+
+def _smoke(tmp_path, flag):
+    out = tmp_path / "s.json"
+    argv = ["bench_train_step.py", "--model", "tiny", "--samples", "2", "--prompt-len", "8",
+            "--response-len", "24", "--steps", "1", "--device", "cpu", "--arms", "invariant",
+            "--no-kl", flag, "--out", str(out)]
+    import sys
+    old = sys.argv
+    sys.argv = argv
+    try:
+        bench_train_step.main()
+    finally:
+        sys.argv = old
+    return json.loads(out.read_text())["arms"]["invariant"]
+
+
+def test_trace_smoke_cpu_reports_the_forward_and_backward_phases(tmp_path):
+    t = _smoke(tmp_path, "--trace")["trace"]
+    assert {n: p["calls"] for n, p in t["phases"].items() if n.startswith("train.")} == {
+        "train.forward": 1, "train.backward": 1}
+    assert t["kernels"] == 0 and t["idle"]["gaps"] == 0 and t["top_cpu_ops"]
+
+
+def test_sync_sites_keys_each_sync_by_its_rlkernel_frames(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_train_step, "SYNC_CAT", "cpu_op")
+    monkeypatch.setattr(bench_train_step, "SYNC_NAME", "aten::nonzero")
+    sites = _smoke(tmp_path, "--sync-sites")["sync_sites"]
+    assert sites and all(r["syncs"] > 0 for r in sites)
+    # The innermost frame first; each a "path(line): function" of rlkernel.
+    assert all(r["site"] == "(outside)" or "(" in r["site"].split(" < ")[0] for r in sites)
+    assert any(".py(" in r["site"] for r in sites)
