@@ -110,6 +110,7 @@ class GradSink:
         self._acc, self._scope, self._done = {}, {}, {}
         self._rows, self._split = {}, {}
         self.direct, self._keep = direct, frozenset(keep)
+        self._pending.clear()    # a backward that raised may have left some (and their operands)
         self.open = True
 
     def _name(self, w: torch.Tensor) -> str:
