@@ -828,6 +828,19 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     return 0
 
 
+def _input_error(e: BaseException) -> str | None:
+    """The message of a bad input the run found after it started (runner/loop.InputError: the
+    model checkpoint's contents, a prompt's length), raised here or by any rank of a launched
+    run (its RankUserError carries the type's name); None for other errors."""
+    from rlkernel.runner.loop import InputError
+
+    if isinstance(e, InputError):
+        return str(e)
+    if getattr(e, "error_type", "").rsplit(".", 1)[-1] == "InputError":
+        return getattr(e, "message", "") or str(e)
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
@@ -885,6 +898,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not writer.complete:
             writer.finish({"steps": writer.n_steps})
     except (ValueError, OSError) as e:
+        bad_input = _input_error(e)
+        if bad_input is not None and (writer is None or writer.n_steps == 0):
+            _discard(tmp, created)
+            if _debug():
+                raise
+            return _error("run", bad_input, 2)
         if writer is None or writer.n_steps == 0:
             _discard(tmp, created)
             if _debug():

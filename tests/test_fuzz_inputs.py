@@ -250,15 +250,19 @@ def test_bad_prompt_file_through_rlk_run(tmp_path, content, where):
 
 
 def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
-    """The token-length limit is checked before any step and points at the prompt's line."""
+    """The token-length limit is checked before any step and points at the prompt's line: a
+    usage error (exit 2) prefixed --prompts as the file's other content errors are, with one
+    process and with two ranks (the rank's error carries its type)."""
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\n".join([_good_line("short", "1"), b"", _good_line("x" * 40, "2")]))
-    run_dir = tmp_path / "r"
-    rc, err = rlk("run", *SMALL, "--n-prompts", "3", "--max-prompt-len", "16", "--prompts",
-                  str(path), "--allow-dirty", "--run-dir", str(run_dir))
-    assert rc == 1
-    assert error_line(err) == f"{path}:3: prompt has 40 tokens, more than --max-prompt-len 16"
-    assert_nothing_left(run_dir)
+    for layout in ((), ("--tp", "2")):
+        run_dir = tmp_path / f"r{len(layout)}"
+        rc, err = rlk("run", *SMALL, "--n-prompts", "3", "--max-prompt-len", "16", "--prompts",
+                      str(path), "--allow-dirty", "--run-dir", str(run_dir), *layout)
+        assert rc == 2, err
+        assert error_line(err).endswith(
+            f"--prompts {path}:3: prompt has 40 tokens, more than --max-prompt-len 16"), err
+        assert_nothing_left(run_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,16 +562,20 @@ def test_checkpoint_directory_layout(tmp_path, setup, words):
     (lambda d: save_file({**tiny_tensors(), "model.norm.weight": torch.full((64,), math.inf,
                                                                             dtype=torch.bfloat16)},
                          str(d / "model.safetensors")), "non-finite"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**tiny().to_hf_dict(), "intermediate_size": 136})),
+     "has shape (128, 64); expected (136, 64); tensor"),    # problems joined by "; "
 ])
 def test_bad_model_through_rlk_run(tmp_path, break_it, words):
-    """`rlk run --model BAD`: exit 1 with the loader's one-line message, no run directory."""
+    """`rlk run --model BAD`: a usage error (exit 2, as a missing --model is) with the loader's
+    one-line message prefixed --model, no run directory."""
     model = write_model(tmp_path / "m")
     break_it(model)
     run_dir = tmp_path / "r"
     rc, err = rlk("run", "--model", str(model), "--allow-dirty", "--run-dir", str(run_dir))
-    assert rc == 1, err
+    assert rc == 2, err
     msg = error_line(err)
-    assert msg.startswith(str(model)) and words in msg, msg
+    assert msg.startswith(f"--model {model}") and words in msg, msg
     assert_nothing_left(run_dir)
 
 

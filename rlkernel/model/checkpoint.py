@@ -66,8 +66,8 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
                               "non-empty path; allowed: a new or empty directory")
     problems = _check_tensors(cfg, tensors, origin={})
     if problems:
-        raise CheckpointError(f"{out}: tensors do not match the model config:\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(f"{out}: tensors do not match the model config: "
+                              + "; ".join(problems))
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     if len(dtypes) > 1:
         raise CheckpointError(f"{out}: tensors have mixed dtypes {dtypes}; config.json records one "
@@ -190,8 +190,8 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
 
     problems = _check_tensors(cfg, tensors, origin)
     if problems:
-        raise CheckpointError(f"{d}: checkpoint does not match its {CONFIG_NAME}:\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(f"{d}: checkpoint does not match its {CONFIG_NAME}: "
+                              + "; ".join(problems))
     # A NaN/Inf weight would otherwise surface only mid-rollout as "logprobs contain NaN", with
     # no tensor named; a read-only scan is cheap next to the clone below.
     nonfinite = [f"{n!r} (in {origin[n]}, {k} value(s), first at index {i})"

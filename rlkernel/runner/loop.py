@@ -31,7 +31,7 @@ from rlkernel.data.tokenizer import load_tokenizer
 from rlkernel.distributed.context import build_contexts
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.topology import launcher_world_size
-from rlkernel.model.checkpoint import init_weights, load_checkpoint
+from rlkernel.model.checkpoint import CheckpointError, init_weights, load_checkpoint
 from rlkernel.model.config import param_shapes, tiny
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
@@ -60,26 +60,35 @@ class RunAborted(ValueError):
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+class InputError(ValueError):
+    """A bad input the run finds only once it has started, before its first step: the --model
+    checkpoint's contents, a prompt's token count. A usage error (rlk run exits 2), named by
+    the flag it came in through."""
+
+
 def _load_model(cfg: RunConfig):
     if cfg.model is None:
         mcfg = tiny()
         return mcfg, init_weights(mcfg, cfg.model_seed)
-    return load_checkpoint(cfg.model)
+    try:
+        return load_checkpoint(cfg.model)
+    except CheckpointError as e:
+        raise InputError(f"--model {e}") from None
 
 
 def _encode_all(cfg: RunConfig, source, tok, chat=None) -> list[list[list[int]]]:
     """Token ids of every prompt of every step, through the chat template `chat` when given;
-    ValueError naming the prompt if one is unusable."""
+    InputError naming the prompt (`--prompts FILE:LINE` for a file's) if one is unusable."""
     out = []
     for step in range(cfg.steps):
         batch = []
         for p in source.batch(step):
-            name = f"{p.where}: prompt" if p.where else f"prompt {p.index}"  # FILE:LINE if a file
+            name = f"--prompts {p.where}: prompt" if p.where else f"prompt {p.index}"
             ids = tok.encode(p.text if chat is None else chat.render(p.text))
             if not ids:
-                raise ValueError(f"{name} encodes to no tokens")
+                raise InputError(f"{name} encodes to no tokens")
             if len(ids) > cfg.max_prompt_len:
-                raise ValueError(f"{name} has {len(ids)} tokens, more than "
+                raise InputError(f"{name} has {len(ids)} tokens, more than "
                                  f"--max-prompt-len {cfg.max_prompt_len}")
             batch.append(ids)
         out.append(batch)
