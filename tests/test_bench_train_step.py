@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from benchmarks import bench_train_step, profile_trace
 
 
@@ -71,3 +73,34 @@ def test_sync_sites_keys_each_sync_by_its_rlkernel_frames(tmp_path, monkeypatch)
     # The innermost frame first; each a "path(line): function" of rlkernel.
     assert all(r["site"] == "(outside)" or "(" in r["site"].split(" < ")[0] for r in sites)
     assert any(".py(" in r["site"] for r in sites)
+
+
+def test_idle_gaps_a_kernel_inside_a_longer_one_opens_no_gap():
+    """A short kernel running inside a longer one does not end the busy span: the gap starts
+    at the longer kernel's end."""
+    ks = [_ev("kernel", "long", 0, 50), _ev("kernel", "inside", 10, 5), _ev("kernel", "k", 60, 5)]
+    assert profile_trace._idle_gaps(ks, 5.0) == [(50, 60)]
+    assert profile_trace._idle_gaps(ks, 20.0) == []
+
+
+def test_sync_sites_keys_a_sync_by_the_frames_around_it_only(monkeypatch):
+    """On a hand-made trace (the profiler stubbed): a sync is keyed by the rlkernel frames that
+    enclose it, innermost first; a frame that ended before it is not one of them."""
+    import contextlib
+
+    import torch.profiler
+
+    fr = lambda name, ts, dur: _ev("python_function", f"/x/rlkernel/{name}", ts, dur)
+    events = [fr("a.py(1): outer", 0, 100), fr("b.py(2): done", 10, 5),
+              fr("c.py(3): inner", 20, 30), _ev("cuda_runtime", "cudaStreamSynchronize", 30, 1)]
+
+    class Prof(contextlib.nullcontext):
+        def __init__(self, *a, **k):
+            super().__init__(self)
+
+        def export_chrome_trace(self, path):
+            pass
+    monkeypatch.setattr(torch.profiler, "profile", Prof)
+    monkeypatch.setattr(profile_trace, "load", lambda path: events)
+    got = bench_train_step._sync_sites(lambda: None, torch.device("cpu"))
+    assert got == [{"site": "c.py(3): inner < a.py(1): outer", "syncs": 1}]

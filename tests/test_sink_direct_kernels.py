@@ -263,9 +263,11 @@ def test_deferred_chunks_resolve_in_order_waiting_only_beyond_the_lag():
     assert redone == [0, 2, 3] and not sink._pending
 
 
-def test_a_deferred_redo_refuses_operands_changed_in_place(monkeypatch):
+@pytest.mark.parametrize("changed", ["dy", "x"])
+def test_a_deferred_redo_refuses_operands_changed_in_place(monkeypatch, changed):
     """kernels/matmul.grad_weight's add_rows checks the version counters of dy and x: a
-    deferred chunk redone after dy was changed in place raises instead of using other bytes."""
+    deferred chunk redone after dy (or x) was changed in place raises instead of using other
+    bytes."""
     monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 30)
     dy, x = _dw_operands()
     monkeypatch.setattr(mm, "_rounded_rows", lambda d, xx: _deferred_model(d, xx, []))
@@ -278,9 +280,23 @@ def test_a_deferred_redo_refuses_operands_changed_in_place(monkeypatch):
     real = sink._resolve
     monkeypatch.setattr(sink, "_resolve", lambda keep: real(keep) if keep == 0 else None)
     assert mm.grad_weight(dy, x, w, tok) is None
-    dy.mul_(2.0)
+    {"dy": dy, "x": x}[changed].mul_(2.0)
     with pytest.raises(RuntimeError, match="changed in place"):
         sink.finish()
+
+
+def test_begin_drops_the_deferred_chunks_a_failed_backward_left():
+    """A backward that raised between a deferred chunk and finish leaves it queued: the next
+    begin drops it, so the next finish never runs the old mini-batch's redo (whose operands
+    may since have changed)."""
+    sink = tokensum.GradSink.single()
+    sink.begin({}, direct=True)
+    redone = []
+    sink._pending.append((None, torch.tensor(1), lambda: redone.append("old")))
+    sink.begin({}, direct=True)
+    assert not sink._pending
+    sink.finish()
+    assert redone == []
 
 
 def _tied_grads(w: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor, offset: int,
@@ -339,6 +355,28 @@ def test_tied_weight_split_path_gives_the_persistent_bytes_without_its_accumulat
     (column_parallel_linear(embed(ids, w, offset=OFFSET), [head_only])[0] * coef).sum().backward()
     differs = ~(head_only.grad.view(torch.int32) == base.view(torch.int32)).all(1)
     assert torch.equal(torch.nonzero(differs)[:, 0], want_rows), "control"
+
+
+def test_tied_split_rows_survive_a_deferred_redo_of_their_chunk(monkeypatch):
+    """A split (tied) weight whose dense chunks are all deferred and flagged (their rows NaN
+    until redone) and whose flags are read only at finish (a CUDA event not yet passed): finish
+    redoes the chunks (dense part only) BEFORE it writes the split rows (dense + lookup), so
+    the lookup's part is not overwritten: bytes == the persistent sink."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 7 * H)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (3 * TOKEN_LEAF,), generator=g)
+    w = torch.randn(ROWS, H, generator=g)
+    coef = torch.randn(3 * TOKEN_LEAF, ROWS, generator=g)
+    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent")
+    monkeypatch.setattr(mm, "_rounded_rows", lambda d, xx: lambda a, b: (
+        torch.full((b - a, xx.shape[1]), float("nan")), torch.tensor(1)))
+    real = tokensum.GradSink._resolve
+    monkeypatch.setattr(tokensum.GradSink, "_resolve",
+                        lambda self, keep: real(self, keep) if keep == 0 else None)
+    # The CPU redo (out= matmuls) refuses x that requires grad, which it is outside backward.
+    monkeypatch.setattr(tokensum.GradSink, "finish", torch.no_grad()(tokensum.GradSink.finish))
+    got, _ = _tied_grads(w, ids, coef, OFFSET, "direct")
+    assert not bool(got.isnan().any()) and _same(got, base)
 
 
 def test_split_rows_refuses_the_sparse_use_before_the_dense_one():
