@@ -25,6 +25,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("grad_weight_triton_checks.py needs TRITON_INTERPRET=1")
 
+import triton
 import triton.language as tl
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
 from kernel_helpers import LaunchRecorder, run_checks
@@ -154,6 +155,31 @@ def a_lone_flagged_tile_is_retried_in_place():
     assert modes[:2] == [(False, False), (True, False)], modes
     assert rec.launches[1][0][4].tolist() == [5], rec.launches[1][0][4]
     assert not any(emit for _, emit in modes), modes
+
+@check
+def retry_all_leaves_clean_tiles_untouched():
+    """The retry launched over every tile (RETRY_ALL, rounded_grad_weight_deferred's: no host
+    list of flagged tiles) returns at once where a tile's flag is 0 — its words keep whatever
+    they held (a sentinel here) — and recomputes, checked, where it is 1: that tile's words ==
+    the first pass's, its flag cleared."""
+    dy, x = _operands(4, 40, 24, 4, seed=21)
+    a, b = dy.contiguous(), x.contiguous()
+    words, flags = tgw._double_words(a, b, SMALL, False)
+    assert not bool(flags.any())
+    sentinel = torch.full_like(words, 12345.0)
+    kept = sentinel.clone()
+    kept_flags = flags.clone()
+    kept_flags[3] = 1                    # tile 3 alone asks for a retry
+    tgw._launch(a, b, kept, kept_flags, kept_flags, (flags.numel(),), SMALL, False, False,
+                retry_all=True)
+    bn, bk = SMALL[0], SMALL[1]
+    num_k = triton.cdiv(b.shape[1], bk)
+    r, c = (3 // num_k) * bn, (3 % num_k) * bk
+    redone = torch.zeros_like(kept, dtype=torch.bool)
+    redone[:, r:r + bn, c:c + bk] = True
+    assert torch.equal(kept[~redone], sentinel[~redone])
+    assert torch.equal(kept[redone], words[redone]) and kept_flags.tolist() == [0] * flags.numel()
+
 
 @check
 def extreme_range_takes_the_emit_path():

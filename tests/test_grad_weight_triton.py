@@ -97,6 +97,12 @@ def test_tiles_never_change_bytes(results):
     _ok(results, "tiles_never_change_bytes")
 
 
+def test_retry_all_leaves_clean_tiles_untouched(results):
+    """The every-tile retry (no host sync) returns at once on a clean tile (a sentinel in its
+    words survives) and recomputes a flagged one (== the first pass's words, flag cleared)."""
+    _ok(results, "retry_all_leaves_clean_tiles_untouched")
+
+
 def test_rounded_grad_weight_is_the_digit_path_rounding(results):
     """rounded_grad_weight == round_fp32(accumulator) == round_fp32(reference), bytewise: narrow
     and wide scales, the lo-word element (rounds up to 1 + 2**-23), sums past fp32 (+Inf), edge

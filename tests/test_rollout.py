@@ -150,7 +150,8 @@ def test_to_samples_and_to_stream_gradients_are_the_slot_copies():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 3, generator=g).requires_grad_(True)
     dy = torch.randn(q_idx.shape + (3,), generator=g)
-    dy[valid.nonzero()[0].tolist()] = -0.0
+    s0, t0 = valid.nonzero()[0].tolist()
+    dy[s0, t0] = -0.0             # one valid slot; the empty ones keep values that must not land
     to_samples(x, q_idx, lay).backward(dy)
     want = torch.zeros(n, 3)
     want[q_idx[valid]] = dy[valid]

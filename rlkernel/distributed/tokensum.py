@@ -255,7 +255,8 @@ class GradSink:
             if not passed:
                 event.synchronize()     # the oldest, waited for beyond the lag (or at finish)
             if int(count):
-                redo()
+                with torch.no_grad():   # finish may run with grad mode on (sync_grads)
+                    redo()
 
     def accumulator(self, w: torch.Tensor, scope: str) -> torch.Tensor:
         """The mini-batch accumulator of parameter w (created at zero on first use). A weight must
