@@ -402,7 +402,6 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
     from rlkernel.data.chat import ChatTemplateError, load_chat_template
     from rlkernel.data.prompts import PromptFileError, load_prompts
     from rlkernel.data.rewards import RewardError, load_reward
-    from rlkernel.runner.export import tokenizer_file_hashes
 
     try:
         reward = load_reward(cfg.reward)
@@ -412,6 +411,8 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
             load_prompts(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
         if cfg.apply_chat_template:
             load_chat_template(cfg.model).render("probe")
+        # Imported only now: it pulls in torch (seconds), which the checks above do not need.
+        from rlkernel.runner.export import tokenizer_file_hashes
         tokenizer_files = tokenizer_file_hashes(cfg.model)
     except PromptFileError as e:
         # Its message starts "FILE:LINE: " or "FILE: ": one prefix for every content problem.
@@ -847,6 +848,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         given = {k: v for k, v in vars(args).items() if k in names}
         src = _resume_source(pathlib.Path(given["resume"])) if given.get("resume") else None
         cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
+        if src is None:
+            _choose_run_dir(cfg)    # an occupied --run-dir: refused before the slower checks
         _check_inputs(cfg)
         _check_topology(cfg)
         _check_watch(cfg)

@@ -1161,3 +1161,25 @@ def test_model_seed_with_model_warns_one_line_and_runs(capsys, cwd, loop, tmp_pa
     assert warnings == ["rlk run: warning: --model-seed 5 is ignored with --model: it seeds only "
                         "the random weights of the embedded tiny model"], err
     assert len(loop.calls) == 1
+
+
+@pytest.mark.parametrize("case", ["occupied-run-dir", "bad-prompts-line"])
+def test_cheap_input_errors_come_before_torch_is_imported(tmp_path, case):
+    """An occupied --run-dir and a bad --prompts line are refused before anything imports torch
+    (seconds on a loaded machine): one exit-2 line, checked in a fresh interpreter."""
+    if case == "occupied-run-dir":
+        (tmp_path / "r").mkdir()
+        (tmp_path / "r" / "x").write_text("")
+        argv = ["run", "--allow-dirty", "--run-dir", str(tmp_path / "r")]
+    else:
+        (tmp_path / "p.jsonl").write_text('{"prompt": 5}\n')
+        argv = ["run", "--allow-dirty", "--prompts", str(tmp_path / "p.jsonl"),
+                "--run-dir", str(tmp_path / "new")]
+    code = ("import sys; from rlkernel.cli import main; rc = main(sys.argv[1:]); "
+            "print('torch' in sys.modules); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.strip() == "False", proc.stdout
+    assert proc.stderr.count("rlk run: error: ") == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "new").exists()
