@@ -103,15 +103,33 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
     return out
 
 
+def _profiled(step, dev: torch.device, with_stack: bool = False) -> tuple[list[dict], float]:
+    """(Chrome-trace events, wall seconds) of one step under torch.profiler, host and device."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    from benchmarks import profile_trace
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+              with_stack=with_stack) as pr:
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as d:
+        pr.export_chrome_trace(os.path.join(d, "trace.json"))
+        return profile_trace.load(os.path.join(d, "trace.json")), wall
+
+
 def _traced_step(step, dev: torch.device) -> dict:
     """One step under torch.profiler (host ops and kernels): profile_trace.summarize with the
     phases train.forward / train.backward (labels put around Qwen3ForCausalLM.hidden and
     autograd's backward for this step only), and where the host was while the device idled."""
-    import os
-    import tempfile
     from unittest import mock
 
-    from torch.profiler import ProfilerActivity, profile as prof, record_function
+    from torch.profiler import record_function
 
     from benchmarks import profile_trace
     from rlkernel.train import step as step_mod
@@ -124,15 +142,8 @@ def _traced_step(step, dev: torch.device) -> dict:
     hidden = Qwen3ForCausalLM.hidden
     with mock.patch.object(Qwen3ForCausalLM, "hidden", labelled("train.forward", hidden)), \
             mock.patch.object(step_mod.torch.autograd, "backward",
-                              labelled("train.backward", torch.autograd.backward)), \
-            prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
-        t0 = time.perf_counter()
-        step()
-        _sync(dev)
-        wall = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as d:
-        pr.export_chrome_trace(os.path.join(d, "trace.json"))
-        events = profile_trace.load(os.path.join(d, "trace.json"))
+                              labelled("train.backward", torch.autograd.backward)):
+        events, wall = _profiled(step, dev)
     out = profile_trace.summarize(events, wall, "train.")
     out["wall_s"] = wall
     out["idle"] = profile_trace.idle_attribution(events)
@@ -147,20 +158,9 @@ def _sync_sites(step, dev: torch.device, top: int = 30) -> list[dict]:
     stacks; every cudaStreamSynchronize / cudaDeviceSynchronize is keyed by the innermost three
     rlkernel frames (python_function events on its thread) around it."""
     import bisect
-    import os
-    import tempfile
     from collections import Counter
 
-    from torch.profiler import ProfilerActivity, profile as prof
-
-    from benchmarks import profile_trace
-
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as pr:
-        step()
-        _sync(dev)
-    with tempfile.TemporaryDirectory() as d:
-        pr.export_chrome_trace(os.path.join(d, "trace.json"))
-        events = profile_trace.load(os.path.join(d, "trace.json"))
+    events, _ = _profiled(step, dev, with_stack=True)
     xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
     frames: dict = {}
     for e in xs:

@@ -146,6 +146,7 @@ def idle_attribution(events: list[dict], min_gap_us: float = 20.0, top: int = 25
                       or e["name"].startswith("autograd::engine")), "(none)")
         by_op[op] += (g1 - g0) / 1e3
         by_scope[scope] += (g1 - g0) / 1e3
-    rows = lambda d: [{"name": n, "idle_ms": v} for n, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+    def rows(d: dict) -> list[dict]:
+        return [{"name": n, "idle_ms": v} for n, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
     return {"idle_ms": sum(g1 - g0 for g0, g1 in gaps) / 1e3, "gaps": len(gaps),
             "by_op": rows(by_op), "by_scope": rows(by_scope)}

@@ -848,8 +848,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         given = {k: v for k, v in vars(args).items() if k in names}
         src = _resume_source(pathlib.Path(given["resume"])) if given.get("resume") else None
         cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
-        if src is None:
-            _choose_run_dir(cfg)    # an occupied --run-dir: refused before the slower checks
+        # An occupied --run-dir is refused first, before the slower checks (a resume writes into
+        # its own directory).
+        final = _choose_run_dir(cfg) if src is None else None
         _check_inputs(cfg)
         _check_topology(cfg)
         _check_watch(cfg)
@@ -868,10 +869,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     _warn(config_warnings(cfg))
     if src is not None:
         return _cmd_resume(cfg, git, src, inputs)
-    try:
-        final = _choose_run_dir(cfg)
-    except ConfigError as e:
-        return _error("run", e, 2)
 
     from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
 
@@ -901,17 +898,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not writer.complete:
             writer.finish({"steps": writer.n_steps})
     except (ValueError, OSError) as e:
-        bad_input = _input_error(e)
-        if bad_input is not None and (writer is None or writer.n_steps == 0):
-            _discard(tmp, created)
-            if _debug():
-                raise
-            return _error("run", bad_input, 2)
         if writer is None or writer.n_steps == 0:
             _discard(tmp, created)
             if _debug():
                 raise
-            return _error("run", e, 1)
+            bad_input = _input_error(e)   # found before step 1: a usage error
+            return _error("run", e if bad_input is None else bad_input,
+                          1 if bad_input is None else 2)
         _publish(tmp, final)
         if _debug():
             raise
