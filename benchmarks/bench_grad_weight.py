@@ -105,7 +105,8 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
                              dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                              words.stride(0), BLOCK_N=bn_, BLOCK_K=bk_, LEAF=leaf,
                              PREC="tf32", EMIT=False, RETRY=retry, FORCE_FLAG=0,
-                             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+                             RETRY_ALL=False, num_warps=warps,
+                             num_stages=stages, enable_fp_fusion=False)
 
     for leaf in leaves:
         row[f"words_leaf{leaf}_ms"] = median_ms(lambda leaf=leaf: launch(leaf, tgw.TILE))
@@ -135,12 +136,13 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="two shapes, no tile sweep")
     ap.add_argument("--leaf-sweep", action="store_true",
-                    help="the double-word pass at leaf lengths 16..128 (1.7b shapes, 16k tokens)")
+                    help="the double-word pass at leaf lengths --leaves (1.7b shapes, 16k tokens)")
+    ap.add_argument("--leaves", default="16,32,64,128", help="leaf lengths for --leaf-sweep")
     a = ap.parse_args()
     require_cuda()
     if a.leaf_sweep:
-        dump(a.out, {"env": env(), "leaf_rows": [_leaf_row(*s, (16, 32, 64, 128))
-                                                 for s in LEAF_SHAPES]})
+        leaves = tuple(int(v) for v in a.leaves.split(","))
+        dump(a.out, {"env": env(), "leaf_rows": [_leaf_row(*s, leaves) for s in LEAF_SHAPES]})
         return
     shapes = SHAPES[:2] if a.quick else SHAPES
     rows = [_row(*s, torch.bfloat16, tiles=(not a.quick and i == 1)) for i, s in enumerate(shapes)]

@@ -45,7 +45,7 @@ def _sync(dev: torch.device) -> None:
 
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
          dev: torch.device, micro_samples: int = 0, kl: bool = True, trace: bool = False,
-         sync_sites: bool = False):
+         sync_sites: bool = False, kernel_sites: bool = False):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
     policy.load_tensors({k: v.to(dev) for k, v in weights.items()})
@@ -97,6 +97,8 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         out["trace"] = _traced_step(step, dev)
     if sync_sites:
         out["sync_sites"] = _sync_sites(step, dev)
+    if kernel_sites:
+        out["kernel_sites"] = _kernel_sites(step, dev)
     del policy, ref, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -151,17 +153,14 @@ def _traced_step(step, dev: torch.device) -> dict:
 
 
 SYNC_CAT, SYNC_NAME = "cuda_runtime", "Synchronize"
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")   # cudaLaunchKernel, cuLaunchKernel (Triton) ...
 
 
-def _sync_sites(step, dev: torch.device, top: int = 30) -> list[dict]:
-    """The host syncs of one step by call site: the step under torch.profiler with Python
-    stacks; every cudaStreamSynchronize / cudaDeviceSynchronize is keyed by the innermost three
-    rlkernel frames (python_function events on its thread) around it."""
+def _frame_sites(xs: list[dict], depth: int):
+    """site(tid, ts): the innermost `depth` rlkernel frames (python_function events of the
+    trace, enclosing time ts on thread tid) joined by " < ", innermost first, or "(outside)"."""
     import bisect
-    from collections import Counter
 
-    events, _ = _profiled(step, dev, with_stack=True)
-    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
     frames: dict = {}
     for e in xs:
         if e.get("cat") == "python_function" and "rlkernel/" in e["name"]:
@@ -169,18 +168,55 @@ def _sync_sites(step, dev: torch.device, top: int = 30) -> list[dict]:
     for fs in frames.values():
         fs.sort(key=lambda e: e["ts"])
     starts = {t: [f["ts"] for f in fs] for t, fs in frames.items()}
-    sites: Counter = Counter()
-    for e in xs:
-        if e.get("cat") != SYNC_CAT or SYNC_NAME not in e["name"]:
-            continue
-        fs, live = frames.get(e["tid"], []), []
-        i = bisect.bisect_right(starts.get(e["tid"], []), e["ts"]) - 1
-        while i >= 0 and len(live) < 3:     # the latest-starting frame around it is innermost
-            if fs[i]["ts"] + fs[i]["dur"] >= e["ts"]:
+
+    def site(tid, ts) -> str:
+        fs, live = frames.get(tid, []), []
+        i = bisect.bisect_right(starts.get(tid, []), ts) - 1
+        while i >= 0 and len(live) < depth:   # the latest-starting frame around it is innermost
+            if fs[i]["ts"] + fs[i]["dur"] >= ts:
                 live.append(fs[i]["name"].split("rlkernel/")[-1])
             i -= 1
-        sites[" < ".join(live) or "(outside)"] += 1
+        return " < ".join(live) or "(outside)"
+    return site
+
+
+def _sync_sites(step, dev: torch.device, top: int = 30) -> list[dict]:
+    """The host syncs of one step by call site: the step under torch.profiler with Python
+    stacks; every cudaStreamSynchronize / cudaDeviceSynchronize is keyed by the innermost three
+    rlkernel frames (python_function events on its thread) around it."""
+    from collections import Counter
+
+    events, _ = _profiled(step, dev, with_stack=True)
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    site = _frame_sites(xs, 3)
+    sites: Counter = Counter(site(e["tid"], e["ts"]) for e in xs
+                             if e.get("cat") == SYNC_CAT and SYNC_NAME in e["name"])
     return [{"site": k, "syncs": n} for k, n in sites.most_common(top)]
+
+
+def _kernel_sites(step, dev: torch.device, top: int = 40, depth: int = 2) -> list[dict]:
+    """Device time of one step by the code that launched it: every kernel is tied to its launch
+    call (the trace's correlation id) and keyed by the innermost `depth` rlkernel frames around
+    that call. Rows: site, kernels, device ms, and the site's costliest kernel name (80 chars);
+    by device ms, largest first."""
+    from collections import defaultdict
+
+    events, _ = _profiled(step, dev, with_stack=True)
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    site = _frame_sites(xs, depth)
+    launch = {e["args"]["correlation"]: site(e["tid"], e["ts"]) for e in xs
+              if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    rows: dict = defaultdict(lambda: {"kernels": 0, "ms": 0.0, "by_name": defaultdict(float)})
+    for e in xs:
+        if e.get("cat") != "kernel":
+            continue
+        r = rows[launch.get(e.get("args", {}).get("correlation"), "(launch not found)")]
+        r["kernels"] += 1
+        r["ms"] += e["dur"] / 1e3
+        r["by_name"][e["name"][:80]] += e["dur"] / 1e3
+    out = [{"site": k, "kernels": r["kernels"], "ms": r["ms"],
+            "top_kernel": max(r["by_name"], key=r["by_name"].get)} for k, r in rows.items()]
+    return sorted(out, key=lambda r: -r["ms"])[:top]
 
 
 def _print_trace(t: dict) -> None:
@@ -219,6 +255,8 @@ def main() -> None:
                          "ops, where the host was while the device idled")
     ap.add_argument("--sync-sites", action="store_true",
                     help="one more step with CUDA sync debugging: the host syncs by call site")
+    ap.add_argument("--kernel-sites", action="store_true",
+                    help="one more profiled step: device time by the rlkernel code that launched it")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -240,7 +278,7 @@ def main() -> None:
         r = _arm(mode.split("-")[0], cfg, weights, samples, a.steps, a.recompute,
                  a.profile and mode == "invariant", dev,
                  a.native_micro_samples if mode == "native" else 0, not a.no_kl,
-                 a.trace and mode == "invariant", a.sync_sites)
+                 a.trace and mode == "invariant", a.sync_sites, a.kernel_sites)
         # Peak bytes per parameter element: weights, grads, masters, moments and the step's
         # activations and workspace together (the arms keep the same model state).
         r["peak_bytes_per_param"] = r["peak_gib"] * 2**30 / n_params
@@ -254,6 +292,8 @@ def main() -> None:
             _print_trace(r["trace"])
         for row in r.get("sync_sites", []):
             print(f"    syncs {row['syncs']:5d}  {row['site']}")
+        for row in r.get("kernel_sites", []):
+            print(f"    {row['ms']:8.1f} ms {row['kernels']:6d}x  {row['site']}  [{row['top_kernel']}]")
     if {"invariant", "native"} <= res["arms"].keys():
         res["ratio"] = res["arms"]["invariant"]["warm_step_s"] / res["arms"]["native"]["warm_step_s"]
         print(f"ratio invariant / native: {res['ratio']:.2f}")

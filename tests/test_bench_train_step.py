@@ -83,16 +83,11 @@ def test_idle_gaps_a_kernel_inside_a_longer_one_opens_no_gap():
     assert profile_trace._idle_gaps(ks, 20.0) == []
 
 
-def test_sync_sites_keys_a_sync_by_the_frames_around_it_only(monkeypatch):
-    """On a hand-made trace (the profiler stubbed): a sync is keyed by the rlkernel frames that
-    enclose it, innermost first; a frame that ended before it is not one of them."""
+def _stub_profiler(monkeypatch, events: list[dict]) -> None:
+    """torch.profiler.profile replaced by a no-op whose trace is `events`."""
     import contextlib
 
     import torch.profiler
-
-    fr = lambda name, ts, dur: _ev("python_function", f"/x/rlkernel/{name}", ts, dur)
-    events = [fr("a.py(1): outer", 0, 100), fr("b.py(2): done", 10, 5),
-              fr("c.py(3): inner", 20, 30), _ev("cuda_runtime", "cudaStreamSynchronize", 30, 1)]
 
     class Prof(contextlib.nullcontext):
         def __init__(self, *a, **k):
@@ -102,5 +97,38 @@ def test_sync_sites_keys_a_sync_by_the_frames_around_it_only(monkeypatch):
             pass
     monkeypatch.setattr(torch.profiler, "profile", Prof)
     monkeypatch.setattr(profile_trace, "load", lambda path: events)
+
+
+def test_sync_sites_keys_a_sync_by_the_frames_around_it_only(monkeypatch):
+    """On a hand-made trace (the profiler stubbed): a sync is keyed by the rlkernel frames that
+    enclose it, innermost first; a frame that ended before it is not one of them."""
+    fr = lambda name, ts, dur: _ev("python_function", f"/x/rlkernel/{name}", ts, dur)
+    events = [fr("a.py(1): outer", 0, 100), fr("b.py(2): done", 10, 5),
+              fr("c.py(3): inner", 20, 30), _ev("cuda_runtime", "cudaStreamSynchronize", 30, 1)]
+
+    _stub_profiler(monkeypatch, events)
     got = bench_train_step._sync_sites(lambda: None, torch.device("cpu"))
     assert got == [{"site": "c.py(3): inner < a.py(1): outer", "syncs": 1}]
+
+
+def test_kernel_sites_charge_each_kernel_to_the_frames_around_its_launch(monkeypatch):
+    """On a hand-made trace: a kernel's time goes to the site of the launch call with its
+    correlation id (not to whatever ran on the host when the kernel ran); kernels of one site
+    add up, the costliest kernel name is reported, and sites come out by device time."""
+    fr = lambda name, ts, dur: _ev("python_function", f"/x/rlkernel/{name}", ts, dur)
+    launch = lambda name, ts, cid: {**_ev("cuda_runtime", name, ts, 1), "args": {"correlation": cid}}
+    kernel = lambda name, ts, dur, cid: {**_ev("kernel", name, ts, dur, tid=7),
+                                         "args": {"correlation": cid}}
+    events = [fr("opt.py(1): step", 0, 100), fr("norm.py(2): rms", 200, 100),
+              launch("cudaLaunchKernel", 10, 1), launch("cuLaunchKernel", 20, 2),
+              {**launch("cuLaunchKernel", 210, 3), "cat": "cuda_driver"},
+              kernel("add", 250, 30, 1), kernel("mul", 290, 5, 2), kernel("rms_k", 300, 20, 3),
+              kernel("orphan", 400, 1, 99)]
+
+    _stub_profiler(monkeypatch, events)
+    got = [{**r, "ms": round(r["ms"], 9)}
+           for r in bench_train_step._kernel_sites(lambda: None, torch.device("cpu"))]
+    assert got == [
+        {"site": "opt.py(1): step", "kernels": 2, "ms": 0.035, "top_kernel": "add"},
+        {"site": "norm.py(2): rms", "kernels": 1, "ms": 0.02, "top_kernel": "rms_k"},
+        {"site": "(launch not found)", "kernels": 1, "ms": 0.001, "top_kernel": "orphan"}]
