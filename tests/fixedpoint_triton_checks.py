@@ -248,6 +248,76 @@ def round_launch_shapes_strides_and_shapes():
 
 
 @triton.jit
+def _pair_sums(A, B, S, E, S2, E2, n, SORTED_ONLY_UNSORTED: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    a = tl.load(A + i, mask=ok)
+    b = tl.load(B + i, mask=ok)
+    s, e = tfx.two_sum(a, b)
+    if SORTED_ONLY_UNSORTED:    # Fast2Sum without the ordering: the negative control
+        s2 = a + b
+        e2 = b - (s2 - a)
+    else:
+        s2, e2 = tfx.two_sum_sorted(a, b)
+    tl.store(S + i, s, mask=ok)
+    tl.store(E + i, e, mask=ok)
+    tl.store(S2 + i, s2, mask=ok)
+    tl.store(E2 + i, e2, mask=ok)
+
+
+def _sum_pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 pairs (a, b) that stress an error-free sum: signed zeros, subnormals, equal
+    magnitudes of opposite sign, ties (1 + 2**-53), spreads past 2**53 either way round, and
+    random values over a wide exponent range (both orders of every pair)."""
+    tiny, big = 2.0**-1074, 2.0**1000
+    a = [0.0, -0.0, 0.0, -0.0, tiny, -tiny, 1.0, 1.0, 2.0**-53, 1.0, 3.0, -3.0, big, 1e-300,
+         1.0 + 2.0**-52, 2.0**-60, 5e-324 * 3, 1.5]
+    b = [0.0, 0.0, -0.0, -0.0, tiny, 3 * tiny, 2.0**-53, -1.0, 1.0, 2.0**-80, -3.0, 3.0, 1.0,
+         1e300, -(2.0**-53), 1.0, -tiny, -1.5 * (1 - 2.0**-52)]
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(2, 4000, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-70, 70, (2, 4000), generator=g).double())
+    x = torch.cat([torch.tensor([a, b], dtype=torch.float64), r], 1)
+    return torch.cat([x[0], x[1]]), torch.cat([x[1], x[0]])
+
+
+def _pair_results(unsorted: bool = False):
+    a, b = _sum_pairs()
+    out = [torch.empty_like(a) for _ in range(4)]
+    _pair_sums[(triton.cdiv(a.numel(), 256),)](a, b, *out, a.numel(),
+                                                SORTED_ONLY_UNSORTED=unsorted, BLOCK=256)
+    return [t.view(torch.int64) for t in out]
+
+
+@check
+def two_sum_sorted_gives_two_sums_words():
+    """tfx.two_sum_sorted (Fast2Sum on operands ordered by magnitude, what add_word uses) ==
+    tfx.two_sum (Knuth's TwoSum), bitwise in the sum and in every nonzero error, on every
+    pair; and s + e is the exact sum (Fraction)."""
+    s, e, s2, e2 = _pair_results()
+    assert torch.equal(s, s2), f"sums differ at {torch.nonzero(s != s2).flatten()[:8]}"
+    # A zero error may carry the other sign (0 + -0: TwoSum gives +0, Fast2Sum -0); add_word
+    # only asks e != 0, so its words are the same. Every nonzero error is the same bits.
+    zero = (e.view(torch.float64) == 0) & (e2.view(torch.float64) == 0)
+    diff = (e != e2) & ~zero
+    assert not diff.any(), f"errors differ at {torch.nonzero(diff).flatten()[:8]}"
+    assert zero.sum() > 10 and (e != e2).any()     # the signed-zero cases are in the data
+    a, b = _sum_pairs()
+    for i in range(0, a.numel(), 97):
+        sv, ev = s2[i:i + 1].view(torch.float64).item(), e2[i:i + 1].view(torch.float64).item()
+        assert fractions.Fraction(sv) + fractions.Fraction(ev) == \
+            fractions.Fraction(a[i].item()) + fractions.Fraction(b[i].item()), i
+
+
+@check
+def two_sum_sorted_negative_control_unordered_fast2sum_differs():
+    """Fast2Sum without the ordering loses the error where |a| < |b| (e.g. 2**-53 + 1): the
+    check above can fail."""
+    s, e, s2, e2 = _pair_results(unsorted=True)
+    assert torch.equal(s, s2) and not torch.equal(e, e2)
+
+
+@triton.jit
 def _one_sum(a, b):
     """A broken TwoSum: the rounded sum with error 0 (what a plain float64 sum would keep)."""
     return a + b, (a + b) * 0.0

@@ -179,6 +179,13 @@ def test_round_bad_arguments_are_refused(results):
     _ok(results, "round_bad_arguments_are_refused")
 
 
+def test_two_sum_sorted_gives_two_sums_words_negative_control_unordered(results):
+    """add_word's Fast2Sum on sorted operands == Knuth's TwoSum bit for bit (sum and error,
+    and the pair is the exact sum); without the ordering the errors differ."""
+    _ok(results, "two_sum_sorted_gives_two_sums_words")
+    _ok(results, "two_sum_sorted_negative_control_unordered_fast2sum_differs")
+
+
 def test_fast_path_holds_what_a_float64_sum_loses(results):
     """The double-word path: columns needing the lo word (1, 2**-24, 2**-80 rounds up to
     1 + 2**-23) == torch and == the bins-only kernel (fast=False)."""

@@ -226,6 +226,19 @@ def two_sum(a, b):
 
 
 @triton.jit
+def two_sum_sorted(a, b):
+    """(s, e) of `two_sum` (the same two values: s = fl(a + b) and its exact error are unique;
+    a zero error may differ in sign, which `add_word` does not read) by Dekker's Fast2Sum on the operands ordered by magnitude (Dekker 1971; exact when |big| >=
+    |small|, round-to-nearest): one compare and three float64 adds instead of six adds, the
+    ordering done by integer selects. Launch with enable_fp_fusion=False."""
+    swap = tl.abs(a) < tl.abs(b)
+    big = tl.where(swap, b, a)
+    small = tl.where(swap, a, b)
+    s = big + small
+    return s, small - (s - big)
+
+
+@triton.jit
 def add_word(hi, lo, n_inexact, p):
     """(hi, lo, n_inexact) after adding the float64 tile p exactly into the double words (hi, lo)
     while at most one add per element is inexact: hi, e = TwoSum(hi, p); a nonzero error e is
@@ -240,8 +253,10 @@ def add_word(hi, lo, n_inexact, p):
     cover what a tile's fallback covers. An element with two inexact adds flags its tile; a
     NaN/inf partial makes e NaN and hi non-finite, which `words_exact` refuses. The words are
     those of the old two-TwoSum scheme whenever neither flags (lo = 0 + e + 0 … = e).
+    The error comes from `two_sum_sorted`: the same e as `two_sum`, two float64 ops fewer
+    (3.5 % of the dW pass on an H200, docs/BENCHMARKS.md).
     Launch with enable_fp_fusion=False (TwoSum)."""
-    hi, e = two_sum(hi, p)
+    hi, e = two_sum_sorted(hi, p)
     nz = e != 0.0
     return hi, tl.where(nz, e, lo), n_inexact + nz.to(tl.int32)
 
