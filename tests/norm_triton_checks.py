@@ -1,4 +1,5 @@
 """The checks behind tests/test_norm_triton.py, run in a subprocess with TRITON_INTERPRET=1: the
+training backward (kernels/triton_norm.rms_backward) against kernels/norm.py's torch ops, and the
 inference RMSNorm(+RoPE) kernel (kernels/triton_norm.rms_norm_apply) against the separate CUDA
 passes it replaces — the statistics kernel (`rms_stats`), then x̂·w and kernels/rope.apply_rope
 as torch ops — compared as int32 bits. The interpreter shows the operation sequence; the PTX
@@ -128,6 +129,102 @@ def bad_input_is_refused():
         except ValueError:
             continue
         raise AssertionError(f"accepted {[getattr(a, 'shape', a) for a in args]}")
+
+
+def _bwd_inputs(n: int, heads: int, h: int, g: torch.Generator):
+    """(dy, x̂, r, w) of the training norm's backward: x̂, r from the statistics kernel on rows
+    like _rows; dy with zeros, -0.0 and a wide spread."""
+    x = _rows(n * heads, h, g).view(n, heads, h) if heads > 1 else _rows(n, h, g)
+    r, xh = tn.rms_stats(x, 1e-6)
+    dy = torch.randn(x.shape, generator=g) * torch.logspace(-4, 4, x.numel() // h).view(
+        *x.shape[:-1], 1)
+    dy.view(-1, h)[5] = 0.0
+    dy.view(-1, h)[6] = -0.0
+    dy.view(-1, h)[7, ::3] = -0.0
+    return dy, xh, r, torch.randn(h, generator=g)
+
+
+def _bwd_reference(dy, xh, r, w, inv_h=None):
+    """kernels/norm.py's torch-op backward (its CPU path, what CUDA runs as torch ops), with
+    `/ H` as the multiply by fp32 1/H that CUDA's division by a CPU scalar does (inv_h given)."""
+    from rlkernel.kernels import norm
+    if inv_h is None:
+        return norm._backward_rows(dy, xh, r, w, True)
+    from rlkernel.numerics.trees import tree_sum
+    g_ = dy * w
+    dx = r[..., None] * (g_ - xh * (tree_sum(g_ * xh, -1) * inv_h)[..., None])
+    return dx, norm._leaf_sums((dy * xh).reshape(xh.shape[0], -1, xh.shape[-1])).reshape(
+        -1, xh.shape[-1])
+
+
+def _inv(h: int) -> torch.Tensor:
+    return torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(h), dtype=torch.float32)
+
+
+@check
+def backward_equals_the_torch_ops():
+    """rms_backward's dx and per-leaf partials == the torch ops, bitwise: hidden widths 1024
+    (norm.py's own code: 1/1024 is exact, so a true division is the same), 1000 and 96 (the
+    padded tree; CUDA's reciprocal multiply), Q/K heads (16 × 128, 8 × 64); 48 tokens = 3
+    leaves of 16."""
+    from rlkernel.spec import TOKEN_LEAF
+    g = torch.Generator().manual_seed(4)
+    for heads, h in ((1, 1024), (1, 1000), (1, 96), (16, 128), (8, 64)):
+        dy, xh, r, w = _bwd_inputs(48, heads, h, g)
+        dx, part = tn.rms_backward(dy, xh, r, w, TOKEN_LEAF, True)
+        want_dx, want_part = _bwd_reference(dy, xh, r, w, None if h & (h - 1) == 0 else _inv(h))
+        assert _same(dx, want_dx), (heads, h, "dx")
+        assert part.shape == want_part.shape and _same(part, want_part), (heads, h, "part")
+        dx2, none = tn.rms_backward(dy, xh, r, w, TOKEN_LEAF, False)
+        assert none is None and _same(dx2, dx)
+
+
+@check
+def backward_rows_alone_equal_the_batch():
+    """One leaf's rows alone give that leaf's dx rows and partial (a token never depends on the
+    others), and a stream that is not whole leaves still gets dx when no partial is asked
+    (and a partial is refused)."""
+    from rlkernel.spec import TOKEN_LEAF
+    g = torch.Generator().manual_seed(5)
+    dy, xh, r, w = _bwd_inputs(48, 8, 64, g)
+    dx, part = tn.rms_backward(dy, xh, r, w, TOKEN_LEAF, True)
+    dx1, part1 = tn.rms_backward(dy[16:32], xh[16:32], r[16:32], w, TOKEN_LEAF, True)
+    assert _same(dx1, dx[16:32]) and _same(part1, part[8:16])
+    dx2, _ = tn.rms_backward(dy[:21], xh[:21], r[:21], w, TOKEN_LEAF, False)
+    assert _same(dx2, dx[:21])
+    try:
+        tn.rms_backward(dy[:21], xh[:21], r[:21], w, TOKEN_LEAF, True)
+    except ValueError as e:
+        assert "21 tokens" in str(e)
+    else:
+        raise AssertionError("a partial of 21 tokens was accepted")
+
+
+@check
+def backward_negative_controls_true_division_and_reversed_tokens_differ():
+    """The comparisons can fail: at H = 1000 a true division by H (the CPU ops) gives other dx
+    bits than CUDA's reciprocal multiply the kernel mirrors, and the leaf's tokens summed in
+    reverse order give other partial bits."""
+    from rlkernel.spec import TOKEN_LEAF
+    g = torch.Generator().manual_seed(6)
+    dy, xh, r, w = _bwd_inputs(48, 1, 1000, g)
+    dx, part = tn.rms_backward(dy, xh, r, w, TOKEN_LEAF, True)
+    assert not _same(dx, _bwd_reference(dy, xh, r, w)[0])
+    rev = torch.flip((dy * xh).view(3, TOKEN_LEAF, 1000), [1]).sum(1)
+    assert not _same(part, rev)
+
+
+@check
+def backward_bad_input_is_refused():
+    """dy shaped unlike x̂, a non-fp32 dy, a wrong weight width: ValueError."""
+    from rlkernel.spec import TOKEN_LEAF
+    dy, xh, r, w = _bwd_inputs(16, 1, 96, torch.Generator().manual_seed(7))
+    for args in ((dy[:, :95], xh, r, w), (dy.double(), xh, r, w), (dy, xh, r, w[:95])):
+        try:
+            tn.rms_backward(*args, TOKEN_LEAF, True)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {[tuple(a.shape) for a in args]}")
 
 
 if __name__ == "__main__":

@@ -523,6 +523,33 @@ def test_rms_norm_inference_pass_equals_the_autograd_pass():
                  want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("heads,h", [(1, 2048), (1, 1000), (16, 128), (8, 128)])
+def test_rms_norm_backward_kernel_equals_the_torch_ops(heads, h):
+    """The one-pass backward (kernels/triton_norm.rms_backward) == kernels/norm.py's torch ops
+    on CUDA, bitwise: dx and the per-leaf dW partials, hidden rows and Q/K heads, 4,096 tokens
+    with zero and -0.0 rows. Control: at H = 1000 the tree's `/ H` as a true division (a CUDA
+    tensor divisor) gives other dx bytes than PyTorch's reciprocal multiply, which both paths
+    use."""
+    from rlkernel.kernels import norm, triton_norm
+    from rlkernel.numerics.trees import tree_sum
+    from rlkernel.spec import TOKEN_LEAF
+    g = _gen(18)
+    shape = (4096, heads, h) if heads > 1 else (4096, h)
+    x = torch.randn(shape, device=DEV, generator=g) * 3
+    r, xh = triton_norm.rms_stats(x, 1e-6)
+    dy = torch.randn(shape, device=DEV, generator=g)
+    dy[5], dy[6] = 0.0, -0.0
+    w = torch.randn(h, device=DEV, generator=g)
+    dx, part = triton_norm.rms_backward(dy, xh, r, w, TOKEN_LEAF, True)
+    want_dx, want_part = norm._backward_rows_torch(dy, xh, r, w, True)
+    assert _same(dx, want_dx) and _same(part, want_part)
+    assert _same(norm._backward_rows(dy, xh, r, w, True)[1], part)     # the dispatch
+    if h == 1000:
+        gw = dy * w
+        q = tree_sum(gw * xh, -1) / torch.tensor(float(h), device=DEV)
+        assert not _same(r[..., None] * (gw - xh * q[..., None]), dx)
+
+
 # --------------------------------------------------------------------------------- logprobs
 def test_logprobs_row_alone_equals_row_in_batch_and_fused_equals_unfused():
     """token logprobs/entropy: row alone == row in batch; fused LM head == unfused, bitwise;

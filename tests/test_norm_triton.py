@@ -1,9 +1,13 @@
-"""The inference RMSNorm(+RoPE) Triton kernel (kernels/triton_norm.rms_norm_apply) without a GPU.
+"""The RMSNorm Triton kernels (kernels/triton_norm.py) without a GPU: the training backward
+(`rms_backward`) and the inference RMSNorm(+RoPE) kernel (`rms_norm_apply`).
 
 1. Under TRITON_INTERPRET=1 (checks in tests/norm_triton_checks.py, one subprocess): the fused
    pass == the separate CUDA passes it replaces (statistics kernel, x̂ * w, apply_rope), bitwise,
    for hidden widths 1024/1000/96 and Q/K heads with RoPE at positions to 40k; alone == batch;
-   a reassociated product differs (control); bad input refused.
+   a reassociated product differs (control); bad input refused. The backward's dx and per-leaf
+   dW partials == kernels/norm.py's torch ops (hidden 1024/1000/96, Q/K heads), a leaf alone ==
+   in the stream; controls: a true division by H (the CPU op, not CUDA's reciprocal multiply)
+   and reversed token order differ.
 2. PTX for sm_90 (no device): no fma, no flush-to-zero, division and square root correctly
    rounded (div.rn / sqrt.rn); control: with fp fusion on, fma appears.
 On a GPU: tests/test_cuda_rollout.py (rollout == trainer logprobs: the rollout runs this kernel,
@@ -36,6 +40,33 @@ def test_negative_control_reassociated_product_differs(results):
 
 def test_bad_input_is_refused(results):
     _ok(results, "bad_input_is_refused")
+
+
+def test_backward_equals_the_torch_ops(results):
+    _ok(results, "backward_equals_the_torch_ops")
+
+
+def test_backward_rows_alone_equal_the_batch(results):
+    _ok(results, "backward_rows_alone_equal_the_batch")
+
+
+def test_backward_negative_controls_true_division_and_reversed_tokens_differ(results):
+    _ok(results, "backward_negative_controls_true_division_and_reversed_tokens_differ")
+
+
+def test_backward_bad_input_is_refused(results):
+    _ok(results, "backward_bad_input_is_refused")
+
+
+def test_backward_ptx_has_no_fma_and_no_ftz():
+    """sm_90 PTX of the training backward as launched (the partials on): no fma, no .ftz, no
+    .approx. Control: fp fusion on gives fma."""
+    from rlkernel.kernels import triton_norm as tn
+    types = ["*fp32"] * 6 + ["i32"] * 3 + ["fp32"] + ["constexpr"] * 4
+    consts = {"HP": 1024, "LOG_HP": 10, "LEAF": 16, "WANT_PART": True}
+    ptx = sm90_ptx(tn._bwd_kernel, types, consts, 4, False)
+    assert "fma" not in ptx and ".ftz" not in ptx and ".approx" not in ptx
+    assert "fma.rn.f32" in sm90_ptx(tn._bwd_kernel, types, consts, 4, True)
 
 
 def _ptx(fusion: bool) -> str:

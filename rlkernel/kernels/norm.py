@@ -11,7 +11,9 @@ a token's output never depends on other tokens. Backward:
          once (their first holder adds them).
 Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
 Devices: the per-token statistic r runs in the Triton kernel on CUDA (kernels/triton_norm.py) and in
-torch ops on CPU; the rest (scaling, backward, the dW sums) is torch ops on either device.
+torch ops on CPU; so does the backward's dx and per-leaf dW partials (one pass on CUDA, the bytes
+of the torch ops); the scaling and the exact dW sums are torch ops / the token reduction on
+either device.
 `rms_norm_inference` (no autograd: rollout steps) is one Triton pass on CUDA with the weight
 applied, and with Qwen3's Q/K norms the RoPE rotation too: the same bytes.
 Does not: communicate.
@@ -23,6 +25,7 @@ import torch
 
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum, leaves_of
+from rlkernel.spec import TOKEN_LEAF
 from rlkernel.kernels.elementwise import rsqrt32
 from rlkernel.kernels.rope import apply_rope
 from rlkernel.numerics import fixedpoint as fx
@@ -61,16 +64,14 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         xh, r, w = ctx.saved_tensors
-        g = dy * w.to(torch.float32)
-        h = xh.shape[-1]
-        dx = r[..., None] * (g - xh * (tree_sum(g * xh, -1) / h)[..., None])
+        heads = ctx.head_comm
+        want_dw = ctx.needs_input_grad[1]
+        # A KV head replicated over `replicas` TP ranks is added by its first holder only.
+        adds = want_dw and (heads is None or heads.rank % ctx.replicas == 0)
+        dx, part = _backward_rows(dy, xh, r, w.to(torch.float32), adds)
         dw = None
-        if ctx.needs_input_grad[1]:
-            per_tok = (dy * xh).reshape(xh.shape[0], -1, h)   # [L, heads or 1, H]
-            tok, heads = ctx.tok or TokenSum.single(), ctx.head_comm
-            # A KV head replicated over `replicas` TP ranks is added by its first holder only.
-            part = (_leaf_sums(per_tok).reshape(-1, h)              # every (leaf, head)
-                    if heads is None or heads.rank % ctx.replicas == 0 else None)
+        if want_dw:
+            tok, h = ctx.tok or TokenSum.single(), xh.shape[-1]
 
             def add(a: int, b: int, acc: torch.Tensor) -> None:
                 if part is not None:
@@ -81,6 +82,30 @@ class _RMSNorm(torch.autograd.Function):
                 add(0, h, acc)
                 dw = tok.result(ctx.param, acc, "token-sum-norm", heads)
         return dx, dw, None, None, None, None
+
+
+def _backward_rows(dy: torch.Tensor, xh: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                   want_part: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, every (leaf, head) partial of dy·x̂ [leaves·heads, H] or None): one Triton pass on
+    CUDA (kernels/triton_norm.rms_backward, the same bytes), torch ops elsewhere."""
+    if xh.is_cuda and dy.dtype == torch.float32:
+        from rlkernel.kernels import triton_norm
+        return triton_norm.rms_backward(dy, xh, r, w, TOKEN_LEAF, want_part)
+    return _backward_rows_torch(dy, xh, r, w, want_part)
+
+
+def _backward_rows_torch(dy: torch.Tensor, xh: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                         want_part: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_backward_rows` as torch ops on any device (the CPU path; on CUDA the reference of the
+    Triton pass)."""
+    g = dy * w
+    h = xh.shape[-1]
+    dx = r[..., None] * (g - xh * (tree_sum(g * xh, -1) / h)[..., None])
+    part = None
+    if want_part:
+        per_tok = (dy * xh).reshape(xh.shape[0], -1, h)   # [L, heads or 1, H]
+        part = _leaf_sums(per_tok).reshape(-1, h)          # every (leaf, head)
+    return dx, part
 
 
 def rms_norm_inference(x: torch.Tensor, w: torch.Tensor, eps: float,

@@ -8,15 +8,18 @@ tile, the warp layout or the other rows. Division and square root are the correc
 `div_rn` / `sqrt_rn`; r = 1 / sqrt(ms + eps) is two roundings (the CPU backend rounds once from
 float64: different backend, different bits, both invariant).
 
-`rms_stats` returns (r, x̂) for the autograd path: kernels/norm.py applies the weight and runs
-the backward with torch ops, so the weight gradient keeps its token reduction.
+`rms_stats` returns (r, x̂) for the autograd path: kernels/norm.py applies the weight.
+`rms_backward` is that path's backward in one pass per (leaf, head): dx with the bytes of the
+torch ops it replaces (~20 launches per norm: the product, the log2(H) tree levels, the scaling),
+and the weight gradient's per-leaf partials (the TOKEN_LEAF-token sums in order, which
+kernels/norm.py then adds exactly through the token reduction).
 `rms_norm_apply` is the inference pass (no autograd: the rollout engine's steps): (x̂)·w in the
 same kernel, and for Qwen3's Q/K norms the RoPE rotation after it (kernels/rope.apply_rope:
 y·cos + rot(y)·sin, rot(y) = [−y₂, y₁], each product and the sum one fp32 rounding, no fma:
 enable_fp_fusion=False) — the bytes of the separate passes in one read and one write, instead
 of ~7 launches per norm (statistics, weight product, negation, concatenation, two products, a
 sum).
-Does not: run the backward.
+Does not: add the weight gradient's partials (kernels/norm.py, distributed/tokensum.py).
 """
 
 from __future__ import annotations
@@ -77,6 +80,79 @@ def _apply_kernel(X, W, COS, SIN, Y, n_rows, H, heads, inv_h_num, eps,
         tl.store(Y + off, bf16_rtne(y), mask=ok)
     else:
         tl.store(Y + off, y, mask=ok)
+
+
+@triton.jit
+def _bwd_kernel(DY, XH, R, W, DX, PART, n_tok, heads, H, inv_h,
+                HP: tl.constexpr, LOG_HP: tl.constexpr, LEAF: tl.constexpr,
+                WANT_PART: tl.constexpr):
+    """Program (leaf, head): the leaf's LEAF tokens of one head, in order. Per row (token·heads
+    + head): g = dy·w, dx = r·(g − x̂·(tree(g·x̂)·inv_h)); with WANT_PART the leaf's partial
+    Σ_t dy·x̂ in token order into PART row leaf·heads + head."""
+    leaf = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, HP)
+    c_ok = cols < H
+    w = tl.load(W + cols, mask=c_ok, other=0.0)
+    # -0.0 is the additive identity (-0 + v == v for every v, +0 and -0 included): the padding
+    # of the tree keeps tree_sum's carried odd elements, and the partial starts as its first
+    # token's product, as _leaf_sums' clone does.
+    acc = tl.full((HP,), -0.0, tl.float32)
+    for i in range(LEAF):
+        t = leaf * LEAF + i
+        ok = c_ok & (t < n_tok)
+        row = t.to(tl.int64) * heads + head
+        off = row * H + cols
+        dy = tl.load(DY + off, mask=ok, other=0.0)
+        xh = tl.load(XH + off, mask=ok, other=0.0)
+        r = tl.load(R + row, mask=t < n_tok, other=0.0)
+        g = dy * w
+        gx = tl.where(c_ok, g * xh, -0.0)
+        q = tree_rows(tl.reshape(gx, (1, HP)), 1, HP, LOG_HP) * inv_h
+        tl.store(DX + off, r * (g - xh * q), mask=ok)
+        if WANT_PART:
+            acc = acc + dy * xh
+    if WANT_PART:
+        tl.store(PART + (leaf.to(tl.int64) * heads + head) * H + cols, acc, mask=c_ok)
+
+
+def rms_backward(dy: torch.Tensor, xh: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                 leaf: int, want_part: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels/norm.py's RMSNorm backward on CUDA in one pass: (dx, part).
+
+    dy, xh fp32 [L, H] or [L, heads, H] (x̂ = x·r of the forward), r fp32 [L] or [L, heads],
+    w fp32 [H]. dx = r·(g − x̂·(tree_sum(g·x̂)/H)), g = dy·w, with the bytes of those torch ops
+    on CUDA (`/ H` there is a multiply by fp32 1/H: PyTorch's CUDA division by a CPU scalar).
+    part fp32 [L/leaf · heads, H] (want_part; L a multiple of leaf): row leaf·heads + head
+    holds the leaf's Σ dy·x̂ over its tokens in order, kernels/norm._leaf_sums' bytes. None
+    otherwise. ValueError on a shape or dtype mismatch.
+    """
+    check_cuda("rms_norm backward", dy, xh, r, w)
+    h = _row_width(xh)
+    n_tok = xh.shape[0]
+    heads = xh.numel() // max(1, n_tok * h)
+    if (dy.shape != xh.shape or r.numel() != n_tok * heads or tuple(w.shape) != (h,)
+            or {t.dtype for t in (dy, r, w)} != {torch.float32}):
+        raise ValueError(f"rms_norm backward: dy {tuple(dy.shape)} {dy.dtype}, x̂ "
+                         f"{tuple(xh.shape)}, r {tuple(r.shape)} {r.dtype}, w {tuple(w.shape)} "
+                         f"{w.dtype}: fp32, dy like x̂, r one per row, w [{h}] expected")
+    if want_part and n_tok % leaf:
+        raise ValueError(f"rms_norm backward: {n_tok} tokens are not whole leaves of {leaf}")
+    dyc, xhc, rc, wc = dy.contiguous(), xh.contiguous(), r.contiguous(), w.contiguous()
+    dx = torch.empty_like(xhc)
+    leaves = triton.cdiv(n_tok, leaf)
+    part = (torch.empty(leaves * heads, h, dtype=torch.float32, device=xh.device)
+            if want_part else None)
+    if n_tok == 0 or heads == 0:
+        return dx, part
+    hp = triton.next_power_of_2(h)
+    inv_h = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(h), dtype=torch.float32))
+    with device_ctx(xh):
+        _bwd_kernel[(leaves, heads)](dyc, xhc, rc, wc, dx, part if want_part else dx, n_tok,
+                                     heads, h, inv_h, HP=hp, LOG_HP=hp.bit_length() - 1,
+                                     LEAF=leaf, WANT_PART=want_part,
+                                     num_warps=4 if hp >= 1024 else 1, enable_fp_fusion=False)
+    return dx, part
 
 
 def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
