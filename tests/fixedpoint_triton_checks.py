@@ -115,6 +115,44 @@ def nonfinite_counts_add_over_flushes_and_calls():
 
 
 @check
+def row_parts_give_the_single_pass_bytes():
+    """accumulate_ with its rows cut into parts (few columns: the norm weights' case) == the
+    single pass (min_programs=0) == the torch path, bitwise: every exponent bin, NaN/±Inf
+    counts, a remainder part, onto an accumulator that already holds values; and the parts
+    path is really taken (spied)."""
+    calls = []
+    real = tfx._add_parts
+
+    def spy(*a, **k):
+        calls.append(a[2])
+        return real(*a, **k)
+    x = _every_bin(64 * 9 + 37, cols=130, seed=12)
+    x[5, 3], x[300, 3], x[301, 4], x[600, 5] = INF, -INF, NAN, NAN
+    acc0 = fx.accumulate_(fx.zeros((130,)), _every_bin(3, cols=130, seed=13))
+    tfx._add_parts = spy
+    try:
+        got = tfx.accumulate_(acc0.clone(), x)
+    finally:
+        tfx._add_parts = real
+    assert calls == [9], calls                                # 9 parts of >= 64 rows
+    one = tfx.accumulate_(acc0.clone(), x, min_programs=0)
+    assert torch.equal(got, one)
+    assert torch.equal(got, fx.accumulate_torch_(acc0.clone(), x))
+    assert got[3, fx.N_DIGITS:].tolist() == [0, 1, 1] and got[4, fx.N_DIGITS] == 1
+
+
+@check
+def row_parts_negative_control_a_dropped_part_differs():
+    """The comparison above can fail: the parts path with its last part's rows left out gives
+    other bytes."""
+    x = _every_bin(64 * 4, cols=40, seed=14)
+    want = tfx.accumulate_(fx.zeros((40,)), x, min_programs=0)
+    got = tfx._add_parts(fx.zeros((40,)), x[:64 * 3], 3, tfx.BLOCK, tfx.NUM_WARPS, tfx.SEG, True)
+    assert not torch.equal(got, want)
+    assert torch.equal(got, tfx.accumulate_(fx.zeros((40,)), x[:64 * 3], min_programs=0))
+
+
+@check
 def one_row():
     _same_as_torch(_every_bin(1))
 

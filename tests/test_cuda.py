@@ -205,6 +205,23 @@ def test_fixedpoint_on_cuda_equals_cpu_bytes_and_ignores_order():
     assert not _same(y.sum(0), y.flip(0).sum(0))
 
 
+@pytest.mark.parametrize("k,m", [(16384, 128), (1024, 2048), (1000, 3)])
+def test_accumulate_row_parts_equal_the_single_pass(k, m):
+    """The norm weights' shapes (few columns, many leaf rows): accumulate_ with its rows cut
+    into parts == the single-pass launch (min_programs=0), bitwise, onto a non-zero
+    accumulator, with NaN/Inf counts."""
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    g = _gen(13)
+    x = torch.randn(k, m, device=DEV, generator=g) * torch.exp2(
+        torch.randint(-40, 40, (k, 1), device=DEV, generator=g).float())
+    x[3, 0], x[9, 1 % m] = float("inf"), float("nan")
+    acc0 = tfx.accumulate_(fx.zeros((m,), DEV), torch.randn(5, m, device=DEV, generator=g))
+    assert tfx.triton.cdiv(m, tfx.BLOCK) < tfx.MIN_PROGRAMS     # the parts path is taken
+    assert torch.equal(tfx.accumulate_(acc0.clone(), x),
+                       tfx.accumulate_(acc0.clone(), x, min_programs=0))
+
+
 def _fx_wide(k: int, m: int, seed: int) -> torch.Tensor:
     """fp32 [k, m] on the CPU: randn times 2**[-60, 40) per value, with NaN, ±Inf and subnormal
     values sprinkled over rows 3, 5, 6 and 9."""

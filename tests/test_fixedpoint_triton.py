@@ -63,6 +63,13 @@ def test_nonfinite_counts_add_over_flushes_and_calls(results):
     _ok(results, "nonfinite_counts_add_over_flushes_and_calls")
 
 
+def test_row_parts_give_the_single_pass_bytes_negative_control_dropped_part(results):
+    """Rows cut into parts (few columns) == the single pass == the torch path; a part left out
+    differs."""
+    _ok(results, "row_parts_give_the_single_pass_bytes")
+    _ok(results, "row_parts_negative_control_a_dropped_part_differs")
+
+
 def test_one_row(results):
     """kernel == torch for k = 1."""
     _ok(results, "one_row")

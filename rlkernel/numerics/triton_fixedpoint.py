@@ -90,6 +90,8 @@ SEG = 1 << 13           # rows per float64 bin flush: keeps every bin sum exact 
 BLOCK = 128             # elements per program, one per lane of its num_warps warps
 NUM_WARPS = 4
 UNROLL = 8              # rows loaded per loop step: loads in flight hide DRAM latency
+MIN_PROGRAMS = 512      # accumulate_ cuts the rows into parts below this many column programs
+PART_ROWS = 64          # ... of at least this many rows each (speed only: the same bytes)
 TOP_F64_BITS = tl.constexpr((1023 + 150) << 52)   # 2**150 as float64 bits: add_f64's bound
 
 
@@ -437,22 +439,75 @@ def add_double_words_(acc: torch.Tensor, words: torch.Tensor, block: int = BLOCK
 
 
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
-                num_warps: int = NUM_WARPS, seg: int = SEG, fast: bool = True) -> torch.Tensor:
+                num_warps: int = NUM_WARPS, seg: int = SEG, fast: bool = True,
+                min_programs: int = MIN_PROGRAMS) -> torch.Tensor:
     """acc [m, N_COLS] int64 (contiguous) += the exact sum of x [k, m] fp32 over dim 0, in place;
     returns acc, normalised (fixedpoint.normalise_'s form). Any strides of x. No host sync.
     `block`/`num_warps` (launch), `seg` (rows per bin flush: a multiple of UNROLL up to SEG,
-    smaller only to test flushes cheaply under the interpreter) and `fast` (try the double-word
-    path first; False: bins only) never change a bit."""
+    smaller only to test flushes cheaply under the interpreter), `fast` (try the double-word
+    path first; False: bins only) and `min_programs` never change a bit.
+
+    When the columns alone make fewer than `min_programs` programs (a norm weight's [leaves, H]
+    partials: 16 programs walking 1,024 rows, or one walking 16,384), the rows are cut into parts
+    of at least PART_ROWS, each summed exactly into its own accumulator by one segmented launch,
+    and the parts' integers added into acc (`_add_parts`): integer sums are exact in any order,
+    and the normal form is unique, so the bytes are those of the single pass."""
     k, m = _check_values("fixedpoint accumulate", x, seg, acc)
     if acc.dtype != torch.int64 or tuple(acc.shape) != (m, N_COLS) or not acc.is_contiguous():
         raise ValueError(f"fixedpoint accumulate: contiguous int64 [{m}, {N_COLS}] accumulator "
                          f"expected, got {acc.dtype} {tuple(acc.shape)}")
     if k == 0 or m == 0:
         return acc
+    blocks = triton.cdiv(m, block)
+    parts = min(k // PART_ROWS, triton.cdiv(min_programs, blocks))
+    if parts > 1:
+        return _add_parts(acc, x, parts, block, num_warps, seg, fast)
     with device_ctx(x):
-        _accumulate_kernel[(triton.cdiv(m, block),)](
+        _accumulate_kernel[(blocks,)](
             x, acc, k, m, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg, BLOCK=block,
             UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
+    return acc
+
+
+@triton.jit
+def _add_digits_kernel(S, ACC, m, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """ACC rows += S rows (int64 digit and count columns), carry-normalised."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < m
+    row, srow = ACC + cols * N_COLS, S + cols * N_COLS
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _load_digits(row, live)
+    _store_digits(row, live, d0 + tl.load(srow + 0, mask=live, other=0),
+                  d1 + tl.load(srow + 1, mask=live, other=0),
+                  d2 + tl.load(srow + 2, mask=live, other=0),
+                  d3 + tl.load(srow + 3, mask=live, other=0),
+                  d4 + tl.load(srow + 4, mask=live, other=0),
+                  d5 + tl.load(srow + 5, mask=live, other=0),
+                  d6 + tl.load(srow + 6, mask=live, other=0),
+                  d7 + tl.load(srow + 7, mask=live, other=0),
+                  d8 + tl.load(srow + 8, mask=live, other=0),
+                  d9 + tl.load(srow + 9, mask=live, other=0))
+    for c in tl.static_range(10, N_COLS):
+        tl.store(row + c, tl.load(row + c, mask=live, other=0)
+                 + tl.load(srow + c, mask=live, other=0), mask=live)
+
+
+def _add_parts(acc: torch.Tensor, x: torch.Tensor, parts: int, block: int, num_warps: int,
+               seg: int, fast: bool) -> torch.Tensor:
+    """`accumulate_` over `parts` row ranges at once (see there): each range's exact sum in its
+    own zeroed accumulator (one segmented launch), their integers summed (each digit of a
+    normalised part is below 2**31, so parts · 2**31 stays far from int64's range), added into
+    acc and normalised. Offsets and rows are made on the device: no host sync."""
+    k, m = x.shape
+    dev = x.device
+    rows = torch.zeros(parts, m, N_COLS, dtype=torch.int64, device=dev)
+    offsets = torch.arange(parts + 1, dtype=torch.int64, device=dev) * (k // parts)
+    offsets[-1] = k                 # the last part takes the remainder
+    accumulate_segments_(rows, x, offsets, torch.arange(parts, dtype=torch.int64, device=dev),
+                         block, num_warps, seg, fast)
+    total = rows.sum(0)
+    with device_ctx(x):
+        _add_digits_kernel[(triton.cdiv(m, block),)](total, acc, m, N_COLS=N_COLS, BLOCK=block,
+                                                     num_warps=num_warps)
     return acc
 
 
