@@ -567,6 +567,25 @@ def test_rms_norm_backward_kernel_equals_the_torch_ops(heads, h):
         assert not _same(r[..., None] * (gw - xh * q[..., None]), dx)
 
 
+def test_rope_passes_equal_torch_ops_and_autograd():
+    """kernels/rope.rope on CUDA (two Triton passes) == apply_rope's torch ops forward and torch
+    autograd's backward, bitwise, Q/K shapes at positions to 40k, with ±0.0 gradient rows."""
+    from rlkernel.kernels.rope import RopeTable, apply_rope, rope
+    g = _gen(19)
+    for heads, d in ((16, 128), (8, 128), (4, 64)):
+        pos = torch.randint(0, 40000, (300,), device=DEV, generator=g)
+        cos, sin = RopeTable(d, 1e6).lookup(pos, 40000)
+        x = torch.randn(300, heads, d, device=DEV, generator=g)
+        dy = torch.randn(300, heads, d, device=DEV, generator=g)
+        dy[3], dy[4, :, ::2] = 0.0, -0.0
+        a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = rope(a, cos, sin), apply_rope(b, cos, sin)
+        assert ya.grad_fn is not None and "Rope" in type(ya.grad_fn).__name__
+        ya.backward(dy)
+        yb.backward(dy)
+        assert _same(ya.detach(), yb.detach()) and _same(a.grad, b.grad), (heads, d)
+
+
 # --------------------------------------------------------------------------------- logprobs
 def test_logprobs_row_alone_equals_row_in_batch_and_fused_equals_unfused():
     """token logprobs/entropy: row alone == row in batch; fused LM head == unfused, bitwise;

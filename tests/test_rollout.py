@@ -114,6 +114,24 @@ def test_padded_vocab_never_samples_masked_ids_and_trainer_equals_rollout():
     assert max(t for c in unmasked for t in c.response_ids) >= 200
 
 
+def test_layout_attention_bounds_are_the_tensors_maxima_and_survive_to(monkeypatch):
+    """StreamLayout.attention_bounds == (q_pos.max(), kv_len.max()) for packed, chunked and
+    CP-local layouts (what the CUDA attention backward would otherwise read with a sync); the
+    layout `to` returns carries them without reading its (moved) tensors again; an empty
+    layout gives (-1, 0)."""
+    from rlkernel.model.layout import StreamLayout, chunk_layout, cp_local_layout
+    lay = packed_layout([[1, 2, 3], [4, 5], list(range(7, 40))], 0, multiple=64)
+    lays = [lay, chunk_layout([[1, 2], [3]], [5, 40], 0),
+            cp_local_layout(lay, torch.arange(16, 48))]
+    for lay_ in lays:
+        assert lay_.attention_bounds() == (int(lay_.q_pos.max()), int(lay_.kv_len.max()))
+    assert lays[2].attention_bounds()[0] < lay.attention_bounds()[0]      # local positions
+    moved = lay.to("meta")      # a device whose tensors hold no values: reading them fails
+    assert moved.q_pos.device.type == "meta" and moved.attention_bounds() == (32, 33)
+    e = torch.zeros(0, dtype=torch.long)
+    assert StreamLayout(e, e, e.view(0, 0), e.view(0, 0), e).attention_bounds() == (-1, 0)
+
+
 def test_layout_moves_are_cached_per_index_tensor_and_stream_rows():
     """StreamLayout.moves (the per-pass cache of to_samples / to_stream's index tensors) keys on
     the index tensor and the stream's row count: one q_idx with n and n + 4 rows gives two

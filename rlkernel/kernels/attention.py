@@ -215,10 +215,10 @@ def attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok: Toke
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, kv_len, scale, tok, kv_comm):
+    def forward(ctx, q, k, v, q_pos, kv_len, scale, tok, kv_comm, bounds):
         out, lse = attention_forward(q, k, v, q_pos, kv_len, scale)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, kv_len)
-        ctx.scale = scale
+        ctx.scale, ctx.bounds = scale, bounds
         ctx.tok, ctx.kv_comm = tok or TokenSum.single(), kv_comm
         return out
 
@@ -227,17 +227,19 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, q_pos, kv_len = ctx.saved_tensors
         if q.is_cuda:
             from rlkernel.kernels import triton_attention_bwd
-            backward = triton_attention_bwd.attention_backward
+            dq, dk, dv = triton_attention_bwd.attention_backward(
+                q, k, v, out, lse, d_out, q_pos, kv_len, ctx.scale, ctx.tok, ctx.kv_comm,
+                bounds=ctx.bounds)
         else:
-            backward = attention_backward
-        dq, dk, dv = backward(q, k, v, out, lse, d_out, q_pos, kv_len, ctx.scale, ctx.tok,
-                              ctx.kv_comm)
-        return dq, dk, dv, None, None, None, None, None
+            dq, dk, dv = attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, ctx.scale,
+                                            ctx.tok, ctx.kv_comm)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
               kv_len: torch.Tensor, scale: float, tok: TokenSum | None = None,
-              kv_comm: Comm | None = None) -> torch.Tensor:
+              kv_comm: Comm | None = None, bounds: tuple[int, int] | None = None
+              ) -> torch.Tensor:
     """Invariant causal GQA attention.
 
     q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D], one dtype: fp32, or bf16 (bf16 runs: products
@@ -248,7 +250,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     Under CP, q holds this rank's queries only (whole leaves of TOKEN_LEAF positions of each
     sample) and `tok.comm` is the CP group that holds the others; k/v hold whole sequences.
     `kv_comm`: the TP ranks replicating this KV head (a power-of-two count), in head order, each
-    holding 1/kv_comm.size of the group's heads. Returns [S, Hq, Tq, D] in q's dtype.
-    ValueError for q/k/v of other or mixed dtypes.
+    holding 1/kv_comm.size of the group's heads. `bounds`: (q_pos.max(), kv_len.max()) as host
+    ints when the caller knows them (model/layout.StreamLayout.attention_bounds; they must be
+    those values), which spares the CUDA backward its host sync. Returns [S, Hq, Tq, D] in q's
+    dtype. ValueError for q/k/v of other or mixed dtypes.
     """
-    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), tok, kv_comm)
+    return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), tok, kv_comm, bounds)

@@ -4,7 +4,9 @@ The cos/sin tables are computed once per (head_dim, theta) by one code path — 
 each float64 angle, rounded to fp32 — so a position's row never depends on how many positions a
 caller asked for, nor on the torch vector path. Tables grow in place as longer sequences appear.
 Rotation is elementwise: q·cos + rotate_half(q)·sin, so plain autograd is exact here (no
-reductions: the tables are constants broadcast over heads).
+reductions: the tables are constants broadcast over heads). `rope` is the training entry: on
+CUDA one Triton pass forward and one backward (kernels/triton_rope.py) with the bytes of
+`apply_rope` and of its autograd backward; elsewhere `apply_rope` under autograd.
 Does not: support RoPE scaling variants (config.py rejects them).
 """
 
@@ -66,3 +68,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class _Rope(torch.autograd.Function):
+    """apply_rope with its forward and backward as kernels/triton_rope.py passes (CUDA, fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        from rlkernel.kernels import triton_rope
+        ctx.save_for_backward(cos, sin)
+        return triton_rope.rope_pass(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from rlkernel.kernels import triton_rope
+        cos, sin = ctx.saved_tensors
+        return triton_rope.rope_pass(dy, cos, sin, backward=True), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` for autograd passes: x [L, heads, D], cos/sin [L, D] -> [L, heads, D], the same
+    bytes forward and backward; on CUDA (fp32 x and tables, constant tables) two Triton passes
+    instead of ~13 torch launches."""
+    if (x.is_cuda and x.dtype == torch.float32 and cos.dtype == torch.float32
+            and sin.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad)):
+        return _Rope.apply(x, cos, sin)
+    return apply_rope(x, cos, sin)

@@ -61,7 +61,7 @@ c = S_c·Hq·K_c·D <= words_elems unless one 64-key block of one sample exceeds
     4·S·Hq·Tq (delta) + 4·S·(64·n_leaves + 1) (slot map) + 4·S·Hq·Tq·D (dQ, fp32)
   + 8·S·Hq·Tk·D (per-head dK, dV) + 8·S·Hq·Tk·D (head-tree levels) + 8·S·Hkv·Tk·D (dK·scale,
     and the kv_comm gather's copies when TP replicates the KV head: ×kv_comm.size)
-  + 16·c (double words) + 4·c (a chunk's fp32 result) + 6·104·min(c, DIGIT_ELEMS) (digits, the
+  + 32·c (double words of both kinds) + 4·c (a chunk's fp32 result) + 6·104·min(c, DIGIT_ELEMS) (digits, the
     comm's copy, round_fp32's temporaries) + EMIT_BYTES (the fallback's partials, if any)
 For one 32k-token sample with 4 query heads, 1 KV head, D = 128 the bound is 2.1 GiB (it counts
 the digits and the fallback, which one rank with no flagged program never allocates); measured on
@@ -384,7 +384,7 @@ def peak_bytes(s_: int, hq: int, hkv: int, tq: int, tk: int, d: int, n_leaves: i
     c = sc * hq * kc * d
     return (4 * s_ * hq * tq + 4 * s_ * (CUDA_DKV_LEAF * n_leaves + 1) + 4 * s_ * hq * tq * d
             + 16 * s_ * hq * tk * d + 8 * s_ * hkv * tk * d * kv_ranks
-            + 16 * c + 4 * c + 6 * 104 * min(c, DIGIT_ELEMS) + EMIT_BYTES)
+            + 32 * c + 4 * c + 6 * 104 * min(c, DIGIT_ELEMS) + EMIT_BYTES)
 
 
 def _kv_tile(dtype: torch.dtype, d: int, tile) -> tuple[int, int, int, int]:
@@ -487,22 +487,27 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
     bn, dt = tile[0], tile[1]
     args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, scale)
     sc, kc = chunk_shape(s_, hq, d, tk_eff, words_elems)
-    words = torch.empty(2, sc * hq * kc * d, dtype=torch.float64, device=q.device)
+    # Both kinds' words at once, so one host sync per chunk reads both kinds' flags.
+    words = torch.empty(2, 2, sc * hq * kc * d, dtype=torch.float64, device=q.device)
     for s0 in range(0, s_, sc):
         s1 = min(s_, s0 + sc)
         for j0 in range(0, tk_eff, kc):
             width = min(kc, tk_eff - j0)
             n_tiles_k = triton.cdiv(width, bn)
             grid = n_tiles_k * (d // dt) * (s1 - s0) * hq
-            w = words[:, :(s1 - s0) * hq * width * d]
+            w = words[:, :, :(s1 - s0) * hq * width * d]
+            flags = torch.empty(2, grid, dtype=torch.int32, device=q.device)
             for kind in (0, 1):
-                flags = torch.empty(grid, dtype=torch.int32, device=q.device)
-                _launch_dkv(args, w, flags, flags, kind, s0, j0, width, n_tiles_k, n_leaves,
-                            grid, tile, False, force_flag)
-                flagged = torch.nonzero(flags).flatten()
-                fix = _redo_flagged(args, flagged, kind, s0, j0, width, n_tiles_k, n_leaves,
-                                    tile) if flagged.numel() else None
-                res = _words_to_fp32(w, fix, tok, "token-sum-attention-dkv")
+                _launch_dkv(args, w[kind], flags[kind], flags[kind], kind, s0, j0, width,
+                            n_tiles_k, n_leaves, grid, tile, False, force_flag)
+            any_flagged = torch.nonzero(flags).numel() > 0      # the chunk's one sync
+            for kind in (0, 1):
+                fix = None
+                if any_flagged:
+                    flagged = torch.nonzero(flags[kind]).flatten()
+                    fix = _redo_flagged(args, flagged, kind, s0, j0, width, n_tiles_k,
+                                        n_leaves, tile) if flagged.numel() else None
+                res = _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv")
                 out[kind, s0:s1, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
     return out
 
@@ -541,7 +546,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                        kv_comm: Comm | None = None, *, words_elems: int = WORDS_ELEMS,
                        dq_tile: tuple[int, int, int] | None = None,
                        kv_tile: tuple[int, int, int, int] | None = None,
-                       force_flag: bool = False):
+                       force_flag: bool = False, bounds: tuple[int, int] | None = None):
     """(dQ, dK, dV) of invariant causal GQA attention on CUDA (module doc; FlashAttention-2 §3.1).
 
     q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D]: one dtype, float32 or bfloat16, any strides; D a power
@@ -552,9 +557,11 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     rank); kv_comm: the TP ranks replicating this KV head (kernels/attention.attention).
     words_elems: the dK / dV chunk size (module doc); dq_tile / kv_tile override the tile tables;
     force_flag sends every dK/dV program through the per-leaf fallback (tests) — none of these
-    changes a bit. Returns dQ like q, dK and dV like k, in q's dtype.
-    ValueError on bad input. Syncs the host once (largest position and kv_len), and once per
-    dK/dV chunk and kind (which programs, if any, failed their exactness check).
+    changes a bit. bounds: (q_pos.max(), kv_len.max()) as host ints, if the caller knows them
+    (they must be those values); None reads them, a host sync. Returns dQ like q, dK and dV like
+    k, in q's dtype.
+    ValueError on bad input. Syncs the host once per dK/dV chunk (which programs of its two
+    kinds, if any, failed their exactness check), and once more without `bounds`.
     """
     _check(q, k, v, out, lse, d_out, q_pos, kv_len)
     tok = tok or TokenSum.single()
@@ -564,7 +571,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     if s_ == 0 or hq == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     lse_h = lse.reshape(s_, hq, tq)
-    if tq:
+    if bounds is not None:
+        top_pos, top_len = bounds
+    elif tq:
         top_pos, top_len = torch.stack([q_pos.max(), kv_len.max()]).tolist()
     else:
         top_pos, top_len = -1, int(kv_len.max())

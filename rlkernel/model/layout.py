@@ -52,6 +52,16 @@ class StreamLayout:
             self._moves[key] = slot_moves(idx, n_rows)
         return self._moves[key]
 
+    def attention_bounds(self) -> tuple[int, int]:
+        """(largest q_pos, largest kv_len) as host ints (-1 / 0 when empty): what the CUDA
+        attention backward sizes its leaves and key range by. Computed once per layout, free on
+        host tensors; `to` carries them over, so a layout moved to the GPU costs no sync."""
+        if "bounds" not in self._moves:
+            top_pos = int(self.q_pos.max()) if self.q_pos.numel() else -1
+            top_len = int(self.kv_len.max()) if self.kv_len.numel() else 0
+            self._moves["bounds"] = (top_pos, top_len)
+        return self._moves["bounds"]
+
     @property
     def n_samples(self) -> int:
         return self.q_idx.shape[0]
@@ -66,8 +76,10 @@ class StreamLayout:
             return self
         def mv(t):
             return None if t is None else t.to(device)
-        return StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
-                            mv(self.kv_len), mv(self.kv_idx), self.pos_bound, self.dense_causal)
+        moved = StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
+                             mv(self.kv_len), mv(self.kv_idx), self.pos_bound, self.dense_causal)
+        moved._moves["bounds"] = self.attention_bounds()   # read here, before the move
+        return moved
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.parallel import collective_pair as pair
 from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, norm,
                               paged_attention)
-from rlkernel.kernels.rope import apply_rope
+from rlkernel.kernels.rope import apply_rope, rope
 
 
 class InvariantOps:
@@ -64,8 +64,8 @@ class InvariantOps:
         """Per-head RMSNorm, then RoPE (Qwen3's Q/K path): x [L, heads, D] -> same, fp32."""
         if not needs_grad(x, w):
             return norm.rms_norm_inference(x, w, eps, cos, sin)
-        return apply_rope(norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm,
-                                        replicas=replicas), cos, sin)
+        return rope(norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas),
+                    cos, sin)
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):
@@ -80,9 +80,11 @@ class InvariantOps:
 
     @staticmethod
     def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx, dtype=torch.float32,
-                  dense_causal=False):
-        """Invariant attention on fp32 q/k/v (the compute dtype has no rounding point here)."""
-        return attention.attention(q, k, v, q_pos, kv_len, scale, tok=pc.tok, kv_comm=pc.kv)
+                  dense_causal=False, bounds=None):
+        """Invariant attention on fp32 q/k/v (the compute dtype has no rounding point here);
+        bounds: StreamLayout.attention_bounds of q_pos/kv_len (spares the backward a sync)."""
+        return attention.attention(q, k, v, q_pos, kv_len, scale, tok=pc.tok, kv_comm=pc.kv,
+                                   bounds=bounds)
 
     @staticmethod
     def begin_grads(model, direct: bool = False) -> None:
@@ -244,7 +246,7 @@ class NativeOps:
 
     @staticmethod
     def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx, dtype=torch.float32,
-                  dense_causal=False):
+                  dense_causal=False, bounds=None):
         """SDPA in the compute dtype (bf16: q/k/v rounded, output widened to fp32). A dense
         causal layout (StreamLayout.dense_causal: training passes) uses is_causal, which lets
         SDPA take the flash kernel; every other layout passes the explicit mask."""

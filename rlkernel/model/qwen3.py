@@ -153,7 +153,7 @@ class Attention(nn.Module):
             if cache is not None:
                 ks, vs = self._write_cache(cache, ks, vs, lay)
             o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc, self.cd,
-                              lay.dense_causal and cache is None)
+                              lay.dense_causal and cache is None, lay.attention_bounds())
         # Widened exactly; the backward of this cast is the rounding point of dO (bf16 runs).
         # An inference pass keeps the bf16 output: o_proj would round the widened copy back.
         if needs_grad(o):

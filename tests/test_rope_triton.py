@@ -1,0 +1,56 @@
+"""The RoPE training passes (kernels/triton_rope.py) without a GPU.
+
+1. Under TRITON_INTERPRET=1 (checks in tests/rope_triton_checks.py, one subprocess): the forward
+   == kernels/rope.apply_rope and the backward == torch autograd's gradient of it, bitwise with
+   signed zeros, subnormals and huge values, D = 128/64/8/6 (a padded tile); control: without
+   autograd's "+ 0" zeros keep the wrong sign; rope() on CPU is apply_rope; bad input refused.
+2. PTX for sm_90 (no device): no fma, no flush-to-zero in either pass, the backward's "+ 0"
+   kept; control: fp fusion on gives fma in the forward.
+On a GPU: tests/test_cuda.py (the passes against torch's CUDA ops and autograd).
+"""
+
+from __future__ import annotations
+
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
+
+pytestmark = NEEDS_TRITON
+results = checks_fixture("rope_triton_checks.py")
+
+
+def test_forward_equals_apply_rope(results):
+    _ok(results, "forward_equals_apply_rope")
+
+
+def test_backward_equals_torch_autograd(results):
+    _ok(results, "backward_equals_torch_autograd")
+
+
+def test_backward_negative_control_without_the_zero_add(results):
+    _ok(results, "backward_negative_control_without_the_zero_add")
+
+
+def test_rope_autograd_entry_on_cpu_is_apply_rope(results):
+    _ok(results, "rope_autograd_entry_on_cpu_is_apply_rope")
+
+
+def test_bad_input_is_refused(results):
+    _ok(results, "bad_input_is_refused")
+
+
+def _ptx(backward: bool, fusion: bool) -> str:
+    from rlkernel.kernels import triton_rope as tr
+    types = ["*fp32"] * 4 + ["i32"] * 3 + ["constexpr"] * 3
+    return sm90_ptx(tr._rope_kernel, types, {"BLOCK_R": 32, "DP": 128, "BACKWARD": backward},
+                    4, fusion)
+
+
+def test_compiled_ptx_has_no_fma_and_no_ftz():
+    """No fma / .ftz in either pass; the backward keeps its "+ 0" (one add of 0f00000000 per
+    product pair: the compiler may not fold x + 0.0, which is not x for x = -0.0)."""
+    for backward in (False, True):
+        ptx = _ptx(backward, False)
+        assert "fma" not in ptx and ".ftz" not in ptx, backward
+    lines = _ptx(True, False).splitlines()
+    zero_adds = sum("add.rn.f32" in ln and "0f00000000" in ln for ln in lines)
+    assert zero_adds and 2 * zero_adds == sum("mul.rn.f32" in ln for ln in lines)
+    assert "fma.rn.f32" in _ptx(False, True)
