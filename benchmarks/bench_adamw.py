@@ -1,10 +1,10 @@
 """One AdamW step over a model's parameter shapes: the fused Triton kernel
 (kernels/triton_adamw.py, what AdamW.step runs on CUDA) vs the torch ops it replaces
-(AdamW._step_torch: 13 launches per tensor) vs torch.optim.AdamW(fused=True) (reference speed
+(AdamW._step_torch: 13-14 launches per tensor) vs torch.optim.AdamW(fused=True) (reference speed
 only: its own fused update, other bytes).
 
 Shapes: rlkernel.model.config.param_shapes of the preset (qwen3-1.7b: 310 tensors, 1.72 B fp32
-elements; p, g, m, v ≈ 27.5 GB per optimizer, three optimizers' state ≈ 70 GB in all: one H200).
+elements: 6.9 GB per fp32 copy; gradients plus two AdamW states ≈ 48 GB, ≈ 69 GB with --sweep).
 Before timing, the kernel's p, m, v after one step are compared bytewise (int32 views) with the
 torch ops' from the same state; the script fails if they differ. GB/s counts 28 bytes per element
 (read p, g, m, v; write p, m, v), the least any one-pass update moves. `--sweep` also times

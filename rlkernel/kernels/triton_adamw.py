@@ -10,10 +10,10 @@ place (step t, learning rate lr, weight decay λ):
     p ← p − (m / d)·(lr / (1 − β1^t))
 AdamW (Loshchilov & Hutter, arXiv 1711.05101) in the form torch.optim.AdamW updates it.
 
-Why: AdamW.step's torch ops are 13 elementwise kernels per tensor, each reading and writing whole
-fp32 tensors; at qwen3-1.7b (1.72 B parameters, 310 tensors) that is 4,030 launches and ~51 ms
-per step on an H200. This kernel reads p, g, m, v once and writes p, m, v once (28 bytes per
-element), one launch per tensor.
+Why: AdamW.step's torch ops are 13 elementwise kernels per tensor (14 with weight decay), each
+reading and writing whole fp32 tensors; at qwen3-1.7b (1.72 B parameters, 310 tensors) that is
+4,030 launches and ~51 ms per step on an H200. This kernel reads p, g, m, v once and writes
+p, m, v once (28 bytes per element), one launch per tensor.
 
 Bytes: the same bits as those torch ops give on CUDA, op by op (PyTorch's CUDA binary kernels):
 - A Python scalar operand is rounded to fp32 before use (the kernels compute in fp32 "opmath"):
@@ -27,8 +27,9 @@ Bytes: the same bits as those torch ops give on CUDA, op by op (PyTorch's CUDA b
   `a + (−1)·b` of sub_ have exact products, so they round as the plain sum/difference), m / d is
   div.rn (tl.math.div_rn; Triton's `/` is approximate), sqrt is sqrt.rn (tl.math.sqrt_rn), and
   subnormals are kept (no .ftz; tests/test_adamw_triton.py reads the sm_90 PTX).
-The CPU torch ops divide by the scalar instead (another backend, other bits): CPU tensors never
-come here.
+The CPU torch ops divide by the scalar instead, and torch 2.13's fp32 CPU sqrt is not always
+correctly rounded (AVX2; tests/adamw_triton_checks.py): another backend, other bits, so CPU
+tensors never come here.
 
 Does not: clip or compute norms (optimizer.AdamW.clip), read non-contiguous tensors (the optimizer
 gives those the torch ops, which are elementwise and so give the same bytes), take dtypes other

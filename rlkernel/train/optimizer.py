@@ -7,7 +7,7 @@ max_norm / (norm + 1e-6) when it is below 1 (as torch.nn.utils.clip_grad_norm_).
 elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths may round
 differently — so an element's update never depends on the shard it sits in. On CUDA the same
 sequence runs as one fused Triton kernel per tensor (kernels/triton_adamw.py: the bytes of these
-torch ops on CUDA, one pass over p, g, m, v instead of 13 launches); on CPU the torch ops run.
+torch ops on CUDA, one pass over p, g, m, v instead of 13-14 launches); on CPU the torch ops run.
 The model's weights are the masters rounded to the parameter dtype.
 Does not: shard optimizer state (train/zero.py wraps this class for that) or schedule the
 learning rate (step() takes each update's rate; rlkernel/train/schedule.py computes it).
@@ -120,7 +120,7 @@ class AdamW:
 
         lr: this update's learning rate (a Python float, e.g. from train/schedule.py; the same on
         every rank); None: the constant hp.lr. On CUDA each tensor is one fused kernel
-        (kernels/triton_adamw.py: the bytes of the torch ops on CUDA, one pass instead of 13);
+        (kernels/triton_adamw.py: the bytes of the torch ops on CUDA, one pass instead of 13-14);
         CPU tensors, and masters/moments that are not contiguous, take the torch ops.
         """
         self._step(grads, lr, fused=True)
