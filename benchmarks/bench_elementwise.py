@@ -17,13 +17,11 @@ wall-clock medians; no Triton arm). Does not: time autograd bookkeeping or the l
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import dump, env, median_ms, require_cuda
+from benchmarks.common import cpu_median_ms, dump, env, median_ms, require_cuda
 
 CUDA_SHAPES = ((4096, 3072), (16384, 3072), (4096, 12288))
 CPU_SHAPES = ((64, 1024),)
@@ -46,21 +44,11 @@ def _stock(g, u, dh):
     return s * u, dh * s, torch.ops.aten.silu_backward(dh * u, g)
 
 
-def _cpu_median_ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _row(m: int, n: int, device: str) -> dict:
     gen = torch.Generator(device=device).manual_seed(m + n)
     g, u, dh = (torch.randn(m, n, device=device, generator=gen) * s for s in (4.0, 1.0, 1e-3))
     g16, u16, dh16 = g.bfloat16(), u.bfloat16(), dh.bfloat16()
-    timer = median_ms if device == "cuda" else _cpu_median_ms
+    timer = median_ms if device == "cuda" else cpu_median_ms
     row = {"m": m, "n": n, "device": device,
            "torch_path_ms": timer(lambda: _torch_path(g, u, dh)),
            "stock_fp32_ms": timer(lambda: _stock(g, u, dh)),

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
+import time
 
 import torch
 
@@ -23,6 +25,17 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
     """Median wall time of fn() in ms over repeats (triton.testing.do_bench: CUDA events)."""
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def cpu_median_ms(fn, reps: int = 5) -> float:
+    """Median wall time of fn() in ms over `reps` runs after one warm-up (the CPU smoke modes)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def env() -> dict:

@@ -16,4 +16,5 @@ timeout 60 python3 benchmarks/bench_exact_norm.py --out "$out/exact_norm.json" 2
 timeout 90 python3 benchmarks/bench_fixedpoint.py --out "$out/fixedpoint.json" 2>&1 | tee -a "$out/bench.log"
 timeout 90 python3 benchmarks/bench_elementwise.py --out "$out/elementwise.json" 2>&1 | tee -a "$out/bench.log"
 timeout 90 python3 benchmarks/bench_logprob_memory.py --out "$out/logprob_memory.json" 2>&1 | tee -a "$out/bench.log"
+timeout 240 python3 benchmarks/bench_adamw.py $sweep --out "$out/adamw.json" 2>&1 | tee -a "$out/bench.log"
 timeout 240 python3 benchmarks/bench_matmul.py $sweep --out "$out/matmul.json" 2>&1 | tee -a "$out/bench.log"

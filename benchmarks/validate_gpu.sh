@@ -13,7 +13,7 @@ rlk() { python3 -m rlkernel.cli "$@"; }
 
 if [ "$what" != runs ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py \
-    tests/test_cuda_attention_bwd.py tests/test_cuda_dist.py 2>&1 | tee "$out/cuda_tests.txt" | tail -15
+    tests/test_cuda_attention_bwd.py tests/test_cuda_adamw.py tests/test_cuda_dist.py 2>&1 | tee "$out/cuda_tests.txt" | tail -15
 fi
 [ "$what" = tests ] && exit 0
 

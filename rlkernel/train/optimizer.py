@@ -5,7 +5,9 @@ sharding or order. Clipping multiplies every gradient by one fp32 coefficient
 max_norm / (norm + 1e-6) when it is below 1 (as torch.nn.utils.clip_grad_norm_). AdamW
 (Loshchilov & Hutter, arXiv 1711.05101; the update of torch.optim.AdamW) is written with separate
 elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths may round
-differently — so an element's update never depends on the shard it sits in.
+differently — so an element's update never depends on the shard it sits in. On CUDA the same
+sequence runs as one fused Triton kernel per tensor (kernels/triton_adamw.py: the bytes of these
+torch ops on CUDA, one pass over p, g, m, v instead of 13-14 launches); on CPU the torch ops run.
 The model's weights are the masters rounded to the parameter dtype.
 Does not: shard optimizer state (train/zero.py wraps this class for that) or schedule the
 learning rate (step() takes each update's rate; rlkernel/train/schedule.py computes it).
@@ -74,6 +76,19 @@ def grad_norm(grads: dict[str, torch.Tensor], counted: set[str] | None = None,
     return ExactSumOfSquares.from_tensor(total).norm(), where
 
 
+def _triton_adamw():
+    from rlkernel.kernels import triton_adamw  # lazy: CPU installs need no triton
+    return triton_adamw
+
+
+def _kernel_takes(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused kernel updates this master: CUDA, and p, m, v contiguous (the kernel
+    writes them in place as flat arrays). A strided one keeps the torch ops: elementwise, so the
+    same bytes, only slower. (Masters are clones of the parameters, so strided only if those were;
+    ZeRO chunks are always contiguous.)"""
+    return p.is_cuda and p.is_contiguous() and m.is_contiguous() and v.is_contiguous()
+
+
 class AdamW:
     """AdamW over named fp32 masters [same shapes as the parameters]."""
 
@@ -104,21 +119,42 @@ class AdamW:
         """One AdamW update of every master from fp32 grads (same names).
 
         lr: this update's learning rate (a Python float, e.g. from train/schedule.py; the same on
-        every rank); None: the constant hp.lr.
+        every rank); None: the constant hp.lr. On CUDA each tensor is one fused kernel
+        (kernels/triton_adamw.py: the bytes of the torch ops on CUDA, one pass instead of 13-14);
+        CPU tensors, and masters/moments that are not contiguous, take the torch ops.
         """
+        self._step(grads, lr, fused=True)
+
+    @torch.no_grad()
+    def _step_torch(self, grads: dict[str, torch.Tensor], lr: float | None = None) -> None:
+        """`step` through the torch ops on every device: the reference the CUDA kernel is
+        compared with (tests/test_cuda_adamw.py)."""
+        self._step(grads, lr, fused=False)
+
+    def _step(self, grads: dict[str, torch.Tensor], lr: float | None, fused: bool) -> None:
         hp = self.hp
         lr = hp.lr if lr is None else lr
         self.steps += 1
         bc1 = 1.0 - hp.beta1 ** self.steps
         bc2_sqrt = math.sqrt(1.0 - hp.beta2 ** self.steps)
         step_size = lr / bc1
+        decay = 1.0 - lr * hp.weight_decay if hp.weight_decay else None
+        scalars = None
         for n, p in self.master.items():
             g = grads[n].to(torch.float32)
-            m = self.exp_avg[n].mul_(hp.beta1).add_(g * (1.0 - hp.beta1))
-            v = self.exp_avg_sq[n].mul_(hp.beta2).add_((g * g) * (1.0 - hp.beta2))
+            m, v = self.exp_avg[n], self.exp_avg_sq[n]
+            if fused and _kernel_takes(p, m, v):
+                ta = _triton_adamw()
+                if scalars is None:
+                    scalars = ta.step_scalars(hp.beta1, hp.beta2, hp.eps, bc2_sqrt, step_size,
+                                              decay)
+                ta.adamw_(p, g.contiguous(), m, v, scalars)   # g is only read: a copy will do
+                continue
+            m.mul_(hp.beta1).add_(g * (1.0 - hp.beta1))
+            v.mul_(hp.beta2).add_((g * g) * (1.0 - hp.beta2))
             denom = (torch.sqrt(v) / bc2_sqrt) + hp.eps
-            if hp.weight_decay:
-                p.mul_(1.0 - lr * hp.weight_decay)
+            if decay is not None:
+                p.mul_(decay)
             p.sub_((m / denom) * step_size)
 
     @torch.no_grad()

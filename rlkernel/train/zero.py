@@ -4,8 +4,9 @@ Every DP replica holds the same gradients (the GradSink sums them over DP as exa
 distributed/tokensum.py), so optimizer state need not be replicated: DP rank r of D keeps, for
 each parameter (its TP shard flattened), the elements [r·c, min((r+1)·c, n)) with c = ⌈n / D⌉ —
 masters, exp_avg and exp_avg_sq — updates them with the ordinary elementwise AdamW
-(train/optimizer.py), and the updated weights, rounded to the parameter dtype (bf16 by default),
-are all-gathered so every replica computes with the whole tensor. Optimizer memory per rank is
+(train/optimizer.py; the chunks are contiguous 1-D, so on CUDA they take its fused kernel), and
+the updated weights, rounded to the parameter dtype (bf16 by default), are all-gathered so every
+replica computes with the whole tensor. Optimizer memory per rank is
 3 · 4 bytes · n / D per parameter (Rajbhandari et al., "ZeRO", arXiv 1910.02054, stage 1).
 
 Why the bits cannot depend on D: AdamW is elementwise (an element's update reads only its own

@@ -1,0 +1,126 @@
+"""Fused AdamW update of CUDA fp32 masters (Triton): one pass per tensor, the bytes of
+train/optimizer.py's torch-op sequence on CUDA.
+
+What it computes, per element of an fp32 master p, its fp32 gradient g and fp32 moments m, v, in
+place (step t, learning rate lr, weight decay λ):
+    m ← m·β1 + g·(1 − β1)
+    v ← v·β2 + (g·g)·(1 − β2)
+    d ← sqrt(v)·inv + ε,                 inv = 1 / sqrt(1 − β2^t)   (see "bytes" below)
+    p ← p·(1 − lr·λ)                     (only when λ ≠ 0: decoupled decay, before the update)
+    p ← p − (m / d)·(lr / (1 − β1^t))
+AdamW (Loshchilov & Hutter, arXiv 1711.05101) in the form torch.optim.AdamW updates it.
+
+Why: AdamW.step's torch ops are 13 elementwise kernels per tensor (14 with weight decay), each
+reading and writing whole fp32 tensors; at qwen3-1.7b (1.72 B parameters, 310 tensors) that is
+4,030 launches and ~51 ms per step on an H200. This kernel reads p, g, m, v once and writes
+p, m, v once (28 bytes per element), one launch per tensor.
+
+Bytes: the same bits as those torch ops give on CUDA, op by op (PyTorch's CUDA binary kernels):
+- A Python scalar operand is rounded to fp32 before use (the kernels compute in fp32 "opmath"):
+  β1, 1 − β1, β2, 1 − β2, ε, 1 − lr·λ and lr / (1 − β1^t) are formed in Python (float64), as the
+  optimizer writes them, then rounded once to fp32 (`step_scalars`).
+- `sqrt(v) / bc2` by a Python scalar is, on CUDA, a product with inv = fp32(1) / fp32(bc2),
+  divided on the host in fp32 (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu) — neither a
+  division nor 1 / bc2 rounded from float64, which differ in the last bit for some steps.
+- Every other op is one IEEE fp32 rounding to nearest: products and sums apart (launched with
+  enable_fp_fusion=False, so no mul+add is contracted into an fma; torch's `a + 1·b` of add_ and
+  `a + (−1)·b` of sub_ have exact products, so they round as the plain sum/difference), m / d is
+  div.rn (tl.math.div_rn; Triton's `/` is approximate), sqrt is sqrt.rn (tl.math.sqrt_rn), and
+  subnormals are kept (no .ftz; tests/test_adamw_triton.py reads the sm_90 PTX).
+The CPU torch ops divide by the scalar instead, and torch 2.13's fp32 CPU sqrt is not always
+correctly rounded (AVX2; tests/adamw_triton_checks.py): another backend, other bits, so CPU
+tensors never come here.
+
+Does not: clip or compute norms (optimizer.AdamW.clip), read non-contiguous tensors (the optimizer
+gives those the torch ops, which are elementwise and so give the same bytes), take dtypes other
+than fp32, offer amsgrad/maximize, or update several tensors in one launch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from rlkernel.kernels.triton_util import check_cuda, device_ctx
+
+BLOCK = 2048
+NUM_WARPS = 8
+
+
+class AdamWScalars(NamedTuple):
+    """One step's scalars as torch's CUDA ops use them: Python floats that hold fp32 values."""
+
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    inv_bc2_sqrt: float      # fp32(1) / fp32(bc2_sqrt), an fp32 division
+    eps: float
+    decay: float | None      # fp32(1 − lr·λ); None: no weight decay (no multiply at all)
+    step_size: float
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest fp32 (as torch casts a Python scalar), as a Python float."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def step_scalars(beta1: float, beta2: float, eps: float, bc2_sqrt: float, step_size: float,
+                 decay: float | None) -> AdamWScalars:
+    """The fp32 scalars of one step from the Python floats the torch ops receive: bc2_sqrt =
+    sqrt(1 − β2^t), step_size = lr / (1 − β1^t), decay = 1 − lr·λ (None without weight decay).
+    1 − β1 and 1 − β2 are formed here in float64, as the torch path writes them."""
+    one = torch.tensor(1.0, dtype=torch.float32)
+    inv = (one / torch.tensor(bc2_sqrt, dtype=torch.float32)).item()
+    return AdamWScalars(_f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2), inv,
+                        _f32(eps), None if decay is None else _f32(decay), _f32(step_size))
+
+
+@triton.jit
+def _fp32(x):
+    # A no-op on the GPU (scalar arguments arrive as fp32). The CPU interpreter passes Python
+    # floats, and would make one below 2**-126 a float64 constant and the arithmetic float64.
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
+def _adamw_kernel(P, G, M, V, n, beta1, c1, beta2, c2, inv_bc2, eps, decay, step_size,
+                  DECAY: tl.constexpr, BLOCK: tl.constexpr):
+    # int64 offsets: one tensor may hold more than 2**31 elements.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(G + offs, mask=ok)
+    m = tl.load(M + offs, mask=ok) * _fp32(beta1) + g * _fp32(c1)
+    v = tl.load(V + offs, mask=ok) * _fp32(beta2) + (g * g) * _fp32(c2)
+    tl.store(M + offs, m, mask=ok)
+    tl.store(V + offs, v, mask=ok)
+    denom = tl.math.sqrt_rn(v) * _fp32(inv_bc2) + _fp32(eps)
+    p = tl.load(P + offs, mask=ok)
+    if DECAY:
+        p = p * _fp32(decay)
+    tl.store(P + offs, p - tl.math.div_rn(m, denom) * _fp32(step_size), mask=ok)
+
+
+def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+           s: AdamWScalars) -> None:
+    """One AdamW update in place of master p and moments m (exp_avg), v (exp_avg_sq) from
+    gradient g: fp32, contiguous, one shape (any), one CUDA device (any device under
+    TRITON_INTERPRET=1), not overlapping; s from `step_scalars`. The bytes of the torch ops on
+    CUDA (module doc). Raises ValueError for another dtype, shape, layout or device."""
+    check_cuda("adamw", p, g, m, v)
+    for name, t in (("p", p), ("g", g), ("m", m), ("v", v)):
+        if t.dtype != torch.float32 or t.shape != p.shape or not t.is_contiguous():
+            raise ValueError(f"adamw: {name} must be contiguous fp32 of shape {tuple(p.shape)}, "
+                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    n = p.numel()
+    if n == 0:
+        return
+    decay = s.decay is not None
+    with device_ctx(p):
+        _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+            p, g, m, v, n, s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
+            s.inv_bc2_sqrt, s.eps, s.decay if decay else 1.0, s.step_size, DECAY=decay,
+            BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
