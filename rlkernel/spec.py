@@ -44,7 +44,7 @@ def stream_leaf(device_type: str) -> int:
     return CUDA_TOKEN_LEAF if device_type == "cuda" else TOKEN_LEAF
 
 
-NUMERICS_VERSION = 7
+NUMERICS_VERSION = 8
 """Bumped whenever the code changes the bits a configuration computes (1: before 2026-11-30
 evening; 2: bf16 rounding points at the linears, the Triton attention backward on CUDA; 3: CUDA
 d logits divided by T exactly (was torch's x·(1/T)): CUDA gradients change when T != 1; 4: bf16
@@ -52,8 +52,10 @@ runs round attention's q, k, v to bf16 (tensor-core attention, bf16 KV cache); 5
 attention backward rounds P (for dV) and dS (for dQ, dK) to bf16 and runs its dots on the tensor
 cores (CUDA); 6: CUDA's linear dW and attention dK/dV sum 64-token leaves (CUDA_TOKEN_LEAF), samples
 start at multiples of 64 there; 7: CUDA's linear dW sums 128-token leaves, samples start at
-multiples of 128 there (attention dK/dV keeps 64: CUDA_DKV_LEAF). A run resumes only under the version that wrote it, so one run
-never mixes two meanings of a number."""
+multiples of 128 there (attention dK/dV keeps 64: CUDA_DKV_LEAF); 8: CUDA's AdamW update is one
+fused kernel with every op correctly rounded (kernels/triton_adamw.py; torch's CUDA op sequence
+differed in the last bit of ~0.15 % of masters per step). A run resumes only under the version
+that wrote it, so one run never mixes two meanings of a number."""
 ROUNDING_POINTS = {
     "bf16": "bf16: each linear's input activation and incoming gradient (x before x·Wᵀ, dY "
             "before dX and dW), fp32 accumulation and outputs; attention's q, k, v (after "

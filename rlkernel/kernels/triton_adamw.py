@@ -1,8 +1,8 @@
-"""Fused AdamW update of CUDA fp32 masters (Triton): one pass per tensor, the bytes of
-train/optimizer.py's torch-op sequence on CUDA.
+"""Fused AdamW update of CUDA fp32 masters (Triton): one pass per tensor, every op correctly
+rounded.
 
 What it computes, per element of an fp32 master p, its fp32 gradient g and fp32 moments m, v, in
-place (step t, learning rate lr, weight decay λ):
+place (step t, learning rate lr, weight decay λ), in train/optimizer.py's op order:
     m ← m·β1 + g·(1 − β1)
     v ← v·β2 + (g·g)·(1 − β2)
     d ← sqrt(v)·inv + ε,                 inv = 1 / sqrt(1 − β2^t)   (see "bytes" below)
@@ -15,24 +15,25 @@ reading and writing whole fp32 tensors; at qwen3-1.7b (1.72 B parameters, 310 te
 4,030 launches and ~51 ms per step on an H200. This kernel reads p, g, m, v once and writes
 p, m, v once (28 bytes per element), one launch per tensor.
 
-Bytes: the same bits as those torch ops give on CUDA, op by op (PyTorch's CUDA binary kernels):
-- A Python scalar operand is rounded to fp32 before use (the kernels compute in fp32 "opmath"):
-  β1, 1 − β1, β2, 1 − β2, ε, 1 − lr·λ and lr / (1 − β1^t) are formed in Python (float64), as the
-  optimizer writes them, then rounded once to fp32 (`step_scalars`).
-- `sqrt(v) / bc2` by a Python scalar is, on CUDA, a product with inv = fp32(1) / fp32(bc2),
-  divided on the host in fp32 (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu) — neither a
-  division nor 1 / bc2 rounded from float64, which differ in the last bit for some steps.
+Bytes (NUMERICS_VERSION 8; tests/adamw_cases.cuda_reference spells them on the CPU):
+- A Python scalar operand is rounded to fp32 before use, as torch's CUDA kernels do: β1, 1 − β1,
+  β2, 1 − β2, ε, 1 − lr·λ and lr / (1 − β1^t) are formed in Python (float64), then rounded once
+  to fp32 (`step_scalars`).
+- `sqrt(v) / bc2` is a product with inv = fp32(1) / fp32(bc2), divided on the host in fp32, as
+  torch's CUDA division by a Python scalar does (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu).
 - Every other op is one IEEE fp32 rounding to nearest: products and sums apart (launched with
-  enable_fp_fusion=False, so no mul+add is contracted into an fma; torch's `a + 1·b` of add_ and
-  `a + (−1)·b` of sub_ have exact products, so they round as the plain sum/difference), m / d is
-  div.rn (tl.math.div_rn; Triton's `/` is approximate), sqrt is sqrt.rn (tl.math.sqrt_rn), and
+  enable_fp_fusion=False, so no mul+add is contracted into an fma), m / d is div.rn
+  (tl.math.div_rn; Triton's `/` is approximate), sqrt is sqrt.rn (tl.math.sqrt_rn), and
   subnormals are kept (no .ftz; tests/test_adamw_triton.py reads the sm_90 PTX).
-The CPU torch ops divide by the scalar instead, and torch 2.13's fp32 CPU sqrt is not always
+torch's own op sequence on CUDA is not this: on an H200 (torch 2.11) its masters differ from
+these in the last bit for ~0.15 % of elements after a step (tests/test_cuda_adamw.py, 2026-12-01) (benchmarks/bench_adamw.py counts
+them and which op differs); the kernel, used for every CUDA master, defines CUDA's bytes. The
+CPU torch ops divide by the scalar instead, and torch 2.13's fp32 CPU sqrt is not always
 correctly rounded (AVX2; tests/adamw_triton_checks.py): another backend, other bits, so CPU
 tensors never come here.
 
 Does not: clip or compute norms (optimizer.AdamW.clip), read non-contiguous tensors (the optimizer
-gives those the torch ops, which are elementwise and so give the same bytes), take dtypes other
+passes contiguous copies of those and writes them back), take dtypes other
 than fp32, offer amsgrad/maximize, or update several tensors in one launch.
 """
 
@@ -108,8 +109,8 @@ def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
            s: AdamWScalars) -> None:
     """One AdamW update in place of master p and moments m (exp_avg), v (exp_avg_sq) from
     gradient g: fp32, contiguous, one shape (any), one CUDA device (any device under
-    TRITON_INTERPRET=1), not overlapping; s from `step_scalars`. The bytes of the torch ops on
-    CUDA (module doc). Raises ValueError for another dtype, shape, layout or device."""
+    TRITON_INTERPRET=1), not overlapping; s from `step_scalars`. Correctly rounded ops (module
+    doc). Raises ValueError for another dtype, shape, layout or device."""
     check_cuda("adamw", p, g, m, v)
     for name, t in (("p", p), ("g", g), ("m", m), ("v", v)):
         if t.dtype != torch.float32 or t.shape != p.shape or not t.is_contiguous():
