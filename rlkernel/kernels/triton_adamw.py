@@ -26,9 +26,12 @@ Bytes (NUMERICS_VERSION 8; tests/adamw_cases.cuda_reference spells them on the C
   (tl.math.div_rn; Triton's `/` is approximate), sqrt is sqrt.rn (tl.math.sqrt_rn), and
   subnormals are kept (no .ftz; tests/test_adamw_triton.py reads the sm_90 PTX).
 torch's own op sequence on CUDA is not this: on an H200 (torch 2.11) its masters differ from
-these in the last bit for ~0.15 % of elements after a step (tests/test_cuda_adamw.py, 2026-12-01) (benchmarks/bench_adamw.py counts
-them and which op differs); the kernel, used for every CUDA master, defines CUDA's bytes. The
-CPU torch ops divide by the scalar instead, and torch 2.13's fp32 CPU sqrt is not always
+these for 0.15-4.3 % of elements after a step, its moments not at all
+(tests/test_cuda_adamw.py; benchmarks/bench_adamw.py at qwen3-1.7b's shapes), while none of its
+sqrt, tensor/tensor division, scalar product or sum deviated from the correctly rounded result
+on 4 M values — so the difference lies in how it applies a scalar to the update (the division
+by bc2 or the added ε; not pinned down). The kernel, used for every CUDA master, defines CUDA's
+bytes. The CPU torch ops divide by the scalar instead, and torch 2.13's fp32 CPU sqrt is not always
 correctly rounded (AVX2; tests/adamw_triton_checks.py): another backend, other bits, so CPU
 tensors never come here.
 

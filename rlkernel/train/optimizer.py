@@ -8,7 +8,7 @@ elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths
 differently — so an element's update never depends on the shard it sits in. On CUDA the same
 sequence runs as one fused Triton kernel per tensor (kernels/triton_adamw.py: every op correctly
 rounded, one pass over p, g, m, v instead of 13-14 launches; torch's own CUDA ops differ from it
-in the last bit of ~0.15 % of masters, measured on an H200, NUMERICS_VERSION 8); on CPU the torch
+in 0.15-4.3 % of masters, measured on an H200, NUMERICS_VERSION 8); on CPU the torch
 ops run.
 The model's weights are the masters rounded to the parameter dtype.
 Does not: shard optimizer state (train/zero.py wraps this class for that) or schedule the
