@@ -65,9 +65,11 @@ def _op_deviations(n: int = 1 << 22) -> dict[str, int]:
     rn = lambda f, *xs: f(*(x.double() for x in xs)).float()   # noqa: E731
     cases = {"sqrt(v)": (torch.sqrt(v), rn(torch.sqrt, v)),
              "m / d": (a / b, rn(torch.div, a, b)),
-             "x * python scalar": (a * 0.999, rn(torch.mul, a, torch.tensor(0.999, device="cuda").float())),
+             "x * python scalar": (a * 0.999,
+                                   rn(torch.mul, a, torch.tensor(0.999, device="cuda").float())),
              "x + y": (a + b, rn(torch.add, a, b))}
-    return {k: int((x.view(torch.int32) != y.view(torch.int32)).sum()) for k, (x, y) in cases.items()}
+    return {k: int((x.view(torch.int32) != y.view(torch.int32)).sum())
+            for k, (x, y) in cases.items()}
 
 
 def _torch_optim(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], fused: bool):

@@ -256,7 +256,8 @@ def main() -> None:
     ap.add_argument("--sync-sites", action="store_true",
                     help="one more step with CUDA sync debugging: the host syncs by call site")
     ap.add_argument("--kernel-sites", action="store_true",
-                    help="one more profiled step: device time by the rlkernel code that launched it")
+                    help="one more profiled step: device time by the rlkernel code that "
+                         "launched it")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -293,7 +294,8 @@ def main() -> None:
         for row in r.get("sync_sites", []):
             print(f"    syncs {row['syncs']:5d}  {row['site']}")
         for row in r.get("kernel_sites", []):
-            print(f"    {row['ms']:8.1f} ms {row['kernels']:6d}x  {row['site']}  [{row['top_kernel']}]")
+            print(f"    {row['ms']:8.1f} ms {row['kernels']:6d}x  {row['site']}  "
+                  f"[{row['top_kernel']}]")
     if {"invariant", "native"} <= res["arms"].keys():
         res["ratio"] = res["arms"]["invariant"]["warm_step_s"] / res["arms"]["native"]["warm_step_s"]
         print(f"ratio invariant / native: {res['ratio']:.2f}")

@@ -116,7 +116,8 @@ def test_kernel_sites_charge_each_kernel_to_the_frames_around_its_launch(monkeyp
     correlation id (not to whatever ran on the host when the kernel ran); kernels of one site
     add up, the costliest kernel name is reported, and sites come out by device time."""
     fr = lambda name, ts, dur: _ev("python_function", f"/x/rlkernel/{name}", ts, dur)
-    launch = lambda name, ts, cid: {**_ev("cuda_runtime", name, ts, 1), "args": {"correlation": cid}}
+    launch = lambda name, ts, cid: {**_ev("cuda_runtime", name, ts, 1),   # noqa: E731
+                                    "args": {"correlation": cid}}
     kernel = lambda name, ts, dur, cid: {**_ev("kernel", name, ts, dur, tid=7),
                                          "args": {"correlation": cid}}
     events = [fr("opt.py(1): step", 0, 100), fr("norm.py(2): rms", 200, 100),

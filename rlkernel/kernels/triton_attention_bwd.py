@@ -61,12 +61,13 @@ c = S_c·Hq·K_c·D <= words_elems unless one 64-key block of one sample exceeds
     4·S·Hq·Tq (delta) + 4·S·(64·n_leaves + 1) (slot map) + 4·S·Hq·Tq·D (dQ, fp32)
   + 8·S·Hq·Tk·D (per-head dK, dV) + 8·S·Hq·Tk·D (head-tree levels) + 8·S·Hkv·Tk·D (dK·scale,
     and the kv_comm gather's copies when TP replicates the KV head: ×kv_comm.size)
-  + 32·c (double words of both kinds) + 4·c (a chunk's fp32 result) + 6·104·min(c, DIGIT_ELEMS) (digits, the
-    comm's copy, round_fp32's temporaries) + EMIT_BYTES (the fallback's partials, if any)
-For one 32k-token sample with 4 query heads, 1 KV head, D = 128 the bound is 2.1 GiB (it counts
+  + 32·c (double words of both kinds) + 4·c (a chunk's fp32 result)
+  + 6·104·min(c, DIGIT_ELEMS) (digits, the comm's copy, round_fp32's temporaries)
+  + EMIT_BYTES (the fallback's partials, if any)
+For one 32k-token sample with 4 query heads, 1 KV head, D = 128 the bound is 2.4 GiB (it counts
 the digits and the fallback, which one rank with no flagged program never allocates); measured on
-an H200: 0.56 GiB, where one fp32 [Tq, Tk] score matrix alone is 4 GiB
-(tests/test_cuda_attention_bwd.py measures it).
+an H200: 0.56 GiB with one kind's words held (before the second words buffer: 256 MiB more now),
+where one fp32 [Tq, Tk] score matrix alone is 4 GiB (tests/test_cuda_attention_bwd.py measures it).
 Cost: the exact additions, 2·Hq·D per (leaf, key a leaf sees) ≈ Hq·D·L²/64 float64 TwoSum pairs
 for a causal sample of L tokens, bound the dK/dV kernel (float64 units); the dots are the
 tensor cores' (bf16) or the CUDA cores' (fp32).
@@ -96,7 +97,8 @@ from rlkernel.spec import CUDA_ATTN_KV_BLOCK, CUDA_DKV_LEAF
 KV_BLOCK = CUDA_ATTN_KV_BLOCK
 """The forward's absolute key block (64): dQ walks these blocks in order; key chunks are whole blocks."""
 WORDS_ELEMS = 1 << 24
-"""dK or dV results per chunk: their float64 double words take 16 bytes each (256 MiB)."""
+"""dK or dV results per chunk: their float64 double words take 16 bytes each (256 MiB; both
+kinds' words are held at once: 512 MiB)."""
 DIGIT_ELEMS = 1 << 21
 """Results turned into exact digits (104 bytes each: 208 MiB) and rounded per step."""
 _DIGIT_BLOCK = 4096 if INTERPRET else tfx.BLOCK

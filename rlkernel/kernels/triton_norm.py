@@ -146,7 +146,8 @@ def rms_backward(dy: torch.Tensor, xh: torch.Tensor, r: torch.Tensor, w: torch.T
     if n_tok == 0 or heads == 0:
         return dx, part
     hp = triton.next_power_of_2(h)
-    inv_h = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(h), dtype=torch.float32))
+    one, hf = (torch.tensor(v, dtype=torch.float32) for v in (1.0, float(h)))
+    inv_h = float(one / hf)        # fp32(1) / fp32(H), as PyTorch's CUDA division by a scalar
     with device_ctx(xh):
         _bwd_kernel[(leaves, heads)](dyc, xhc, rc, wc, dx, part if want_part else dx, n_tok,
                                      heads, h, inv_h, HP=hp, LOG_HP=hp.bit_length() - 1,

@@ -42,7 +42,8 @@ class StreamLayout:
     are this pass's own slots, so plain causal masking is the whole mask (stock SDPA may then
     take its flash path; the invariant kernels do not look at it)."""
     _moves: dict = field(default_factory=dict, compare=False, repr=False)
-    """Per-pass cache of `moves`' index tensors (every layer reuses them)."""
+    """Per-pass cache of `moves`' index tensors (every layer reuses them) and of
+    `attention_bounds`."""
 
     def moves(self, idx: torch.Tensor, n_rows: int) -> "SlotMoves":
         """The index tensors `to_samples` / `to_stream` derive from idx (this layout's q_idx or

@@ -230,9 +230,10 @@ def two_sum(a, b):
 @triton.jit
 def two_sum_sorted(a, b):
     """(s, e) of `two_sum` (the same two values: s = fl(a + b) and its exact error are unique;
-    a zero error may differ in sign, which `add_word` does not read) by Dekker's Fast2Sum on the operands ordered by magnitude (Dekker 1971; exact when |big| >=
-    |small|, round-to-nearest): one compare and three float64 adds instead of six adds, the
-    ordering done by integer selects. Launch with enable_fp_fusion=False."""
+    a zero error may differ in sign, which `add_word` does not read) by Dekker's Fast2Sum on
+    the operands ordered by magnitude (Dekker 1971; exact when |big| >= |small|, round to
+    nearest): one compare and three float64 adds instead of six adds, the ordering done by
+    integer selects. Launch with enable_fp_fusion=False."""
     swap = tl.abs(a) < tl.abs(b)
     big = tl.where(swap, b, a)
     small = tl.where(swap, a, b)
@@ -486,7 +487,7 @@ def _add_digits_kernel(S, ACC, m, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
                   d7 + tl.load(srow + 7, mask=live, other=0),
                   d8 + tl.load(srow + 8, mask=live, other=0),
                   d9 + tl.load(srow + 9, mask=live, other=0))
-    for c in tl.static_range(10, N_COLS):
+    for c in tl.static_range(10, N_COLS):      # the NaN / +Inf / -Inf counts after the digits
         tl.store(row + c, tl.load(row + c, mask=live, other=0)
                  + tl.load(srow + c, mask=live, other=0), mask=live)
 
