@@ -188,6 +188,37 @@ def optimizer_step_runs_the_kernel_with_its_scalars():
 
 
 @check
+def strided_master_is_updated_in_place_as_the_contiguous_one():
+    """A master cloned from a transposed tensor (strided, as are its zeros_like moments) stepped
+    through the kernel (forced on for CPU tensors), 3 steps with weight decay and a transposed
+    gradient: p, m, v == the same state held contiguous, bitwise, and still strided afterwards.
+    The kernel reads only contiguous tensors, so optimizer._fused_update steps contiguous copies
+    and must write them back into the strided tensors. Control: the steps change the master's
+    bytes (a copy that is never written back would leave them as they were)."""
+    hp = HPS[1]
+    t0 = state(48 * 70, 21)[0].reshape(48, 70)
+    grads = [grad(48 * 70, 60 + t).reshape(48, 70).t() for t in range(3)]   # strided too
+    lrs = [hp.lr, 2 * hp.lr, 0.5 * hp.lr]
+    strided, flat = AdamW({"t": t0.t()}, hp), AdamW({"t": t0.t().contiguous()}, hp)
+    tensors = (strided.master["t"], strided.exp_avg["t"], strided.exp_avg_sq["t"])
+    assert not any(t.is_contiguous() for t in tensors)
+    saved = optimizer._kernel_takes
+    optimizer._kernel_takes = lambda p: True
+    try:
+        with LaunchRecorder.swapped_in(ta, "_adamw_kernel") as rec:
+            for g, lr in zip(grads, lrs):
+                strided.step({"t": g}, lr=lr)
+                flat.step({"t": g.contiguous()}, lr=lr)
+    finally:
+        optimizer._kernel_takes = saved
+    assert len(rec.launches) == 2 * 3                        # both took the kernel every step
+    got = (strided.master["t"], strided.exp_avg["t"], strided.exp_avg_sq["t"])
+    assert all(a is b and not a.is_contiguous() for a, b in zip(got, tensors))
+    _assert_same([got], [(flat.master["t"], flat.exp_avg["t"], flat.exp_avg_sq["t"])], "t")
+    assert n_diff(strided.master["t"], t0.t()) > 0
+
+
+@check
 def zero_chunks_at_unaligned_offsets_equal_the_whole_tensor():
     """ZeroAdamW ranks 0..2 of DP 3 (chunk views of the gradient starting at odd element
     offsets), kernel forced on: each rank's chunks == that slice of the whole-tensor reference."""

@@ -215,6 +215,35 @@ def backward_negative_controls_true_division_and_reversed_tokens_differ():
 
 
 @check
+def backward_signed_zero_rows_keep_minus_zero():
+    """A leaf (tokens 16..31) whose dy rows are zeros signed so that every g·x̂ = dy·w·x̂ is
+    −0.0: the mean tree's sum is −0.0 (and so every partial Σ dy·x̂ where w > 0), which only an
+    additive identity of −0.0 keeps — the tree's padding past H (H = 1000, 96: padded trees) and
+    the partial's start in the kernel; +0.0 there would turn them into +0.0. dx and the partials
+    == the torch ops, bitwise, for one head and for 4 heads. Controls: the data reaches those
+    signs — the same partials plus +0.0, and dx from the mean tree plus +0.0, give other bits.
+    Fails today (tests/test_norm_triton.py marks it xfail): Triton turns the kernel's literal
+    −0.0 into +0.0."""
+    from rlkernel.numerics.trees import tree_sum
+    from rlkernel.spec import TOKEN_LEAF
+    g = torch.Generator().manual_seed(8)
+    for heads, h in ((1, 1000), (1, 96), (4, 96)):
+        dy, xh, r, w = _bwd_inputs(48, heads, h, g)
+        leaf = slice(TOKEN_LEAF, 2 * TOKEN_LEAF)
+        assert (xh[leaf] != 0).all() and (w != 0).all()
+        dy[leaf] = torch.copysign(torch.zeros_like(xh[leaf]), -(w * xh[leaf]))
+        dx, part = tn.rms_backward(dy, xh, r, w, TOKEN_LEAF, True)
+        inv = _inv(h)
+        want_dx, want_part = _bwd_reference(dy, xh, r, w, inv)
+        assert _same(dx, want_dx), (heads, h, "dx")
+        assert _same(part, want_part), (heads, h, "part")
+        assert not _same(want_part + 0.0, want_part), (heads, h, "control: no -0.0 partial")
+        g_ = dy * w
+        q = tree_sum(g_ * xh, -1) * inv + 0.0
+        assert not _same(r[..., None] * (g_ - xh * q[..., None]), want_dx), (heads, h, "control")
+
+
+@check
 def backward_bad_input_is_refused():
     """dy shaped unlike x̂, a non-fp32 dy, a wrong weight width: ValueError."""
     from rlkernel.spec import TOKEN_LEAF

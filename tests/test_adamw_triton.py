@@ -3,7 +3,8 @@
 1. Under TRITON_INTERPRET=1 (checks in tests/adamw_triton_checks.py, one subprocess): the kernel
    == the torch-op sequence of train/optimizer.AdamW spelt with CUDA's semantics on the CPU
    (tests/adamw_cases.cuda_reference), bitwise, over several steps, with and without weight
-   decay, on edge values and sizes around the block; through AdamW.step and ZeroAdamW chunks;
+   decay, on edge values and sizes around the block; through AdamW.step (a strided master too:
+   written back in place) and ZeroAdamW chunks;
    negative controls: true division by bc2, the float64 reciprocal, fma contraction and
    flushed subnormals each give other bytes.
 2. PTX for sm_90 (no device): div.rn.f32 and sqrt.rn.f32, no .ftz, no fma, nothing .approx;
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
     "step_scalars_are_fp32_as_torch_casts_them",
     "launches_disable_fp_fusion",
     "optimizer_step_runs_the_kernel_with_its_scalars",
+    "strided_master_is_updated_in_place_as_the_contiguous_one",
     "zero_chunks_at_unaligned_offsets_equal_the_whole_tensor",
     "reference_ops_are_correctly_rounded",
     "negative_control_other_semantics_give_other_bytes",
