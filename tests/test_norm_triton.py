@@ -58,11 +58,6 @@ def test_backward_negative_controls_true_division_and_reversed_tokens_differ(res
     _ok(results, "backward_negative_controls_true_division_and_reversed_tokens_differ")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernel bug: Triton makes the literal -0.0 of _bwd_kernel's tl.full / tl.where +0.0 "
-    "(semantic.full: value == 0 -> get_null_value; sm_90 PTX `selp.b32 .., 0`), so a row whose "
-    "g*x^ are all -0.0 sums to +0.0 and dx / the partials take +0.0 where the torch ops keep "
-    "-0.0. Fix: neg32(tl.zeros(...)); then drop this marker"))
 def test_backward_signed_zero_rows_keep_minus_zero(results):
     """Rows of signed zeros whose mean tree and partials are −0.0: dx and the partials == the
     torch ops (the check's docstring). Kills a +0.0 padding of the tree or a +0.0 start of the
@@ -76,12 +71,13 @@ def test_backward_bad_input_is_refused(results):
 
 def test_backward_ptx_has_no_fma_and_no_ftz():
     """sm_90 PTX of the training backward as launched (the partials on): no fma, no .ftz, no
-    .approx. Control: fp fusion on gives fma."""
+    .approx, and the -0.0 constant present. Control: fp fusion on gives fma."""
     from rlkernel.kernels import triton_norm as tn
     types = ["*fp32"] * 6 + ["i32"] * 3 + ["fp32"] + ["constexpr"] * 4
     consts = {"HP": 1024, "LOG_HP": 10, "LEAF": 16, "WANT_PART": True}
     ptx = sm90_ptx(tn._bwd_kernel, types, consts, 4, False)
     assert "fma" not in ptx and ".ftz" not in ptx and ".approx" not in ptx
+    assert "0f80000000" in ptx      # the -0.0 identity survived compilation (a literal did not)
     assert "fma.rn.f32" in sm90_ptx(tn._bwd_kernel, types, consts, 4, True)
 
 

@@ -96,8 +96,10 @@ def _bwd_kernel(DY, XH, R, W, DX, PART, n_tok, heads, H, inv_h,
     w = tl.load(W + cols, mask=c_ok, other=0.0)
     # -0.0 is the additive identity (-0 + v == v for every v, +0 and -0 included): the padding
     # of the tree keeps tree_sum's carried odd elements, and the partial starts as its first
-    # token's product, as _leaf_sums' clone does.
-    acc = tl.full((HP,), -0.0, tl.float32)
+    # token's product, as _leaf_sums' clone does. Made by a sign flip: Triton turns a -0.0
+    # literal into +0.0 (its constant folding compares the value with 0).
+    neg_zero = neg32(tl.zeros((HP,), tl.float32))
+    acc = neg_zero
     for i in range(LEAF):
         t = leaf * LEAF + i
         ok = c_ok & (t < n_tok)
@@ -107,7 +109,7 @@ def _bwd_kernel(DY, XH, R, W, DX, PART, n_tok, heads, H, inv_h,
         xh = tl.load(XH + off, mask=ok, other=0.0)
         r = tl.load(R + row, mask=t < n_tok, other=0.0)
         g = dy * w
-        gx = tl.where(c_ok, g * xh, -0.0)
+        gx = tl.where(c_ok, g * xh, neg_zero)
         q = tree_rows(tl.reshape(gx, (1, HP)), 1, HP, LOG_HP) * inv_h
         tl.store(DX + off, r * (g - xh * q), mask=ok)
         if WANT_PART:
