@@ -1183,3 +1183,13 @@ def test_cheap_input_errors_come_before_torch_is_imported(tmp_path, case):
     assert proc.stdout.strip() == "False", proc.stdout
     assert proc.stderr.count("rlk run: error: ") == 1 and "Traceback" not in proc.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_startup_summary_names_the_reward_in_use():
+    """The start-up line's data names the reward that scores the prompts: the built-in exact
+    match by default, with or without --prompts, and --reward's MODULE:FUNC when given."""
+    from rlkernel.runner.loop import _describe_prompts
+    assert _describe_prompts(RunConfig()) == "built-in arithmetic task (exact-match reward)"
+    assert _describe_prompts(RunConfig(prompts="p.jsonl")) == "p.jsonl (exact-match reward)"
+    assert _describe_prompts(RunConfig(prompts="p.jsonl", reward="/tmp/rw.py:score")) == \
+        "p.jsonl (/tmp/rw.py:score reward)"

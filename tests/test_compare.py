@@ -99,7 +99,8 @@ def _set_config(run, **settings):
 def test_runs_of_other_sampling_settings_are_said_to_differ_in_configuration(tmp_path, capsys):
     """--temperature/--top-p differing: a note line before the per-field results says the runs
     are two configurations, so differing tokens are expected (the info lines alone read as a
-    broken promise); the info lines, the verdict and --quiet's output stay as they were."""
+    broken promise); the info lines and the verdict stay as they were; --quiet keeps the note
+    (its first line) before the differing fields, so its DIFFERENT still says why."""
     s = _step(0)
     s["tokens_hash"] = "cd" * 32
     a = write_run(tmp_path / "a", [_step(0)], tp=2)
@@ -118,7 +119,8 @@ def test_runs_of_other_sampling_settings_are_said_to_differ_in_configuration(tmp
     assert i == max(j for j, ln in enumerate(lines) if ln.startswith("info  ")) + 1
     assert compare_runs(a, b).config_differences == ["temperature", "top_p", "seed"]
     assert cli.main(["compare", "--quiet", str(a), str(b)]) == 1
-    assert capsys.readouterr().out.splitlines()[0].startswith("step 0")
+    quiet = capsys.readouterr().out.splitlines()
+    assert quiet[0] == note and quiet[1].startswith("step 0") and len(quiet) == 3
 
 
 def test_a_layout_difference_is_no_difference_of_configuration(tmp_path, capsys):

@@ -315,13 +315,14 @@ def format_report(report: CompareReport, quiet: bool = False) -> str:
     """Human-readable report: run paths, manifest information, a "note" line when the runs
     differ in configuration (report.config_differences), one line per field, the verdict.
 
-    quiet: only the fields that differ, then the verdict (no paths, information or note lines).
+    quiet: only the note (if any), the fields that differ and the verdict (no paths or
+    information lines): a DIFFERENT of two configurations still says so.
     The last line is "IDENTICAL" or "DIFFERENT: N fields differ".
     """
     shown = [r for r in report.results if not (quiet and r.same)]
     lines = [] if quiet else [f"A: {report.a}", f"B: {report.b}"]
     lines += [] if quiet else [f"info  {s}" for s in report.info]
-    if report.config_differences and not quiet:
+    if report.config_differences:
         lines.append(f"note  {_config_note(report.config_differences)}")
     width = max((len(r.where) for r in shown), default=0)
     name_width = max((len(r.name) for r in shown), default=0)

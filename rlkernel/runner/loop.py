@@ -102,7 +102,9 @@ def _describe_model(cfg: RunConfig, mcfg) -> str:
 
 
 def _describe_prompts(cfg: RunConfig) -> str:
-    return cfg.prompts if cfg.prompts else "built-in arithmetic task (exact-match reward)"
+    """The start-up line's data: the prompts' source and the reward that scores them."""
+    data = cfg.prompts if cfg.prompts else "built-in arithmetic task"
+    return f"{data} ({cfg.reward or 'exact-match'} reward)"
 
 
 def _describe_device(dev: torch.device) -> str:
