@@ -5,7 +5,9 @@ weights rounded back to the parameter dtype), on random weights and random token
 of P prompt + R response tokens, one microbatch (the whole batch, direct mode), TP1, one GPU.
 Both arms run in this process on the same weights and samples; the ratio invariant / native is
 the cost of invariance. `--profile` adds the top CUDA kernels of one invariant step (torch
-profiler), grouped by kernel name, to find what dominates.
+profiler), grouped by kernel name, to find what dominates; `--kernel-sites` the device time of
+one step by the rlkernel code that launched it (each kernel tied to its launch call); `--trace`
+the host ops and where the device idled; `--sync-sites` the host syncs by call site.
 Run (repository root, CUDA machine):
     PYTHONPATH=. python3 benchmarks/bench_train_step.py --model qwen3-0.6b --samples 16 \
         --prompt-len 64 --response-len 448 --out train_step.json [--profile]
