@@ -11,30 +11,23 @@ On a GPU: tests/test_cuda.py (the passes against torch's CUDA ops and autograd).
 
 from __future__ import annotations
 
+import pytest
 from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("rope_triton_checks.py")
 
 
-def test_forward_equals_apply_rope(results):
-    _ok(results, "forward_equals_apply_rope")
-
-
-def test_backward_equals_torch_autograd(results):
-    _ok(results, "backward_equals_torch_autograd")
-
-
-def test_backward_negative_control_without_the_zero_add(results):
-    _ok(results, "backward_negative_control_without_the_zero_add")
-
-
-def test_rope_autograd_entry_on_cpu_is_apply_rope(results):
-    _ok(results, "rope_autograd_entry_on_cpu_is_apply_rope")
-
-
-def test_bad_input_is_refused(results):
-    _ok(results, "bad_input_is_refused")
+@pytest.mark.parametrize("name", [
+    "forward_equals_apply_rope",
+    "backward_equals_torch_autograd",
+    "backward_negative_control_without_the_zero_add",
+    "rope_autograd_entry_on_cpu_is_apply_rope",
+    "bad_input_is_refused",
+])
+def test_interpreted(results, name):
+    """One check of tests/rope_triton_checks.py (its docstring says what it holds)."""
+    _ok(results, name)
 
 
 def _ptx(backward: bool, fusion: bool) -> str:

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import check_cuda, device_ctx, f32, f32_reciprocal
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -67,20 +67,14 @@ class AdamWScalars(NamedTuple):
     step_size: float
 
 
-def _f32(x: float) -> float:
-    """x rounded to the nearest fp32 (as torch casts a Python scalar), as a Python float."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
 def step_scalars(beta1: float, beta2: float, eps: float, bc2_sqrt: float, step_size: float,
                  decay: float | None) -> AdamWScalars:
     """The fp32 scalars of one step from the Python floats the torch ops receive: bc2_sqrt =
     sqrt(1 − β2^t), step_size = lr / (1 − β1^t), decay = 1 − lr·λ (None without weight decay).
     1 − β1 and 1 − β2 are formed here in float64, as the torch path writes them."""
-    one = torch.tensor(1.0, dtype=torch.float32)
-    inv = (one / torch.tensor(bc2_sqrt, dtype=torch.float32)).item()
-    return AdamWScalars(_f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2), inv,
-                        _f32(eps), None if decay is None else _f32(decay), _f32(step_size))
+    return AdamWScalars(f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2),
+                        f32_reciprocal(bc2_sqrt), f32(eps), None if decay is None else f32(decay),
+                        f32(step_size))
 
 
 @triton.jit

@@ -502,13 +502,13 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
             for kind in (0, 1):
                 _launch_dkv(args, w[kind], flags[kind], flags[kind], kind, s0, j0, width,
                             n_tiles_k, n_leaves, grid, tile, False, force_flag)
-            any_flagged = torch.nonzero(flags).numel() > 0      # the chunk's one sync
+            flagged = torch.nonzero(flags)          # [n, 2] (kind, program): the chunk's one sync
             for kind in (0, 1):
                 fix = None
-                if any_flagged:
-                    flagged = torch.nonzero(flags[kind]).flatten()
-                    fix = _redo_flagged(args, flagged, kind, s0, j0, width, n_tiles_k,
-                                        n_leaves, tile) if flagged.numel() else None
+                if flagged.numel():                 # rare: split the programs by kind
+                    ids = flagged[flagged[:, 0] == kind, 1]
+                    fix = _redo_flagged(args, ids, kind, s0, j0, width, n_tiles_k, n_leaves,
+                                        tile) if ids.numel() else None
                 res = _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv")
                 out[kind, s0:s1, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
     return out

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_elementwise import bf16_rtne, neg32, tree_rows
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_elementwise import bf16_rtne, neg32, rotate_half, tree_rows
+from rlkernel.kernels.triton_util import check_cuda, device_ctx, f32_reciprocal
 
 
 @triton.jit
@@ -72,10 +72,9 @@ def _apply_kernel(X, W, COS, SIN, Y, n_rows, H, heads, inv_h_num, eps,
         pc = (cols + half) % HP
         xp = tl.load(X + rows.to(tl.int64)[:, None] * H + pc[None, :], mask=ok, other=0.0)
         yp = (xp * r[:, None]) * tl.load(W + pc)[None, :]
-        rot = tl.where(cols[None, :] < half, neg32(yp), yp)
         tok = (rows // heads).to(tl.int64)[:, None] * H + cols[None, :]
-        y = y * tl.load(COS + tok, mask=ok, other=0.0) + rot * tl.load(SIN + tok, mask=ok,
-                                                                         other=0.0)
+        y = rotate_half(y, yp, tl.load(COS + tok, mask=ok, other=0.0),
+                        tl.load(SIN + tok, mask=ok, other=0.0), cols[None, :] < half)
     if OUT_BF16:
         tl.store(Y + off, bf16_rtne(y), mask=ok)
     else:
@@ -148,8 +147,7 @@ def rms_backward(dy: torch.Tensor, xh: torch.Tensor, r: torch.Tensor, w: torch.T
     if n_tok == 0 or heads == 0:
         return dx, part
     hp = triton.next_power_of_2(h)
-    one, hf = (torch.tensor(v, dtype=torch.float32) for v in (1.0, float(h)))
-    inv_h = float(one / hf)        # fp32(1) / fp32(H), as PyTorch's CUDA division by a scalar
+    inv_h = f32_reciprocal(float(h))     # the torch ops' `/ H` on CUDA
     with device_ctx(xh):
         _bwd_kernel[(leaves, heads)](dyc, xhc, rc, wc, dx, part if want_part else dx, n_tok,
                                      heads, h, inv_h, HP=hp, LOG_HP=hp.bit_length() - 1,

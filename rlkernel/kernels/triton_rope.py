@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_elementwise import neg32
+from rlkernel.kernels.triton_elementwise import neg32, rotate_half
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 
 
@@ -48,8 +48,7 @@ def _rope_kernel(X, COS, SIN, Y, n_rows, heads, D, BLOCK_R: tl.constexpr, DP: tl
         up = xp * tl.load(SIN + tok + partner[None, :], mask=ok, other=0.0)   # (dy·sin) there
         y = (x * c + tl.where(first, up, neg32(up))) + 0.0
     else:
-        s = tl.load(SIN + tok + cols[None, :], mask=ok, other=0.0)
-        y = x * c + tl.where(first, neg32(xp), xp) * s
+        y = rotate_half(x, xp, c, tl.load(SIN + tok + cols[None, :], mask=ok, other=0.0), first)
     tl.store(Y + base + cols[None, :], y, mask=ok)
 
 

@@ -1,7 +1,7 @@
 """Small helpers shared by the Triton wrappers (rlkernel/kernels/triton_*.py).
 
 `check_cuda` rejects tensors the kernels cannot read; `device_ctx` makes the tensor's GPU current
-for the launch. With TRITON_INTERPRET=1 (Triton's CPU interpreter, used to check kernel logic on a
+for the launch; `f32` / `f32_reciprocal` are the host-side fp32 scalars PyTorch's CUDA ops use. With TRITON_INTERPRET=1 (Triton's CPU interpreter, used to check kernel logic on a
 machine without a GPU) CPU tensors are accepted. Does not: launch anything.
 """
 
@@ -22,6 +22,19 @@ def check_cuda(what: str, *ts: torch.Tensor) -> None:
         raise ValueError(f"{what}: tensors on different devices {sorted(map(str, devs))}")
     if not INTERPRET and not ts[0].is_cuda:
         raise ValueError(f"{what}: CUDA tensors expected, got {ts[0].device}")
+
+
+def f32(x: float) -> float:
+    """x rounded to the nearest fp32 (as PyTorch casts a Python scalar for an fp32 op), as a
+    Python float."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def f32_reciprocal(x: float) -> float:
+    """fp32(1) / fp32(x), an fp32 division, as a Python float: what PyTorch's CUDA division of
+    an fp32 tensor by a Python scalar multiplies by (aten/src/ATen/native/cuda/
+    BinaryDivTrueKernel.cu), so a kernel that mirrors such a division passes this."""
+    return (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(x, dtype=torch.float32)).item()
 
 
 def device_ctx(t: torch.Tensor):
