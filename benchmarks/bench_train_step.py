@@ -7,7 +7,8 @@ Both arms run in this process on the same weights and samples; the ratio invaria
 the cost of invariance. `--profile` adds the top CUDA kernels of one invariant step (torch
 profiler), grouped by kernel name, to find what dominates; `--kernel-sites` the device time of
 one step by the rlkernel code that launched it (each kernel tied to its launch call); `--trace`
-the host ops and where the device idled; `--sync-sites` the host syncs by call site.
+the host ops and where the device idled; `--sync-sites` the host syncs by call site;
+`--host-profile` the host's Python time of one step by function and by package (cProfile).
 Run (repository root, CUDA machine):
     PYTHONPATH=. python3 benchmarks/bench_train_step.py --model qwen3-0.6b --samples 16 \
         --prompt-len 64 --response-len 448 --out train_step.json [--profile]
@@ -47,7 +48,7 @@ def _sync(dev: torch.device) -> None:
 
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
          dev: torch.device, micro_samples: int = 0, kl: bool = True, trace: bool = False,
-         sync_sites: bool = False, kernel_sites: bool = False):
+         sync_sites: bool = False, kernel_sites: bool = False, host_profile: bool = False):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
     policy.load_tensors({k: v.to(dev) for k, v in weights.items()})
@@ -101,6 +102,8 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         out["sync_sites"] = _sync_sites(step, dev)
     if kernel_sites:
         out["kernel_sites"] = _kernel_sites(step, dev)
+    if host_profile:
+        out["host_profile"] = _host_profile(step, dev)
     del policy, ref, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -221,6 +224,59 @@ def _kernel_sites(step, dev: torch.device, top: int = 40, depth: int = 2) -> lis
     return sorted(out, key=lambda r: -r["ms"])[:top]
 
 
+def _package(path: str) -> str:
+    """Where a profiled function lives: rlkernel/<subpackage>/<module>, triton, torch, or other."""
+    if "rlkernel/" in path:
+        return "rlkernel/" + path.split("rlkernel/")[-1]
+    for pkg in ("triton", "torch"):
+        if f"/{pkg}/" in path:
+            return pkg
+    return "other" if path != "~" else "builtins"
+
+
+def _host_profile(step, dev: torch.device, top: int = 40) -> dict:
+    """The host's time in one step by Python function (cProfile, so every Python call costs a
+    little more than unprofiled): wall, the top functions by own time and by cumulative time,
+    and own time summed by package (`_package`). Functions are "file:line(name)", the file
+    shortened to its last two path parts; builtins (torch ops' C calls) as cProfile names them."""
+    import cProfile
+    import pstats
+    from collections import defaultdict
+
+    pr = cProfile.Profile()
+    _sync(dev)
+    t0 = time.perf_counter()
+    pr.enable()
+    step()
+    _sync(dev)
+    pr.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(pr).stats
+
+    def name(f) -> str:
+        file, line, fn = f
+        return f"{'/'.join(file.split('/')[-2:])}:{line}({fn})"
+    rows = [{"fn": name(f), "calls": nc, "own_ms": tt * 1e3, "cum_ms": ct * 1e3}
+            for f, (_cc, nc, tt, ct, _callers) in stats.items()]
+    by_pkg: dict = defaultdict(float)
+    for f, (_cc, _nc, tt, _ct, _callers) in stats.items():
+        by_pkg[_package(f[0])] += tt * 1e3
+    return {"wall_s": wall,
+            "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top],
+            "by_package": sorted(({"package": k, "own_ms": v} for k, v in by_pkg.items()),
+                                 key=lambda r: -r["own_ms"])[:top]}
+
+
+def _print_host_profile(h: dict) -> None:
+    print(f"  host profile: wall {h['wall_s']:.3f} s (under cProfile)")
+    for key, col in (("by_package", "package"), ("by_own", "fn"), ("by_cum", "fn")):
+        for row in h[key][:30]:
+            calls = f"{row['calls']:7d}x " if "calls" in row else ""
+            cum = f" cum {row['cum_ms']:8.1f}" if "cum_ms" in row else ""
+            print(f"    {key} own {row['own_ms']:8.1f} ms{cum} {calls} {row[col]}")
+
+
 def _print_trace(t: dict) -> None:
     print(f"  traced step: wall {t['wall_s']:.3f} s, device {t['device_s']:.3f} s "
           f"({t['device_over_wall'] or 0:.2f}), {t['kernels']} kernels, idle {t['idle']['idle_ms']:.0f} ms "
@@ -260,6 +316,9 @@ def main() -> None:
     ap.add_argument("--kernel-sites", action="store_true",
                     help="one more profiled step: device time by the rlkernel code that "
                          "launched it")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="one more step under cProfile: the host's Python time by function and "
+                         "by package")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -281,7 +340,8 @@ def main() -> None:
         r = _arm(mode.split("-")[0], cfg, weights, samples, a.steps, a.recompute,
                  a.profile and mode == "invariant", dev,
                  a.native_micro_samples if mode == "native" else 0, not a.no_kl,
-                 a.trace and mode == "invariant", a.sync_sites, a.kernel_sites)
+                 a.trace and mode == "invariant", a.sync_sites, a.kernel_sites,
+                 a.host_profile and mode == "invariant")
         # Peak bytes per parameter element: weights, grads, masters, moments and the step's
         # activations and workspace together (the arms keep the same model state).
         r["peak_bytes_per_param"] = r["peak_gib"] * 2**30 / n_params
@@ -293,6 +353,8 @@ def main() -> None:
             print(f"   {k['ms']:9.1f} ms {k['calls']:6d}x  {k['name']}")
         if "trace" in r:
             _print_trace(r["trace"])
+        if "host_profile" in r:
+            _print_host_profile(r["host_profile"])
         for row in r.get("sync_sites", []):
             print(f"    syncs {row['syncs']:5d}  {row['site']}")
         for row in r.get("kernel_sites", []):
