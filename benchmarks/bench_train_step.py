@@ -237,7 +237,8 @@ def _package(path: str) -> str:
 def _host_profile(step, dev: torch.device, top: int = 40) -> dict:
     """The host's time in one step by Python function (cProfile, so every Python call costs a
     little more than unprofiled): wall, the top functions by own time and by cumulative time,
-    and own time summed by package (`_package`). Functions are "file:line(name)", the file
+    own time summed by package (`_package`), and the costliest builtins (torch's C calls: where the
+host waited on a sync or issued work) with their top callers. Functions are "file:line(name)", the file
     shortened to its last two path parts; builtins (torch ops' C calls) as cProfile names them."""
     import cProfile
     import pstats
@@ -261,7 +262,12 @@ def _host_profile(step, dev: torch.device, top: int = 40) -> dict:
     by_pkg: dict = defaultdict(float)
     for f, (_cc, _nc, tt, _ct, _callers) in stats.items():
         by_pkg[_package(f[0])] += tt * 1e3
-    return {"wall_s": wall,
+    builtins = sorted((f for f in stats if f[0] == "~"), key=lambda f: -stats[f][2])[:10]
+    callers = [{"fn": name(f), "own_ms": stats[f][2] * 1e3,
+                "callers": [f"{name(c)} {t[2] * 1e3:.1f} ms {t[1]}x" for c, t in
+                            sorted(stats[f][4].items(), key=lambda ct: -ct[1][2])[:4]]}
+               for f in builtins]
+    return {"wall_s": wall, "builtin_callers": callers,
             "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
             "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top],
             "by_package": sorted(({"package": k, "own_ms": v} for k, v in by_pkg.items()),
@@ -275,6 +281,8 @@ def _print_host_profile(h: dict) -> None:
             calls = f"{row['calls']:7d}x " if "calls" in row else ""
             cum = f" cum {row['cum_ms']:8.1f}" if "cum_ms" in row else ""
             print(f"    {key} own {row['own_ms']:8.1f} ms{cum} {calls} {row[col]}")
+    for row in h["builtin_callers"]:   # a builtin's own time is where the host waited or issued
+        print(f"    builtin {row['own_ms']:8.1f} ms {row['fn']}: " + "; ".join(row["callers"]))
 
 
 def _print_trace(t: dict) -> None:

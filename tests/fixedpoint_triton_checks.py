@@ -139,6 +139,7 @@ def row_parts_give_the_single_pass_bytes():
     assert torch.equal(got, one)
     assert torch.equal(got, fx.accumulate_torch_(acc0.clone(), x))
     assert got[3, fx.N_DIGITS:].tolist() == [0, 1, 1] and got[4, fx.N_DIGITS] == 1
+    assert torch.equal(tfx.accumulate_(acc0.clone(), x, fast=False, seg=16), one)   # bins path
 
 
 @check

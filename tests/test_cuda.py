@@ -222,6 +222,25 @@ def test_accumulate_row_parts_equal_the_single_pass(k, m):
                        tfx.accumulate_(acc0.clone(), x, min_programs=0))
 
 
+
+def test_accumulate_row_parts_make_no_host_sync():
+    """The parts path issues its work without a host sync (torch's sync debug mode raises on
+    any: a blocking host-to-device copy made one per call, ~2 ms each in the training step),
+    and the negative control shows the mode does catch a sync of that kind."""
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    x = torch.randn(16384, 128, device=DEV, generator=_gen(14))
+    acc = fx.zeros((128,), DEV)
+    tfx.accumulate_(acc, x)                       # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tfx.accumulate_(acc, x)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.arange(3, device=DEV)[-1] = 7   # a Python scalar into a 0-dim CUDA view
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
 def _fx_wide(k: int, m: int, seed: int) -> torch.Tensor:
     """fp32 [k, m] on the CPU: randn times 2**[-60, 40) per value, with NaN, ±Inf and subnormal
     values sprinkled over rows 3, 5, 6 and 9."""

@@ -471,44 +471,67 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
 
 
 @triton.jit
-def _add_digits_kernel(S, ACC, m, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
-    """ACC rows += S rows (int64 digit and count columns), carry-normalised."""
+def _parts_kernel(X, ACC, k, step, parts, m, n_blocks, s_k, s_m, N_COLS: tl.constexpr,
+                  SEG: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                  FAST: tl.constexpr):
+    # One program per (part g, block of BLOCK columns): rows [g·step, (g + 1)·step) of x (the
+    # last part to k) into accumulator row g. The bounds are computed here, not read from
+    # offsets made on the device: building those took a blocking host-to-device copy per call.
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid // n_blocks
+    cols = (pid % n_blocks) * BLOCK + tl.arange(0, BLOCK)
+    first = g * step
+    n = tl.where(g == parts - 1, k - first, step)
+    live = cols < m
+    sk = tl.zeros([], dtype=tl.int64) + s_k
+    _accumulate_rows(X + first * sk + cols * s_m, ACC + (g * m + cols) * N_COLS, live, n, sk,
+                     SEG, BLOCK, UNROLL, FAST)
+
+
+@triton.jit
+def _add_parts_kernel(S, ACC, m, parts, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """ACC rows += the rows of all `parts` accumulators S [parts, m, N_COLS] (int64 digit and
+    count columns, each part normalised: its digits stay below 2**31, so parts · 2**31 is far
+    from int64's range), carry-normalised once at the end."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = cols < m
-    row, srow = ACC + cols * N_COLS, S + cols * N_COLS
+    row = ACC + cols * N_COLS
     d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _load_digits(row, live)
-    _store_digits(row, live, d0 + tl.load(srow + 0, mask=live, other=0),
-                  d1 + tl.load(srow + 1, mask=live, other=0),
-                  d2 + tl.load(srow + 2, mask=live, other=0),
-                  d3 + tl.load(srow + 3, mask=live, other=0),
-                  d4 + tl.load(srow + 4, mask=live, other=0),
-                  d5 + tl.load(srow + 5, mask=live, other=0),
-                  d6 + tl.load(srow + 6, mask=live, other=0),
-                  d7 + tl.load(srow + 7, mask=live, other=0),
-                  d8 + tl.load(srow + 8, mask=live, other=0),
-                  d9 + tl.load(srow + 9, mask=live, other=0))
+    for p in range(0, parts):
+        srow = S + (p * m + cols) * N_COLS
+        d0 += tl.load(srow + 0, mask=live, other=0)
+        d1 += tl.load(srow + 1, mask=live, other=0)
+        d2 += tl.load(srow + 2, mask=live, other=0)
+        d3 += tl.load(srow + 3, mask=live, other=0)
+        d4 += tl.load(srow + 4, mask=live, other=0)
+        d5 += tl.load(srow + 5, mask=live, other=0)
+        d6 += tl.load(srow + 6, mask=live, other=0)
+        d7 += tl.load(srow + 7, mask=live, other=0)
+        d8 += tl.load(srow + 8, mask=live, other=0)
+        d9 += tl.load(srow + 9, mask=live, other=0)
+    _store_digits(row, live, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
     for c in tl.static_range(10, N_COLS):      # the NaN / +Inf / -Inf counts after the digits
-        tl.store(row + c, tl.load(row + c, mask=live, other=0)
-                 + tl.load(srow + c, mask=live, other=0), mask=live)
+        total = tl.load(row + c, mask=live, other=0)
+        for p in range(0, parts):
+            total += tl.load(S + (p * m + cols) * N_COLS + c, mask=live, other=0)
+        tl.store(row + c, total, mask=live)
 
 
 def _add_parts(acc: torch.Tensor, x: torch.Tensor, parts: int, block: int, num_warps: int,
                seg: int, fast: bool) -> torch.Tensor:
     """`accumulate_` over `parts` row ranges at once (see there): each range's exact sum in its
-    own zeroed accumulator (one segmented launch), their integers summed (each digit of a
-    normalised part is below 2**31, so parts · 2**31 stays far from int64's range), added into
-    acc and normalised. Offsets and rows are made on the device: no host sync."""
+    own zeroed accumulator (one launch), then all of them added into acc and normalised (one
+    launch). Three launches (with the zeroing), no host sync."""
     k, m = x.shape
-    dev = x.device
-    rows = torch.zeros(parts, m, N_COLS, dtype=torch.int64, device=dev)
-    offsets = torch.arange(parts + 1, dtype=torch.int64, device=dev) * (k // parts)
-    offsets[-1] = k                 # the last part takes the remainder
-    accumulate_segments_(rows, x, offsets, torch.arange(parts, dtype=torch.int64, device=dev),
-                         block, num_warps, seg, fast)
-    total = rows.sum(0)
+    rows = torch.zeros(parts, m, N_COLS, dtype=torch.int64, device=x.device)
+    n_blocks = triton.cdiv(m, block)
     with device_ctx(x):
-        _add_digits_kernel[(triton.cdiv(m, block),)](total, acc, m, N_COLS=N_COLS, BLOCK=block,
-                                                     num_warps=num_warps)
+        _parts_kernel[(parts * n_blocks,)](
+            x, rows, k, k // parts, parts, m, n_blocks, x.stride(0), x.stride(1), N_COLS=N_COLS,
+            SEG=seg, BLOCK=block, UNROLL=UNROLL, FAST=fast, num_warps=num_warps,
+            enable_fp_fusion=False)
+        _add_parts_kernel[(n_blocks,)](rows, acc, m, parts, N_COLS=N_COLS, BLOCK=block,
+                                       num_warps=num_warps)
     return acc
 
 
