@@ -15,8 +15,10 @@ other (BLOCK, num_warps) launch shapes, each byte-checked (bytes cannot depend o
 element is its own computation).
 Run (repository root, CUDA machine, ~1 min): PYTHONPATH=. python3 benchmarks/bench_adamw.py
     [--preset NAME] [--sweep] [--out FILE.json]
-`--device cpu` is a smoke mode (a small preset, the torch ops and torch.optim.AdamW only,
-wall-clock medians; no Triton arm). Does not: time clipping, the gradient norm, or ZeRO's gather.
+`--device cpu` is a smoke mode (a small preset, wall-clock medians): AdamW.step there is the
+CPU path (kernels/adamw.adamw_rounded_: float64 ops rounded once per op, the kernel's bytes)
+beside the torch ops and torch.optim.AdamW; no Triton arm. Does not: time clipping, the gradient
+norm, or ZeRO's gather.
 """
 
 from __future__ import annotations
@@ -123,25 +125,23 @@ def main(argv: list[str] | None = None) -> dict:
     timer = median_ms if cuda else cpu_median_ms
     grads = _tensors(sh, a.device, 1, 1e-3)
     init = _tensors(sh, a.device, 0, 0.02)
-    ops = AdamW(init, HP)
+    ops, fused = AdamW(init, HP), AdamW(init, HP)
+    del init
     out = {"env": info, "preset": name, "tensors": len(sh), "elements": numel, "rows": []}
+    ops._step_torch(grads)
+    fused.step(grads)
+    out["differing_elements_vs_torch_ops"] = _n_diff(fused, ops)
+    arm = "fused kernel" if cuda else "float64 ops rounded per op"
+    print(f"{arm} vs torch ops after one step, differing elements: "
+          f"{out['differing_elements_vs_torch_ops']}", flush=True)
     if cuda:
-        fused = AdamW(init, HP)
-        del init
-        ops._step_torch(grads)
-        fused.step(grads)
-        out["differing_elements_vs_torch_ops"] = _n_diff(fused, ops)
         out["torch_cuda_op_deviations_of_4M"] = _op_deviations()
-        print(f"fused kernel vs torch ops after one step, differing elements: "
-              f"{out['differing_elements_vs_torch_ops']}; torch CUDA ops vs correctly rounded, "
-              f"of 4M values: {out['torch_cuda_op_deviations_of_4M']}", flush=True)
+        print(f"torch CUDA ops vs correctly rounded, of 4M values: "
+              f"{out['torch_cuda_op_deviations_of_4M']}", flush=True)
         if a.sweep:
             out["sweep"] = _sweep(fused, ops, grads)
-        out["rows"].append({"arm": "fused kernel (AdamW.step)",
-                            "ms": timer(lambda: fused.step(grads))})
-        del fused
-    else:
-        del init
+    out["rows"].append({"arm": f"{arm} (AdamW.step)", "ms": timer(lambda: fused.step(grads))})
+    del fused
     out["rows"].append({"arm": "torch ops (AdamW._step_torch)",
                         "ms": timer(lambda: ops._step_torch(grads))})
     step = _torch_optim(ops.master, grads, fused=True)

@@ -44,7 +44,7 @@ def stream_leaf(device_type: str) -> int:
     return CUDA_TOKEN_LEAF if device_type == "cuda" else TOKEN_LEAF
 
 
-NUMERICS_VERSION = 8
+NUMERICS_VERSION = 9
 """Bumped whenever the code changes the bits a configuration computes (1: before 2026-11-30
 evening; 2: bf16 rounding points at the linears, the Triton attention backward on CUDA; 3: CUDA
 d logits divided by T exactly (was torch's x·(1/T)): CUDA gradients change when T != 1; 4: bf16
@@ -54,7 +54,10 @@ cores (CUDA); 6: CUDA's linear dW and attention dK/dV sum 64-token leaves (CUDA_
 start at multiples of 64 there; 7: CUDA's linear dW sums 128-token leaves, samples start at
 multiples of 128 there (attention dK/dV keeps 64: CUDA_DKV_LEAF); 8: CUDA's AdamW update is one
 fused kernel with every op correctly rounded (kernels/triton_adamw.py; torch's CUDA op sequence
-differed in 0.15-4.3 % of masters per step on an H200). A run resumes only under the version
+differed in 0.15-4.3 % of masters per step on an H200); 9: the CPU AdamW update computes the
+same correctly rounded ops in float64 rounded once per op (kernels/adamw.py: the CUDA kernel's
+bytes; torch's fp32 CPU sqrt, not correctly rounded on AVX2, and its true division by the bias
+correction are gone from CPU runs). A run resumes only under the version
 that wrote it, so one run never mixes two meanings of a number."""
 ROUNDING_POINTS = {
     "bf16": "bf16: each linear's input activation and incoming gradient (x before x·Wᵀ, dY "

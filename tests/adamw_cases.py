@@ -1,11 +1,15 @@
-"""Inputs and the CUDA-semantics reference of the fused AdamW kernel (kernels/triton_adamw.py);
-used by tests/adamw_triton_checks.py (interpreter) and tests/test_cuda_adamw.py (GPU).
+"""Inputs and the op-by-op oracle of AdamW's bytes (kernels/adamw.py: the fused CUDA kernel
+kernels/triton_adamw.py and the CPU spelling adamw.adamw_rounded_ compute them); used by
+tests/test_kernels_adamw.py (CPU), tests/adamw_triton_checks.py (interpreter) and
+tests/test_cuda_adamw.py (GPU).
 
 `cuda_reference`: one AdamW step of train/optimizer.AdamW's torch-op sequence spelt on the CPU
 with the semantics PyTorch's CUDA kernels give it — each Python scalar rounded to fp32 first, the
 division by the Python scalar bc2 as a product with fp32(1) / fp32(bc2) (an fp32 division on the
 host, aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), every op one correctly rounded fp32
-result (`op_rn`), subnormals kept; with variants for negative controls.
+result (`op_rn`), subnormals kept; with variants for negative controls. Written apart from
+adamw.adamw_rounded_ (one op_rn per op, not its in-place float64 buffers), so that the tests'
+equality with it checks the library's spelling rather than repeats it.
 `state(n, seed)` / `grad(n, seed)`: (p, m, v) and gradients with edge values (±0, subnormals,
 values to 1e38, v = 0 beside m ≠ 0, gradients whose square overflows).
 Does not: run anything (no triton import).
@@ -39,7 +43,7 @@ def op_rn(f, *xs) -> torch.Tensor:
     """The correctly rounded fp32 result of f on fp32 operands: f in float64, rounded once to
     fp32 (double rounding is harmless for +, −, ×, ÷ and √ when the wide format has at least
     2·24 + 2 bits; Figueroa 1995). Not torch's fp32 CPU kernels: this torch's fp32 sqrt is not
-    correctly rounded (adamw_triton_checks.py: reference_ops_are_correctly_rounded)."""
+    correctly rounded (test_kernels_adamw.py: test_reference_ops_are_correctly_rounded)."""
     return f(*(x.double() for x in xs)).float()
 
 

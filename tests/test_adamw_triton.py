@@ -3,14 +3,17 @@
 1. Under TRITON_INTERPRET=1 (checks in tests/adamw_triton_checks.py, one subprocess): the kernel
    == the torch-op sequence of train/optimizer.AdamW spelt with CUDA's semantics on the CPU
    (tests/adamw_cases.cuda_reference), bitwise, over several steps, with and without weight
-   decay, on edge values and sizes around the block; through AdamW.step (a strided master too:
-   written back in place) and ZeroAdamW chunks;
+   decay, on edge values and sizes around the block; == the CPU path
+   (kernels/adamw.adamw_rounded_); through AdamW.step (a strided master too: written back in
+   place) and ZeroAdamW chunks;
    negative controls: true division by bc2, the float64 reciprocal, fma contraction and
    flushed subnormals each give other bytes.
 2. PTX for sm_90 (no device): div.rn.f32 and sqrt.rn.f32, no .ftz, no fma, nothing .approx;
    control: fp fusion on gives fma.
-3. CPU: AdamW.step and ZeroAdamW.step on CPU tensors are the torch ops as they were before the
-   kernel (bytes), and neither imports triton (a fresh interpreter where `import triton` fails).
+3. CPU: AdamW.step and ZeroAdamW.step on CPU tensors give cuda_reference's bytes (the kernel's,
+   NUMERICS_VERSION 9: kernels/adamw.adamw_rounded_; tests/test_kernels_adamw.py holds it in
+   detail), AdamW._step_torch the torch ops as they were before the kernel, and none imports
+   triton (a fresh interpreter where `import triton` fails).
 On a GPU: tests/test_cuda_adamw.py (kernel == torch ops on CUDA).
 Run: `.venv/bin/python -m pytest -q tests/test_adamw_triton.py` (about 30 s).
 """
@@ -36,15 +39,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @NEEDS_TRITON
 @pytest.mark.parametrize("name", [
     "kernel_equals_the_cuda_op_sequence",
+    "kernel_equals_the_cpu_path",
     "moments_from_zero_as_the_optimizer_starts",
     "nonfinite_gradients_give_the_reference_bytes",
     "empty_tensor_launches_nothing",
-    "step_scalars_are_fp32_as_torch_casts_them",
     "launches_disable_fp_fusion",
     "optimizer_step_runs_the_kernel_with_its_scalars",
     "strided_master_is_updated_in_place_as_the_contiguous_one",
     "zero_chunks_at_unaligned_offsets_equal_the_whole_tensor",
-    "reference_ops_are_correctly_rounded",
     "negative_control_other_semantics_give_other_bytes",
     "negative_control_kernel_fed_the_float64_reciprocal_differs",
     "bad_arguments_are_refused",
@@ -84,14 +86,16 @@ _CPU_SCRIPT = textwrap.dedent('''
             if name == "triton" or name.startswith("triton."):
                 raise ImportError("triton is not installed here (blocked by the test)")
     sys.meta_path.insert(0, NoTriton())
+    sys.path.insert(0, "tests")
 
     import torch
+    from adamw_cases import cuda_reference
     from rlkernel.distributed.comm import Comm
     from rlkernel.train.optimizer import AdamW, AdamWParams
     from rlkernel.train.zero import ZeroAdamW
 
     def old_step(ms, ma, mv, grads, hp, lr, steps):
-        # AdamW.step's torch ops before the fused kernel (main 563ba3c), the CPU bytes' oracle
+        # AdamW.step's torch ops before the fused kernel (main 563ba3c): _step_torch's bytes
         bc1 = 1.0 - hp.beta1 ** steps
         bc2_sqrt = math.sqrt(1.0 - hp.beta2 ** steps)
         for n, p in ms.items():
@@ -106,33 +110,43 @@ _CPU_SCRIPT = textwrap.dedent('''
     gen = torch.Generator().manual_seed(0)
     init = {"w": torch.randn(37, 41, generator=gen), "b": torch.randn(1001, generator=gen)}
     hp = AdamWParams(lr=1e-3, weight_decay=0.1)
-    opt, zero = AdamW(init, hp), ZeroAdamW(init, hp, Comm.single())
+    opt, zero, ops = AdamW(init, hp), ZeroAdamW(init, hp, Comm.single()), AdamW(init, hp)
     ms = {n: t.clone() for n, t in init.items()}
     ma = {n: torch.zeros_like(t) for n, t in init.items()}
     mv = {n: torch.zeros_like(t) for n, t in init.items()}
+    ref = {n: (t.clone(), torch.zeros_like(t), torch.zeros_like(t)) for n, t in init.items()}
     for t, lr in enumerate((1e-3, 2e-3, 5e-4), start=1):
         grads = {n: torch.randn(x.shape, generator=gen) * 10.0 ** (t - 3) for n, x in init.items()}
         opt.step(grads, lr=lr)
         zero.step(grads, lr=lr)
+        ops._step_torch(grads, lr=lr)
         old_step(ms, ma, mv, grads, hp, lr, t)
+        ref = {n: cuda_reference(ref[n][0], grads[n], ref[n][1], ref[n][2], t, lr, hp)
+               for n in init}
     bits = lambda x: x.reshape(-1).view(torch.int32)
-    same = all(torch.equal(bits(d[n]), bits(w[n])) and torch.equal(bits(z[n]), bits(w[n]))
-               for d, z, w in ((opt.master, zero.master, ms), (opt.exp_avg, zero.inner.exp_avg, ma),
-                               (opt.exp_avg_sq, zero.inner.exp_avg_sq, mv)) for n in init)
-    print(json.dumps({"same": same, "triton": sorted(m for m in sys.modules
-                                                     if m.split(".")[0] == "triton"
-                                                     or m.endswith("triton_adamw"))}))
+    same = lambda states: all(torch.equal(bits(a[n]), bits(b[n])) for a, b in states for n in init)
+    want = [{n: ref[n][k].reshape(init[n].shape) for n in init} for k in range(3)]
+    zero_state = (zero.master, zero.inner.exp_avg, zero.inner.exp_avg_sq)
+    print(json.dumps({
+        "step": same(zip((opt.master, opt.exp_avg, opt.exp_avg_sq), want)),
+        "zero": same(zip(zero_state, ({n: w[n].reshape(-1) for n in init} for w in want))),
+        "torch_ops": same(zip((ops.master, ops.exp_avg, ops.exp_avg_sq), (ms, ma, mv))),
+        "torch_ops_differ": not same([(ops.master, opt.master)]),
+        "triton": sorted(m for m in sys.modules
+                         if m.split(".")[0] == "triton" or m.endswith("triton_adamw"))}))
 ''')
 
 
-def test_cpu_step_keeps_the_torch_op_bytes_and_imports_no_triton():
+def test_cpu_step_is_correctly_rounded_and_imports_no_triton():
     """In a fresh interpreter where `import triton` fails (CI has no triton): AdamW.step and
-    ZeroAdamW.step (DP 1) on CPU, 3 steps with weight decay and a changing rate, == the torch
-    ops as they were before the kernel, bitwise (p, m, v); no triton module and no
-    kernels/triton_adamw was imported."""
+    ZeroAdamW.step (DP 1) on CPU, 3 steps with weight decay and a changing rate, ==
+    adamw_cases.cuda_reference (the kernel's bytes), bitwise (p, m, v); AdamW._step_torch == the
+    torch ops as they were before the kernel, and its masters differ from step's (the CPU bytes
+    before NUMERICS_VERSION 9); no triton module and no kernels/triton_adamw was imported."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _CPU_SCRIPT], capture_output=True, text=True,
                          cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"same": True, "triton": []}, got
+    assert got == {"step": True, "zero": True, "torch_ops": True, "torch_ops_differ": True,
+                   "triton": []}, got

@@ -3,7 +3,9 @@ semantics spelt on the CPU (tests/adamw_cases.cuda_reference: fp32 scalars, the 
 multiply, every op correctly rounded), bitwise — p, m, v after each of 3 steps with weight decay
 and a changing rate, on tensors with edge values (±0, subnormals, 1e30; ±Inf/NaN gradients at
 the same NaN places); strided masters (through contiguous copies) and bf16 / strided gradients
-give the contiguous bytes; ZeroAdamW chunks at unaligned offsets == the whole tensors' slices.
+give the contiguous bytes; ZeroAdamW chunks at unaligned offsets == the whole tensors' slices;
+the CPU AdamW.step (kernels/adamw.adamw_rounded_, NUMERICS_VERSION 9) == the kernel, so CPU and
+CUDA runs of AdamW give the same bytes.
 Controls: the spelt variant with a true division by bc2 differs, and torch's own CUDA op
 sequence differs (its count is printed: docs/BENCHMARKS.md).
 Skipped without CUDA (CI has no GPU). Run on the GPU machine (about 10 s):
@@ -186,3 +188,23 @@ def test_reference_control_true_division_differs():
             init[n].cpu(), grads[0][n].cpu(), ma[n].cpu(), mv[n].cpu(), 1, LRS[0], HP,
             **{variant: True})[0].reshape(shapes[n])) for n in shapes)
         assert differ > 0, variant
+
+
+def test_cpu_step_equals_the_kernel():
+    """AdamW.step on CPU copies (kernels/adamw.adamw_rounded_) == AdamW.step on CUDA (the
+    kernel), 3 steps with weight decay and a changing rate, every shape (one over 2**20
+    elements: the CPU path's chunks), ±Inf/NaN gradients in step 2: p, m, v bitwise, NaN at the
+    same places."""
+    init, ma, mv, grads = _inputs(SHAPES)
+    cuda = AdamW(init, HP)
+    cuda.load_state(init, ma, mv, 0)
+    cpu_init = {n: t.cpu() for n, t in init.items()}
+    cpu = AdamW(cpu_init, HP)
+    cpu.load_state(cpu_init, {n: t.cpu() for n, t in ma.items()},
+                   {n: t.cpu() for n, t in mv.items()}, 0)
+    for gs, lr in zip(grads, LRS):
+        cuda.step(gs, lr=lr)
+        cpu.step({n: g.cpu() for n, g in gs.items()}, lr=lr)
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            for n in SHAPES:
+                assert _same_or_both_nan(getattr(cpu, kind)[n], getattr(cuda, kind)[n]), (kind, n)

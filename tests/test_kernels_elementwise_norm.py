@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,6 +117,27 @@ def test_sigmoid32_rsqrt32_vs_float64():
     xs = torch.exp(torch.rand(50_000, generator=g) * 170 - 85)
     assert int(ulp_dist32(sigmoid32(x), torch.sigmoid(x.double()).float()).max()) <= 1
     assert int(ulp_dist32(rsqrt32(xs), torch.rsqrt(xs.double()).float()).max()) <= 1
+
+
+def test_rsqrt32_does_not_depend_on_the_float64_sqrts_last_bits():
+    """torch's float64 CPU sqrt is not correctly rounded (AVX2, torch 2.13: one ulp off for ~1.3 %
+    of values), so rsqrt32's float64 √ may differ by an ulp between vector paths; its fp32 result
+    does not: for every fp32 in [1, 4) (every significand at both exponent parities; 1/√ scales
+    exactly by powers of 4, so every positive fp32, subnormals included), 1 / s rounded to fp32
+    is the same for s the correctly rounded float64 √x (numpy's IEEE sqrt) and for s 1 or 2
+    float64 ulps either side of it; and rsqrt32 gives it."""
+    for lo, hi in ((1.0, 2.0), (2.0, 4.0)):
+        first, last = (np.array([lo, hi], dtype=np.float32).view(np.int32)).tolist()
+        x = np.arange(first, last, dtype=np.int32).view(np.float32)
+        root = np.sqrt(x.astype(np.float64))
+        want = (1.0 / root).astype(np.float32)
+        for side in (-np.inf, np.inf):
+            s = root
+            for ulps in (1, 2):
+                s = np.nextafter(s, side)
+                assert np.array_equal((1.0 / s).astype(np.float32).view(np.int32),
+                                      want.view(np.int32)), (lo, side, ulps)
+        assert_bitwise(rsqrt32(torch.from_numpy(x)), torch.from_numpy(want))
 
 
 @pytest.mark.parametrize("name", list(ELEMENTWISE))

@@ -100,5 +100,8 @@ def sigmoid32(x: torch.Tensor) -> torch.Tensor:
 
 
 def rsqrt32(x: torch.Tensor) -> torch.Tensor:
-    """1 / sqrt(x) of an fp32 tensor as fp32: two correctly rounded float64 ops, rounded once."""
+    """1 / sqrt(x) of an fp32 tensor as fp32: two float64 ops, rounded once. torch's float64 CPU
+    sqrt is one ulp off for some values (AVX2, torch 2.13), which changes no fp32 result: a √ up
+    to 2 float64 ulps off gives the same bits for every fp32 x
+    (tests/test_kernels_elementwise_norm.py)."""
     return (1.0 / torch.sqrt(x.to(torch.float64))).to(torch.float32)

@@ -15,10 +15,11 @@ reading and writing whole fp32 tensors; at qwen3-1.7b (1.72 B parameters, 310 te
 4,030 launches and ~51 ms per step on an H200. This kernel reads p, g, m, v once and writes
 p, m, v once (28 bytes per element), one launch per tensor.
 
-Bytes (NUMERICS_VERSION 8; tests/adamw_cases.cuda_reference spells them on the CPU):
+Bytes (NUMERICS_VERSION 8 on CUDA, on every backend since 9: kernels/adamw.py defines them and
+its `adamw_rounded_` spells them for CPU tensors; tests/adamw_cases.cuda_reference is the oracle):
 - A Python scalar operand is rounded to fp32 before use, as torch's CUDA kernels do: β1, 1 − β1,
   β2, 1 − β2, ε, 1 − lr·λ and lr / (1 − β1^t) are formed in Python (float64), then rounded once
-  to fp32 (`step_scalars`).
+  to fp32 (adamw.step_scalars).
 - `sqrt(v) / bc2` is a product with inv = fp32(1) / fp32(bc2), divided on the host in fp32, as
   torch's CUDA division by a Python scalar does (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu).
 - Every other op is one IEEE fp32 rounding to nearest: products and sums apart (launched with
@@ -31,9 +32,9 @@ these for 0.15-4.3 % of elements after a step, its moments not at all
 sqrt, tensor/tensor division, scalar product or sum deviated from the correctly rounded result
 on 4 M values — so the difference lies in how it applies a scalar to the update (the division
 by bc2 or the added ε; not pinned down). The kernel, used for every CUDA master, defines CUDA's
-bytes. The CPU torch ops divide by the scalar instead, and torch 2.13's fp32 CPU sqrt is not always
-correctly rounded (AVX2; tests/adamw_triton_checks.py): another backend, other bits, so CPU
-tensors never come here.
+bytes; CPU tensors take kernels/adamw.adamw_rounded_ (float64 ops rounded once: the same bytes),
+not this kernel and not torch's fp32 CPU ops (those divide by the scalar, and torch 2.13's fp32
+CPU sqrt is not always correctly rounded: AVX2, tests/adamw_triton_checks.py).
 
 Does not: clip or compute norms (optimizer.AdamW.clip), read non-contiguous tensors (the optimizer
 passes contiguous copies of those and writes them back), take dtypes other
@@ -42,39 +43,15 @@ than fp32, offer amsgrad/maximize, or update several tensors in one launch.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_util import check_cuda, device_ctx, f32, f32_reciprocal
+from rlkernel.kernels.adamw import AdamWScalars, check_operands
+from rlkernel.kernels.triton_util import check_cuda, device_ctx
 
 BLOCK = 2048
 NUM_WARPS = 8
-
-
-class AdamWScalars(NamedTuple):
-    """One step's scalars as torch's CUDA ops use them: Python floats that hold fp32 values."""
-
-    beta1: float
-    one_minus_beta1: float
-    beta2: float
-    one_minus_beta2: float
-    inv_bc2_sqrt: float      # fp32(1) / fp32(bc2_sqrt), an fp32 division
-    eps: float
-    decay: float | None      # fp32(1 − lr·λ); None: no weight decay (no multiply at all)
-    step_size: float
-
-
-def step_scalars(beta1: float, beta2: float, eps: float, bc2_sqrt: float, step_size: float,
-                 decay: float | None) -> AdamWScalars:
-    """The fp32 scalars of one step from the Python floats the torch ops receive: bc2_sqrt =
-    sqrt(1 − β2^t), step_size = lr / (1 − β1^t), decay = 1 − lr·λ (None without weight decay).
-    1 − β1 and 1 − β2 are formed here in float64, as the torch path writes them."""
-    return AdamWScalars(f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2),
-                        f32_reciprocal(bc2_sqrt), f32(eps), None if decay is None else f32(decay),
-                        f32(step_size))
 
 
 @triton.jit
@@ -106,13 +83,10 @@ def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
            s: AdamWScalars) -> None:
     """One AdamW update in place of master p and moments m (exp_avg), v (exp_avg_sq) from
     gradient g: fp32, contiguous, one shape (any), one CUDA device (any device under
-    TRITON_INTERPRET=1), not overlapping; s from `step_scalars`. Correctly rounded ops (module
+    TRITON_INTERPRET=1), not overlapping; s from adamw.step_scalars. Correctly rounded ops (module
     doc). Raises ValueError for another dtype, shape, layout or device."""
     check_cuda("adamw", p, g, m, v)
-    for name, t in (("p", p), ("g", g), ("m", m), ("v", v)):
-        if t.dtype != torch.float32 or t.shape != p.shape or not t.is_contiguous():
-            raise ValueError(f"adamw: {name} must be contiguous fp32 of shape {tuple(p.shape)}, "
-                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    check_operands(p, g, m, v)
     n = p.numel()
     if n == 0:
         return

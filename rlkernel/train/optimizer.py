@@ -5,11 +5,14 @@ sharding or order. Clipping multiplies every gradient by one fp32 coefficient
 max_norm / (norm + 1e-6) when it is below 1 (as torch.nn.utils.clip_grad_norm_). AdamW
 (Loshchilov & Hutter, arXiv 1711.05101; the update of torch.optim.AdamW) is written with separate
 elementwise ops — no fused lerp/addcmul/addcdiv, whose vector and scalar paths may round
-differently — so an element's update never depends on the shard it sits in. On CUDA the same
-sequence runs as one fused Triton kernel per tensor (kernels/triton_adamw.py: every op correctly
-rounded, one pass over p, g, m, v instead of 13-14 launches; torch's own CUDA ops differ from it
-in 0.15-4.3 % of masters, measured on an H200, NUMERICS_VERSION 8); on CPU the torch
-ops run.
+differently — so an element's update never depends on the shard it sits in. Every op is one
+correctly rounded fp32 result, with the scalars rounded to fp32 first (kernels/adamw.py defines
+the bytes, NUMERICS_VERSION 9): on CUDA one fused Triton kernel per tensor
+(kernels/triton_adamw.py, one pass over p, g, m, v instead of 13-14 launches; torch's own CUDA
+ops differ from it in 0.15-4.3 % of masters, measured on an H200), on CPU the same sequence in
+float64 torch ops rounded once per op (kernels/adamw.adamw_rounded_: the kernel's bytes, on any
+vector ISA; torch's fp32 CPU sqrt is not correctly rounded). `_step_torch` keeps torch's own fp32
+ops, the CPU bytes before version 9, for benchmarks and negative controls.
 The model's weights are the masters rounded to the parameter dtype.
 Does not: shard optimizer state (train/zero.py wraps this class for that) or schedule the
 learning rate (step() takes each update's rate; rlkernel/train/schedule.py computes it).
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlkernel.distributed.comm import Comm
+from rlkernel.kernels import adamw
 from rlkernel.numerics.exact import ExactSumOfSquares
 
 
@@ -89,13 +93,13 @@ def _kernel_takes(p: torch.Tensor) -> bool:
     return p.is_cuda
 
 
-def _fused_update(ta, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                  scalars) -> None:
-    """One tensor's update through the kernel; a strided master or moment is updated in
-    contiguous copies written back (the kernel defines CUDA's bytes, so every layout of a
-    tensor must take it)."""
+def _update_contiguous(update, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
+                       v: torch.Tensor, scalars: adamw.AdamWScalars) -> None:
+    """One tensor's update by `update` (the kernel or kernels/adamw.adamw_rounded_, which read
+    contiguous tensors only): a strided master or moment is updated in contiguous copies written
+    back (every layout of a tensor must take the definition)."""
     flat = [t if t.is_contiguous() else t.contiguous() for t in (p, m, v)]
-    ta.adamw_(flat[0], g.contiguous(), flat[1], flat[2], scalars)   # g is only read
+    update(flat[0], g.contiguous(), flat[1], flat[2], scalars)   # g is only read
     for t, c in zip((p, m, v), flat):
         if c is not t:
             t.copy_(c)
@@ -128,22 +132,25 @@ class AdamW:
 
     @torch.no_grad()
     def step(self, grads: dict[str, torch.Tensor], lr: float | None = None) -> None:
-        """One AdamW update of every master from fp32 grads (same names).
+        """One AdamW update of every master from fp32 grads (same names), every op correctly
+        rounded (kernels/adamw.py).
 
         lr: this update's learning rate (a Python float, e.g. from train/schedule.py; the same on
         every rank); None: the constant hp.lr. On CUDA each tensor is one fused kernel
-        (kernels/triton_adamw.py, one pass instead of 13-14; a strided master or moment through
-        contiguous copies); CPU tensors take the torch ops.
+        (kernels/triton_adamw.py, one pass instead of 13-14), elsewhere
+        kernels/adamw.adamw_rounded_ (the same bytes); a strided master or moment through
+        contiguous copies.
         """
-        self._step(grads, lr, fused=True)
+        self._step(grads, lr, torch_ops=False)
 
     @torch.no_grad()
     def _step_torch(self, grads: dict[str, torch.Tensor], lr: float | None = None) -> None:
-        """`step` through the torch ops on every device (the CPU path; on CUDA what
-        benchmarks/bench_adamw.py times and counts the kernel's differences from)."""
-        self._step(grads, lr, fused=False)
+        """`step` through torch's own fp32 ops on every device: not correctly rounded (CPU:
+        true division by bc2 and torch's fp32 sqrt, the CPU bytes before NUMERICS_VERSION 9; on
+        CUDA what benchmarks/bench_adamw.py times and counts the kernel's differences from)."""
+        self._step(grads, lr, torch_ops=True)
 
-    def _step(self, grads: dict[str, torch.Tensor], lr: float | None, fused: bool) -> None:
+    def _step(self, grads: dict[str, torch.Tensor], lr: float | None, torch_ops: bool) -> None:
         hp = self.hp
         lr = hp.lr if lr is None else lr
         self.steps += 1
@@ -151,16 +158,13 @@ class AdamW:
         bc2_sqrt = math.sqrt(1.0 - hp.beta2 ** self.steps)
         step_size = lr / bc1
         decay = 1.0 - lr * hp.weight_decay if hp.weight_decay else None
-        scalars = None
+        scalars = adamw.step_scalars(hp.beta1, hp.beta2, hp.eps, bc2_sqrt, step_size, decay)
         for n, p in self.master.items():
             g = grads[n].to(torch.float32)
             m, v = self.exp_avg[n], self.exp_avg_sq[n]
-            if fused and _kernel_takes(p):
-                ta = _triton_adamw()
-                if scalars is None:
-                    scalars = ta.step_scalars(hp.beta1, hp.beta2, hp.eps, bc2_sqrt, step_size,
-                                              decay)
-                _fused_update(ta, p, g, m, v, scalars)
+            if not torch_ops:
+                update = _triton_adamw().adamw_ if _kernel_takes(p) else adamw.adamw_rounded_
+                _update_contiguous(update, p, g, m, v, scalars)
                 continue
             m.mul_(hp.beta1).add_(g * (1.0 - hp.beta1))
             v.mul_(hp.beta2).add_((g * g) * (1.0 - hp.beta2))
