@@ -665,8 +665,9 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and given[k] != saved.get(k))
     if changed:
         what = ", ".join(f"{flag_name(k)} (saved {saved.get(k)!r})" for k in changed)
+        may = sorted(flag_name(k) for k in RESUME_MAY_CHANGE if k != "resume")
         raise ConfigError(f"--resume: {what} cannot change when resuming; only "
-                          f"{', '.join(sorted(flag_name(k) for k in RESUME_MAY_CHANGE))} may")
+                          f"{', '.join(may)} may")
     if given.get("steps", saved.get("steps", 1)) < saved.get("steps", 1):
         raise ConfigError(f"--steps {given['steps']}: a resumed run can only be extended "
                           f"(saved --steps {saved.get('steps')})")
