@@ -57,6 +57,28 @@ def weight_applied_in_the_kernel_equals_the_separate_passes():
 
 
 @check
+def training_forward_pass_equals_the_stats_then_product():
+    """rms_forward's (r, x̂, x̂·w) in one pass == rms_stats then x̂ * w as a torch op, bitwise:
+    hidden widths 1024, 1000 (padded tree), 96 and Q/K heads [L, 16, 128]; control: the product
+    reassociated as x·(r·w) differs; a weight of the wrong width or dtype is refused."""
+    g = torch.Generator().manual_seed(7)
+    for shape in ((37, 1024), (37, 1000), (37, 96), (9, 16, 128)):
+        h = shape[-1]
+        x = _rows(torch.Size(shape[:-1]).numel(), h, g).reshape(shape)
+        w = torch.randn(h, generator=g)
+        r, xh, y = tn.rms_forward(x, w, 1e-6)
+        r2, xh2 = tn.rms_stats(x, 1e-6)
+        assert _same(r, r2) and _same(xh, xh2) and _same(y, xh2 * w), shape
+        assert not _same(y, x * (r[..., None] * w)), shape
+    for w in (torch.ones(95), torch.ones(96, dtype=torch.float64)):
+        try:
+            tn.rms_forward(torch.randn(4, 96), w, 1e-6)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted a weight {w.dtype} {tuple(w.shape)}")
+
+
+@check
 def qk_norm_and_rope_equal_the_separate_passes():
     """Per-head norm + RoPE (Qwen3 Q/K: heads 16 and 8, D 128 and 64, positions up to 40k) ==
     rms_stats, x̂ * w, apply_rope; a token's rows alone == in a batch."""

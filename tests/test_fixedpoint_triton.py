@@ -290,6 +290,19 @@ def test_segments_kernel_compiles_for_sm90():
     assert ".entry _segments_kernel" in ptx and "add.rn.f64" in ptx
 
 
+def test_parts_kernel_compiles_for_sm90():
+    """The row parts' kernel (bounds computed in the kernel, no offsets) compiles for sm_90 as
+    `_add_parts` launches it, with the TwoSum float64 adds of the shared body."""
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    ptrs = {"X": "*fp32", "ACC": "*i64"}
+    ints = {a: "i32" for a in ("k", "step", "parts", "m", "n_blocks", "s_k", "s_m")}
+    consts = {"N_COLS": tfx.N_COLS, "SEG": tfx.SEG, "BLOCK": tfx.BLOCK, "UNROLL": tfx.UNROLL,
+              "FAST": True}
+    ptx = sm90_ptx(tfx._parts_kernel, {**ptrs, **ints, **dict.fromkeys(consts, "constexpr")},
+                   consts, tfx.NUM_WARPS, fusion=False)
+    assert ".entry _parts_kernel" in ptx and "add.rn.f64" in ptx
+
+
 # ----------------------------------------------------- rounding double words (round_double_words)
 # Each: the kernel's fp32 == round_fp32_torch of the accumulator holding hi + lo (Python
 # integers) == fixedpoint.round_double_words_torch, as int32. Cases: fixedpoint_round_cases.py.

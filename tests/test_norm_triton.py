@@ -30,6 +30,10 @@ def test_weight_applied_in_the_kernel_equals_the_separate_passes(results):
     _ok(results, "weight_applied_in_the_kernel_equals_the_separate_passes")
 
 
+def test_training_forward_pass_equals_the_stats_then_product(results):
+    _ok(results, "training_forward_pass_equals_the_stats_then_product")
+
+
 def test_qk_norm_and_rope_equal_the_separate_passes(results):
     _ok(results, "qk_norm_and_rope_equal_the_separate_passes")
 
@@ -87,6 +91,19 @@ def _ptx(fusion: bool) -> str:
     types = ["*fp32"] * 5 + ["i32"] * 3 + ["fp32"] * 2 + ["constexpr"] * 5
     consts = {"HP": 128, "LOG_HP": 7, "BLOCK_R": 32, "ROPE": True, "OUT_BF16": False}
     return sm90_ptx(tn._apply_kernel, types, consts, 4, fusion)
+
+
+def test_training_forward_ptx_has_no_fma_and_rounded_div_sqrt():
+    """sm_90 PTX of the training forward pass with the weight product (APPLY): no fma, .ftz or
+    .approx; div.rn.f32 and sqrt.rn.f32 present; control: fp fusion on gives fma."""
+    import re
+    from rlkernel.kernels import triton_norm as tn
+    types = ["*fp32"] * 5 + ["i32"] * 2 + ["fp32"] * 2 + ["constexpr"] * 4
+    consts = {"HP": 2048, "LOG_HP": 11, "BLOCK_R": 2, "APPLY": True}
+    ptx = sm90_ptx(tn._rms_kernel, types, consts, 4, False)
+    assert "fma" not in ptx and ".ftz" not in ptx and ".approx" not in ptx
+    assert re.search(r"\bdiv\.rn\.f32\b", ptx) and re.search(r"\bsqrt\.rn\.f32\b", ptx)
+    assert "mul.rn.f32" in ptx or "mul.f32" in ptx
 
 
 def test_compiled_ptx_has_no_fma_no_ftz_and_rounded_div_sqrt():

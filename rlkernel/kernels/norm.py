@@ -10,10 +10,10 @@ a token's output never depends on other tokens. Backward:
          CP/SP/DP split the tokens, the same exact sum; KV heads replicated over TP ranks count
          once (their first holder adds them).
 Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
-Devices: the per-token statistic r runs in the Triton kernel on CUDA (kernels/triton_norm.py) and in
-torch ops on CPU; so does the backward's dx and per-leaf dW partials (one pass on CUDA, the bytes
-of the torch ops); the scaling and the exact dW sums are torch ops / the token reduction on
-either device.
+Devices: the per-token statistic r, x̂ and the weight product run in one Triton pass on CUDA
+(kernels/triton_norm.py) and in torch ops on CPU; so does the backward's dx and per-leaf dW
+partials (one pass on CUDA, the bytes of the torch ops); the exact dW sums are the token
+reduction on either device.
 `rms_norm_inference` (no autograd: rollout steps) is one Triton pass on CUDA with the weight
 applied, and with Qwen3's Q/K norms the RoPE rotation too: the same bytes.
 Does not: communicate.
@@ -54,12 +54,17 @@ def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps, tok, head_comm, replicas):
-        x = x.to(torch.float32)
-        r, xh = _rms_stats(x, eps)
+        x, w32 = x.to(torch.float32), w.to(torch.float32)
+        if x.is_cuda:   # statistics, x̂ and the weight product in one Triton pass, same bytes
+            from rlkernel.kernels import triton_norm
+            r, xh, y = triton_norm.rms_forward(x, w32, eps)
+        else:
+            r, xh = _rms_stats(x, eps)
+            y = xh * w32
         ctx.save_for_backward(xh, r, w)
         # The parameter itself keys the gradient sink (saved tensors may be recomputed copies).
         ctx.tok, ctx.head_comm, ctx.replicas, ctx.param = tok, head_comm, replicas, w
-        return xh * w.to(torch.float32)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

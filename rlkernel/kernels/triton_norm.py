@@ -8,7 +8,8 @@ tile, the warp layout or the other rows. Division and square root are the correc
 `div_rn` / `sqrt_rn`; r = 1 / sqrt(ms + eps) is two roundings (the CPU backend rounds once from
 float64: different backend, different bits, both invariant).
 
-`rms_stats` returns (r, x̂) for the autograd path: kernels/norm.py applies the weight.
+`rms_forward` returns (r, x̂, x̂·w) for the autograd path's forward in one pass (the weight
+product as the separate torch op would round it); `rms_stats` only (r, x̂).
 `rms_backward` is that path's backward in one pass per (leaf, head): dx with the bytes of the
 torch ops it replaces (~20 launches per norm: the product, the log2(H) tree levels, the scaling),
 and the weight gradient's per-leaf partials (the TOKEN_LEAF-token sums in order, which
@@ -40,16 +41,22 @@ def _rstd(x, inv_h_num, eps, BLOCK_R: tl.constexpr, HP: tl.constexpr, LOG_HP: tl
 
 
 @triton.jit
-def _rms_kernel(X, XH, R, n_rows, H, inv_h_num, eps,
-                HP: tl.constexpr, LOG_HP: tl.constexpr, BLOCK_R: tl.constexpr):
+def _rms_kernel(X, W, XH, Y, R, n_rows, H, inv_h_num, eps,
+                HP: tl.constexpr, LOG_HP: tl.constexpr, BLOCK_R: tl.constexpr,
+                APPLY: tl.constexpr):
+    """r and x̂ = x·r per row; with APPLY also y = x̂·w (W [H] fp32), the training forward's
+    output, so the weight product is not a second pass over x̂."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, HP)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < H)
     off = rows.to(tl.int64)[:, None] * H + cols[None, :]
     x = tl.load(X + off, mask=ok, other=0.0)
     r = _rstd(x, inv_h_num, eps, BLOCK_R, HP, LOG_HP)
-    tl.store(XH + off, x * r[:, None], mask=ok)
+    xh = x * r[:, None]
+    tl.store(XH + off, xh, mask=ok)
     tl.store(R + rows, r, mask=rows < n_rows)
+    if APPLY:
+        tl.store(Y + off, xh * tl.load(W + cols, mask=cols < H, other=0.0)[None, :], mask=ok)
 
 
 @triton.jit
@@ -161,21 +168,42 @@ def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
 
     Raises ValueError for a non-fp32 input or an oversized row.
     """
-    check_cuda("rms_norm", x)
+    r, xh, _ = _stats(x, None, eps)
+    return r, xh
+
+
+def rms_forward(x: torch.Tensor, w: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(r [...], x̂ [..., H], y = x̂·w [..., H]) in one pass: the training forward of
+    kernels/norm.py, the bytes of `rms_stats` then the product as a torch op. x fp32 [..., H] on
+    CUDA, w fp32 [H] on x's device. Raises ValueError for other dtypes, shapes or an oversized
+    row."""
+    if w.dtype != torch.float32 or tuple(w.shape) != (x.shape[-1],):
+        raise ValueError(f"rms_norm: float32 weight [{x.shape[-1]}] expected, got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    return _stats(x, w, eps)
+
+
+def _stats(x: torch.Tensor, w: torch.Tensor | None,
+           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    check_cuda("rms_norm", x, *(() if w is None else (w,)))
     h = _row_width(x)
     xc = x.contiguous()
     n = xc.numel() // h
     xh = torch.empty_like(xc)
+    y = None if w is None else torch.empty_like(xc)
     r = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if n == 0:
-        return r, xh
+        return r, xh, y
     hp, block_r, warps = _launch_shape(h)
+    wc = xc if w is None else w.contiguous()     # a placeholder pointer when no weight
     with device_ctx(x):
-        _rms_kernel[(triton.cdiv(n, block_r),)](xc, xh, r, n, h, float(h), float(eps),
+        _rms_kernel[(triton.cdiv(n, block_r),)](xc, wc, xh, xh if y is None else y, r, n, h,
+                                                float(h), float(eps),
                                                 HP=hp, LOG_HP=hp.bit_length() - 1,
-                                                BLOCK_R=block_r, num_warps=warps,
-                                                enable_fp_fusion=False)
-    return r, xh
+                                                BLOCK_R=block_r, APPLY=w is not None,
+                                                num_warps=warps, enable_fp_fusion=False)
+    return r, xh, y
 
 
 def _row_width(x: torch.Tensor) -> int:
