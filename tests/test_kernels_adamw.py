@@ -150,6 +150,27 @@ def test_sqrt_v_times_inv_on_exact_midpoints_ties_to_even():
         assert n_diff(a, b) == 0, name
 
 
+def test_subnormal_moments_are_kept_whatever_ran_before():
+    """With β1 = β2 = 0.5 and g = 0 each new moment is half the old one, exact in fp32: moments
+    of subnormal bits ±2k (k = 1 .. 2^21) step to the bits ±k through AdamW.step, checked
+    against integers (not cuda_reference: a flush-to-zero mode left on by the update would
+    flush the reference's own ops in this thread too), and afterwards a subnormal still
+    survives a multiply by 1 (the update leaves the thread's floating-point mode as found)."""
+    k = np.array([1, 2, 3, 1000, 12345, 1 << 20, (1 << 21) + 1], dtype=np.uint32)
+    k = np.concatenate([k, k | np.uint32(1 << 31)])                      # both signs
+    bits = (lambda u: torch.from_numpy(u.view(np.int32)).view(torch.float32))
+    hp = AdamWParams(lr=1e-3, beta1=0.5, beta2=0.5)
+    opt = AdamW({"w": torch.ones(k.size)}, hp)
+    opt.load_state({"w": torch.ones(k.size)}, {"w": bits(2 * (k & 0x7FFFFFFF) | (k & 1 << 31))},
+                   {"w": bits(2 * (k & 0x7FFFFFFF))}, steps=0)
+    opt.step({"w": torch.zeros(k.size)})
+    assert torch.equal(opt.exp_avg["w"].view(torch.int32), bits(k).view(torch.int32))
+    assert torch.equal(opt.exp_avg_sq["w"].view(torch.int32),
+                       bits(k & 0x7FFFFFFF).view(torch.int32))
+    tiny = bits(np.array([1], dtype=np.uint32))
+    assert torch.equal((tiny * 1.0).view(torch.int32), tiny.view(torch.int32))
+
+
 def test_chunks_do_not_change_a_byte(monkeypatch):
     """A tensor updated in chunks of 1000 elements (CHUNK patched; 2·1000 + 37: two whole chunks
     and a ragged one) == the same tensor in one pass, bitwise, over 3 steps."""
