@@ -111,6 +111,66 @@ def test_from_zero_moments_and_nonfinite_gradients_equal_the_reference():
     _assert_steps_equal_reference(p, zeros, zeros, grads, hp, [hp.lr] * 4, "from zero")
 
 
+def test_sqrt_v_times_inv_on_exact_midpoints_ties_to_even():
+    """At step 18 with β2 = 0.999, inv = fp32(1) / fp32(bc2) = 7.4852705 and sqrt(v) = 3·2^k
+    make sqrt(v)·inv an exact fp32 rounding midpoint (a 25-bit product), where only the
+    correctly rounded product (exact in float64, rounded once) ties to even: AdamW.step from
+    moments that give these v (k = -10..10, 8 moments m each, g = 0) == cuda_reference, bitwise
+    (p, m, v). Control: the float64 spelling sqrt(v) / (1 / inv), off the exact product by a
+    float64 ulp on such ties, gives other fp32 bytes of every one of these products, so the
+    equality can fail (the other cases in this file hold no such tie: that spelling passes them)."""
+    hp, t = HPS[0], 18
+    s = _scalars(hp, t, hp.lr)
+    assert s.inv_bc2_sqrt == 7.4852705001831055
+    w = torch.tensor([9.0 * 4.0**k for k in range(-10, 11)]).repeat_interleave(8)  # new v
+    b2 = torch.tensor(s.beta2)
+    v = (w.double() / s.beta2).float()       # v·β2 rounds to w: search a few ulps about w / β2
+    for _ in range(4):
+        off = op_rn(torch.mul, v, b2) != w
+        if not off.any():
+            break
+        v = torch.where(off & (op_rn(torch.mul, v, b2) > w), torch.nextafter(v, -w),
+                        torch.where(off, torch.nextafter(v, 2 * w), v))
+    assert torch.equal(op_rn(torch.mul, v, b2), w)
+    root = op_rn(torch.sqrt, w)
+    assert torch.equal(root * root, w)                                    # 3·2^k exactly
+    tie = op_rn(torch.mul, root, torch.tensor(s.inv_bc2_sqrt))
+    other = (root.double() / (1.0 / s.inv_bc2_sqrt)).float()
+    assert n_diff(tie, other) == w.numel()
+    gen = torch.Generator().manual_seed(18)
+    m, g = torch.randn(w.numel(), generator=gen), torch.zeros(w.numel())
+    p = torch.randn(w.numel(), generator=gen) * 1e-6    # masters the size of the update
+    opt = AdamW({"w": p}, hp)
+    opt.load_state({"w": p}, {"w": m}, {"w": v}, steps=t - 1)
+    opt.step({"w": g})
+    want = cuda_reference(p, g, m, v, t, hp.lr, hp)
+    assert torch.equal(want[2], w)
+    got = (opt.master["w"], opt.exp_avg["w"], opt.exp_avg_sq["w"])
+    for name, a, b in zip("pmv", got, want):
+        assert n_diff(a, b) == 0, name
+
+
+def test_subnormal_moments_are_kept_whatever_ran_before():
+    """With β1 = β2 = 0.5 and g = 0 each new moment is half the old one, exact in fp32: moments
+    of subnormal bits ±2k (k = 1 .. 2^21) step to the bits ±k through AdamW.step, checked
+    against integers (not cuda_reference: a flush-to-zero mode left on by the update would
+    flush the reference's own ops in this thread too), and afterwards a subnormal still
+    survives a multiply by 1 (the update leaves the thread's floating-point mode as found)."""
+    k = np.array([1, 2, 3, 1000, 12345, 1 << 20, (1 << 21) + 1], dtype=np.uint32)
+    k = np.concatenate([k, k | np.uint32(1 << 31)])                      # both signs
+    bits = (lambda u: torch.from_numpy(u.view(np.int32)).view(torch.float32))
+    hp = AdamWParams(lr=1e-3, beta1=0.5, beta2=0.5)
+    opt = AdamW({"w": torch.ones(k.size)}, hp)
+    opt.load_state({"w": torch.ones(k.size)}, {"w": bits(2 * (k & 0x7FFFFFFF) | (k & 1 << 31))},
+                   {"w": bits(2 * (k & 0x7FFFFFFF))}, steps=0)
+    opt.step({"w": torch.zeros(k.size)})
+    assert torch.equal(opt.exp_avg["w"].view(torch.int32), bits(k).view(torch.int32))
+    assert torch.equal(opt.exp_avg_sq["w"].view(torch.int32),
+                       bits(k & 0x7FFFFFFF).view(torch.int32))
+    tiny = bits(np.array([1], dtype=np.uint32))
+    assert torch.equal((tiny * 1.0).view(torch.int32), tiny.view(torch.int32))
+
+
 def test_chunks_do_not_change_a_byte(monkeypatch):
     """A tensor updated in chunks of 1000 elements (CHUNK patched; 2·1000 + 37: two whole chunks
     and a ragged one) == the same tensor in one pass, bitwise, over 3 steps."""
