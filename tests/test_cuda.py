@@ -559,6 +559,24 @@ def test_rms_norm_inference_pass_equals_the_autograd_pass():
                  want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("heads,h", [(1, 2048), (1, 1000), (16, 128)])
+def test_rms_norm_training_forward_pass_equals_stats_then_torch_product(heads, h):
+    """The training forward in one pass (kernels/triton_norm.rms_forward: r, x̂ and x̂·w) ==
+    the statistics kernel then x̂ * w as a torch op on CUDA, bitwise, hidden rows and Q/K heads;
+    and kernels/norm.rms_norm (autograd) returns those bytes. Control: x·(r·w) differs."""
+    from rlkernel.kernels import norm, triton_norm
+    g = _gen(20)
+    shape = (4096, heads, h) if heads > 1 else (4096, h)
+    x = torch.randn(shape, device=DEV, generator=g) * 3
+    x[7] = 0.0
+    w = torch.randn(h, device=DEV, generator=g)
+    r, xh, y = triton_norm.rms_forward(x, w, 1e-6)
+    r2, xh2 = triton_norm.rms_stats(x, 1e-6)
+    assert _same(r, r2) and _same(xh, xh2) and _same(y, xh2 * w)
+    assert _same(norm.rms_norm(x, w, 1e-6), y)
+    assert not _same(x * (r[..., None] * w), y)
+
+
 @pytest.mark.parametrize("heads,h", [(1, 2048), (1, 1000), (16, 128), (8, 128)])
 def test_rms_norm_backward_kernel_equals_the_torch_ops(heads, h):
     """The one-pass backward (kernels/triton_norm.rms_backward) == kernels/norm.py's torch ops
