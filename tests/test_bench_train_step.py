@@ -6,7 +6,8 @@ is counted once, at its midpoint, to the innermost host op and to the innermost 
 function or label around it; shorter gaps and overlapping kernels add nothing. The CPU smoke
 run of --trace reports the forward and backward phases; --sync-sites keys each synchronizing
 event by the rlkernel frames around it (on CPU, with aten::nonzero standing in for CUDA's
-synchronize calls, which a CPU run has none of).
+synchronize calls, which a CPU run has none of); --host-profile names the step's functions,
+their packages and the callers of the costliest builtins.
 Run: `.venv/bin/python -m pytest -q tests/test_bench_train_step.py` (about 15 s).
 """
 
@@ -133,3 +134,30 @@ def test_kernel_sites_charge_each_kernel_to_the_frames_around_its_launch(monkeyp
         {"site": "opt.py(1): step", "kernels": 2, "ms": 0.035, "top_kernel": "add"},
         {"site": "norm.py(2): rms", "kernels": 1, "ms": 0.02, "top_kernel": "rms_k"},
         {"site": "(launch not found)", "kernels": 1, "ms": 0.001, "top_kernel": "orphan"}]
+
+
+def _five_zeros() -> None:
+    for _ in range(5):
+        torch.zeros(3)
+
+
+def test_host_profile_names_functions_packages_and_the_callers_of_builtins():
+    """--host-profile's table (cProfile of one step): the step's Python function with its call
+    count, own time summed by package (`_package`: rlkernel/<module>, triton, torch, builtins,
+    other), and each costly builtin with the function that called it and how often."""
+    h = bench_train_step._host_profile(_five_zeros, torch.device("cpu"))
+    mine = [r for r in h["by_cum"] if r["fn"].endswith("(_five_zeros)")]
+    assert len(mine) == 1 and mine[0]["calls"] == 1 and mine[0]["cum_ms"] >= mine[0]["own_ms"]
+    zeros = [r for r in h["builtin_callers"] if "torch.zeros" in r["fn"]]
+    assert len(zeros) == 1 and zeros[0]["callers"][0].startswith(
+        "tests/test_bench_train_step.py:") and zeros[0]["callers"][0].endswith(" 5x")
+    assert {r["package"] for r in h["by_package"]} <= {"builtins", "other", "torch"}
+    assert bench_train_step._package("/x/rlkernel/kernels/norm.py") == "rlkernel/kernels/norm.py"
+    assert bench_train_step._package("/x/site-packages/triton/runtime/jit.py") == "triton"
+    assert bench_train_step._package("~") == "builtins"
+
+
+def test_host_profile_smoke_cpu_profiles_the_invariant_step(tmp_path):
+    h = _smoke(tmp_path, "--host-profile")["host_profile"]
+    assert h["wall_s"] > 0 and any(r["fn"].endswith("(compute_gradients)") for r in h["by_cum"])
+    assert any(r["package"].startswith("rlkernel/") for r in h["by_package"])
