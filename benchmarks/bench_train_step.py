@@ -237,9 +237,10 @@ def _package(path: str) -> str:
 def _host_profile(step, dev: torch.device, top: int = 40) -> dict:
     """The host's time in one step by Python function (cProfile, so every Python call costs a
     little more than unprofiled): wall, the top functions by own time and by cumulative time,
-    own time summed by package (`_package`), and the costliest builtins (torch's C calls: where the
-host waited on a sync or issued work) with their top callers. Functions are "file:line(name)", the file
-    shortened to its last two path parts; builtins (torch ops' C calls) as cProfile names them."""
+    own time summed by package (`_package`), and the costliest builtins (torch's C calls: where
+    the host waited on a sync or issued work) with their top callers. Functions are
+    "file:line(name)", the file shortened to its last two path parts; builtins as cProfile
+    names them."""
     import cProfile
     import pstats
     from collections import defaultdict

@@ -42,25 +42,28 @@ def _leaf_sums(v: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.is_cuda:   # the Triton kernel (kernels/triton_norm.py): same tree, CUDA bits
-        from rlkernel.kernels import triton_norm
-        return triton_norm.rms_stats(x, eps)
+    """(r, x̂) as torch ops (the CPU path; CUDA runs kernels/triton_norm.py, `_forward_rows`)."""
     h = x.shape[-1]
     ms = tree_sum(x * x, -1) / h
     r = rsqrt32(ms + eps)
     return r, x * r[..., None]
 
 
+def _forward_rows(x: torch.Tensor, w: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(r, x̂, y = x̂·w) of fp32 x [..., H] and w [H]: one Triton pass on CUDA
+    (kernels/triton_norm.rms_forward, the same bytes), torch ops elsewhere."""
+    if x.is_cuda:
+        from rlkernel.kernels import triton_norm
+        return triton_norm.rms_forward(x, w, eps)
+    r, xh = _rms_stats(x, eps)
+    return r, xh, xh * w
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps, tok, head_comm, replicas):
-        x, w32 = x.to(torch.float32), w.to(torch.float32)
-        if x.is_cuda:   # statistics, x̂ and the weight product in one Triton pass, same bytes
-            from rlkernel.kernels import triton_norm
-            r, xh, y = triton_norm.rms_forward(x, w32, eps)
-        else:
-            r, xh = _rms_stats(x, eps)
-            y = xh * w32
+        r, xh, y = _forward_rows(x.to(torch.float32), w.to(torch.float32), eps)
         ctx.save_for_backward(xh, r, w)
         # The parameter itself keys the gradient sink (saved tensors may be recomputed copies).
         ctx.tok, ctx.head_comm, ctx.replicas, ctx.param = tok, head_comm, replicas, w
@@ -123,7 +126,7 @@ def rms_norm_inference(x: torch.Tensor, w: torch.Tensor, eps: float,
     if x.is_cuda and w.dtype == torch.float32:
         from rlkernel.kernels import triton_norm
         return triton_norm.rms_norm_apply(x.to(torch.float32), w, eps, cos, sin, out_dtype)
-    y = _rms_stats(x.to(torch.float32), eps)[1] * w.to(torch.float32)   # _RMSNorm.forward's ops
+    y = _forward_rows(x.to(torch.float32), w.to(torch.float32), eps)[2]   # _RMSNorm.forward's
     return (y if cos is None else apply_rope(y, cos, sin)).to(out_dtype)
 
 

@@ -12,7 +12,8 @@ log64(x), float64 -> float64 (elementwise.log64): subnormals scaled by 2**64; m�
     exponent bits with m in [√2/2, √2); f = (m − 1)/(m + 1) (div.rn.f64); s = 1/25,
     s = s·f² + 1/k for k = 23, 21, …, 1;  y = (e·LN2_HI + (2f)·s) + e·LN2_LO; 0 -> −inf,
     +inf -> +inf, x < 0 -> NaN, NaN -> x. log32(x) = fp32(log64(float64(x))).
-neg32 / neg64: −x as a sign-bit flip, as torch's neg. rotate_half: RoPE's rotation of a tile. bf16_rtne: fp32 -> bf16 as torch's CPU cast, in integer ops.
+neg32 / neg64: −x as a sign-bit flip, as torch's neg. rotate_half: RoPE's rotation of a tile.
+bf16_rtne: fp32 -> bf16 as torch's CPU cast, in integer ops.
 Pitfalls these helpers encode (each changes bits if undone):
 - Triton's unary minus is 0 − x: −(+0.0) gives +0.0 and a NaN loses its sign; use neg32/neg64.
 - A Python float in a binary op with a float64 tensor becomes a float64 constant (exact), but

@@ -178,16 +178,14 @@ def rms_forward(x: torch.Tensor, w: torch.Tensor,
     kernels/norm.py, the bytes of `rms_stats` then the product as a torch op. x fp32 [..., H] on
     CUDA, w fp32 [H] on x's device. Raises ValueError for other dtypes, shapes or an oversized
     row."""
-    if w.dtype != torch.float32 or tuple(w.shape) != (x.shape[-1],):
-        raise ValueError(f"rms_norm: float32 weight [{x.shape[-1]}] expected, got {w.dtype} "
-                         f"{tuple(w.shape)}")
     return _stats(x, w, eps)
 
 
 def _stats(x: torch.Tensor, w: torch.Tensor | None,
            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`rms_stats` (w None) or `rms_forward`: checks, then one launch of _rms_kernel."""
     check_cuda("rms_norm", x, *(() if w is None else (w,)))
-    h = _row_width(x)
+    h = _row_width(x, w)
     xc = x.contiguous()
     n = xc.numel() // h
     xh = torch.empty_like(xc)
@@ -206,13 +204,16 @@ def _stats(x: torch.Tensor, w: torch.Tensor | None,
     return r, xh, y
 
 
-def _row_width(x: torch.Tensor) -> int:
-    """H of fp32 rows x [..., H]; ValueError for another dtype or H outside [1, 65536]."""
+def _row_width(x: torch.Tensor, w: torch.Tensor | None = None) -> int:
+    """H of fp32 rows x [..., H]; ValueError for another dtype, H outside [1, 65536], or a
+    weight w (when given) that is not fp32 [H]."""
     if x.dtype != torch.float32:
         raise ValueError(f"rms_norm: float32 input expected, got {x.dtype}")
     h = x.shape[-1]
     if not 1 <= h <= 65536:
         raise ValueError(f"rms_norm: row width {h} not in [1, 65536]")
+    if w is not None and (w.dtype != torch.float32 or tuple(w.shape) != (h,)):
+        raise ValueError(f"rms_norm: float32 w [{h}] expected, got {w.dtype} {tuple(w.shape)}")
     return h
 
 
@@ -233,9 +234,7 @@ def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
     taken here instead of by another pass). No autograd (inference: the rollout engine and
     no-grad passes). ValueError on bad input."""
     check_cuda("rms_norm", x, w)
-    h = _row_width(x)
-    if w.dtype != torch.float32 or tuple(w.shape) != (h,):
-        raise ValueError(f"rms_norm: float32 w [{h}] expected, got {w.dtype} {tuple(w.shape)}")
+    h = _row_width(x, w)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"rms_norm: out_dtype {out_dtype} not in (float32, bfloat16)")
     rope = cos is not None

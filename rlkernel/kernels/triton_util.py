@@ -1,8 +1,9 @@
 """Small helpers shared by the Triton wrappers (rlkernel/kernels/triton_*.py).
 
 `check_cuda` rejects tensors the kernels cannot read; `device_ctx` makes the tensor's GPU current
-for the launch; `f32` / `f32_reciprocal` are the host-side fp32 scalars PyTorch's CUDA ops use. With TRITON_INTERPRET=1 (Triton's CPU interpreter, used to check kernel logic on a
-machine without a GPU) CPU tensors are accepted. Does not: launch anything.
+for the launch; `f32` / `f32_reciprocal` are the host-side fp32 scalars PyTorch's CUDA ops use.
+With TRITON_INTERPRET=1 (Triton's CPU interpreter, used to check kernel logic on a machine
+without a GPU) CPU tensors are accepted. Does not: launch anything.
 """
 
 from __future__ import annotations
