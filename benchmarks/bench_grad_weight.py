@@ -84,6 +84,7 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
     from rlkernel.kernels import triton_grad_weight as tgw
     from rlkernel.numerics import fixedpoint as fx
     from rlkernel.numerics import triton_fixedpoint as tfx
+    from rlkernel.spec import CUDA_TOKEN_LEAF
     import triton
 
     dy, x = _operands(t, n, k, torch.bfloat16)
@@ -98,14 +99,16 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
 
     def launch(leaf, tile, retry=False):
         # retry=True: every tile in RETRY mode, i.e. every error through the checked lo word
-        # (the scheme the kernel used before add_word; the cost of the old pass).
+        # (the scheme of the first pass before add_word; the cost of the retry tier).
         bn_, bk_, warps, stages = tile
         grid = (triton.cdiv(n, bn_) * triton.cdiv(k, bk_),)
-        tgw._dw_kernel[grid](dy, x, words, flags, every, t, n, k,
+        # TMA descriptors (the model's path) at the kernel's own leaf; pointer loads otherwise.
+        ad, bd, tma = tgw._descriptors(dy, x, tile, leaf == CUDA_TOKEN_LEAF)
+        tgw._dw_kernel[grid](dy, x, ad, bd, words, flags, every, t, n, k,
                              dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                              words.stride(0), BLOCK_N=bn_, BLOCK_K=bk_, LEAF=leaf,
                              PREC="tf32", EMIT=False, RETRY=retry, FORCE_FLAG=0,
-                             RETRY_ALL=False, num_warps=warps,
+                             RETRY_ALL=False, TMA=tma, num_warps=warps,
                              num_stages=stages, enable_fp_fusion=False)
 
     for leaf in leaves:

@@ -314,6 +314,10 @@ def main() -> None:
     ap.add_argument("--native-micro-samples", type=int, default=0,
                     help="samples per microbatch of the native arm (0: all in one, as the "
                          "invariant arm, whose one-microbatch direct mode keeps no accumulators)")
+    ap.add_argument("--invariant-micro-samples", type=int, default=0,
+                    help="samples per microbatch of the invariant arm (0: all in one, direct "
+                         "mode; N: several microbatches into the persistent exact "
+                         "accumulators, as `rlk run` at its default --micro-batch-tokens)")
     ap.add_argument("--no-kl", action="store_true",
                     help="--kl-coef 0 as rlk run's default: no reference policy kept or run")
     ap.add_argument("--profile", action="store_true")
@@ -348,7 +352,8 @@ def main() -> None:
             tsm.fusable = lambda bounds: False   # worth_fusing then says no everywhere
         r = _arm(mode.split("-")[0], cfg, weights, samples, a.steps, a.recompute,
                  a.profile and mode == "invariant", dev,
-                 a.native_micro_samples if mode == "native" else 0, not a.no_kl,
+                 a.native_micro_samples if mode == "native" else a.invariant_micro_samples,
+                 not a.no_kl,
                  a.trace and mode == "invariant", a.sync_sites, a.kernel_sites,
                  a.host_profile and mode == "invariant")
         # Peak bytes per parameter element: weights, grads, masters, moments and the step's

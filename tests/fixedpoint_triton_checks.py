@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fractions
 import functools
+import math
 import os
 import struct
 import sys
@@ -354,6 +355,61 @@ def two_sum_sorted_negative_control_unordered_fast2sum_differs():
     check above can fail."""
     s, e, s2, e2 = _pair_results(unsorted=True)
     assert torch.equal(s, s2) and not torch.equal(e, e2)
+
+
+@triton.jit
+def _exact_flags(A, B, S, F, n, ONE_SIDED: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    a = tl.load(A + i, mask=ok)
+    b = tl.load(B + i, mask=ok)
+    if ONE_SIDED:       # the negative control: only s - hi == p
+        s = a + b
+        f = ((s - a) != b).to(tl.int32) * 2
+    else:
+        s, f = tfx.add_exact(a, tl.zeros_like(i), b)
+    tl.store(S + i, s, mask=ok)
+    tl.store(F + i, f, mask=ok)
+
+
+def _exact_results(one_sided: bool = False):
+    a, b = _sum_pairs()
+    a = torch.cat([a, torch.tensor([1.0 + 2.0**-52, 1.0, 1.0, math.inf, 2.0**149], dtype=torch.float64)])
+    b = torch.cat([b, torch.tensor([2.0**53, math.nan, math.inf, -math.inf, 2.0**149], dtype=torch.float64)])
+    s, f = torch.empty_like(a), torch.empty(a.numel(), dtype=torch.int32)
+    _exact_flags[(triton.cdiv(a.numel(), 256),)](a, b, s, f, a.numel(), ONE_SIDED=one_sided,
+                                                 BLOCK=256)
+    return a, b, s, f
+
+
+@check
+def add_exact_flags_exactly_the_inexact_adds():
+    """tfx.add_exact: the sum is a + b rounded (bitwise), and the flag (2) is raised exactly
+    where a + b is not exact (Fraction), on the stress pairs both ways round, plus
+    1 + 2**-52 with 2**53 (one difference alone passes it), NaN and infinite operands (always
+    flagged) and 2**149 + 2**149 (exact)."""
+    a, b, s, f = _exact_results()
+    assert torch.equal(s.view(torch.int64), (a + b).view(torch.int64))
+    for i in range(a.numel()):
+        x, y = a[i].item(), b[i].item()
+        if math.isfinite(x) and math.isfinite(y) and math.isfinite(x + y):
+            exact = fractions.Fraction(x) + fractions.Fraction(y) == fractions.Fraction(x + y)
+        else:
+            exact = False
+        assert int(f[i]) == (0 if exact else 2), (i, x, y, int(f[i]))
+    assert int((f == 2).sum()) > 100 and int((f == 0).sum()) > 100
+
+
+@check
+def add_exact_negative_control_one_difference_misses_an_inexact_add():
+    """With only s − hi == p checked, 1 + 2**-52 plus 2**53 (inexact: the sum rounds to
+    2**53 + 2) passes: the second comparison is what catches it."""
+    a, b, s, f = _exact_results(one_sided=True)
+    i = a.numel() - 5
+    assert (a[i].item(), b[i].item()) == (1.0 + 2.0**-52, 2.0**53)
+    assert int(f[i]) == 0
+    assert fractions.Fraction(a[i].item()) + fractions.Fraction(b[i].item()) != \
+        fractions.Fraction(s[i].item())
 
 
 @triton.jit

@@ -109,18 +109,20 @@ def _plant(dy, x, row: int, col: int, values) -> None:
 
 
 @check
-def one_inexact_add_is_exact_through_the_lo_word():
+def one_inexact_add_is_retried_and_exact():
     """Element (3, 5) gets leaf partials 1, 2**-24, 2**-80 (exact sum 1 + 2**-24 + 2**-80 rounds
     up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): one inexact add,
-    exact without a retry or a recompute, through the lo word; the naive float64 sum gives other
-    bytes there (the control: a kernel that dropped lo would fail this check). Other elements
-    span up to ~2**20 (no inexact add)."""
+    which the first pass (tfx.add_exact, no error word) flags, so its tile alone is retried with
+    the checked lo word — no EMIT — and the bytes are the reference's; the naive float64 sum
+    gives other bytes there (the control: a kernel that kept the first pass's words would fail
+    this check). Other elements span up to ~2**20 (no inexact add)."""
     dy, x = _operands(8, 40, 24, 4, seed=1)
     _plant(dy, x, 3, 5, [1.0, 2.0**-24, 2.0**-80])
     with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
         assert _same(dy, x) == 0
     modes = [(kw["RETRY"], kw["EMIT"]) for _, kw in rec.launches]
-    assert modes == [(False, False)], modes
+    assert modes == [(False, False), (True, False)], modes
+    assert rec.launches[1][0][6].tolist() == [0], rec.launches[1][0][6]   # tile (0, 0) alone
     want = fx.round_fp32(_reference(dy, x))
     assert want[3, 5].item() == 1.0 + 2.0**-23
     assert _naive64(dy, x)[3, 5].item() == 1.0, "control: the naive float64 sum is not wrong here"
@@ -128,7 +130,7 @@ def one_inexact_add_is_exact_through_the_lo_word():
 
 @check
 def two_inexact_adds_are_retried_and_exact():
-    """Element (3, 5) gets 1, 2**-80, 2**-81 (two inexact adds: one lo slot cannot hold both),
+    """Element (3, 5) gets 1, 2**-80, 2**-81 (two inexact adds),
     and the other elements span up to ~2**90 (wide: many elements with several inexact adds):
     the flagged tiles are retried with the checked lo word, none reaches the EMIT path, and the
     accumulator is the reference's."""
@@ -153,7 +155,7 @@ def a_lone_flagged_tile_is_retried_in_place():
         _rounded_same(dy, x)
     modes = [(kw["RETRY"], kw["EMIT"]) for _, kw in rec.launches]
     assert modes[:2] == [(False, False), (True, False)], modes
-    assert rec.launches[1][0][4].tolist() == [5], rec.launches[1][0][4]
+    assert rec.launches[1][0][6].tolist() == [5], rec.launches[1][0][6]
     assert not any(emit for _, emit in modes), modes
 
 @check
@@ -270,6 +272,30 @@ def launch_arguments():
     assert got == [(f32, f32, "ieee", False, False), (f32, f32, "ieee", True, False),
                    (f32, f32, "ieee", False, True), (b16, b16, "tf32", False, False),
                    (f32, f32, "ieee", False, False)], got
+
+
+@check
+def tma_fetches_equal_pointer_loads():
+    """16-bit operands with 16-byte aligned rows take TMA descriptors (TMA=True in every launch:
+    first pass, retry, EMIT) and give the pointer loads' bytes and the reference's, edge tiles
+    (40 rows, 24 columns at 16 × 16 tiles) included; unaligned ones (20 columns) keep the
+    pointer loads."""
+    dy, x = _operands(3, 40, 24, 6, seed=13)
+    a, b = dy.bfloat16(), x.bfloat16()
+    with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+        _same(a, b)
+        _same(a, b, force_flag=True)
+        _rounded_same(a, b)
+    assert rec.launches and all(kw["TMA"] is True for _, kw in rec.launches), \
+        [kw["TMA"] for _, kw in rec.launches]
+    with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+        _same(a, b, use_tma=False)
+        _same(a, b, force_flag=True, use_tma=False)
+        _same(a[:, :20].contiguous(), b)   # 40-byte rows: no TMA
+    assert rec.launches and all(kw["TMA"] is False for _, kw in rec.launches)
+    acc_t, _ = tgw.accumulate_grad_weight_(fx.zeros((40, 24)), a, b, tile=SMALL)
+    acc_p, _ = tgw.accumulate_grad_weight_(fx.zeros((40, 24)), a, b, tile=SMALL, use_tma=False)
+    assert torch.equal(acc_t, acc_p)
 
 
 @check

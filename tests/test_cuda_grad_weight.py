@@ -75,9 +75,9 @@ def _count_retries(monkeypatch) -> list[int]:
     seen: list[int] = []
     real = tgw._retry_flagged
 
-    def spy(a, b, words, flags, tile, force_flag):
+    def spy(a, b, words, flags, *rest):
         seen.append(int(flags.sum()))
-        return real(a, b, words, flags, tile, force_flag)
+        return real(a, b, words, flags, *rest)
     monkeypatch.setattr(tgw, "_retry_flagged", spy)
     return seen
 
@@ -119,6 +119,32 @@ def test_tiles_never_change_bytes(dtype):
     want = _fused(dy, x)[0]
     for tile in ((64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 8, 2)):
         assert torch.equal(_fused(dy, x, tile=tile)[0], want), tile
+
+
+@pytest.mark.parametrize("tokens,n,k", [(1024, 1024, 3072), (512, 200, 136), (256, 2048, 8)])
+def test_tma_fetches_equal_pointer_loads(monkeypatch, tokens, n, k):
+    """bf16 operands with 16-byte aligned rows go through TMA descriptors by default (edge
+    tiles at 200 rows, a 8-column operand narrower than the tile) and give the pointer loads'
+    bytes, first pass and forced retry/EMIT alike, and the direct rounding's."""
+    seen = []
+    real = tgw._descriptors
+
+    def spy(a, b, tile, use_tma):
+        out = real(a, b, tile, use_tma)
+        seen.append(out[2])
+        return out
+    monkeypatch.setattr(tgw, "_descriptors", spy)
+    dy, x = _operands(tokens, n, k, torch.bfloat16, seed=3)
+    for force in (False, True):
+        seen.clear()
+        got = _fused(dy, x, force_flag=force)[0]
+        assert seen and all(seen), seen
+        seen.clear()
+        assert torch.equal(got, _fused(dy, x, force_flag=force, use_tma=False)[0])
+        assert seen and not any(seen), seen
+    want = fx.round_fp32(_fused(dy, x)[0]).view(torch.int32)
+    assert torch.equal(tgw.rounded_grad_weight(dy, x).view(torch.int32), want)
+    assert torch.equal(tgw.rounded_grad_weight(dy, x, use_tma=False).view(torch.int32), want)
 
 
 def _plant_extreme(dy, x) -> None:

@@ -193,6 +193,13 @@ def test_two_sum_sorted_gives_two_sums_words_negative_control_unordered(results)
     _ok(results, "two_sum_sorted_negative_control_unordered_fast2sum_differs")
 
 
+def test_add_exact_flags_exactly_the_inexact_adds_negative_control_one_difference(results):
+    """add_exact (the dW pass's add): the rounded sum, flagged exactly where it is inexact
+    (Fraction), NaN/inf flagged; checking only s − hi == p misses 1 + 2**-52 plus 2**53."""
+    _ok(results, "add_exact_flags_exactly_the_inexact_adds")
+    _ok(results, "add_exact_negative_control_one_difference_misses_an_inexact_add")
+
+
 def test_fast_path_holds_what_a_float64_sum_loses(results):
     """The double-word path: columns needing the lo word (1, 2**-24, 2**-80 rounds up to
     1 + 2**-23) == torch and == the bins-only kernel (fast=False)."""

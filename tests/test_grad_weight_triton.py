@@ -28,10 +28,11 @@ def test_narrow_range_needs_no_recompute(results):
     _ok(results, "narrow_range_needs_no_recompute")
 
 
-def test_one_inexact_add_is_exact_through_the_lo_word(results):
-    """Partials 1, 2**-24, 2**-80 in one element: exact (rounds up to 1 + 2**-23), one pass, no
-    retry or recompute; control: the naive float64 sum gives 1.0 there."""
-    _ok(results, "one_inexact_add_is_exact_through_the_lo_word")
+def test_one_inexact_add_is_retried_and_exact(results):
+    """Partials 1, 2**-24, 2**-80 in one element: exact (rounds up to 1 + 2**-23) through the
+    checked retry of that tile alone, no recompute; control: the naive float64 sum gives 1.0
+    there."""
+    _ok(results, "one_inexact_add_is_retried_and_exact")
 
 
 def test_two_inexact_adds_are_retried_and_exact(results):
@@ -127,3 +128,9 @@ def test_bad_arguments_are_refused(results):
     """Token counts that differ or are not whole leaves, accumulators of the wrong shape or
     layout: ValueError (rounded_grad_weight too, for the token counts)."""
     _ok(results, "bad_arguments_are_refused")
+
+
+def test_tma_fetches_equal_pointer_loads(results):
+    """bf16 operands with aligned rows are fetched by TMA descriptors in every launch and give
+    the pointer loads' bytes (edge tiles included); unaligned ones keep the pointer loads."""
+    _ok(results, "tma_fetches_equal_pointer_loads")

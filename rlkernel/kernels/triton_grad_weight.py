@@ -14,17 +14,20 @@ the exact accumulator — on an H200, a qwen3-0.6b step of 4,096 tokens spent 70
 there (docs/BENCHMARKS.md), and the traffic grows with tokens × parameters.
 
 Algorithm, per output tile [BLOCK_N, BLOCK_K] (one program): walk the leaves in order; for each,
-p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then add p exactly into a float64
-double-word (hi, lo) per element with Knuth's TwoSum (TAOCP vol. 2, §4.2.2): s = hi + p and its
-exact error e; hi = s; an element's one nonzero e is kept in lo (numerics/
-triton_fixedpoint.py `add_word`: an add is inexact only when p is ~2**-29 of the running sum or
-smaller, so a second one in the same element is rare and flags the tile). Every value here is a
-multiple of 2**-149 (an fp32 partial is), so hi + lo is the exact sum unless the check fails:
-two inexact adds in one element, a partial that is not finite, or a sum past 2**150 (the digit
-conversion's range). (Before, every e went into lo through a second checked TwoSum: the same
-words when neither flags, six more float64 ops per leaf and element; it is now the retry tier
-below.) The double words are written out ([2, N, K] float64: 16 bytes per element, against 4 per element and leaf before) and a second
-pass (numerics/triton_fixedpoint.py `add_double_words_`) adds both words' exact integers to
+p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then hi += p in float64 with the
+add checked exact (numerics/triton_fixedpoint.py `add_exact`: s − hi == p and s − p == hi,
+Dekker's Fast2Sum lemma; no error word). Every value here is a multiple of 2**-149 (an fp32
+partial is), so hi is the exact sum unless a check fails: an inexact add (p below ulp(hi),
+i.e. a leaf partial ~2**-29 of the running sum or smaller — a whole leaf of tiny gradients: on
+the CPU, one sample of four at 2**-20 of the others' scale gives 8 % of 64×64 tiles one such
+add, at 2**-25 every tile several), a partial that is not finite, or a sum past 2**150 (the
+digit conversion's range). (Until the ninth session the first pass was `add_word`: Knuth's
+TwoSum with one nonzero error kept in lo, the same words whenever it did not flag, twice the
+float64 work — docs/BENCHMARKS.md; before that, every error through a second checked TwoSum:
+now the retry tier below.) Operand tiles come by TMA descriptors where the operands allow
+(16-bit, 16-byte aligned rows), else by pointer loads: the same tiles either way. The double
+words are written out ([2, N, K] float64: 16 bytes per element, against 4 per element and leaf
+before) and a second pass (numerics/triton_fixedpoint.py `add_double_words_`) adds both words' exact integers to
 the digits. (Adding them in this kernel's epilogue was tried: on the H200 it gave wrong bytes for
 bf16 tiles and ran 2.7x slower, register pressure of ten int64 digits per element of a 2-D tile;
 not pursued.) A tile where any check failed writes zeros and is flagged: the same kernel runs it
@@ -36,7 +39,7 @@ Either way the accumulator receives the exact sum of the same partials, so the r
 depends on which tiles took which path (and so not on the tile, the call's other leaves,
 CP/DP/microbatch layout), and is bytewise the reference path's whenever the dot gives the bits of
 the reference's `bmm` (tests/test_cuda_grad_weight.py).
-Launched with enable_fp_fusion=False: a contracted mul+add would break TwoSum's exactness.
+Launched with enable_fp_fusion=False: a contracted mul+add would break the exact adds' checks.
 Direct rounding (`rounded_grad_weight`): where no other rank's integers are to be added (direct
 mode with a scope group of one rank, distributed/tokensum.py), the double words are rounded to
 fp32 straight away (numerics/fixedpoint.py `round_double_words`: one pass, no accumulator), the
@@ -63,17 +66,19 @@ from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import CUDA_TOKEN_LEAF
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): speed only (the sum is exact whatever the tile).
-TILE = (64, 64, 4, 3)      # the fastest of the H200 sweep (docs/BENCHMARKS.md, add_word pass)
+TILE = (64, 64, 4, 3)      # the fastest of the H200 sweeps (docs/BENCHMARKS.md)
 EMIT_TILES = 64            # flagged tiles recomputed per EMIT launch (bounds the scratch)
 OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] double words (1 GiB)
 
 
 @triton.jit
-def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
+def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, L, N, K,
                s_dl, s_dn, s_xl, s_xk, s_ow,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEAF: tl.constexpr,
                PREC: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
-               FORCE_FLAG: tl.constexpr, RETRY_ALL: tl.constexpr):
+               FORCE_FLAG: tl.constexpr, RETRY_ALL: tl.constexpr, TMA: tl.constexpr):
+    # AD, BD: TMA descriptors of DY [L, N] (block [LEAF, BLOCK_N]) and X (block [LEAF,
+    # BLOCK_K]) when TMA, else unused; TMA's zero fill past N and K is the masks' zeros.
     pid = tl.program_id(0)
     if RETRY_ALL:       # a retry launched over every tile (no host sync): the clean ones leave
         tile = pid
@@ -102,11 +107,15 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
     e_step = tl.num_programs(0).to(tl.int64) * (BLOCK_N * BLOCK_K)
     a_step = (tl.zeros([], dtype=tl.int64) + s_dl) * LEAF     # int64: L·stride may pass 2**31
     b_step = (tl.zeros([], dtype=tl.int64) + s_xl) * LEAF
-    for _ in range(0, L, LEAF):
-        a = tl.load(a_ptr, mask=n_ok[:, None], other=0.0)
-        b = tl.load(b_ptr, mask=k_ok[None, :], other=0.0)
-        a_ptr += a_step
-        b_ptr += b_step
+    for t0 in range(0, L, LEAF):
+        if TMA:
+            a = AD.load([t0, pn * BLOCK_N]).T
+            b = BD.load([t0, pk * BLOCK_K])
+        else:
+            a = tl.load(a_ptr, mask=n_ok[:, None], other=0.0)
+            b = tl.load(b_ptr, mask=k_ok[None, :], other=0.0)
+            a_ptr += a_step
+            b_ptr += b_step
         p = tl.dot(a, b, input_precision=PREC)
         if EMIT:
             tl.store(e_ptr, p)
@@ -114,7 +123,7 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
         elif RETRY:
             hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, p.to(tl.float64))
         else:
-            hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
+            hi, n_inexact = tfx.add_exact(hi, n_inexact, p.to(tl.float64))
     if not EMIT:
         bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
@@ -125,33 +134,54 @@ def _dw_kernel(DY, X, OUT, FLAGS, TILES, L, N, K,
         tl.store(FLAGS + tile, (good == 0).to(tl.int32))
 
 
-def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, retry_all=False):
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """A 16-bit 2-D operand TMA can describe: unit inner stride, 16-byte aligned rows and base."""
+    return t.element_size() == 2 and t.stride(1) == 1 \
+        and (t.stride(0) * 2) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _descriptors(a, b, tile, use_tma: bool):
+    """(AD, BD, TMA) for `_dw_kernel`: TMA descriptors of 16-bit operands that allow them
+    (-9 % time on an H200, docs/BENCHMARKS.md; the same tiles, so the same bytes), else the
+    plain pointers and pointer loads."""
+    if not (use_tma and _tma_aligned(a) and _tma_aligned(b)):
+        return a, b, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    bn, bk = tile[0], tile[1]
+    return (TensorDescriptor.from_tensor(a, [CUDA_TOKEN_LEAF, bn]),
+            TensorDescriptor.from_tensor(b, [CUDA_TOKEN_LEAF, bk]), True)
+
+
+def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, retry_all=False,
+            use_tma=True):
     bn, bk, warps, stages = tile
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
+    ad, bd, tma = _descriptors(a, b, tile, use_tma)
     with device_ctx(a):
-        _dw_kernel[grid](a, b, out, flags, tiles, a.shape[0], a.shape[1], b.shape[1],
+        _dw_kernel[grid](a, b, ad, bd, out, flags, tiles, a.shape[0], a.shape[1], b.shape[1],
                          a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                          0 if emit else out.stride(0),
                          BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF, PREC=prec, EMIT=emit,
                          RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
-                         RETRY_ALL=retry_all, num_warps=warps,
+                         RETRY_ALL=retry_all, TMA=tma, num_warps=warps,
                          num_stages=stages, enable_fp_fusion=False)
 
 
-def _retry_flagged(a, b, words, flags, tile, force_flag) -> torch.Tensor:
+def _retry_flagged(a, b, words, flags, tile, force_flag, use_tma) -> torch.Tensor:
     """The flagged tiles of a `_double_words` launch again, every error through the checked lo
     (tfx.add_word_checked), into the same words and flags; returns the tiles still flagged
     (int64, on the device). One host sync (which tiles were flagged)."""
     flagged = torch.nonzero(flags).flatten()
     if flagged.numel():
         ids = flagged.to(torch.int32)
-        _launch(a, b, words, flags, ids, (ids.numel(),), tile, False, force_flag, retry=True)
+        _launch(a, b, words, flags, ids, (ids.numel(),), tile, False, force_flag, retry=True,
+                use_tma=use_tma)
         flagged = flagged[flags[flagged] != 0]
     return flagged
 
 
 def _redo_flagged(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, flagged: torch.Tensor,
-                  tile) -> None:
+                  tile, use_tma: bool) -> None:
     """acc += the flagged tiles' exact sums through the bin accumulator: the kernel in EMIT
     mode stores each tile's per-leaf partials, accumulate_ adds them (acc [N, K, N_COLS])."""
     bn, bk = tile[0], tile[1]
@@ -163,7 +193,7 @@ def _redo_flagged(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, flagged: 
         ids = flagged[i:i + EMIT_TILES].to(torch.int32).contiguous()
         nf = ids.numel()
         scratch = torch.empty(leaves, nf, bn, bk, dtype=torch.float32, device=a.device)
-        _launch(a, b, scratch, ids, ids, (nf,), tile, True, False)
+        _launch(a, b, scratch, ids, ids, (nf,), tile, True, False, use_tma=use_tma)
         rows = (ids // num_k).long()[:, None, None] * bn + torch.arange(bn, device=a.device)[:, None]
         cols = (ids % num_k).long()[:, None, None] * bk + torch.arange(bk, device=a.device)
         live = ((rows < n) & (cols < k)).reshape(-1)
@@ -184,7 +214,7 @@ def _operands(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return dy.to(dt), x.to(dt)
 
 
-def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool):
+def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool, use_tma: bool = True):
     """One launch of the double-word pass over all rows of a [L, n], b [L, K] (n·K within
     OUT_ELEMS): words [2, n, K] float64 (a flagged tile's elements 0) and flags [tiles] int32,
     no host sync. The row cut of launches is `_launch_rows`."""
@@ -193,7 +223,7 @@ def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool):
     n_tiles = triton.cdiv(n, bn) * triton.cdiv(k, bk)
     words = torch.empty(2, n, k, dtype=torch.float64, device=a.device)
     flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
-    _launch(a, b, words, flags, flags, (n_tiles,), tile, False, force_flag)
+    _launch(a, b, words, flags, flags, (n_tiles,), tile, False, force_flag, use_tma=use_tma)
     return words, flags
 
 
@@ -207,13 +237,15 @@ def _launch_rows(n: int, k: int, tile) -> list[tuple[int, int]]:
 
 def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
                             tile: tuple[int, int, int, int] = TILE,
-                            force_flag: bool = False) -> tuple[torch.Tensor, int]:
+                            force_flag: bool = False,
+                            use_tma: bool = True) -> tuple[torch.Tensor, int]:
     """acc += the exact sum over the CUDA_TOKEN_LEAF leaves of dy [L, N], x [L, K] of their dWᵀ
     partials, in place (acc int64 [N, K, N_COLS], contiguous; L a multiple of CUDA_TOKEN_LEAF).
 
     Operands in `operand_dtype(dy, x)` (bf16 on the tensor cores, else the fp32 fma chain).
     Returns (acc, number of tiles that took the EMIT path). `tile` (BLOCK_N, BLOCK_K, warps,
-    stages) and `force_flag` (every tile through the EMIT path; tests) never change a bit.
+    stages), `force_flag` (every tile through the EMIT path; tests) and `use_tma` (False: the
+    pointer loads even where TMA descriptors could fetch the tiles; tests) never change a bit.
     One host sync per call (to learn which tiles, if any, were flagged).
     Raises ValueError on devices, shapes or an accumulator of the wrong form.
     """
@@ -230,18 +262,19 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     redone = 0
     for r0, r1 in _launch_rows(n, k, tile):
         ac, aa = acc[r0:r1], a[:, r0:r1]
-        words, flags = _double_words(aa, b, tile, force_flag)
-        flagged = _retry_flagged(aa, b, words, flags, tile, force_flag)
+        words, flags = _double_words(aa, b, tile, force_flag, use_tma)
+        flagged = _retry_flagged(aa, b, words, flags, tile, force_flag, use_tma)
         tfx.add_double_words_(ac.view(-1, tfx.N_COLS), words.view(2, -1))
         if flagged.numel():
-            _redo_flagged(ac, aa, b, flagged, tile)
+            _redo_flagged(ac, aa, b, flagged, tile, use_tma)
             redone += flagged.numel()
     return acc, redone
 
 
 def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
                                  tile: tuple[int, int, int, int] = TILE,
-                                 force_flag: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                 force_flag: bool = False,
+                                 use_tma: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(dW [N, K] fp32, flagged [] int32) of dy [L, N], x [L, K] (L a multiple of
     CUDA_TOKEN_LEAF), with no host sync: dW rounded once straight from the double words —
     bytewise round_fp32 of what `accumulate_grad_weight_` adds to a zero accumulator — valid
@@ -253,8 +286,8 @@ def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
     and their 104-byte accumulator were only a way to round; fixedpoint.round_double_words
     rounds the pair itself (one pass reading 16 bytes per element). The retry runs over every
     tile (the clean ones return at once, RETRY_ALL) rather than over a list the host reads:
-    the host sync per call it saves was a drained GPU queue per linear. `tile` and `force_flag`
-    (every tile flagged; tests) as in accumulate_grad_weight_. Raises ValueError on devices or
+    the host sync per call it saves was a drained GPU queue per linear. `tile`, `force_flag`
+    (every tile flagged; tests) and `use_tma` as in accumulate_grad_weight_. Raises ValueError on devices or
     shapes."""
     check_cuda("grad weight", dy, x)
     n_tok, n = dy.shape
@@ -266,9 +299,9 @@ def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
     parts = []
     for r0, r1 in _launch_rows(n, k, tile):
         aa = a[:, r0:r1]
-        words, flags = _double_words(aa, b, tile, force_flag)
+        words, flags = _double_words(aa, b, tile, force_flag, use_tma)
         _launch(aa, b, words, flags, flags, (flags.numel(),), tile, False, force_flag,
-                retry_all=True)
+                retry_all=True, use_tma=use_tma)
         parts.append(tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k))
         flagged += flags.sum(dtype=torch.int32)
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), flagged
@@ -276,8 +309,9 @@ def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
 
 def rounded_grad_weight(dy: torch.Tensor, x: torch.Tensor, *,
                         tile: tuple[int, int, int, int] = TILE,
-                        force_flag: bool = False) -> torch.Tensor | None:
+                        force_flag: bool = False, use_tma: bool = True) -> torch.Tensor | None:
     """`rounded_grad_weight_deferred`'s dW, or None when a tile was still flagged after its
     retry (the caller then takes the digit path). One host sync (the flag count)."""
-    out, flagged = rounded_grad_weight_deferred(dy, x, tile=tile, force_flag=force_flag)
+    out, flagged = rounded_grad_weight_deferred(dy, x, tile=tile, force_flag=force_flag,
+                                                use_tma=use_tma)
     return None if int(flagged) else out

@@ -1,0 +1,188 @@
+"""Where the exact dW pass's time goes (issue 11): the double-word kernel of
+rlkernel/kernels/triton_grad_weight.py taken apart into variants that keep its loop and tile but
+drop or change one part, timed in one process on the same operands:
+
+- `full`: the production kernel (`_double_words`: dot per 128-token leaf, TwoSum into the words);
+- `mma`: the same loads and dots, the leaf partials summed in fp32 (no float64 at all);
+- `cvt_add`: the dots, each partial converted to float64 and added plainly (no TwoSum);
+- `f64_only`: no loads or dots in the loop: a partial made from one fp32 multiply per leaf,
+  then the production TwoSum (`add_word`): the float64 work alone;
+- `pipelined`: `full` with the next leaf's dot issued before this leaf's float64 adds (whether
+  the tensor cores and the float64 units overlap inside one program);
+- `tma`: `full` with the operand tiles fetched by TMA descriptors instead of pointer loads.
+
+- `check`, `check_tma`: the exactness test without an error word: s = hi + p is exact iff
+  s − hi == p and s − p == hi (the larger operand's Fast2Sum difference is exact, Dekker
+  1971), so no magnitude ordering and no selects; an inexact add flags its tile (no one-add
+  slot); `check_f64_only` its float64 work alone.
+
+Only the exact variants (`full`, `pipelined`, `tma`, `check`, `check_tma`) compute the
+production words (where no add is inexact: the benchmark's operands); they are checked bytewise equal
+to `full` before timing (so a faster variant is a candidate, not a different sum). cuBLAS's
+`dy.t() @ x` is the scale. Speed only; nothing here is used by the model.
+Run (repository root, one GPU, < 1 min):
+    PYTHONPATH=. python3 benchmarks/bench_dw_anatomy.py [--out FILE.json]
+Does not: run without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.common import dump, env, median_ms, require_cuda
+from rlkernel.numerics import triton_fixedpoint as tfx
+
+LEAF = 128
+MODES = {"full": 0, "mma": 1, "cvt_add": 2, "f64_only": 3, "pipelined": 4, "tma": 5,
+         "check": 6, "check_tma": 7, "check_f64_only": 8}
+EXACT = ("full", "pipelined", "tma", "check", "check_tma")
+SHAPES = ((16384, 6144, 2048), (16384, 2048, 2048))
+TILES = ((64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 4, 3),
+         (128, 128, 8, 2))
+
+
+@triton.jit
+def _add_checked_plain(hi, bad, p):
+    # hi + p is exact iff both Fast2Sum differences give back the other operand: whichever of
+    # hi, p is the larger in magnitude, its difference is exact (Dekker), so an inexact add
+    # fails that one. No error word, no ordering selects: an inexact add flags the element.
+    s = hi + p
+    return s, bad | (((s - hi) != p) | ((s - p) != hi)).to(tl.int32) * 2   # 2: past words_exact
+
+
+@triton.jit
+def _leaf(a_ptr, b_ptr, ad, bd, t0, n0, k0, n_ok, k_ok, TMA: tl.constexpr):
+    if TMA:
+        a = ad.load([t0, n0]).T
+        b = bd.load([t0, k0])
+    else:
+        a = tl.load(a_ptr, mask=n_ok[:, None], other=0.0)
+        b = tl.load(b_ptr, mask=k_ok[None, :], other=0.0)
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+    tile = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pn = tile // num_k
+    pk = tile % num_k
+    rn = (pn * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = (pk * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    rt = tl.arange(0, 128).to(tl.int64)
+    n_ok = rn < N
+    k_ok = rk < K
+    a_ptr = DY + rn[:, None] * s_dn + rt[None, :] * s_dl
+    b_ptr = X + rt[:, None] * s_xl + rk[None, :] * s_xk
+    a_step = (tl.zeros([], dtype=tl.int64) + s_dl) * 128
+    b_step = (tl.zeros([], dtype=tl.int64) + s_xl) * 128
+    hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
+    lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
+    n_inexact = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    n0 = pn * BLOCK_N
+    k0 = pk * BLOCK_K
+    if MODE == 3 or MODE == 8:
+        base = tl.load(X + rn[:, None] * 0 + rk[None, :] * s_xk, mask=k_ok[None, :], other=1.0).to(tl.float32)
+        f = base * 0.0 + 1.0
+        for _ in range(0, L, 128):
+            f = f * 1.0009765625
+            if MODE == 3:
+                hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, (base * f).to(tl.float64))
+            else:
+                hi, n_inexact = _add_checked_plain(hi, n_inexact, (base * f).to(tl.float64))
+    elif MODE == 4:
+        p = _leaf(a_ptr, b_ptr, AD, BD, 0, n0, k0, n_ok, k_ok, False)
+        a_ptr += a_step
+        b_ptr += b_step
+        for t0 in range(128, L, 128):
+            q = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok, False)
+            a_ptr += a_step
+            b_ptr += b_step
+            hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
+            p = q
+        hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
+    else:
+        for t0 in range(0, L, 128):
+            p = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok, (MODE == 5) | (MODE == 7))
+            a_ptr += a_step
+            b_ptr += b_step
+            if MODE == 1:
+                acc += p
+            elif MODE == 2:
+                hi += p.to(tl.float64)
+            elif MODE == 6 or MODE == 7:
+                hi, n_inexact = _add_checked_plain(hi, n_inexact, p.to(tl.float64))
+            else:
+                hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
+    o = OUT + rn[:, None] * K + rk[None, :]
+    m = n_ok[:, None] & k_ok[None, :]
+    if MODE == 1:
+        tl.store(o, acc.to(tl.float64), mask=m)
+    else:
+        good = tl.max((tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)) == 0
+        tl.store(o, tl.where(good, hi, 0.0), mask=m)
+        tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
+
+
+def _alloc(size: int, align: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def run_variant(mode: str, dy: torch.Tensor, x: torch.Tensor, tile) -> torch.Tensor:
+    """The words [2, N, K] float64 of one variant (only full/pipelined/tma are the sum)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    bn, bk, warps, stages = tile
+    n, k = dy.shape[1], x.shape[1]
+    out = torch.empty(2, n, k, dtype=torch.float64, device="cuda")
+    ad = TensorDescriptor.from_tensor(dy, [LEAF, bn])
+    bd = TensorDescriptor.from_tensor(x, [LEAF, bk])
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    _anatomy_kernel[grid](dy, x, ad, bd, out, dy.shape[0], n, k, dy.stride(0), dy.stride(1),
+                          x.stride(0), x.stride(1), out.stride(0), BLOCK_N=bn, BLOCK_K=bk,
+                          MODE=MODES[mode], num_warps=warps, num_stages=stages,
+                          enable_fp_fusion=False)
+    return out
+
+
+def _operands(t: int, n: int, k: int):
+    g = torch.Generator(device="cuda").manual_seed(t + n + k)
+    dy = torch.randn(t, n, generator=g, device="cuda").to(torch.bfloat16)
+    return dy, torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    require_cuda()
+    triton.set_allocator(_alloc)
+    from rlkernel.kernels import triton_grad_weight as tgw
+    rows = []
+    for t, n, k in SHAPES:
+        dy, x = _operands(t, n, k)
+        ref, _ = tgw._double_words(dy, x, tgw.TILE, False)
+        cublas = median_ms(lambda: dy.t() @ x)
+        for tile in TILES:
+            row = {"tokens": t, "n": n, "k": k, "tile": list(tile), "cublas_ms": cublas}
+            for mode in MODES:
+                try:
+                    out = run_variant(mode, dy, x, tile)
+                    if mode in EXACT:
+                        row[f"{mode}_same_bytes"] = bool(torch.equal(
+                            out.view(torch.int64), ref.view(torch.int64)))
+                    row[f"{mode}_ms"] = median_ms(lambda m=mode: run_variant(m, dy, x, tile))
+                except Exception as exc:  # a tile a variant cannot compile is a row entry
+                    row[f"{mode}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(row, flush=True)
+            rows.append(row)
+    dump(args.out, {"env": env(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
