@@ -458,6 +458,104 @@ def direct_sink_words_path_equals_the_digit_path():
         tokensum.DIRECT_CHUNK_ELEMS = real
 
 
+# ---------------------------------------------- double words carried over microbatches
+class _PairComm:
+    """A two-rank scope group whose other rank adds nothing: GradSink.finish then takes the
+    multi-rank path (words added to digits, the integers summed)."""
+    size = 2
+
+    def sum_ints(self, t, op, *, inplace=False):
+        return t
+
+
+def _carried(dy, x, cuts, *, force_flag=False, groups=None):
+    """w's gradient through a persistent GradSink (several microbatches: the stream cut at the
+    token rows `cuts`), each call through kernels/matmul.py `_carry_words` (the kernel at the
+    SMALL tile), the digit path once it says the weight is in digits; returns (gradient, names
+    held in digits before finish, per call: tiles left, or "digits")."""
+    n, k = dy.shape[1], x.shape[1]
+    w = torch.nn.Parameter(torch.zeros(n, k))
+    sink = tokensum.GradSink(groups or {s: Comm.single(s) for s in tokensum.SCOPES})
+    sink.begin({"w": w})
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
+    lefts = []
+    real_carry, real_redo = tgw.carry_grad_weight_, tgw.redo_into_digits_
+
+    def carry(words, a, b):
+        left = real_carry(words, a, b, tile=SMALL, force_flag=force_flag)
+        lefts.append(len(left))
+        return left
+    tgw.carry_grad_weight_ = carry
+    tgw.redo_into_digits_ = lambda acc, a, b, left: real_redo(acc, a, b, left, tile=SMALL)
+    try:
+        bounds = [0, *cuts, dy.shape[0]]
+        for a, b in zip(bounds, bounds[1:]):     # kernels/matmul.py grad_weight's CUDA path
+            if not mm._carry_words(dy[a:b], x[a:b], w, tok):
+                lefts.append("digits")
+                tgw.accumulate_grad_weight_(tok.accumulator(w), dy[a:b], x[a:b], tile=SMALL)
+    finally:
+        tgw.carry_grad_weight_, tgw.redo_into_digits_ = real_carry, real_redo
+    digits = sorted(sink._acc)
+    return sink.finish()["w"], digits, lefts
+
+
+@check
+def carried_words_over_microbatches_equal_the_digit_path():
+    """A persistent sink over 8 leaves cut into calls of 3, 1 and 4 leaves (microbatches): the
+    words carried from call to call (kernels/triton_grad_weight.py carry_grad_weight_) round to
+    the digit reference's bytes, with element (3, 5)'s partials 1, 2**-24 (first call) and
+    2**-80 (second: an inexact add, the checked retry from the carried words) — whose exact sum
+    rounds up to 1 + 2**-23 while dropping the error rounds to 1.0 (the control) — and no
+    weight moved to digits; so with one call and with eight; and with a two-rank scope group
+    (finish adds the words to digits before the integer sum)."""
+    dy, x = _operands(8, 40, 24, 4, seed=1)
+    _plant(dy, x, 3, 5, [1.0, 0.0, 0.0, 2.0**-24, 2.0**-80])
+    want = fx.round_fp32(_reference(dy, x))
+    assert want[3, 5].item() == 1.0 + 2.0**-23 and _naive64(dy, x)[3, 5].item() == 1.0
+    want = want.view(torch.int32)
+    for cuts in ([3 * TOKEN_LEAF, 4 * TOKEN_LEAF], [], [i * TOKEN_LEAF for i in range(1, 8)]):
+        with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+            got, digits, lefts = _carried(dy, x, cuts)
+        assert digits == [] and set(lefts) == {0}, (cuts, digits, lefts)
+        assert torch.equal(got.view(torch.int32), want), cuts
+        modes = [(kw["CARRY"], kw["RETRY"]) for _, kw in rec.launches]
+        assert set(modes) == {(True, False), (True, True)}, modes   # the retry carried, too
+    pair = {"dp_cp": _PairComm(), "world": Comm.single("world")}
+    got, digits, _ = _carried(dy, x, [3 * TOKEN_LEAF], groups=pair)
+    assert digits == [] and torch.equal(got.view(torch.int32), want)
+
+
+@check
+def carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum():
+    """Element (37, 21)'s partials 2**100, 1.5·2**46, 2**-100 in three calls: no double word
+    holds their sum, so the third call leaves that tile (its words untouched), the weight moves
+    to digits (the words added there) and the tile's partials of that call are added by the
+    EMIT path; later calls go to the digits. Bytes == the digit reference; with every tile
+    forced through that path from the first call, too."""
+    dy, x = _operands(6, 50, 40, 12, seed=10)
+    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    got, digits, lefts = _carried(dy, x, [TOKEN_LEAF, 2 * TOKEN_LEAF, 4 * TOKEN_LEAF])
+    assert digits == ["w"] and lefts[:2] == [0, 0] and lefts[2] >= 1, lefts
+    assert lefts[3:] == ["digits"], lefts
+    assert torch.equal(got.view(torch.int32), want)
+    got, digits, lefts = _carried(dy, x, [2 * TOKEN_LEAF], force_flag=True)
+    assert digits == ["w"] and lefts == [1, "digits"], lefts
+    assert torch.equal(got.view(torch.int32), want)
+
+
+@check
+def carried_words_refuse_bad_words():
+    dy, x = _operands(2, 8, 8, 1, seed=9)
+    for words in (torch.zeros(2, 8, 8), torch.zeros(2, 8, 9, dtype=torch.float64),
+                  torch.zeros(2, 8, 16, dtype=torch.float64)[:, :, :8]):
+        try:
+            tgw.carry_grad_weight_(words, dy, x)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted words {words.dtype} {tuple(words.shape)}")
+
+
 @check
 def bad_arguments_are_refused():
     dy, x = _operands(2, 8, 8, 1, seed=9)

@@ -267,3 +267,40 @@ def test_direct_grad_weight_words_path_equals_the_digit_path(monkeypatch, tokens
             digits = _sink_grad(dy, x, direct=True)
         assert torch.equal(_bits(got), _bits(persistent)), int((got != persistent).sum())
         assert torch.equal(_bits(digits), _bits(persistent))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,n,k,cuts", [(1024, 1024, 3072, (384, 512)),
+                                             (768, 200, 136, (128, 256, 640))])
+def test_persistent_sink_carries_double_words_over_microbatches(dtype, tokens, n, k, cuts):
+    """kernels/matmul.py grad_weight with a persistent one-rank sink, the stream cut into
+    microbatches at `cuts`: every call continues the sink's double words (no digit accumulator
+    is made), and the finished gradient == one call's digit path rounded, bytewise; with an
+    extreme element planted (2**100, 1.5·2**46, 2**-100 in three leaves, which no double word
+    holds) the weight moves to digits in the call that meets it, same bytes; and through a
+    sink whose scope group has a second rank adding nothing (finish adds the words to digits
+    before the integer sum)."""
+    dy, x = _operands(tokens, n, k, dtype, seed=8)
+
+    class _PairComm:       # a second rank that adds nothing: finish's multi-rank branch
+        size = 2
+
+        def sum_ints(self, t, op, *, inplace=False):
+            return t
+
+    for plant, groups in ((False, None), (False, "pair"), (True, None)):   # plant: in place
+        if plant:
+            _plant_extreme(dy, x)
+        want = _bits(fx.round_fp32(_fused(dy, x)[0]))
+        w = torch.nn.Parameter(torch.zeros(n, k, device=DEV))
+        sink = tokensum.GradSink(
+            {"dp_cp": _PairComm(), "world": Comm.single("world")} if groups
+            else {s: Comm.single(s) for s in tokensum.SCOPES})
+        sink.begin({"w": w})
+        tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
+        bounds = [0, *cuts, tokens]
+        for a, b in zip(bounds, bounds[1:]):
+            assert mm.grad_weight(dy[a:b], x[a:b], w, tok) is None
+        assert (list(sink._acc), list(sink._words)) == ((["w"], []) if plant else ([], ["w"]))
+        got = _bits(sink.finish()["w"])
+        assert torch.equal(got, want), (plant, groups, int((got != want).sum()))

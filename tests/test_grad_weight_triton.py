@@ -17,7 +17,11 @@ about 30 s).
 
 from __future__ import annotations
 
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+import re
+
+import pytest
+
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("grad_weight_triton_checks.py")
@@ -134,3 +138,48 @@ def test_tma_fetches_equal_pointer_loads(results):
     """bf16 operands with aligned rows are fetched by TMA descriptors in every launch and give
     the pointer loads' bytes (edge tiles included); unaligned ones keep the pointer loads."""
     _ok(results, "tma_fetches_equal_pointer_loads")
+
+
+def test_carried_words_over_microbatches_equal_the_digit_path(results):
+    """A persistent sink carrying the double words over calls of 3, 1 and 4 leaves (and 1 and 8
+    calls, and a two-rank group): the digit reference's bytes, an inexact add in a later call
+    retried from the carried words (control: dropping its error rounds to 1.0)."""
+    _ok(results, "carried_words_over_microbatches_equal_the_digit_path")
+
+
+def test_carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum(results):
+    """2**100, 1.5·2**46, 2**-100 over three calls: the third leaves its tile, the weight moves
+    to digits with that call's partials added there; forced from the first call too: the
+    reference's bytes."""
+    _ok(results, "carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum")
+
+
+def test_carried_words_refuse_bad_words(results):
+    """fp32 words, the wrong shape, non-contiguous words: ValueError."""
+    _ok(results, "carried_words_refuse_bad_words")
+
+
+def _dw_ptx(tma: bool, carry: bool, retry: bool, fusion: bool = False) -> str:
+    from rlkernel.kernels import triton_grad_weight as tgw
+    ce = dict(BLOCK_N=64, BLOCK_K=64, LEAF=128, PREC="tf32", EMIT=False, RETRY=retry,
+              FORCE_FLAG=0, RETRY_ALL=False, TMA=tma, CARRY=carry)
+    desc = "tensordesc<bf16[128, 64]>" if tma else "*bf16"
+    kinds = {"DY": "*bf16", "X": "*bf16", "AD": desc, "BD": desc, "OUT": "*fp64",
+             "FLAGS": "*i32", "TILES": "*i32"}
+    types = {n: "constexpr" if n in ce else kinds.get(n, "i32") for n in tgw._dw_kernel.arg_names}
+    return sm90_ptx(tgw._dw_kernel, types, ce, 4, fusion)
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("tma,carry,retry", [(True, True, False), (True, True, True),
+                                             (False, True, False), (True, False, False)])
+def test_compiled_ptx_of_the_dw_pass(tma, carry, retry):
+    """sm_90 PTX as launched (enable_fp_fusion=False) of the first pass and its checked retry,
+    with TMA tiles and carried words: TMA bulk loads where asked (none otherwise), the carried
+    words loaded as float64, no fused multiply-add in float64 (the exact adds' checks need
+    every add rounded alone)."""
+    ptx = _dw_ptx(tma, carry, retry)
+    assert ("cp.async.bulk.tensor" in ptx) == tma
+    assert bool(re.search(r"ld\.global(\.v\d)?\.b64", ptx)) == carry
+    assert "fma.rn.f64" not in ptx
+    assert "wgmma.mma_async" in ptx

@@ -54,7 +54,13 @@ class GradSink:
 
     groups: {"dp_cp": Comm, "world": Comm} of this rank (topology groups, rank order = layout).
     Between `begin` and `finish` the sink is open: kernels add leaf partials to the accumulator
-    of each weight (int64 [*w.shape, fixedpoint.N_COLS]) instead of returning a gradient.
+    of each weight (int64 [*w.shape, fixedpoint.N_COLS]) instead of returning a gradient. The
+    CUDA dW kernel keeps a weight's sum as float64 double words instead (`words`: [2,
+    *w.shape], 16 bytes per element against 104, continued by the kernel microbatch after
+    microbatch with no digit pass); a weight moves from words to digits — the words' exact sum
+    added to a new accumulator — when another kernel asks for its accumulator or a tile cannot
+    hold its sum in words, and `finish` rounds words directly (a scope group of one rank) or
+    adds them to digits first. The same exact sum either way, so the same bytes.
     Direct mode (`begin(direct=True)`, when every rank's share of the mini-batch is ONE
     microbatch): a weight's leaves are all in the one backward that reaches it, so its kernel
     finishes the gradient there (`finish_direct`: row chunks summed over the scope group and
@@ -85,6 +91,7 @@ class GradSink:
         self.open = False
         self._names: dict[int, str] = {}
         self._acc: dict[str, torch.Tensor] = {}
+        self._words: dict[str, torch.Tensor] = {}   # float64 [2, *shape]: carried double words
         self._scope: dict[str, str] = {}
         self._done: dict[str, torch.Tensor] = {}
         self.direct = False
@@ -107,7 +114,7 @@ class GradSink:
         stay persistent anyway (used more than once per forward). All ranks must agree."""
         self._names = {id(p): n for n, p in params.items()}
         self._order = list(params)
-        self._acc, self._scope, self._done = {}, {}, {}
+        self._acc, self._words, self._scope, self._done = {}, {}, {}, {}
         self._rows, self._split = {}, {}
         self.direct, self._keep = direct, frozenset(keep)
         self._pending.clear()    # a backward that raised may have left some (and their operands)
@@ -258,19 +265,48 @@ class GradSink:
                 with torch.no_grad():   # finish may run with grad mode on (sync_grads)
                     redo()
 
-    def accumulator(self, w: torch.Tensor, scope: str) -> torch.Tensor:
-        """The mini-batch accumulator of parameter w (created at zero on first use). A weight must
-        be reduced over one scope throughout (RuntimeError otherwise, or for a foreign tensor)."""
-        name = self._name(w)
+    def _claim(self, name: str, scope: str) -> bool:
+        """Whether `name` already has a mini-batch sum (digits or words) over `scope`;
+        RuntimeError for a weight finished directly or reduced over another scope."""
         if name in self._done:
             raise RuntimeError(f"GradSink: {name} was finished directly and reached another "
                                "kernel in the same mini-batch")
-        if name not in self._acc:
+        if name not in self._scope:
+            return False
+        if self._scope[name] != scope:
+            raise RuntimeError(f"GradSink: {name} reduced over {self._scope[name]} and {scope}")
+        return True
+
+    def accumulator(self, w: torch.Tensor, scope: str) -> torch.Tensor:
+        """The mini-batch accumulator of parameter w (created at zero on first use; a weight
+        held in double words so far moves to digits here: the words' exact sum added to the
+        new accumulator, the words dropped). A weight must be reduced over one scope throughout
+        (RuntimeError otherwise, or for a foreign tensor)."""
+        name = self._name(w)
+        if not self._claim(name, scope):
             self._acc[name] = fx.zeros(w.shape, w.device)
             self._scope[name] = scope
-        elif self._scope[name] != scope:
-            raise RuntimeError(f"GradSink: {name} reduced over {self._scope[name]} and {scope}")
+        elif name in self._words:
+            from rlkernel.numerics import triton_fixedpoint as tfx   # words exist on CUDA only
+            words = self._words.pop(name)
+            acc = fx.zeros(w.shape, w.device)
+            tfx.add_double_words_(acc.view(-1, fx.N_COLS), words.view(2, -1))
+            self._acc[name] = acc
         return self._acc[name]
+
+    def words(self, w: torch.Tensor, scope: str) -> torch.Tensor | None:
+        """The mini-batch double words of parameter w: float64 [2, *w.shape] (created at zero
+        on first use), an exact sum hi + lo per element that the CUDA dW kernel continues
+        microbatch after microbatch (kernels/triton_grad_weight.py `carry_grad_weight_`), 16
+        bytes per element against the accumulator's 104; `finish` rounds or sums them like
+        accumulators. None when w's sum is already held in digits (`accumulator`: another
+        kernel added to it, or a tile the words could not hold moved it there). Errors as
+        `accumulator`."""
+        name = self._name(w)
+        if not self._claim(name, scope):
+            self._words[name] = torch.zeros((2, *w.shape), dtype=torch.float64, device=w.device)
+            self._scope[name] = scope
+        return self._words.get(name)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Close the sink: sum every accumulator over its scope's ranks (integers: exact, any
@@ -286,34 +322,61 @@ class GradSink:
         for scope in SCOPES:
             # Every rank must reduce the same list in the same buckets; the signature check of
             # each collective catches a rank whose kernels saw another set of weights.
-            names = [n for n in self._order if self._scope.get(n) == scope and n in self._acc]
+            names = [n for n in self._order if self._scope.get(n) == scope
+                     and (n in self._acc or n in self._words)]
             for n in names:
-                if self._acc[n].numel() == 0:   # e.g. a TP rank that owns no row of it
-                    out[n] = torch.zeros(self._acc[n].shape[:-1], device=self._acc[n].device)
-            for bucket in _buckets([(n, self._acc[n][..., 0].numel()) for n in names]):
+                shape, dev = self._held(n)
+                if math.prod(shape) == 0:   # e.g. a TP rank that owns no row of it
+                    out[n] = torch.zeros(shape, device=dev)
+            for bucket in _buckets([(n, math.prod(self._held(n)[0])) for n in names]):
                 self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
-        self._acc = {}
+        self._acc, self._words = {}, {}
         for n, (rows, acc) in self._split.items():   # scope groups of one rank: no collective
             self._done[n][rows] = fx.round_fp32(acc)
         out.update(self._done)
         self._done, self._rows, self._split = {}, {}, {}
         return {n: out[n] for n in self._order if n in out}
 
+    def _held(self, name: str) -> tuple[torch.Size, torch.device]:
+        """(gradient shape, device) of a weight's mini-batch sum, digits or words."""
+        if name in self._words:
+            return self._words[name].shape[1:], self._words[name].device
+        return self._acc[name].shape[:-1], self._acc[name].device
+
     def _finish_bucket(self, bucket: list[tuple[str, int, int]], comm: Comm, op: str,
                        out: dict[str, torch.Tensor]) -> None:
-        """All-reduce and round one bucket of (name, first element, end) accumulator slices."""
-        flats = [self._acc[n].view(-1, fx.N_COLS)[a:b] for n, a, b in bucket]
-        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
-        vals = fx.round_fp32(comm.sum_ints(flat, op, inplace=True))
+        """All-reduce and round one bucket of (name, first element, end) slices of the sums.
+        Double-word slices are rounded straight from the words where the group is this rank
+        alone (fixedpoint.round_double_words: the digits' bytes), else added to digits first
+        (a transient bucket of them) to be summed as integers with the other ranks'."""
+        flats, own = [], {}
+        for n, a, b in bucket:
+            if n not in self._words:
+                flats.append(self._acc[n].view(-1, fx.N_COLS)[a:b])
+                continue
+            words = self._words[n].view(2, -1)[:, a:b]
+            if comm.size == 1:
+                own[(n, a)] = fx.round_double_words(words)
+                continue
+            from rlkernel.numerics import triton_fixedpoint as tfx   # words exist on CUDA only
+            flats.append(tfx.add_double_words_(fx.zeros((b - a,), words.device), words))
+        vals = None
+        if flats:
+            flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+            vals = fx.round_fp32(comm.sum_ints(flat, op, inplace=True))
         i = 0
         for n, a, b in bucket:
-            acc = self._acc[n]
+            shape, dev = self._held(n)
             if n not in out:
-                out[n] = torch.empty(acc.shape[:-1], dtype=torch.float32, device=acc.device)
-            out[n].view(-1)[a:b] = vals[i:i + b - a]
-            i += b - a
-            if b == acc[..., 0].numel():
-                del self._acc[n]     # fully rounded: free it before the next bucket
+                out[n] = torch.empty(shape, dtype=torch.float32, device=dev)
+            if (n, a) in own:
+                out[n].view(-1)[a:b] = own[(n, a)]
+            else:
+                out[n].view(-1)[a:b] = vals[i:i + b - a]
+                i += b - a
+            if b == math.prod(shape):     # fully rounded: free it before the next bucket
+                self._acc.pop(n, None)
+                self._words.pop(n, None)
 
 
 _BUCKET_ROWS = 1 << 21
@@ -389,6 +452,13 @@ class TokenSum:
         if self.sink is not None and self.sink.open:
             return self.sink.accumulator(w, self._scope_for(heads))
         return fx.zeros(w.shape, w.device)
+
+    def words(self, w: torch.Tensor, heads: Comm | None = None) -> torch.Tensor | None:
+        """The open sink's double words for w's gradient (GradSink.words: float64 [2, *w.shape],
+        persistent over the mini-batch), or None: no open sink, or w's sum is held in digits."""
+        if self.sink is not None and self.sink.open:
+            return self.sink.words(w, self._scope_for(heads))
+        return None
 
     def result(self, w: torch.Tensor, acc: torch.Tensor, op: str,
                heads: Comm | None = None) -> torch.Tensor | None:

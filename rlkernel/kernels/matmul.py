@@ -272,8 +272,26 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     if tok.finish_now(w, add_rows, "token-sum-dw", words_rows=_rounded_rows(dy, x),
                       add_rows_at=lambda rows, acc: accumulate_grad_weight_(acc, dy[:, rows], x)):
         return None
+    if dy.is_cuda and _carry_words(dy, x, w, tok):
+        return None
     acc = accumulate_grad_weight_(tok.accumulator(w), dy, x)
     return tok.result(w, acc, "token-sum-dw")
+
+
+def _carry_words(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tok: TokenSum) -> bool:
+    """On CUDA with an open sink (several microbatches), add this call's dW into the sink's
+    double words for w (kernels/triton_grad_weight.py `carry_grad_weight_`) and return True;
+    False when the sink holds w in digits (or there is no open sink). A tile the words could
+    not hold moves w to digits (the sink's `accumulator` adds the words there) and its partials
+    go there too: the same exact sum, so the same bytes."""
+    words = tok.words(w)
+    if words is None:
+        return False
+    kernel = _grad_weight_kernel()
+    left = kernel.carry_grad_weight_(words, dy, x)
+    if left:
+        kernel.redo_into_digits_(tok.accumulator(w), dy, x, left)
+    return True
 
 
 def column_dx_by_shards(dys, ws, shard_rows, product=seq_matmul) -> torch.Tensor | None:

@@ -76,9 +76,12 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, L, N, K,
                s_dl, s_dn, s_xl, s_xk, s_ow,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEAF: tl.constexpr,
                PREC: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
-               FORCE_FLAG: tl.constexpr, RETRY_ALL: tl.constexpr, TMA: tl.constexpr):
+               FORCE_FLAG: tl.constexpr, RETRY_ALL: tl.constexpr, TMA: tl.constexpr,
+               CARRY: tl.constexpr):
     # AD, BD: TMA descriptors of DY [L, N] (block [LEAF, BLOCK_N]) and X (block [LEAF,
     # BLOCK_K]) when TMA, else unused; TMA's zero fill past N and K is the masks' zeros.
+    # CARRY (not EMIT): the words start from what OUT holds (a sum carried over microbatches)
+    # and a flagged tile leaves them untouched, so its retry starts from them again.
     pid = tl.program_id(0)
     if RETRY_ALL:       # a retry launched over every tile (no host sync): the clean ones leave
         tile = pid
@@ -98,8 +101,14 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, L, N, K,
     k_ok = rk < K
     a_ptr = DY + rn[:, None] * s_dn + rt[None, :] * s_dl          # dyᵀ tile [BLOCK_N, LEAF]
     b_ptr = X + rt[:, None] * s_xl + rk[None, :] * s_xk           # x tile [LEAF, BLOCK_K]
-    hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
-    lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
+    o = OUT + rn[:, None] * K + rk[None, :]
+    m = n_ok[:, None] & k_ok[None, :]
+    if CARRY:
+        hi = tl.load(o, mask=m, other=0.0)
+        lo = tl.load(o + s_ow, mask=m, other=0.0)
+    else:
+        hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
+        lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     n_inexact = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     # EMIT scratch (OUT): [leaves, flagged tiles, BLOCK_N, BLOCK_K] fp32, a leaf's rows contiguous.
     e_ptr = OUT + pid * (BLOCK_N * BLOCK_K) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K \
@@ -127,10 +136,12 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, L, N, K,
     if not EMIT:
         bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
-        o = OUT + rn[:, None] * K + rk[None, :]
-        m = n_ok[:, None] & k_ok[None, :]
-        tl.store(o, tl.where(good, hi, 0.0), mask=m)
-        tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
+        if CARRY:
+            tl.store(o, hi, mask=m & good)
+            tl.store(o + s_ow, lo, mask=m & good)
+        else:
+            tl.store(o, tl.where(good, hi, 0.0), mask=m)
+            tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
         tl.store(FLAGS + tile, (good == 0).to(tl.int32))
 
 
@@ -153,7 +164,7 @@ def _descriptors(a, b, tile, use_tma: bool):
 
 
 def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, retry_all=False,
-            use_tma=True):
+            use_tma=True, carry=False):
     bn, bk, warps, stages = tile
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     ad, bd, tma = _descriptors(a, b, tile, use_tma)
@@ -163,19 +174,19 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, 
                          0 if emit else out.stride(0),
                          BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF, PREC=prec, EMIT=emit,
                          RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
-                         RETRY_ALL=retry_all, TMA=tma, num_warps=warps,
+                         RETRY_ALL=retry_all, TMA=tma, CARRY=carry, num_warps=warps,
                          num_stages=stages, enable_fp_fusion=False)
 
 
-def _retry_flagged(a, b, words, flags, tile, force_flag, use_tma) -> torch.Tensor:
-    """The flagged tiles of a `_double_words` launch again, every error through the checked lo
-    (tfx.add_word_checked), into the same words and flags; returns the tiles still flagged
-    (int64, on the device). One host sync (which tiles were flagged)."""
+def _retry_flagged(a, b, words, flags, tile, force_flag, use_tma, carry=False) -> torch.Tensor:
+    """The flagged tiles of a `_double_words` (or carrying) launch again, every error through
+    the checked lo (tfx.add_word_checked), into the same words and flags; returns the tiles
+    still flagged (int64, on the device). One host sync (which tiles were flagged)."""
     flagged = torch.nonzero(flags).flatten()
     if flagged.numel():
         ids = flagged.to(torch.int32)
         _launch(a, b, words, flags, ids, (ids.numel(),), tile, False, force_flag, retry=True,
-                use_tma=use_tma)
+                use_tma=use_tma, carry=carry)
         flagged = flagged[flags[flagged] != 0]
     return flagged
 
@@ -269,6 +280,63 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
             _redo_flagged(ac, aa, b, flagged, tile, use_tma)
             redone += flagged.numel()
     return acc, redone
+
+
+def carry_grad_weight_(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
+                       tile: tuple[int, int, int, int] = TILE, force_flag: bool = False,
+                       use_tma: bool = True) -> list[tuple[int, int, torch.Tensor]]:
+    """words += the exact sum over the CUDA_TOKEN_LEAF leaves of dy [L, N], x [L, K] of their
+    dWᵀ partials, in place, where the words can hold it: words [2, N, K] float64 (contiguous)
+    is a pair (hi, lo) per element whose exact sum hi + lo is a persistent mini-batch sum, as
+    `accumulate_grad_weight_`'s first pass and retry make it, continued from what it holds.
+
+    Returns the tiles that could not take this call's partials even through the checked retry
+    — [(r0, r1, flagged tile ids int64)] per launch of rows [r0, r1), usually [] — whose words
+    are left as they were before the call: the caller then moves the sum to digits (the words
+    added to an accumulator, `tfx.add_double_words_`) and adds those tiles' partials there
+    (`redo_into_digits_`). The exact sum is the same either way, so the rounded gradient is
+    the digit path's, bytewise, whatever the microbatches (tests/grad_weight_triton_checks.py).
+
+    Why: the digit accumulator of the persistent path costs 104 bytes per element and a pass
+    reading and writing it per microbatch (on an H200, qwen3-0.6b at four microbatches:
+    `add_double_words_` 340 ms of a 1.48 s step against 80 ms for the dW kernels themselves,
+    docs/BENCHMARKS.md); words are 16 bytes and the kernel continues them.
+    One host sync per launch (which tiles, if any, were flagged). `tile`, `force_flag` (every
+    tile flagged: all of them returned) and `use_tma` as in accumulate_grad_weight_.
+    Raises ValueError on devices, shapes or words of the wrong form."""
+    check_cuda("grad weight", words, dy, x)
+    n_tok, n = dy.shape
+    k = x.shape[1]
+    a, b = _operands(dy, x)
+    if words.dtype != torch.float64 or tuple(words.shape) != (2, n, k) \
+            or not words.is_contiguous():
+        raise ValueError(f"grad weight: contiguous float64 [2, {n}, {k}] words expected, got "
+                         f"{words.dtype} {tuple(words.shape)}")
+    if n_tok == 0 or n == 0 or k == 0:
+        return []
+    left = []
+    bn, bk = tile[0], tile[1]
+    for r0, r1 in _launch_rows(n, k, tile):
+        aa, ww = a[:, r0:r1], words[:, r0:r1]
+        n_tiles = triton.cdiv(r1 - r0, bn) * triton.cdiv(k, bk)
+        flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
+        _launch(aa, b, ww, flags, flags, (n_tiles,), tile, False, force_flag, use_tma=use_tma,
+                carry=True)
+        flagged = _retry_flagged(aa, b, ww, flags, tile, force_flag, use_tma, carry=True)
+        if flagged.numel():
+            left.append((r0, r1, flagged))
+    return left
+
+
+def redo_into_digits_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
+                      left: list[tuple[int, int, torch.Tensor]], *,
+                      tile: tuple[int, int, int, int] = TILE, use_tma: bool = True) -> None:
+    """acc [N, K, N_COLS] += the exact sums of dy, x's partials over the tiles `left` that
+    `carry_grad_weight_` (same dy, x, tile) could not hold, through the bin accumulator (EMIT
+    path); the words' own sum must already be in acc."""
+    a, b = _operands(dy, x)
+    for r0, r1, flagged in left:
+        _redo_flagged(acc[r0:r1], a[:, r0:r1], b, flagged, tile, use_tma)
 
 
 def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
