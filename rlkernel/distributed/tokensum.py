@@ -287,11 +287,8 @@ class GradSink:
             self._acc[name] = fx.zeros(w.shape, w.device)
             self._scope[name] = scope
         elif name in self._words:
-            from rlkernel.numerics import triton_fixedpoint as tfx   # words exist on CUDA only
-            words = self._words.pop(name)
-            acc = fx.zeros(w.shape, w.device)
-            tfx.add_double_words_(acc.view(-1, fx.N_COLS), words.view(2, -1))
-            self._acc[name] = acc
+            self._acc[name] = _digits_of(self._words.pop(name).view(2, -1)).view(
+                *w.shape, fx.N_COLS)
         return self._acc[name]
 
     def words(self, w: torch.Tensor, scope: str) -> torch.Tensor | None:
@@ -358,8 +355,7 @@ class GradSink:
             if comm.size == 1:
                 own[(n, a)] = fx.round_double_words(words)
                 continue
-            from rlkernel.numerics import triton_fixedpoint as tfx   # words exist on CUDA only
-            flats.append(tfx.add_double_words_(fx.zeros((b - a,), words.device), words))
+            flats.append(_digits_of(words))
         vals = None
         if flats:
             flat = flats[0] if len(flats) == 1 else torch.cat(flats)
@@ -377,6 +373,13 @@ class GradSink:
             if b == math.prod(shape):     # fully rounded: free it before the next bucket
                 self._acc.pop(n, None)
                 self._words.pop(n, None)
+
+
+def _digits_of(words: torch.Tensor) -> torch.Tensor:
+    """A new accumulator int64 [m, N_COLS] holding the exact sums of double words [2, m]
+    (float64, rows contiguous; CUDA: only the CUDA dW kernel makes words)."""
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    return tfx.add_double_words_(fx.zeros((words.shape[1],), words.device), words)
 
 
 _BUCKET_ROWS = 1 << 21
