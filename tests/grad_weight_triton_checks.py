@@ -468,24 +468,38 @@ class _PairComm:
         return t
 
 
-def _carried(dy, x, cuts, *, force_flag=False, groups=None):
+class _NotYet:
+    """A CUDA event that has not passed until waited for: GradSink._defer's flag counts then
+    stay unread until finish (as behind a busy GPU queue)."""
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+def _carried(dy, x, cuts, *, force_flag=False, groups=None, late=False):
     """w's gradient through a persistent GradSink (several microbatches: the stream cut at the
     token rows `cuts`), each call through kernels/matmul.py `_carry_words` (the kernel at the
     SMALL tile), the digit path once it says the weight is in digits; returns (gradient, names
-    held in digits before finish, per call: tiles left, or "digits")."""
+    held in digits before finish, per call: launches with tiles left, or "digits"). late: every
+    flag count read only at the end (`_NotYet`), so later calls continue the words."""
     n, k = dy.shape[1], x.shape[1]
     w = torch.nn.Parameter(torch.zeros(n, k))
     sink = tokensum.GradSink(groups or {s: Comm.single(s) for s in tokensum.SCOPES})
     sink.begin({"w": w})
+    if late:
+        sink._defer = lambda flagged, redo: sink._pending.append((_NotYet(), flagged, redo))
     tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
     lefts = []
-    real_carry, real_redo = tgw.carry_grad_weight_, tgw.redo_into_digits_
+    real_carry, real_redo = tgw.carry_grad_weight_deferred, tgw.redo_into_digits_
 
     def carry(words, a, b):
-        left = real_carry(words, a, b, tile=SMALL, force_flag=force_flag)
-        lefts.append(len(left))
-        return left
-    tgw.carry_grad_weight_ = carry
+        launches, flagged = real_carry(words, a, b, tile=SMALL, force_flag=force_flag)
+        lefts.append(len(tgw.flagged_tiles(launches)))
+        return launches, flagged
+    tgw.carry_grad_weight_deferred = carry
     tgw.redo_into_digits_ = lambda acc, a, b, left: real_redo(acc, a, b, left, tile=SMALL)
     try:
         bounds = [0, *cuts, dy.shape[0]]
@@ -493,8 +507,9 @@ def _carried(dy, x, cuts, *, force_flag=False, groups=None):
             if not mm._carry_words(dy[a:b], x[a:b], w, tok):
                 lefts.append("digits")
                 tgw.accumulate_grad_weight_(tok.accumulator(w), dy[a:b], x[a:b], tile=SMALL)
+        sink._resolve(0)    # flags read late (GradSink._defer) land before finish's listing
     finally:
-        tgw.carry_grad_weight_, tgw.redo_into_digits_ = real_carry, real_redo
+        tgw.carry_grad_weight_deferred, tgw.redo_into_digits_ = real_carry, real_redo
     digits = sorted(sink._acc)
     return sink.finish()["w"], digits, lefts
 
@@ -541,6 +556,20 @@ def carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum():
     assert torch.equal(got.view(torch.int32), want)
     got, digits, lefts = _carried(dy, x, [2 * TOKEN_LEAF], force_flag=True)
     assert digits == ["w"] and lefts == [1, "digits"], lefts
+    assert torch.equal(got.view(torch.int32), want)
+
+
+@check
+def carried_words_flags_read_late_give_the_same_bytes():
+    """As above with every flag count read only at the end (a busy GPU queue: the sink's
+    deferred chunks): the calls after the flagged one continue the words, the flagged tile's
+    partials of its call are added to digits when its count is read; the same bytes."""
+    dy, x = _operands(6, 50, 40, 12, seed=10)
+    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    got, digits, lefts = _carried(dy, x, [TOKEN_LEAF, 2 * TOKEN_LEAF, 4 * TOKEN_LEAF], late=True)
+    assert digits == ["w"] and lefts[:2] == [0, 0] and lefts[2] >= 1, lefts
+    assert "digits" not in lefts, lefts
     assert torch.equal(got.view(torch.int32), want)
 
 

@@ -239,9 +239,10 @@ def test_cuda_token_logprobs_backward_equals_cpu_torch_path(dl_case):
 def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypatch, dtype):
     """The tiny tied model on CUDA: one microbatch (direct mode: the LM head's dW finishes every
     row from its double words and keeps exact partials of the looked-up rows, the lookup adds
-    into them; tokensum.GradSink.note_rows) == two microbatches (persistent accumulators), every
-    gradient bytewise; the split really ran (no embedding accumulator), and did not in the
-    persistent run."""
+    into them; tokensum.GradSink.note_rows) == two and four microbatches (persistent: the head's
+    sum carried in words, the lookups into a growing accumulator of their rows) == two
+    microbatches with the split off (the whole-weight accumulator), every gradient bytewise;
+    the split really ran where asked (no embedding accumulator) and not where it was off."""
     from rlkernel.distributed import tokensum
     from rlkernel.model.checkpoint import init_weights
     from rlkernel.model.config import preset
@@ -273,6 +274,13 @@ def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypa
     per = len(samples[0].prompt_ids) + len(samples[0].response_ids)   # the budget counts these
     one = grads(4 * per)                        # all four samples: one microbatch
     two = grads(2 * per)                        # two samples each: two microbatches
-    assert seen[0] == ({emb}, set()) and emb in seen[1][1] and not seen[1][0], seen
-    assert [n for n in one if not torch.equal(one[n].view(torch.int32),
-                                              two[n].view(torch.int32))] == []
+    four = grads(per)                           # one each: the split rows grow three times
+    with monkeypatch.context() as mp:           # the kept weight's whole-weight accumulator
+        mp.setattr(tokensum.GradSink, "note_rows", lambda self, *a, **k: None)
+        whole = grads(2 * per)
+    assert seen[0] == ({emb}, set()), seen
+    assert all(sp == {emb} and emb not in acc for sp, acc in seen[1:3]), seen   # head: words
+    assert emb in seen[3][1] and not seen[3][0], seen
+    for other in (two, four, whole):
+        assert [n for n in one if not torch.equal(one[n].view(torch.int32),
+                                                  other[n].view(torch.int32))] == []

@@ -277,7 +277,7 @@ def test_persistent_sink_carries_double_words_over_microbatches(dtype, tokens, n
     microbatches at `cuts`: every call continues the sink's double words (no digit accumulator
     is made), and the finished gradient == one call's digit path rounded, bytewise; with an
     extreme element planted (2**100, 1.5·2**46, 2**-100 in three leaves, which no double word
-    holds) the weight moves to digits in the call that meets it, same bytes; and through a
+    holds) the weight moves to digits once that call's flag count is read, same bytes; and through a
     sink whose scope group has a second rank adding nothing (finish adds the words to digits
     before the integer sum)."""
     dy, x = _operands(tokens, n, k, dtype, seed=8)
@@ -301,6 +301,7 @@ def test_persistent_sink_carries_double_words_over_microbatches(dtype, tokens, n
         bounds = [0, *cuts, tokens]
         for a, b in zip(bounds, bounds[1:]):
             assert mm.grad_weight(dy[a:b], x[a:b], w, tok) is None
+        sink._resolve(0)    # the flag counts, left on the device, read (as finish does first)
         assert (list(sink._acc), list(sink._words)) == ((["w"], []) if plant else ([], ["w"]))
         got = _bits(sink.finish()["w"])
         assert torch.equal(got, want), (plant, groups, int((got != want).sum()))

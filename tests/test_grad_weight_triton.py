@@ -154,15 +154,22 @@ def test_carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum(results):
     _ok(results, "carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum")
 
 
+def test_carried_words_flags_read_late_give_the_same_bytes(results):
+    """Flag counts read only at the end: later calls continue the words, the flagged tile is
+    added to digits late; the same bytes."""
+    _ok(results, "carried_words_flags_read_late_give_the_same_bytes")
+
+
 def test_carried_words_refuse_bad_words(results):
     """fp32 words, the wrong shape, non-contiguous words: ValueError."""
     _ok(results, "carried_words_refuse_bad_words")
 
 
-def _dw_ptx(tma: bool, carry: bool, retry: bool, fusion: bool = False) -> str:
+def _dw_ptx(tma: bool, carry: bool, retry: bool, fusion: bool = False,
+            retry_all: bool = False) -> str:
     from rlkernel.kernels import triton_grad_weight as tgw
     ce = dict(BLOCK_N=64, BLOCK_K=64, LEAF=128, PREC="tf32", EMIT=False, RETRY=retry,
-              FORCE_FLAG=0, RETRY_ALL=False, TMA=tma, CARRY=carry)
+              FORCE_FLAG=0, RETRY_ALL=retry_all, TMA=tma, CARRY=carry)
     desc = "tensordesc<bf16[128, 64]>" if tma else "*bf16"
     kinds = {"DY": "*bf16", "X": "*bf16", "AD": desc, "BD": desc, "OUT": "*fp64",
              "FLAGS": "*i32", "TILES": "*i32"}
@@ -171,14 +178,16 @@ def _dw_ptx(tma: bool, carry: bool, retry: bool, fusion: bool = False) -> str:
 
 
 @NEEDS_TRITON
-@pytest.mark.parametrize("tma,carry,retry", [(True, True, False), (True, True, True),
-                                             (False, True, False), (True, False, False)])
-def test_compiled_ptx_of_the_dw_pass(tma, carry, retry):
-    """sm_90 PTX as launched (enable_fp_fusion=False) of the first pass and its checked retry,
-    with TMA tiles and carried words: TMA bulk loads where asked (none otherwise), the carried
+@pytest.mark.parametrize("tma,carry,retry,retry_all", [
+    (True, True, False, False), (True, True, True, False), (True, True, True, True),
+    (False, True, False, False), (True, False, False, False)])
+def test_compiled_ptx_of_the_dw_pass(tma, carry, retry, retry_all):
+    """sm_90 PTX as launched (enable_fp_fusion=False) of the first pass and its checked retry
+    (over listed tiles, or over all of them as carry_grad_weight_deferred launches it), with
+    TMA tiles and carried words: TMA bulk loads where asked (none otherwise), the carried
     words loaded as float64, no fused multiply-add in float64 (the exact adds' checks need
     every add rounded alone)."""
-    ptx = _dw_ptx(tma, carry, retry)
+    ptx = _dw_ptx(tma, carry, retry, retry_all=retry_all)
     assert ("cp.async.bulk.tensor" in ptx) == tma
     assert bool(re.search(r"ld\.global(\.v\d)?\.b64", ptx)) == carry
     assert "fma.rn.f64" not in ptx

@@ -304,7 +304,7 @@ def _tied_grads(w: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor, offset: 
     """Gradient of sum(coef * (embed(ids, W) @ Wᵀ)) for one tied W (the lookup, then the same
     weight as a dense head; the head's backward runs first), with `sink` = none | persistent |
     direct (W kept, as begin_grads keeps a tied embedding). split=False: rows not noted (the
-    persistent accumulator path of a kept weight). Returns (grad, the sink or None)."""
+    whole-weight accumulator of a kept weight). Returns (grad, the sink or None)."""
     p = torch.nn.Parameter(w.clone())
     gs = None
     if sink != "none":
@@ -334,7 +334,7 @@ def test_tied_weight_split_path_gives_the_persistent_bytes_without_its_accumulat
     ids = torch.randint(0, VOCAB, (3 * TOKEN_LEAF,), generator=g)
     w = torch.randn(ROWS, H, generator=g)
     coef = torch.randn(3 * TOKEN_LEAF, ROWS, generator=g)
-    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent")
+    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent", split=False)
     seen = {}
     real = tokensum.GradSink.finish
 
@@ -367,7 +367,7 @@ def test_tied_split_rows_survive_a_deferred_redo_of_their_chunk(monkeypatch):
     ids = torch.randint(0, VOCAB, (3 * TOKEN_LEAF,), generator=g)
     w = torch.randn(ROWS, H, generator=g)
     coef = torch.randn(3 * TOKEN_LEAF, ROWS, generator=g)
-    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent")
+    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent", split=False)
     monkeypatch.setattr(mm, "_rounded_rows", lambda d, xx: lambda a, b: (
         torch.full((b - a, xx.shape[1]), float("nan")), torch.tensor(1)))
     real = tokensum.GradSink._resolve
@@ -377,6 +377,48 @@ def test_tied_split_rows_survive_a_deferred_redo_of_their_chunk(monkeypatch):
     # that requires grad) — GradSink._resolve turns it off.
     got, _ = _tied_grads(w, ids, coef, OFFSET, "direct")
     assert not bool(got.isnan().any()) and _same(got, base)
+
+
+def _tied_microbatches(w, ids, coef, cuts, split: bool = True):
+    """_tied_grads's loss over microbatches (ids and coef cut at the token rows `cuts`) into one
+    persistent sink; returns (grad, rows of the split accumulator after each microbatch)."""
+    p = torch.nn.Parameter(w.clone())
+    gs = tokensum.GradSink.single()
+    gs.begin({"emb": p}, keep={"emb"})
+    if not split:
+        gs.note_rows = lambda *a, **k: None
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=gs)
+    bounds, sizes = [0, *cuts, ids.numel()], []
+    for a, b in zip(bounds, bounds[1:]):
+        (y,) = column_parallel_linear(embed(ids[a:b], p, offset=OFFSET, tok=tok), [p], tok=tok)
+        (y * coef[a:b]).sum().backward()
+        sizes.append(gs._split["emb"][0].numel() if "emb" in gs._split else 0)
+    return gs.finish()["emb"], sizes
+
+
+def test_tied_weight_split_over_microbatches_gives_the_whole_accumulator_bytes():
+    """A kept (tied) weight in a persistent sink over three one-leaf microbatches whose lookups
+    bring new rows each time: the split accumulator grows to the union of the looked-up rows
+    (the digits of the old rows carried into it), and finish adds the dense sum's rows to it —
+    bytes == the whole-weight accumulator (split off) over the same microbatches == one
+    microbatch. The lookups were chosen so that rows recur across microbatches and new ones
+    come in each (a grow that dropped the old digits would lose a recurring row's part)."""
+    g = torch.Generator().manual_seed(7)
+    local = torch.cat([torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
+                       torch.randint(2, 8, (TOKEN_LEAF,), generator=g),
+                       torch.randint(5, ROWS + 3, (TOKEN_LEAF,), generator=g)])
+    ids = local + OFFSET
+    w = torch.randn(ROWS, H, generator=g)
+    coef = torch.randn(3 * TOKEN_LEAF, ROWS, generator=g)
+    cuts = [TOKEN_LEAF, 2 * TOKEN_LEAF]
+    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent", split=False)
+    whole, none = _tied_microbatches(w, ids, coef, cuts, split=False)
+    got, sizes = _tied_microbatches(w, ids, coef, cuts)
+    assert none == [0, 0, 0]
+    assert sizes[0] < sizes[1] < sizes[2], sizes
+    union = torch.unique(local[local < ROWS])
+    assert sizes[2] == union.numel()
+    assert _same(whole, base) and _same(got, base)
 
 
 def test_split_rows_refuses_the_sparse_use_before_the_dense_one():

@@ -59,7 +59,8 @@ class GradSink:
     *w.shape], 16 bytes per element against 104, continued by the kernel microbatch after
     microbatch with no digit pass); a weight moves from words to digits — the words' exact sum
     added to a new accumulator — when another kernel asks for its accumulator or a tile cannot
-    hold its sum in words, and `finish` rounds words directly (a scope group of one rank) or
+    hold its sum in words (learnt from a flag count read later, as a deferred chunk's below:
+    `TokenSum.defer_carry`), and `finish` rounds words directly (a scope group of one rank) or
     adds them to digits first. The same exact sum either way, so the same bytes.
     Direct mode (`begin(direct=True)`, when every rank's share of the mini-batch is ONE
     microbatch): a weight's leaves are all in the one backward that reaches it, so its kernel
@@ -81,6 +82,11 @@ class GradSink:
     rows only; the sparse use (the lookup's backward) adds into that one (`add_split_rows`);
     `finish` rounds it over those rows. The same exact sum of the same partials, rounded once:
     the persistent path's bytes, without its [V, H, N_COLS] accumulator (32 GB at qwen3-1.7b).
+    In persistent mode (several microbatches) such a weight is split too: the dense use keeps
+    its sum as usual (words on CUDA), the sparse uses add into an accumulator over the rows
+    noted so far (grown, digits copied, when a later lookup brings new rows), and `finish` adds
+    the dense sum's rows into it before rounding them — instead of moving the whole weight to
+    digits at the first lookup's backward.
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
@@ -143,7 +149,7 @@ class GradSink:
         persistent accumulator. Call before the dense use's backward (the lookup's forward);
         several calls add rows. RuntimeError once the dense use has finished w."""
         name = self._names.get(id(w))   # None: not a trained parameter (a frozen model's)
-        if (name is None or not (self.open and self.direct and name in self._keep)
+        if (name is None or not (self.open and name in self._keep)
                 or self.groups[scope].size != 1):
             return
         if name in self._done:
@@ -165,6 +171,8 @@ class GradSink:
         N_COLS]; returns True. False (nothing done) for a weight that is not split. RuntimeError
         when the dense use has not run yet (its partials of these rows would be lost)."""
         name = self._names.get(id(w))   # a foreign tensor is the other paths' to refuse
+        if self.open and not self.direct and name in self._rows:
+            self._grow_split(name, w)
         if name in self._split:
             add_at(*self._split[name])
             return True
@@ -172,6 +180,19 @@ class GradSink:
             raise RuntimeError(f"GradSink: the sparse use of {name} reached the sink before its "
                                "dense use (the split path needs the dense use first)")
         return False
+
+    def _grow_split(self, name: str, w: torch.Tensor) -> None:
+        """Persistent mode: the split accumulator of `name` over every row noted so far (the
+        rows of all microbatches' lookups: a superset of the last one's), the digits already
+        added to the old rows copied to their new places (integers: exact)."""
+        rows = self._rows[name][0]
+        old = self._split.get(name)
+        if old is not None and old[0].numel() == rows.numel():   # rows only grow: the same set
+            return
+        acc = fx.zeros((rows.numel(), *w.shape[1:]), w.device)
+        if old is not None:
+            acc[torch.searchsorted(rows, old[0])] = old[1]
+        self._split[name] = (rows, acc)
 
     def finish_direct(self, w: torch.Tensor, scope: str, add_rows, op: str,
                       words_rows=None, add_rows_at=None) -> None:
@@ -315,6 +336,9 @@ class GradSink:
         transient beyond the accumulators themselves is a few bucket copies, not a second set."""
         self.open = False
         self._resolve(0)    # every deferred chunk exact before any gradient leaves the sink
+        for n, (rows, acc) in self._split.items():
+            if n not in self._done:     # persistent: the dense use's sums of those rows join
+                acc += self._held_rows(n, rows)
         out: dict[str, torch.Tensor] = {}
         for scope in SCOPES:
             # Every rank must reduce the same list in the same buckets; the signature check of
@@ -329,10 +353,22 @@ class GradSink:
                 self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
         self._acc, self._words = {}, {}
         for n, (rows, acc) in self._split.items():   # scope groups of one rank: no collective
-            self._done[n][rows] = fx.round_fp32(acc)
+            (self._done if n in self._done else out)[n][rows] = fx.round_fp32(acc)
         out.update(self._done)
         self._done, self._rows, self._split = {}, {}, {}
         return {n: out[n] for n in self._order if n in out}
+
+    def _held_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Digits int64 [R, *shape[1:], N_COLS] of the rows `rows` of a weight's mini-batch sum
+        (words or digits); RuntimeError for a split weight whose dense use never came."""
+        if name in self._words:
+            words = self._words[name]
+            picked = words[:, rows].reshape(2, -1)
+            return _digits_of(picked).view(rows.numel(), *words.shape[2:], fx.N_COLS)
+        if name in self._acc:
+            return self._acc[name][rows]
+        raise RuntimeError(f"GradSink: {name} is split (rows noted) but its dense use never "
+                           "reached the sink")
 
     def _held(self, name: str) -> tuple[torch.Size, torch.device]:
         """(gradient shape, device) of a weight's mini-batch sum, digits or words."""
@@ -462,6 +498,18 @@ class TokenSum:
         if self.sink is not None and self.sink.open:
             return self.sink.words(w, self._scope_for(heads))
         return None
+
+    def defer_carry(self, w: torch.Tensor, flagged: torch.Tensor, redo,
+                    heads: Comm | None = None) -> None:
+        """After a kernel continued the open sink's words for w (`words`) leaving its flag count
+        `flagged` ([] int, on the device) unread: `redo(acc)` runs with w's accumulator
+        (`GradSink.accumulator`: the words moved to digits) once the count is read and found
+        nonzero — later, as the sink's deferred chunks (GradSink._defer), at the latest in
+        `finish`. RuntimeError without an open sink."""
+        sink, scope = self.sink, self._scope_for(heads)
+        if sink is None or not sink.open:
+            raise RuntimeError("TokenSum.defer_carry: no open gradient sink")
+        sink._defer(flagged, lambda: redo(sink.accumulator(w, scope)))
 
     def result(self, w: torch.Tensor, acc: torch.Tensor, op: str,
                heads: Comm | None = None) -> torch.Tensor | None:

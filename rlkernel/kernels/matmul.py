@@ -280,17 +280,25 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 
 def _carry_words(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tok: TokenSum) -> bool:
     """On CUDA with an open sink (several microbatches), add this call's dW into the sink's
-    double words for w (kernels/triton_grad_weight.py `carry_grad_weight_`) and return True;
-    False when the sink holds w in digits (or there is no open sink). A tile the words could
-    not hold moves w to digits (the sink's `accumulator` adds the words there) and its partials
-    go there too: the same exact sum, so the same bytes."""
+    double words for w (kernels/triton_grad_weight.py `carry_grad_weight_deferred`) and return
+    True; False when the sink holds w in digits (or there is no open sink). The kernel's flag
+    count stays on the device (`TokenSum.defer_carry`): where a tile turned out unable to hold
+    its sum, the sink later moves w to digits (the words added there) and adds that tile's
+    partials of this call there — the same exact sum, so the same bytes. dy and x are kept for
+    that redo (RuntimeError then if either was changed in place meanwhile)."""
     words = tok.words(w)
     if words is None:
         return False
     kernel = _grad_weight_kernel()
-    left = kernel.carry_grad_weight_(words, dy, x)
-    if left:
-        kernel.redo_into_digits_(tok.accumulator(w), dy, x, left)
+    launches, flagged = kernel.carry_grad_weight_deferred(words, dy, x)
+    versions = (dy._version, x._version)
+
+    def redo(acc: torch.Tensor) -> None:
+        if (dy._version, x._version) != versions:
+            raise RuntimeError("grad weight: dy or x was changed in place before a deferred "
+                               "dW chunk was redone")
+        kernel.redo_into_digits_(acc, dy, x, kernel.flagged_tiles(launches))
+    tok.defer_carry(w, flagged, redo)
     return True
 
 

@@ -178,15 +178,15 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, 
                          num_stages=stages, enable_fp_fusion=False)
 
 
-def _retry_flagged(a, b, words, flags, tile, force_flag, use_tma, carry=False) -> torch.Tensor:
-    """The flagged tiles of a `_double_words` (or carrying) launch again, every error through
+def _retry_flagged(a, b, words, flags, tile, force_flag, use_tma) -> torch.Tensor:
+    """The flagged tiles of a `_double_words` launch again, every error through
     the checked lo (tfx.add_word_checked), into the same words and flags; returns the tiles
     still flagged (int64, on the device). One host sync (which tiles were flagged)."""
     flagged = torch.nonzero(flags).flatten()
     if flagged.numel():
         ids = flagged.to(torch.int32)
         _launch(a, b, words, flags, ids, (ids.numel(),), tile, False, force_flag, retry=True,
-                use_tma=use_tma, carry=carry)
+                use_tma=use_tma)
         flagged = flagged[flags[flagged] != 0]
     return flagged
 
@@ -282,28 +282,33 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     return acc, redone
 
 
-def carry_grad_weight_(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
-                       tile: tuple[int, int, int, int] = TILE, force_flag: bool = False,
-                       use_tma: bool = True) -> list[tuple[int, int, torch.Tensor]]:
+def carry_grad_weight_deferred(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
+                               tile: tuple[int, int, int, int] = TILE, force_flag: bool = False,
+                               use_tma: bool = True
+                               ) -> tuple[list[tuple[int, int, torch.Tensor]], torch.Tensor]:
     """words += the exact sum over the CUDA_TOKEN_LEAF leaves of dy [L, N], x [L, K] of their
-    dWᵀ partials, in place, where the words can hold it: words [2, N, K] float64 (contiguous)
-    is a pair (hi, lo) per element whose exact sum hi + lo is a persistent mini-batch sum, as
-    `accumulate_grad_weight_`'s first pass and retry make it, continued from what it holds.
+    dWᵀ partials, in place, where the words can hold it, with no host sync: words [2, N, K]
+    float64 (contiguous) is a pair (hi, lo) per element whose exact sum hi + lo is a persistent
+    mini-batch sum, as `accumulate_grad_weight_`'s first pass and retry make it, continued from
+    what it holds.
 
-    Returns the tiles that could not take this call's partials even through the checked retry
-    — [(r0, r1, flagged tile ids int64)] per launch of rows [r0, r1), usually [] — whose words
-    are left as they were before the call: the caller then moves the sum to digits (the words
-    added to an accumulator, `tfx.add_double_words_`) and adds those tiles' partials there
-    (`redo_into_digits_`). The exact sum is the same either way, so the rounded gradient is
-    the digit path's, bytewise, whatever the microbatches (tests/grad_weight_triton_checks.py).
+    Returns (launches, flagged): launches [(r0, r1, flags int32 [tiles])] per launch of rows
+    [r0, r1), and flagged ([] int32, on the device) the count of tiles that could not take this
+    call's partials even through the checked retry (usually 0) — their words are left as they
+    were before the call. If it is not 0 the caller moves the sum to digits (the words added to
+    an accumulator, `tfx.add_double_words_`) and adds those tiles' partials there
+    (`flagged_tiles`, `redo_into_digits_`). The exact sum is the same either way, so the
+    rounded gradient is the digit path's, bytewise, whatever the microbatches
+    (tests/grad_weight_triton_checks.py).
 
     Why: the digit accumulator of the persistent path costs 104 bytes per element and a pass
     reading and writing it per microbatch (on an H200, qwen3-0.6b at four microbatches:
     `add_double_words_` 340 ms of a 1.48 s step against 80 ms for the dW kernels themselves,
-    docs/BENCHMARKS.md); words are 16 bytes and the kernel continues them.
-    One host sync per launch (which tiles, if any, were flagged). `tile`, `force_flag` (every
-    tile flagged: all of them returned) and `use_tma` as in accumulate_grad_weight_.
-    Raises ValueError on devices, shapes or words of the wrong form."""
+    docs/BENCHMARKS.md); words are 16 bytes and the kernel continues them. The retry runs over
+    every tile (RETRY_ALL, as in `rounded_grad_weight_deferred`): a list of flagged tiles read
+    by the host was a drained GPU queue per linear. `tile`, `force_flag` (every tile flagged)
+    and `use_tma` as in accumulate_grad_weight_. Raises ValueError on devices, shapes or words
+    of the wrong form."""
     check_cuda("grad weight", words, dy, x)
     n_tok, n = dy.shape
     k = x.shape[1]
@@ -312,9 +317,10 @@ def carry_grad_weight_(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *
             or not words.is_contiguous():
         raise ValueError(f"grad weight: contiguous float64 [2, {n}, {k}] words expected, got "
                          f"{words.dtype} {tuple(words.shape)}")
+    flagged = torch.zeros((), dtype=torch.int32, device=dy.device)
+    launches = []
     if n_tok == 0 or n == 0 or k == 0:
-        return []
-    left = []
+        return launches, flagged
     bn, bk = tile[0], tile[1]
     for r0, r1 in _launch_rows(n, k, tile):
         aa, ww = a[:, r0:r1], words[:, r0:r1]
@@ -322,10 +328,34 @@ def carry_grad_weight_(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *
         flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
         _launch(aa, b, ww, flags, flags, (n_tiles,), tile, False, force_flag, use_tma=use_tma,
                 carry=True)
-        flagged = _retry_flagged(aa, b, ww, flags, tile, force_flag, use_tma, carry=True)
-        if flagged.numel():
-            left.append((r0, r1, flagged))
+        _launch(aa, b, ww, flags, flags, (n_tiles,), tile, False, force_flag, retry_all=True,
+                use_tma=use_tma, carry=True)
+        launches.append((r0, r1, flags))
+        flagged += flags.sum(dtype=torch.int32)
+    return launches, flagged
+
+
+def flagged_tiles(launches: list[tuple[int, int, torch.Tensor]]
+                  ) -> list[tuple[int, int, torch.Tensor]]:
+    """[(r0, r1, flagged tile ids int64)] of `carry_grad_weight_deferred`'s launches that left
+    any tile flagged (usually []), for `redo_into_digits_`. One host sync per launch."""
+    left = []
+    for r0, r1, flags in launches:
+        ids = torch.nonzero(flags).flatten()
+        if ids.numel():
+            left.append((r0, r1, ids))
     return left
+
+
+def carry_grad_weight_(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
+                       tile: tuple[int, int, int, int] = TILE, force_flag: bool = False,
+                       use_tma: bool = True) -> list[tuple[int, int, torch.Tensor]]:
+    """`carry_grad_weight_deferred` with its flags read now: returns `flagged_tiles` of its
+    launches (the tiles whose words were left as they were; usually []). Host syncs as
+    `flagged_tiles`; errors as `carry_grad_weight_deferred`."""
+    launches, _ = carry_grad_weight_deferred(words, dy, x, tile=tile, force_flag=force_flag,
+                                             use_tma=use_tma)
+    return flagged_tiles(launches)
 
 
 def redo_into_digits_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
