@@ -108,16 +108,13 @@ def _plant(dy, x, row: int, col: int, values) -> None:
         x[leaf * TOKEN_LEAF, col] = 1.0
 
 
-@check
-def one_inexact_add_is_retried_and_exact():
-    """Element (3, 5) gets leaf partials 1, 2**-24, 2**-80 (exact sum 1 + 2**-24 + 2**-80 rounds
-    up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): one inexact add,
-    which the first pass (tfx.add_exact, no error word) flags, so its tile alone is retried with
-    the checked lo word — no EMIT — and the bytes are the reference's; the naive float64 sum
-    gives other bytes there (the control: a kernel that kept the first pass's words would fail
-    this check). Other elements span up to ~2**20 (no inexact add)."""
+def _retried_alone_and_exact(values):
+    """Element (3, 5) of narrow-scale operands (seed 1: no other inexact add) planted with leaf
+    partials `values` whose exact sum rounds to 1 + 2**-23 and whose naive float64 sum rounds to
+    1.0 (asserted: the control): the accumulator == the reference bytewise, through the first
+    pass and the checked retry of tile (0, 0) alone (no EMIT). Returns (dy, x)."""
     dy, x = _operands(8, 40, 24, 4, seed=1)
-    _plant(dy, x, 3, 5, [1.0, 2.0**-24, 2.0**-80])
+    _plant(dy, x, 3, 5, values)
     with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
         assert _same(dy, x) == 0
     modes = [(kw["RETRY"], kw["EMIT"]) for _, kw in rec.launches]
@@ -126,6 +123,36 @@ def one_inexact_add_is_retried_and_exact():
     want = fx.round_fp32(_reference(dy, x))
     assert want[3, 5].item() == 1.0 + 2.0**-23
     assert _naive64(dy, x)[3, 5].item() == 1.0, "control: the naive float64 sum is not wrong here"
+    return dy, x
+
+
+@check
+def one_inexact_add_is_retried_and_exact():
+    """Element (3, 5) gets leaf partials 1, 2**-24, 2**-80 (exact sum 1 + 2**-24 + 2**-80 rounds
+    up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): one inexact add,
+    which the first pass (tfx.add_exact, no error word) flags, so its tile alone is retried with
+    the checked lo word — no EMIT — and the bytes are the reference's; the naive float64 sum
+    gives other bytes there (the control: a kernel that kept the first pass's words would fail
+    this check). Other elements span up to ~2**20 (no inexact add)."""
+    _retried_alone_and_exact([1.0, 2.0**-24, 2.0**-80])
+
+
+@check
+def small_then_large_inexact_add_is_retried_and_exact():
+    """Element (3, 5) gets leaf partials 2**-80, then 1, then 2**-24: the running sum is small
+    when the large partial arrives, so fl(2**-80 + 1) = 1 passes add_exact's first comparison
+    (s − hi == p) and only its second (s − p == hi) sees that 2**-80 was lost (Dekker: the
+    larger operand, here p, gives the exact difference). The tile must be flagged and retried
+    with the checked lo word (tile 0 alone, no EMIT); the exact sum 1 + 2**-24 + 2**-80 rounds
+    up to 1 + 2**-23, what the accumulator and rounded_grad_weight give, bytewise == the exact
+    reference. Keeping the first pass's words instead (the lost 2**-80: 1 + 2**-24, a tie) rounds
+    to 1.0, as the naive float64 sum does (the control)."""
+    hi, p = 2.0**-80, 1.0
+    s = hi + p                    # Python float64: the kernel's first-pass add, by hand
+    assert s - hi == p and s - p != hi, "the case must pass the first comparison alone"
+    dy, x = _retried_alone_and_exact([2.0**-80, 1.0, 2.0**-24])
+    _rounded_same(dy, x)
+    assert tgw.rounded_grad_weight(dy, x, tile=SMALL)[3, 5].item() == 1.0 + 2.0**-23
 
 
 @check

@@ -1,7 +1,8 @@
 """The fused dW kernel (rlkernel/kernels/triton_grad_weight.py) under TRITON_INTERPRET=1 (Triton
 on the CPU): its accumulator == the reference path's (token-leaf partials + the torch exact
 accumulator), bytewise, for narrow, wide (through the lo word) and extreme (flagged, redone)
-ranges of leaf partials, non-finite partials, sums past the fp32 range, forced recomputes, edge
+ranges of leaf partials, an inexact add onto a small running sum (seen only by add_exact's
+second comparison), non-finite partials, sums past the fp32 range, forced recomputes, edge
 tiles, strided operands, a non-zero starting accumulator, other tiles, several launches and
 EMIT batches, sums at the double-word bound (lowered to 2**129); with the control that the wide
 case's naive float64 sum is wrong; and the launch arguments the interpreter cannot show (fp
@@ -37,6 +38,14 @@ def test_one_inexact_add_is_retried_and_exact(results):
     checked retry of that tile alone, no recompute; control: the naive float64 sum gives 1.0
     there."""
     _ok(results, "one_inexact_add_is_retried_and_exact")
+
+
+def test_small_then_large_inexact_add_is_retried_and_exact(results):
+    """Partials 2**-80, 1, 2**-24 in one element: the add of 1 onto 2**-80 is inexact, seen only
+    by add_exact's second comparison (s - p == hi); retried (tile 0 alone, no EMIT), the exact
+    sum's bytes (1 + 2**-23) in the accumulator and rounded_grad_weight; control: the naive
+    float64 sum gives 1.0."""
+    _ok(results, "small_then_large_inexact_add_is_retried_and_exact")
 
 
 def test_two_inexact_adds_are_retried_and_exact(results):
