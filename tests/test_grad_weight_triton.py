@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
 
@@ -166,6 +167,36 @@ def test_carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum(results):
 def test_carried_words_refuse_bad_words(results):
     """fp32 words, the wrong shape, non-contiguous words: ValueError."""
     _ok(results, "carried_words_refuse_bad_words")
+
+
+def test_tma_aligned_refuses_what_tma_cannot_describe():
+    """`_tma_aligned` (the dW kernel's choice of TMA descriptors, on CPU tensors: no kernel
+    runs): an aligned contiguous bf16 (and fp16) operand passes; each refusal case breaks one
+    condition alone, the others holding — a base one bf16 element (2 bytes) past a 16-byte
+    boundary, inner stride 2 (every other column), fp32 elements (rows still 16-byte multiples),
+    40-byte rows — and `_descriptors` keeps the pointer loads (TMA False, the tensors
+    themselves) for each, and wherever use_tma is False."""
+    from rlkernel.kernels import triton_grad_weight as tgw
+    tile = (16, 16, 1, 1)
+    ok = torch.zeros(128, 24, dtype=torch.bfloat16)            # 48-byte rows
+    assert ok.data_ptr() % 16 == 0, "the CPU allocator's alignment this test assumes"
+    assert tgw._tma_aligned(ok) and tgw._tma_aligned(ok.half())
+    assert tgw._descriptors(ok, ok, tile, True)[2] is True
+    buf = torch.zeros(1 + 128 * 24, dtype=torch.bfloat16)
+    off = buf[1:].view(128, 24)                                # base at +2 bytes
+    strided = torch.zeros(128, 48, dtype=torch.bfloat16)[:, ::2]
+    wide = torch.zeros(128, 24, dtype=torch.float32)           # 96-byte rows, 4-byte elements
+    narrow = torch.zeros(128, 20, dtype=torch.bfloat16)        # 40-byte rows
+    assert buf.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 2 and off.stride() == (24, 1)
+    assert strided.stride() == (48, 2) and strided.data_ptr() % 16 == 0
+    assert wide.stride() == (24, 1) and wide.data_ptr() % 16 == 0
+    for name, t in (("base", off), ("inner stride", strided), ("fp32", wide), ("rows", narrow)):
+        assert tgw._tma_aligned(t) is False, name
+        for a, b in ((t, ok), (ok, t)):
+            got = tgw._descriptors(a, b, tile, True)
+            assert got[2] is False and got[0] is a and got[1] is b, name
+    assert tgw._descriptors(wide, wide, tile, True)[2] is False         # fp32 pair: pointer loads
+    assert tgw._descriptors(ok, ok, tile, False) == (ok, ok, False)
 
 
 def _dw_ptx(tma: bool, carry: bool, retry: bool, fusion: bool = False) -> str:
