@@ -16,6 +16,7 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/grad_weight_triton_checks
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
@@ -208,6 +209,42 @@ def retry_all_leaves_clean_tiles_untouched():
     redone[:, r:r + bn, c:c + bk] = True
     assert torch.equal(kept[~redone], sentinel[~redone])
     assert torch.equal(kept[redone], words[redone]) and kept_flags.tolist() == [0] * flags.numel()
+
+
+@check
+def deferred_retry_all_takes_the_callers_use_tma():
+    """rounded_grad_weight_deferred passes its use_tma to both of its launches, the first pass
+    and the every-tile retry (RETRY_ALL): a spy on tgw._launch sees the caller's value in each,
+    and the kernel launches record TMA == use_tma (the operands allow TMA: bf16, 48-byte rows),
+    for use_tma True and False. Element (3, 5) holds the small-then-large partials 2**-80, 1,
+    2**-24, so the RETRY_ALL launch really recomputes tile 0 (with TMA fetches, then with
+    pointer loads): no tile left flagged and the digit path's bytes, 1 + 2**-23 there, either
+    way."""
+    dy, x = _operands(8, 40, 24, 4, seed=1)
+    _plant(dy, x, 3, 5, [2.0**-80, 1.0, 2.0**-24])
+    a, b = dy.bfloat16(), x.bfloat16()       # exact: small integers times powers of two
+    want = fx.round_fp32(_reference(a, b)).view(torch.int32)
+    real = tgw._launch
+    calls = []
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append((bound.arguments["retry_all"], bound.arguments["use_tma"]))
+        return real(*args, **kwargs)
+    for use_tma in (True, False):
+        calls.clear()
+        tgw._launch = spy
+        try:
+            with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+                out, flagged = tgw.rounded_grad_weight_deferred(a, b, tile=SMALL, use_tma=use_tma)
+        finally:
+            tgw._launch = real
+        assert calls == [(False, use_tma), (True, use_tma)], (use_tma, calls)
+        got = [(kw["RETRY_ALL"], kw["TMA"]) for _, kw in rec.launches]
+        assert got == [(False, use_tma), (True, use_tma)], (use_tma, got)
+        assert int(flagged) == 0 and out[3, 5].item() == 1.0 + 2.0**-23, use_tma
+        assert torch.equal(out.view(torch.int32), want), use_tma
 
 
 @check

@@ -118,6 +118,13 @@ def test_retry_all_leaves_clean_tiles_untouched(results):
     _ok(results, "retry_all_leaves_clean_tiles_untouched")
 
 
+def test_deferred_retry_all_takes_the_callers_use_tma(results):
+    """rounded_grad_weight_deferred's first pass and every-tile retry (RETRY_ALL) both get the
+    caller's use_tma (a spy on _launch) and fetch by TMA exactly when it is True (the launches'
+    TMA), the retry recomputing a planted tile either way; bytes == the digit path's."""
+    _ok(results, "deferred_retry_all_takes_the_callers_use_tma")
+
+
 def test_rounded_grad_weight_is_the_digit_path_rounding(results):
     """rounded_grad_weight == round_fp32(accumulator) == round_fp32(reference), bytewise: narrow
     and wide scales, the lo-word element (rounds up to 1 + 2**-23), sums past fp32 (+Inf), edge
