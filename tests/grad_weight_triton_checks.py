@@ -16,6 +16,7 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/grad_weight_triton_checks
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
@@ -108,16 +109,13 @@ def _plant(dy, x, row: int, col: int, values) -> None:
         x[leaf * TOKEN_LEAF, col] = 1.0
 
 
-@check
-def one_inexact_add_is_retried_and_exact():
-    """Element (3, 5) gets leaf partials 1, 2**-24, 2**-80 (exact sum 1 + 2**-24 + 2**-80 rounds
-    up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): one inexact add,
-    which the first pass (tfx.add_exact, no error word) flags, so its tile alone is retried with
-    the checked lo word — no EMIT — and the bytes are the reference's; the naive float64 sum
-    gives other bytes there (the control: a kernel that kept the first pass's words would fail
-    this check). Other elements span up to ~2**20 (no inexact add)."""
+def _retried_alone_and_exact(values):
+    """Element (3, 5) of narrow-scale operands (seed 1: no other inexact add) planted with leaf
+    partials `values` whose exact sum rounds to 1 + 2**-23 and whose naive float64 sum rounds to
+    1.0 (asserted: the control): the accumulator == the reference bytewise, through the first
+    pass and the checked retry of tile (0, 0) alone (no EMIT). Returns (dy, x)."""
     dy, x = _operands(8, 40, 24, 4, seed=1)
-    _plant(dy, x, 3, 5, [1.0, 2.0**-24, 2.0**-80])
+    _plant(dy, x, 3, 5, values)
     with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
         assert _same(dy, x) == 0
     modes = [(kw["RETRY"], kw["EMIT"]) for _, kw in rec.launches]
@@ -126,6 +124,36 @@ def one_inexact_add_is_retried_and_exact():
     want = fx.round_fp32(_reference(dy, x))
     assert want[3, 5].item() == 1.0 + 2.0**-23
     assert _naive64(dy, x)[3, 5].item() == 1.0, "control: the naive float64 sum is not wrong here"
+    return dy, x
+
+
+@check
+def one_inexact_add_is_retried_and_exact():
+    """Element (3, 5) gets leaf partials 1, 2**-24, 2**-80 (exact sum 1 + 2**-24 + 2**-80 rounds
+    up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): one inexact add,
+    which the first pass (tfx.add_exact, no error word) flags, so its tile alone is retried with
+    the checked lo word — no EMIT — and the bytes are the reference's; the naive float64 sum
+    gives other bytes there (the control: a kernel that kept the first pass's words would fail
+    this check). Other elements span up to ~2**20 (no inexact add)."""
+    _retried_alone_and_exact([1.0, 2.0**-24, 2.0**-80])
+
+
+@check
+def small_then_large_inexact_add_is_retried_and_exact():
+    """Element (3, 5) gets leaf partials 2**-80, then 1, then 2**-24: the running sum is small
+    when the large partial arrives, so fl(2**-80 + 1) = 1 passes add_exact's first comparison
+    (s − hi == p) and only its second (s − p == hi) sees that 2**-80 was lost (Dekker: the
+    larger operand, here p, gives the exact difference). The tile must be flagged and retried
+    with the checked lo word (tile 0 alone, no EMIT); the exact sum 1 + 2**-24 + 2**-80 rounds
+    up to 1 + 2**-23, what the accumulator and rounded_grad_weight give, bytewise == the exact
+    reference. Keeping the first pass's words instead (the lost 2**-80: 1 + 2**-24, a tie) rounds
+    to 1.0, as the naive float64 sum does (the control)."""
+    hi, p = 2.0**-80, 1.0
+    s = hi + p                    # Python float64: the kernel's first-pass add, by hand
+    assert s - hi == p and s - p != hi, "the case must pass the first comparison alone"
+    dy, x = _retried_alone_and_exact([2.0**-80, 1.0, 2.0**-24])
+    _rounded_same(dy, x)
+    assert tgw.rounded_grad_weight(dy, x, tile=SMALL)[3, 5].item() == 1.0 + 2.0**-23
 
 
 @check
@@ -181,6 +209,42 @@ def retry_all_leaves_clean_tiles_untouched():
     redone[:, r:r + bn, c:c + bk] = True
     assert torch.equal(kept[~redone], sentinel[~redone])
     assert torch.equal(kept[redone], words[redone]) and kept_flags.tolist() == [0] * flags.numel()
+
+
+@check
+def deferred_retry_all_takes_the_callers_use_tma():
+    """rounded_grad_weight_deferred passes its use_tma to both of its launches, the first pass
+    and the every-tile retry (RETRY_ALL): a spy on tgw._launch sees the caller's value in each,
+    and the kernel launches record TMA == use_tma (the operands allow TMA: bf16, 48-byte rows),
+    for use_tma True and False. Element (3, 5) holds the small-then-large partials 2**-80, 1,
+    2**-24, so the RETRY_ALL launch really recomputes tile 0 (with TMA fetches, then with
+    pointer loads): no tile left flagged and the digit path's bytes, 1 + 2**-23 there, either
+    way."""
+    dy, x = _operands(8, 40, 24, 4, seed=1)
+    _plant(dy, x, 3, 5, [2.0**-80, 1.0, 2.0**-24])
+    a, b = dy.bfloat16(), x.bfloat16()       # exact: small integers times powers of two
+    want = fx.round_fp32(_reference(a, b)).view(torch.int32)
+    real = tgw._launch
+    calls = []
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append((bound.arguments["retry_all"], bound.arguments["use_tma"]))
+        return real(*args, **kwargs)
+    for use_tma in (True, False):
+        calls.clear()
+        tgw._launch = spy
+        try:
+            with LaunchRecorder.swapped_in(tgw, "_dw_kernel") as rec:
+                out, flagged = tgw.rounded_grad_weight_deferred(a, b, tile=SMALL, use_tma=use_tma)
+        finally:
+            tgw._launch = real
+        assert calls == [(False, use_tma), (True, use_tma)], (use_tma, calls)
+        got = [(kw["RETRY_ALL"], kw["TMA"]) for _, kw in rec.launches]
+        assert got == [(False, use_tma), (True, use_tma)], (use_tma, got)
+        assert int(flagged) == 0 and out[3, 5].item() == 1.0 + 2.0**-23, use_tma
+        assert torch.equal(out.view(torch.int32), want), use_tma
 
 
 @check

@@ -1,7 +1,8 @@
 """The fused dW kernel (rlkernel/kernels/triton_grad_weight.py) under TRITON_INTERPRET=1 (Triton
 on the CPU): its accumulator == the reference path's (token-leaf partials + the torch exact
 accumulator), bytewise, for narrow, wide (through the lo word) and extreme (flagged, redone)
-ranges of leaf partials, non-finite partials, sums past the fp32 range, forced recomputes, edge
+ranges of leaf partials, an inexact add onto a small running sum (seen only by add_exact's
+second comparison), non-finite partials, sums past the fp32 range, forced recomputes, edge
 tiles, strided operands, a non-zero starting accumulator, other tiles, several launches and
 EMIT batches, sums at the double-word bound (lowered to 2**129); with the control that the wide
 case's naive float64 sum is wrong; and the launch arguments the interpreter cannot show (fp
@@ -20,6 +21,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
 
@@ -37,6 +39,14 @@ def test_one_inexact_add_is_retried_and_exact(results):
     checked retry of that tile alone, no recompute; control: the naive float64 sum gives 1.0
     there."""
     _ok(results, "one_inexact_add_is_retried_and_exact")
+
+
+def test_small_then_large_inexact_add_is_retried_and_exact(results):
+    """Partials 2**-80, 1, 2**-24 in one element: the add of 1 onto 2**-80 is inexact, seen only
+    by add_exact's second comparison (s - p == hi); retried (tile 0 alone, no EMIT), the exact
+    sum's bytes (1 + 2**-23) in the accumulator and rounded_grad_weight; control: the naive
+    float64 sum gives 1.0."""
+    _ok(results, "small_then_large_inexact_add_is_retried_and_exact")
 
 
 def test_two_inexact_adds_are_retried_and_exact(results):
@@ -108,6 +118,13 @@ def test_retry_all_leaves_clean_tiles_untouched(results):
     _ok(results, "retry_all_leaves_clean_tiles_untouched")
 
 
+def test_deferred_retry_all_takes_the_callers_use_tma(results):
+    """rounded_grad_weight_deferred's first pass and every-tile retry (RETRY_ALL) both get the
+    caller's use_tma (a spy on _launch) and fetch by TMA exactly when it is True (the launches'
+    TMA), the retry recomputing a planted tile either way; bytes == the digit path's."""
+    _ok(results, "deferred_retry_all_takes_the_callers_use_tma")
+
+
 def test_rounded_grad_weight_is_the_digit_path_rounding(results):
     """rounded_grad_weight == round_fp32(accumulator) == round_fp32(reference), bytewise: narrow
     and wide scales, the lo-word element (rounds up to 1 + 2**-23), sums past fp32 (+Inf), edge
@@ -163,6 +180,36 @@ def test_carried_words_flags_read_late_give_the_same_bytes(results):
 def test_carried_words_refuse_bad_words(results):
     """fp32 words, the wrong shape, non-contiguous words: ValueError."""
     _ok(results, "carried_words_refuse_bad_words")
+
+
+def test_tma_aligned_refuses_what_tma_cannot_describe():
+    """`_tma_aligned` (the dW kernel's choice of TMA descriptors, on CPU tensors: no kernel
+    runs): an aligned contiguous bf16 (and fp16) operand passes; each refusal case breaks one
+    condition alone, the others holding — a base one bf16 element (2 bytes) past a 16-byte
+    boundary, inner stride 2 (every other column), fp32 elements (rows still 16-byte multiples),
+    40-byte rows — and `_descriptors` keeps the pointer loads (TMA False, the tensors
+    themselves) for each, and wherever use_tma is False."""
+    from rlkernel.kernels import triton_grad_weight as tgw
+    tile = (16, 16, 1, 1)
+    ok = torch.zeros(128, 24, dtype=torch.bfloat16)            # 48-byte rows
+    assert ok.data_ptr() % 16 == 0, "the CPU allocator's alignment this test assumes"
+    assert tgw._tma_aligned(ok) and tgw._tma_aligned(ok.half())
+    assert tgw._descriptors(ok, ok, tile, True)[2] is True
+    buf = torch.zeros(1 + 128 * 24, dtype=torch.bfloat16)
+    off = buf[1:].view(128, 24)                                # base at +2 bytes
+    strided = torch.zeros(128, 48, dtype=torch.bfloat16)[:, ::2]
+    wide = torch.zeros(128, 24, dtype=torch.float32)           # 96-byte rows, 4-byte elements
+    narrow = torch.zeros(128, 20, dtype=torch.bfloat16)        # 40-byte rows
+    assert buf.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 2 and off.stride() == (24, 1)
+    assert strided.stride() == (48, 2) and strided.data_ptr() % 16 == 0
+    assert wide.stride() == (24, 1) and wide.data_ptr() % 16 == 0
+    for name, t in (("base", off), ("inner stride", strided), ("fp32", wide), ("rows", narrow)):
+        assert tgw._tma_aligned(t) is False, name
+        for a, b in ((t, ok), (ok, t)):
+            got = tgw._descriptors(a, b, tile, True)
+            assert got[2] is False and got[0] is a and got[1] is b, name
+    assert tgw._descriptors(wide, wide, tile, True)[2] is False         # fp32 pair: pointer loads
+    assert tgw._descriptors(ok, ok, tile, False) == (ok, ok, False)
 
 
 def _dw_ptx(tma: bool, carry: bool, retry: bool, fusion: bool = False,
