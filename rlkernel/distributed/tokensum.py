@@ -86,7 +86,8 @@ class GradSink:
     its sum as usual (words on CUDA), the sparse uses add into an accumulator over the rows
     noted so far (grown, digits copied, when a later lookup brings new rows), and `finish` adds
     the dense sum's rows into it before rounding them — instead of moving the whole weight to
-    digits at the first lookup's backward.
+    digits at the first lookup's backward; once the rows noted pass SPLIT_MAX_FRACTION of the
+    weight's, it takes its whole accumulator after all (the split digits added there).
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
@@ -104,6 +105,7 @@ class GradSink:
         self._keep: frozenset[str] = frozenset()
         self._rows: dict[str, tuple[torch.Tensor, str]] = {}    # noted rows, scope (split weights)
         self._split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # rows, their accumulator
+        self._whole: set[str] = set()     # kept weights whose split grew into the whole weight
         self._pending: deque = deque()    # (event or None, flag count, redo) of deferred chunks
 
     @classmethod
@@ -121,7 +123,7 @@ class GradSink:
         self._names = {id(p): n for n, p in params.items()}
         self._order = list(params)
         self._acc, self._words, self._scope, self._done = {}, {}, {}, {}
-        self._rows, self._split = {}, {}
+        self._rows, self._split, self._whole = {}, {}, set()
         self.direct, self._keep = direct, frozenset(keep)
         self._pending.clear()    # a backward that raised may have left some (and their operands)
         self.open = True
@@ -150,7 +152,7 @@ class GradSink:
         several calls add rows. RuntimeError once the dense use has finished w."""
         name = self._names.get(id(w))   # None: not a trained parameter (a frozen model's)
         if (name is None or not (self.open and name in self._keep)
-                or self.groups[scope].size != 1):
+                or self.groups[scope].size != 1 or name in self._whole):
             return
         if name in self._done:
             raise RuntimeError(f"GradSink: rows of {name} noted after its dense use finished it")
@@ -184,10 +186,21 @@ class GradSink:
     def _grow_split(self, name: str, w: torch.Tensor) -> None:
         """Persistent mode: the split accumulator of `name` over every row noted so far (the
         rows of all microbatches' lookups: a superset of the last one's), the digits already
-        added to the old rows copied to their new places (integers: exact)."""
-        rows = self._rows[name][0]
+        added to the old rows copied to their new places (integers: exact) — or, past
+        SPLIT_MAX_FRACTION of the weight's rows, no split any more (its whole accumulator)."""
+        rows, scope = self._rows[name]
         old = self._split.get(name)
         if old is not None and old[0].numel() == rows.numel():   # rows only grow: the same set
+            return
+        if rows.numel() > SPLIT_MAX_FRACTION * w.shape[0]:
+            # As large as the weight, nearly: its whole accumulator, the split digits added to
+            # their rows (integers: exact); the lookups add there from now on.
+            acc = self.accumulator(w, scope)
+            if old is not None:
+                acc[old[0]] += old[1]
+            self._split.pop(name, None)
+            del self._rows[name]
+            self._whole.add(name)
             return
         acc = fx.zeros((rows.numel(), *w.shape[1:]), w.device)
         if old is not None:
@@ -422,6 +435,9 @@ _BUCKET_ROWS = 1 << 21
 """Accumulator elements per finishing all-reduce (218 MB of int64 digits)."""
 DIRECT_CHUNK_ELEMS = 1 << 23
 """Gradient elements finished per chunk in direct mode (a transient 872 MB accumulator)."""
+SPLIT_MAX_FRACTION = 0.5
+"""Persistent mode: a split weight whose noted rows pass this fraction of its rows takes its whole
+accumulator instead (a growing row accumulator would then cost as much, and its growth copies)."""
 PENDING_LAG = 8
 """Deferred direct chunks (GradSink._defer) queued at most before the oldest is waited for."""
 
