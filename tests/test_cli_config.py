@@ -805,11 +805,21 @@ def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_pro
 # upper bounds: a mistyped huge value is refused at once
 
 
+FP = "3.4028234663852886e+38"   # FP32_MAX in full
+FP32_LIMIT = (f"must be at most {FP}, the largest fp32 number (the losses, the optimizer and "
+              "the sampler compute in fp32); allowed: ")
+
+
 @pytest.mark.parametrize("flag,value,want", [
-    ("--clip-eps", "1e39", "--clip-eps 1e+39: must be a finite number > 0 within the fp32 range"),
-    ("--clip-eps-high", "1e39", "--clip-eps-high 1e+39: must be a finite number >= 0 within the "
-                                "fp32 range"),
-    ("--kl-coef", "3.5e38", "--kl-coef 3.5e+38: must be a finite number >= 0 within the fp32"),
+    ("--clip-eps", "1e39", f"--clip-eps 1e+39: {FP32_LIMIT}(0, {FP}]"),
+    ("--clip-eps-high", "1e39", f"--clip-eps-high 1e+39: {FP32_LIMIT}[0, {FP}]"),
+    ("--kl-coef", "3.5e38", f"--kl-coef 3.5e+38: {FP32_LIMIT}[0, {FP}]"),
+    # the temperature's rule for small T says nothing of this limit (it read "... overflow to
+    # inf) within the fp32 range")
+    ("--temperature", "1e39", f"--temperature 1e+39: {FP32_LIMIT}[1e-06, {FP}]"),
+    ("--lr", "1e39", f"--lr 1e+39: {FP32_LIMIT}(0, {FP}]"),
+    # the limit in full: 3.4028235e+38 (8 digits) is beyond it
+    ("--lr", "3.4028235e38", f"--lr 3.4028235e+38: {FP32_LIMIT}(0, {FP}]"),
     ("--steps", "99999999999999999999999", "--steps 99999999999999999999999: must be at most "
                                            "1,000,000"),
     ("--n-prompts", "1000000000", "--n-prompts 1000000000: must be at most 65,536"),
@@ -821,6 +831,13 @@ def test_huge_values_are_refused_before_any_work(capsys, cwd, flag, value, want)
     code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", flag, value)
     assert code == 2 and want in err and len(err.strip().splitlines()) == 1
     assert not (cwd / "r").exists()
+
+
+def test_the_fp32_limit_itself_is_accepted():
+    """The largest value the fp32 message allows is accepted, for every rule it closes."""
+    top = 3.4028234663852886e38
+    cfg = RunConfig(lr=top, kl_coef=top, temperature=top, clip_eps_high=top)
+    assert (cfg.lr, cfg.kl_coef, cfg.temperature, cfg.clip_eps_high) == (top,) * 4
 
 
 def test_prompts_per_run_are_bounded(capsys, cwd):
