@@ -337,9 +337,24 @@ def _occupied(flag: str, value: str) -> str | None:
     if blocked is not None:   # mkdir would fail with a bare OS error after the work
         return (f"{flag} {value!r}: cannot be created, {str(blocked)!r} is a file, not a "
                 f"directory; give a new or empty directory")
+    if d.is_symlink():
+        return f"{flag} {value!r}: {_why_not_a_link(d)}"
     if _dir_is_free(d):
         return None
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
+
+
+def _why_not_a_link(d: pathlib.Path) -> str:
+    """Why the symbolic link `d` cannot be a new-directory flag's value: the output is built
+    beside it and renamed into place, and a rename neither follows a link nor replaces one by a
+    directory (it failed after all the work). Its target, when free, is offered instead."""
+    target = os.readlink(d)
+    if not d.exists():
+        return (f"is a symbolic link to {target!r}, which does not exist; give a new or empty "
+                "directory, not a link")
+    hint = f" (e.g. its target {str(d.resolve())!r})" if _dir_is_free(d) else ""
+    return (f"is a symbolic link to {target!r}; give a new or empty directory{hint}, not a "
+            "link")
 
 
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:

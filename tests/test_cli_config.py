@@ -975,6 +975,33 @@ def test_occupied_run_dir_says_what_is_there(capsys, cwd, loop, make, why):
     assert sorted(p.name for p in cwd.rglob("*")) == before
 
 
+@pytest.mark.parametrize("target,why", [
+    ("gone", "is a symbolic link to 'gone', which does not exist; give a new or empty "
+             "directory, not a link"),
+    ("empty", "is a symbolic link to 'empty'; give a new or empty directory (e.g. its target "
+              "'{cwd}/empty'), not a link"),
+    ("full", "is a symbolic link to 'full'; give a new or empty directory, not a link"),
+])
+def test_new_directory_that_is_a_symbolic_link_is_refused_before_any_work(capsys, cwd, loop,
+                                                                          target, why):
+    """--run-dir, init-model --out and export --out naming a symbolic link (dangling, or to a
+    directory): one line, exit 2, before any work. The output is renamed into place, which
+    cannot go through a link: it crashed at publish after the whole run, leaving RUN.tmp-<pid>."""
+    (cwd / "empty").mkdir()
+    (cwd / "full").mkdir()
+    (cwd / "full" / "x").write_text("x")
+    (cwd / "link").symlink_to(target)
+    before = sorted(str(p) for p in cwd.rglob("*"))
+    for argv, flag in ((("run", "--allow-dirty", "--run-dir", "link"), "--run-dir"),
+                       (("init-model", "--preset", "tiny", "--out", "link"), "--out"),
+                       (("export", "no-such-run", "--out", "link"), "--out")):
+        code, out, err = rlk(capsys, *argv)
+        assert (code, out) == (2, ""), argv
+        assert err.strip().splitlines() == [
+            f"rlk {argv[0]}: error: {flag} 'link': {why.format(cwd=cwd)}"], err
+    assert loop.calls == [] and sorted(str(p) for p in cwd.rglob("*")) == before
+
+
 def test_new_directories_under_a_file_name_the_file(capsys, cwd, loop):
     """--run-dir, init-model --out and export --out inside a path whose parent is a file: one
     line naming the flag, the value and the file, exit 2, before any work (it was a bare
