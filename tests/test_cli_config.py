@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -445,6 +447,59 @@ def test_loop_value_error_after_a_step_keeps_partial_evidence(capsys, cwd, loop)
     ev = json.loads((cwd / "r" / "evidence.json").read_text())
     assert ev["complete"] is False and len(ev["steps"]) == 1
     assert sorted(p.name for p in cwd.iterdir()) == ["r"]
+
+
+def test_a_second_run_on_a_run_dir_in_use_is_refused_at_its_start(capsys, cwd, loop):
+    """While a run writes --run-dir a/r (in a/r.tmp-<pid>), a second rlk run on a/r is one line,
+    exit 2, before any work; the first publishes as usual and leaves no lock file (a/r.lock) or
+    parent behind. The second crashed at publish, after its whole run ("Directory not empty"),
+    leaving its a/r.tmp-<pid>."""
+    second = []
+
+    def first(cfg, run_dir, writer):
+        _fake_loop(cfg, run_dir, writer)
+        second.append(cli.main(["run", "--allow-dirty", "--run-dir", "a/r"]))
+
+    loop.set(first)
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/r")
+    assert (code, out.strip(), second) == (0, "a/r", [2])
+    assert [ln for ln in err.splitlines() if "error" in ln] == [
+        f"rlk run: error: --run-dir 'a/r': another rlk run (pid {os.getpid()}) is writing this "
+        "directory (it holds a/r.lock); wait for it to end, or give another directory"]
+    assert len(loop.calls) == 1 and sorted(p.name for p in (cwd / "a").iterdir()) == ["r"]
+    # the lock is released: the same directory, emptied, takes a new run
+    shutil.rmtree(cwd / "a" / "r")
+    loop.set(_fake_loop)
+    assert rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/r")[0] == 0
+
+
+HOLD_LOCK = """
+import pathlib, sys, time
+from rlkernel.runner.dirlock import run_dir_lock
+with run_dir_lock(pathlib.Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_lock_of_a_live_process_refuses_and_one_a_killed_process_left_does_not(
+        capsys, cwd, loop):
+    """A lock held by another process names its pid (exit 2, nothing created); once that
+    process is SIGKILLed, the lock file it left stops nobody: a run takes it over and removes
+    it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(cwd / "r")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+        assert code == 2 and loop.calls == []
+        assert f"--run-dir 'r': another rlk run (pid {holder.pid}) is writing" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in cwd.iterdir()) == ["r.lock"]   # left by the killed holder
+    code, out, _ = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+    assert (code, out.strip()) == (0, "r") and sorted(p.name for p in cwd.iterdir()) == ["r"]
 
 
 def test_loop_bug_is_raised_and_dir_kept_under_final_name(capsys, cwd, loop):
