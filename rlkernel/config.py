@@ -89,8 +89,8 @@ class RunConfig:
     # ---- rewards and prompt data (issue 13)
     reward: str | None = None
     """Reward function MODULE:FUNC or path/to/file.py:FUNC, called as FUNC(prompt, completion,
-    label) -> finite float on rank 0 (results broadcast); its source file's SHA-256 goes into the
-    manifest. None: the built-in exact match."""
+    label) -> a finite float in [-1e100, 1e100] on rank 0 (results broadcast); its source file's
+    SHA-256 goes into the manifest. None: the built-in exact match."""
     input_key: str = "prompt"
     """Key (JSONL) or column (Parquet) of the prompt text in --prompts."""
     label_key: str = "label"
