@@ -9,6 +9,7 @@ Run: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -500,6 +501,19 @@ def test_a_lock_of_a_live_process_refuses_and_one_a_killed_process_left_does_not
     assert sorted(p.name for p in cwd.iterdir()) == ["r.lock"]   # left by the killed holder
     code, out, _ = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
     assert (code, out.strip()) == (0, "r") and sorted(p.name for p in cwd.iterdir()) == ["r"]
+
+
+@pytest.mark.parametrize("rank,locks", [("0", True), ("1", False)])
+def test_only_the_rank_that_writes_the_run_dir_locks_it(cwd, monkeypatch, rank, locks):
+    """Under torchrun only rank 0 writes the run directory, so only it takes the lock: ranks on
+    one host would otherwise refuse each other."""
+    for k, v in dict(RANK=rank, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29500").items():
+        monkeypatch.setenv(k, v)
+    with contextlib.ExitStack() as held:
+        cli._lock_run_dir(RunConfig(run_dir="r"), cwd / "r", held)
+        assert (cwd / "r.lock").exists() is locks
+    assert list(cwd.iterdir()) == []
 
 
 def test_loop_bug_is_raised_and_dir_kept_under_final_name(capsys, cwd, loop):
