@@ -8,8 +8,9 @@ the first step that is the user's (ValueError/OSError: a bad model or prompts fi
 on disk. `--resume <dir>` of a SIGKILLed run finds its `<dir>.tmp-<pid>` (pid gone) and renames it
 first. Every usage error, argparse's included, is one line; an unknown flag gets a "did you mean"
 suggestion. Exit codes: 0 ok, 1 the run or command failed, 2 bad usage (invalid flag value,
-missing input, dirty checkout, occupied run dir, changed inputs on resume), 130 Ctrl-C (one line:
-what was kept and how to resume).
+missing input, dirty checkout, occupied run dir, a run dir another run is writing: it holds
+`<dir>.lock`, runner/dirlock.py; changed inputs on resume), 130 Ctrl-C (one line: what was kept
+and how to resume).
 
 The topology (--dp/--tp/--cp/--sp/--rollout-*) is checked against the model's head counts and, under
 torchrun, WORLD_SIZE before anything is created (rlkernel/distributed/topology.py).
@@ -26,6 +27,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import difflib
@@ -337,9 +339,24 @@ def _occupied(flag: str, value: str) -> str | None:
     if blocked is not None:   # mkdir would fail with a bare OS error after the work
         return (f"{flag} {value!r}: cannot be created, {str(blocked)!r} is a file, not a "
                 f"directory; give a new or empty directory")
+    if d.is_symlink():
+        return f"{flag} {value!r}: {_why_not_a_link(d)}"
     if _dir_is_free(d):
         return None
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
+
+
+def _why_not_a_link(d: pathlib.Path) -> str:
+    """Why the symbolic link `d` cannot be a new-directory flag's value: the output is built
+    beside it and renamed into place, and a rename neither follows a link nor replaces one by a
+    directory (it failed after all the work). Its target, when free, is offered instead."""
+    target = os.readlink(d)
+    if not d.exists():
+        return (f"is a symbolic link to {target!r}, which does not exist; give a new or empty "
+                "directory, not a link")
+    hint = f" (e.g. its target {str(d.resolve())!r})" if _dir_is_free(d) else ""
+    return (f"is a symbolic link to {target!r}; give a new or empty directory{hint}, not a "
+            "link")
 
 
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
@@ -544,11 +561,49 @@ def _missing_ancestors(d: pathlib.Path) -> list[pathlib.Path]:
 
 def _discard(tmp: pathlib.Path, created: list[pathlib.Path]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
+    _remove_empty(created)
+
+
+def _remove_empty(created: list[pathlib.Path]) -> None:
     for parent in created:  # deepest first; only the empty ones we made
         try:
             parent.rmdir()
         except OSError:
             break
+
+
+def _lock_run_dir(cfg: RunConfig, final: pathlib.Path | None,
+                  held: contextlib.ExitStack) -> None:
+    """Hold the lock (runner/dirlock.py) of the directory this run writes (`final`, or
+    --resume's) until `held` closes: a second rlk run on it is refused at its start, not when
+    both publish (a rename onto a full directory, after all its work). Only the process that
+    writes the directory locks it, not a torchrun rank other than 0. The parents the lock file
+    needs are made here, and removed at the end if still empty. Raises ConfigError."""
+    from rlkernel.runner.dirlock import LockHeld, run_dir_lock
+
+    if _follower_rank():
+        return
+    d, flag = (final, "--run-dir") if final is not None else (pathlib.Path(cfg.resume), "--resume")
+    held.callback(_remove_empty, _missing_ancestors(d))   # runs after the lock is released
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        held.enter_context(run_dir_lock(d))
+    except LockHeld as e:
+        who = "another rlk run" + (f" (pid {e.pid})" if e.pid else "")
+        raise ConfigError(f"{flag} {str(d)!r}: {who} is writing this directory (it holds "
+                          f"{e.path}); wait for it to end, or give another directory") from None
+    except OSError as e:
+        raise ConfigError(f"{flag} {str(d)!r}: cannot create its lock file beside it "
+                          f"({e.strerror or e}); give a writable new directory") from None
+    # A run that ended between _choose_run_dir's check and the lock has published there.
+    taken = _occupied(flag, str(d)) if final is not None else None
+    if taken:
+        raise ConfigError(taken)
+
+
+def _follower_rank() -> bool:
+    """A torchrun rank other than 0: it runs the loop but writes no run directory."""
+    return launcher_world_size() is not None and os.environ.get("RANK", "0") != "0"
 
 
 def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
@@ -845,6 +900,11 @@ def _input_error(e: BaseException) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as held:   # the run directory's lock, on every way out
+        return _cmd_run(args, held)
+
+
+def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
         given = {k: v for k, v in vars(args).items() if k in names}
@@ -853,6 +913,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # An occupied --run-dir is refused first, before the slower checks (a resume writes into
         # its own directory).
         final = _choose_run_dir(cfg) if src is None else None
+        _lock_run_dir(cfg, final, held)
         _check_inputs(cfg)
         _check_topology(cfg)
         _check_watch(cfg)
@@ -875,7 +936,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
 
     manifest = {**build_manifest(cfg, git), **inputs}
-    if launcher_world_size() is not None and os.environ.get("RANK", "0") != "0":
+    if _follower_rank():
         return _run_follower_rank(cfg, manifest)
     try:  # every input's SHA-256 (for --resume), the vocab rule, the weights' stored dtypes
         manifest["inputs"] = describe_inputs(cfg, _model_shape(cfg))

@@ -89,8 +89,8 @@ class RunConfig:
     # ---- rewards and prompt data (issue 13)
     reward: str | None = None
     """Reward function MODULE:FUNC or path/to/file.py:FUNC, called as FUNC(prompt, completion,
-    label) -> finite float on rank 0 (results broadcast); its source file's SHA-256 goes into the
-    manifest. None: the built-in exact match."""
+    label) -> a finite float in [-1e100, 1e100] on rank 0 (results broadcast); its source file's
+    SHA-256 goes into the manifest. None: the built-in exact match."""
     input_key: str = "prompt"
     """Key (JSONL) or column (Parquet) of the prompt text in --prompts."""
     label_key: str = "label"
@@ -244,7 +244,8 @@ class RunConfig:
 
     # ---- run bookkeeping
     run_dir: str | None = None
-    """Run directory (must not exist, or be empty). None: runs/<UTC time>-<config hash>."""
+    """Run directory (must not exist, or be empty; not a symbolic link). None:
+    runs/<UTC time>-<config hash>."""
     save_every: int = 0
     """Write a resumable checkpoint (fp32 masters, AdamW state, step cursor) into
     RUN_DIR/checkpoints after every N steps; 0 = never."""
@@ -411,18 +412,20 @@ def _check_int(c: RunConfig, field: str, lo: int, hi: int | None = None) -> None
 
 def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
     """rule: 'pos' (> 0), 'nonneg' (>= 0), 'unit_open0' ((0, 1]), 'unit_open1' ([0, 1)),
-    'temperature' (>= MIN_TEMPERATURE); `why`, when given, follows the range in the message."""
+    'temperature' (>= MIN_TEMPERATURE); `why`, when given, follows the range in the message.
+    The unbounded rules also stop at FP32_MAX, a limit with its own message."""
     v = getattr(c, field)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _fail(field, v, f"must be a number, not {type(v).__name__}")
+    # (what is allowed, the test, the lower end of the interval the fp32 limit closes)
     allowed = {
-        "pos": ("a finite number > 0", lambda x: x > 0),
-        "nonneg": ("a finite number >= 0", lambda x: x >= 0),
-        "unit_open0": ("a number in (0, 1]", lambda x: 0 < x <= 1),
-        "unit_open1": ("a number in [0, 1)", lambda x: 0 <= x < 1),
+        "pos": ("a finite number > 0", lambda x: x > 0, "(0"),
+        "nonneg": ("a finite number >= 0", lambda x: x >= 0, "[0"),
+        "unit_open0": ("a number in (0, 1]", lambda x: 0 < x <= 1, None),
+        "unit_open1": ("a number in [0, 1)", lambda x: 0 <= x < 1, None),
         "temperature": (f"a finite number >= {MIN_TEMPERATURE:g} (logits / T is computed in fp32, "
                         f"largest {FP32_MAX:.4g}; a smaller T makes ordinary logits overflow to "
-                        "inf)", lambda x: x >= MIN_TEMPERATURE),
+                        "inf)", lambda x: x >= MIN_TEMPERATURE, f"[{MIN_TEMPERATURE:g}"),
     }[rule]
     try:
         finite = math.isfinite(v)
@@ -431,8 +434,11 @@ def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
     if not (finite and allowed[1](v)):
         raise _fail(field, v, f"must be {allowed[0]}{why}")
     if abs(v) > FP32_MAX:   # the losses, the optimizer and the sampler compute in fp32
-        raise _fail(field, v, f"must be {allowed[0]} within the fp32 range (at most "
-                              f"{FP32_MAX:.8g})")
+        # FP32_MAX in full (repr): rounded to fewer digits it would exceed itself, and a value
+        # typed as shown would be refused.
+        raise _fail(field, v, f"must be at most {FP32_MAX!r}, the largest fp32 number (the "
+                              "losses, the optimizer and the sampler compute in fp32); allowed: "
+                              f"{allowed[2]}, {FP32_MAX!r}]")
 
 
 def _check_choice(c: RunConfig, field: str, choices: tuple[str, ...]) -> None:

@@ -9,10 +9,13 @@ Run: `.venv/bin/python -m pytest -q tests/test_cli_config.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -447,6 +450,72 @@ def test_loop_value_error_after_a_step_keeps_partial_evidence(capsys, cwd, loop)
     assert sorted(p.name for p in cwd.iterdir()) == ["r"]
 
 
+def test_a_second_run_on_a_run_dir_in_use_is_refused_at_its_start(capsys, cwd, loop):
+    """While a run writes --run-dir a/r (in a/r.tmp-<pid>), a second rlk run on a/r is one line,
+    exit 2, before any work; the first publishes as usual and leaves no lock file (a/r.lock) or
+    parent behind. The second crashed at publish, after its whole run ("Directory not empty"),
+    leaving its a/r.tmp-<pid>."""
+    second = []
+
+    def first(cfg, run_dir, writer):
+        _fake_loop(cfg, run_dir, writer)
+        second.append(cli.main(["run", "--allow-dirty", "--run-dir", "a/r"]))
+
+    loop.set(first)
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/r")
+    assert (code, out.strip(), second) == (0, "a/r", [2])
+    assert [ln for ln in err.splitlines() if "error" in ln] == [
+        f"rlk run: error: --run-dir 'a/r': another rlk run (pid {os.getpid()}) is writing this "
+        "directory (it holds a/r.lock); wait for it to end, or give another directory"]
+    assert len(loop.calls) == 1 and sorted(p.name for p in (cwd / "a").iterdir()) == ["r"]
+    # the lock is released: the same directory, emptied, takes a new run
+    shutil.rmtree(cwd / "a" / "r")
+    loop.set(_fake_loop)
+    assert rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/r")[0] == 0
+
+
+HOLD_LOCK = """
+import pathlib, sys, time
+from rlkernel.runner.dirlock import run_dir_lock
+with run_dir_lock(pathlib.Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_lock_of_a_live_process_refuses_and_one_a_killed_process_left_does_not(
+        capsys, cwd, loop):
+    """A lock held by another process names its pid (exit 2, nothing created); once that
+    process is SIGKILLed, the lock file it left stops nobody: a run takes it over and removes
+    it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(cwd / "r")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+        assert code == 2 and loop.calls == []
+        assert f"--run-dir 'r': another rlk run (pid {holder.pid}) is writing" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in cwd.iterdir()) == ["r.lock"]   # left by the killed holder
+    code, out, _ = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+    assert (code, out.strip()) == (0, "r") and sorted(p.name for p in cwd.iterdir()) == ["r"]
+
+
+@pytest.mark.parametrize("rank,locks", [("0", True), ("1", False)])
+def test_only_the_rank_that_writes_the_run_dir_locks_it(cwd, monkeypatch, rank, locks):
+    """Under torchrun only rank 0 writes the run directory, so only it takes the lock: ranks on
+    one host would otherwise refuse each other."""
+    for k, v in dict(RANK=rank, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29500").items():
+        monkeypatch.setenv(k, v)
+    with contextlib.ExitStack() as held:
+        cli._lock_run_dir(RunConfig(run_dir="r"), cwd / "r", held)
+        assert (cwd / "r.lock").exists() is locks
+    assert list(cwd.iterdir()) == []
+
+
 def test_loop_bug_is_raised_and_dir_kept_under_final_name(capsys, cwd, loop):
     def bug(cfg, run_dir, writer):
         raise RuntimeError("bug")
@@ -805,11 +874,21 @@ def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_pro
 # upper bounds: a mistyped huge value is refused at once
 
 
+FP = "3.4028234663852886e+38"   # FP32_MAX in full
+FP32_LIMIT = (f"must be at most {FP}, the largest fp32 number (the losses, the optimizer and "
+              "the sampler compute in fp32); allowed: ")
+
+
 @pytest.mark.parametrize("flag,value,want", [
-    ("--clip-eps", "1e39", "--clip-eps 1e+39: must be a finite number > 0 within the fp32 range"),
-    ("--clip-eps-high", "1e39", "--clip-eps-high 1e+39: must be a finite number >= 0 within the "
-                                "fp32 range"),
-    ("--kl-coef", "3.5e38", "--kl-coef 3.5e+38: must be a finite number >= 0 within the fp32"),
+    ("--clip-eps", "1e39", f"--clip-eps 1e+39: {FP32_LIMIT}(0, {FP}]"),
+    ("--clip-eps-high", "1e39", f"--clip-eps-high 1e+39: {FP32_LIMIT}[0, {FP}]"),
+    ("--kl-coef", "3.5e38", f"--kl-coef 3.5e+38: {FP32_LIMIT}[0, {FP}]"),
+    # the temperature's rule for small T says nothing of this limit (it read "... overflow to
+    # inf) within the fp32 range")
+    ("--temperature", "1e39", f"--temperature 1e+39: {FP32_LIMIT}[1e-06, {FP}]"),
+    ("--lr", "1e39", f"--lr 1e+39: {FP32_LIMIT}(0, {FP}]"),
+    # the limit in full: 3.4028235e+38 (8 digits) is beyond it
+    ("--lr", "3.4028235e38", f"--lr 3.4028235e+38: {FP32_LIMIT}(0, {FP}]"),
     ("--steps", "99999999999999999999999", "--steps 99999999999999999999999: must be at most "
                                            "1,000,000"),
     ("--n-prompts", "1000000000", "--n-prompts 1000000000: must be at most 65,536"),
@@ -821,6 +900,13 @@ def test_huge_values_are_refused_before_any_work(capsys, cwd, flag, value, want)
     code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", flag, value)
     assert code == 2 and want in err and len(err.strip().splitlines()) == 1
     assert not (cwd / "r").exists()
+
+
+def test_the_fp32_limit_itself_is_accepted():
+    """The largest value the fp32 message allows is accepted, for every rule it closes."""
+    top = 3.4028234663852886e38
+    cfg = RunConfig(lr=top, kl_coef=top, temperature=top, clip_eps_high=top)
+    assert (cfg.lr, cfg.kl_coef, cfg.temperature, cfg.clip_eps_high) == (top,) * 4
 
 
 def test_prompts_per_run_are_bounded(capsys, cwd):
@@ -956,6 +1042,33 @@ def test_occupied_run_dir_says_what_is_there(capsys, cwd, loop, make, why):
     assert err.strip().splitlines() == [
         f"rlk run: error: --run-dir 'taken': {why}; give a new or empty directory"]
     assert sorted(p.name for p in cwd.rglob("*")) == before
+
+
+@pytest.mark.parametrize("target,why", [
+    ("gone", "is a symbolic link to 'gone', which does not exist; give a new or empty "
+             "directory, not a link"),
+    ("empty", "is a symbolic link to 'empty'; give a new or empty directory (e.g. its target "
+              "'{cwd}/empty'), not a link"),
+    ("full", "is a symbolic link to 'full'; give a new or empty directory, not a link"),
+])
+def test_new_directory_that_is_a_symbolic_link_is_refused_before_any_work(capsys, cwd, loop,
+                                                                          target, why):
+    """--run-dir, init-model --out and export --out naming a symbolic link (dangling, or to a
+    directory): one line, exit 2, before any work. The output is renamed into place, which
+    cannot go through a link: it crashed at publish after the whole run, leaving RUN.tmp-<pid>."""
+    (cwd / "empty").mkdir()
+    (cwd / "full").mkdir()
+    (cwd / "full" / "x").write_text("x")
+    (cwd / "link").symlink_to(target)
+    before = sorted(str(p) for p in cwd.rglob("*"))
+    for argv, flag in ((("run", "--allow-dirty", "--run-dir", "link"), "--run-dir"),
+                       (("init-model", "--preset", "tiny", "--out", "link"), "--out"),
+                       (("export", "no-such-run", "--out", "link"), "--out")):
+        code, out, err = rlk(capsys, *argv)
+        assert (code, out) == (2, ""), argv
+        assert err.strip().splitlines() == [
+            f"rlk {argv[0]}: error: {flag} 'link': {why.format(cwd=cwd)}"], err
+    assert loop.calls == [] and sorted(str(p) for p in cwd.rglob("*")) == before
 
 
 def test_new_directories_under_a_file_name_the_file(capsys, cwd, loop):

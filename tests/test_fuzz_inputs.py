@@ -40,6 +40,7 @@ from rlkernel.cli import main
 from rlkernel.config import ConfigError, RunConfig, flag_name
 from rlkernel.data.prompts import PromptFileError, load_jsonl
 from rlkernel.model.checkpoint import CheckpointError, init_weights, load_checkpoint
+from rlkernel.data.tokenizer import standin_tokenizer_files
 from rlkernel.model.config import param_shapes, tiny
 
 FUZZ = settings(max_examples=40, derandomize=True, database=None, deadline=None,
@@ -554,6 +555,10 @@ def test_checkpoint_directory_layout(tmp_path, setup, words):
     assert str(e.value).startswith(str(model))
 
 
+def _set_eos(d: pathlib.Path, eos: int) -> None:
+    (d / "config.json").write_text(json.dumps({**tiny().to_hf_dict(), "eos_token_id": eos}))
+
+
 @pytest.mark.parametrize("break_it, words", [
     (lambda d: (d / "config.json").write_text(json.dumps(
         {**tiny().to_hf_dict(), "num_attention_heads": 0})), "num_attention_heads=0"),
@@ -565,10 +570,22 @@ def test_checkpoint_directory_layout(tmp_path, setup, words):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {**tiny().to_hf_dict(), "intermediate_size": 136})),
      "has shape (128, 64); expected (136, 64); tensor"),    # problems joined by "; "
+    # the tokenizer: exit 1 before, and a bad eos_token_id named tokenizer.json, not config.json
+    (lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": {'),
+     "/tokenizer.json: cannot load tokenizer (EOF while parsing"),
+    (lambda d: (d / "tokenizer.json").write_bytes(b"\xff\xfe garbage"),
+     "/tokenizer.json: cannot load tokenizer"),
+    (lambda d: ((d / "tokenizer.json").write_bytes(standin_tokenizer_files(264, 256)[
+        "tokenizer.json"]), _set_eos(d, 300)),
+     "/config.json: eos_token_id 300 is not a token id of the tokenizer "),
+    (lambda d: _set_eos(d, 300),
+     "/config.json: the model directory has no tokenizer.json, so the byte tokenizer is used, "
+     "whose EOS id is 256, but the model config says eos_token_id=300"),
 ])
 def test_bad_model_through_rlk_run(tmp_path, break_it, words):
     """`rlk run --model BAD`: a usage error (exit 2, as a missing --model is) with the loader's
-    one-line message prefixed --model, no run directory."""
+    one-line message prefixed --model and naming the file the bad value is in, no run
+    directory."""
     model = write_model(tmp_path / "m")
     break_it(model)
     run_dir = tmp_path / "r"

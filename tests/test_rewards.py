@@ -3,8 +3,8 @@
 Properties:
   - load_reward("file.py:f") / ("module:f") == that function, described with the SHA-256 of its
     defining file (== hashlib over the file's bytes); a bad spec is a RewardError naming it.
-  - score() returns the float; a raise, a bool, a non-number or a non-finite number is a
-    RewardError naming the function, the sample id and the value.
+  - score() returns the float; a raise, a bool, a non-number, a non-finite number or one beyond
+    +-REWARD_LIMIT is a RewardError naming the function, the sample id and the value.
   - In a run: the manifest records the hash; the function is called on rank 0 only (a TP2 run's
     calls all come from one process, once per sample per step), so every rank holds rank 0's
     rewards; a failing reward stops the run with one line; a bad --reward is exit 2 before any
@@ -23,7 +23,7 @@ import textwrap
 import pytest
 
 from rlkernel.cli import main
-from rlkernel.data.rewards import BUILTIN, RewardError, load_reward
+from rlkernel.data.rewards import BUILTIN, REWARD_LIMIT, RewardError, load_reward
 
 SMALL = ["--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "8",
          "--allow-dirty"]
@@ -46,6 +46,16 @@ REWARDS = textwrap.dedent('''
 
     def nan(prompt, completion, label):
         return math.nan
+
+    def huge(prompt, completion, label):
+        return 1e300
+
+    SEEN = []
+
+    def at_the_limit_then_huge(prompt, completion, label):
+        """+-1e100 (REWARD_LIMIT) for a step's first 4 samples, then 1e300."""
+        SEEN.append(completion)
+        return 1e300 if len(SEEN) > 4 else (-1e100, 1e100)[len(SEEN) % 2]
 
     def text(prompt, completion, label):
         return "1.0"
@@ -89,7 +99,8 @@ def test_load_from_file_and_module_records_the_source_hash(rewards_file, monkeyp
 
 @pytest.mark.parametrize("spec,words", [
     ("{f}:two", "cannot be called as two(prompt, completion, label)"),
-    ("{f}:missing", "has no attribute 'missing'; callables there: Judge, boom, flag"),
+    ("{f}:missing", "has no attribute 'missing'; callables there: Judge, at_the_limit_then_huge, "
+                    "boom, flag, huge"),
     ("{d}/nope.py:f", "no such file"),
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
     ("math:floor", "cannot be called as"),
@@ -105,6 +116,9 @@ def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
 @pytest.mark.parametrize("func,words", [
     ("boom", "raised KeyError: 'no such rubric' on sample 7"),
     ("nan", "returned nan for sample 7; allowed: a finite int or float"),
+    ("huge", "returned 1e+300 for sample 7; allowed: a finite int or float in [-1e+100, 1e+100] "
+             "(the step's reward statistics are float64 and would overflow); scale the reward "
+             "down"),
     ("text", "returned '1.0' (str) for sample 7; allowed: a finite int or float"),
     ("flag", "returned True (bool) for sample 7"),
 ])
@@ -113,6 +127,39 @@ def test_bad_value_names_function_sample_and_value(rewards_file, func, words):
     with pytest.raises(RewardError) as e:
         r.score("p", "c", "l", 7)
     assert str(e.value).startswith(f"reward {rewards_file}:{func} ") and words in str(e.value)
+
+
+def test_rewards_at_the_limit_are_accepted():
+    r = load_reward(None)
+    for v in (REWARD_LIMIT, -REWARD_LIMIT):
+        at = type(r)(lambda p, c, lab, v=v: v, "x", "x", r.source_file, r.source_sha256)
+        assert at.score("p", "c", "l", 0) == v
+
+
+def test_a_huge_reward_after_a_step_stops_with_one_line_and_whole_files(rewards_file, tmp_path,
+                                                                        capsys):
+    """Step 0 at +-REWARD_LIMIT runs correctly (finite advantages and metrics); 1e300 at step 1:
+    exit 1, one line naming function, sample and value; the run keeps step 0 whole: evidence,
+    metrics.jsonl and completions.jsonl agree. metrics.py crashed with an OverflowError
+    traceback after step 1's evidence was written (and its group's advantages were 0)."""
+    d = tmp_path / "run"
+    assert main(["run", *SMALL, "--steps", "2", "--reward",
+                 f"{rewards_file}:at_the_limit_then_huge", "--run-dir", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert [ln for ln in err.splitlines() if " error: " in ln] == [
+        f"rlk run: error: reward {rewards_file}:at_the_limit_then_huge returned 1e+300 for "
+        "sample 4; allowed: a finite int or float in [-1e+100, 1e+100] (the step's reward "
+        "statistics are float64 and would overflow); scale the reward down (evidence of 1 "
+        f"step(s) kept in {d})"]
+    ev = json.loads((d / "evidence.json").read_text())
+    assert ev["complete"] is False and [s["rewards"] for s in ev["steps"]] == [
+        [1e100, -1e100, 1e100, -1e100]]
+    metrics = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["reward_mean"], m["reward_std"]) for m in metrics] == [(0, 0.0, 1e100)]
+    rows = [json.loads(ln) for ln in (d / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] * 4
+    assert all(math.isfinite(r["advantage"]) and abs(r["advantage"]) > 0.5 for r in rows)
 
 
 def test_numpy_scalars_are_numbers():

@@ -4,8 +4,9 @@ made auditable.
 A reward function is any Python callable `FUNC(prompt, completion, label) -> float`: `prompt` is
 the prompt text as the dataset gives it (before any chat template), `completion` the decoded
 response (up to EOS, special tokens skipped), `label` the dataset's label string. It must return a
-finite int or float (numpy scalars count; bool does not): anything else, or an exception, stops the
-run with a RewardError naming the function, the sample id and the value.
+finite int or float of magnitude at most REWARD_LIMIT (numpy scalars count; bool does not):
+anything else, or an exception, stops the run with a RewardError naming the function, the sample
+id and the value.
 
 Auditability: `RewardFn.describe()` goes into manifest.json: the spec as given, the function's
 qualified name, the file that defines it and that file's SHA-256. Only that one file is hashed: a
@@ -40,6 +41,15 @@ from rlkernel.data import tasks
 
 BUILTIN = "builtin:exact_match"
 """How the manifest names the default reward (rlkernel.data.tasks.reward)."""
+REWARD_LIMIT = 1e100
+"""Largest |reward| accepted. A step's reward statistics are float64: GRPO's group variance, the
+evidence's mean, metrics.jsonl's std (squares of deviations of up to 2**28 rewards, summed).
+Past about 1e149 they overflow (a reward of 1e300 crashed the metrics after the step's evidence
+was written, and made its group's advantages 0); 1e100 keeps a wide margin and is far beyond any
+reward scale that means something."""
+
+
+_ALLOWED = f"a finite int or float in [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}]"
 
 
 class RewardError(ValueError):
@@ -86,14 +96,18 @@ class RewardFn:
                               f"{sample_id} (completion {completion[:60]!r})") from e
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise RewardError(f"reward {self.name} returned {v!r} ({type(v).__name__}) for sample "
-                              f"{sample_id}; allowed: a finite int or float")
+                              f"{sample_id}; allowed: {_ALLOWED}")
         try:
             f = float(v)
         except (OverflowError, TypeError, ValueError):
             f = math.nan
         if not math.isfinite(f):
             raise RewardError(f"reward {self.name} returned {v!r} for sample {sample_id}; "
-                              "allowed: a finite int or float")
+                              f"allowed: {_ALLOWED}")
+        if abs(f) > REWARD_LIMIT:
+            raise RewardError(f"reward {self.name} returned {v!r} for sample {sample_id}; "
+                              f"allowed: {_ALLOWED} (the step's reward statistics are float64 "
+                              "and would overflow); scale the reward down")
         return f
 
 

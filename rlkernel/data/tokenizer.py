@@ -38,6 +38,11 @@ _EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
 _PAD_TOKENS = ("<|pad|>", "<pad>", "[PAD]")
 
 
+class TokenizerError(ValueError):
+    """A model directory's tokenizer cannot serve its model: tokenizer.json is unreadable, or it
+    disagrees with config.json (EOS id, vocabulary); the message names the file and the value."""
+
+
 class ByteTokenizer:
     """UTF-8 byte tokenizer, vocab 264: ids 0..255 bytes, 256 EOS, 257 pad, 258..263 reserved."""
 
@@ -80,19 +85,21 @@ class HFTokenizer:
     `get_vocab_size()`), so a vocabulary with gaps in its ids is still bounded correctly.
     """
 
-    def __init__(self, path: str | os.PathLike, eos_id: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, eos_id: int | None = None,
+                 eos_source: str | os.PathLike | None = None) -> None:
         """Load `path` (a tokenizer.json).
 
         `eos_id`: the model config's eos_token_id; when None, the id of "<|endoftext|>" or else
-        "<|im_end|>". Raises ValueError naming the file if it cannot be parsed, if no EOS can be
-        found, or if `eos_id` is not an id of this tokenizer.
+        "<|im_end|>". `eos_source`: the file `eos_id` was read from (the model's config.json),
+        named when it is not an id of this tokenizer. Raises TokenizerError naming the file if it
+        cannot be parsed, if no EOS can be found, or if `eos_id` is not an id of this tokenizer.
         """
         self.path = Path(path)
         try:
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for any parse error
-            raise ValueError(f"{self.path}: cannot load tokenizer ({e}); expected a Hugging Face "
-                             f"tokenizer.json") from e
+            raise TokenizerError(f"{self.path}: cannot load tokenizer ({e}); expected a Hugging "
+                                 f"Face tokenizer.json") from e
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
                               max(vocab.values(), default=-1) + 1)
@@ -102,12 +109,16 @@ class HFTokenizer:
             found = [self._tok.token_to_id(t) for t in _EOS_TOKENS]
             found = [i for i in found if i is not None]
             if not found:
-                raise ValueError(f"{self.path}: no EOS token: the model config gives no eos_token_id "
-                                 f"and the tokenizer has none of {list(_EOS_TOKENS)}")
+                raise TokenizerError(f"{self.path}: no EOS token: the model config gives no "
+                                     f"eos_token_id and the tokenizer has none of "
+                                     f"{list(_EOS_TOKENS)}")
             eos_id = found[0]
         if isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < self.vocab_size:
-            raise ValueError(f"{self.path}: eos_token_id {eos_id!r} is not a token id of this tokenizer "
-                             f"(ids are in [0, {self.vocab_size}))")
+            # The value is the config's: name that file, then the tokenizer it does not fit.
+            where = (f"{eos_source}: eos_token_id {eos_id!r} is not a token id of the tokenizer "
+                     f"{self.path}" if eos_source is not None else
+                     f"{self.path}: eos_token_id {eos_id!r} is not a token id of this tokenizer")
+            raise TokenizerError(f"{where} (ids are in [0, {self.vocab_size}))")
         self.eos_id = eos_id
 
         pad = self._tok.padding["pad_id"] if self._tok.padding else None
@@ -141,29 +152,34 @@ def load_tokenizer(model_dir: str | os.PathLike | None, *, vocab_size: int,
     """The tokenizer for a model: `model_dir`/tokenizer.json if present, else the byte tokenizer.
 
     `vocab_size` and `eos_token_id` come from the model config (embedding rows, EOS id).
-    Raises ValueError when:
+    Raises TokenizerError (a ValueError) naming the file the bad value is in when:
     - there is no tokenizer.json and `vocab_size` < 258 (the byte tokenizer needs ids 0..257),
-      or `eos_token_id` is set to something other than the byte EOS (256);
-    - tokenizer.json is corrupt (message names the file);
+      or `eos_token_id` is set to something other than the byte EOS (256) (config.json);
+    - tokenizer.json is corrupt (tokenizer.json), or `eos_token_id` is not one of its ids
+      (config.json);
     - the tokenizer can produce an id >= `vocab_size` (message names both numbers).
     """
     path = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    # Where the model config's values come from, for messages about them.
+    config = (f"{Path(model_dir) / 'config.json'}: the model directory" if model_dir is not None
+              else "the model (no model directory)")
     if path is None or not path.exists():
-        where = f"model directory {model_dir}" if model_dir is not None else "the model (no model directory)"
         if vocab_size < BYTE_MIN_MODEL_VOCAB:
-            raise ValueError(f"{where} has no tokenizer.json and its vocab_size {vocab_size} is too small "
-                             f"for the byte tokenizer (needs >= {BYTE_MIN_MODEL_VOCAB}: 256 bytes + EOS + pad); "
-                             f"add a tokenizer.json or use vocab_size >= {BYTE_MIN_MODEL_VOCAB}")
+            raise TokenizerError(f"{config} has no tokenizer.json and its vocab_size {vocab_size} "
+                                 f"is too small for the byte tokenizer (needs >= "
+                                 f"{BYTE_MIN_MODEL_VOCAB}: 256 bytes + EOS + pad); add a "
+                                 f"tokenizer.json or use vocab_size >= {BYTE_MIN_MODEL_VOCAB}")
         if eos_token_id is not None and eos_token_id != BYTE_EOS_ID:
-            raise ValueError(f"{where} has no tokenizer.json, so the byte tokenizer is used, whose EOS id "
-                             f"is {BYTE_EOS_ID}, but the model config says eos_token_id={eos_token_id}")
+            raise TokenizerError(f"{config} has no tokenizer.json, so the byte tokenizer is used, "
+                                 f"whose EOS id is {BYTE_EOS_ID}, but the model config says "
+                                 f"eos_token_id={eos_token_id}")
         return ByteTokenizer()
 
-    tok = HFTokenizer(path, eos_token_id)
+    tok = HFTokenizer(path, eos_token_id, eos_source=Path(model_dir) / "config.json")
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"{path}: the tokenizer produces ids up to {tok.vocab_size - 1} "
-                         f"(id bound {tok.vocab_size}) but the model's vocab_size is {vocab_size}; "
-                         f"every token id must be < vocab_size")
+        raise TokenizerError(f"{path}: the tokenizer produces ids up to {tok.vocab_size - 1} "
+                             f"(id bound {tok.vocab_size}) but the model's vocab_size is "
+                             f"{vocab_size}; every token id must be < vocab_size")
     return tok
 
 

@@ -91,15 +91,17 @@ def _stored_dtypes(files: list[pathlib.Path]) -> list[str] | None:
 
 
 def _vocab(cfg: RunConfig, mcfg: Qwen3Config | None) -> dict[str, Any] | None:
-    from rlkernel.data.tokenizer import load_tokenizer
+    """The manifest's padded-vocabulary record. Raises ConfigError (a usage error, before any
+    work) when the model directory's tokenizer cannot serve its model."""
+    from rlkernel.data.tokenizer import TokenizerError, load_tokenizer
 
     if mcfg is None:
         return None
     try:
         tok = load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size,
                              eos_token_id=mcfg.eos_token_id)
-    except ValueError:  # the loop reports it, before any step
-        return None
+    except TokenizerError as e:   # its message starts with the file
+        raise ConfigError(f"--model {e}") from None
     live = min(tok.vocab_size, mcfg.vocab_size)
     return {"model_vocab_size": mcfg.vocab_size, "tokenizer": tok.name,
             "tokenizer_ids": tok.vocab_size, "masked_ids": mcfg.vocab_size - live,
@@ -112,7 +114,8 @@ def describe_inputs(cfg: RunConfig, mcfg: Qwen3Config | None) -> dict[str, Any]:
 
     Returns {"files": {path: sha256}, "vocab": {...} | None, "weights": {"stored_dtypes": [...]
     | None, "dtype": run dtype name, "rounded": bool | None}}.
-    Raises ConfigError naming the file when an input cannot be read.
+    Raises ConfigError naming the file when an input cannot be read, or when the tokenizer
+    does not fit the model (data/tokenizer.load_tokenizer).
     """
     files = input_files(cfg)
     hashes = {}

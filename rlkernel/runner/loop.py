@@ -27,7 +27,7 @@ from rlkernel.config import RunConfig
 from rlkernel.data.chat import load_chat_template
 from rlkernel.data.rewards import load_reward, score_on_rank0
 from rlkernel.data.tasks import prompt_source
-from rlkernel.data.tokenizer import load_tokenizer
+from rlkernel.data.tokenizer import TokenizerError, load_tokenizer
 from rlkernel.distributed.context import build_contexts
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.topology import launcher_world_size
@@ -73,6 +73,14 @@ def _load_model(cfg: RunConfig):
     try:
         return load_checkpoint(cfg.model)
     except CheckpointError as e:
+        raise InputError(f"--model {e}") from None
+
+
+def _load_tokenizer(cfg: RunConfig, mcfg):
+    try:
+        return load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size,
+                              eos_token_id=mcfg.eos_token_id)
+    except TokenizerError as e:   # the CLI refuses it first (runner/inputs.py); ranks see it here
         raise InputError(f"--model {e}") from None
 
 
@@ -282,7 +290,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     pdtype = _DTYPES[cfg.dtype]
     watch.phase(f"loading {cfg.model or 'the embedded tiny model'}")
     mcfg, tensors = _load_model(cfg)
-    tok = load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size, eos_token_id=mcfg.eos_token_id)
+    tok = _load_tokenizer(cfg, mcfg)
     source = prompt_source(cfg.prompts, n_prompts_per_step=cfg.n_prompts, steps=cfg.steps,
                            seed=cfg.seed, input_key=cfg.input_key, label_key=cfg.label_key)
     chat = load_chat_template(cfg.model) if cfg.apply_chat_template else None
