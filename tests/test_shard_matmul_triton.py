@@ -28,3 +28,28 @@ results = checks_fixture("shard_matmul_triton_checks.py")
                                   "model_linears_dispatch_to_the_fused_tree_where_worth_it"])
 def test_shard_matmul(results, name):
     _ok(results, name)
+
+
+def test_tma_ok_refuses_what_tma_cannot_fetch_as_the_pointer_loads_do():
+    """`_tma_ok` (the shard tree's choice of TMA descriptors, on CPU tensors: no kernel runs):
+    aligned contiguous bf16 and fp16 operands with K ranges cut at BLOCK_K pass; each refusal
+    case breaks one condition alone — fp32 operands, a K range ending off a BLOCK_K multiple
+    (TMA would fill its ragged tail from the next range), a base 2 bytes past a 16-byte
+    boundary, inner stride 2, 40-byte rows — for A and for B."""
+    import torch
+
+    from rlkernel.kernels import triton_shard_matmul as tsm
+    bk = 64
+    ok = torch.zeros(64, 256, dtype=torch.bfloat16)
+    assert ok.data_ptr() % 16 == 0, "the CPU allocator's alignment this test assumes"
+    bounds = [[(0, 128)], [(128, 256)]]
+    assert tsm._tma_ok(ok, ok, bounds, bk) and tsm._tma_ok(ok.half(), ok.half(), bounds, bk)
+    assert not tsm._tma_ok(ok.float(), ok.float(), bounds, bk), "fp32"
+    assert not tsm._tma_ok(ok, ok, [[(0, 100)], [(100, 256)]], bk), "ragged K range"
+    off = torch.zeros(1 + 64 * 256, dtype=torch.bfloat16)[1:].view(64, 256)
+    strided = torch.zeros(64, 512, dtype=torch.bfloat16)[:, ::2]
+    narrow = torch.zeros(64, 20, dtype=torch.bfloat16)
+    assert off.data_ptr() % 16 == 2 and strided.stride() == (512, 2)
+    for name, t in (("base", off), ("inner stride", strided), ("rows", narrow)):
+        assert not tsm._tma_aligned(t), name
+        assert not tsm._tma_ok(t, ok, bounds, bk) and not tsm._tma_ok(ok, t, bounds, bk), name
