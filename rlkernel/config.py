@@ -50,6 +50,8 @@ SEED_LIMIT = 2**63
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
 """--gpu-memory-utilization when not given: the rollout engine's own default (RolloutEngine)."""
 FP32_MAX = 3.4028234663852886e38
+FP32_TINY = 1.1754943508222875e-38
+"""The smallest normal fp32 number: a nonzero coefficient below it is 0 or subnormal in fp32."""
 MIN_TEMPERATURE = 1e-6
 """Smallest --temperature: z = logits / T is fp32 in rollout and trainer, so T must keep it finite.
 At T >= 1e-6 every |logit| < FP32_MAX · 1e-6 ≈ 3.4e32 (any working model's) stays finite; at
@@ -433,6 +435,11 @@ def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
         finite = False
     if not (finite and allowed[1](v)):
         raise _fail(field, v, f"must be {allowed[0]}{why}")
+    if 0 < abs(v) < FP32_TINY:   # would silently be 0 (or lose its precision) in fp32
+        zero = "0 or " if allowed[1](0.0) else ""
+        raise _fail(field, v, f"must be {zero}at least {FP32_TINY!r}, the smallest normal fp32 "
+                              "number (the losses, the optimizer and the sampler compute in "
+                              "fp32, where a smaller value is 0 or subnormal)")
     if abs(v) > FP32_MAX:   # the losses, the optimizer and the sampler compute in fp32
         # FP32_MAX in full (repr): rounded to fewer digits it would exceed itself, and a value
         # typed as shown would be refused.

@@ -902,6 +902,22 @@ def test_huge_values_are_refused_before_any_work(capsys, cwd, flag, value, want)
     assert not (cwd / "r").exists()
 
 
+@pytest.mark.parametrize("flag,value,zero_ok", [("--kl-coef", "1e-300", True),
+                                                ("--entropy-coef", "1e-40", True),
+                                                ("--lr", "1e-45", False)])
+def test_values_that_fp32_would_make_0_are_refused_before_any_work(capsys, cwd, flag, value,
+                                                                   zero_ok):
+    """A nonzero coefficient below the smallest normal fp32 (1e-300 was 0 in the losses: a run
+    that silently could not learn) gets one line and exit 2, naming the bound (and 0, where 0
+    is allowed); no run directory."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", flag, value)
+    want = ("must be 0 or at least " if zero_ok else "must be at least ") + "1.1754943508222875e-38"
+    assert code == 2 and f"{flag} {value}: {want}" in err and len(err.strip().splitlines()) == 1
+    assert not (cwd / "r").exists()
+    tiny = 1.1754943508222875e-38      # the bound itself is accepted
+    assert RunConfig(lr=tiny, kl_coef=tiny, entropy_coef=tiny).kl_coef == tiny
+
+
 def test_the_fp32_limit_itself_is_accepted():
     """The largest value the fp32 message allows is accepted, for every rule it closes."""
     top = 3.4028234663852886e38

@@ -221,6 +221,28 @@ def _fail_rank(rank: int, out: str, bad: int, how: str) -> None:
     comm.all_gather(torch.zeros(2), "step")
 
 
+def _relayed_rank(rank: int, out: str, relay: bool) -> None:
+    """Rank 0 fails 0.3 s after rank 1 raises the same error relayed (as score_on_rank0 does:
+    `relayed_from` set) — or, with relay False, the same error unmarked (the control)."""
+    _world_comm(rank, dist.get_world_size()).all_gather(torch.zeros(2), "step")
+    if rank == 0:
+        time.sleep(0.3)
+    err = ValueError("reward failed")
+    if rank != 0 and relay:
+        err.relayed_from = 0
+    raise err
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_relayed_error_names_the_rank_it_came_from(tmp_path, relay):
+    """A rank that re-raises another rank's error (relayed_from, e.g. rank 0's reward error on
+    every rank) does not take the blame for it even when it raises first: the launch names
+    rank 0. Control: unmarked, the first to raise (rank 1) is named."""
+    with pytest.raises(RankUserError) as info:
+        launch(_relayed_rank, (str(tmp_path), relay), world_size=2, timeout_s=10)
+    assert str(info.value) == f"rank {0 if relay else 1}: reward failed"
+
+
 @pytest.mark.parametrize("bad", [1, 2])
 def test_rank_raising_value_error_fails_the_launch_with_its_message(tmp_path, bad):
     """Rank k raises ValueError("boom") while the others wait in a collective → launch raises

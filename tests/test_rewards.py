@@ -219,3 +219,22 @@ def test_resume_refuses_a_changed_reward_source(rewards_file, tmp_path, capsys):
     assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
     assert "the reward function's source" in capsys.readouterr().err
     assert len(json.loads((d / "evidence.json").read_text())["steps"]) == 1
+
+
+def test_rank_0s_reward_error_is_raised_relayed_on_the_other_ranks():
+    """score_on_rank0: rank 0's RewardError comes back on every rank; on the others it is marked
+    relayed from rank 0 (the launcher then names rank 0, where the function ran), on rank 0
+    not."""
+    from rlkernel.data.rewards import score_on_rank0
+
+    class _Comm:      # a world whose rank 0 sent back the failure message
+        def all_gather_object(self, obj, op):
+            return ["reward f raised ValueError: boom on sample 0"]
+
+    class _Bad:
+        def score(self, *a):
+            raise RewardError("reward f raised ValueError: boom on sample 0")
+    for rank in (0, 1, 3):
+        with pytest.raises(RewardError, match="boom on sample 0") as info:
+            score_on_rank0(_Bad(), [("p", "c", "l", 0)], rank, _Comm())
+        assert getattr(info.value, "relayed_from", None) == (None if rank == 0 else 0)

@@ -227,5 +227,8 @@ def score_on_rank0(reward: RewardFn, items: Sequence[tuple[str, str, str, int]],
         result = None
     result = world_comm.all_gather_object(result, "rewards")[0]
     if isinstance(result, str):
-        raise RewardError(result)
+        err = RewardError(result)
+        if rank != 0:
+            err.relayed_from = 0    # the launcher then names rank 0, where the function ran
+        raise err
     return result

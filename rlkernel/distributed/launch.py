@@ -170,6 +170,9 @@ def _is_peer_loss(e: BaseException) -> bool:
 
 
 def _report(rank: int, e: BaseException) -> dict[str, Any]:
+    # A relayed error (another rank's failure raised here too, e.g. rank 0's reward error on
+    # every rank: `relayed_from`) counts like a lost peer: the rank that failed first is named.
+    relayed = getattr(e, "relayed_from", None) is not None
     peer_loss = _is_peer_loss(e)
     return {
         "rank": rank, "ok": False, "time": time.time(),
@@ -178,7 +181,7 @@ def _report(rank: int, e: BaseException) -> dict[str, Any]:
         "message": str(e)[:_MAX_TEXT],
         "traceback": "".join(traceback.format_exception(e))[-_MAX_TEXT:],
         "user": isinstance(e, (ValueError, OSError)) and not peer_loss,
-        "peer_loss": peer_loss,
+        "peer_loss": peer_loss or relayed,
     }
 
 
