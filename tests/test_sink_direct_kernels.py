@@ -440,3 +440,16 @@ def test_split_rows_refuses_the_sparse_use_before_the_dense_one():
     h = embed(ids, p, tok=tok)
     with pytest.raises(RuntimeError, match="before its dense use"):
         h.sum().backward()
+
+
+def test_a_persistent_split_whose_dense_use_has_another_scope_is_refused():
+    """Persistent mode: rows noted over dp_cp, the dense use's sum held over world — finish
+    raises a RuntimeError naming both scopes rather than adding sums of two reductions."""
+    p = torch.nn.Parameter(torch.randn(ROWS, H))
+    gs = tokensum.GradSink.single()
+    gs.begin({"emb": p}, keep={"emb"})
+    gs.note_rows(p, torch.tensor([1, 3]), 0, "dp_cp")
+    assert gs.add_split_rows(p, lambda rows, acc: None)
+    gs.accumulator(p, "world")
+    with pytest.raises(RuntimeError, match="rows noted over dp_cp.*reduced over world"):
+        gs.finish()

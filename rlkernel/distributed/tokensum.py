@@ -351,6 +351,10 @@ class GradSink:
         self._resolve(0)    # every deferred chunk exact before any gradient leaves the sink
         for n, (rows, acc) in self._split.items():
             if n not in self._done:     # persistent: the dense use's sums of those rows join
+                noted = self._rows[n][1]
+                if self._scope.get(n, noted) != noted:
+                    raise RuntimeError(f"GradSink: {n} is split (rows noted over {noted}) but "
+                                       f"its dense use reduced over {self._scope[n]}")
                 acc += self._held_rows(n, rows)
         out: dict[str, torch.Tensor] = {}
         for scope in SCOPES:
