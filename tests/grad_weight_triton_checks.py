@@ -638,6 +638,65 @@ def carried_words_flags_read_late_give_the_same_bytes():
 
 
 @check
+def carried_words_count_the_flags_of_every_launch():
+    """OUT_ELEMS lowered to four launches of one tile row (N = 50): the element whose tile
+    cannot hold its sum (row 37) lies in the third launch, not the last; the flag count that
+    carry_grad_weight_deferred leaves on the device must add every launch's flags (one counting
+    only the last launch's would be 0, the redo skipped and that tile's partials of the third
+    call lost). The weight moves to digits; bytes == the digit reference."""
+    dy, x = _operands(6, 50, 40, 12, seed=10)
+    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    real = tgw.OUT_ELEMS
+    try:
+        tgw.OUT_ELEMS = 16 * 40
+        got, digits, lefts = _carried(dy, x, [TOKEN_LEAF, 2 * TOKEN_LEAF, 4 * TOKEN_LEAF])
+    finally:
+        tgw.OUT_ELEMS = real
+    assert digits == ["w"] and lefts[:2] == [0, 0] and lefts[2] == 1, lefts
+    assert torch.equal(got.view(torch.int32), want)
+
+
+@check
+def carried_words_of_a_split_weight_join_its_rows_at_finish():
+    """A kept (tied) weight split in a persistent sink (rows 3, 17, 30 noted): its dense use
+    carries the double words over two calls (kernels/matmul.py `_carry_words`, no digits), the
+    sparse use adds its own partials into the split accumulator of those rows, and finish adds
+    the words' sums of exactly those rows (GradSink._held_rows from words) before rounding them:
+    bytes == the digit reference with the sparse partials added to those rows. Controls: the
+    dense part alone and the sparse part alone differ on those rows."""
+    dy, x = _operands(4, 40, 24, 4, seed=3)
+    rows = torch.tensor([3, 17, 30])
+    extra = _operands(1, 3 * 24, 1, 4, seed=4)[0][:1].view(1, 3, 24)   # sparse partials
+    w = torch.nn.Parameter(torch.zeros(40, 24))
+    sink = tokensum.GradSink({s: Comm.single(s) for s in tokensum.SCOPES})
+    sink.begin({"w": w}, keep={"w"})
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
+    sink.note_rows(w, rows.flip(0), 0, "dp_cp")
+    real = tgw.carry_grad_weight_deferred
+    tgw.carry_grad_weight_deferred = lambda words, a, b: real(words, a, b, tile=SMALL)
+    try:
+        for a, b in ((0, TOKEN_LEAF), (TOKEN_LEAF, 4 * TOKEN_LEAF)):
+            assert mm._carry_words(dy[a:b], x[a:b], w, tok)
+    finally:
+        tgw.carry_grad_weight_deferred = real
+    assert sink.add_split_rows(w, lambda r, acc: (r.tolist() == rows.tolist()
+                                                   and fx.accumulate_(acc, extra)))
+    assert sorted(sink._words) == ["w"] and sink._acc == {}
+    got = sink.finish()["w"].view(torch.int32)
+    ref = _reference(dy, x)
+    dense = fx.round_fp32(ref).view(torch.int32)
+    sub = ref[rows].contiguous()
+    fx.accumulate_(sub, extra)
+    ref[rows] = sub
+    want = fx.round_fp32(ref).view(torch.int32)
+    assert torch.equal(got, want)
+    assert (dense[rows] != want[rows]).any(1).all(), "control: the sparse part changes each row"
+    assert not torch.equal(fx.round_fp32(fx.accumulate_(fx.zeros((3, 24)), extra)).view(
+        torch.int32), want[rows]), "control: the dense part matters"
+
+
+@check
 def carried_words_refuse_bad_words():
     dy, x = _operands(2, 8, 8, 1, seed=9)
     for words in (torch.zeros(2, 8, 8), torch.zeros(2, 8, 9, dtype=torch.float64),

@@ -177,6 +177,19 @@ def test_carried_words_flags_read_late_give_the_same_bytes(results):
     _ok(results, "carried_words_flags_read_late_give_the_same_bytes")
 
 
+def test_carried_words_count_the_flags_of_every_launch(results):
+    """Four launches (OUT_ELEMS lowered), the tile that cannot hold its sum in the third: the
+    deferred flag count adds every launch's flags, so the weight moves to digits with that
+    tile's partials; the reference's bytes."""
+    _ok(results, "carried_words_count_the_flags_of_every_launch")
+
+
+def test_carried_words_of_a_split_weight_join_its_rows_at_finish(results):
+    """A split (tied) weight whose dense sum is held in carried words: finish adds the words'
+    sums of the noted rows to the sparse use's row accumulator; the reference's bytes."""
+    _ok(results, "carried_words_of_a_split_weight_join_its_rows_at_finish")
+
+
 def test_carried_words_refuse_bad_words(results):
     """fp32 words, the wrong shape, non-contiguous words: ValueError."""
     _ok(results, "carried_words_refuse_bad_words")

@@ -285,6 +285,56 @@ def test_a_deferred_redo_refuses_operands_changed_in_place(monkeypatch, changed)
         sink.finish()
 
 
+class _CarryKernel:
+    """A stand-in for kernels/triton_grad_weight.py in kernels/matmul.py `_carry_words` (CPU:
+    no kernel runs): every call leaves one tile flagged (count 1, on the "device"); the redo
+    records its operands."""
+
+    def __init__(self):
+        self.redone = []
+
+    def carry_grad_weight_deferred(self, words, dy, x):
+        return [(0, words.shape[1], torch.tensor([1], dtype=torch.int32))], torch.tensor(1)
+
+    def flagged_tiles(self, launches):
+        return [(r0, r1, torch.nonzero(f).flatten()) for r0, r1, f in launches]
+
+    def redo_into_digits_(self, acc, dy, x, left):
+        self.redone.append((dy.clone(), x.clone(), left))
+
+
+@pytest.mark.parametrize("changed", [None, "dy", "x"])
+def test_a_carried_words_redo_refuses_operands_changed_in_place(monkeypatch, changed):
+    """kernels/matmul._carry_words (persistent sink, the CUDA path's carried words): a flagged
+    call's redo, run when its count is read (here: at finish, as behind a CUDA event not yet
+    passed), checks the version counters of dy and x: changed in place meanwhile, it raises
+    instead of adding other bytes. Control (nothing changed): the redo runs once, with this
+    call's own dy and x and its flagged tile."""
+    kernel = _CarryKernel()
+    monkeypatch.setattr(mm, "_grad_weight_kernel", lambda: kernel)
+    # The stand-in writes no words (they stay 0): their digits are 0, with no CUDA kernel.
+    monkeypatch.setattr(tokensum, "_digits_of", lambda words: fx.zeros((words.shape[1],)))
+    dy, x = _dw_operands()
+    w = torch.nn.Parameter(torch.zeros(16, 10))
+    sink = tokensum.GradSink.single()
+    sink.begin({"w": w})
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
+    real = sink._resolve
+    monkeypatch.setattr(sink, "_resolve", lambda keep: real(keep) if keep == 0 else None)
+    assert mm._carry_words(dy, x, w, tok) is True and kernel.redone == []
+    if changed is None:
+        sink.finish()
+        assert len(kernel.redone) == 1
+        rdy, rx, left = kernel.redone[0]
+        assert torch.equal(rdy, dy) and torch.equal(rx, x)
+        assert [(a, b, t.tolist()) for a, b, t in left] == [(0, 16, [0])]
+        return
+    {"dy": dy, "x": x}[changed].mul_(2.0)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        sink.finish()
+    assert kernel.redone == []
+
+
 def test_begin_drops_the_deferred_chunks_a_failed_backward_left():
     """A backward that raised between a deferred chunk and finish leaves it queued: the next
     begin drops it, so the next finish never runs the old mini-batch's redo (whose operands
@@ -426,6 +476,29 @@ def test_tied_weight_split_over_microbatches_gives_the_whole_accumulator_bytes(
     else:
         assert 0 < sizes[0] <= ROWS // 2 and sizes[1:] == [0, 0], sizes
     assert _same(whole, base) and _same(got, base)
+
+
+def test_a_split_that_grew_into_the_whole_weight_stays_whole(monkeypatch):
+    """SPLIT_MAX_FRACTION 0.5: the second lookup's union (8 of 12 rows) ends the split; the
+    third lookup brings only 3 rows (few enough for a split of their own), and the weight stays
+    whole (its rows are not noted again: no new split accumulator beside the whole one); the
+    bytes of the whole-weight accumulator. A sink that forgot the weight went whole would split
+    it again at the third lookup."""
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", 0.5)
+    g = torch.Generator().manual_seed(8)
+    local = torch.cat([torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
+                       torch.randint(2, 8, (TOKEN_LEAF,), generator=g),
+                       torch.randint(0, 3, (TOKEN_LEAF,), generator=g)])
+    ids = local + OFFSET
+    w = torch.randn(ROWS, H, generator=g)
+    coef = torch.randn(3 * TOKEN_LEAF, ROWS, generator=g)
+    cuts = [TOKEN_LEAF, 2 * TOKEN_LEAF]
+    assert torch.unique(local[:2 * TOKEN_LEAF]).numel() > ROWS // 2
+    assert 0 < torch.unique(local[2 * TOKEN_LEAF:]).numel() <= ROWS // 2
+    base, _ = _tied_grads(w, ids, coef, OFFSET, "persistent", split=False)
+    got, sizes = _tied_microbatches(w, ids, coef, cuts)
+    assert 0 < sizes[0] <= ROWS // 2 and sizes[1:] == [0, 0], sizes
+    assert _same(got, base)
 
 
 def test_split_rows_refuses_the_sparse_use_before_the_dense_one():
