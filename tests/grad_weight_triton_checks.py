@@ -91,6 +91,15 @@ def _naive64(dy, x) -> torch.Tensor:
     return parts.sum(0).float()
 
 
+def _unholdable(leaves: int):
+    """(dy, x, the digit reference's fp32 bits) of a [50, 40] weight over `leaves` leaves whose
+    element (37, 21) gets the partials 2**100, 1.5·2**46, 2**-100 (leaves 0..2): no double word
+    holds their sum, so its tile must leave the words for the digits."""
+    dy, x = _operands(leaves, 50, 40, 12, seed=10)
+    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+    return dy, x, fx.round_fp32(_reference(dy, x)).view(torch.int32)
+
+
 @check
 def narrow_range_needs_no_recompute():
     dy, x = _operands(6, 40, 24, 4, seed=0)
@@ -499,9 +508,7 @@ def direct_sink_words_path_equals_the_digit_path():
     the digit-only direct path == the persistent reference, bytewise, each way; and so with the
     deferred hook (rounded_grad_weight_deferred: flag counts read by the sink, the flagged
     chunk redone by add_rows)."""
-    dy, x = _operands(4, 50, 40, 12, seed=10)
-    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
-    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    dy, x, want = _unholdable(4)
     real = tokensum.DIRECT_CHUNK_ELEMS
     try:
         tokensum.DIRECT_CHUNK_ELEMS = 16 * 40
@@ -611,9 +618,7 @@ def carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum():
     to digits (the words added there) and the tile's partials of that call are added by the
     EMIT path; later calls go to the digits. Bytes == the digit reference; with every tile
     forced through that path from the first call, too."""
-    dy, x = _operands(6, 50, 40, 12, seed=10)
-    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
-    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    dy, x, want = _unholdable(6)
     got, digits, lefts = _carried(dy, x, [TOKEN_LEAF, 2 * TOKEN_LEAF, 4 * TOKEN_LEAF])
     assert digits == ["w"] and lefts[:2] == [0, 0] and lefts[2] >= 1, lefts
     assert lefts[3:] == ["digits"], lefts
@@ -628,9 +633,7 @@ def carried_words_flags_read_late_give_the_same_bytes():
     """As above with every flag count read only at the end (a busy GPU queue: the sink's
     deferred chunks): the calls after the flagged one continue the words, the flagged tile's
     partials of its call are added to digits when its count is read; the same bytes."""
-    dy, x = _operands(6, 50, 40, 12, seed=10)
-    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
-    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    dy, x, want = _unholdable(6)
     got, digits, lefts = _carried(dy, x, [TOKEN_LEAF, 2 * TOKEN_LEAF, 4 * TOKEN_LEAF], late=True)
     assert digits == ["w"] and lefts[:2] == [0, 0] and lefts[2] >= 1, lefts
     assert "digits" not in lefts, lefts
@@ -644,9 +647,7 @@ def carried_words_count_the_flags_of_every_launch():
     carry_grad_weight_deferred leaves on the device must add every launch's flags (one counting
     only the last launch's would be 0, the redo skipped and that tile's partials of the third
     call lost). The weight moves to digits; bytes == the digit reference."""
-    dy, x = _operands(6, 50, 40, 12, seed=10)
-    _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
-    want = fx.round_fp32(_reference(dy, x)).view(torch.int32)
+    dy, x, want = _unholdable(6)
     real = tgw.OUT_ELEMS
     try:
         tgw.OUT_ELEMS = 16 * 40
