@@ -588,7 +588,7 @@ def _carried(dy, x, cuts, *, force_flag=False, groups=None, late=False):
 @check
 def carried_words_over_microbatches_equal_the_digit_path():
     """A persistent sink over 8 leaves cut into calls of 3, 1 and 4 leaves (microbatches): the
-    words carried from call to call (kernels/triton_grad_weight.py carry_grad_weight_) round to
+    words carried from call to call (kernels/triton_grad_weight.py carry_grad_weight_deferred) round to
     the digit reference's bytes, with element (3, 5)'s partials 1, 2**-24 (first call) and
     2**-80 (second: an inexact add, the checked retry from the carried words) — whose exact sum
     rounds up to 1 + 2**-23 while dropping the error rounds to 1.0 (the control) — and no
@@ -703,7 +703,7 @@ def carried_words_refuse_bad_words():
     for words in (torch.zeros(2, 8, 8), torch.zeros(2, 8, 9, dtype=torch.float64),
                   torch.zeros(2, 8, 16, dtype=torch.float64)[:, :, :8]):
         try:
-            tgw.carry_grad_weight_(words, dy, x)
+            tgw.carry_grad_weight_deferred(words, dy, x)
         except ValueError:
             continue
         raise AssertionError(f"accepted words {words.dtype} {tuple(words.shape)}")

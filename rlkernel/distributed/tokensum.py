@@ -328,7 +328,7 @@ class GradSink:
     def words(self, w: torch.Tensor, scope: str) -> torch.Tensor | None:
         """The mini-batch double words of parameter w: float64 [2, *w.shape] (created at zero
         on first use), an exact sum hi + lo per element that the CUDA dW kernel continues
-        microbatch after microbatch (kernels/triton_grad_weight.py `carry_grad_weight_`), 16
+        microbatch after microbatch (kernels/triton_grad_weight.py `carry_grad_weight_deferred`), 16
         bytes per element against the accumulator's 104; `finish` rounds or sums them like
         accumulators. None when w's sum is already held in digits (`accumulator`: another
         kernel added to it, or a tile the words could not hold moved it there). Errors as

@@ -262,12 +262,10 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     A deferred chunk's redo may run after this returns (GradSink._defer): RuntimeError then if
     dy or x was changed in place meanwhile (their version counters)."""
     tok = tok or TokenSum.single()
-    versions = (dy._version, x._version)
+    unchanged = _unchanged_since_now(dy, x)
 
     def add_rows(a: int, b: int, acc: torch.Tensor) -> None:
-        if (dy._version, x._version) != versions:
-            raise RuntimeError("grad weight: dy or x was changed in place before a deferred "
-                               "dW chunk was redone")
+        unchanged()
         accumulate_grad_weight_(acc, dy[:, a:b], x)
     if tok.finish_now(w, add_rows, "token-sum-dw", words_rows=_rounded_rows(dy, x),
                       add_rows_at=lambda rows, acc: accumulate_grad_weight_(acc, dy[:, rows], x)):
@@ -291,15 +289,25 @@ def _carry_words(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tok: TokenS
         return False
     kernel = _grad_weight_kernel()
     launches, flagged = kernel.carry_grad_weight_deferred(words, dy, x)
-    versions = (dy._version, x._version)
+    unchanged = _unchanged_since_now(dy, x)
 
     def redo(acc: torch.Tensor) -> None:
-        if (dy._version, x._version) != versions:
-            raise RuntimeError("grad weight: dy or x was changed in place before a deferred "
-                               "dW chunk was redone")
+        unchanged()
         kernel.redo_into_digits_(acc, dy, x, kernel.flagged_tiles(launches))
     tok.defer_carry(w, flagged, redo)
     return True
+
+
+def _unchanged_since_now(dy: torch.Tensor, x: torch.Tensor):
+    """A check for a deferred redo of dy, x's dW: RuntimeError if either was changed in place
+    since this call (their version counters), when the redo would add other partials."""
+    versions = (dy._version, x._version)
+
+    def check() -> None:
+        if (dy._version, x._version) != versions:
+            raise RuntimeError("grad weight: dy or x was changed in place before a deferred "
+                               "dW chunk was redone")
+    return check
 
 
 def column_dx_by_shards(dys, ws, shard_rows, product=seq_matmul) -> torch.Tensor | None:

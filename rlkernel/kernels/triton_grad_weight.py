@@ -347,22 +347,11 @@ def flagged_tiles(launches: list[tuple[int, int, torch.Tensor]]
     return left
 
 
-def carry_grad_weight_(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
-                       tile: tuple[int, int, int, int] = TILE, force_flag: bool = False,
-                       use_tma: bool = True) -> list[tuple[int, int, torch.Tensor]]:
-    """`carry_grad_weight_deferred` with its flags read now: returns `flagged_tiles` of its
-    launches (the tiles whose words were left as they were; usually []). Host syncs as
-    `flagged_tiles`; errors as `carry_grad_weight_deferred`."""
-    launches, _ = carry_grad_weight_deferred(words, dy, x, tile=tile, force_flag=force_flag,
-                                             use_tma=use_tma)
-    return flagged_tiles(launches)
-
-
 def redo_into_digits_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
                       left: list[tuple[int, int, torch.Tensor]], *,
                       tile: tuple[int, int, int, int] = TILE, use_tma: bool = True) -> None:
     """acc [N, K, N_COLS] += the exact sums of dy, x's partials over the tiles `left` that
-    `carry_grad_weight_` (same dy, x, tile) could not hold, through the bin accumulator (EMIT
+    `carry_grad_weight_deferred` (same dy, x, tile) could not hold, through the bin accumulator (EMIT
     path); the words' own sum must already be in acc."""
     a, b = _operands(dy, x)
     for r0, r1, flagged in left:
