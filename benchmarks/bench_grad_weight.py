@@ -104,11 +104,12 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
         grid = (triton.cdiv(n, bn_) * triton.cdiv(k, bk_),)
         # TMA descriptors (the model's path) at the kernel's own leaf; pointer loads otherwise.
         ad, bd, tma = tgw._descriptors(dy, x, tile, leaf == CUDA_TOKEN_LEAF)
-        tgw._dw_kernel[grid](dy, x, ad, bd, words, flags, every, t, n, k,
+        tgw._dw_kernel[grid](dy, x, ad, bd, words, flags, every, flags, t, n, k,
                              dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                              words.stride(0), BLOCK_N=bn_, BLOCK_K=bk_, LEAF=leaf,
                              PREC="tf32", EMIT=False, RETRY=retry, FORCE_FLAG=0,
-                             RETRY_ALL=False, TMA=tma, num_warps=warps,
+                             RETRY_ALL=False, TMA=tma, CARRY=False, COUNTED=False,
+                             num_warps=warps,
                              num_stages=stages, enable_fp_fusion=False)
 
     for leaf in leaves:

@@ -566,8 +566,8 @@ def _carried(dy, x, cuts, *, force_flag=False, groups=None, late=False):
     lefts = []
     real_carry, real_redo = tgw.carry_grad_weight_deferred, tgw.redo_into_digits_
 
-    def carry(words, a, b):
-        launches, flagged = real_carry(words, a, b, tile=SMALL, force_flag=force_flag)
+    def carry(words, a, b, **kw):
+        launches, flagged = real_carry(words, a, b, tile=SMALL, force_flag=force_flag, **kw)
         lefts.append(len(tgw.flagged_tiles(launches)))
         return launches, flagged
     tgw.carry_grad_weight_deferred = carry
@@ -675,7 +675,7 @@ def carried_words_of_a_split_weight_join_its_rows_at_finish():
     tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
     sink.note_rows(w, rows.flip(0), 0, "dp_cp")
     real = tgw.carry_grad_weight_deferred
-    tgw.carry_grad_weight_deferred = lambda words, a, b: real(words, a, b, tile=SMALL)
+    tgw.carry_grad_weight_deferred = lambda words, a, b, **kw: real(words, a, b, tile=SMALL, **kw)
     try:
         for a, b in ((0, TOKEN_LEAF), (TOKEN_LEAF, 4 * TOKEN_LEAF)):
             assert mm._carry_words(dy[a:b], x[a:b], w, tok)

@@ -305,3 +305,30 @@ def test_persistent_sink_carries_double_words_over_microbatches(dtype, tokens, n
         assert (list(sink._acc), list(sink._words)) == ((["w"], []) if plant else ([], ["w"]))
         got = _bits(sink.finish()["w"])
         assert torch.equal(got, want), (plant, groups, int((got != want).sum()))
+
+
+def test_flag_count_slots_are_zeroed_per_mini_batch_and_grow_past_a_buffer(monkeypatch):
+    """The sink's flag counters (GradSink.flag_count, SLOT_CHUNK lowered to 2 so that three
+    calls span two buffers): mini-batch 1 has the planted extreme element (its tile's count is
+    1, the weight moves to digits); mini-batch 2 on the same sink, clean operands, reuses the
+    same slots and must stay in words (a slot not zeroed again would carry mini-batch 1's count
+    and move it to digits). Both gradients == the one-call digit path, bytewise."""
+    monkeypatch.setattr(tokensum, "SLOT_CHUNK", 2)
+    n, k, tokens, cuts = 200, 136, 768, (128, 384)
+    w = torch.nn.Parameter(torch.zeros(n, k, device=DEV))
+    sink = tokensum.GradSink({s: Comm.single(s) for s in tokensum.SCOPES})
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
+    for plant in (True, False):
+        dy, x = _operands(tokens, n, k, torch.bfloat16, seed=9)
+        if plant:
+            _plant_extreme(dy, x)
+        want = _bits(fx.round_fp32(_fused(dy, x)[0]))
+        sink.begin({"w": w})
+        bounds = [0, *cuts, tokens]
+        for a, b in zip(bounds, bounds[1:]):
+            assert mm.grad_weight(dy[a:b], x[a:b], w, tok) is None
+        assert len(sink._slots) == 2 and sink._next_slot == 3
+        sink._resolve(0)
+        assert (list(sink._acc), list(sink._words)) == ((["w"], []) if plant else ([], ["w"]))
+        got = _bits(sink.finish()["w"])
+        assert torch.equal(got, want), (plant, int((got != want).sum()))

@@ -229,10 +229,10 @@ def _dw_ptx(tma: bool, carry: bool, retry: bool, fusion: bool = False,
             retry_all: bool = False) -> str:
     from rlkernel.kernels import triton_grad_weight as tgw
     ce = dict(BLOCK_N=64, BLOCK_K=64, LEAF=128, PREC="tf32", EMIT=False, RETRY=retry,
-              FORCE_FLAG=0, RETRY_ALL=retry_all, TMA=tma, CARRY=carry)
+              FORCE_FLAG=0, RETRY_ALL=retry_all, TMA=tma, CARRY=carry, COUNTED=retry_all)
     desc = "tensordesc<bf16[128, 64]>" if tma else "*bf16"
     kinds = {"DY": "*bf16", "X": "*bf16", "AD": desc, "BD": desc, "OUT": "*fp64",
-             "FLAGS": "*i32", "TILES": "*i32"}
+             "FLAGS": "*i32", "TILES": "*i32", "COUNT": "*i32"}
     types = {n: "constexpr" if n in ce else kinds.get(n, "i32") for n in tgw._dw_kernel.arg_names}
     return sm90_ptx(tgw._dw_kernel, types, ce, 4, fusion)
 
@@ -246,8 +246,10 @@ def test_compiled_ptx_of_the_dw_pass(tma, carry, retry, retry_all):
     (over listed tiles, or over all of them as carry_grad_weight_deferred launches it), with
     TMA tiles and carried words: TMA bulk loads where asked (none otherwise), the carried
     words loaded as float64, no fused multiply-add in float64 (the exact adds' checks need
-    every add rounded alone)."""
+    every add rounded alone); a retry over all tiles adds its flags to the caller's count
+    (COUNTED, an atomic add), the others do not."""
     ptx = _dw_ptx(tma, carry, retry, retry_all=retry_all)
+    assert bool(re.search(r"(atom|red)\.global\S*\.add", ptx)) == retry_all
     assert ("cp.async.bulk.tensor" in ptx) == tma
     assert bool(re.search(r"ld\.global(\.v\d)?\.b64", ptx)) == carry
     assert "fma.rn.f64" not in ptx

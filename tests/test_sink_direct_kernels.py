@@ -293,8 +293,9 @@ class _CarryKernel:
     def __init__(self):
         self.redone = []
 
-    def carry_grad_weight_deferred(self, words, dy, x):
-        return [(0, words.shape[1], torch.tensor([1], dtype=torch.int32))], torch.tensor(1)
+    def carry_grad_weight_deferred(self, words, dy, x, count):
+        count += 1      # the kernel adds its flagged tiles into the sink's counter
+        return [(0, words.shape[1], torch.tensor([1], dtype=torch.int32))], count
 
     def flagged_tiles(self, launches):
         return [(r0, r1, torch.nonzero(f).flatten()) for r0, r1, f in launches]
@@ -526,3 +527,32 @@ def test_a_persistent_split_whose_dense_use_has_another_scope_is_refused():
     gs.accumulator(p, "world")
     with pytest.raises(RuntimeError, match="rows noted over dp_cp.*reduced over world"):
         gs.finish()
+
+
+def test_persistent_sink_casts_each_weight_once_per_mini_batch_and_again_after_a_change():
+    """GradSink.compute_copy: in persistent mode one bf16 copy per weight serves every
+    microbatch's forward and backward (kernels/matmul.weight_point) — the same values as a
+    fresh cast; a weight changed in place is cast again; direct mode, a closed sink and a
+    weight already in the compute dtype get None (the caller casts). Control: without the
+    version check the stale copy would be returned, which the changed values expose."""
+    w = torch.nn.Parameter(torch.randn(ROWS, H).to(torch.bfloat16).float())
+    sink = tokensum.GradSink.single()
+    assert sink.compute_copy(w, torch.bfloat16) is None           # closed
+    sink.begin({"w": w}, direct=True)
+    assert sink.compute_copy(w, torch.bfloat16) is None           # direct mode
+    sink.begin({"w": w})
+    first = sink.compute_copy(w, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and torch.equal(first.view(torch.int16),
+                                                         w.detach().to(torch.bfloat16).view(torch.int16))
+    assert sink.compute_copy(w, torch.bfloat16) is first          # reused, not cast again
+    assert sink.compute_copy(w, torch.float32) is None            # already fp32
+    with torch.no_grad():
+        w.mul_(2)
+    again = sink.compute_copy(w, torch.bfloat16)
+    assert again is not first and not torch.equal(again, first)
+    assert torch.equal(again.view(torch.int16), w.detach().to(torch.bfloat16).view(torch.int16))
+    tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
+    assert mm.weight_point(w, torch.bfloat16, tok) is again
+    sink.finish()
+    assert sink.compute_copy(w, torch.bfloat16) is None           # closed again
+    assert mm.weight_point(w, torch.bfloat16, tok) is not again   # a fresh cast

@@ -107,6 +107,10 @@ class GradSink:
         self._split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # rows, their accumulator
         self._whole: set[str] = set()     # kept weights whose split grew into the whole weight
         self._pending: deque = deque()    # (event or None, flag count, redo) of deferred chunks
+        self._copies: dict[int, tuple[int, torch.Tensor]] = {}   # id(w) -> (w._version, copy)
+        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []   # (device, pinned host) counters
+        self._next_slot = 0
+        self._slot_host: dict[int, torch.Tensor] = {}   # id(handed-out counter) -> its host mirror
 
     @classmethod
     def single(cls) -> "GradSink":
@@ -126,7 +130,30 @@ class GradSink:
         self._rows, self._split, self._whole = {}, {}, set()
         self.direct, self._keep = direct, frozenset(keep)
         self._pending.clear()    # a backward that raised may have left some (and their operands)
+        self._copies = {}
+        self._next_slot, self._slot_host = 0, {}
         self.open = True
+
+    def compute_copy(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter w in `dtype` (e.g. bf16 for the tensor cores), cast once per mini-batch in
+        persistent mode and reused by every microbatch's forward and backward; w itself
+        elsewhere — direct mode (one microbatch: the copies would only raise the peak by 2 bytes
+        per parameter for the one backward that reuses them) or a closed sink — is cast by the
+        caller. Returns None then. A copy made before w changed in place (its version counter)
+        is made again.
+
+        Why: a linear rounds its fp32-held weight at the forward and again at the backward of
+        every microbatch (two casts of every weight per microbatch: ~3,900 launches per step at
+        qwen3-0.6b and four microbatches, docs/BENCHMARKS.md); the values are the same each time
+        (the weight holds values of `dtype` already), so the bytes of every product are too.
+        Memory: the copies live until `finish` (2 bytes per parameter for bf16)."""
+        if not self.open or self.direct or w.dtype == dtype:
+            return None
+        held = self._copies.get(id(w))
+        if held is None or held[0] != w._version:
+            held = (w._version, w.detach().to(dtype))
+            self._copies[id(w)] = held
+        return held[1]
 
     def _name(self, w: torch.Tensor) -> str:
         name = self._names.get(id(w))
@@ -268,6 +295,29 @@ class GradSink:
         add_rows(a, b, acc)
         out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
 
+    def flag_count(self, device: torch.device) -> torch.Tensor:
+        """A zeroed int32 [] counter on `device` for a deferred chunk's flag count, which a
+        kernel adds its flagged tiles into (kernels/triton_grad_weight.py
+        `carry_grad_weight_deferred`): on CUDA one slot of a buffer of SLOT_CHUNK counters
+        zeroed once per mini-batch, mirrored in pinned host memory, so `_defer` copies one
+        element behind its event instead of making and reducing tensors per chunk (~800 chunks
+        a step at qwen3-0.6b, four microbatches). Elsewhere a new zero tensor."""
+        if device.type != "cuda":
+            return torch.zeros((), dtype=torch.int32, device=device)
+        chunk, j = divmod(self._next_slot, SLOT_CHUNK)
+        if chunk == len(self._slots) or self._slots[chunk][0].device != device:
+            if chunk < len(self._slots):    # another device: a counter of its own
+                return torch.zeros((), dtype=torch.int32, device=device)
+            self._slots.append((torch.empty(SLOT_CHUNK, dtype=torch.int32, device=device),
+                                torch.empty(SLOT_CHUNK, dtype=torch.int32, pin_memory=True)))
+        dev, host = self._slots[chunk]
+        if j == 0:      # first use of this buffer in the mini-batch (finish resolved the last)
+            dev.zero_()
+        self._next_slot += 1
+        slot = dev[j]
+        self._slot_host[id(slot)] = host[j:j + 1]
+        return slot
+
     def _defer(self, flagged: torch.Tensor, redo) -> None:
         """Queue a deferred chunk: `redo()` runs if its flag count `flagged` ([] int, on the
         chunk's device) turns out nonzero. On CUDA the count is copied to pinned memory behind
@@ -275,8 +325,12 @@ class GradSink:
         the oldest ones are waited for while more than PENDING_LAG are queued (their redo keeps
         the kernel's operands alive)."""
         if flagged.is_cuda:
-            host = torch.empty((), dtype=flagged.dtype, pin_memory=True)
-            host.copy_(flagged, non_blocking=True)
+            host = self._slot_host.pop(id(flagged), None)
+            if host is None:
+                host = torch.empty((), dtype=flagged.dtype, pin_memory=True)
+                host.copy_(flagged, non_blocking=True)
+            else:   # a flag_count slot: its element of the pinned mirror
+                host.copy_(flagged.view(1), non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._pending.append((event, host, redo))
@@ -348,6 +402,7 @@ class GradSink:
         of at most _BUCKET_ROWS elements (small tensors share one, large ones are cut), so the
         transient beyond the accumulators themselves is a few bucket copies, not a second set."""
         self.open = False
+        self._copies = {}
         self._resolve(0)    # every deferred chunk exact before any gradient leaves the sink
         for n, (rows, acc) in self._split.items():
             if n not in self._done:     # persistent: the dense use's sums of those rows join
@@ -443,6 +498,8 @@ SPLIT_MAX_FRACTION = 0.5
 """Persistent mode: a split weight whose noted rows pass this fraction of its rows takes its whole
 accumulator instead (a growing row accumulator would then cost as much, and its growth copies)."""
 PENDING_LAG = 8
+SLOT_CHUNK = 1024
+"""Flag counters per device buffer of GradSink.flag_count (a new buffer when one runs out)."""
 """Deferred direct chunks (GradSink._defer) queued at most before the oldest is waited for."""
 
 
@@ -518,6 +575,13 @@ class TokenSum:
         if self.sink is not None and self.sink.open:
             return self.sink.words(w, self._scope_for(heads))
         return None
+
+    def flag_count(self, device: torch.device) -> torch.Tensor:
+        """A zeroed int32 [] flag counter for `defer_carry` (GradSink.flag_count; a new zero
+        tensor without an open sink)."""
+        if self.sink is not None and self.sink.open:
+            return self.sink.flag_count(device)
+        return torch.zeros((), dtype=torch.int32, device=device)
 
     def defer_carry(self, w: torch.Tensor, flagged: torch.Tensor, redo,
                     heads: Comm | None = None) -> None:

@@ -34,7 +34,7 @@ import torch
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import (check_compute_dtype, column_parallel_dx, grad_weight,
-                                     linear_nt, rounding_point)
+                                     linear_nt, rounding_point, weight_point)
 from rlkernel.spec import VIRTUAL_TP
 from rlkernel.numerics.trees import tree_sum
 
@@ -179,7 +179,7 @@ def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab, cd):
-        hr, wr = rounding_point(h, cd), rounding_point(w, cd)
+        hr, wr = rounding_point(h, cd), weight_point(w, cd, tok)
         if h.is_cuda:
             from rlkernel.kernels import triton_logprobs
             m, s, t, z_y = triton_logprobs.linear_shard_stats(hr, wr, targets, temperature,
@@ -197,7 +197,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
         h, w, targets, lse, ent = ctx.saved_tensors
-        w = rounding_point(w, ctx.cd)
+        w = weight_point(ctx.param, ctx.cd, ctx.tok)
         # recomputed row by row, divided by T and masked the same way: the same bits as forward
         dlogits = _dlogits_by_rows(lambda a, b: linear_nt(h[a:b], w), w.shape[0], targets, lse,
                                    ent, g_lp, g_ent, ctx.temperature, ctx.cd,

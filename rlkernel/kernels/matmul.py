@@ -126,6 +126,15 @@ def rounding_point(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == compute_dtype else x.to(compute_dtype)
 
 
+def weight_point(w: torch.Tensor, compute_dtype: torch.dtype, tok: TokenSum | None) -> torch.Tensor:
+    """Parameter w in the compute dtype for a product: `rounding_point(w, compute_dtype)`, or
+    the open sink's copy kept for the mini-batch (GradSink.compute_copy: one cast per weight
+    and mini-batch instead of two per microbatch). The same values either way."""
+    sink = tok.sink if tok is not None else None
+    held = sink.compute_copy(w, compute_dtype) if sink is not None else None
+    return held if held is not None else rounding_point(w, compute_dtype)
+
+
 def linear_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ wᵀ, full-K sequential (column-parallel forward). x [M, K], w [N, K] -> [M, N] fp32.
     Operands of one 16-bit dtype on CUDA take the tensor-core kernel (TMA at large M)."""
@@ -288,7 +297,8 @@ def _carry_words(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tok: TokenS
     if words is None:
         return False
     kernel = _grad_weight_kernel()
-    launches, flagged = kernel.carry_grad_weight_deferred(words, dy, x)
+    launches, flagged = kernel.carry_grad_weight_deferred(words, dy, x,
+                                                          count=tok.flag_count(dy.device))
     unchanged = _unchanged_since_now(dy, x)
 
     def redo(acc: torch.Tensor) -> None:
@@ -338,13 +348,13 @@ class _ColumnParallelLinear(torch.autograd.Function):
         # The parameters themselves key the gradient sink: saved tensors may come back as other
         # objects (activation checkpointing unpacks recomputed ones).
         ctx.shard_rows, ctx.tok, ctx.params, ctx.cd = shard_rows, tok, ws, cd
-        return tuple(linear_nt(xr, rounding_point(w, cd)) for w in ws)
+        return tuple(linear_nt(xr, weight_point(w, cd, tok)) for w in ws)
 
     @staticmethod
     def backward(ctx, *dys):
         x, *ws = ctx.saved_tensors
         dys = tuple(rounding_point(dy, ctx.cd) for dy in dys)
-        ws = [rounding_point(w, ctx.cd) for w in ws]
+        ws = [weight_point(w, ctx.cd, ctx.tok) for w in ctx.params]
         dx = None
         if ctx.needs_input_grad[0] and x.is_cuda and _shard_kernel().worth_fusing(
                 operand_dtype(dys[0], ws[0]),
@@ -365,13 +375,14 @@ class _RowParallelLinear(torch.autograd.Function):
         xr = rounding_point(x, cd)
         ctx.save_for_backward(xr, w)
         ctx.tok, ctx.param, ctx.cd = tok, w, cd   # the parameter keys the sink (see column)
-        return row_parallel_nt(xr, rounding_point(w, cd), local_shards)
+        return row_parallel_nt(xr, weight_point(w, cd, tok), local_shards)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         dy = rounding_point(dy, ctx.cd)
-        dx = seq_matmul(dy, rounding_point(w, ctx.cd)) if ctx.needs_input_grad[0] else None
+        dx = seq_matmul(dy, weight_point(ctx.param, ctx.cd, ctx.tok)) \
+            if ctx.needs_input_grad[0] else None
         dw = grad_weight(dy, x, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
 

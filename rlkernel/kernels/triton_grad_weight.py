@@ -72,16 +72,18 @@ OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] 
 
 
 @triton.jit
-def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, L, N, K,
+def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
                s_dl, s_dn, s_xl, s_xk, s_ow,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEAF: tl.constexpr,
                PREC: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
                FORCE_FLAG: tl.constexpr, RETRY_ALL: tl.constexpr, TMA: tl.constexpr,
-               CARRY: tl.constexpr):
+               CARRY: tl.constexpr, COUNTED: tl.constexpr):
     # AD, BD: TMA descriptors of DY [L, N] (block [LEAF, BLOCK_N]) and X (block [LEAF,
     # BLOCK_K]) when TMA, else unused; TMA's zero fill past N and K is the masks' zeros.
     # CARRY (not EMIT): the words start from what OUT holds (a sum carried over microbatches)
     # and a flagged tile leaves them untouched, so its retry starts from them again.
+    # COUNTED (with RETRY_ALL): each retried tile also adds its final flag to COUNT (int32 []),
+    # so the caller's flag count needs no reduction launch of its own.
     pid = tl.program_id(0)
     if RETRY_ALL:       # a retry launched over every tile (no host sync): the clean ones leave
         tile = pid
@@ -143,6 +145,8 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, L, N, K,
             tl.store(o, tl.where(good, hi, 0.0), mask=m)
             tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
         tl.store(FLAGS + tile, (good == 0).to(tl.int32))
+        if COUNTED:
+            tl.atomic_add(COUNT, (good == 0).to(tl.int32))
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
@@ -164,17 +168,19 @@ def _descriptors(a, b, tile, use_tma: bool):
 
 
 def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, retry_all=False,
-            use_tma=True, carry=False):
+            use_tma=True, carry=False, count=None):
     bn, bk, warps, stages = tile
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     ad, bd, tma = _descriptors(a, b, tile, use_tma)
     with device_ctx(a):
-        _dw_kernel[grid](a, b, ad, bd, out, flags, tiles, a.shape[0], a.shape[1], b.shape[1],
+        _dw_kernel[grid](a, b, ad, bd, out, flags, tiles, flags if count is None else count,
+                         a.shape[0], a.shape[1], b.shape[1],
                          a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                          0 if emit else out.stride(0),
                          BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF, PREC=prec, EMIT=emit,
                          RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
-                         RETRY_ALL=retry_all, TMA=tma, CARRY=carry, num_warps=warps,
+                         RETRY_ALL=retry_all, TMA=tma, CARRY=carry,
+                         COUNTED=retry_all and count is not None, num_warps=warps,
                          num_stages=stages, enable_fp_fusion=False)
 
 
@@ -283,6 +289,7 @@ def accumulate_grad_weight_(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
 
 
 def carry_grad_weight_deferred(words: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, *,
+                               count: torch.Tensor | None = None,
                                tile: tuple[int, int, int, int] = TILE, force_flag: bool = False,
                                use_tma: bool = True
                                ) -> tuple[list[tuple[int, int, torch.Tensor]], torch.Tensor]:
@@ -295,7 +302,9 @@ def carry_grad_weight_deferred(words: torch.Tensor, dy: torch.Tensor, x: torch.T
     Returns (launches, flagged): launches [(r0, r1, flags int32 [tiles])] per launch of rows
     [r0, r1), and flagged ([] int32, on the device) the count of tiles that could not take this
     call's partials even through the checked retry (usually 0) — their words are left as they
-    were before the call. If it is not 0 the caller moves the sum to digits (the words added to
+    were before the call. `count`: a zeroed int32 [] tensor on the device to add that count
+    into and return (the gradient sink's slot, GradSink.flag_count: no allocation or
+    reduction launch per call); default a new one. If it is not 0 the caller moves the sum to digits (the words added to
     an accumulator, `tfx.add_double_words_`) and adds those tiles' partials there
     (`flagged_tiles`, `redo_into_digits_`). The exact sum is the same either way, so the
     rounded gradient is the digit path's, bytewise, whatever the microbatches
@@ -317,7 +326,7 @@ def carry_grad_weight_deferred(words: torch.Tensor, dy: torch.Tensor, x: torch.T
             or not words.is_contiguous():
         raise ValueError(f"grad weight: contiguous float64 [2, {n}, {k}] words expected, got "
                          f"{words.dtype} {tuple(words.shape)}")
-    flagged = torch.zeros((), dtype=torch.int32, device=dy.device)
+    flagged = _count_or_new(count, dy.device)
     launches = []
     if n_tok == 0 or n == 0 or k == 0:
         return launches, flagged
@@ -329,10 +338,19 @@ def carry_grad_weight_deferred(words: torch.Tensor, dy: torch.Tensor, x: torch.T
         _launch(aa, b, ww, flags, flags, (n_tiles,), tile, False, force_flag, use_tma=use_tma,
                 carry=True)
         _launch(aa, b, ww, flags, flags, (n_tiles,), tile, False, force_flag, retry_all=True,
-                use_tma=use_tma, carry=True)
+                use_tma=use_tma, carry=True, count=flagged)
         launches.append((r0, r1, flags))
-        flagged += flags.sum(dtype=torch.int32)
     return launches, flagged
+
+
+def _count_or_new(count: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The caller's flag counter (int32 [] on `device`; ValueError otherwise), or a new zero one."""
+    if count is None:
+        return torch.zeros((), dtype=torch.int32, device=device)
+    if count.dtype != torch.int32 or count.dim() != 0 or count.device != device:
+        raise ValueError(f"grad weight: the flag count must be an int32 [] tensor on {device}, "
+                         f"got {count.dtype} {tuple(count.shape)} on {count.device}")
+    return count
 
 
 def flagged_tiles(launches: list[tuple[int, int, torch.Tensor]]
@@ -388,9 +406,8 @@ def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
         aa = a[:, r0:r1]
         words, flags = _double_words(aa, b, tile, force_flag, use_tma)
         _launch(aa, b, words, flags, flags, (flags.numel(),), tile, False, force_flag,
-                retry_all=True, use_tma=use_tma)
+                retry_all=True, use_tma=use_tma, count=flagged)
         parts.append(tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k))
-        flagged += flags.sum(dtype=torch.int32)
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), flagged
 
 
