@@ -327,8 +327,10 @@ def test_flag_count_slots_are_zeroed_per_mini_batch_and_grow_past_a_buffer(monke
         bounds = [0, *cuts, tokens]
         for a, b in zip(bounds, bounds[1:]):
             assert mm.grad_weight(dy[a:b], x[a:b], w, tok) is None
-        assert len(sink._slots) == 2 and sink._next_slot == 3
         sink._resolve(0)
+        # planted: the second call's count (read at once, the GPU being idle) may send the
+        # third call to digits before it takes a slot; clean: three slots over two buffers
+        assert sink._next_slot >= 2 if plant else (len(sink._slots), sink._next_slot) == (2, 3)
         assert (list(sink._acc), list(sink._words)) == ((["w"], []) if plant else ([], ["w"]))
         got = _bits(sink.finish()["w"])
         assert torch.equal(got, want), (plant, int((got != want).sum()))
