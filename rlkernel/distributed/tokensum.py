@@ -498,9 +498,9 @@ SPLIT_MAX_FRACTION = 0.5
 """Persistent mode: a split weight whose noted rows pass this fraction of its rows takes its whole
 accumulator instead (a growing row accumulator would then cost as much, and its growth copies)."""
 PENDING_LAG = 8
+"""Deferred direct chunks (GradSink._defer) queued at most before the oldest is waited for."""
 SLOT_CHUNK = 1024
 """Flag counters per device buffer of GradSink.flag_count (a new buffer when one runs out)."""
-"""Deferred direct chunks (GradSink._defer) queued at most before the oldest is waited for."""
 
 
 def _buckets(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:
