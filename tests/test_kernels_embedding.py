@@ -180,6 +180,11 @@ def _stream(case: str, seed: int):
     elif case == "padding id":
         ids, vocab, offset = torch.randint(0, 20, (24 * TOKEN_LEAF,), generator=g), 21, 0
         ids.view(-1, TOKEN_LEAF)[:, 11:] = 20                       # pad tail of every leaf
+    elif case == "one id fills a leaf":     # a rank per position of that leaf (16 passes)
+        ids, vocab, offset = torch.randint(0, 9, (6 * TOKEN_LEAF,), generator=g), 9, 0
+        ids[2 * TOKEN_LEAF:3 * TOKEN_LEAF] = 4
+    elif case == "no id in the shard":
+        ids, vocab, offset = torch.randint(0, 10, (4 * TOKEN_LEAF,), generator=g), 5, 10
     else:
         assert case == "wide magnitudes"
         ids, vocab, offset = torch.randint(0, 12, (48 * TOKEN_LEAF,), generator=g), 12, 0
@@ -194,7 +199,7 @@ def _stream(case: str, seed: int):
 
 
 CASES = ["single leaf", "repeats in a leaf", "one id in every leaf", "tp shard", "padding id",
-         "wide magnitudes"]
+         "wide magnitudes", "one id fills a leaf", "no id in the shard"]
 
 
 @pytest.mark.parametrize("case", CASES)

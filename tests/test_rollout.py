@@ -156,6 +156,25 @@ def test_layout_moves_are_cached_per_index_tensor_and_stream_rows():
                            to_stream(slots, lay.q_idx, rows).view(torch.int32))
 
 
+def test_to_samples_copies_every_bit_of_a_valid_row_and_fills_empty_slots_with_plus_zero():
+    """to_samples is a copy: a valid slot holds its stream row's bits (−0.0 and a NaN payload
+    included) and an empty slot +0.0 — not −0.0, not the row its clamped index points at.
+    Control: a product by the validity mask, a would-be shortcut, turns −0.0·1 into −0.0 but
+    the empty slot of a NaN row into NaN."""
+    lay = packed_layout([[1, 2, 3], [4, 5]], 257)
+    n = lay.tokens.shape[0]
+    x = torch.full((n, 2), -0.0)
+    x[:, 1] = torch.tensor(0x7FC01234, dtype=torch.int32).view(torch.float32)   # a NaN payload
+    slots = to_samples(x, lay.q_idx, lay)
+    valid = lay.q_idx >= 0
+    assert bool((~valid).any())
+    bits = slots.view(torch.int32)
+    assert torch.equal(bits[valid], x[lay.q_idx[valid]].view(torch.int32))
+    assert bits[~valid].eq(0).all()
+    masked = x[lay.q_idx.clamp(min=0)] * valid.unsqueeze(-1)
+    assert not torch.equal(masked.view(torch.int32), bits)
+
+
 def test_to_samples_and_to_stream_gradients_are_the_slot_copies():
     """The backward of to_samples scatters each valid slot's gradient to its stream row and of
     to_stream gathers it (the layout.py Functions, which run no boolean indexing: no CUDA host

@@ -3,8 +3,8 @@
 Forward is a row gather (exact). Backward: for each vocab row, the gradients of the tokens with that
 id are summed by the canonical token reduction (distributed/tokensum.py) — in order inside each
 leaf of TOKEN_LEAF tokens, the leaf partials added exactly (DESIGN.md §1 "Embedding grads").
-Within a leaf, the i-th token of every leaf is added in one `index_put_` whose (leaf, id) indices
-are all distinct, so no add ever races another. Only the (leaf, id) pairs that occur are
+Within a pair (leaf, id), the r-th token of every pair is added in one pass that writes distinct
+rows, so no add ever races another. Only the (leaf, id) pairs that occur are
 materialised (at most one per token), and each id's pairs go into its accumulator row in one
 segmented exact sum: memory O(L·H), not O(leaves · distinct ids · H).
 Does not: shard the vocab (rlkernel/distributed adds vocab-parallel masking).
@@ -44,24 +44,43 @@ def leaf_partials(ids: torch.Tensor, dy: torch.Tensor, offset: int,
     """The leaf partials of the ids in [offset, offset + vocab) as segments: (P [pairs, H] fp32,
     offsets [G + 1], rows [G]) — one row of P per (leaf, id) pair that occurs, sorted by (id,
     leaf); the pairs of local id rows[g] (ascending) are P[offsets[g]:offsets[g + 1]].
-    P's row of (l, v) = the sum of leaf l's dy rows with id v, added in position order onto 0.0:
-    position i of every leaf in one `index_put_`, whose indices of real pairs are distinct (one
-    pair per leaf), so no add races another. Tokens outside the range go to one extra row of P,
-    dropped."""
+    P's row of (l, v) = the sum of leaf l's dy rows with id v, added in position order onto 0.0.
+    A token's rank is its place among its pair's tokens in position order; the rank-r tokens of
+    every pair are added in one gather-add-scatter (one token per pair each time, so no two
+    adds meet), r = 0, 1, ...: as many passes as the most repeated id of a leaf has tokens,
+    not one sort-based `index_put_` per leaf position. Tokens outside the range are not added.
+    One host sync (the pair count and the tokens per rank)."""
     leaves = leaves_of(dy.shape[0])
     n_tok, h = dy.shape
     local = ids - offset
     inside = (local >= 0) & (local < vocab)
     leaf = torch.arange(n_tok, device=dy.device) // TOKEN_LEAF
-    # Key (id, leaf) as one integer; out-of-range tokens share the largest key (the dropped row).
+    # Key (id, leaf) as one integer; out-of-range tokens share the largest key (no pair of P).
     key = torch.where(inside, local * leaves + leaf, torch.full_like(local, vocab * leaves))
     keys, pair = torch.unique(key, return_inverse=True)
-    n_pairs = int((keys < vocab * leaves).sum())
-    pl = pair.reshape(leaves, TOKEN_LEAF)
-    dyl = dy.to(torch.float32).reshape(leaves, TOKEN_LEAF, h)
+    by_pair = torch.sort(pair, stable=True).indices       # pairs grouped, positions ascending
+    counts = torch.bincount(pair, minlength=keys.numel())
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(pair)
+    rank[by_pair] = torch.arange(n_tok, device=dy.device) - first[pair[by_pair]]
+    rank = torch.where(inside, rank, torch.full_like(rank, n_tok))   # outside: never added
+    by_rank = torch.sort(rank * keys.numel() + pair).indices          # rank-major, then pair
+    per_rank = torch.bincount(rank, minlength=n_tok + 1)[:n_tok]
+    n_pairs_t = (keys < vocab * leaves).sum().view(1)
+    host = torch.cat([n_pairs_t, per_rank]).tolist()
+    n_pairs, per_rank = host[0], host[1:]
+    dyf = dy.to(torch.float32)
     part = torch.zeros(keys.numel(), h, dtype=torch.float32, device=dy.device)
-    for i in range(TOKEN_LEAF):
-        part.index_put_((pl[:, i],), dyl[:, i], accumulate=True)
+    at = 0
+    for size in per_rank:
+        if size == 0:       # ranks are dense from 0: the first empty one ends them
+            break
+        tok = by_rank[at:at + size]
+        dest = pair[tok]
+        # a gather, an add and a scatter to distinct rows, not index_add_: CUDA's fp32 atomic
+        # add flushes subnormals to zero, torch's add does not
+        part.index_copy_(0, dest, part.index_select(0, dest) + dyf.index_select(0, tok))
+        at += size
     rows, counts = torch.unique_consecutive(keys[:n_pairs] // leaves, return_counts=True)
     offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=dy.device)
     torch.cumsum(counts, 0, out=offsets[1:])
