@@ -63,9 +63,10 @@ def leaf_partials(ids: torch.Tensor, dy: torch.Tensor, offset: int,
     first = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(pair)
     rank[by_pair] = torch.arange(n_tok, device=dy.device) - first[pair[by_pair]]
-    rank = torch.where(inside, rank, torch.full_like(rank, n_tok))   # outside: never added
+    # a pair lies in one leaf, so ranks are < TOKEN_LEAF; outside tokens get TOKEN_LEAF (never added)
+    rank = torch.where(inside, rank, torch.full_like(rank, TOKEN_LEAF))
     by_rank = torch.sort(rank * keys.numel() + pair).indices          # rank-major, then pair
-    per_rank = torch.bincount(rank, minlength=n_tok + 1)[:n_tok]
+    per_rank = torch.bincount(rank, minlength=TOKEN_LEAF + 1)[:TOKEN_LEAF]
     n_pairs_t = (keys < vocab * leaves).sum().view(1)
     host = torch.cat([n_pairs_t, per_rank]).tolist()
     n_pairs, per_rank = host[0], host[1:]
