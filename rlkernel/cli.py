@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import difflib
 import glob
+import itertools
 import json
 import math
 import os
@@ -41,7 +42,8 @@ import sys
 import typing
 
 import rlkernel
-from rlkernel.config import SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name
+from rlkernel.config import (SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name,
+                             model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
@@ -360,7 +362,8 @@ def _why_not_a_link(d: pathlib.Path) -> str:
 
 
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
-    """Final run directory. Raises ConfigError when --run-dir is occupied."""
+    """Final run directory: --run-dir, else the first free default name (_default_run_dirs).
+    Raises ConfigError when --run-dir is occupied."""
     if cfg.run_dir is not None:
         d = pathlib.Path(cfg.run_dir)
         if d.resolve() == pathlib.Path.cwd().resolve():
@@ -370,12 +373,62 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
         if taken:
             raise ConfigError(taken)
         return d
+    return next(_default_run_dirs(cfg))
+
+
+def _default_run_dirs(cfg: RunConfig) -> typing.Iterator[pathlib.Path]:
+    """The free default run directories, in order: runs/<UTC second>-<config hash>, then that
+    name with -1, -2, ... A name is taken while it exists, while a run writes it (its
+    `<name>.tmp-<pid>` or `<name>.lock` is there: the same config started twice within one
+    second, the first not yet published) or once a killed run left its temporary."""
+    from rlkernel.runner.dirlock import lock_path
+
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = pathlib.Path("runs") / f"{stamp}-{cfg.fingerprint()[:10]}"
-    d, n = base, 1
-    while d.exists():  # same config started twice within one second
-        d, n = base.with_name(f"{base.name}-{n}"), n + 1
-    return d
+    for n in itertools.count():
+        d = base if n == 0 else base.with_name(f"{base.name}-{n}")
+        if not (d.exists() or d.is_symlink() or lock_path(d).exists()
+                or any(d.parent.glob(f"{glob.escape(d.name)}.tmp-*"))):
+            yield d
+
+
+_STALE_LISTED = 3
+"""Stale temporaries named one by one in the start-up warning (the rest are counted)."""
+
+
+def _stale_temporaries(final: pathlib.Path) -> list[pathlib.Path]:
+    """The `<name>.tmp-<pid>` run directories (holding a manifest.json) beside `final` whose
+    rlk run is gone: SIGKILLed (or the machine went down) before it could publish them. A
+    temporary whose pid is alive is a run in progress and is not listed."""
+    parent = final.parent if str(final.parent) else pathlib.Path(".")
+    try:
+        found = sorted(parent.glob("*.tmp-*"))
+    except OSError:
+        return []
+    return [p for p in found if _pid_of(p) is not None and p.is_dir()
+            and (p / "manifest.json").is_file() and not _alive(_pid_of(p))]
+
+
+def _warn_stale_temporaries(final: pathlib.Path) -> None:
+    """One warning per stale temporary beside `final` (_stale_temporaries), naming it, the
+    gone pid and what to do with it: `rlk run --resume <name>` when it holds a checkpoint,
+    else delete it (or keep its partial evidence). Nothing is deleted: it may be someone's
+    data."""
+    stale = _stale_temporaries(final)
+    lines = []
+    for p in stale[:_STALE_LISTED]:
+        name = p.with_name(p.name.rpartition(".tmp-")[0])
+        ckpt = p / "checkpoints"
+        what = (f"resume it with: rlk run --resume {name}"
+                if ckpt.is_dir() and any(ckpt.glob("step-*")) else
+                "it has no checkpoint to resume from; delete it, or rename it to keep its "
+                "partial evidence")
+        lines.append(f"{p} was left by an rlk run that was killed (pid {_pid_of(p)} is not "
+                     f"running); {what}")
+    if len(stale) > _STALE_LISTED:
+        lines.append(f"and {len(stale) - _STALE_LISTED} more such directories in "
+                     f"{stale[0].parent}")
+    _warn(lines)
 
 
 _MODEL_EXPECTED = ("give a Hugging Face model directory with config.json and *.safetensors "
@@ -389,14 +442,14 @@ def _check_model_dir(model: str) -> None:
     d = pathlib.Path(model)
     if not d.is_dir():
         what = "is a file, not a directory" if d.exists() else "no such directory"
-        raise ConfigError(f"--model {model!r}: {what}; {_MODEL_EXPECTED}")
+        raise ConfigError(model_flag_error(model, f"{what}; {_MODEL_EXPECTED}"))
     missing = [what for what, present in (("no config.json", (d / "config.json").is_file()),
                                           ("no *.safetensors weights",
                                            any(d.glob("*.safetensors"))))
                if not present]
     if missing:
         what = "is an empty directory" if not any(d.iterdir()) else " and ".join(missing)
-        raise ConfigError(f"--model {model!r}: {what}; {_MODEL_EXPECTED}")
+        raise ConfigError(model_flag_error(model, f"{what}; {_MODEL_EXPECTED}"))
 
 
 def _check_inputs(cfg: RunConfig) -> None:
@@ -404,7 +457,10 @@ def _check_inputs(cfg: RunConfig) -> None:
     if cfg.model is not None:
         _check_model_dir(cfg.model)
     if cfg.prompts is not None and not pathlib.Path(cfg.prompts).is_file():
-        raise ConfigError(f"--prompts {cfg.prompts!r}: no such file; give a JSONL or Parquet "
+        p = pathlib.Path(cfg.prompts)
+        what = ("is a directory, not a file" if p.is_dir()
+                else "exists and is not a regular file" if p.exists() else "no such file")
+        raise ConfigError(f"--prompts {cfg.prompts!r}: {what}; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")
     if cfg.device == "cuda":
         import torch
@@ -455,8 +511,8 @@ def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
     try:
         d = json.loads(path.read_text())
         return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
-    except ConfigError:
-        raise
+    except ConfigError as e:   # a shape the kernels cannot run (its message names the file)
+        raise ConfigError(model_flag_error(cfg.model, str(e))) from None
     except (OSError, ValueError):
         return None
 
@@ -572,33 +628,55 @@ def _remove_empty(created: list[pathlib.Path]) -> None:
             break
 
 
+_DEFAULT_NAME_TRIES = 1000
+"""Default run directory names tried (each taken by a run started meanwhile) before giving up."""
+
+
 def _lock_run_dir(cfg: RunConfig, final: pathlib.Path | None,
-                  held: contextlib.ExitStack) -> None:
+                  held: contextlib.ExitStack) -> pathlib.Path | None:
     """Hold the lock (runner/dirlock.py) of the directory this run writes (`final`, or
     --resume's) until `held` closes: a second rlk run on it is refused at its start, not when
-    both publish (a rename onto a full directory, after all its work). Only the process that
-    writes the directory locks it, not a torchrun rank other than 0. The parents the lock file
-    needs are made here, and removed at the end if still empty. Raises ConfigError."""
+    both publish (a rename onto a full directory, after all its work). A default name (no
+    --run-dir) another run took meanwhile is not an error: the next free one is locked instead.
+    Returns the directory locked (`final`, or the default name that replaced it). Only the
+    process that writes the directory locks it, not a torchrun rank other than 0. The parents
+    the lock file needs are made here, and removed at the end if still empty. Raises
+    ConfigError."""
     from rlkernel.runner.dirlock import LockHeld, run_dir_lock
 
     if _follower_rank():
-        return
+        return final
     d, flag = (final, "--run-dir") if final is not None else (pathlib.Path(cfg.resume), "--resume")
+    default = final is not None and cfg.run_dir is None
+    names = _default_run_dirs(cfg) if default else iter(())
     held.callback(_remove_empty, _missing_ancestors(d))   # runs after the lock is released
-    try:
-        d.parent.mkdir(parents=True, exist_ok=True)
-        held.enter_context(run_dir_lock(d))
-    except LockHeld as e:
-        who = "another rlk run" + (f" (pid {e.pid})" if e.pid else "")
-        raise ConfigError(f"{flag} {str(d)!r}: {who} is writing this directory (it holds "
-                          f"{e.path}); wait for it to end, or give another directory") from None
-    except OSError as e:
-        raise ConfigError(f"{flag} {str(d)!r}: cannot create its lock file beside it "
-                          f"({e.strerror or e}); give a writable new directory") from None
-    # A run that ended between _choose_run_dir's check and the lock has published there.
-    taken = _occupied(flag, str(d)) if final is not None else None
-    if taken:
-        raise ConfigError(taken)
+    for _ in range(_DEFAULT_NAME_TRIES):
+        with contextlib.ExitStack() as attempt:   # a lock not kept is released on `continue`
+            try:
+                d.parent.mkdir(parents=True, exist_ok=True)
+                attempt.enter_context(run_dir_lock(d))
+            except LockHeld as e:
+                if default:   # the same config started within the same second: next name
+                    d = next(names)
+                    continue
+                who = "another rlk run" + (f" (pid {e.pid})" if e.pid else "")
+                raise ConfigError(f"{flag} {str(d)!r}: {who} is writing this directory (it "
+                                  f"holds {e.path}); wait for it to end, or give another "
+                                  "directory") from None
+            except OSError as e:
+                raise ConfigError(f"{flag} {str(d)!r}: cannot create its lock file beside it "
+                                  f"({e.strerror or e}); give a writable new directory") from None
+            # A run that ended between _choose_run_dir's check and the lock has published there.
+            taken = _occupied(flag, str(d)) if final is not None else None
+            if taken and default:
+                d = next(names)
+                continue
+            if taken:
+                raise ConfigError(taken)
+            held.push(attempt.pop_all())
+            return d
+    raise ConfigError(f"no free default run directory after {_DEFAULT_NAME_TRIES} names like "
+                      f"{str(d)!r}; give one with --run-dir")
 
 
 def _follower_rank() -> bool:
@@ -913,7 +991,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         # An occupied --run-dir is refused first, before the slower checks (a resume writes into
         # its own directory).
         final = _choose_run_dir(cfg) if src is None else None
-        _lock_run_dir(cfg, final, held)
+        final = _lock_run_dir(cfg, final, held)
         _check_inputs(cfg)
         _check_topology(cfg)
         _check_watch(cfg)
@@ -932,6 +1010,8 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     _warn(config_warnings(cfg))
     if src is not None:
         return _cmd_resume(cfg, git, src, inputs)
+    if not _follower_rank():
+        _warn_stale_temporaries(final)
 
     from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
 

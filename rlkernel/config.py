@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import json
 import math
+import pathlib
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -369,6 +370,19 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def model_flag_error(model: str, msg: str) -> str:
+    """The one wording of every error about `--model DIR`: `--model 'DIR': what`, where a
+    loader's message that starts with the directory (`DIR/config.json: ...`, `DIR: no
+    *.safetensors file`) names its file relative to DIR (`config.json: ...`); any other
+    message follows the prefix whole."""
+    root = str(pathlib.PurePath(model))
+    if msg.startswith(root + "/"):
+        msg = msg[len(root) + 1:]
+    elif msg.startswith(root + ":"):
+        msg = msg[len(root) + 1:].lstrip()
+    return f"--model {model!r}: {msg}"
+
+
 @functools.cache
 def field_docs() -> dict[str, str]:
     """Field name -> the docstring written under it in RunConfig (for `rlk run --help`).
@@ -414,27 +428,32 @@ def _check_int(c: RunConfig, field: str, lo: int, hi: int | None = None) -> None
 
 def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
     """rule: 'pos' (> 0), 'nonneg' (>= 0), 'unit_open0' ((0, 1]), 'unit_open1' ([0, 1)),
-    'temperature' (>= MIN_TEMPERATURE); `why`, when given, follows the range in the message.
-    The unbounded rules also stop at FP32_MAX, a limit with its own message."""
+    'unit_open' ((0, 1)), 'temperature' (>= MIN_TEMPERATURE); `why`, when given, follows the
+    range in the message. The unbounded rules also stop at FP32_MAX, a limit with its own
+    message; their other messages (NaN, Inf, below the range) name that whole interval too, so
+    every refusal says the real allowed range."""
     v = getattr(c, field)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _fail(field, v, f"must be a number, not {type(v).__name__}")
-    # (what is allowed, the test, the lower end of the interval the fp32 limit closes)
+    # (what is allowed, the test, the whole interval of an unbounded rule, closed by FP32_MAX)
+    top = f"{FP32_MAX!r}]"
     allowed = {
-        "pos": ("a finite number > 0", lambda x: x > 0, "(0"),
-        "nonneg": ("a finite number >= 0", lambda x: x >= 0, "[0"),
+        "pos": ("a finite number > 0", lambda x: x > 0, f"(0, {top}"),
+        "nonneg": ("a finite number >= 0", lambda x: x >= 0, f"[0, {top}"),
         "unit_open0": ("a number in (0, 1]", lambda x: 0 < x <= 1, None),
         "unit_open1": ("a number in [0, 1)", lambda x: 0 <= x < 1, None),
+        "unit_open": ("a number in (0, 1)", lambda x: 0 < x < 1, None),
         "temperature": (f"a finite number >= {MIN_TEMPERATURE:g} (logits / T is computed in fp32, "
                         f"largest {FP32_MAX:.4g}; a smaller T makes ordinary logits overflow to "
-                        "inf)", lambda x: x >= MIN_TEMPERATURE, f"[{MIN_TEMPERATURE:g}"),
+                        "inf)", lambda x: x >= MIN_TEMPERATURE, f"[{MIN_TEMPERATURE:g}, {top}"),
     }[rule]
+    interval = f"; allowed: {allowed[2]}" if allowed[2] is not None else ""
     try:
         finite = math.isfinite(v)
     except OverflowError:  # an int beyond float range (e.g. from a manifest via from_dict)
         finite = False
     if not (finite and allowed[1](v)):
-        raise _fail(field, v, f"must be {allowed[0]}{why}")
+        raise _fail(field, v, f"must be {allowed[0]}{why}{interval}")
     if 0 < abs(v) < FP32_TINY:   # would silently be 0 (or lose its precision) in fp32
         zero = "0 or " if allowed[1](0.0) else ""
         raise _fail(field, v, f"must be {zero}at least {FP32_TINY!r}, the smallest normal fp32 "
@@ -444,8 +463,8 @@ def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
         # FP32_MAX in full (repr): rounded to fewer digits it would exceed itself, and a value
         # typed as shown would be refused.
         raise _fail(field, v, f"must be at most {FP32_MAX!r}, the largest fp32 number (the "
-                              "losses, the optimizer and the sampler compute in fp32); allowed: "
-                              f"{allowed[2]}, {FP32_MAX!r}]")
+                              "losses, the optimizer and the sampler compute in fp32)"
+                              f"{interval}")
 
 
 def _check_choice(c: RunConfig, field: str, choices: tuple[str, ...]) -> None:
@@ -478,8 +497,12 @@ def _validate(c: RunConfig) -> None:
     for f in ("steps", "n_prompts", "n_samples_per_prompt", "max_response_len", "max_prompt_len",
               "micro_batch_tokens"):
         _check_int(c, f, 1)
-    for f in ("clip_eps", "lr", "adam_eps"):
+    for f in ("lr", "adam_eps"):
         _check_float(c, f, "pos")
+    if c.clip_eps_low is None:   # --clip-eps is then the lower clip range too: below 1
+        _check_float(c, "clip_eps", "unit_open", _CLIP_EPS_AS_LOWER)
+    else:                        # the upper range only
+        _check_float(c, "clip_eps", "pos")
     _check_float(c, "temperature", "temperature")
     for f in ("kl_coef", "entropy_coef", "weight_decay", "clip_grad"):
         _check_float(c, f, "nonneg")
@@ -596,18 +619,16 @@ def _validate_updates(c: RunConfig) -> None:
 
 
 _LOWER_CLIP = "the ratio, always > 0, is clipped below at 1 - eps: a bound <= 0 never acts"
+_CLIP_EPS_AS_LOWER = (f" while it is also the lower clip range ({_LOWER_CLIP}); allowed: (0, 1), "
+                      "or give --clip-eps-low for the lower side")
 
 
 def _validate_clip(c: RunConfig) -> None:
-    """--clip-eps (checked > 0 in _validate), --clip-eps-low, --clip-eps-high: the ratio is
-    clipped to [1 - low, 1 + high], so the lower eps in use must be < 1; the upper one only
-    finite >= 0."""
+    """--clip-eps-low, --clip-eps-high (--clip-eps is checked in _validate: in (0, 1) while it
+    is the lower range too, else > 0): the ratio is clipped to [1 - low, 1 + high], so the lower
+    eps in use must be < 1; the upper one only finite >= 0."""
     if c.clip_eps_low is not None:
         _check_float(c, "clip_eps_low", "unit_open1", f" ({_LOWER_CLIP})")
-    elif c.clip_eps >= 1:
-        raise _fail("clip_eps", c.clip_eps, f"must be a number in (0, 1) while it is also the "
-                                            f"lower clip range ({_LOWER_CLIP}); allowed: (0, 1), "
-                                            "or give --clip-eps-low for the lower side")
     if c.clip_eps_high is not None:
         _check_float(c, "clip_eps_high", "nonneg")
 

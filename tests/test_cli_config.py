@@ -474,6 +474,111 @@ def test_a_second_run_on_a_run_dir_in_use_is_refused_at_its_start(capsys, cwd, l
     assert rlk(capsys, "run", "--allow-dirty", "--run-dir", "a/r")[0] == 0
 
 
+def _freeze_utc(monkeypatch, when):
+    """Make cli's clock (the default run directory's stamp) read `when`."""
+    import datetime
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return when
+
+    monkeypatch.setattr(cli, "datetime", types.SimpleNamespace(datetime=Frozen,
+                                                               timezone=datetime.timezone))
+
+
+def test_two_runs_of_one_config_in_the_same_second_get_two_default_dirs(
+        capsys, cwd, loop, monkeypatch):
+    """Without --run-dir, a second run of the same config started in the same second as a
+    running one (same stamp and hash, the first not yet published) was refused ("another rlk
+    run is writing this directory"); it now takes the name with -1, and a third, after both
+    published, -2. Every run publishes; no .tmp- or .lock is left."""
+    import datetime
+
+    _freeze_utc(monkeypatch, datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc))
+    base = f"runs/20250102T030405Z-{RunConfig(allow_dirty=True).fingerprint()[:10]}"
+    second = []
+
+    def first(cfg, run_dir, writer):
+        _fake_loop(cfg, run_dir, writer)
+        if not second:   # the first run is still writing runs/<base>.tmp-<pid>
+            second.append(None)   # (the second run's loop is this one too: start it once)
+            second[0] = cli.main(["run", "--allow-dirty"])
+
+    loop.set(first)
+    code, out, err = rlk(capsys, "run", "--allow-dirty")
+    assert (code, second) == (0, [0]), err
+    assert out.split() == [f"{base}-1", base] and "error" not in err
+    assert rlk(capsys, "run", "--allow-dirty")[1].strip() == f"{base}-2"
+    assert sorted(p.name for p in (cwd / "runs").iterdir()) == [
+        n.removeprefix("runs/") for n in (base, f"{base}-1", f"{base}-2")]
+
+
+def test_a_default_name_with_a_temporary_beside_it_is_not_reused(capsys, cwd, loop, monkeypatch):
+    """A default name whose `<name>.tmp-<pid>` exists (a run writing it, or one killed) is
+    passed over, so that run can still be published or resumed under its name."""
+    import datetime
+
+    _freeze_utc(monkeypatch, datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc))
+    base = f"runs/20250102T030405Z-{RunConfig(allow_dirty=True).fingerprint()[:10]}"
+    (cwd / f"{base}.tmp-{os.getpid()}").mkdir(parents=True)
+    code, out, _ = rlk(capsys, "run", "--allow-dirty")
+    assert (code, out.strip()) == (0, f"{base}-1")
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+def test_a_run_warns_of_temporaries_that_killed_runs_left_and_deletes_nothing(
+        capsys, cwd, loop):
+    """`rlk run` names each `RUN.tmp-<pid>` beside its run directory whose pid is gone (a
+    SIGKILLed run) in a warning with what to do: resume (it has a checkpoint) or delete it. A
+    live pid's temporary (a run in progress) and directories that are no run's are not named,
+    and nothing is deleted."""
+    dead = _dead_pid()
+    runs = cwd / "runs"
+    resumable = runs / f"a.tmp-{dead}"
+    (resumable / "checkpoints" / "step-000001").mkdir(parents=True)
+    plain = runs / f"b.tmp-{dead}"
+    live = runs / f"c.tmp-{os.getpid()}"
+    for d in (resumable, plain, live):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "manifest.json").write_text("{}")
+    (runs / f"d.tmp-{dead}").mkdir()                 # no manifest.json: no rlk run's
+    code, out, err = rlk(capsys, "run", "--allow-dirty")
+    assert code == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: runs/")]
+    assert warnings == [
+        f"rlk run: warning: runs/a.tmp-{dead} was left by an rlk run that was killed (pid {dead} "
+        "is not running); resume it with: rlk run --resume runs/a",
+        f"rlk run: warning: runs/b.tmp-{dead} was left by an rlk run that was killed (pid {dead} "
+        "is not running); it has no checkpoint to resume from; delete it, or rename it to keep "
+        "its partial evidence"]
+    assert sorted(p.name for p in runs.iterdir()) == sorted(
+        [f"a.tmp-{dead}", f"b.tmp-{dead}", f"c.tmp-{os.getpid()}", f"d.tmp-{dead}",
+         out.strip().removeprefix("runs/")])
+    # only the run directory's own parent is looked at
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "elsewhere/r")
+    assert code == 0 and "warning: runs/" not in err
+
+
+def test_many_stale_temporaries_are_named_three_then_counted(capsys, cwd, loop):
+    dead = _dead_pid()
+    for name in "abcde":
+        (cwd / f"{name}.tmp-{dead}").mkdir()
+        (cwd / f"{name}.tmp-{dead}" / "manifest.json").write_text("{}")
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")
+                and (".tmp-" in ln or "more such" in ln)]
+    assert code == 0 and len(warnings) == 4, err
+    assert [w.split()[3] for w in warnings[:3]] == [f"{n}.tmp-{dead}" for n in "abc"]
+    assert warnings[3] == "rlk run: warning: and 2 more such directories in ."
+
+
 HOLD_LOCK = """
 import pathlib, sys, time
 from rlkernel.runner.dirlock import run_dir_lock
@@ -866,7 +971,9 @@ def test_model_dir_with_a_shape_the_kernels_cannot_run_is_refused_before_any_pro
     code, _, err = rlk(capsys, "run", "--model", str(model), "--allow-dirty", "--run-dir",
                        str(run_dir))
     assert code == 2, err
-    assert f"{model}/config.json: model config: {words}" in err, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: --model {str(model)!r}: config.json: model config: "
+                           f"{words}"), line
     assert not run_dir.exists()
 
 
@@ -880,7 +987,9 @@ FP32_LIMIT = (f"must be at most {FP}, the largest fp32 number (the losses, the o
 
 
 @pytest.mark.parametrize("flag,value,want", [
-    ("--clip-eps", "1e39", f"--clip-eps 1e+39: {FP32_LIMIT}(0, {FP}]"),
+    # without --clip-eps-low, --clip-eps is the lower range too: (0, 1), not the fp32 limit
+    ("--clip-eps", "1e39", "--clip-eps 1e+39: must be a number in (0, 1) while it is also the "
+                           "lower clip range"),
     ("--clip-eps-high", "1e39", f"--clip-eps-high 1e+39: {FP32_LIMIT}[0, {FP}]"),
     ("--kl-coef", "3.5e38", f"--kl-coef 3.5e+38: {FP32_LIMIT}[0, {FP}]"),
     # the temperature's rule for small T says nothing of this limit (it read "... overflow to
@@ -916,6 +1025,53 @@ def test_values_that_fp32_would_make_0_are_refused_before_any_work(capsys, cwd, 
     assert not (cwd / "r").exists()
     tiny = 1.1754943508222875e-38      # the bound itself is accepted
     assert RunConfig(lr=tiny, kl_coef=tiny, entropy_coef=tiny).kl_coef == tiny
+
+
+# Every float flag and the interval its messages must name (the fp32 limit closes the unbounded
+# ones; --clip-eps is (0, 1) while it is also the lower clip range).
+FLOAT_FLAG_RANGES = {
+    "--lr": f"(0, {FP}]", "--adam-eps": f"(0, {FP}]", "--temperature": f"[1e-06, {FP}]",
+    "--kl-coef": f"[0, {FP}]", "--entropy-coef": f"[0, {FP}]", "--weight-decay": f"[0, {FP}]",
+    "--clip-grad": f"[0, {FP}]", "--clip-eps-high": f"[0, {FP}]", "--clip-eps": "(0, 1)",
+    "--top-p": "(0, 1]", "--gpu-memory-utilization": "(0, 1]", "--adam-beta1": "[0, 1)",
+    "--adam-beta2": "[0, 1)", "--clip-eps-low": "[0, 1)",
+}
+
+
+def test_float_flag_ranges_list_every_float_field():
+    """FLOAT_FLAG_RANGES covers every float (or float | None) field of RunConfig: a new float
+    flag fails here until its nan/inf message is checked below."""
+    hints = typing.get_type_hints(RunConfig)
+    floats = {flag_name(f.name) for f in dataclasses.fields(RunConfig)
+              if cli._unoptional(hints[f.name]) is float}
+    assert floats == set(FLOAT_FLAG_RANGES)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999"])
+@pytest.mark.parametrize("flag", sorted(FLOAT_FLAG_RANGES))
+def test_every_float_flag_refuses_nan_and_inf_naming_flag_value_and_its_real_range(
+        capsys, cwd, loop, flag, value):
+    """`rlk run --FLAG nan|inf|-inf`: exit 2, one line naming the flag, the value as typed and
+    the interval the flag really allows (--clip-eps nan said "> 0", but without --clip-eps-low
+    only (0, 1) is allowed; --lr nan said "> 0" without the fp32 limit it also has)."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", f"{flag}={value}")
+    assert (code, out) == (2, "")
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {flag} {value}: must be "), line
+    assert FLOAT_FLAG_RANGES[flag] in line, line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+@pytest.mark.parametrize("value,want", [
+    ("nan", f"--clip-eps nan: must be a finite number > 0; allowed: (0, {FP}]"),
+    ("0", f"--clip-eps 0.0: must be a finite number > 0; allowed: (0, {FP}]"),
+    ("1e39", f"--clip-eps 1e+39: {FP32_LIMIT}(0, {FP}]")])
+def test_clip_eps_with_clip_eps_low_names_its_upper_only_range(capsys, cwd, loop, value, want):
+    """With --clip-eps-low, --clip-eps sets only the upper clip range: finite > 0 up to the fp32
+    limit, and its refusals name that interval (not (0, 1)); 5 is accepted."""
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--clip-eps-low", "0.2", f"--clip-eps={value}")
+    assert code == 2 and err.strip().splitlines() == [f"rlk run: error: {want}"], err
+    assert RunConfig(clip_eps=5.0, clip_eps_low=0.2).clip_high == 5.0
 
 
 def test_the_fp32_limit_itself_is_accepted():
@@ -1247,6 +1403,25 @@ def test_prompts_file_with_an_extension_of_neither_format_is_read_by_content(cap
     assert len(loop.calls) == 2
 
 
+@pytest.mark.parametrize("make,what", [
+    (lambda p: p.mkdir(), "is a directory, not a file"),
+    (lambda p: (p.mkdir(), (p / "prompts.jsonl").write_text(GOOD_LINE)),
+     "is a directory, not a file"),
+    (lambda p: None, "no such file"),
+])
+def test_prompts_that_is_a_directory_is_named_as_one(capsys, cwd, loop, make, what):
+    """--prompts DIR (which exists) said "no such file": now one line, exit 2, saying it is a
+    directory and that a JSONL or Parquet prompts file is expected; nothing written."""
+    make(cwd / "pd")
+    before = sorted(p.name for p in cwd.rglob("*"))
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--prompts", "pd")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [
+        f"rlk run: error: --prompts 'pd': {what}; give a JSONL or Parquet prompts file, or leave "
+        "out --prompts for the built-in arithmetic task"]
+    assert sorted(p.name for p in cwd.rglob("*")) == before and loop.calls == []
+
+
 # ---------------------------------------------------------------------------------------------
 # --model: a directory without config.json or weights is a usage error, like a missing one
 
@@ -1273,6 +1448,63 @@ def test_model_dir_without_config_or_weights_is_a_usage_error(capsys, cwd, loop,
     assert (code, out) == (2, "")
     assert err.strip().splitlines() == [f"rlk run: error: --model 'm': {what}; {MODEL_EXPECTED}"]
     assert sorted(p.name for p in cwd.rglob("*")) == before and loop.calls == []
+
+
+def _tiny_config_json(**change) -> str:
+    from rlkernel.model.config import tiny
+    return json.dumps(tiny().to_hf_dict() | change)
+
+
+@pytest.mark.parametrize("files,rest", [
+    (None, "no such directory;"),
+    ({}, "is an empty directory;"),
+    ({"model.safetensors": ""}, "no config.json;"),
+    # refused by the shape check before any work (was "m/config.json: model config: ...",
+    # without the flag)
+    ({"config.json": _tiny_config_json(num_key_value_heads=3), "model.safetensors": ""},
+     "config.json: model config: num_key_value_heads=3 must divide num_attention_heads=8"),
+])
+def test_every_model_error_starts_with_the_flag_and_its_value(capsys, cwd, loop, files, rest):
+    """Every refusal of --model DIR is one line `--model 'DIR': what` (the file inside DIR
+    named relative to it), whichever check finds it; exit 2, nothing written."""
+    if files is not None:
+        (cwd / "m").mkdir()
+        for name, text in files.items():
+            (cwd / "m" / name).write_text(text)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--model", "m/")
+    (line,) = err.strip().splitlines()
+    assert code == 2 and line.startswith(f"rlk run: error: --model 'm/': {rest}"), line
+    assert loop.calls == [] and not (cwd / "runs").exists()
+
+
+@pytest.mark.parametrize("text,rest", [
+    ("{", "config.json: not valid JSON (line 1, column 2"),
+    ("[]", "config.json: top level is a JSON list; expected an object"),
+])
+def test_model_errors_of_the_checkpoint_loader_share_the_prefix(tmp_path, monkeypatch, text,
+                                                                rest):
+    """The checkpoint loader's refusals (found after the run starts) are worded as the CLI's:
+    `--model 'DIR': FILE: what`, not `--model DIR/FILE: what`."""
+    from rlkernel.runner.loop import InputError, _load_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(text)
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(InputError) as e:
+        _load_model(RunConfig(model="m"))
+    assert str(e.value).startswith(f"--model 'm': {rest}"), str(e.value)
+
+
+def test_model_flag_error_names_files_relative_to_the_directory():
+    from rlkernel.config import model_flag_error
+
+    assert model_flag_error("a/m/", "a/m/config.json: bad") == "--model 'a/m/': config.json: bad"
+    assert model_flag_error("a/m", "a/m: no *.safetensors file") == \
+        "--model 'a/m': no *.safetensors file"
+    # another directory sharing the prefix, or a message about something else, is kept whole
+    assert model_flag_error("a/m", "a/m2/x: bad") == "--model 'a/m': a/m2/x: bad"
+    assert model_flag_error("m", "cannot read m/x") == "--model 'm': cannot read m/x"
 
 
 def test_model_seed_with_model_warns_one_line_and_runs(capsys, cwd, loop, tmp_path):

@@ -572,27 +572,27 @@ def _set_eos(d: pathlib.Path, eos: int) -> None:
      "has shape (128, 64); expected (136, 64); tensor"),    # problems joined by "; "
     # the tokenizer: exit 1 before, and a bad eos_token_id named tokenizer.json, not config.json
     (lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": {'),
-     "/tokenizer.json: cannot load tokenizer (EOF while parsing"),
+     "tokenizer.json: cannot load tokenizer (EOF while parsing"),
     (lambda d: (d / "tokenizer.json").write_bytes(b"\xff\xfe garbage"),
-     "/tokenizer.json: cannot load tokenizer"),
+     "tokenizer.json: cannot load tokenizer"),
     (lambda d: ((d / "tokenizer.json").write_bytes(standin_tokenizer_files(264, 256)[
         "tokenizer.json"]), _set_eos(d, 300)),
-     "/config.json: eos_token_id 300 is not a token id of the tokenizer "),
+     "config.json: eos_token_id 300 is not a token id of the tokenizer "),
     (lambda d: _set_eos(d, 300),
-     "/config.json: the model directory has no tokenizer.json, so the byte tokenizer is used, "
+     "config.json: the model directory has no tokenizer.json, so the byte tokenizer is used, "
      "whose EOS id is 256, but the model config says eos_token_id=300"),
 ])
 def test_bad_model_through_rlk_run(tmp_path, break_it, words):
     """`rlk run --model BAD`: a usage error (exit 2, as a missing --model is) with the loader's
-    one-line message prefixed --model and naming the file the bad value is in, no run
-    directory."""
+    one-line message prefixed `--model 'DIR': ` (as every --model error is) and naming the file
+    the bad value is in, no run directory."""
     model = write_model(tmp_path / "m")
     break_it(model)
     run_dir = tmp_path / "r"
     rc, err = rlk("run", "--model", str(model), "--allow-dirty", "--run-dir", str(run_dir))
     assert rc == 2, err
     msg = error_line(err)
-    assert msg.startswith(f"--model {model}") and words in msg, msg
+    assert msg.startswith(f"--model {str(model)!r}: ") and words in msg, msg
     assert_nothing_left(run_dir)
 
 

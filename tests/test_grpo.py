@@ -108,3 +108,32 @@ def test_negative_control_float_std_gives_other_advantage_bits():
         std = float(torch.tensor(grp, dtype=torch.float64).std())
         stock = [float(Fraction(r) - mean) / (std + 1e-4) for r in grp]
         assert [a.hex() for a in stock] != [a.hex() for a in _exact_formula(grp, n)], grp
+
+
+@pytest.mark.parametrize("grp,want", [
+    # var = 2e600 overflowed to inf: both advantages were 0 (the group's signal lost)
+    ([1e300, -1e300], [0.7071067811865475, -0.7071067811865475]),
+    ([1e155, 0.0], [0.7071067811865476, -0.7071067811865476]),
+    # a deviation beyond float64 (2.27e308): inf / inf made the first advantage NaN
+    ([1.7e308, -1.7e308, -1.7e308], [1.1547005383792515, -0.5773502691896257,
+                                     -0.5773502691896257]),
+    ([1.7976931348623157e308] * 3 + [-1.7976931348623157e308], [0.5, 0.5, 0.5, -1.5]),
+])
+def test_huge_finite_rewards_give_finite_advantages(grp, want):
+    """Direct callers may pass any finite rewards (rlk run caps them at 1e100): a group whose
+    variance or deviation overflows float64 gets the formula's value, finite, not 0 or NaN."""
+    got = group_advantages(grp, len(grp))
+    assert all(map(math.isfinite, got)) and got == want, got
+
+
+@pytest.mark.parametrize("grp", ULP_GROUPS + [[0.7, 0.1, 0.3, 0.9], [1.0, 0.0, 0.0, 0.0, 2.5]])
+@pytest.mark.parametrize("k", [520, 900, 1000])   # eps · 2**-k stays a normal float
+def test_huge_rewards_give_the_bits_of_the_formula_without_an_exponent_limit(grp, k):
+    """Rewards r · 2**k (exact) beyond float64's squares give, bit for bit, the advantages of r
+    with eps · 2**-k: the formula's roundings are all scale-free under powers of two, so this is
+    what it gives as if float64 had no exponent limit, and a 2**k-scaled group takes the
+    overflow path only where the plain one cannot be computed."""
+    n = len(grp)
+    big = [math.ldexp(r, k) for r in grp]
+    want = group_advantages(grp, n, eps=math.ldexp(1e-4, -k))
+    assert [a.hex() for a in group_advantages(big, n)] == [a.hex() for a in want]

@@ -271,7 +271,8 @@ def _bad_input_cases(tmp_path: pathlib.Path) -> dict[str, tuple[list[str], list[
         "temperature-0": (["--temperature", "0"], ["--temperature", "0", ">= 1e-06"]),
         "temperature-neg": (["--temperature", "-1"], ["--temperature", "-1", ">= 1e-06"]),
         "model-missing": (["--model", "/nonexistent"], ["--model", "/nonexistent", "directory"]),
-        "model-truncated": (["--model", str(model)], [str(weights), "truncated"]),
+        "model-truncated": (["--model", str(model)],
+                            [f"--model {str(model)!r}: {weights.name}: ", "truncated"]),
         "prompts-malformed": (["--prompts", str(malformed)], [f"{malformed}:2", "JSON"]),
         "prompts-empty": (["--prompts", str(empty)], [str(empty), "no prompts"]),
     }

@@ -70,6 +70,22 @@ def test_metrics_row_is_derived_from_the_evidence_record():
     assert "grad_norms" not in metrics_row(_rec(0))
 
 
+def test_metrics_row_of_huge_finite_rewards_is_finite_and_scaled_exactly():
+    """Rewards past ~1e154 made (r - mean) ** 2 overflow (rlk report crashed); they are computed
+    scaled by a power of two, so mean and std are the small values' scaled by that power exactly.
+    Control: the plain formula does overflow on them."""
+    small = [1.0, 0.0, 0.0, 1.0]
+    big = [math.ldexp(r, 1000) for r in small]
+    with pytest.raises(OverflowError):
+        sum((r - 0.5 * 2.0 ** 1000) ** 2 for r in big)
+    row = metrics_row(_rec(0, rewards=big))
+    assert (row["reward_mean"], row["reward_std"]) == (math.ldexp(0.5, 1000),
+                                                       math.ldexp(0.5, 1000))
+    top = metrics_row(_rec(0, rewards=[1.7e308, -1.7e308]))
+    assert top["reward_mean"] == 0.0 and top["reward_std"] == 1.7e308
+    assert math.isinf(metrics_row(_rec(0, rewards=[math.inf, 1.0]))["reward_mean"])
+
+
 def test_jsonl_whole_lines_torn_tail_dropped_and_resume_truncation(tmp_path):
     """append: whole lines; read: a last line without newline is dropped; truncate(k): steps < k."""
     path = tmp_path / "metrics.jsonl"

@@ -31,7 +31,7 @@ import pathlib
 import struct
 from typing import Any
 
-from rlkernel.config import ConfigError, RunConfig
+from rlkernel.config import ConfigError, RunConfig, model_flag_error
 from rlkernel.model.config import Qwen3Config
 
 VOCAB_RULE = ("token ids >= the tokenizer's id bound (embedding rows past the tokenizer) have "
@@ -101,7 +101,7 @@ def _vocab(cfg: RunConfig, mcfg: Qwen3Config | None) -> dict[str, Any] | None:
         tok = load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size,
                              eos_token_id=mcfg.eos_token_id)
     except TokenizerError as e:   # its message starts with the file
-        raise ConfigError(f"--model {e}") from None
+        raise ConfigError(model_flag_error(cfg.model, str(e))) from None
     live = min(tok.vocab_size, mcfg.vocab_size)
     return {"model_vocab_size": mcfg.vocab_size, "tokenizer": tok.name,
             "tokenizer_ids": tok.vocab_size, "masked_ids": mcfg.vocab_size - live,
@@ -125,10 +125,10 @@ def describe_inputs(cfg: RunConfig, mcfg: Qwen3Config | None) -> dict[str, Any]:
             try:
                 hashes[str(p)] = fut.result()
             except OSError as e:
-                flag = ("--prompts" if cfg.prompts is not None
-                        and p == pathlib.Path(cfg.prompts) else "--model")
-                raise ConfigError(f"{flag}: cannot read {p} ({e.strerror or e}); inputs are "
-                                  "hashed into the manifest") from None
+                what = f"cannot read {p} ({e.strerror or e}); inputs are hashed into the manifest"
+                if cfg.prompts is not None and p == pathlib.Path(cfg.prompts):
+                    raise ConfigError(f"--prompts: {what}") from None
+                raise ConfigError(model_flag_error(str(cfg.model), what)) from None
     stored = ["bfloat16"] if cfg.model is None else _stored_dtypes(files)  # tiny: init_weights
     run = _RUN_DTYPES[cfg.dtype]
     rounded = None if stored is None else any(run not in _EXACT_IN.get(d, ()) for d in stored)
@@ -143,7 +143,7 @@ def startup_notes(cfg: RunConfig, inputs: dict[str, Any]) -> list[str]:
         return []
     lossy = [d for d in w["stored_dtypes"] if w["dtype"] not in _EXACT_IN.get(d, ())]
     keep = " (--dtype fp32 keeps them exact)" if cfg.dtype != "fp32" else ""
-    return [f"--model {cfg.model}: stores {', '.join(lossy)} weights; --dtype {cfg.dtype} rounds "
+    return [f"--model {cfg.model!r}: stores {', '.join(lossy)} weights; --dtype {cfg.dtype} rounds "
             f"them to {w['dtype']} (recorded in manifest.json){keep}"]
 
 

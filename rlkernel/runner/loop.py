@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from rlkernel.config import RunConfig
+from rlkernel.config import RunConfig, model_flag_error
 from rlkernel.data.chat import load_chat_template
 from rlkernel.data.rewards import load_reward, score_on_rank0
 from rlkernel.data.tasks import prompt_source
@@ -73,7 +73,7 @@ def _load_model(cfg: RunConfig):
     try:
         return load_checkpoint(cfg.model)
     except CheckpointError as e:
-        raise InputError(f"--model {e}") from None
+        raise InputError(model_flag_error(cfg.model, str(e))) from None
 
 
 def _load_tokenizer(cfg: RunConfig, mcfg):
@@ -81,7 +81,7 @@ def _load_tokenizer(cfg: RunConfig, mcfg):
         return load_tokenizer(cfg.model, vocab_size=mcfg.vocab_size,
                               eos_token_id=mcfg.eos_token_id)
     except TokenizerError as e:   # the CLI refuses it first (runner/inputs.py); ranks see it here
-        raise InputError(f"--model {e}") from None
+        raise InputError(model_flag_error(cfg.model, str(e))) from None
 
 
 def _encode_all(cfg: RunConfig, source, tok, chat=None) -> list[list[list[int]]]:

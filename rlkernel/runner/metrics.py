@@ -63,6 +63,33 @@ def _fsum(values) -> float:
     return math.fsum(vals) if all(map(math.isfinite, vals)) else sum(vals)
 
 
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population std of `values` (a non-empty list). Finite values give finite
+    results however large: rewards past ~1e154 (an evidence file not written by rlk run, whose
+    rewards stop at 1e100) made (r - mean) ** 2 raise OverflowError, which crashed `rlk report`;
+    they are then computed scaled by a power of two. Ordinary values take the plain formula."""
+    n = len(values)
+    try:
+        mean = _fsum(values) / n
+        std = math.sqrt(_fsum((r - mean) ** 2 for r in values) / n)
+    except OverflowError:
+        mean = std = math.inf
+    if (math.isfinite(mean) and math.isfinite(std)) or not all(map(math.isfinite, values)):
+        return mean, std   # non-finite values: IEEE rules, as _fsum
+    k = math.frexp(max(map(abs, values)))[1]   # every value / 2**k is in [-1, 1]
+    scaled = [math.ldexp(r, -k) for r in values]
+    m = math.fsum(scaled) / n
+    sd = math.sqrt(math.fsum((x - m) ** 2 for x in scaled) / n)
+    return _ldexp_or_inf(m, k), _ldexp_or_inf(sd, k)
+
+
+def _ldexp_or_inf(x: float, k: int) -> float:
+    try:
+        return math.ldexp(x, k)
+    except OverflowError:   # beyond float64 after rounding: the value's sign, as IEEE would
+        return math.copysign(math.inf, x)
+
+
 def _div(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or not math.isfinite(b):
         return None
@@ -78,9 +105,7 @@ def metrics_row(rec: dict[str, Any]) -> dict[str, Any]:
     step_s, rollout_s = _num(t.get("step_s")), _num(t.get("rollout_s"))
     row: dict[str, Any] = {"step": rec.get("step")}
     if rewards:
-        mean = _fsum(rewards) / len(rewards)
-        row["reward_mean"] = mean
-        row["reward_std"] = math.sqrt(_fsum((r - mean) ** 2 for r in rewards) / len(rewards))
+        row["reward_mean"], row["reward_std"] = _mean_std(rewards)
     row["response_len_mean"] = _div(n_tok, n_samples)
     for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "lr"):
         row[key] = _num(rec.get(key))

@@ -169,8 +169,18 @@ def write_report(run_dirs: list[str], out_dir: str | os.PathLike) -> list[pathli
     except ImportError as e:
         raise ReportError(f"matplotlib is needed for rlk report ({e}); pip install matplotlib") \
             from None
+    import numpy
+
     cmap = colormaps["tab10"]
     colors = [cmap(i % 10) for i in range(len(runs))]
+    # Values near the float64 limit (a reward of 1.7e308: its ±std band is inf, a gap) overflow
+    # inside matplotlib's tick arithmetic, which numpy reported as a RuntimeWarning on stderr;
+    # the plots themselves come out right, so that noise is silenced while drawing.
+    with numpy.errstate(over="ignore", invalid="ignore"):
+        return _draw_all(runs, out, colors)
+
+
+def _draw_all(runs: list[RunMetrics], out: pathlib.Path, colors) -> list[pathlib.Path]:
     written = []
     shown = []
     for panel in PANELS:

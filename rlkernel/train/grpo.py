@@ -29,6 +29,9 @@ def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-4) -
     rewards: finite floats, len a multiple of group_size. Returns one float per reward:
     round(r_i − mean) / (sqrt(round(var)) + eps), where r_i − mean and var (Bessel) are exact
     before their one rounding; a group of one sample, or of equal rewards, gets exactly 0.0.
+    A group whose variance or a deviation overflows float64 (|rewards| past ~1e154) is computed
+    scaled by a power of two (_scaled): the same formula, as if float64 had no exponent limit,
+    so the result is always finite; other groups never take that path (their bits are as before).
     Raises ValueError if len(rewards) is not a multiple of group_size or a reward is not finite.
     """
     if group_size < 1 or len(rewards) % group_size:
@@ -47,5 +50,26 @@ def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-4) -
         dev = [r - mean for r in grp]                       # exact: 0 for equal rewards
         var = sum((d * d for d in dev), Fraction(0)) / (group_size - 1)
         std = math.sqrt(_to_float(var))
-        out.extend(_to_float(d) / (std + eps) for d in dev)
+        adv = [_to_float(d) / (std + eps) for d in dev]
+        if not all(map(math.isfinite, adv)) or math.isinf(std):
+            adv = _scaled(dev, var, eps)
+        out.extend(adv)
     return out
+
+
+_SCALED_TOP = 500
+"""_scaled brings the largest |deviation| to about 2**_SCALED_TOP: its square summed over a
+group (at most 2**1002 · group size) stays within float64, and eps · 2**-k stays normal."""
+
+
+def _scaled(dev: list[Fraction], var: Fraction, eps: float) -> list[float]:
+    """The advantages of a group whose variance or a deviation is beyond float64 (|rewards|
+    past about 1e154: var = inf made every advantage 0, or inf / inf = NaN). Deviations,
+    variance and eps are scaled by 2**-k, exactly (a power of two), so each of the formula's
+    roundings (deviation, variance, sqrt, + eps, /) gives the bits it would give with an
+    unbounded float64 exponent: the result is that formula's, in [-(n-1)/sqrt(n), +...]."""
+    top = max(abs(d) for d in dev)
+    k = max(0, top.numerator.bit_length() - top.denominator.bit_length() - _SCALED_TOP)
+    scale = Fraction(1, 2**k)
+    std = math.sqrt(_to_float(var * scale * scale))
+    return [_to_float(d * scale) / (std + math.ldexp(eps, -k)) for d in dev]
