@@ -168,10 +168,12 @@ def _descriptors(a, b, tile, use_tma: bool):
 
 
 def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, retry_all=False,
-            use_tma=True, carry=False, count=None):
+            use_tma=True, carry=False, count=None, desc=None):
+    # desc: `_descriptors(a, b, tile, use_tma)` made by the caller for several launches on the
+    # same operands (a pass and its retry: one pair of TMA descriptors made on the host, not two)
     bn, bk, warps, stages = tile
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
-    ad, bd, tma = _descriptors(a, b, tile, use_tma)
+    ad, bd, tma = desc if desc is not None else _descriptors(a, b, tile, use_tma)
     with device_ctx(a):
         _dw_kernel[grid](a, b, ad, bd, out, flags, tiles, flags if count is None else count,
                          a.shape[0], a.shape[1], b.shape[1],
@@ -231,7 +233,8 @@ def _operands(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return dy.to(dt), x.to(dt)
 
 
-def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool, use_tma: bool = True):
+def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool, use_tma: bool = True,
+                  desc=None):
     """One launch of the double-word pass over all rows of a [L, n], b [L, K] (n·K within
     OUT_ELEMS): words [2, n, K] float64 (a flagged tile's elements 0) and flags [tiles] int32,
     no host sync. The row cut of launches is `_launch_rows`."""
@@ -240,7 +243,8 @@ def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool, use_
     n_tiles = triton.cdiv(n, bn) * triton.cdiv(k, bk)
     words = torch.empty(2, n, k, dtype=torch.float64, device=a.device)
     flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
-    _launch(a, b, words, flags, flags, (n_tiles,), tile, False, force_flag, use_tma=use_tma)
+    _launch(a, b, words, flags, flags, (n_tiles,), tile, False, force_flag, use_tma=use_tma,
+            desc=desc)
     return words, flags
 
 
@@ -335,10 +339,11 @@ def carry_grad_weight_deferred(words: torch.Tensor, dy: torch.Tensor, x: torch.T
         aa, ww = a[:, r0:r1], words[:, r0:r1]
         n_tiles = triton.cdiv(r1 - r0, bn) * triton.cdiv(k, bk)
         flags = torch.empty(n_tiles, dtype=torch.int32, device=a.device)
+        desc = _descriptors(aa, b, tile, use_tma)
         _launch(aa, b, ww, flags, flags, (n_tiles,), tile, False, force_flag, use_tma=use_tma,
-                carry=True)
+                carry=True, desc=desc)
         _launch(aa, b, ww, flags, flags, (n_tiles,), tile, False, force_flag, retry_all=True,
-                use_tma=use_tma, carry=True, count=flagged)
+                use_tma=use_tma, carry=True, count=flagged, desc=desc)
         launches.append((r0, r1, flags))
     return launches, flagged
 
@@ -404,9 +409,10 @@ def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
     parts = []
     for r0, r1 in _launch_rows(n, k, tile):
         aa = a[:, r0:r1]
-        words, flags = _double_words(aa, b, tile, force_flag, use_tma)
+        desc = _descriptors(aa, b, tile, use_tma)
+        words, flags = _double_words(aa, b, tile, force_flag, use_tma, desc)
         _launch(aa, b, words, flags, flags, (flags.numel(),), tile, False, force_flag,
-                retry_all=True, use_tma=use_tma, count=flagged)
+                retry_all=True, use_tma=use_tma, count=flagged, desc=desc)
         parts.append(tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k))
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), flagged
 
