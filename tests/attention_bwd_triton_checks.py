@@ -531,42 +531,62 @@ def _planted_dv(partials_per_sample, n_leaves, seed):
     return q, k, v, out, lse, d_out, q_pos, torch.full((s_,), n)
 
 
-def _bwd_seeing_flags(args, **kw):
-    """(the `_redo_flagged` calls as (kind, flagged program ids), the backward's grads)."""
-    seen, real = [], tb._redo_flagged
+def _bwd_seeing_flags(args, first=None, **kw):
+    """(the `_redo_flagged` calls as (kind, flagged program ids), the backward's grads). With a
+    list `first`, each first-pass launch appends (kind, the program ids it flagged) to it."""
+    seen, real, real_launch = [], tb._redo_flagged, tb._launch_dkv
 
     def spy(a, flagged, kind, *rest, **kws):
         seen.append((kind, flagged.tolist()))
         return real(a, flagged, kind, *rest, **kws)
 
-    tb._redo_flagged = spy
+    def spy_launch(a, out, flags, pids, kind, s0, j0, width, n_tiles_k, n_leaves, grid, tile,
+                   emit, force_flag, retry=False):
+        real_launch(a, out, flags, pids, kind, s0, j0, width, n_tiles_k, n_leaves, grid, tile,
+                    emit, force_flag, retry)
+        if first is not None and not emit and not retry:
+            first.append((kind, torch.nonzero(flags).flatten().tolist()))
+
+    tb._redo_flagged, tb._launch_dkv = spy, spy_launch
     try:
         return seen, _bwd(*args, **kw)
     finally:
-        tb._redo_flagged = real
+        tb._redo_flagged, tb._launch_dkv = real, real_launch
 
 
 @check
 def dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback():
-    """dV[key 0, column 0] from planted leaf partials (p = 1 exactly), two one-sample calls:
-    A: 1, 2**-24, -2**-53, -2**-53, 2**-52, 2**-120 — TwoSum leaves hi = 1 + 2**-24 + 2**-52,
-    lo = -2**-52 and the last lo addition is inexact (2**-120 lost), so its program, and only
-    it, is flagged and redone (per-leaf partials + exponent bins + digits); B: 1, 2**-24, 2**-80
-    — exact in (hi, lo), nothing flagged, so the words are rounded directly
-    (`fixedpoint.round_double_words`). Both exact sums round up to 1 + 2**-23, which a kernel that
-    dropped the lo check (A: hi + lo is a tie, rounds to 1.0) or a host that rounded hi + lo in
-    float64 first (B: a tie again) would miss; force_flag gives the same bytes. Controls: those
-    two wrong roundings really give 1.0 here."""
+    """dV[key 0, column 0] from planted leaf partials (p = 1 exactly), three one-sample calls
+    through the three tiers: A: 1, 2**-24, -2**-53, -2**-53, 2**-52, 2**-120 — the first
+    pass's add of -2**-53 to 1 + 2**-24 is inexact (flagged), and in the retry TwoSum leaves
+    hi = 1 + 2**-24 + 2**-52, lo = -2**-52 with the last lo addition inexact (2**-120 lost), so
+    its program, and only it, is redone (per-leaf partials + exponent bins + digits); B: 1, 2**-24, 2**-80 — inexact in
+    one float64 word (the first pass flags it), exact in the retry's (hi, lo), so the retry's
+    words are rounded directly (`fixedpoint.round_double_words`); C: 1, 2**-24, 2**-30 — exact
+    in the first pass's word, nothing flagged at all. The exact sums of A and B round up to
+    1 + 2**-23, which a kernel that dropped the lo check (A: hi + lo is a tie, rounds to 1.0),
+    trusted the first pass's word (B: fl(hi + 2**-80) is a tie) or a host that rounded hi + lo
+    in float64 first (B: a tie again) would miss; force_flag gives the same bytes. Controls:
+    those wrong roundings really give 1.0 here."""
     want = 1.0 + 2.0**-23
-    plants = [([1.0, 2.0**-24, -2.0**-53, -2.0**-53, 2.0**-52, 2.0**-120], [(1, [0])]),
-              ([1.0, 2.0**-24, 2.0**-80], [])]
-    for parts, flags in plants:
+    # first_dv: key tiles whose keys see a partial below ulp of an earlier leaf's running sum
+    # (tile j sees leaves j.. only; A's tiles 1-4 meet 2**-120 after 2**-24, B's tile 1 2**-80)
+    plants = [([1.0, 2.0**-24, -2.0**-53, -2.0**-53, 2.0**-52, 2.0**-120], want, [0, 1, 2, 3, 4],
+               [(1, [0])]),
+              ([1.0, 2.0**-24, 2.0**-80], want, [0, 1], []),
+              ([1.0, 2.0**-24, 2.0**-30], 1.0 + 2.0**-24 + 2.0**-30, [], [])]
+    for parts, exact, first_dv, flags in plants:
         args = _planted_dv([parts], len(parts), seed=321)
-        seen, grads = _bwd_seeing_flags(args)
-        assert grads[2][0, 0, 0, 0].item() == want, grads[2][0, 0, 0, 0].item()
+        first = []
+        seen, grads = _bwd_seeing_flags(args, first)
+        got = grads[2][0, 0, 0, 0].item()
+        assert got == torch.tensor(exact, dtype=torch.float64).float().item(), got
+        assert first == [(0, []), (1, first_dv)], first   # dK's programs stay exact
         assert seen == flags, seen                # (dV, program 0 = key tile 0) or none
         for a, b in zip(_bwd(*args, force_flag=True), grads):
             assert_bitwise(a, b)
+    first_word_b = torch.tensor(1.0 + 2.0**-24, dtype=torch.float64) + 2.0**-80
+    assert first_word_b.float().item() == 1.0
     no_check = torch.tensor([[1.0 + 2.0**-24 + 2.0**-52], [-2.0**-52]], dtype=torch.float64)
     assert fx.round_double_words(no_check).item() == 1.0
     words_b = torch.tensor([1.0 + 2.0**-24, 2.0**-80], dtype=torch.float64)

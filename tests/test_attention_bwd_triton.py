@@ -100,9 +100,10 @@ def test_keys_past_kv_len_stay_out_of_dq_where_exp_overflows(results):
 
 
 def test_dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback(results):
-    """Planted dV leaf partials whose exact sums sit just past an fp32 tie: one kept exactly in
-    (hi, lo), one whose inexact lo addition flags its program (only it) for the per-leaf
-    fallback; both round up, as hi + lo in float64 or a dropped lo check would not."""
+    """Planted dV leaf partials through the three tiers: exact in the first pass's one word;
+    flagged there and kept exactly in the retry's (hi, lo); flagged by an inexact lo addition
+    too, so its program (only it) takes the per-leaf fallback. The sums just past an fp32 tie
+    round up, as the first pass's word, hi + lo in float64 or a dropped lo check would not."""
     _ok(results, "dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback")
 
 

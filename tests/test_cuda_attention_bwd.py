@@ -217,11 +217,11 @@ def test_cuda_attention_bwd_decode_row_dq_equals_prefill_row(dtype):
 
 
 _EXTRA_DQ_TILES = {torch.float32: [(16, 4, 1), (32, 4, 1), (64, 8, 1)],
-                   torch.bfloat16: [(64, 4, 1), (128, 8, 1)]}
+                   torch.bfloat16: [(64, 8, 1), (128, 8, 1)]}
 # (BLOCK_N keys, D_TILE columns, warps, stages). bf16 keeps 64 keys (the wgmma row tile):
 # the key tile is the M of every dK/dV dot.
 _EXTRA_KV_TILES = {torch.float32: [(64, 64, 8, 1), (32, 128, 4, 1), (64, 128, 4, 2)],
-                   torch.bfloat16: [(64, 64, 8, 1), (64, 128, 4, 1), (64, 128, 8, 2)]}
+                   torch.bfloat16: [(64, 64, 8, 1), (64, 128, 8, 1), (64, 128, 4, 2)]}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -241,6 +241,44 @@ def test_cuda_attention_bwd_every_tile_and_chunk_size_gives_the_same_bits(dtype)
         got = _grads(q, k, v, q_pos, kv_len, d_out, **kw)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             _assert_same(a, b, f"{kw} {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_attention_bwd_retry_tier_keeps_the_fallback_bytes(dtype):
+    """A d_out spread over 2**-60..1 (one random scale per 64-query leaf) makes many first-pass
+    dK/dV adds inexact in one float64 word: those programs take the checked (hi, lo) retry, and
+    the result equals every program through the per-leaf fallback (force_flag), bitwise. The
+    control: the first pass did flag programs here (else the retry was not exercised), and
+    fewer flags reach the fallback than the first pass raised."""
+    from rlkernel.kernels import triton_attention_bwd as tb
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, dtype, seed=11)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    leaves = -(-d_out.shape[2] // TOKEN_LEAF)
+    scale = torch.exp2(-torch.randint(0, 61, (d_out.shape[0], 1, leaves, 1), generator=g,
+                                      device=DEV).float())
+    d_out = (d_out.float() * scale.repeat_interleave(TOKEN_LEAF, 2)[:, :, :d_out.shape[2]]) \
+        .to(dtype)
+    first, redone, real_launch, real_redo = [], [], tb._launch_dkv, tb._redo_flagged
+
+    def spy_launch(*a, **kw):
+        real_launch(*a, **kw)
+        if not a[12] and not (a[14] if len(a) > 14 else kw.get("retry", False)):
+            first.append(int(a[2].sum()))
+
+    def spy_redo(a, flagged, *rest, **kw):
+        redone.append(flagged.numel())
+        return real_redo(a, flagged, *rest, **kw)
+
+    tb._launch_dkv, tb._redo_flagged = spy_launch, spy_redo
+    try:
+        got = _grads(q, k, v, q_pos, kv_len, d_out)
+    finally:
+        tb._launch_dkv, tb._redo_flagged = real_launch, real_redo
+    ref = _grads(q, k, v, q_pos, kv_len, d_out, force_flag=True)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        _assert_same(a, b, name)
+    assert sum(first) > 0, "no first-pass program was flagged: the retry tier went untested"
+    assert sum(redone) < sum(first), (first, redone)
 
 
 def test_cuda_autograd_attention_runs_the_triton_backward():

@@ -26,15 +26,19 @@ Three kernels:
   CUDA stream leaf, so a CP rank holds whole ones —, read through a position -> slot map)
   that can see the tile, in order; for each it forms the leaf partials Σ_{t in leaf} ds_tj·q_t
   (dK) or Σ_t p_tj·dO_t (dV) [64, D] as one dot over the leaf's queries (the dot's K dimension,
-  position order), and adds them EXACTLY into a float64 double word per element (hi, lo), with
-  Knuth's TwoSum and every lo addition checked exact (numerics/triton_fixedpoint.py
-  `add_word_checked`: every value is a multiple of 2**-149, so hi + lo is the exact sum unless a
-  check fails — a span of ~2**100, NaN/Inf, |hi| >= 2**150). No per-leaf partial is written. An absent position is
-  loaded as zeros and adds nothing (the same argument as above), so a leaf partial depends only
-  on that leaf's queries: the same on every CP rank and in every layout. A (leaf, key tile) pair
-  no query of the leaf sees is skipped (adds nothing). A program whose check failed writes zeros
-  and is flagged; the same kernel in EMIT mode recomputes it and stores its per-leaf partials,
-  which the exponent-bin accumulator adds. The host rounds each element's exact sum once: on one
+  position order), and adds them EXACTLY, in three tiers (every value is a multiple of 2**-149,
+  so each tier's words are the exact sum unless its check fails): (1) a first pass into one
+  float64 word hi per element whose every add must be exact (numerics/triton_fixedpoint.py
+  `add_exact_or_nan`: s − hi == p and s − p == hi, else NaN; half the float64 work of a TwoSum
+  pair, as in the dW pass); (2) the programs it flagged, again (a RETRY launch over the same
+  grid, the others return at once: no host sync), into a double word (hi, lo) by Knuth's TwoSum
+  with every lo addition checked exact (`add_word_checked`: a span of ~2**100); (3) a program
+  still flagged (NaN/Inf, |hi| >= 2**150, a wider span) is recomputed in EMIT mode, its
+  per-leaf partials stored and added by the exponent-bin accumulator. No per-leaf partial is
+  written otherwise. An absent position is loaded as zeros and adds nothing (the same argument
+  as above), so a leaf partial depends only on that leaf's queries: the same on every CP rank
+  and in every layout. A (leaf, key tile) pair no query of the leaf sees is skipped (adds
+  nothing). The host rounds each element's exact sum once: on one
   rank directly from the words (`fixedpoint.round_double_words`), otherwise through exact
   digits summed over `tok.comm` (the CP ranks holding the other leaves: integers, order-free;
   `TokenSum.round_exact`), the same bytes either way; then it sums the G heads of each group by
@@ -68,9 +72,9 @@ For one 32k-token sample with 4 query heads, 1 KV head, D = 128 the bound is 2.4
 the digits and the fallback, which one rank with no flagged program never allocates); measured on
 an H200: 0.56 GiB with one kind's words held (before the second words buffer: 256 MiB more now),
 where one fp32 [Tq, Tk] score matrix alone is 4 GiB (tests/test_cuda_attention_bwd.py measures it).
-Cost: the exact additions, 2·Hq·D per (leaf, key a leaf sees) ≈ Hq·D·L²/64 float64 TwoSum pairs
-for a causal sample of L tokens, bound the dK/dV kernel (float64 units); the dots are the
-tensor cores' (bf16) or the CUDA cores' (fp32).
+Cost: the exact additions, 2·Hq·D per (leaf, key a leaf sees) ≈ Hq·D·L²/64 checked float64
+adds for a causal sample of L tokens (a retried program pays its TwoSum pairs on top), bound the
+dK/dV kernel (float64 units); the dots are the tensor cores' (bf16) or the CUDA cores' (fp32).
 Kernels launch with enable_fp_fusion=False, as the forward does: no mul+add is contracted
 differently between kernels or tiles (and TwoSum stays exact). Tiles come from literal tables;
 none changes a bit on the GPU (tests/test_cuda_attention_bwd.py checks every row).
@@ -110,11 +114,13 @@ EMIT_BYTES = 1 << 28
 # bf16 keeps BLOCK_M >= 64 and warps % 4 == 0 like the forward (its s dot is the forward's).
 _DQ_TILES = {
     torch.float32: [(16, (16, 4, 1)), (1 << 62, (32, 8, 1))],
-    torch.bfloat16: [(1 << 62, (64, 8, 1))],
+    torch.bfloat16: [(1 << 62, (64, 4, 1))],   # 4 warps: -12 % of the backward at 4,096 tokens
 }
 # dtype -> (BLOCK_N keys, D_TILE output columns per program, num_warps, num_stages) of dK/dV.
-# BLOCK_N must divide KV_BLOCK (chunks are whole blocks).
-_KV_TILES = {torch.float32: (64, 128, 8, 1), torch.bfloat16: (64, 128, 8, 1)}
+# BLOCK_N must divide KV_BLOCK (chunks are whole blocks). bf16: 4 warps since the first pass
+# keeps one float64 word (4,096 tokens, 32/8 heads on an H200: 4.55 ms against 6.47 at 8 warps,
+# docs/BENCHMARKS.md); every tile gives the same bytes.
+_KV_TILES = {torch.float32: (64, 128, 8, 1), torch.bfloat16: (64, 128, 4, 1)}
 _DELTA_TILE = (32, 4)   # (BLOCK_M rows, num_warps)
 
 
@@ -197,18 +203,25 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
                 s_ow, s0, j0, width, n_tiles_k, n_leaves, HQ, scale,
                 G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, LEAF: tl.constexpr,
                 BLOCK_N: tl.constexpr, KIND: tl.constexpr, PREC: tl.constexpr,
-                BF16: tl.constexpr, EMIT: tl.constexpr, FORCE_FLAG: tl.constexpr):
+                BF16: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
+                FORCE_FLAG: tl.constexpr):
     # One program: BLOCK_N keys [jt, jt + BLOCK_N) x output columns [d0, d0 + DT) of one query
     # head h of sample s; KIND 0 = dK (Σ_t ds·q), 1 = dV (Σ_t p·dO), over every leaf that sees
-    # the keys. Not EMIT: the leaf partials are added exactly into a float64 double word (hi, lo)
-    # (checked TwoSum, tfx.add_word_checked) and OUT [2, S_c, Hq, width, D] gets the
-    # words, FLAGS[pid] whether a check failed (then the words are zeros). EMIT (flagged programs
-    # PIDS[i] redone): OUT [n_leaves, n, BLOCK_N, DT] fp32 gets each leaf's partial at row f.
+    # the keys. First pass (neither EMIT nor RETRY): the leaf partials are added into a float64
+    # word hi that must stay exact (tfx.add_exact_or_nan: an inexact add makes it NaN); OUT
+    # [2, S_c, Hq, width, D] gets (hi, 0), FLAGS[pid] whether it did not hold (then zeros).
+    # RETRY (launched over every program; the unflagged return at once): the flagged programs
+    # again, into the double word (hi, lo) by checked TwoSums (tfx.add_word_checked, exact over
+    # a spread of ~2**100), rewriting their words and flags. EMIT (programs PIDS[i] still
+    # flagged): OUT [n_leaves, n, BLOCK_N, DT] fp32 gets each leaf's partial at row f.
     i = tl.program_id(0)
     if EMIT:
         pid = tl.load(PIDS + i)
     else:
         pid = i
+    if RETRY:
+        if tl.load(FLAGS + pid) == 0:
+            return
     n_dt: tl.constexpr = D // DT
     tile = pid % n_tiles_k
     rest = pid // n_tiles_k
@@ -232,8 +245,9 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
         vb = tl.load(V + s * s_vs + hk * s_vh + jj[:, None] * s_vt + dd[None, :] * s_vd,
                      mask=k_ok[:, None], other=0.0)                            # [BN, D]
     hi = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
-    lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
-    n_inexact = tl.zeros((BLOCK_N, DT), dtype=tl.int32)
+    if RETRY:
+        lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
+        n_inexact = tl.zeros((BLOCK_N, DT), dtype=tl.int32)
     e_ptr = OUT + i * (BLOCK_N * DT) + tl.arange(0, BLOCK_N)[:, None] * DT \
         + tl.arange(0, DT)[None, :]
     e_step = tl.zeros([], dtype=tl.int64) + s_ow          # int64: n_leaves·stride may pass 2**31
@@ -280,16 +294,24 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
                     part = tl.dot(dst, qo, input_precision="ieee")
             if EMIT:
                 tl.store(e_ptr + f * e_step, part)
-            else:
+            elif RETRY:
                 hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, part.to(tl.float64))
+            else:
+                hi = tfx.add_exact_or_nan(hi, part.to(tl.float64))
     if not EMIT:
-        bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
+        if RETRY:
+            bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
+        else:
+            bad = (tfx.word_in_range(hi) == 0).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
         o = OUT + (sh.to(tl.int64) * width + (jn - j0).to(tl.int64))[:, None] * D \
             + do_[None, :].to(tl.int64)
         m = ((jn - j0) < width)[:, None] & (do_[None, :] < D)
         tl.store(o, tl.where(good, hi, 0.0), mask=m)
-        tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
+        if RETRY:
+            tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)
+        else:
+            tl.store(o + s_ow, tl.zeros((BLOCK_N, DT), dtype=tl.float64), mask=m)
         tl.store(FLAGS + pid, (good == 0).to(tl.int32))
 
 
@@ -395,9 +417,11 @@ def _kv_tile(dtype: torch.dtype, d: int, tile) -> tuple[int, int, int, int]:
 
 
 def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int, n_tiles_k: int,
-                n_leaves: int, grid: int, tile, emit: bool, force_flag: bool) -> None:
-    """One `_dkv_kernel` launch of `grid` programs (module doc); args = (q, k, v, d_out, lse_h,
-    delta, slot, kv_len, scale)."""
+                n_leaves: int, grid: int, tile, emit: bool, force_flag: bool,
+                retry: bool = False) -> None:
+    """One `_dkv_kernel` launch of `grid` programs (module doc): the first pass, its `retry`
+    (over the same grid, flags and words) or `emit`; args = (q, k, v, d_out, lse_h, delta,
+    slot, kv_len, scale)."""
     q, k, v, d_out, lse_h, delta, slot, kv_len, scale = args
     hq, d = q.shape[1], q.shape[3]
     bn, dt, warps, stages = tile
@@ -408,7 +432,7 @@ def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int,
         *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *lse_h.stride(), *delta.stride(),
         *slot.stride(), s_ow, s0, j0, width, n_tiles_k, n_leaves, hq, float(scale),
         G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_DKV_LEAF, BLOCK_N=bn, KIND=kind, PREC=prec,
-        BF16=q.dtype == torch.bfloat16, EMIT=emit, FORCE_FLAG=int(force_flag),
+        BF16=q.dtype == torch.bfloat16, EMIT=emit, RETRY=retry, FORCE_FLAG=int(force_flag),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
 
 
@@ -500,8 +524,9 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
             w = words[:, :, :(s1 - s0) * hq * width * d]
             flags = torch.empty(2, grid, dtype=torch.int32, device=q.device)
             for kind in (0, 1):
-                _launch_dkv(args, w[kind], flags[kind], flags[kind], kind, s0, j0, width,
-                            n_tiles_k, n_leaves, grid, tile, False, force_flag)
+                for retry in (False, True):   # the checked tier for what the first pass flagged
+                    _launch_dkv(args, w[kind], flags[kind], flags[kind], kind, s0, j0, width,
+                                n_tiles_k, n_leaves, grid, tile, False, force_flag, retry)
             flagged = torch.nonzero(flags)          # [n, 2] (kind, program): the chunk's one sync
             for kind in (0, 1):
                 fix = None
@@ -563,7 +588,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     (they must be those values); None reads them, a host sync. Returns dQ like q, dK and dV like
     k, in q's dtype.
     ValueError on bad input. Syncs the host once per dK/dV chunk (which programs of its two
-    kinds, if any, failed their exactness check), and once more without `bounds`.
+    kinds, if any, failed the exactness check of both the first pass and its retry), and once more without `bounds`.
     """
     _check(q, k, v, out, lse, d_out, q_pos, kv_len)
     tok = tok or TokenSum.single()

@@ -285,6 +285,27 @@ def add_exact(hi, n_inexact, p):
 
 
 @triton.jit
+def add_exact_or_nan(hi, p):
+    """hi += p (float64 tiles) where the add must be exact, as `add_exact`, with the flag kept in
+    hi itself: an element whose add is inexact becomes NaN, and stays NaN (NaN + p is NaN, and
+    fails the check again), so `word_in_range` refuses it at the end. No int32 flag tile is
+    carried through the loop: one select per add instead of the flag's or/convert/multiply, and
+    a [tile] int32 fewer registers (the attention dK/dV pass, whose double-word tile is large).
+    Launch with enable_fp_fusion=False."""
+    s = hi + p
+    inexact = ((s - hi) != p) | ((s - p) != hi)
+    return tl.where(inexact, float("nan"), s)
+
+
+@triton.jit
+def word_in_range(hi):
+    """Per element: whether hi is finite and |hi| < 2**150 (TOP_F64_BITS), the words' bound —
+    `words_exact` for a word built by `add_exact_or_nan` (NaN there: an inexact add)."""
+    top = tl.full([], TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
+    return tl.abs(hi) < top
+
+
+@triton.jit
 def add_word_checked(hi, lo, n_inexact, p):
     """As `add_word`, but every error goes into lo through a second TwoSum whose own error must
     be 0 (a failed lo add counts 2, past what `words_exact` accepts): slower (six more float64
