@@ -320,8 +320,7 @@ def add_word_checked(hi, lo, n_inexact, p):
 def words_exact(hi, n_inexact):
     """Per element: whether the double word that `add_word` built holds its exact sum within
     add_f64's range (|hi| < 2**150, finite; at most one inexact add)."""
-    top = tl.full([], TOP_F64_BITS, tl.int64).to(tl.float64, bitcast=True)
-    return (n_inexact <= 1) & (tl.abs(hi) < top)
+    return (n_inexact <= 1) & word_in_range(hi)
 
 
 @triton.jit
