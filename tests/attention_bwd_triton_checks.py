@@ -262,14 +262,17 @@ def kv_head_replicated_over_tp_ranks_gives_single_process_bytes():
 @check
 def chunk_sizes_tiles_and_the_fallback_change_no_bit():
     """Double-word chunks of one key block of one sample (words_elems 4096: sample and key
-    chunks) and of two blocks, dK/dV tiles of 32 keys and of 8 output columns, every program
+    chunks) and of two blocks, dK/dV tiles of 32 and 128 keys (a 128-key tile straddles a
+    one-block chunk's end) and of 8 output columns, every program
     through the per-leaf fallback (force_flag: EMIT partials + exponent bins), the host-known
     bounds (the layout's, no sync): the default bytes."""
     with sequential_dot():
         (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
         bounds = (int(q_pos.max()), int(kv_len.max()))
         for kw in ({"words_elems": 4096}, {"words_elems": 1 << 13}, {"kv_tile": (32, 16, 4, 1)},
-                   {"kv_tile": (64, 8, 4, 1)}, {"force_flag": True},
+                   {"kv_tile": (64, 8, 4, 1)}, {"kv_tile": (128, 16, 4, 1)},
+                   {"kv_tile": (128, 16, 4, 1), "words_elems": 4096},
+                   {"kv_tile": (128, 16, 4, 1), "force_flag": True}, {"force_flag": True},
                    {"force_flag": True, "words_elems": 4096}, {"bounds": bounds},
                    {"bounds": bounds, "force_flag": True, "words_elems": 4096}):
             got = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len, **kw)

@@ -21,6 +21,7 @@ Skipped without CUDA. Run on the GPU machine:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -218,29 +219,51 @@ def test_cuda_attention_bwd_decode_row_dq_equals_prefill_row(dtype):
 
 _EXTRA_DQ_TILES = {torch.float32: [(16, 4, 1), (32, 4, 1), (64, 8, 1)],
                    torch.bfloat16: [(64, 8, 1), (128, 8, 1)]}
-# (BLOCK_N keys, D_TILE columns, warps, stages). bf16 keeps 64 keys (the wgmma row tile):
-# the key tile is the M of every dK/dV dot.
-_EXTRA_KV_TILES = {torch.float32: [(64, 64, 8, 1), (32, 128, 4, 1), (64, 128, 4, 2)],
-                   torch.bfloat16: [(64, 64, 8, 1), (64, 128, 8, 1), (64, 128, 4, 2)]}
+# (BLOCK_N keys, D_TILE columns, warps, stages). bf16 keeps key tiles of whole 64-row wgmma
+# tiles (the key tile is the M of every dK/dV dot); a 128-key tile may straddle a chunk's end.
+_EXTRA_KV_TILES = {torch.float32: [(64, 64, 8, 1), (32, 128, 4, 1), (64, 128, 4, 2),
+                                   (128, 64, 8, 1)],
+                   torch.bfloat16: [(64, 64, 8, 1), (64, 128, 8, 1), (64, 128, 4, 2),
+                                    (128, 128, 8, 1)]}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_attention_bwd_every_tile_and_chunk_size_gives_the_same_bits(dtype):
-    """Every dQ tile of the table and a few others (bf16: BLOCK_M >= 64, warps % 4 == 0, the
-    forward's rule), dK/dV tiles with other key / column tiles, warps and stages, chunks of the
-    double words down to one 64-key block of one sample, and every dK/dV program through the
-    per-leaf fallback (force_flag): the default bytes."""
-    from rlkernel.kernels import triton_attention_bwd as tb
+def _tile_variants(dtype) -> list[tuple[str, object]]:
+    """(keyword, value) cases of the every-tile test; "dq_table" stands for every dQ tile of
+    the kernel's own table (read at run time: the module needs Triton)."""
+    cases = [("dq_table", None)]
+    cases += [("dq_tile", cfg) for cfg in _EXTRA_DQ_TILES[dtype]]
+    cases += [("kv_tile", cfg) for cfg in _EXTRA_KV_TILES[dtype]]
+    # Chunks of one 64-key block of one sample, then of one block of every sample.
+    return cases + [("words_elems", HQ * D * 64), ("words_elems", HQ * D * 64 * len(LENGTHS)),
+                    ("force_flag", True)]
+
+
+_TILE_CASES = [(dt, name, value) for dt in DTYPES for name, value in _tile_variants(dt)]
+
+
+@functools.cache
+def _tile_case_ref(dtype):
+    """The packed batch of the every-tile test and its default-tile grads (one per dtype)."""
     q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, dtype, seed=7)
-    ref = _grads(q, k, v, q_pos, kv_len, d_out)
-    variants = [{"dq_tile": cfg} for _, cfg in tb._DQ_TILES[dtype]]
-    variants += [{"dq_tile": cfg} for cfg in _EXTRA_DQ_TILES[dtype]]
-    variants += [{"kv_tile": cfg} for cfg in _EXTRA_KV_TILES[dtype]]
-    variants += [{"words_elems": HQ * D * 64}, {"words_elems": 1 << 16}, {"force_flag": True}]
+    return (q, k, v, q_pos, kv_len, d_out), _grads(q, k, v, q_pos, kv_len, d_out)
+
+
+@pytest.mark.parametrize("dtype,name,value", _TILE_CASES,
+                         ids=[f"{str(dt).split('.')[1]}-{n}-{v}" for dt, n, v in _TILE_CASES])
+def test_cuda_attention_bwd_every_tile_and_chunk_size_gives_the_same_bits(dtype, name, value):
+    """Every dQ tile of the table and a few others (bf16: BLOCK_M >= 64, warps % 4 == 0, the
+    forward's rule), dK/dV tiles with other key / column tiles (128-key tiles past a chunk's
+    end), warps and stages, chunks of the double words down to one 64-key block of one sample,
+    and every dK/dV program through the per-leaf fallback (force_flag): the default bytes. One
+    case per test, so a GPU call cut short still reports the cases it ran (each compiles)."""
+    from rlkernel.kernels import triton_attention_bwd as tb
+    (q, k, v, q_pos, kv_len, d_out), ref = _tile_case_ref(dtype)
+    variants = [{"dq_tile": cfg} for _, cfg in tb._DQ_TILES[dtype]] if name == "dq_table" \
+        else [{name: value}]
     for kw in variants:
         got = _grads(q, k, v, q_pos, kv_len, d_out, **kw)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-            _assert_same(a, b, f"{kw} {name}")
+        for what, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            _assert_same(a, b, f"{kw} {what}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -117,8 +117,9 @@ _DQ_TILES = {
     torch.bfloat16: [(1 << 62, (64, 4, 1))],   # 4 warps: -12 % of the backward at 4,096 tokens
 }
 # dtype -> (BLOCK_N keys, D_TILE output columns per program, num_warps, num_stages) of dK/dV.
-# BLOCK_N must divide KV_BLOCK (chunks are whole blocks). bf16: 4 warps since the first pass
-# keeps one float64 word (4,096 tokens, 32/8 heads on an H200: 4.55 ms against 6.47 at 8 warps,
+# BLOCK_N: any power of two (a tile past a chunk's width computes keys it does not store).
+# bf16: 4 warps since the first pass keeps one float64 word (4,096 tokens, 32/8 heads on an
+# H200: 4.55 ms against 6.47 at 8 warps; 128-key tiles at 8 warps 4.56 against 3.92,
 # docs/BENCHMARKS.md); every tile gives the same bytes.
 _KV_TILES = {torch.float32: (64, 128, 8, 1), torch.bfloat16: (64, 128, 4, 1)}
 _DELTA_TILE = (32, 4)   # (BLOCK_M rows, num_warps)
