@@ -746,7 +746,8 @@ def round_words_equal_the_digit_kernels():
 @check
 def round_words_launch_shapes_and_strides():
     """BLOCK 32/128 with 1/4 warps, a row stride that is not m (words[:, :m] of [2, m + 5]),
-    one element and none give the digit path's bytes."""
+    one element and none, and `out` (a slice of a larger buffer) give the digit path's bytes;
+    a bad `out` is refused."""
     words = _word_cases()["two_sum_accumulations"]
     for block, warps in ((32, 1), (128, 4)):
         _words_same_as_digits(words, block=block, num_warps=warps)
@@ -755,6 +756,22 @@ def round_words_launch_shapes_and_strides():
     _words_same_as_digits(wide[:, :words.shape[1]])
     _words_same_as_digits(words[:, 7:8])
     assert tfx.round_double_words(words[:, :0]).shape == (0,)
+    # Into a given fp32 [m] (a slice of a larger buffer): the same bytes, that tensor returned,
+    # nothing around it written; an out of another shape, dtype or layout: ValueError.
+    m = words.shape[1]
+    buf = torch.full((m + 2,), -7.0)
+    got = tfx.round_double_words(words, out=buf[1:m + 1])
+    assert got.data_ptr() == buf[1:].data_ptr()
+    assert torch.equal(got.view(torch.int32), _words_same_as_digits(words).view(torch.int32))
+    assert buf[0].item() == -7.0 and buf[-1].item() == -7.0
+    for bad in (torch.empty(m + 1), torch.empty(m, dtype=torch.float64),
+                torch.empty(2 * m)[::2]):
+        try:
+            tfx.round_double_words(words, out=bad)
+        except ValueError as e:
+            assert "out must be" in str(e)
+        else:
+            raise AssertionError(f"out {bad.dtype} {tuple(bad.shape)} was accepted")
 
 
 @check

@@ -351,7 +351,8 @@ def test_round_double_words_negative_control_a_plain_cast_rounds_twice():
 
 def test_round_double_words_shapes_strides_and_bad_arguments():
     """[2, *S] -> [*S] for N-d and strided words (the same bytes as the contiguous [2, m]);
-    float32 words, a first dimension of 3 or a 0-d tensor: ValueError."""
+    float32 words, a first dimension of 3 or a 0-d tensor: ValueError; `out` of the result's
+    shape is written and returned, one of another shape, dtype or layout refused."""
     words = _words_cases()["two_sum_accumulations"][:, :600]
     flat = fx.round_double_words(words).view(torch.int32)
     assert torch.equal(fx.round_double_words(words.reshape(2, 20, 30)).view(torch.int32),
@@ -363,3 +364,10 @@ def test_round_double_words_shapes_strides_and_bad_arguments():
                 torch.tensor(1.0, dtype=torch.float64)):
         with pytest.raises(ValueError):
             fx.round_double_words(bad)
+    into = torch.full((20, 30), -7.0)
+    assert fx.round_double_words(words.reshape(2, 20, 30), out=into) is into
+    assert torch.equal(into.view(torch.int32), flat.reshape(20, 30))
+    for bad in (torch.empty(600), torch.empty(20, 30, dtype=torch.float64),
+                torch.empty(30, 20).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            fx.round_double_words(words.reshape(2, 20, 30), out=bad)

@@ -476,9 +476,11 @@ def _redo_flagged(args, flagged: torch.Tensor, kind: int, s0: int, j0: int, widt
     return torch.cat(idx_all), torch.cat(dig_all)
 
 
-def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str) -> torch.Tensor:
-    """[m] fp32: per element the exact sum hi + lo of `words` [2, m] (plus, for the flat indices
-    of `fix` = (indices, digits) or None, those digits), summed over `tok.comm` and rounded once.
+def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """[m] fp32 (written into `out`, a contiguous fp32 [m], if given): per element the exact sum
+    hi + lo of `words` [2, m] (plus, for the flat indices of `fix` = (indices, digits) or None,
+    those digits), summed over `tok.comm` and rounded once.
     Over several ranks (or with a fix) in slices of DIGIT_ELEMS elements through the exact digits
     (the cut depends on m only: every rank of the group makes the same collective calls); on one
     rank without a fix, `fixedpoint.round_double_words` (same bytes)."""
@@ -486,8 +488,9 @@ def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str) -> torch.Te
     if fix is None and tok.comm.size == 1:
         # One rank holds every query: no integer all-reduce, so the words are rounded directly
         # (round-to-odd, then RN: the bytes of the digit path, without its 104-byte digits).
-        return fx.round_double_words(words)
-    out = torch.empty(m, dtype=torch.float32, device=words.device)
+        return fx.round_double_words(words, out=out)
+    if out is None:
+        out = torch.empty(m, dtype=torch.float32, device=words.device)
     for a in range(0, m, DIGIT_ELEMS):
         b = min(m, a + DIGIT_ELEMS)
         acc = tfx.add_double_words_(fx.zeros((b - a,), words.device), words[:, a:b],
@@ -507,13 +510,17 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
     rounded once)."""
     s_, hq, _, d = q.shape
     tk = k.shape[2]
-    out = torch.zeros(2, s_, hq, tk, d, dtype=torch.float32, device=q.device)
     if tk_eff == 0:
-        return out
+        return torch.zeros(2, s_, hq, tk, d, dtype=torch.float32, device=q.device)
     tile = _kv_tile(q.dtype, d, tile)
     bn, dt = tile[0], tile[1]
     args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, scale)
     sc, kc = chunk_shape(s_, hq, d, tk_eff, words_elems)
+    # One chunk holding every key of every sample (the usual case) rounds straight into out: no
+    # zero fill, no copy of the results.
+    whole = sc >= s_ and kc >= tk == tk_eff
+    out = (torch.empty if whole else torch.zeros)(2, s_, hq, tk, d, dtype=torch.float32,
+                                                  device=q.device)
     # Both kinds' words at once, so one host sync per chunk reads both kinds' flags.
     words = torch.empty(2, 2, sc * hq * kc * d, dtype=torch.float64, device=q.device)
     for s0 in range(0, s_, sc):
@@ -535,6 +542,10 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
                     ids = flagged[flagged[:, 0] == kind, 1]
                     fix = _redo_flagged(args, ids, kind, s0, j0, width, n_tiles_k, n_leaves,
                                         tile) if ids.numel() else None
+                if whole:
+                    _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv",
+                                   out=out[kind].view(-1))
+                    continue
                 res = _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv")
                 out[kind, s0:s1, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
     return out

@@ -349,24 +349,33 @@ def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return s, (a - (s - bb)) + (b - bb)
 
 
-def round_double_words(words: torch.Tensor) -> torch.Tensor:
+def round_double_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """words float64 [2, *S] (hi = words[0], lo = words[1]) -> fp32 [*S]: the exact real hi + lo
     rounded once to fp32, round-half-even, ±Inf past the range, an exact zero as +0.0 — the bytes
     of `round_fp32` of an accumulator holding hi + lo. Contract (not checked): hi and lo finite
     multiples of 2**-149 with |hi| < 2**150, what a checked TwoSum accumulation of fp32 values
     leaves (kernels/triton_grad_weight.py); no NaN/Inf. CUDA tensors go to one Triton pass
     (triton_fixedpoint.round_double_words), others to `round_double_words_torch`; same bytes.
-    Raises ValueError for another dtype or a first dimension other than 2."""
+    out: a contiguous fp32 tensor of shape words.shape[1:] on the words' device to write into
+    (returned; on CUDA no second copy is made). Raises ValueError for another dtype or a first
+    dimension other than 2, or an `out` of another shape, dtype, layout or device."""
     if words.dtype != torch.float64 or words.dim() < 1 or words.shape[0] != 2:
         raise ValueError(f"round_double_words: expected float64 [2, ...], got {words.dtype} "
                          f"{tuple(words.shape)}")
+    if out is not None and (out.dtype != torch.float32 or out.shape != words.shape[1:]
+                            or not out.is_contiguous() or out.device != words.device):
+        raise ValueError(f"round_double_words: out must be a contiguous fp32 "
+                         f"{tuple(words.shape[1:])} on {words.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
     if words.is_cuda:
         from rlkernel.numerics import triton_fixedpoint
         flat = words.reshape(2, -1)
         if flat.stride(1) != 1:
             flat = flat.contiguous()
-        return triton_fixedpoint.round_double_words(flat).reshape(words.shape[1:])
-    return round_double_words_torch(words)
+        dst = None if out is None else out.view(-1)
+        return triton_fixedpoint.round_double_words(flat, out=dst).reshape(words.shape[1:])
+    res = round_double_words_torch(words)
+    return res if out is None else out.copy_(res)
 
 
 def round_double_words_torch(words: torch.Tensor) -> torch.Tensor:

@@ -785,23 +785,31 @@ def _round_words_kernel(W, OUT, m, s_w, BLOCK: tl.constexpr):
 
 
 def round_double_words(words: torch.Tensor, block: int = WORDS_BLOCK,
-                       num_warps: int = WORDS_WARPS) -> torch.Tensor:
+                       num_warps: int = WORDS_WARPS,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """words [2, m] float64 (rows contiguous, any row stride) -> fp32 [m]: per element the exact
     hi + lo rounded once to fp32, round-half-even, ±Inf past the range, an exact zero +0.0 —
     bytewise `round_fp32(add_double_words_(zeros, words))`, in one pass and without the
     104-byte accumulator. Same contract as `add_double_words_` (finite multiples of 2**-149,
     |hi| < 2**150: a checked TwoSum accumulation; not checked here). Method and why it is the
     direct rounding: fixedpoint.round_double_words_torch, the CPU reference (same steps).
-    No host sync. `block`/`num_warps` change speed, never bits. Launched with
-    enable_fp_fusion=False (TwoSum). Raises ValueError for another dtype, shape or layout, or
-    a non-CUDA tensor (any device under TRITON_INTERPRET=1)."""
+    No host sync. `block`/`num_warps` change speed, never bits. `out`: a contiguous fp32 [m]
+    on the words' device to write into (returned), instead of a new tensor. Launched with
+    enable_fp_fusion=False (TwoSum). Raises ValueError for another dtype, shape or layout (of
+    words or out), or a non-CUDA tensor (any device under TRITON_INTERPRET=1)."""
     check_cuda("fixedpoint round double words", words)
     if words.dtype != torch.float64 or words.dim() != 2 or words.shape[0] != 2 \
             or words.stride(1) != 1:
         raise ValueError(f"fixedpoint round double words: float64 [2, m] with contiguous rows "
                          f"expected, got {words.dtype} {tuple(words.shape)}")
     m = words.shape[1]
-    out = torch.empty(m, dtype=torch.float32, device=words.device)
+    if out is None:
+        out = torch.empty(m, dtype=torch.float32, device=words.device)
+    elif (out.dtype != torch.float32 or out.shape != (m,) or not out.is_contiguous()
+          or out.device != words.device):
+        raise ValueError(f"fixedpoint round double words: out must be a contiguous fp32 [{m}] "
+                         f"on {words.device}, got {out.dtype} {tuple(out.shape)} on "
+                         f"{out.device}")
     if m:
         with device_ctx(words):
             _round_words_kernel[(triton.cdiv(m, block),)](
