@@ -343,6 +343,9 @@ def _occupied(flag: str, value: str) -> str | None:
                 f"directory; give a new or empty directory")
     if d.is_symlink():
         return f"{flag} {value!r}: {_why_not_a_link(d)}"
+    if d.is_dir() and os.path.ismount(d):   # its rmdir fails (busy) after all the work
+        return (f"{flag} {value!r}: is a mount point, which the output (built beside it and "
+                f"renamed into place) cannot replace; give a new directory inside it")
     if _dir_is_free(d):
         return None
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
@@ -688,6 +691,19 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
     if final.is_dir() and not any(final.iterdir()):
         final.rmdir()  # an empty --run-dir given by the user: take its place
     os.rename(tmp, final)
+
+
+def _publish_run(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path | None:
+    """`_publish` a run's directory; if the move fails (e.g. a file appeared in the empty
+    --run-dir meanwhile) say so in one line, naming where the run is kept, and return None;
+    else return final."""
+    try:
+        _publish(tmp, final)
+        return final
+    except OSError as e:
+        _error("run", f"cannot move the run from {tmp} to {final} ({e.strerror or e}); the run "
+                      f"is kept in {tmp}", 1)
+        return None
 
 
 def _exit_on_sigterm():
@@ -1048,10 +1064,10 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             bad_input = _input_error(e)   # found before step 1: a usage error
             return _error("run", e if bad_input is None else bad_input,
                           1 if bad_input is None else 2)
-        _publish(tmp, final)
+        kept = _publish_run(tmp, final) or tmp
         if _debug():
             raise
-        _error("run", f"{e} (evidence of {writer.n_steps} step(s) kept in {final})", 1)
+        _error("run", f"{e} (evidence of {writer.n_steps} step(s) kept in {kept})", 1)
         return 1
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, or SIGTERM via _exit_on_sigterm
         if _debug():
@@ -1061,17 +1077,17 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             print("rlk run: interrupted before the first step; nothing kept", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else (
                 e.code if isinstance(e.code, int) else 1)
-        _publish(tmp, final)
-        return _interrupted(e, final, writer.n_steps)
+        return _interrupted(e, _publish_run(tmp, final) or tmp, writer.n_steps)
     except BaseException:  # a bug: keep whatever was written, under the final name, and raise
         if tmp.exists():
-            _publish(tmp, final)
-            print(f"rlk run: partial run kept in {final}", file=sys.stderr)
+            print(f"rlk run: partial run kept in {_publish_run(tmp, final) or tmp}",
+                  file=sys.stderr)
         raise
     finally:
         _restore_sigterm(previous_sigterm)
         progress.close()
-    _publish(tmp, final)
+    if _publish_run(tmp, final) is None:
+        return 1
     _summary(writer, final)
     print(final)
     return 0
@@ -1129,6 +1145,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from rlkernel.model.checkpoint import CheckpointError
     from rlkernel.runner.export import ExportError, ExportUsageError, export_run, parse_step
 
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
@@ -1142,7 +1159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if _debug():
             raise
         return _error("export", e, 2)
-    except (ExportError, OSError) as e:
+    except (ExportError, CheckpointError, OSError) as e:   # e.g. a corrupt config.json
         if _debug():
             raise
         return _error("export", e, 1)

@@ -112,6 +112,20 @@ def test_dtype_or_shape_change_changes_hash_with_same_bytes():
     assert len({tensor_hash(v) for v in variants}) == len(variants)
 
 
+def test_same_bytes_compares_bits_not_values():
+    """same_bytes: 0.0 vs −0.0 differ (torch.equal calls them equal), one NaN equals its copy
+    (torch.equal says not), NaNs of two payloads differ, bf16 too."""
+    from rlkernel.weights.hashing import same_bytes
+    zero, neg = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    assert torch.equal(zero, neg) and not same_bytes(zero, neg)
+    assert not same_bytes(zero.bfloat16(), neg.bfloat16())
+    nan = torch.tensor([float("nan"), 2.0])
+    assert not torch.equal(nan, nan.clone()) and same_bytes(nan, nan.clone())
+    other = nan.clone()
+    other.view(torch.int32)[0] ^= 1   # another NaN payload
+    assert not same_bytes(nan, other)
+
+
 def test_tensor_hash_sees_signed_zero_and_nan_bits():
     assert tensor_hash(torch.tensor([0.0])) != tensor_hash(torch.tensor([-0.0]))
     nan = torch.tensor([float("nan")])

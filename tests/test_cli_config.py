@@ -1554,3 +1554,53 @@ def test_startup_summary_names_the_reward_in_use():
     assert _describe_prompts(RunConfig(prompts="p.jsonl")) == "p.jsonl (exact-match reward)"
     assert _describe_prompts(RunConfig(prompts="p.jsonl", reward="/tmp/rw.py:score")) == \
         "p.jsonl (/tmp/rw.py:score reward)"
+
+
+def test_a_run_that_cannot_be_moved_into_place_is_one_line_naming_where_it_is_kept(tmp_path,
+                                                                                  capsys):
+    """The finished run's directory cannot replace --run-dir (a file appeared in it meanwhile):
+    `_publish_run` returns None, prints one line naming both paths, and leaves the run where it
+    was built; a free --run-dir gets it."""
+    from rlkernel import cli
+    tmp, final = tmp_path / "r.tmp-1", tmp_path / "r"
+    tmp.mkdir()
+    (tmp / "evidence.json").write_text("{}")
+    final.mkdir()
+    (final / "userfile").write_text("x")
+    assert cli._publish_run(tmp, final) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlk run: error: cannot move the run from")
+    assert f"kept in {tmp}" in err[0]
+    assert (tmp / "evidence.json").exists() and not (final / "evidence.json").exists()
+    (final / "userfile").unlink()
+    assert cli._publish_run(tmp, final) == final and (final / "evidence.json").exists()
+
+
+def test_tokens_hash_covers_every_sampled_token_and_sample_id():
+    """The step's tokens_hash changes when only the last token of the last sample, or a sample
+    id, changes (evidence must not miss a sampled token)."""
+    from types import SimpleNamespace
+
+    from rlkernel.runner.loop import _tokens_hash
+    base = [SimpleNamespace(sample_id=i, response_ids=[5, 6, 7 + i]) for i in range(3)]
+    last = [SimpleNamespace(sample_id=c.sample_id, response_ids=list(c.response_ids))
+            for c in base]
+    last[-1].response_ids[-1] += 1
+    ids = [SimpleNamespace(sample_id=c.sample_id, response_ids=c.response_ids) for c in base]
+    ids[0].sample_id = 9
+    h = _tokens_hash(base)
+    assert len({h, _tokens_hash(last), _tokens_hash(ids)}) == 3
+    assert _tokens_hash(list(base)) == h
+
+
+def test_a_mount_point_run_dir_is_refused_before_any_work(tmp_path, monkeypatch):
+    """An empty --run-dir that is a mount point cannot be replaced by the finished run (its
+    rmdir is refused as busy): `_occupied` names it and the fix; another empty dir is free."""
+    from rlkernel import cli
+    d = tmp_path / "mnt"
+    d.mkdir()
+    assert cli._occupied("--run-dir", str(d)) is None
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(d) or real(p))
+    msg = cli._occupied("--run-dir", str(d))
+    assert msg is not None and "is a mount point" in msg and "inside it" in msg

@@ -163,6 +163,31 @@ def test_differing_tensor_hash_is_named(tmp_path, capsys):
     assert "model.layers.8.w" not in line
 
 
+def test_a_tensor_only_in_b_is_named(tmp_path, capsys):
+    """B's step holds a tensor hash A's does not: exit 1, named "(missing in A)"."""
+    s = _step(0)
+    s["tensor_hashes"]["model.extra.w"] = "d" * 64
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [s])
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 1
+    line = next(ln for ln in out.splitlines() if "tensor_hashes" in ln and "DIFFERS" in ln)
+    assert "model.extra.w (missing in A)" in line
+
+
+@pytest.mark.parametrize("name", ["evidence.json", "manifest.json"])
+def test_a_file_that_is_not_utf8_is_a_usage_error(tmp_path, capsys, name):
+    """Bytes that are not UTF-8 in B's evidence or manifest: exit 2 (not 1, DIFFERENT), one
+    line naming the file."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    (b / name).write_bytes(b"\xff\xfe{" + bytes(range(128, 256)))
+    code, _, err = rlk_compare(capsys, a, b)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and "not UTF-8" in lines[0]
+
+
 def test_differing_init_hash_is_named(tmp_path, capsys):
     h = _hashes(0)
     h["model.layers.3.w"] = "e" * 64

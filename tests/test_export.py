@@ -127,6 +127,19 @@ def test_a_flipped_bit_is_refused_naming_the_tensor(run, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_corrupt_config_json_is_one_line_naming_the_file(run, tmp_path, capsys):
+    """R/final/config.json cut short: exit 1, one line naming that file, no --out directory."""
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    (bad / "final" / "config.json").write_text('{"vocab_size":')
+    out = tmp_path / "out"
+    assert main(["export", str(bad), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlk export: error: ")
+    assert "config.json" in err[0] and "not valid JSON" in err[0]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("args,words", [
     (["--step", "7"], "--step 7: must be an evidence step of"),
     (["--step", "-1"], "--step -1: must be an evidence step of"),

@@ -38,6 +38,8 @@ from rlkernel.kernels.activation import swiglu
 from rlkernel.kernels.elementwise import exp32, exp64, log32, log64, rsqrt32, sigmoid32
 from rlkernel.kernels.norm import _rms_stats, rms_norm, rms_norm_inference
 from rlkernel.kernels.rope import RopeTable, apply_rope
+from rlkernel.numerics import fixedpoint as fx
+from rlkernel.spec import TOKEN_LEAF
 
 # ================================================================== elementwise
 
@@ -257,6 +259,32 @@ def test_rms_norm_dw_identical_for_streams_differing_only_in_padding_rows_x():
         rms_norm(xx, ww, 1e-6).backward(dy)
         grads.append(ww.grad)
     assert_bitwise(grads[0], grads[1])
+
+
+def _norm_dw_by_leaves(x: torch.Tensor, dy: torch.Tensor, leaf: int) -> torch.Tensor:
+    """dW of rms_norm written out: per leaf of `leaf` tokens the in-order fp32 sum of dy·x̂,
+    then the exact sum over the leaves, rounded once (DESIGN §1 token reduction)."""
+    per_tok = dy * _rms_stats(x, 1e-6)[1]
+    parts = []
+    for a in range(0, x.shape[0], leaf):
+        acc = per_tok[a].clone()
+        for t in range(a + 1, a + leaf):
+            acc = acc + per_tok[t]
+        parts.append(acc)
+    return fx.exact_sum_fp32(torch.stack(parts))
+
+
+def test_rms_norm_dw_is_the_exact_sum_of_token_leaf_partials():
+    """rms_norm's dW == the exact sum of TOKEN_LEAF-token in-order fp32 leaf partials of dy·x̂,
+    rounded once, bitwise. Control: the same written out with half-length leaves differs (so a
+    path that cut the norm's leaves differently would fail here)."""
+    x, w = randn(4 * TOKEN_LEAF, 64, seed=41), (1 + randn(64, seed=42, scale=0.1))
+    dy = randn(4 * TOKEN_LEAF, 64, seed=43)
+    ww = w.clone().requires_grad_()
+    rms_norm(x, ww, 1e-6).backward(dy)
+    assert_bitwise(ww.grad, _norm_dw_by_leaves(x, dy, TOKEN_LEAF))
+    assert not torch.equal(ww.grad.view(torch.int32),
+                           _norm_dw_by_leaves(x, dy, TOKEN_LEAF // 2).view(torch.int32))
 
 
 def test_rms_norm_inference_equals_the_autograd_forward():

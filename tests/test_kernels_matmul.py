@@ -166,6 +166,20 @@ def test_column_parallel_dx_equals_tree_over_1_2_4_8_rank_groups(n):
         column_parallel_dx(dy[:, :0], w[:0])
 
 
+@pytest.mark.parametrize("n", [3, 5])
+def test_column_parallel_dx_skips_empty_shards_so_a_negative_zero_stays(n):
+    """N < 8 rows leave virtual shards empty: they are absent leaves of the tree, never +0.0
+    added, so dY = −0.0 gives dX = −0.0 exactly (as the tree over the non-empty shards and every
+    TP grouping of them does); adding an empty shard as +0.0 would give +0.0."""
+    dy, w = torch.full((2, n), -0.0), torch.ones(n, 4)
+    full = column_parallel_dx(dy, w)
+    assert_bitwise(full, torch.full((2, 4), -0.0))
+    for t in (1, 2, 4, 8):
+        groups = [column_parallel_dx(dy[:, a:b], w[a:b], shards=8 // t) if b > a else None
+                  for a, b in virtual_shard_rows(n, t)]
+        assert_bitwise(tree_combine(groups), full)
+
+
 def test_virtual_shard_rows_are_the_same_cut_at_every_tp():
     """virtual_shard_rows(N, 8): floor bounds, sizes differing by at most one, empty shards when
     N < 8; the aligned block of 8/t shards of rank r starts at ⌊r·N/t⌋ for every t | 8; and a

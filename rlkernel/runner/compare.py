@@ -85,6 +85,9 @@ def _load_json(path: pathlib.Path) -> Any:
         raise CompareError(f"{path}: not found (is {path.parent} a run directory?)") from None
     except OSError as e:
         raise CompareError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise CompareError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); not a file "
+                           "rlk run writes") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
