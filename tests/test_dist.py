@@ -216,6 +216,8 @@ def _fail_rank(rank: int, out: str, bad: int, how: str) -> None:
             raise ValueError("boom")
         if how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "exit0":
+            os._exit(0)
         if how == "hang":
             time.sleep(600)
     comm.all_gather(torch.zeros(2), "step")
@@ -268,6 +270,17 @@ def test_rank_killed_by_sigkill_fails_the_launch(tmp_path):
     e = info.value
     assert not isinstance(e, ValueError)
     assert str(e) == "rank 2: killed by signal SIGKILL without reporting an error"
+    assert all(_gone(p) for p in _pids(tmp_path, 3))
+
+
+def test_rank_that_exits_0_mid_run_is_the_one_blamed(tmp_path):
+    """Rank 1 calls os._exit(0) between two collectives (no report): RankFailure naming rank 1
+    as exiting with code 0 before finishing — not a peer's "connection reset" — and every child
+    process is gone."""
+    with pytest.raises(RankFailure) as info:
+        launch(_fail_rank, (str(tmp_path), 1, "exit0"), world_size=3, timeout_s=10)
+    assert str(info.value) == ("rank 1: exited with code 0 before finishing (os._exit(0)?) "
+                               "without reporting an error")
     assert all(_gone(p) for p in _pids(tmp_path, 3))
 
 

@@ -300,17 +300,15 @@ class _Job:
             if not rep["ok"]:
                 (secondary if rep["peer_loss"] else primary).append((rep["time"], rank))
         for rank, (code, seen) in self.exits.items():
-            if code != 0 and rank not in self.stopped and rank not in self.reports:
-                primary.append((seen, rank))  # died without a word: a signal, os._exit, ...
+            # Died without a word: a signal, os._exit(n) — code 0 too, since a rank that ends
+            # fn (or raises) always reports before it exits.
+            if rank not in self.stopped and rank not in self.reports:
+                primary.append((seen, rank))
         return sorted(primary), sorted(secondary)
 
     def _finished(self) -> dict[int, float]:
-        """rank -> when it finished fn: its "ok" report, or a clean exit without one."""
-        done = {r: rep["time"] for r, rep in self.reports.items() if rep["ok"]}
-        for r, (code, seen) in self.exits.items():
-            if code == 0 and r not in self.reports:
-                done[r] = seen
-        return done
+        """rank -> when it finished fn: its "ok" report."""
+        return {r: rep["time"] for r, rep in self.reports.items() if rep["ok"]}
 
     def watch(self) -> None:
         """Return when every child has exited, or a failure (or hang) is decided."""
@@ -374,6 +372,8 @@ class _Job:
                 return cls(rank, rep["type"], rep["message"], rep["traceback"])
             code = self.exits[rank][0]
             how = f"exited with code {code}" if code >= 0 else f"killed by signal {_signame(-code)}"
+            if code == 0:
+                how += " before finishing (os._exit(0)?)"
             return RankFailure(rank, "", f"{how} without reporting an error")
         if self.hung is not None:
             rank, done = self.hung
