@@ -188,6 +188,22 @@ def test_a_file_that_is_not_utf8_is_a_usage_error(tmp_path, capsys, name):
     assert len(lines) == 1 and name in lines[0] and "not UTF-8" in lines[0]
 
 
+@pytest.mark.parametrize("fmt", ["something-else/99", 2, None])
+def test_evidence_of_another_format_is_a_usage_error(tmp_path, capsys, fmt):
+    """B's evidence says another format (or none): exit 2 naming the format, not a comparison
+    of fields whose meaning may differ."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    ev = json.loads((b / "evidence.json").read_text())
+    if fmt is None:
+        del ev["format"]
+    else:
+        ev["format"] = fmt
+    (b / "evidence.json").write_text(json.dumps(ev))
+    code, _, err = rlk_compare(capsys, a, b)
+    assert code == 2 and "evidence format" in err and "reads format 1" in err
+
+
 def test_differing_init_hash_is_named(tmp_path, capsys):
     h = _hashes(0)
     h["model.layers.3.w"] = "e" * 64

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlkernel.config import SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
+from rlkernel.runner.evidence import EVIDENCE_FORMAT
 
 IGNORED_STEP_FIELDS = frozenset({"timings", "resources"})
 """Step fields that are allowed to differ (wall-clock measurements)."""
@@ -104,7 +105,7 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     """(manifest, evidence) of a run directory (or of the directory of a given evidence.json).
 
     Raises CompareError naming the file when either is missing or not valid JSON, or when the
-    evidence is malformed or incomplete (the run did not finish).
+    evidence is malformed, of another format, or incomplete (the run did not finish).
     """
     d = _run_path(run_dir)
     if d.exists() and not d.is_dir():
@@ -117,6 +118,9 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     ev_path = d / "evidence.json"
     if not isinstance(evidence, dict) or not isinstance(evidence.get("steps"), list):
         raise CompareError(f"{ev_path}: not an rl-kernel evidence file (no 'steps' list)")
+    if evidence.get("format") != EVIDENCE_FORMAT:   # another meaning of the same fields
+        raise CompareError(f"{ev_path}: evidence format {evidence.get('format')!r}; this rlk "
+                           f"reads format {EVIDENCE_FORMAT} only")
     if not all(isinstance(s, dict) for s in evidence["steps"]):
         raise CompareError(f"{ev_path}: every step record must be a JSON object")
     if not isinstance(manifest, dict):
