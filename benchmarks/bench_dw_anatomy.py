@@ -11,17 +11,22 @@ drop or change one part, timed in one process on the same operands:
   the tensor cores and the float64 units overlap inside one program);
 - `tma`: `full` with the operand tiles fetched by TMA descriptors instead of pointer loads.
 
+- `pair32_tma`: `check_tma` with the words in an fp32 pair (h, l): Knuth's TwoSum h + p = s + e,
+  then l + e checked exact, and h + l turned into one float64 word (checked exact) after the
+  last leaf — fp32 operations only in the loop (no fp32 -> float64 conversion per leaf); exact
+  while no partial is below ~2**-24 of the running sum (the float64 word: 2**-29).
 - `check`, `check_tma`: the exactness test without an error word: s = hi + p is exact iff
   s − hi == p and s − p == hi (the larger operand's Fast2Sum difference is exact, Dekker
   1971), so no magnitude ordering and no selects; an inexact add flags its tile (no one-add
   slot); `check_f64_only` its float64 work alone.
 
-Only the exact variants (`full`, `pipelined`, `tma`, `check`, `check_tma`) compute the
+Only the exact variants (`full`, `pipelined`, `tma`, `check`, `check_tma`, `pair32_tma`) compute the
 production words (where no add is inexact: the benchmark's operands); they are checked bytewise equal
 to `full` before timing (so a faster variant is a candidate, not a different sum). cuBLAS's
 `dy.t() @ x` is the scale. Speed only; nothing here is used by the model.
 Run (repository root, one GPU, < 1 min):
-    PYTHONPATH=. python3 benchmarks/bench_dw_anatomy.py [--out FILE.json]
+    PYTHONPATH=. python3 benchmarks/bench_dw_anatomy.py [--modes full,tma] [--tiles 64x64x4x3]
+        [--out FILE.json]
 Does not: run without CUDA.
 """
 
@@ -38,8 +43,8 @@ from rlkernel.numerics import triton_fixedpoint as tfx
 
 LEAF = 128
 MODES = {"full": 0, "mma": 1, "cvt_add": 2, "f64_only": 3, "pipelined": 4, "tma": 5,
-         "check": 6, "check_tma": 7, "check_f64_only": 8}
-EXACT = ("full", "pipelined", "tma", "check", "check_tma")
+         "check": 6, "check_tma": 7, "check_f64_only": 8, "pair32_tma": 9}
+EXACT = ("full", "pipelined", "tma", "check", "check_tma", "pair32_tma")
 SHAPES = ((16384, 6144, 2048), (16384, 2048, 2048))
 TILES = ((64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 4, 3),
          (128, 128, 8, 2))
@@ -52,6 +57,26 @@ def _add_checked_plain(hi, bad, p):
     # fails that one. No error word, no ordering selects: an inexact add flags the element.
     s = hi + p
     return s, bad | (((s - hi) != p) | ((s - p) != hi)).to(tl.int32) * 2   # 2: past words_exact
+
+
+@triton.jit
+def _pair32_add(h, l, p):
+    # (h, l) += p in fp32: TwoSum (exact unless s overflows: then e is NaN), then l + e checked
+    # exact as _add_checked_plain checks (NaN otherwise, which stays NaN)
+    s = h + p
+    bp = s - h
+    e = (h - (s - bp)) + (p - bp)
+    t = l + e
+    return s, tl.where(((t - l) != e) | ((t - e) != l), float("nan"), t)
+
+
+@triton.jit
+def _pair32_word(h, l):
+    # the float64 word h + l, NaN where that add is inexact (h, l over 53 bits apart) or l NaN
+    h64 = h.to(tl.float64)
+    l64 = l.to(tl.float64)
+    w = h64 + l64
+    return tl.where(((w - h64) != l64) | ((w - l64) != h64), float("nan"), w)
 
 
 @triton.jit
@@ -96,6 +121,13 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
                 hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, (base * f).to(tl.float64))
             else:
                 hi, n_inexact = _add_checked_plain(hi, n_inexact, (base * f).to(tl.float64))
+    elif MODE == 9:
+        h32 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        l32 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for t0 in range(0, L, 128):
+            p = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok, True)
+            h32, l32 = _pair32_add(h32, l32, p)
+        hi = _pair32_word(h32, l32)
     elif MODE == 4:
         p = _leaf(a_ptr, b_ptr, AD, BD, 0, n0, k0, n_ok, k_ok, False)
         a_ptr += a_step
@@ -158,8 +190,21 @@ def _operands(t: int, n: int, k: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated variants")
+    ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES),
+                    help="comma-separated BLOCK_NxBLOCK_KxWARPSxSTAGES")
     ap.add_argument("--out")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    try:
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    except ValueError:
+        ap.error(f"--tiles {args.tiles!r}: expected e.g. 64x64x4x3,128x64x8x3")
+    if any(len(t) != 4 for t in tiles):
+        ap.error(f"--tiles {args.tiles!r}: four numbers per tile (BLOCK_N, BLOCK_K, warps, stages)")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {bad}; allowed: {', '.join(MODES)}")
     require_cuda()
     triton.set_allocator(_alloc)
     from rlkernel.kernels import triton_grad_weight as tgw
@@ -168,9 +213,9 @@ def main() -> None:
         dy, x = _operands(t, n, k)
         ref, _ = tgw._double_words(dy, x, tgw.TILE, False)
         cublas = median_ms(lambda: dy.t() @ x)
-        for tile in TILES:
+        for tile in tiles:
             row = {"tokens": t, "n": n, "k": k, "tile": list(tile), "cublas_ms": cublas}
-            for mode in MODES:
+            for mode in modes:
                 try:
                     out = run_variant(mode, dy, x, tile)
                     if mode in EXACT:

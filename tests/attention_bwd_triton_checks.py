@@ -281,6 +281,26 @@ def chunk_sizes_tiles_and_the_fallback_change_no_bit():
 
 
 @check
+def key_slots_past_every_kv_len_round_to_plus_zero_in_any_chunking():
+    """The samples of `small` with 26 more key slots (NaN) than any kv_len reaches: dK/dV of
+    the first slots are `small`'s bytes and the extra slots +0.0, whether the double words are
+    rounded straight into the result (chunks of whole samples covering every slot: the default
+    and one sample per chunk) or chunk by chunk through a copy (key chunks of one block)."""
+    (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = small()
+    tk = k.shape[2]
+    pad = torch.full((*k.shape[:2], 26, D), NAN)
+    k2, v2 = torch.cat([k, pad], 2), torch.cat([v, pad], 2)
+    per_sample = q.shape[1] * D * 128                      # every key block of one sample
+    with sequential_dot():
+        for kw in ({}, {"words_elems": per_sample}, {"words_elems": 4096}):
+            dq, dk, dv = _bwd(q, k2, v2, out, lse, d_out, q_pos, kv_len, **kw)
+            assert_bitwise(dq, ref[0])
+            for got, want in ((dk, ref[1]), (dv, ref[2])):
+                assert_bitwise(got[:, :, :tk], want)
+                _assert_plus_zero(got[:, :, tk:])
+
+
+@check
 def decode_row_dq_equals_prefill_row():
     """The query at position p alone (Tq 1, a 96-slot KV cache with NaN past kv_len = p + 1) has
     the dQ bytes of its row in the full backward, for p in 0, 15, 16, 63, 64, 69."""

@@ -62,6 +62,12 @@ def test_chunk_sizes_tiles_and_the_fallback_change_no_bit(results):
     _ok(results, "chunk_sizes_tiles_and_the_fallback_change_no_bit")
 
 
+def test_key_slots_past_every_kv_len_round_to_plus_zero_in_any_chunking(results):
+    """Key slots past every kv_len: +0.0, and the other slots' bytes, whether the words are
+    rounded straight into the result or copied chunk by chunk."""
+    _ok(results, "key_slots_past_every_kv_len_round_to_plus_zero_in_any_chunking")
+
+
 def test_decode_row_dq_equals_prefill_row(results):
     """A query alone against a NaN-padded KV cache has its prefill row's dQ bytes."""
     _ok(results, "decode_row_dq_equals_prefill_row")

@@ -55,11 +55,15 @@ dQ, dK, dV are rounded to bf16 once at the end. The dK/dV kernel forms sᵀ = k�
 rows (its tile), the dQ kernel s = q·kᵀ with the queries as rows; both are per-element functions
 of the same operands in one fixed D order, so neither depends on the layout.
 
-Chunking (why memory is O(L), never O(L²)): keys are cut into chunks of whole 64-key blocks
-(and, when one block of every sample is already too big, samples into chunks) so that a chunk
-holds at most `words_elems` results [samples, Hq, keys, D] of one gradient; its double words
-(16 bytes per result) are turned into digits and rounded DIGIT_ELEMS results at a time. The chunk
-cut depends on (S, Hq, D, the largest kv_len) only, so every CP rank runs the same collectives.
+Chunking (why memory is O(L), never O(L²)): a chunk holds at most `words_elems` results
+[samples, Hq, keys, D] of one gradient — whole samples with every key block when one sample's
+fit (`chunk_shape`), else every sample and fewer whole 64-key blocks, else one block of fewer
+samples; its double words (16 bytes per result) are rounded, through digits DIGIT_ELEMS results
+at a time when other ranks' sums are to be added. Chunks of whole samples whose blocks reach Tk
+(the training case) are rounded straight into their rows of the result, the key slots at or
+past a sample's kv_len computed as +0.0 by the kernel; other chunks are copied into a zeroed
+result. The chunk cut depends on (S, Hq, D, Tk, the largest kv_len) only, so every CP rank runs
+the same collectives.
 Peak device memory beyond the inputs, out, lse and d_out, an upper bound (`peak_bytes`; bytes;
 c = S_c·Hq·K_c·D <= words_elems unless one 64-key block of one sample exceeds it):
     4·S·Hq·Tq (delta) + 4·S·(64·n_leaves + 1) (slot map) + 4·S·Hq·Tq·D (dQ, fp32)
@@ -391,13 +395,19 @@ def slot_map(q_pos: torch.Tensor, n_leaves: int) -> torch.Tensor:
 
 
 def chunk_shape(s_: int, hq: int, d: int, tk_eff: int, words_elems: int) -> tuple[int, int]:
-    """(samples, keys) of one chunk of the dK or dV double words: keys a multiple of KV_BLOCK,
-    at most `words_elems` results [samples, hq, keys, d] unless one block of one sample exceeds
-    it. Depends on shapes and the largest kv_len only (the same on every CP rank)."""
+    """(samples, keys) of one chunk of the dK or dV double words, at most `words_elems` results
+    [samples, hq, keys, d] unless one 64-key block of one sample exceeds it: every key block
+    (up to tk_eff) of as many samples as fit — so a chunk's results are whole rows of the
+    per-head result and are rounded straight into it —, else every sample and keys a multiple
+    of KV_BLOCK, else one block of as many samples as fit. Depends on shapes and the largest
+    kv_len only (the same on every CP rank)."""
     per_key = hq * d
+    keys_all = triton.cdiv(tk_eff, KV_BLOCK) * KV_BLOCK
+    if keys_all * per_key <= words_elems:
+        return min(s_, words_elems // (keys_all * per_key)), keys_all
     keys = words_elems // (s_ * per_key) // KV_BLOCK * KV_BLOCK
     if keys >= KV_BLOCK:
-        return s_, min(keys, triton.cdiv(tk_eff, KV_BLOCK) * KV_BLOCK)
+        return s_, keys
     return max(1, words_elems // (KV_BLOCK * per_key)), KV_BLOCK
 
 
@@ -516,17 +526,19 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
     bn, dt = tile[0], tile[1]
     args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, scale)
     sc, kc = chunk_shape(s_, hq, d, tk_eff, words_elems)
-    # One chunk holding every key of every sample (the usual case) rounds straight into out: no
-    # zero fill, no copy of the results.
-    whole = sc >= s_ and kc >= tk == tk_eff
-    out = (torch.empty if whole else torch.zeros)(2, s_, hq, tk, d, dtype=torch.float32,
-                                                  device=q.device)
+    # Chunks of whole samples whose keys cover every slot (tk_eff rounded up to a block reaches
+    # Tk: the usual training case) round straight into their rows of out — no zero fill, no
+    # copy; slots at or past a sample's kv_len get +0.0 from the kernel itself.
+    direct = kc >= tk
+    span = tk if direct else tk_eff
+    out = (torch.empty if direct else torch.zeros)(2, s_, hq, tk, d, dtype=torch.float32,
+                                                   device=q.device)
     # Both kinds' words at once, so one host sync per chunk reads both kinds' flags.
-    words = torch.empty(2, 2, sc * hq * kc * d, dtype=torch.float64, device=q.device)
+    words = torch.empty(2, 2, sc * hq * min(kc, span) * d, dtype=torch.float64, device=q.device)
     for s0 in range(0, s_, sc):
         s1 = min(s_, s0 + sc)
-        for j0 in range(0, tk_eff, kc):
-            width = min(kc, tk_eff - j0)
+        for j0 in range(0, span, kc):
+            width = min(kc, span - j0)
             n_tiles_k = triton.cdiv(width, bn)
             grid = n_tiles_k * (d // dt) * (s1 - s0) * hq
             w = words[:, :, :(s1 - s0) * hq * width * d]
@@ -542,12 +554,11 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
                     ids = flagged[flagged[:, 0] == kind, 1]
                     fix = _redo_flagged(args, ids, kind, s0, j0, width, n_tiles_k, n_leaves,
                                         tile) if ids.numel() else None
-                if whole:
-                    _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv",
-                                   out=out[kind].view(-1))
-                    continue
-                res = _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv")
-                out[kind, s0:s1, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
+                rows = out[kind, s0:s1]
+                res = _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv",
+                                     out=rows.view(-1) if direct else None)
+                if not direct:
+                    rows[:, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
     return out
 
 
