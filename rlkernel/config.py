@@ -510,6 +510,7 @@ def _validate(c: RunConfig) -> None:
     _check_float(c, "gpu_memory_utilization", "unit_open0")
     _check_float(c, "adam_beta1", "unit_open1")
     _check_float(c, "adam_beta2", "unit_open1")
+    _validate_update_scale(c)
     _check_choice(c, "kl_estimator", KL_ESTIMATORS)
     _check_choice(c, "dtype", DTYPES)
     _check_choice(c, "mode", MODES)
@@ -533,6 +534,22 @@ def _validate(c: RunConfig) -> None:
     _validate_sample_fits(c)
     _validate_updates(c)
     _validate_dp(c)
+
+
+def _validate_update_scale(c: RunConfig) -> None:
+    """AdamW's fp32 update must stay meaningful: decoupled weight decay multiplies every weight
+    by 1 - lr·weight_decay (at lr·weight_decay >= 1 it zeroes or flips the weights), and the
+    first step divides lr by 1 - adam_beta1 (the bias correction; past the fp32 range it is
+    inf). Loshchilov & Hutter 2019, Algorithm 2."""
+    if c.lr * c.weight_decay >= 1.0:
+        raise _fail("weight_decay", c.weight_decay,
+                    f"must be below 1 / --lr = {1.0 / c.lr!r} (decoupled decay multiplies the "
+                    f"weights by 1 - lr·weight_decay = {1.0 - c.lr * c.weight_decay!r}, which "
+                    "would zero or flip them)")
+    if c.lr / (1.0 - c.adam_beta1) > FP32_MAX:
+        raise _fail("lr", c.lr, f"must keep the first update's step lr / (1 - adam_beta1) = "
+                                f"{c.lr / (1.0 - c.adam_beta1)!r} (--adam-beta1 "
+                                f"{c.adam_beta1!r}) within fp32, at most {FP32_MAX!r}")
 
 
 def _validate_sample_fits(c: RunConfig) -> None:

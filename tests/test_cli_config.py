@@ -184,6 +184,13 @@ BAD += [
     (["--micro-batch-tokens", "100"], "--micro-batch-tokens", "100", ">= --max-prompt-len"),
     (["--token-budget", "100"], "--micro-batch-tokens", "100", "one whole sample"),
 ]
+# AdamW's update scale: decoupled decay 1 - lr·wd must stay > 0, lr / (1 - beta1) within fp32.
+BAD += [
+    (["--lr", "0.1", "--weight-decay", "10"], "--weight-decay", "10.0", "must be below 1 / --lr"),
+    (["--weight-decay", "3e38"], "--weight-decay", "3e+38", "would zero or flip them"),
+    (["--lr", "3e38"], "--lr", "3e+38", "within fp32"),
+    (["--lr", "3e37", "--adam-beta1", "0.99"], "--lr", "3e+37", "(--adam-beta1 0.99)"),
+]
 # Issue 12: the KV pool's fraction of free GPU memory: finite, in (0, 1].
 BAD += [([f"--gpu-memory-utilization={v}"], "--gpu-memory-utilization", shown,
          "a number in (0, 1]")

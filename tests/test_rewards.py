@@ -44,6 +44,10 @@ REWARDS = textwrap.dedent('''
     def boom(prompt, completion, label):
         raise KeyError("no such rubric")
 
+    def quits(prompt, completion, label):
+        import sys
+        sys.exit(0)
+
     def nan(prompt, completion, label):
         return math.nan
 
@@ -121,6 +125,7 @@ def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
              "down"),
     ("text", "returned '1.0' (str) for sample 7; allowed: a finite int or float"),
     ("flag", "returned True (bool) for sample 7"),
+    ("quits", "raised SystemExit: 0 on sample 7"),    # sys.exit(0) is a failure, not an exit
 ])
 def test_bad_value_names_function_sample_and_value(rewards_file, func, words):
     r = load_reward(f"{rewards_file}:{func}")
@@ -197,6 +202,17 @@ def test_a_failing_reward_stops_the_run_with_one_line(rewards_file, tmp_path, ca
     err = [ln for ln in capsys.readouterr().err.strip().splitlines() if " error: " in ln]
     assert err == [f"rlk run: error: reward {rewards_file}:boom raised KeyError: 'no such "
                    f"rubric' on sample 0 (completion {err[0].split('(completion ')[1]}"]
+    assert not d.exists()
+
+
+def test_a_reward_that_calls_sys_exit_0_fails_the_run(rewards_file, tmp_path, capsys):
+    """sys.exit(0) inside the reward: exit 1 and the reward named, not exit 0 (a run that never
+    finished reading as a success) or "interrupted"."""
+    d = tmp_path / "run"
+    assert main(["run", *SMALL, "--steps", "1", "--reward", f"{rewards_file}:quits",
+                 "--run-dir", str(d)]) == 1
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if " error: " in ln]
+    assert len(err) == 1 and f"reward {rewards_file}:quits raised SystemExit: 0" in err[0], err
     assert not d.exists()
 
 

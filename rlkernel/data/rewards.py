@@ -91,7 +91,8 @@ class RewardFn:
         """
         try:
             v = self.fn(prompt, completion, label)
-        except Exception as e:  # the user's code: any exception is the reward's failure
+        except (Exception, SystemExit) as e:  # the user's code: any exception (sys.exit too:
+            # exit code 0 must not read as a finished run) is the reward's failure
             raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} on sample "
                               f"{sample_id} (completion {completion[:60]!r})") from e
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -168,7 +169,7 @@ def load_reward(spec: str | None) -> RewardFn:
     except ModuleNotFoundError as e:
         raise RewardError(f"--reward {spec!r}: cannot import module {where!r} ({e}); give an "
                           "importable module or a path to a .py file") from None
-    except Exception as e:  # the module's own top-level code failed
+    except (Exception, SystemExit) as e:  # the module's own top-level code failed
         raise RewardError(f"--reward {spec!r}: importing {where!r} raised {type(e).__name__}: "
                           f"{e}") from None
     obj: Any = module
