@@ -33,7 +33,6 @@ import datetime
 import difflib
 import glob
 import itertools
-import json
 import math
 import os
 import pathlib
@@ -42,6 +41,7 @@ import sys
 import typing
 
 import rlkernel
+from rlkernel import jsontext
 from rlkernel.config import (SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name,
                              model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
@@ -512,7 +512,7 @@ def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
         return tiny()
     path = pathlib.Path(cfg.model) / "config.json"
     try:
-        d = json.loads(path.read_text())
+        d = jsontext.loads(path.read_text())
         return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
     except ConfigError as e:   # a shape the kernels cannot run (its message names the file)
         raise ConfigError(model_flag_error(cfg.model, str(e))) from None
@@ -794,7 +794,7 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     flags applied."""
     d = pathlib.Path(given["resume"])
     try:
-        manifest = json.loads((src / "manifest.json").read_text())
+        manifest = jsontext.loads((src / "manifest.json").read_text())
         saved = manifest["config"]
         if not isinstance(saved, dict):  # e.g. "config": [] would crash in saved.get below
             raise TypeError(saved)
@@ -856,7 +856,7 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
     Raises ValueError."""
     path = src / "evidence.json"
     try:
-        evidence = json.loads(path.read_text())
+        evidence = jsontext.loads(path.read_text())
         steps = evidence.get("steps") if isinstance(evidence, dict) else None
     except (OSError, ValueError) as e:
         raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence ({e})") from None
@@ -875,7 +875,7 @@ def _resume_hint(d: pathlib.Path) -> str:
     if checkpoint_dirs(d):
         return f"resume with: rlk run --resume {d}"
     try:
-        every = json.loads((d / "manifest.json").read_text())["config"].get("save_every")
+        every = jsontext.loads((d / "manifest.json").read_text())["config"].get("save_every")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         every = None
     if every:
@@ -929,7 +929,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     try:
         ck = latest_checkpoint(src)
         _check_not_finished(src, cfg, d, ck.next_step)
-        manifest = json.loads((src / "manifest.json").read_text())
+        manifest = jsontext.loads((src / "manifest.json").read_text())
         check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])

@@ -1082,9 +1082,10 @@ def test_clip_eps_with_clip_eps_low_names_its_upper_only_range(capsys, cwd, loop
 
 
 def test_the_fp32_limit_itself_is_accepted():
-    """The largest value the fp32 message allows is accepted, for every rule it closes."""
+    """The largest value the fp32 message allows is accepted, for every rule it closes (--lr
+    with --adam-beta1 0, so that the first Adam step lr / (1 - beta1) is that value too)."""
     top = 3.4028234663852886e38
-    cfg = RunConfig(lr=top, kl_coef=top, temperature=top, clip_eps_high=top)
+    cfg = RunConfig(lr=top, adam_beta1=0.0, kl_coef=top, temperature=top, clip_eps_high=top)
     assert (cfg.lr, cfg.kl_coef, cfg.temperature, cfg.clip_eps_high) == (top,) * 4
 
 

@@ -188,6 +188,19 @@ def test_a_file_that_is_not_utf8_is_a_usage_error(tmp_path, capsys, name):
     assert len(lines) == 1 and name in lines[0] and "not UTF-8" in lines[0]
 
 
+@pytest.mark.parametrize("name", ["evidence.json", "manifest.json"])
+def test_json_nested_past_the_recursion_limit_is_a_usage_error(tmp_path, capsys, name):
+    """100,000 nested lists in B's evidence or manifest: exit 2, one line naming the file (was
+    a RecursionError traceback)."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    (b / name).write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = rlk_compare(capsys, a, b)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and "nested too deeply" in lines[0], lines
+
+
 @pytest.mark.parametrize("fmt", ["something-else/99", 2, None])
 def test_evidence_of_another_format_is_a_usage_error(tmp_path, capsys, fmt):
     """B's evidence says another format (or none): exit 2 naming the format, not a comparison

@@ -698,10 +698,10 @@ def test_single_prompt_file_cycles(tmp_path, capsys):
 
 
 def test_divergence_stops_cleanly(tmp_path, capsys):
-    """--lr 1e38 blows the fp32 weights up after the first update: the run must stop with exit 1
+    """--lr 3e37 blows the fp32 weights up after the first update: the run must stop with exit 1
     and a message about non-finite values, keeping the evidence so far (complete: false)."""
     run_dir = tmp_path / "r"
-    rc = main(["run", *SMALL, "--steps", "3", "--lr", "1e38", "--dtype", "fp32", "--kl-coef",
+    rc = main(["run", *SMALL, "--steps", "3", "--lr", "3e37", "--dtype", "fp32", "--kl-coef",
                "0.01", "--entropy-coef", "0.01", "--allow-dirty", "--run-dir", str(run_dir)])
     err = capsys.readouterr().err
     assert rc == 1

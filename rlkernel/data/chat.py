@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlkernel import jsontext
+
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -74,7 +76,7 @@ class ChatTemplate:
 
 def _read_json(path: Path) -> dict:
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
+        d = jsontext.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ChatTemplateError(f"{path}: cannot be read as JSON ({e})") from None
     if not isinstance(d, dict):

@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from rlkernel import jsontext
 from rlkernel.model.config import Qwen3Config, param_shapes, preset
 
 CONFIG_NAME = "config.json"
@@ -216,7 +217,7 @@ def read_model_config(model_dir: str | os.PathLike) -> Qwen3Config:
 def _read_json(path: Path):
     """Parsed JSON of `path`; CheckpointError naming the file (and line/column) otherwise."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return jsontext.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: "
                               f"{e.msg})") from None

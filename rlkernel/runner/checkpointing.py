@@ -26,6 +26,8 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from rlkernel import jsontext
+
 CKPT_DIR = "checkpoints"
 _STATE = "state.safetensors"
 _META = "meta.json"
@@ -89,7 +91,7 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
 
 
 def _load(path: pathlib.Path) -> Checkpoint:
-    meta = json.loads((path / _META).read_text())
+    meta = jsontext.loads((path / _META).read_text())
     blob = (path / _STATE).read_bytes()
     if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
         raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")

@@ -24,6 +24,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlkernel import jsontext
 from rlkernel.config import SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
 from rlkernel.runner.evidence import EVIDENCE_FORMAT
 
@@ -90,7 +91,7 @@ def _load_json(path: pathlib.Path) -> Any:
         raise CompareError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); not a file "
                            "rlk run writes") from None
     try:
-        return json.loads(text)
+        return jsontext.loads(text)
     except json.JSONDecodeError as e:
         raise CompareError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
 

@@ -29,6 +29,8 @@ import subprocess
 import tempfile
 from typing import Any
 
+from rlkernel import jsontext
+
 EVIDENCE_FORMAT = 1
 
 
@@ -330,7 +332,7 @@ class EvidenceWriter:
         w.run_dir = pathlib.Path(run_dir)
         w.manifest = to_json_safe(manifest)
         w.progress = progress
-        data = json.loads((w.run_dir / "evidence.json").read_text())
+        data = jsontext.loads((w.run_dir / "evidence.json").read_text())
         w.init = data.get("init")
         w.steps = list(data.get("steps") or [])[:upto]
         if progress is not None:  # progress counts on from the kept steps ("step 4/6", not 1/6)
@@ -345,7 +347,7 @@ class EvidenceWriter:
         """Reload init/steps/completion from evidence.json as another process (rank 0 of a
         launched job) left it, so the CLI sees what was written. Missing or unreadable: no-op."""
         try:
-            data = json.loads((self.run_dir / "evidence.json").read_text())
+            data = jsontext.loads((self.run_dir / "evidence.json").read_text())
         except (OSError, ValueError):
             return
         self.init = data.get("init")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkernel import jsontext
 from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_model_config,
                                        save_checkpoint)
 from rlkernel.model.config import Qwen3Config, param_shapes, tiny
@@ -107,8 +108,8 @@ class Exported:
 
 def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
     try:
-        manifest = json.loads((run / "manifest.json").read_text(encoding="utf-8"))
-        evidence = json.loads((run / "evidence.json").read_text(encoding="utf-8"))
+        manifest = jsontext.loads((run / "manifest.json").read_text(encoding="utf-8"))
+        evidence = jsontext.loads((run / "evidence.json").read_text(encoding="utf-8"))
         if not isinstance(manifest.get("config"), dict) or not isinstance(evidence.get("steps"),
                                                                           list):
             raise TypeError("no config or steps")
@@ -120,7 +121,7 @@ def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
 
 def _final_step(run: pathlib.Path) -> int | None:
     try:
-        meta = json.loads((run / FINAL_DIR / WEIGHTS_META).read_text(encoding="utf-8"))
+        meta = jsontext.loads((run / FINAL_DIR / WEIGHTS_META).read_text(encoding="utf-8"))
         step = meta["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return None

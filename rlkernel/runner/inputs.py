@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import os
 import pathlib
 import struct
 from typing import Any
 
+from rlkernel import jsontext
 from rlkernel.config import ConfigError, RunConfig, model_flag_error
 from rlkernel.model.config import Qwen3Config
 
@@ -82,7 +82,7 @@ def _stored_dtypes(files: list[pathlib.Path]) -> list[str] | None:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > 100_000_000:
                     return None
-                header = json.loads(f.read(n))
+                header = jsontext.loads(f.read(n))
             seen.update(_ST_DTYPES.get(v["dtype"], v["dtype"]) for k, v in header.items()
                         if k != "__metadata__")
         except (OSError, ValueError, KeyError, TypeError, struct.error, AttributeError):

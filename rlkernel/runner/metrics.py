@@ -37,6 +37,7 @@ import os
 import pathlib
 from typing import Any, Iterable
 
+from rlkernel import jsontext
 from rlkernel.runner.evidence import to_json_safe
 
 METRICS = "metrics.jsonl"
@@ -149,7 +150,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     out = []
     for line in lines:
         try:
-            obj = json.loads(line)
+            obj = jsontext.loads(line)
         except ValueError:
             continue
         if isinstance(obj, dict):

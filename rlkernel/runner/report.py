@@ -21,13 +21,13 @@ Tests: `.venv/bin/python -m pytest -q tests/test_watch.py -k report`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any
 
+from rlkernel import jsontext
 from rlkernel.runner.metrics import METRICS, metrics_row, read_jsonl
 
 
@@ -62,7 +62,7 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
             rows = read_jsonl(path)
         if not rows:
             source = str(d / "evidence.json")
-            ev = json.loads((d / "evidence.json").read_text(encoding="utf-8"))
+            ev = jsontext.loads((d / "evidence.json").read_text(encoding="utf-8"))
             steps = ev.get("steps") if isinstance(ev, dict) else None
             rows = [metrics_row(s) for s in steps or [] if isinstance(s, dict)]
     except FileNotFoundError:
