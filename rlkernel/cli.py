@@ -993,6 +993,22 @@ def _input_error(e: BaseException) -> str | None:
     return None
 
 
+def _device_oom() -> type[BaseException]:
+    """torch's out-of-memory error (a RuntimeError) once torch is loaded, else MemoryError (the
+    CLI imports torch only to run)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "OutOfMemoryError", MemoryError) if torch is not None else MemoryError
+
+
+def _out_of_memory(e: BaseException) -> str:
+    """One line for a run that ran out of host or device memory, naming the flags that size it."""
+    where = "device" if type(e).__name__ == "OutOfMemoryError" else "host"
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return (f"out of {where} memory ({type(e).__name__}{': ' + first if first else ''}); a step "
+            "holds --n-prompts x --n-samples-per-prompt samples of up to --max-prompt-len + "
+            "--max-response-len tokens: lower them, or --micro-batch-tokens")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as held:   # the run directory's lock, on every way out
         return _cmd_run(args, held)
@@ -1056,7 +1072,9 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         run_loop(cfg, tmp, writer)
         if not writer.complete:
             writer.finish({"steps": writer.n_steps})
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, MemoryError, _device_oom()) as e:
+        if isinstance(e, (MemoryError, _device_oom())):
+            e = _out_of_memory(e)
         if writer is None or writer.n_steps == 0:
             _discard(tmp, created)
             if _debug():

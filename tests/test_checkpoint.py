@@ -467,3 +467,36 @@ def test_sharded_index_problems_name_index_and_shard(tmp_path):
     index.write_text(json.dumps({"weight_map": {**wm, names[0]: "../x.safetensors"}}))
     with pytest.raises(CheckpointError, match="plain file name"):
         load_checkpoint(d)
+
+
+def test_a_full_disk_while_writing_the_weights_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """safetensors reports its write errors (a full disk) as SafetensorError, not OSError: the
+    save raises CheckpointError naming the directory and the file, and leaves nothing behind
+    (it was a traceback from `rlk run`'s final weights)."""
+    from safetensors import SafetensorError
+
+    def full(*a, **kw):
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+    monkeypatch.setattr(ckpt, "save_file", full)
+    cfg = tiny()
+    tensors = init_weights(cfg, seed=0)
+    with pytest.raises(CheckpointError, match=r"cannot write model\.safetensors .*No space left"):
+        save_checkpoint(tmp_path / "ck", cfg, tensors)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_writing_a_run_checkpoint_names_it_and_keeps_nothing(tmp_path,
+                                                                              monkeypatch):
+    """runner/checkpointing.save_checkpoint on a full disk: OSError naming the checkpoint and
+    its size; no half-written step-*.tmp-* directory is left (a resume would clean one up, but
+    nothing should need to)."""
+    import errno
+
+    from rlkernel.runner import checkpointing
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(checkpointing.os, "fsync", full)
+    with pytest.raises(OSError, match=r"cannot write checkpoint .*step-000003 \(No space left"):
+        checkpointing.save_checkpoint(tmp_path, 3, 3, {"w": torch.zeros(4)}, "v")
+    assert list((tmp_path / checkpointing.CKPT_DIR).iterdir()) == []

@@ -444,6 +444,21 @@ def test_loop_os_error_before_first_step_leaves_nothing_default_dir(capsys, cwd,
     assert list(cwd.iterdir()) == []
 
 
+def test_out_of_memory_before_the_first_step_is_one_line_naming_the_sizes(capsys, cwd, loop):
+    """MemoryError inside the run (a batch the validators accept but the host cannot hold):
+    exit 1, one line naming the flags that size a step, nothing left (was a traceback and a
+    0-step run directory)."""
+    def bad(cfg, run_dir, writer):
+        raise MemoryError()
+
+    loop.set(bad)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    assert "out of host memory (MemoryError)" in lines[0] and "--n-prompts" in lines[0]
+    assert list(cwd.iterdir()) == []
+
+
 def test_loop_value_error_after_a_step_keeps_partial_evidence(capsys, cwd, loop):
     def bad(cfg, run_dir, writer):
         writer.record_step(_step(0))

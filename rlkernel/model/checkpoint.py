@@ -89,7 +89,10 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
         cfg_path.write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
         _fsync(cfg_path)
         weights_path = tmp / WEIGHTS_NAME
-        save_file(_host_tensors(cfg, tensors), str(weights_path), metadata={"format": "pt"})
+        try:
+            save_file(_host_tensors(cfg, tensors), str(weights_path), metadata={"format": "pt"})
+        except SafetensorError as e:   # its I/O errors (a full disk) are not OSErrors
+            raise CheckpointError(f"{out}: cannot write {WEIGHTS_NAME} ({e})") from None
         # safetensors creates the file 0600; a model directory is meant to be shared like the
         # config beside it, so give it the umask's usual mode.
         umask = os.umask(0)

@@ -72,17 +72,22 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     blob = safetensors.torch.save({n: t.contiguous().cpu() for n, t in tensors.items()})
-    with open(tmp / _STATE, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
     meta = {"next_step": next_step, "opt_steps": opt_steps, "version": version,
             "state_sha256": hashlib.sha256(blob).hexdigest()}
-    with open(tmp / _META, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
+    try:
+        with open(tmp / _STATE, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(tmp / _META, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+    except OSError as e:   # a full disk, say: name what could not be written, keep nothing half
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(e.errno, f"cannot write checkpoint {final} ({e.strerror or e}; "
+                               f"{len(blob) / 2**20:.1f} MiB)") from None
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
