@@ -444,6 +444,17 @@ def test_loop_os_error_before_first_step_leaves_nothing_default_dir(capsys, cwd,
     assert list(cwd.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag", ["--run-dir", "--prompts", "--model"])
+def test_a_path_that_is_not_utf8_is_refused_before_any_work(capsys, cwd, loop, flag):
+    """A path whose bytes are not UTF-8 (Python's surrogate escapes, as argv gives them): exit 2
+    naming the flag; it ran, and its run could then be neither exported nor plotted."""
+    code, _, err = rlk(capsys, "run", "--allow-dirty", flag, "bad\udcffname")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert flag in lines[0] and "must be a UTF-8 path" in lines[0], lines[0]
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
 def test_out_of_memory_before_the_first_step_is_one_line_naming_the_sizes(capsys, cwd, loop):
     """MemoryError inside the run (a batch the validators accept but the host cannot hold):
     exit 1, one line naming the flags that size a step, nothing left (was a traceback and a
