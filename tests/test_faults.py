@@ -695,3 +695,26 @@ def test_rank_raising_mid_step_propagates_its_error(env, tmp_path):
     ev = evidence(root / "r")
     assert ev["complete"] is False and [s["step"] for s in ev["steps"]] == [0]
     assert_nothing_left(env, root, "r")
+
+
+def test_a_rank_is_spawned_with_sigint_ignored_and_the_parent_handler_comes_back():
+    """While launch spawns a rank, SIGINT is ignored (an ignored signal stays ignored across
+    exec, so a Ctrl-C while the rank imports torch prints no KeyboardInterrupt traceback of
+    it); the parent's own handler is back right after."""
+    import signal
+
+    from rlkernel.distributed import launch
+
+    def mine(signum, frame):
+        raise AssertionError("not reached")
+    before = signal.signal(signal.SIGINT, mine)
+    try:
+        with launch._sigint_ignored():
+            inside = signal.getsignal(signal.SIGINT)
+            child = subprocess.run([sys.executable, "-c", "import signal; "
+                                    "print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+        assert inside == signal.SIG_IGN and child == "True"
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, before)

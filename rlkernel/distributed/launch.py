@@ -37,6 +37,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_dist.py`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import multiprocessing
@@ -44,6 +45,7 @@ import multiprocessing.connection as mpc
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -195,6 +197,23 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while a rank process is spawned, so that it starts ignoring it: an ignored
+    signal stays ignored across exec, and Python keeps it so. Without it a Ctrl-C in the
+    seconds a rank spends importing torch, before `_child` can ignore it, printed that rank's
+    KeyboardInterrupt traceback. The parent's own handler is back as soon as the rank is
+    started (a Ctrl-C within those milliseconds is lost). Main thread only (signal's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _child(rank: int, world_size: int, backend: str, timeout_s: float, port: int, parent_pid: int,
            fn: Callable[..., Any], args: tuple, conn: mpc.Connection) -> None:
     _die_with_parent(parent_pid)
@@ -274,7 +293,8 @@ class _Job:
                                   os.getpid(), fn, args, writer))
             self.readers[rank] = reader
             try:
-                p.start()
+                with _sigint_ignored():
+                    p.start()
             finally:
                 writer.close()  # the child holds the only write end: EOF when it dies
             self.procs.append(p)
