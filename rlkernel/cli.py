@@ -862,6 +862,10 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
         raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence ({e})") from None
     if not isinstance(steps, list):
         raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
+    if len(steps) < next_step:   # a run records each step before its checkpoint: never so
+        raise ValueError(f"--resume {str(d)!r}: {path} holds {len(steps)} step(s) but the "
+                         f"checkpoint continues at step {next_step}: the evidence was cut or "
+                         "replaced; resuming would leave a gap in it")
     if next_step >= cfg.steps and evidence.get("complete") and len(steps) >= cfg.steps:
         raise ValueError(f"--resume {str(d)!r}: the run is already complete ({len(steps)}/"
                          f"{cfg.steps} steps); to go on, extend it with --steps N "

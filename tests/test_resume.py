@@ -150,6 +150,23 @@ def test_resume_refuses_a_finished_run_and_names_unreadable_evidence(tmp_path, c
     assert f"{d / 'evidence.json'} cannot be read as evidence" in err
 
 
+def test_resume_refuses_evidence_shorter_than_its_checkpoint(tmp_path, capsys, uninterrupted):
+    """evidence.json cut to 1 step while the newest checkpoint continues at step 3 (a run records
+    each step before its checkpoint, so only an edit does this): exit 2 naming the file and
+    both counts, nothing rewritten (it resumed, wrote steps [0, 3] and marked the run complete)."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    ev = json.loads((d / "evidence.json").read_text())
+    ev["steps"] = ev["steps"][:1]
+    ev["complete"] = False
+    (d / "evidence.json").write_text(json.dumps(ev))
+    before = {f: (d / f).read_bytes() for f in ("evidence.json", "manifest.json")}
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err
+    assert "holds 1 step(s) but the checkpoint continues at step 3" in err, err
+    assert {f: (d / f).read_bytes() for f in before} == before
+
+
 def _run_with_inputs(tmp_path):
     """A 1-step run of an init-model checkpoint on a prompts file, checkpointed after step 1."""
     model, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"
