@@ -707,9 +707,10 @@ def _publish_run(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path | None:
 
 
 def _exit_on_sigterm():
-    """Treat SIGTERM like Ctrl-C: unwind, so a partial run is published (not left as .tmp-*).
+    """Treat SIGTERM and SIGHUP (a closed terminal or SSH session) like Ctrl-C: unwind, so a
+    partial run is published (not left as .tmp-* beside its lock).
 
-    Returns the previous handler (None when not on the main thread) for `_restore_sigterm`.
+    Returns the previous handlers (None when not on the main thread) for `_restore_sigterm`.
     """
     import signal
     import threading
@@ -719,14 +720,14 @@ def _exit_on_sigterm():
 
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def _restore_sigterm(previous) -> None:
     import signal
 
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+    for sig, handler in (previous or {}).items():
+        signal.signal(sig, handler)
 
 
 def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
@@ -889,8 +890,9 @@ def _resume_hint(d: pathlib.Path) -> str:
 
 
 def _interrupted(e: BaseException, d: pathlib.Path, n_steps: int) -> int:
-    """One line for Ctrl-C (KeyboardInterrupt) or SIGTERM (SystemExit from _exit_on_sigterm)
-    during a run whose directory `d` holds `n_steps` steps; returns the exit code."""
+    """One line for Ctrl-C (KeyboardInterrupt) or SIGTERM / SIGHUP (SystemExit from
+    _exit_on_sigterm) during a run whose directory `d` holds `n_steps` steps; returns the exit
+    code."""
     what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "terminated"
     print(f"rlk run: {what} after {n_steps} step(s); partial run kept in {d}; "
           f"{_resume_hint(d)}", file=sys.stderr)

@@ -315,3 +315,28 @@ def test_ctrl_c_prints_one_line_whose_resume_command_works(tmp_path, capsys, uni
     assert last.endswith(f"; partial run kept in {d}; resume with: rlk run --resume {d}")
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
     _identical(capsys, uninterrupted, d)
+
+
+def test_sighup_publishes_the_partial_run_as_sigterm_does(tmp_path, uninterrupted, capsys):
+    """SIGHUP (a closed terminal) after step 1's checkpoint: exit 129, the run published under
+    its name with "terminated after" and a resume hint, no RUN.tmp-PID or RUN.lock left beside
+    it (they were, silently); resuming gives the uninterrupted run's evidence."""
+    d = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
+                             str(d)], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any((p / "checkpoints" / "step-000001").is_dir() for p in d.parent.glob(f"{d.name}*")):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before SIGHUP landed")
+    assert proc.returncode == 129 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rlk run: terminated after ") and f"resume with: rlk run --resume {d}" in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
+    _identical(capsys, uninterrupted, d)
