@@ -292,11 +292,10 @@ def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrup
     assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no staging left
 
 
-def test_ctrl_c_prints_one_line_whose_resume_command_works(tmp_path, capsys, uninterrupted):
-    """SIGINT to the `rlk run` process group after step 1's checkpoint: exit 130, stderr has no traceback and
-    ends with one line "... resume with: rlk run --resume D"; running that command gives a run
-    IDENTICAL to the uninterrupted one."""
-    d = tmp_path / "run"
+def _signal_after_first_checkpoint(d, sig):
+    """Start `rlk run` (ARGS) into `d` in its own process group, send `sig` to the group once
+    step 1's checkpoint exists: (the finished process, its stderr). Skips the test when the run
+    finished before the signal landed."""
     proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
                              str(d)], start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -305,10 +304,19 @@ def test_ctrl_c_prints_one_line_whose_resume_command_works(tmp_path, capsys, uni
         if any((p / "checkpoints" / "step-000001").is_dir() for p in d.parent.glob(f"{d.name}*")):
             break
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
-        pytest.skip("the run finished before Ctrl-C landed")
+        pytest.skip(f"the run finished before {signal.Signals(sig).name} landed")
+    return proc, err
+
+
+def test_ctrl_c_prints_one_line_whose_resume_command_works(tmp_path, capsys, uninterrupted):
+    """SIGINT to the `rlk run` process group after step 1's checkpoint: exit 130, stderr has no traceback and
+    ends with one line "... resume with: rlk run --resume D"; running that command gives a run
+    IDENTICAL to the uninterrupted one."""
+    d = tmp_path / "run"
+    proc, err = _signal_after_first_checkpoint(d, signal.SIGINT)
     assert proc.returncode == 130 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("rlk run: interrupted (Ctrl-C) after ")
@@ -322,18 +330,7 @@ def test_sighup_publishes_the_partial_run_as_sigterm_does(tmp_path, uninterrupte
     its name with "terminated after" and a resume hint, no RUN.tmp-PID or RUN.lock left beside
     it (they were, silently); resuming gives the uninterrupted run's evidence."""
     d = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
-                             str(d)], start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if any((p / "checkpoints" / "step-000001").is_dir() for p in d.parent.glob(f"{d.name}*")):
-            break
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGHUP)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip("the run finished before SIGHUP landed")
+    proc, err = _signal_after_first_checkpoint(d, signal.SIGHUP)
     assert proc.returncode == 129 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("rlk run: terminated after ") and f"resume with: rlk run --resume {d}" in last
