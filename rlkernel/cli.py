@@ -1008,7 +1008,7 @@ def _device_oom() -> type[BaseException]:
 
 def _out_of_memory(e: BaseException) -> str:
     """One line for a run that ran out of host or device memory, naming the flags that size it."""
-    where = "device" if type(e).__name__ == "OutOfMemoryError" else "host"
+    where = "host" if isinstance(e, MemoryError) else "device"
     first = (str(e).strip().splitlines() or [""])[0][:200]
     return (f"out of {where} memory ({type(e).__name__}{': ' + first if first else ''}); a step "
             "holds --n-prompts x --n-samples-per-prompt samples of up to --max-prompt-len + "
@@ -1079,7 +1079,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         if not writer.complete:
             writer.finish({"steps": writer.n_steps})
     except (ValueError, OSError, MemoryError, _device_oom()) as e:
-        if isinstance(e, (MemoryError, _device_oom())):
+        if not isinstance(e, (ValueError, OSError)):   # host or device out of memory
             e = _out_of_memory(e)
         if writer is None or writer.n_steps == 0:
             _discard(tmp, created)

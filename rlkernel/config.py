@@ -477,12 +477,12 @@ def _check_path(c: RunConfig, field: str) -> None:
     v = getattr(c, field)
     if v is not None and (not isinstance(v, str) or not v):
         raise _fail(field, v, "must be a non-empty path (or left out)")
-    try:
-        if v is not None:
+    if v is not None:
+        try:
             v.encode("utf-8")    # bytes the filesystem gave that are not UTF-8: surrogates
-    except UnicodeEncodeError:
-        raise _fail(field, v, "must be a UTF-8 path (the manifest, the exported model and "
-                              "the reports record and reopen it)") from None
+        except UnicodeEncodeError:
+            raise _fail(field, v, "must be a UTF-8 path (the manifest, the exported model and "
+                                  "the reports record and reopen it)") from None
 
 
 def _check_bool(c: RunConfig, field: str) -> None:
