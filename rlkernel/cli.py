@@ -863,14 +863,24 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
         raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence ({e})") from None
     if not isinstance(steps, list):
         raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
-    if len(steps) < next_step:   # a run records each step before its checkpoint: never so
-        raise ValueError(f"--resume {str(d)!r}: {path} holds {len(steps)} step(s) but the "
-                         f"checkpoint continues at step {next_step}: the evidence was cut or "
-                         "replaced; resuming would leave a gap in it")
+    # A run records each step before its checkpoint: the checkpoint's steps are all there, in
+    # order (an edited file resumed into a gap or a repeat and was marked complete).
+    kept = [s.get("step") if isinstance(s, dict) else None for s in steps[:next_step]]
+    if kept != list(range(next_step)):
+        raise ValueError(f"--resume {str(d)!r}: {path} holds steps {_span(kept)} but the "
+                         f"checkpoint continues at step {next_step} after steps 0..{next_step - 1}"
+                         ": the evidence was cut or edited; resuming would leave a gap in it")
     if next_step >= cfg.steps and evidence.get("complete") and len(steps) >= cfg.steps:
         raise ValueError(f"--resume {str(d)!r}: the run is already complete ({len(steps)}/"
                          f"{cfg.steps} steps); to go on, extend it with --steps N "
                          f"(N > {len(steps)})")
+
+
+def _span(steps: list) -> str:
+    """A short view of a list of step indices: [] , [0, 1, 2] or [0, 1, ..., 7] (n)."""
+    if len(steps) <= 4:
+        return str(steps)
+    return f"[{steps[0]}, {steps[1]}, ..., {steps[-1]}] ({len(steps)})"
 
 
 def _resume_hint(d: pathlib.Path) -> str:

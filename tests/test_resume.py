@@ -151,9 +151,10 @@ def test_resume_refuses_a_finished_run_and_names_unreadable_evidence(tmp_path, c
 
 
 def test_resume_refuses_evidence_shorter_than_its_checkpoint(tmp_path, capsys, uninterrupted):
-    """evidence.json cut to 1 step while the newest checkpoint continues at step 3 (a run records
-    each step before its checkpoint, so only an edit does this): exit 2 naming the file and
-    both counts, nothing rewritten (it resumed, wrote steps [0, 3] and marked the run complete)."""
+    """evidence.json cut to 1 step, or holding step 0 three times, while the newest checkpoint
+    continues at step 3 (a run records each step before its checkpoint, so only an edit does
+    this): exit 2 naming the file and the steps, nothing rewritten (it resumed, wrote steps
+    [0, 3] or [0, 0, 0, 3] and marked the run complete)."""
     d = tmp_path / "run"
     shutil.copytree(uninterrupted, d)
     ev = json.loads((d / "evidence.json").read_text())
@@ -163,8 +164,13 @@ def test_resume_refuses_evidence_shorter_than_its_checkpoint(tmp_path, capsys, u
     before = {f: (d / f).read_bytes() for f in ("evidence.json", "manifest.json")}
     assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
     err = capsys.readouterr().err
-    assert "holds 1 step(s) but the checkpoint continues at step 3" in err, err
+    assert "holds steps [0] but the checkpoint continues at step 3" in err, err
     assert {f: (d / f).read_bytes() for f in before} == before
+    ev["steps"] = [ev["steps"][0]] * 3            # as many steps, one of them three times
+    (d / "evidence.json").write_text(json.dumps(ev))
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    assert "holds steps [0, 0, 0] but the checkpoint continues at step 3" in \
+        capsys.readouterr().err
 
 
 def _run_with_inputs(tmp_path):

@@ -91,7 +91,9 @@ class RewardFn:
         """
         try:
             v = self.fn(prompt, completion, label)
-        except (Exception, SystemExit) as e:  # the user's code: any exception (sys.exit too:
+        except KeyboardInterrupt:   # Ctrl-C while the reward runs: the user's, not a failure
+            raise
+        except BaseException as e:  # the user's code: anything else it raises (sys.exit too:
             # exit code 0 must not read as a finished run) is the reward's failure
             raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} on sample "
                               f"{sample_id} (completion {completion[:60]!r})") from e
