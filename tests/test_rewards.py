@@ -48,7 +48,7 @@ REWARDS = textwrap.dedent('''
         import sys
         sys.exit(0)
 
-    def generator_exit(prompt, completion, label):
+    def raises_generator_exit(prompt, completion, label):
         raise GeneratorExit("odd")
 
     def nan(prompt, completion, label):
@@ -129,7 +129,7 @@ def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
     ("text", "returned '1.0' (str) for sample 7; allowed: a finite int or float"),
     ("flag", "returned True (bool) for sample 7"),
     ("quits", "raised SystemExit: 0 on sample 7"),    # sys.exit(0) is a failure, not an exit
-    ("generator_exit", "raised GeneratorExit: odd on sample 7"),
+    ("raises_generator_exit", "raised GeneratorExit: odd on sample 7"),
 ])
 def test_bad_value_names_function_sample_and_value(rewards_file, func, words):
     r = load_reward(f"{rewards_file}:{func}")
