@@ -69,11 +69,11 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
                           micro_batch_tokens=budget,
                           pad_id=PAD, exp=exp)
         grads = {n: p.grad for n, p in policy.logical_params().items()}
-        opt.clip(grads, 1.0)
+        norms.append(opt.clip(grads, 1.0).norm)
         opt.step(grads)
         policy.load_master_shards(opt.weights(torch.bfloat16))
 
-    times = []
+    times, norms = [], []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     host = []
@@ -86,7 +86,7 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
     out = {"step_s": times, "warm_step_s": min(times[1:] or times), "peak_gib": peak,
-           "host_issue_s": host}
+           "host_issue_s": host, "first_grad_norm": norms[0]}
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
         with prof(activities=[ProfilerActivity.CUDA]) as pr:
@@ -105,6 +105,90 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
     if host_profile:
         out["host_profile"] = _host_profile(step, dev)
     del policy, ref, opt
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _hf_model(cfg, weights, dev: torch.device):
+    """transformers' Qwen3ForCausalLM in bf16 with SDPA attention on our weights (tied LM head
+    as the config says): what a user trains with in a stock stack."""
+    import transformers
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "torch_dtype")}
+    hcfg = transformers.Qwen3Config(**d)
+    hcfg._attn_implementation = "sdpa" if dev.type == "cuda" else "eager"
+    with torch.device(dev):
+        m = transformers.Qwen3ForCausalLM(hcfg).to(torch.bfloat16)
+    sd = {k: v.to(dev, torch.bfloat16) for k, v in weights.items()}
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"transformers arm: weights do not match ({missing}, {unexpected})")
+    return m.train()
+
+
+def _transformers_arm(cfg, weights, samples, steps: int, dev: torch.device,
+                      micro_samples: int = 0, kernel_sites: bool = False):
+    """The stock stack users run: transformers bf16 (SDPA, torch autograd), the same samples
+    as padded-free [b, P+R] rows (all samples have one length), the same clipped-ratio loss
+    over response tokens (token mean), grads widened to fp32 masters, grad-norm clip 1.0 and
+    torch's fused AdamW on the masters, weights copied back to bf16. Reports the step and its
+    forward + backward alone (the figure REFERENCES.md quotes for this stack)."""
+    m = _hf_model(cfg, weights, dev)
+    params = [p for p in m.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone() for p in params]
+    fused = dev.type == "cuda"
+    opt = torch.optim.AdamW(masters, lr=1e-6, weight_decay=0.0, fused=fused)
+    p_len = len(samples[0].prompt_ids)
+    ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids) for s in samples], device=dev)
+    old = torch.stack([s.rollout_logprobs for s in samples]).to(dev)
+    adv = torch.tensor([s.advantage for s in samples], device=dev)
+    n_tok = old.numel()
+    mb = micro_samples or len(samples)
+
+    def fwd_bwd():
+        for a in range(0, len(samples), mb):
+            x = ids[a:a + mb]
+            logits = m(input_ids=x).logits[:, p_len - 1:-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, x[:, p_len:, None])[..., 0]
+            ratio = torch.exp(lp - old[a:a + mb])
+            A = adv[a:a + mb, None]
+            pg = -torch.minimum(ratio * A, ratio.clamp(0.8, 1.2) * A)
+            (pg.sum() / n_tok).backward()
+
+    def step():
+        fwd_bwd()
+        for w, p in zip(masters, params):
+            w.grad = p.grad.float()
+            p.grad = None
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, 1.0, foreach=True))
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, fb, norms = [], [], []
+    for _ in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    for _ in range(max(steps - 1, 1)):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fwd_bwd()
+        _sync(dev)
+        fb.append(time.perf_counter() - t0)
+        for p in params:
+            p.grad = None
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    out = {"step_s": times, "warm_step_s": min(times[1:] or times), "peak_gib": peak,
+           "fwd_bwd_s": fb, "warm_fwd_bwd_s": min(fb), "micro_samples": mb,
+           "first_grad_norm": float(norms[0])}
+    if kernel_sites:
+        out["kernel_sites"] = _kernel_sites(step, dev)
+    del m, opt, masters, params
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -308,8 +392,10 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=448)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--arms", default="invariant,native",
-                    help="comma list of invariant, native, invariant-unfused (the invariant arm "
-                         "with the virtual-TP shard trees as bmm partials + adds; run it last)")
+                    help="comma list of invariant, native, transformers (transformers bf16 with "
+                         "SDPA and torch AdamW on fp32 masters: the stock stack), "
+                         "invariant-unfused (the invariant arm with the virtual-TP shard trees "
+                         "as bmm partials + adds; run it last)")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--native-micro-samples", type=int, default=0,
                     help="samples per microbatch of the native arm (0: all in one, as the "
@@ -347,6 +433,20 @@ def main() -> None:
            "samples": a.samples, "prompt_len": a.prompt_len, "response_len": a.response_len,
            "tokens": tokens, "parameters": n_params, "arms": {}}
     for mode in a.arms.split(","):
+        if mode == "transformers":
+            r = _transformers_arm(cfg, weights, samples, a.steps, dev, a.native_micro_samples,
+                                  a.kernel_sites)
+            r["peak_bytes_per_param"] = r["peak_gib"] * 2**30 / n_params
+            res["arms"][mode] = r
+            dump(a.out, res)
+            print(f"{mode}: warm step {r['warm_step_s']:.3f} s ({tokens / r['warm_step_s']:.0f} "
+                  f"tok/s), forward + backward {r['warm_fwd_bwd_s']:.3f} s, peak "
+                  f"{r['peak_gib']:.2f} GiB, steps {[round(t, 3) for t in r['step_s']]}",
+                  flush=True)
+            for row in r.get("kernel_sites", []):
+                print(f"    {row['ms']:8.1f} ms {row['kernels']:6d}x  {row['site']}  "
+                      f"[{row['top_kernel']}]")
+            continue
         if mode == "invariant-unfused":   # the invariant arm with the shard trees unfused
             from rlkernel.kernels import triton_shard_matmul as tsm
             tsm.fusable = lambda bounds: False   # worth_fusing then says no everywhere
@@ -377,6 +477,10 @@ def main() -> None:
     if {"invariant", "native"} <= res["arms"].keys():
         res["ratio"] = res["arms"]["invariant"]["warm_step_s"] / res["arms"]["native"]["warm_step_s"]
         print(f"ratio invariant / native: {res['ratio']:.2f}")
+    if {"invariant", "transformers"} <= res["arms"].keys():
+        res["ratio_transformers"] = (res["arms"]["invariant"]["warm_step_s"]
+                                     / res["arms"]["transformers"]["warm_step_s"])
+        print(f"ratio invariant / transformers: {res['ratio_transformers']:.2f}")
     dump(a.out, res)
 
 

@@ -161,3 +161,26 @@ def test_host_profile_smoke_cpu_profiles_the_invariant_step(tmp_path):
     h = _smoke(tmp_path, "--host-profile")["host_profile"]
     assert h["wall_s"] > 0 and any(r["fn"].endswith("(compute_gradients)") for r in h["by_cum"])
     assert any(r["package"].startswith("rlkernel/") for r in h["by_package"])
+
+
+def test_transformers_arm_smoke_cpu_times_the_step_and_its_forward_backward(tmp_path):
+    """The stock-stack arm (transformers bf16 + torch AdamW on fp32 masters) runs on the same
+    samples and reports the step and the forward + backward alone, the latter inside the
+    former (it does not include the optimizer) — and its loss is the native arm's: the same
+    pre-clip gradient norm within bf16 tolerance (a reference-library comparison)."""
+    import sys
+    out = tmp_path / "t.json"
+    old = sys.argv
+    sys.argv = ["bench_train_step.py", "--model", "tiny", "--samples", "4", "--prompt-len", "8",
+                "--response-len", "24", "--steps", "2", "--device", "cpu", "--arms",
+                "native,transformers", "--no-kl", "--native-micro-samples", "2",
+                "--out", str(out)]
+    try:
+        bench_train_step.main()
+    finally:
+        sys.argv = old
+    arms = json.loads(out.read_text())["arms"]
+    r, nat = arms["transformers"], arms["native"]["first_grad_norm"]
+    assert nat > 0 and abs(r["first_grad_norm"] - nat) <= 0.02 * nat, (r["first_grad_norm"], nat)
+    assert r["micro_samples"] == 2 and len(r["step_s"]) == 2 and len(r["fwd_bwd_s"]) == 1
+    assert 0 < r["warm_fwd_bwd_s"] and 0 < r["warm_step_s"]
