@@ -333,6 +333,20 @@ def _why_not_free(d: pathlib.Path) -> str:
     return "exists and is not an empty directory"
 
 
+def _non_utf8(*named: tuple[str, str]) -> str | None:
+    """The usage error for the first (name, path) whose bytes are not UTF-8 (argv's surrogate
+    escapes), None when all are: every command refuses them before any work, as `rlk run`'s
+    validators do — the outputs record and print the paths, which a UTF-8 stream cannot carry
+    (export wrote its model and then failed printing where)."""
+    for name, value in named:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return (f"{name} {value!r}: must be a UTF-8 path (rlk records and prints the paths "
+                    "it reads and writes)")
+    return None
+
+
 def _occupied(flag: str, value: str) -> str | None:
     """The usage error for a new-directory flag (`--run-dir`, `--out`) whose value is taken, in
     one wording for every command; None when the directory is free."""
@@ -1134,6 +1148,9 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from rlkernel.runner.compare import CompareError, compare_runs, format_report
 
+    bad = _non_utf8(("RUN_A", args.run_a), ("RUN_B", args.run_b))
+    if bad:
+        return _error("compare", bad, 2)
     try:
         report = compare_runs(args.run_a, args.run_b)
     except CompareError as e:
@@ -1148,6 +1165,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from rlkernel.runner.report import ReportError, write_report
 
+    bad = _non_utf8(*[("RUN", r) for r in args.runs], ("--out", args.out))
+    if bad:
+        return _error("report", bad, 2)
     try:
         paths = write_report(args.runs, args.out)
     except ReportError as e:
@@ -1162,7 +1182,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
-    taken = _occupied("--out", args.out)
+    taken = _non_utf8(("--out", args.out)) or _occupied("--out", args.out)
     if taken:
         return _error("init-model", taken, 2)
     out = pathlib.Path(args.out)
@@ -1184,7 +1204,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
     # its own check for callers of the API.
-    taken = _occupied("--out", args.out)
+    taken = _non_utf8(("RUN", args.run), ("--out", args.out)) or _occupied("--out", args.out)
     if taken:
         return _error("export", taken, 2)
     try:

@@ -247,9 +247,40 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "save_file", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"ck: cannot write its files \(disk full\)"):
         save_checkpoint(tmp_path / "ck", tiny(), init_weights(tiny(), seed=0))
     assert os.listdir(tmp_path) == []  # neither the target nor the temp dir exists
+
+
+def test_a_failed_write_names_the_checkpoint_and_file_not_the_temp_dir(tmp_path, monkeypatch):
+    """ENOSPC while writing config.json: CheckpointError naming the checkpoint and the file
+    (was an OSError naming `.ck.tmp-PID-hex/config.json`); the temp dir is gone."""
+    real = Path.write_text
+
+    def full(self, *a, **k):
+        if self.name == "config.json":
+            raise OSError(28, "No space left on device", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(tmp_path / "ck", tiny(), init_weights(tiny(), seed=0))
+    assert str(e.value) == f"{tmp_path / 'ck'}: cannot write config.json (No space left on device)"
+    assert ".tmp-" not in str(e.value) and os.listdir(tmp_path) == []
+
+
+def test_a_read_only_parent_is_named_not_the_temp_dir(tmp_path, monkeypatch):
+    """The parent refuses the temp dir (read-only; root ignores chmod here, so os.mkdir is made
+    to fail as it would): CheckpointError naming the checkpoint and its parent, nothing left."""
+    def refuse(path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(ckpt.os, "mkdir", refuse)
+    with pytest.raises(CheckpointError) as e:
+        init_model("tiny", 0, tmp_path / "m")
+    assert str(e.value) == (f"{tmp_path / 'm'}: cannot create it in {str(tmp_path)!r} "
+                            "(Permission denied)")
+    assert os.listdir(tmp_path) == []
 
 
 def test_save_rejects_wrong_tensors_and_names_them(tmp_path):

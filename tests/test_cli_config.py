@@ -455,6 +455,26 @@ def test_a_path_that_is_not_utf8_is_refused_before_any_work(capsys, cwd, loop, f
     assert list(cwd.iterdir()) == [] and loop.calls == []
 
 
+@pytest.mark.parametrize("argv,name", [
+    (["init-model", "--preset", "tiny", "--out", "m\udcff"], "--out"),
+    (["export", "r\udcff", "--out", "e"], "RUN"),
+    (["export", "r", "--out", "e\udcff"], "--out"),
+    (["report", "a", "b\udcff", "--out", "p"], "RUN"),
+    (["report", "a", "--out", "p\udcff"], "--out"),
+    (["compare", "a", "b\udcff"], "RUN_B"),
+])
+def test_every_command_refuses_a_path_that_is_not_utf8(capsys, cwd, argv, name):
+    """The other commands keep run's rule: a path whose bytes are not UTF-8 is exit 2, one
+    line naming the argument, before any work (init-model wrote a model `rlk run --model`
+    then refused; export wrote its model and then failed printing where)."""
+    code, out, err = rlk(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and out == "", err
+    assert lines[0].startswith(f"rlk {argv[0]}: error: {name} ") and "must be a UTF-8 path" \
+        in lines[0], lines[0]
+    assert list(cwd.iterdir()) == []
+
+
 def test_out_of_memory_before_the_first_step_is_one_line_naming_the_sizes(capsys, cwd, loop):
     """MemoryError inside the run (a batch the validators accept but the host cannot hold):
     exit 1, one line naming the flags that size a step, nothing left (was a traceback and a

@@ -201,3 +201,48 @@ def test_export_copies_the_input_models_tokenizer_and_refuses_a_changed_one(tmp_
     assert main(["export", str(d), "--out", str(tmp_path / "hf2")]) == 1
     assert "tokenizer file(s) tokenizer.json" in capsys.readouterr().err
     assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"step": ', "is not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "is not valid JSON (nested too deeply"),
+    ('{"step": -1}', "has no step"),
+    ("[1, 2]", "has no step"),
+])
+def test_a_damaged_final_record_is_named_not_called_an_unfinished_run(run, tmp_path, capsys,
+                                                                      text, why):
+    """final/rlk_weights.json (which step final/ holds) unreadable in a complete run: exit 1
+    naming that file and why, with the steps that do have weights (the message said the run
+    "did not finish all its steps ... complete=True"); nothing written."""
+    d = tmp_path / "run"
+    shutil.copytree(run, d)
+    (d / "final" / "rlk_weights.json").write_text(text)
+    out = tmp_path / "out"
+    assert main(["export", str(d), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "did not finish" not in err, err
+    assert f"{d / 'final' / 'rlk_weights.json'} {why}" in err, err
+    assert "give --step N; steps with weights: 0 (checkpoint step-000001)" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("manifest.json", "[" * 100_000 + "]" * 100_000, "manifest.json is not valid JSON (nested"),
+    ("manifest.json", "[1]", "manifest.json has no 'config' object"),
+    ("evidence.json", '{"steps": {}}', "evidence.json has no 'steps' list"),
+    ("evidence.json", None, "evidence.json is missing"),
+])
+def test_an_unreadable_run_names_the_file_and_why(run, tmp_path, capsys, name, text, words):
+    """A run directory whose manifest or evidence cannot be used: exit 2, one line naming the
+    file and the reason (was "no readable manifest.json and evidence.json" for every case)."""
+    d = tmp_path / "run"
+    shutil.copytree(run, d)
+    if text is None:
+        (d / name).unlink()
+    else:
+        (d / name).write_text(text)
+    out = tmp_path / "out"
+    assert main(["export", str(d), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"RUN {str(d)!r}: {words}" in err, err
+    assert not out.exists()

@@ -59,7 +59,8 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
       extra_files: plain file name -> bytes, written beside them (tokenizer files, metadata);
         a name with a path separator, or config.json / model.safetensors, is refused.
     Raises CheckpointError: `out_dir` exists and is not an empty directory; a tensor is missing,
-      extra, of the wrong shape or dtype; the dtypes are mixed; the final rename fails.
+      extra, of the wrong shape or dtype; the dtypes are mixed; its parent cannot be created or
+      written (read-only, full: the temp dir is removed); the final rename fails.
     """
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -81,9 +82,13 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
         raise CheckpointError(f"{out}: extra file name(s) {bad} not allowed; allowed: plain file "
                               f"names other than {CONFIG_NAME} and {WEIGHTS_NAME}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    os.mkdir(tmp)  # not mkdtemp: that makes the final directory mode 0700
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(tmp)  # not mkdtemp: that makes the final directory mode 0700
+    except OSError as e:   # a read-only or missing parent: name it, not our temp name
+        raise CheckpointError(f"{out}: cannot create it in {str(out.parent)!r} "
+                              f"({e.strerror or e})") from None
     try:
         cfg_path = tmp / CONFIG_NAME
         cfg_path.write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
@@ -108,6 +113,10 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: Qwen3Config,
         except OSError as e:
             raise CheckpointError(f"{out}: could not move the finished checkpoint into place "
                                   f"({e.strerror}); was the directory filled meanwhile?") from e
+    except OSError as e:   # e.g. a full disk while writing a file: the temp dir is removed
+        shutil.rmtree(tmp, ignore_errors=True)
+        name = Path(e.filename).name if getattr(e, "filename", None) else "its files"
+        raise CheckpointError(f"{out}: cannot write {name} ({e.strerror or e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

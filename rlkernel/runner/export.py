@@ -106,26 +106,50 @@ class Exported:
     seconds: float
 
 
-def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
+def _read_json(path: pathlib.Path) -> tuple[object, str | None]:
+    """(document, None), or (None, why it cannot be read: missing, not UTF-8, not JSON)."""
     try:
-        manifest = jsontext.loads((run / "manifest.json").read_text(encoding="utf-8"))
-        evidence = jsontext.loads((run / "evidence.json").read_text(encoding="utf-8"))
-        if not isinstance(manifest.get("config"), dict) or not isinstance(evidence.get("steps"),
-                                                                          list):
-            raise TypeError("no config or steps")
-    except (OSError, ValueError, TypeError, AttributeError):
-        raise ExportUsageError(f"RUN {str(run)!r}: no readable manifest.json and evidence.json; "
-                               "give a run directory written by rlk run") from None
-    return manifest, evidence
+        return jsontext.loads(path.read_text(encoding="utf-8")), None
+    except FileNotFoundError:
+        return None, "is missing"
+    except UnicodeDecodeError:
+        return None, "is not UTF-8 text"
+    except ValueError as e:   # JSONDecodeError, and jsontext's too-deep documents
+        return None, f"is not valid JSON ({e})"
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+
+
+def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
+    docs = []
+    for name, key, kind in (("manifest.json", "config", dict), ("evidence.json", "steps", list)):
+        doc, why = _read_json(run / name)
+        if why is None and not (isinstance(doc, dict) and isinstance(doc.get(key), kind)):
+            why = f"has no {key!r} {'object' if kind is dict else 'list'}"
+        if why is not None:
+            raise ExportUsageError(f"RUN {str(run)!r}: {name} {why}; give a run directory "
+                                   "written by rlk run")
+        docs.append(doc)
+    return docs[0], docs[1]
+
+
+def _final_meta(run: pathlib.Path) -> tuple[int | None, str | None]:
+    """(the step final/ holds, None), (None, None) when there is no final/ record, or (None,
+    why the record that is there cannot be used)."""
+    path = run / FINAL_DIR / WEIGHTS_META
+    meta, why = _read_json(path)
+    if why == "is missing":
+        return None, None
+    if why is None:
+        step = meta.get("step") if isinstance(meta, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step, None
+        why = "has no step (a non-negative integer)"
+    return None, f"{path} {why}"
 
 
 def _final_step(run: pathlib.Path) -> int | None:
-    try:
-        meta = jsontext.loads((run / FINAL_DIR / WEIGHTS_META).read_text(encoding="utf-8"))
-        step = meta["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    return _final_meta(run)[0]
 
 
 def available_steps(run: str | os.PathLike) -> dict[int, pathlib.Path]:
@@ -247,9 +271,16 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
     if step is None:
         last = len(steps) - 1
         if not evidence.get("complete") or avail.get(last) != run / FINAL_DIR:
-            raise ExportUsageError(f"RUN {str(run)!r} has no final weights (it did not finish "
-                                   f"all its steps: {len(steps)} recorded, complete="
-                                   f"{bool(evidence.get('complete'))}); "
+            damaged = _final_meta(run)[1]
+            if damaged is not None:     # a file of the run is broken, not the user's call
+                raise ExportError(f"{damaged}: cannot tell which step final/ holds; "
+                                  + (f"give --step N; {_steps_text(avail)}" if avail else
+                                     "and the run kept no checkpoints"))
+            held = _final_step(run)
+            why = (f"it did not finish all its steps: {len(steps)} recorded"
+                   if not evidence.get("complete") else "its final/ weights are missing"
+                   if held is None else f"final/ holds step {held}, not the last step {last}")
+            raise ExportUsageError(f"RUN {str(run)!r} has no final weights ({why}); "
                                    + (f"give --step N; {_steps_text(avail)}" if avail else
                                       f"nothing to export: {_steps_text(avail)}"))
         step = last
