@@ -1040,8 +1040,19 @@ def _out_of_memory(e: BaseException) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    with contextlib.ExitStack() as held:   # the run directory's lock, on every way out
-        return _cmd_run(args, held)
+    # SIGTERM/SIGHUP unwind from the first moment (they killed the run silently while it
+    # validated and imported torch, leaving RUN.lock): the lock is released on the way out.
+    previous = _exit_on_sigterm()
+    try:
+        with contextlib.ExitStack() as held:   # the run directory's lock, on every way out
+            return _cmd_run(args, held)
+    except SystemExit as e:   # a signal before the run's own handling began: nothing was written
+        if _debug():
+            raise
+        print("rlk run: interrupted before the first step; nothing kept", file=sys.stderr)
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        _restore_sigterm(previous)
 
 
 def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:

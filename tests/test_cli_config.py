@@ -475,6 +475,36 @@ def test_every_command_refuses_a_path_that_is_not_utf8(capsys, cwd, argv, name):
     assert list(cwd.iterdir()) == []
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_while_the_run_validates_releases_the_lock_and_says_so(capsys, cwd, loop,
+                                                                       monkeypatch, sig):
+    """SIGTERM/SIGHUP after the run directory is locked but before the run's own handling
+    (validation, torch's import: ~1.5 s): exit 128 + signum, one line, no RUN.lock left (the
+    default action killed it there silently, lock left behind), handlers restored."""
+    import os
+    import signal
+
+    num = getattr(signal, sig)
+
+    def signalled(cfg):
+        assert (cwd / "r.lock").exists()   # the lock is held at this point
+        os.kill(os.getpid(), num)          # the handler raises here, as a signal would
+
+    def unhandled(signum, frame):   # what the old code left to the default action
+        raise AssertionError(f"{sig} reached the test's handler: rlk run installed none")
+
+    monkeypatch.setattr(cli, "_check_inputs", signalled)
+    before = signal.signal(num, unhandled)
+    try:
+        code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
+        assert signal.getsignal(num) is unhandled    # restored on the way out
+    finally:
+        signal.signal(num, before)
+    assert code == 128 + num and out == "", (code, err)
+    assert err.strip() == "rlk run: interrupted before the first step; nothing kept", err
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
 def test_out_of_memory_before_the_first_step_is_one_line_naming_the_sizes(capsys, cwd, loop):
     """MemoryError inside the run (a batch the validators accept but the host cannot hold):
     exit 1, one line naming the flags that size a step, nothing left (was a traceback and a
