@@ -29,7 +29,7 @@ from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.optimizer import AdamW, AdamWParams
-from rlkernel.train.step import TrainSample, compute_gradients
+from rlkernel.train.step import TrainSample, compute_gradients, gradients
 
 PAD = 0
 
@@ -51,6 +51,8 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
          sync_sites: bool = False, kernel_sites: bool = False, host_profile: bool = False):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
+    if mode == "invariant":   # as rlk run trains: weights held in bf16, fp32 main_grad beside
+        policy.hold_matmul_weights()
     policy.load_tensors({k: v.to(dev) for k, v in weights.items()})
     policy.recompute = recompute
     ref = None
@@ -68,7 +70,7 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
                           coefs=LossCoefs(0.2, 0.01 if kl else 0.0, 0.0, "k3"),
                           micro_batch_tokens=budget,
                           pad_id=PAD, exp=exp)
-        grads = {n: p.grad for n, p in policy.logical_params().items()}
+        grads = gradients(policy)
         norms.append(opt.clip(grads, 1.0).norm)
         opt.step(grads)
         policy.load_master_shards(opt.weights(torch.bfloat16))

@@ -94,6 +94,8 @@ class InvariantOps:
         their backward (no persistent accumulators) except a tied embedding, which two kernels
         (lookup and LM head) add to."""
         model.zero_grad(set_to_none=True)
+        for p in model.logical_params().values():
+            p.main_grad = None
         sink = model.pc.tok.sink
         if sink is not None:
             keep = {"model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else set()
@@ -108,8 +110,11 @@ class InvariantOps:
     @staticmethod
     def sync_grads(model) -> None:
         """Close the sink: its exact sums over every microbatch and rank, rounded once, become
-        the parameters' .grad (fp32). Raises RuntimeError if autograd left a gradient of its
-        own on a parameter (a use that bypassed the kernels, which the sink would miss)."""
+        the parameters' fp32 gradients — `.grad` of an fp32-held parameter, `.main_grad` of a
+        weight held in bf16 (Qwen3ForCausalLM.hold_matmul_weights; torch keeps a .grad in its
+        parameter's dtype, and an fp32 gradient beside a bf16 weight is Megatron's main_grad).
+        train/step.gradients reads either. Raises RuntimeError if autograd left a gradient of
+        its own on a parameter (a use that bypassed the kernels, which the sink would miss)."""
         sink = model.pc.tok.sink
         if sink is None or not sink.open:
             return
@@ -117,7 +122,10 @@ class InvariantOps:
         for n, p in model.logical_params().items():
             if p.grad is not None:
                 raise RuntimeError(f"{n}: autograd accumulated a gradient outside the kernels")
-            p.grad = grads.get(n)
+            if p.dtype == torch.float32:
+                p.grad = grads.get(n)
+            else:
+                p.main_grad = grads.get(n)
 
 
 def needs_grad(*ts: torch.Tensor) -> bool:

@@ -6,9 +6,10 @@ residual → RMSNorm → SwiGLU MLP + residual] → final RMSNorm → LM head (t
 Parameter names equal the Hugging Face names; each rank holds its TP shard (model/sharding.py),
 and every layer receives the ParallelCtx as an argument — TP1 and TP8 run the same code.
 Parameters are fp32 tensors holding exactly the run's parameter dtype values (bf16 by default):
-trainer and rollout compute on identical values, and weight gradients are fp32. An
-inference-only model (the rollout engine) may hold its 2-D weights in the compute dtype instead
-(`hold_matmul_weights`: the same values). A bf16 model
+trainer and rollout compute on identical values, and weight gradients are fp32. A model may
+hold its 2-D weights in the compute dtype instead (`hold_matmul_weights`: the same values; the
+rollout engine, the reference policy and the invariant trainer's policy do, the latter keeping
+fp32 gradients in `.main_grad`). A bf16 model
 rounds each linear's input activation and incoming gradient to bf16 (`compute_dtype_for`,
 kernels/matmul.py) and attention's q, k, v (kernels/attention.py, Precision): the rounding points
 are part of the model, so rollout and trainer share them.
@@ -277,11 +278,15 @@ class Qwen3ForCausalLM(nn.Module):
     @torch.no_grad()
     def hold_matmul_weights(self) -> None:
         """Store the 2-D weights (linears, embedding, LM head) in the compute dtype (bf16 runs)
-        instead of fp32: an inference-only model (the rollout engine) then feeds each product
-        the weight itself rather than rounding an fp32 copy at every call (7 launches per layer
-        and ~2.6 GB of traffic per decode step at 0.6B), in half the memory. The values are
-        unchanged — param_dtype bf16 already holds bf16 values — so every product's bytes are
-        too. Norm weights stay fp32 (elementwise fp32 math). A no-op for fp32 runs."""
+        instead of fp32: the model then feeds each product the weight itself rather than
+        rounding an fp32 copy at every call (7 launches per layer and ~2.6 GB of traffic per
+        decode step at 0.6B; two casts per weight per training step), in half the memory. The
+        values are unchanged — param_dtype bf16 already holds bf16 values — so every product's
+        bytes are too. Norm weights stay fp32 (elementwise fp32 math). A no-op for fp32 runs.
+        Used by the rollout engine, the reference policy and the invariant trainer's policy,
+        whose fp32 weight gradients then live in `.main_grad` (InvariantOps.sync_grads: the
+        sink's exact sums, which never pass through autograd). Not for stock-op training:
+        torch autograd would accumulate bf16 gradients into bf16-held weights."""
         if self.compute_dtype == torch.float32:
             return
         for p in self.logical_params().values():

@@ -306,6 +306,8 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     # in rollout and trainer alike (kernels/logprobs.py), so they are never sampled.
     live = min(tok.vocab_size, mcfg.vocab_size)   # the byte tokenizer's reserved ids may exceed it
     policy = Qwen3ForCausalLM(mcfg, ops, pdtype, train_pc, live).to(dev)
+    if cfg.mode == "invariant":   # weights held once in bf16, fp32 gradients beside them
+        policy.hold_matmul_weights()
     policy.load_tensors(tensors)
     policy.recompute = cfg.recompute
     ref = _reference_policy(cfg, mcfg, ops, pdtype, train_pc, live, dev, tensors)

@@ -197,7 +197,8 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM | None,
                       samples: list[TrainSample],
                       *, temperature: float, coefs: LossCoefs, micro_batch_tokens: int,
                       pad_id: int, exp, agg: str = "token-mean") -> StepStats:
-    """Set policy's .grad to d(loss)/dθ of the mini-batch `samples` (fp32) and return its stats.
+    """Set policy's fp32 gradients to d(loss)/dθ of the mini-batch `samples` (`.grad`, or
+    `.main_grad` of bf16-held weights: read them with `gradients`) and return its stats.
     `ref`: the reference policy, or None when coefs.kl_coef is 0 (no KL term, kl not measured).
 
     Every rank passes the whole mini-batch; this rank's DP replica trains on its share
@@ -288,8 +289,11 @@ def trainer_logprobs(policy: Qwen3ForCausalLM, samples: list[TrainSample], tempe
 
 
 def gradients(policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
-    """fp32 gradients by logical parameter name (zeros for parameters without one)."""
+    """fp32 gradients by logical parameter name: `.grad`, or `.main_grad` for a weight held in
+    bf16 (model/ops.InvariantOps.sync_grads); fp32 zeros for parameters without one."""
     out = {}
     for n, p in policy.logical_params().items():
-        out[n] = p.grad if p.grad is not None else torch.zeros_like(p)
+        g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+        out[n] = g if g is not None else torch.zeros(p.shape, dtype=torch.float32,
+                                                     device=p.device)
     return out
