@@ -259,19 +259,19 @@ class NativeOps:
         causal layout (StreamLayout.dense_causal: training passes) uses is_causal, which lets
         SDPA take the flash kernel; every other layout passes the explicit mask."""
         dtype = _native_dtype(q, dtype)
-        g = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(g, dim=1)
-        v = v.repeat_interleave(g, dim=1)
+        # GQA inside SDPA (as transformers calls it), not K/V copied to every query head
+        gqa = q.shape[1] != k.shape[1]
         if dense_causal and q.shape[2] == k.shape[2]:
             out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
-                                                 is_causal=True, scale=scale)
+                                                 is_causal=True, scale=scale, enable_gqa=gqa)
             return out.to(torch.float32) * (q_pos >= 0)[:, None, :, None]
         j = torch.arange(k.shape[2], device=q.device)
         vis = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
         row = vis.any(-1)
         vis = vis | ~row[:, :, None]          # keep SDPA finite on empty slots; zeroed below
         out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
-                                             attn_mask=vis[:, None], scale=scale)
+                                             attn_mask=vis[:, None], scale=scale,
+                                             enable_gqa=gqa)
         return out.to(torch.float32) * row[:, None, :, None]
 
     @staticmethod
