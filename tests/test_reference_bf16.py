@@ -44,18 +44,19 @@ def _bf16_values(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16).to(torch.float32) for k, v in tensors.items()}
 
 
-def _ours(cfg, tensors, device: str) -> Qwen3ForCausalLM:
-    m = Qwen3ForCausalLM(cfg, InvariantOps, torch.bfloat16).to(device)
+def _ours(cfg, tensors, device: str, ops=InvariantOps) -> Qwen3ForCausalLM:
+    m = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(device)
     m.load_tensors({k: v.to(device) for k, v in tensors.items()})
     return m
 
 
-def logit_errors(device: str) -> list[tuple[float, float, float, float]]:
+def logit_errors(device: str, ops=InvariantOps) -> list[tuple[float, float, float, float]]:
     """Per sequence: (ours max-rel, transformers max-rel, ours L2-rel, transformers L2-rel)
-    errors of the bf16 logits against float64, both models on `device`."""
+    errors of the bf16 logits against float64, both models on `device`; `ops` picks our
+    model's op set (NativeOps: the stock arm)."""
     cfg = tiny()
     w = _bf16_values(_weights(cfg, 0))
-    ours = _ours(cfg, w, device)
+    ours = _ours(cfg, w, device, ops)
     hf16, hf64 = _hf(cfg, w, torch.bfloat16).to(device), _hf(cfg, w, torch.float64)
     seqs = [list(range(3, 40)), list(range(100, 131)), [7] * 50]
     lay = packed_layout(seqs, PAD)
@@ -108,8 +109,8 @@ def gradient_errors(device: str) -> dict[str, tuple[float, float]]:
     return {n: (err(ours[n], g), err(hf16[n], g)) for n, g in want.items()}
 
 
-def check_logits(device: str) -> None:
-    for i, (ours_max, hf_max, ours_l2, hf_l2) in enumerate(logit_errors(device)):
+def check_logits(device: str, ops=InvariantOps) -> None:
+    for i, (ours_max, hf_max, ours_l2, hf_l2) in enumerate(logit_errors(device, ops)):
         assert ours_max <= LOGIT_FACTOR * hf_max and ours_l2 <= LOGIT_FACTOR * hf_l2, \
             (i, ours_max, hf_max, ours_l2, hf_l2)
         assert ours_l2 > BF16_FLOOR and hf_l2 > BF16_FLOOR, (i, ours_l2, hf_l2)

@@ -45,7 +45,8 @@ class InvariantOps:
                                                       live_vocab=live_vocab, compute_dtype=dtype)
 
     @staticmethod
-    def embed(ids, w, offset, pc: ParallelCtx):
+    def embed(ids, w, offset, pc: ParallelCtx, dtype=torch.float32):
+        """Rows [L, H] fp32 (every compute dtype: the residual stream is fp32)."""
         x = embedding.embed(ids, w, offset=offset, tok=pc.tok)
         if pc.tp.size > 1:
             x = par.select_vocab_owner(x, torch.div(ids, w.shape[0], rounding_mode="floor"), pc)
@@ -66,6 +67,13 @@ class InvariantOps:
             return norm.rms_norm_inference(x, w, eps, cos, sin)
         return rope(norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas),
                     cos, sin)
+
+    @staticmethod
+    def stream(o):
+        """The attention output as o_proj's input: an autograd pass widens it exactly to fp32
+        (the backward of this cast is dO's rounding point in bf16 runs); an inference pass
+        keeps the bf16 values, which o_proj would round the widened copy back to."""
+        return o.to(torch.float32) if needs_grad(o) else o
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):
@@ -160,16 +168,20 @@ def _native_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """F.linear in the native dtype (bf16: cuBLAS bf16 GEMM, its bf16 output widened to fp32
-    for the fp32 residual stream, as bf16 training stacks do)."""
+    """F.linear in the native dtype. bf16 on CUDA: the cuBLAS bf16 GEMM with its bf16 output,
+    which stays the residual stream's dtype (as transformers and Megatron keep activations);
+    the fp32-held weight is cast per product, so its gradient arrives in fp32."""
     dtype = _native_dtype(x, dtype)
     if dtype == torch.float32:
         return F.linear(x, w.to(torch.float32))     # a bf16-held weight: the same values
-    return F.linear(x.to(dtype), w.to(dtype)).to(torch.float32)
+    return F.linear(x.to(dtype), w.to(dtype))
 
 
 class NativeOps:
-    """Stock torch ops and SUM collectives: the baseline users would otherwise run."""
+    """Stock torch ops and SUM collectives: the baseline users would otherwise run. On CUDA with
+    a bf16 compute dtype the activations stay bf16 between ops (embedding, residual adds,
+    SwiGLU, RoPE, attention output, logits), with RMSNorm statistics and the log-softmax in
+    fp32, as in transformers' Qwen3; on CPU every op is fp32 (the control)."""
 
     name = "native"
 
@@ -218,10 +230,11 @@ class NativeOps:
         return pair(x, lambda t: par.rows_of_rank(t, tp, 0), lambda g: _all_gather(g, tp, 0))
 
     @staticmethod
-    def embed(ids, w, offset, pc: ParallelCtx):
+    def embed(ids, w, offset, pc: ParallelCtx, dtype=torch.float32):
         local = ids - offset
         inside = (local >= 0) & (local < w.shape[0])
-        x = F.embedding(local.clamp(0, w.shape[0] - 1), w).to(torch.float32) * inside[:, None]
+        x = F.embedding(local.clamp(0, w.shape[0] - 1), w).to(_native_dtype(w, dtype))
+        x = x * inside[:, None]
         if pc.tp.size > 1:
             tp = pc.tp
             x = pair(x, lambda t: _all_reduce(t, tp), lambda g: g)
@@ -229,12 +242,24 @@ class NativeOps:
 
     @staticmethod
     def norm(x, w, eps, tok, head_comm=None, replicas=1, out_dtype=torch.float32):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + eps))
+        """RMSNorm in x's dtype: fp32 rows as before; bf16 rows (CUDA) normalised in fp32 and
+        rounded to bf16 before the weight (bf16) multiplies them, as transformers does."""
+        if x.dtype == torch.float32:
+            var = x.pow(2).mean(-1, keepdim=True)
+            return w * (x * torch.rsqrt(var + eps))
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w.to(x.dtype) * y.to(x.dtype)
 
     @staticmethod
     def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1):
-        return apply_rope(NativeOps.norm(x, w, eps, tok), cos, sin)
+        y = NativeOps.norm(x, w, eps, tok)
+        return apply_rope(y, cos.to(y.dtype), sin.to(y.dtype))
+
+    @staticmethod
+    def stream(o):
+        """The attention output as o_proj's input: as it came (bf16 on CUDA)."""
+        return o
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):
@@ -255,7 +280,7 @@ class NativeOps:
     @staticmethod
     def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx, dtype=torch.float32,
                   dense_causal=False, bounds=None):
-        """SDPA in the compute dtype (bf16: q/k/v rounded, output widened to fp32). A dense
+        """SDPA in the compute dtype (bf16 on CUDA: q/k/v rounded, bf16 output). A dense
         causal layout (StreamLayout.dense_causal: training passes) uses is_causal, which lets
         SDPA take the flash kernel; every other layout passes the explicit mask."""
         dtype = _native_dtype(q, dtype)
@@ -264,7 +289,7 @@ class NativeOps:
         if dense_causal and q.shape[2] == k.shape[2]:
             out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
                                                  is_causal=True, scale=scale, enable_gqa=gqa)
-            return out.to(torch.float32) * (q_pos >= 0)[:, None, :, None]
+            return out * (q_pos >= 0)[:, None, :, None]
         j = torch.arange(k.shape[2], device=q.device)
         vis = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
         row = vis.any(-1)
@@ -272,7 +297,7 @@ class NativeOps:
         out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
                                              attn_mask=vis[:, None], scale=scale,
                                              enable_gqa=gqa)
-        return out.to(torch.float32) * row[:, None, :, None]
+        return out * row[:, None, :, None]
 
     @staticmethod
     def begin_grads(model, direct: bool = False) -> None:

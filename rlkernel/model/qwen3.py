@@ -32,7 +32,6 @@ from rlkernel.kernels.matmul import rounding_point
 from rlkernel.kernels.rope import RopeTable
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
 from rlkernel.model.layout import StreamLayout, to_samples, to_stream
-from rlkernel.model.ops import needs_grad
 from rlkernel.model.sharding import (dx_shard_rows, kv_replicas, local_tensor, logical_tensor,
                                      shard_of)
 from rlkernel.spec import ATTN_KV_BLOCK
@@ -155,10 +154,7 @@ class Attention(nn.Module):
                 ks, vs = self._write_cache(cache, ks, vs, lay)
             o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc, self.cd,
                               lay.dense_causal and cache is None, lay.attention_bounds())
-        # Widened exactly; the backward of this cast is the rounding point of dO (bf16 runs).
-        # An inference pass keeps the bf16 output: o_proj would round the widened copy back.
-        if needs_grad(o):
-            o = o.to(torch.float32)
+        o = ops.stream(o)
         o = to_stream(o.transpose(1, 2), lay.q_idx, n, lay).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc, self.cd)
 
@@ -338,12 +334,14 @@ class Qwen3ForCausalLM(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def hidden(self, lay: StreamLayout, cache=None) -> torch.Tensor:
-        """Final-normed hidden states of this rank's rows: [Ls, H] fp32 (SP slice under SP).
+        """Final-normed hidden states of this rank's rows: [Ls, H] (SP slice under SP), fp32
+        (native mode on CUDA: the compute dtype, its residual stream's).
         cache: a KVCache, or rollout/kv_cache.PagedKVCache (anything with `attend`)."""
         lay = lay.to(self.device)
         cos, sin = self.rope.lookup(lay.positions, lay.pos_bound)
         w = self.model.embed_tokens.weight
-        x = self.ops.embed(lay.tokens, w, self.pc.tp.rank * w.shape[0], self.pc)
+        x = self.ops.embed(lay.tokens, w, self.pc.tp.rank * w.shape[0], self.pc,
+                           self.compute_dtype)
         for layer in self.model.layers:
             if self.recompute and cache is None and torch.is_grad_enabled():
                 # Backward re-runs the layer with the same layout, kernels and collectives
@@ -354,7 +352,8 @@ class Qwen3ForCausalLM(nn.Module):
         return self.ops.norm(x, self.model.norm.weight, self.cfg.rms_norm_eps, self.pc.tok_sp)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head over the full vocab: [Ls, H] -> [Lc, V] fp32 (vocab-parallel, gathered)."""
+        """LM head over the full vocab: [Ls, H] -> [Lc, V] (vocab-parallel, gathered), fp32
+        (native mode on CUDA: the compute dtype; its log-softmax widens to fp32)."""
         shards = VIRTUAL_TP // self.pc.tp.size
         (z,) = self.ops.col(h, [self.lm_head_weight()], None, shards, self.pc, self.compute_dtype)
         return self.ops.gather_vocab(z, self.pc)
