@@ -128,6 +128,13 @@ def _hf_model(cfg, weights, dev: torch.device):
     return m.train()
 
 
+def _hf_response_logprobs(m, ids: torch.Tensor, p_len: int) -> torch.Tensor:
+    """transformers' logprobs of the response tokens: ids [b, P+R] -> [b, R] fp32, the token at
+    t scored by the logits of position t - 1 (log-softmax in fp32, temperature 1)."""
+    logits = m(input_ids=ids).logits[:, p_len - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, p_len:, None])[..., 0]
+
+
 def _transformers_arm(cfg, weights, samples, steps: int, dev: torch.device,
                       micro_samples: int = 0, kernel_sites: bool = False):
     """The stock stack users run: transformers bf16 (SDPA, torch autograd), the same samples
@@ -150,8 +157,7 @@ def _transformers_arm(cfg, weights, samples, steps: int, dev: torch.device,
     def fwd_bwd():
         for a in range(0, len(samples), mb):
             x = ids[a:a + mb]
-            logits = m(input_ids=x).logits[:, p_len - 1:-1].float()
-            lp = torch.log_softmax(logits, -1).gather(-1, x[:, p_len:, None])[..., 0]
+            lp = _hf_response_logprobs(m, x, p_len)
             ratio = torch.exp(lp - old[a:a + mb])
             A = adv[a:a + mb, None]
             pg = -torch.minimum(ratio * A, ratio.clamp(0.8, 1.2) * A)

@@ -184,3 +184,32 @@ def test_transformers_arm_smoke_cpu_times_the_step_and_its_forward_backward(tmp_
     assert nat > 0 and abs(r["first_grad_norm"] - nat) <= 0.02 * nat, (r["first_grad_norm"], nat)
     assert r["micro_samples"] == 2 and len(r["step_s"]) == 2 and len(r["fwd_bwd_s"]) == 1
     assert 0 < r["warm_fwd_bwd_s"] and 0 < r["warm_step_s"]
+
+
+def test_transformers_arm_scores_each_response_token_as_our_model_does():
+    """The transformers arm's loss reads the logprob of each response token from the previous
+    position's logits: per token, within bf16 tolerance of our fp32-computing model's logprobs on the
+    same weights (a reference-library comparison; a gradient norm alone does not see a logits
+    row shifted by one position on random tokens). Control: scoring each token from its own
+    position instead is far off."""
+    import torch
+    from rlkernel.model.config import tiny
+    from rlkernel.model.ops import NativeOps
+    from rlkernel.model.qwen3 import Qwen3ForCausalLM
+    from rlkernel.model.checkpoint import init_weights
+    from rlkernel.train.step import trainer_logprobs
+    cfg = tiny()
+    weights = init_weights(cfg, 0)
+    samples = bench_train_step._samples(3, 6, 10, cfg.vocab_size, 1)
+    ours = Qwen3ForCausalLM(cfg, NativeOps, torch.bfloat16)   # bf16 values, fp32 on CPU
+    ours.load_tensors(weights)
+    want = torch.stack(trainer_logprobs(ours, samples, 1.0, bench_train_step.PAD))
+    hf = bench_train_step._hf_model(cfg, weights, torch.device("cpu"))
+    ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids) for s in samples])
+    with torch.no_grad():
+        got = bench_train_step._hf_response_logprobs(hf, ids, 6)
+        shifted = torch.log_softmax(hf(input_ids=ids).logits[:, 6:].float(), -1).gather(
+            -1, ids[:, 6:, None])[..., 0]
+    assert got.shape == want.shape == (3, 10)
+    assert float((got - want).abs().max()) < 0.02, (got - want).abs().max()
+    assert float((shifted - want).abs().max()) > 0.5
