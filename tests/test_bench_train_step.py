@@ -188,15 +188,15 @@ def test_transformers_arm_smoke_cpu_times_the_step_and_its_forward_backward(tmp_
 
 def test_transformers_arm_scores_each_response_token_as_our_model_does():
     """The transformers arm's loss reads the logprob of each response token from the previous
-    position's logits: per token, within bf16 tolerance of our fp32-computing model's logprobs on the
-    same weights (a reference-library comparison; a gradient norm alone does not see a logits
-    row shifted by one position on random tokens). Control: scoring each token from its own
+    position's logits: per token, within bf16 tolerance of our model's logprobs (bf16 weights,
+    fp32 compute on CPU) on the same weights (a reference-library comparison; a gradient norm
+    alone does not see a logits row shifted by one position on random tokens). Control: scoring each token from its own
     position instead is far off."""
     import torch
+    from rlkernel.model.checkpoint import init_weights
     from rlkernel.model.config import tiny
     from rlkernel.model.ops import NativeOps
     from rlkernel.model.qwen3 import Qwen3ForCausalLM
-    from rlkernel.model.checkpoint import init_weights
     from rlkernel.train.step import trainer_logprobs
     cfg = tiny()
     weights = init_weights(cfg, 0)

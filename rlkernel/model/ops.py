@@ -242,11 +242,9 @@ class NativeOps:
 
     @staticmethod
     def norm(x, w, eps, tok, head_comm=None, replicas=1, out_dtype=torch.float32):
-        """RMSNorm in x's dtype: fp32 rows as before; bf16 rows (CUDA) normalised in fp32 and
-        rounded to bf16 before the weight (bf16) multiplies them, as transformers does."""
-        if x.dtype == torch.float32:
-            var = x.pow(2).mean(-1, keepdim=True)
-            return w * (x * torch.rsqrt(var + eps))
+        """RMSNorm in x's dtype, statistics in fp32: bf16 rows (CUDA) are normalised in fp32 and
+        rounded to bf16 before the weight (bf16) multiplies them, as transformers does; for
+        fp32 rows every cast is a no-op."""
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w.to(x.dtype) * y.to(x.dtype)
