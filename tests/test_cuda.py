@@ -770,6 +770,47 @@ def test_padded_vocab_fused_equals_unfused_and_masked_rows_get_no_gradient():
     assert _same(ls.gather(1, tg[:4, None])[:, 0], lp[:4])
 
 
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("live", [151669, 20000])
+def test_vocab_parallel_fused_lm_head_equals_tp1_on_thread_ranks(cd, live):
+    """The fused LM head with Qwen3's vocabulary split over TP = 2, 4, 8 thread ranks on one GPU
+    (each its slice of W and local shards, the Triton statistics and d-logits kernels on the
+    slice, the statistics all-gathered): every rank's logprobs and entropy, the canonical tree
+    of the ranks' dh partials and the ranks' dW slices end to end == TP1, bitwise; the live
+    bound inside the last rank's slice (151,669) or leaving whole slices dead (20,000).
+    Control: the dh partials added left to right (a stock SUM) differ at TP8. (Thread ranks
+    work here because the op's backward waits on no other rank; parallel.enter_tp, which does,
+    is outside it. CPU: tests/test_kernels_logprobs.py.)"""
+    from kernel_helpers import run_ranks
+
+    from rlkernel.kernels.logprobs import linear_token_logprobs_entropy
+    from rlkernel.numerics.trees import tree_combine
+    g = _gen(23)
+    v = 151936
+    x0 = torch.randn(128, 64, device=DEV, generator=g)
+    w0 = torch.randn(v, 64, device=DEV, generator=g) * 0.1
+    tg = torch.randint(0, live, (128,), device=DEV, generator=g)
+    a, b = torch.randn(128, device=DEV, generator=g), torch.randn(128, device=DEV, generator=g)
+
+    def run(r, comm, tp):
+        x = x0.clone().requires_grad_(True)
+        w = w0[r * (v // tp):(r + 1) * (v // tp)].clone().requires_grad_(True)
+        lp, ent = linear_token_logprobs_entropy(x, w, tg, 0.7, shards=8 // tp, live_vocab=live,
+                                                compute_dtype=cd, vocab_comm=comm)
+        ((lp * a).sum() + (ent * b).sum()).backward()
+        torch.cuda.synchronize()
+        return lp.detach(), ent.detach(), x.grad, w.grad
+
+    want = run(0, None, 1)
+    for tp in (2, 4, 8):
+        ranks = run_ranks(tp, lambda r, comm: run(r, comm, tp))
+        assert all(_same(lp, want[0]) and _same(ent, want[1]) for lp, ent, _, _ in ranks), tp
+        assert _same(tree_combine([r[2] for r in ranks]), want[2]), tp
+        assert _same(torch.cat([r[3] for r in ranks]), want[3]), tp
+        if tp == 8 and live > 100000:
+            assert not _same(torch.stack([r[2] for r in ranks]).sum(0), want[2])
+
+
 # ------------------------------------------------------------------------------- exact norm
 def _wide(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -24,7 +24,9 @@ from kernel_helpers import (
     gen,
     n_diff,
     randn,
+    run_ranks,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlkernel.kernels import logprobs as logprobs_mod
 from rlkernel.kernels.logprobs import (
@@ -37,6 +39,7 @@ from rlkernel.kernels.logprobs import (
 )
 from rlkernel.kernels.matmul import column_parallel_linear, linear_nt
 from rlkernel.model.ops import NativeOps
+from rlkernel.numerics.trees import tree_combine
 from rlkernel.spec import VIRTUAL_TP
 
 # ================================================================== logprobs
@@ -347,3 +350,167 @@ def test_fused_lm_head_row_chunks_with_per_row_loss_weights_change_no_bit(monkey
     for fused, rows_elems in ((True, 1 << 25), (True, 3 * V), (False, 3 * V)):
         for x, y in zip(run(fused, rows_elems), want):
             assert_bitwise(x, y)
+
+
+# ================================================================== vocab-parallel fused LM head
+
+
+def _vocab_parallel_grads(tp, h0, w0, tgt, cd, g_lp, g_ent, live, temperature=0.9):
+    """(lp, entropy, dh partial, dW slice) of every rank when `tp` thread ranks each hold the
+    vocab slice [r·V/tp, (r+1)·V/tp) of W and run the fused LM head with vocab_comm."""
+    v_loc = w0.shape[0] // tp
+
+    def rank(r, comm):
+        h = h0.clone().requires_grad_()
+        w = w0[r * v_loc:(r + 1) * v_loc].clone().requires_grad_()
+        lp, ent = linear_token_logprobs_entropy(h, w, tgt, temperature, shards=VIRTUAL_TP // tp,
+                                                live_vocab=live, compute_dtype=cd,
+                                                vocab_comm=comm)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    return run_ranks(tp, rank)
+
+
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("live", [None, 300, 100])
+def test_vocab_parallel_fused_lm_head_equals_tp1_for_tp_2_4_8(cd, live):
+    """The fused LM head with the vocab split over TP = 2, 4, 8 thread ranks (each rank its
+    slice of W, its local virtual shards, the statistics all-gathered): every rank's logprobs and
+    entropy, the canonical tree over the ranks' dh partials (what parallel.enter_tp finishes)
+    and the ranks' dW slices laid end to end == the TP1 fused path == the unfused path on
+    full-vocab logits, bitwise; with per-row loss weights, targets on every rank, and padded
+    vocabularies whose bound falls inside a rank's slice (300) or leaves whole slices dead (100:
+    ranks with no live id). Negative control: the ranks' dh partials added by a stock SUM
+    (left to right, as an all-reduce may) differ from TP1 at TP4 and TP8 (where more than two
+    ranks hold live ids)."""
+    N, H, V = 64, 32, 512
+    h0 = randn(N, H, seed=181)
+    w0 = randn(V, H, seed=182, scale=0.3)
+    a, b = randn(N, seed=183), randn(N, seed=184)
+    tgt = torch.randint(0, V, (N,), generator=gen(185))
+    tgt[:8] = torch.arange(0, V, V // 8)   # a target at the start of every virtual shard
+    want = _lm_head_grads(h0, w0, tgt, False, cd, a, b, live=live)
+    for x, y in zip(_lm_head_grads(h0, w0, tgt, True, cd, a, b, live=live), want):
+        assert_bitwise(x, y)
+    for tp in (2, 4, 8):
+        ranks = _vocab_parallel_grads(tp, h0, w0, tgt, cd, a, b, live)
+        for lp, ent, _, _ in ranks:
+            assert_bitwise(lp, want[0])
+            assert_bitwise(ent, want[1])
+        assert_bitwise(tree_combine([r[2] for r in ranks]), want[2])
+        assert_bitwise(torch.cat([r[3] for r in ranks]), want[3])
+        if tp > 2 and live != 100:   # at 100 the dead slices' partials are zeros: any order
+            assert_stock_differs(torch.stack([r[2] for r in ranks]).sum(0), want[2])
+
+
+class _LargestPerToken(TorchDispatchMode):
+    """The most elements of any op output with one row per token (first dim `rows`) while
+    active: logits-like tensors; weight-shaped ones (dW accumulators) are not per token."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows, self.largest = rows, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == self.rows:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_vocab_parallel_fused_lm_head_never_forms_full_vocab_logits():
+    """At TP = 2 and 4 no op of the fused LM head's forward or backward, on any rank, produces a
+    per-token tensor (N rows) larger than [N, V/TP] (its own logits slice): the full-vocabulary
+    logits are neither formed nor gathered, and nothing else of that size exists (the float64
+    temporaries of the exact exp included). Controls: TP1 does produce
+    [N, V]-sized tensors (so the measure sees them), and so does the unfused vocab-parallel path
+    at TP2 (column-parallel logits, gathered)."""
+    N, H, V = 64, 16, 512
+    h0, w0 = randn(N, H, seed=191), randn(V, H, seed=192, scale=0.3)
+    tgt = torch.randint(0, V, (N,), generator=gen(193))
+    g = torch.ones(N)
+
+    def largest(tp, fused):
+        def rank(r, comm):
+            v_loc = V // tp
+            h = h0.clone().requires_grad_()
+            w = w0[r * v_loc:(r + 1) * v_loc].clone().requires_grad_()
+            with _LargestPerToken(N) as seen:
+                if fused:
+                    lp, ent = linear_token_logprobs_entropy(
+                        h, w, tgt, 0.9, shards=VIRTUAL_TP // tp, vocab_comm=comm)
+                else:
+                    (z,) = column_parallel_linear(h, [w], local_shards=VIRTUAL_TP // tp)
+                    lp, ent = token_logprobs_entropy(gather_vocab_with(comm, z), tgt, 0.9)
+                ((lp * g).sum() + ent.sum()).backward()
+            return seen.largest
+        return max(run_ranks(tp, rank))
+
+    assert largest(1, True) >= N * V
+    assert largest(2, False) >= N * V
+    for tp in (2, 4):
+        assert largest(tp, True) <= N * V // tp, tp
+
+
+def gather_vocab_with(comm, z):
+    """parallel.gather_vocab's autograd pair on a bare Comm (the unfused path's vocab gather)."""
+    from rlkernel.distributed.parallel import collective_pair, rows_of_rank
+    return collective_pair(z, lambda t: comm.all_gather_cat(t, "vocab-gather", 1),
+                           lambda g: rows_of_rank(g, comm, 1))
+
+
+def test_vocab_parallel_fused_lm_head_rejects_shards_that_do_not_divide_the_slice():
+    """A slice whose rows do not divide into the local virtual shards is a ValueError naming
+    both, before any work."""
+    with pytest.raises(ValueError, match="100 vocab rows do not divide into 8"):
+        linear_token_logprobs_entropy(randn(16, 8, seed=1), randn(100, 8, seed=2),
+                                      torch.zeros(16, dtype=torch.long), 1.0)
+
+
+def test_model_trainer_head_at_tp2_is_the_vocab_parallel_fused_path(monkeypatch):
+    """Qwen3ForCausalLM.token_logprobs (what the trainer and the topology matrix run) at TP2 on
+    thread ranks: never gathers the vocab (InvariantOps.gather_vocab raises here), and its
+    logprobs, entropy, d h (finished across TP) and each rank's LM-head gradient slice equal the
+    TP1 model's, bitwise. The topology matrix compares whole runs; this pins which path they
+    take, since the old gathered path gives the same bytes with [L, V] logits on every rank."""
+    from rlkernel.distributed.comm import Comm
+    from rlkernel.distributed.parallel import ParallelCtx
+    from rlkernel.distributed.tokensum import TokenSum
+    from rlkernel.model.checkpoint import init_weights
+    from rlkernel.model.config import tiny
+    from rlkernel.model.ops import InvariantOps
+    from rlkernel.model.qwen3 import Qwen3ForCausalLM
+
+    cfg = tiny()
+    weights = init_weights(cfg, 3)
+    n = 48
+    h0 = randn(n, cfg.hidden_size, seed=201)
+    tgt = torch.randint(0, cfg.vocab_size, (n,), generator=gen(202))
+    a, b = randn(n, seed=203), randn(n, seed=204)
+
+    def run(pc):
+        model = Qwen3ForCausalLM(cfg, InvariantOps, torch.bfloat16, pc)
+        model.load_tensors(weights)
+        h = h0.clone().requires_grad_()
+        lp, ent = model.token_logprobs(h, tgt, 0.8)
+        ((lp * a).sum() + (ent * b).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, model.lm_head_weight().grad
+
+    want = run(None)
+
+    def rank(r, comm):
+        tok = TokenSum(Comm.single("tokens"))
+        return run(ParallelCtx(comm, Comm.single("kv"), Comm.single("cp"), False, tok, tok))
+
+    def no_gather(*_):
+        raise AssertionError("the trainer's LM head gathered the vocabulary")
+    monkeypatch.setattr(InvariantOps, "gather_vocab", staticmethod(no_gather))
+    ranks = run_ranks(2, rank)
+    for r, (lp, ent, dh, dw) in enumerate(ranks):
+        assert_bitwise(lp, want[0])
+        assert_bitwise(ent, want[1])
+        assert_bitwise(dh, want[2])
+        v = cfg.vocab_size // 2
+        assert_bitwise(dw, want[3][r * v:(r + 1) * v])

@@ -24,13 +24,18 @@ the logits product, d logits before the dh and dW products. CUDA tensors use the
 statistics kernel (its own chunk order; the shard tree and the formulas above are shared), and
 the shard merge and lse / entropy run as one Triton launch (triton_logprobs.finish_stats, the
 bits of `_finish_stats`'s torch ops on CPU; as CUDA torch ops they were hundreds of launches).
-Does not: communicate (a vocab-parallel TP group uses the unfused path on gathered logits).
+Vocab-parallel TP (`vocab_comm`): each rank's slice computes its virtual shards' statistics,
+which the group all-gathers (3 floats per shard and token) and every rank merges by the same
+tree, so no rank forms the [tokens, vocab] logits or gathers them (rollout sampling, which
+needs the whole distribution, gathers logits through model.logits).
+Does not: own a process group (the caller passes the TP group's Comm).
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import (check_compute_dtype, column_parallel_dx, grad_weight,
@@ -89,15 +94,31 @@ def _div_t(logits: torch.Tensor, temperature: float, live_vocab: int | None = No
     """z = logits / T, correctly rounded, with z = −inf for ids >= live_vocab (a select: exact).
     On CUDA by the Triton kernel: torch's CUDA `x / scalar` multiplies by the reciprocal, which
     the fused kernel (div_rn) would not reproduce."""
-    live = check_live_vocab(live_vocab, logits.shape[-1])
+    return _div_t_live(logits, temperature, check_live_vocab(live_vocab, logits.shape[-1]))
+
+
+def _div_t_live(logits: torch.Tensor, temperature: float, n_live: int) -> torch.Tensor:
+    """`_div_t` with the live bound as a column count in [0, V]: a vocab slice of a TP rank may
+    hold no live id at all (its whole slice past the tokenizer's ids)."""
     if logits.is_cuda:
         from rlkernel.kernels import triton_logprobs
         z = triton_logprobs.div_scalar(logits, temperature)
     else:
         z = logits / temperature
-    if live < z.shape[-1]:
-        z[..., live:] = float("-inf")
+    if n_live < z.shape[-1]:
+        z[..., n_live:] = float("-inf")
     return z
+
+
+def vocab_slice(vocab_comm: Comm | None, v_local: int, targets: torch.Tensor,
+                live_vocab: int | None) -> tuple[int, torch.Tensor, int]:
+    """What a vocab-parallel rank needs of global ids: (offset of its slice, targets as local
+    column indices, live ids of its slice in [0, v_local]). A target another rank holds gets a
+    local index outside [0, v_local), which matches no column here (rank 0's -1 included)."""
+    off = 0 if vocab_comm is None else vocab_comm.rank * v_local
+    live = v_local * (1 if vocab_comm is None else vocab_comm.size) \
+        if live_vocab is None else live_vocab
+    return off, targets - off, min(max(live - off, 0), v_local)
 
 
 def _finish_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
@@ -142,10 +163,13 @@ ROWS_ELEMS = 1 << 25
 def _dlogits_by_rows(rows, v, targets, lse, ent, g_lp, g_ent, temperature, out_dtype,
                      live_vocab=None, from_logits=False):
     """`_dlogits` over row chunks: rows(a, b) gives z [b - a, v] of rows [a, b) (from_logits:
-    the logits, and z = _div_t(logits, T, live_vocab)); the result is [N, v] in out_dtype (rows
-    are independent, so the chunking changes no bit). CUDA chunks run the Triton kernel
-    (kernels/triton_dlogits.py: the same bits, without the float64 temporaries)."""
+    the logits, and z = _div_t(logits, T, live_vocab), live_vocab here a column count in [0, v]);
+    the result is [N, v] in out_dtype (rows are independent, so the chunking changes no bit).
+    A target outside [0, v) (a vocab slice's row whose target another rank holds) adds to no
+    column. CUDA chunks run the Triton kernel (kernels/triton_dlogits.py: the same bits,
+    without the float64 temporaries)."""
     n = lse.shape[0]
+    live = v if live_vocab is None else live_vocab
     out = torch.empty(n, v, dtype=out_dtype, device=lse.device)
     step = max(1, ROWS_ELEMS // max(1, v))
     for a in range(0, n, step):
@@ -158,18 +182,22 @@ def _dlogits_by_rows(rows, v, targets, lse, ent, g_lp, g_ent, temperature, out_d
                                    temperature, out[a:b], from_logits=from_logits,
                                    live_vocab=live_vocab)
             continue
-        z = _div_t(x, temperature, live_vocab) if from_logits else x
+        z = _div_t_live(x, temperature, live) if from_logits else x
         out[a:b] = _dlogits(z, targets[a:b], lse[a:b], ent[a:b], g_lp[a:b], gent, temperature)
     return out
 
 
 def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
     """d loss / d logits [N, V] from z = logits / T and the forward's lse, entropy [N]; a masked
-    id (z = −inf) has p = 0, so its d logit is ±0."""
+    id (z = −inf) has p = 0, so its d logit is ±0. A target outside [0, V) (held by another
+    vocab-parallel rank) adds g_lp nowhere: no add at all, not an add of zero, which could turn
+    a −0.0 into +0.0."""
     logp = z - lse[:, None]
     p = exp32(logp)
     dz = -(g_lp[:, None] * p)
-    dz.scatter_add_(1, targets[:, None], g_lp[:, None])
+    here = ((targets >= 0) & (targets < z.shape[1])).nonzero(as_tuple=True)[0]
+    cols = targets[here]
+    dz[here, cols] = dz[here, cols] + g_lp[here]
     if g_ent is not None:
         pl = torch.where(p > 0, p * (logp + ent[:, None]), torch.zeros_like(p))
         dz = dz - g_ent[:, None] * pl
@@ -178,54 +206,84 @@ def _dlogits(z, targets, lse, ent, g_lp, g_ent, temperature):
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab, cd):
+    def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab, cd, vocab_comm):
         hr, wr = rounding_point(h, cd), weight_point(w, cd, tok)
+        _, local, n_live = vocab_slice(vocab_comm, w.shape[0], targets, live_vocab)
         if h.is_cuda:
             from rlkernel.kernels import triton_logprobs
-            m, s, t, z_y = triton_logprobs.linear_shard_stats(hr, wr, targets, temperature,
-                                                              shards, live_vocab)
-            lse, ent = _finish_stats(m, s, t)
+            m, s, t, z_y = triton_logprobs.linear_shard_stats(hr, wr, local, temperature,
+                                                              shards, n_live)
         else:
-            z = _div_t(linear_nt(hr, wr), temperature, live_vocab)
-            lse, ent = _forward_stats(z, shards)
-            z_y = z.gather(1, targets[:, None])[:, 0]
-        ctx.save_for_backward(hr, w, targets, lse, ent)
+            z = _div_t_live(linear_nt(hr, wr), temperature, n_live)
+            m, s, t = _shard_stats(z, shards)
+            held = (local >= 0) & (local < z.shape[1])
+            z_y = torch.where(held, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0],
+                              float("-inf"))
+        if vocab_comm is not None and vocab_comm.size > 1:
+            m, s, t, z_y = _gather_vocab_stats(vocab_comm, w.shape[0], targets, m, s, t, z_y)
+        lse, ent = _finish_stats(m, s, t)
+        ctx.save_for_backward(hr, w, local, lse, ent)
         ctx.temperature, ctx.shards, ctx.tok, ctx.param = temperature, shards, tok, w
-        ctx.live_vocab, ctx.cd = live_vocab, cd
+        ctx.n_live, ctx.cd = n_live, cd
         return z_y - lse, ent
 
     @staticmethod
     def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
-        h, w, targets, lse, ent = ctx.saved_tensors
+        h, w, local, lse, ent = ctx.saved_tensors
         w = weight_point(ctx.param, ctx.cd, ctx.tok)
         # recomputed row by row, divided by T and masked the same way: the same bits as forward
-        dlogits = _dlogits_by_rows(lambda a, b: linear_nt(h[a:b], w), w.shape[0], targets, lse,
+        dlogits = _dlogits_by_rows(lambda a, b: linear_nt(h[a:b], w), w.shape[0], local, lse,
                                    ent, g_lp, g_ent, ctx.temperature, ctx.cd,
-                                   live_vocab=ctx.live_vocab, from_logits=True)
+                                   live_vocab=ctx.n_live, from_logits=True)
         dh = column_parallel_dx(dlogits, w, ctx.shards) if ctx.needs_input_grad[0] else None
         dw = grad_weight(dlogits, h, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
+
+
+def _gather_vocab_stats(vocab_comm: Comm, v_local: int, targets: torch.Tensor, m, s, t, z_y):
+    """Every rank's shard statistics [N, local shards] → [N, all shards] in rank order (rank r's
+    slice holds the virtual shards [r·S/tp, (r+1)·S/tp)), and the target's z from the rank whose
+    slice holds it (an exact pick): per token 3·S + 1 floats cross the group, not V logits."""
+    parts = vocab_comm.all_gather(torch.stack([m, s, t]), "vocab-shard-stats")
+    m, s, t = torch.cat(parts, dim=2).unbind(0)
+    owner = torch.div(targets, v_local, rounding_mode="floor").clamp(0, vocab_comm.size - 1)
+    return m, s, t, vocab_comm.select_owner(z_y, owner, "vocab-target-logit")
 
 
 def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
                                   temperature: float, shards: int = VIRTUAL_TP,
                                   tok: TokenSum | None = None, live_vocab: int | None = None,
-                                  compute_dtype: torch.dtype = torch.float32):
-    """token_logprobs_entropy(h @ wᵀ, targets, T, live_vocab=...) without keeping the logits.
+                                  compute_dtype: torch.dtype = torch.float32,
+                                  vocab_comm: Comm | None = None):
+    """token_logprobs_entropy(h @ Wᵀ, targets, T, live_vocab=...) without keeping the logits.
 
-    h [N, H] fp32, w [V, H] fp32 (the full vocab: TP = 1), targets [N] long, temperature > 0,
-    live_vocab in [1, V] or None (= V) -> (logprobs [N], entropy [N]) fp32, bitwise equal to the
-    unfused path on the column-parallel logits. Backward: d logits recomputed once per call; dh by
-    the virtual-TP tree over vocab shards, dW by the token reduction through `tok` (N a multiple
-    of TOKEN_LEAF), as the LM head's own backward. On CUDA the forward's extra memory is O(N · shards).
-    compute_dtype: the LM head's operand dtype (kernels/matmul.py rounding points); the result
-    equals column_parallel_linear(h, [w], compute_dtype=...) fed to token_logprobs_entropy.
-    ValueError: live_vocab out of range, compute dtype not supported.
+    h [N, H] fp32 (every row of the TP group: under SP, already gathered), targets [N] long
+    (global ids), temperature > 0, live_vocab in [1, V] or None (= V). w [V, H] is the full
+    vocabulary, or with `vocab_comm` (the TP group; vocab-parallel LM head) this rank's slice
+    [V/tp, H] of rows [r·V/tp, (r+1)·V/tp), `shards` then its local virtual shards
+    (VIRTUAL_TP/tp). -> (logprobs [N], entropy [N]) fp32, identical on every rank of the group
+    and bitwise equal to the unfused path on the full-vocab logits at any TP: each virtual
+    shard's (max, Σe, Σe·z) is the same per-token chain on whichever rank holds it, the ranks
+    all-gather those statistics (3 floats per shard and token) and the target's z, and every
+    rank finishes the canonical shard tree (DESIGN.md §1, vocab-parallel log-softmax). The
+    [N, V] logits are never gathered: each rank forms only its [N, V/tp] slice (on CUDA not
+    even that in the forward). Backward: d logits of the slice recomputed once per call; dh
+    this rank's subtree of the virtual-TP tree over its vocab shards (`parallel.enter_tp`
+    finishes it across TP, as for the column-parallel LM head), dW by the token reduction
+    through `tok` (N a multiple of TOKEN_LEAF), as the LM head's own backward. On CUDA the
+    forward's extra memory is O(N · shards). compute_dtype: the LM head's operand dtype
+    (kernels/matmul.py rounding points); the result equals column_parallel_linear(h, [w],
+    compute_dtype=...) gathered and fed to token_logprobs_entropy.
+    ValueError: live_vocab out of range, compute dtype not supported, shards not dividing the
+    slice.
     """
-    check_live_vocab(live_vocab, w.shape[0])
+    check_live_vocab(live_vocab, w.shape[0] * (1 if vocab_comm is None else vocab_comm.size))
     check_compute_dtype(compute_dtype)
+    if shards < 1 or w.shape[0] % shards:
+        raise ValueError(f"fused logprobs: {w.shape[0]} vocab rows do not divide into {shards} "
+                         f"virtual shards")
     return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tok, live_vocab,
-                                      compute_dtype)
+                                      compute_dtype, vocab_comm)
 
 
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,

@@ -24,6 +24,7 @@ from rlkernel.distributed.parallel import collective_pair as pair
 from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, norm,
                               paged_attention)
 from rlkernel.kernels.rope import apply_rope, rope
+from rlkernel.spec import VIRTUAL_TP
 
 
 class InvariantOps:
@@ -40,9 +41,12 @@ class InvariantOps:
     @staticmethod
     def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx, live_vocab=None,
                               dtype=torch.float32):
-        """Fused LM head + logprobs (TP = 1): the unfused path's bytes, no [L, V] logits kept."""
-        return logprobs.linear_token_logprobs_entropy(h, w, targets, temperature, tok=pc.tok,
-                                                      live_vocab=live_vocab, compute_dtype=dtype)
+        """Fused vocab-parallel LM head + logprobs at any TP: the unfused path's bytes, without
+        [L, V] logits kept or gathered (h: this rank's rows, the SP slice under SP; w: its
+        vocab slice)."""
+        return logprobs.linear_token_logprobs_entropy(
+            par.enter_tp(h, pc), w, targets, temperature, shards=VIRTUAL_TP // pc.tp.size,
+            tok=pc.tok, live_vocab=live_vocab, compute_dtype=dtype, vocab_comm=pc.tp)
 
     @staticmethod
     def embed(ids, w, offset, pc: ParallelCtx, dtype=torch.float32):

@@ -362,7 +362,7 @@ class Qwen3ForCausalLM(nn.Module):
         """(logprobs [Lc], entropy [Lc]) of `targets` [Lc] under softmax(logits(h) / temperature)
         over the ids < live_vocab."""
         fused = getattr(self.ops, "linear_token_logprobs", None)
-        if fused is not None and h.is_cuda and self.pc.tp.size == 1:   # same bytes, less memory
+        if fused is not None:   # the same bytes without [L, V] logits, at any TP
             return fused(h, self.lm_head_weight(), targets, temperature, self.pc,
                          live_vocab=self.live_vocab, dtype=self.compute_dtype)
         return self.ops.token_logprobs_entropy(self.logits(h), targets, temperature,
