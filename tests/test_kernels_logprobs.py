@@ -19,6 +19,7 @@ import pytest
 import torch
 from kernel_helpers import (
     assert_bitwise,
+    bits,
     assert_near,
     assert_stock_differs,
     gen,
@@ -402,6 +403,53 @@ def test_vocab_parallel_fused_lm_head_equals_tp1_for_tp_2_4_8(cd, live):
         assert_bitwise(torch.cat([r[3] for r in ranks]), want[3])
         if tp > 2 and live != 100:   # at 100 the dead slices' partials are zeros: any order
             assert_stock_differs(torch.stack([r[2] for r in ranks]).sum(0), want[2])
+
+
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_dlogits_add_no_zero_to_rows_whose_target_is_elsewhere(cd):
+    """A rank whose slice does not hold a row's target adds nothing at that row, not +0.0: with
+    one live id (every other id dead: d logit −0.0 with positive loss weights), every target 0
+    and W's row 0 negative, TP1's dh is −0.0 in every element; TP 2 and 8 must give those signs
+    (an added +0.0 on the dead slices turns their partials, and the tree, to +0.0). The check
+    that TP1 is all −0.0 shows the test can see the difference."""
+    N, H, V = 64, 32, 512
+    w0 = randn(V, H, seed=211).abs()
+    w0[0] = -w0[0]
+    h0 = randn(N, H, seed=212)
+    a, b = randn(N, seed=213).abs(), randn(N, seed=214).abs()
+    tgt = torch.zeros(N, dtype=torch.long)
+    want = _lm_head_grads(h0, w0, tgt, True, cd, a, b, live=1)
+    assert bool((bits(want[2]) == bits(torch.tensor(-0.0))).all())
+    for tp in (2, 8):
+        ranks = _vocab_parallel_grads(tp, h0, w0, tgt, cd, a, b, 1)
+        assert_bitwise(tree_combine([r[2] for r in ranks]), want[2])
+
+
+def test_vocab_parallel_statistics_are_gathered_in_virtual_shard_order():
+    """_gather_vocab_stats on TP = 2, 4, 8 thread ranks returns (m, s, t) [N, 8] equal, column
+    by column, to the per-shard statistics of the full row (shard k in column k), and the target
+    logit of the rank that holds it. (A mirrored order would give the same merged bytes — the
+    merge is symmetric — so the order itself is pinned here, for trees where it matters.)"""
+    N, V = 16, 512
+    z = _div_t(randn(N, V, seed=221, scale=3), 1.0)
+    tgt = torch.randint(0, V, (N,), generator=gen(222))
+    full = _shard_stats(z, VIRTUAL_TP)
+    for tp in (2, 4, 8):
+        v = V // tp
+
+        def rank(r, comm):
+            zr = z[:, r * v:(r + 1) * v]
+            m, s, t = _shard_stats(zr, VIRTUAL_TP // tp)
+            local = tgt - r * v
+            held = (local >= 0) & (local < v)
+            zy = torch.where(held, zr.gather(1, local.clamp(0, v - 1)[:, None])[:, 0],
+                             float("-inf"))
+            return logprobs_mod._gather_vocab_stats(comm, v, tgt, m, s, t, zy)
+
+        for got in run_ranks(tp, rank):
+            for a, b in zip(got[:3], full):
+                assert_bitwise(a, b)
+            assert_bitwise(got[3], z.gather(1, tgt[:, None])[:, 0])
 
 
 class _LargestPerToken(TorchDispatchMode):

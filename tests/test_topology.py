@@ -66,11 +66,28 @@ def test_ci_subset_replicates_kv_heads():
     assert any(tp > MODEL.num_key_value_heads for tp, _, _ in CI_SUBSET)
 
 
+def _assert_optimizer_split_over_cp(records: list[dict], cp: int) -> None:
+    """ZeRO-1 over DP × CP (train/zero.py): the ranks of one tp_rank hold disjoint chunks of
+    that TP shard's fp32 masters and moments — their bytes add up to the same total for every
+    tp_rank's group size, and each holds at most ⌈1/CP⌉ of it (plus per-tensor rounding)."""
+    by_tp: dict[int, list[int]] = {}
+    for r in records:
+        by_tp.setdefault(r["where"][0], []).append(r["optimizer_bytes"])
+    n_tensors = len(records[0]["weights"])
+    for held in by_tp.values():
+        assert len(held) == cp
+        assert all(b <= sum(held) / cp + 12 * n_tensors for b in held), held
+
+
 @pytest.mark.parametrize("tp,cp,sp", CI_SUBSET)
 def test_layout_matches_tp1_cp1(tmp_path, baseline, tp, cp, sp):
     """On every rank: per-token logprobs, every gradient, grad norm, loss/entropy, weights after
-    2 AdamW steps == (1,1,off), bytes."""
-    assert_same_bytes(_run(tmp_path, tp, cp, sp), baseline, f"TP{tp}/CP{cp}/SP{sp}")
+    2 AdamW steps == (1,1,off), bytes; with the optimizer state split over the CP ranks."""
+    records = _run(tmp_path, tp, cp, sp)
+    assert_same_bytes(records, baseline, f"TP{tp}/CP{cp}/SP{sp}")
+    _assert_optimizer_split_over_cp(records, cp)
+    if tp == cp == 1:
+        assert records[0]["optimizer_bytes"] == baseline["optimizer_bytes"]
 
 
 @pytest.mark.slow

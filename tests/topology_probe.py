@@ -29,10 +29,11 @@ from rlkernel.distributed.launch import launch
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
-from rlkernel.model.sharding import counts_for_norm, logical_tensor
+from rlkernel.model.sharding import logical_tensor
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.optimizer import AdamWParams
 from rlkernel.train.step import compute_gradients, dp_share, gradients, microbatches
+from rlkernel.train import zero
 from rlkernel.train.zero import ZeroAdamW
 
 T = 0.7
@@ -112,10 +113,8 @@ def probe(rank: int, cfg: RunConfig, job: Job, out_dir: str) -> None:
     pc, _ = build_contexts(topo, comms, job.mcfg)
     policy, ref = _models(job, cfg.mode, pc, cfg.recompute, cfg.device)
     exp = invariant_exp if cfg.mode == "invariant" else torch.exp
-    opt = ZeroAdamW({n: p.detach() for n, p in policy.logical_params().items()},
-                    AdamWParams(lr=1e-3), comms.dp)
-    counted = {n for n in policy.logical_params()
-               if topo.cp_rank == 0 and counts_for_norm(n, job.mcfg, topo.tp, topo.tp_rank)}
+    opt, counted = zero.build({n: p.detach() for n, p in policy.logical_params().items()},
+                              AdamWParams(lr=1e-3), comms, topo, job.mcfg)
     record = _steps(policy, ref, job, exp, opt, counted, comms.world)
     record["where"] = (topo.tp_rank, topo.cp_rank, topo.dp_rank)
     record["optimizer_bytes"] = opt.optimizer_bytes()

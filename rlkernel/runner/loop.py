@@ -35,7 +35,7 @@ from rlkernel.model.checkpoint import CheckpointError, init_weights, load_checkp
 from rlkernel.model.config import param_shapes, tiny
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
-from rlkernel.model.sharding import counts_for_norm, local_tensor, logical_tensor
+from rlkernel.model.sharding import local_tensor, logical_tensor
 from rlkernel.numerics.exact import exact_sum, float_hex
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
 from rlkernel.runner import faults
@@ -47,6 +47,7 @@ from rlkernel.runner.export import save_final_weights
 from rlkernel.train.grpo import group_advantages
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.optimizer import AdamWParams
+from rlkernel.train import zero
 from rlkernel.train.zero import ZeroAdamW
 from rlkernel.train.ppo import UpdatePlan, train_on_rollout
 from rlkernel.train.step import TrainSample
@@ -230,8 +231,8 @@ class _Rollout:
 
 
 def _opt_state(opt: ZeroAdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
-    """Logical (unsharded) fp32 masters and moments, reassembled from every DP rank's chunks
-    (ZeroAdamW.state_tensors) and every TP rank's shard. Collective."""
+    """Logical (unsharded) fp32 masters and moments, reassembled from every DP × CP rank's
+    chunks (ZeroAdamW.state_tensors) and every TP rank's shard. Collective."""
     out = {}
     for key, t in opt.state_tensors().items():      # "master/<param>", "exp_avg/<param>", ...
         parts = policy.pc.tp.all_gather(t, f"ckpt:{key}")
@@ -316,11 +317,9 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
                            decode_graphs="eager" if cfg.enforce_eager else "auto",
                            keep_state=cfg.keep_rollout_state)
     rollout = _Rollout(engine, topo, comms)
-    opt = ZeroAdamW({n: p.detach() for n, p in policy.logical_params().items()},
-                    AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
-                                cfg.weight_decay), comms.dp)
-    counted = {n for n in policy.logical_params()
-               if topo.cp_rank == 0 and counts_for_norm(n, mcfg, topo.tp, topo.tp_rank)}
+    opt, counted = zero.build({n: p.detach() for n, p in policy.logical_params().items()},
+                              AdamWParams(cfg.lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps,
+                                          cfg.weight_decay), comms, topo, mcfg)
     coefs = LossCoefs(cfg.clip_eps, cfg.kl_coef, cfg.entropy_coef, cfg.kl_estimator,
                       cfg.clip_eps_low, cfg.clip_eps_high)
     plan = UpdatePlan.from_config(cfg)
