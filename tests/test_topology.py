@@ -105,12 +105,17 @@ def test_recompute_matches_tp1_cp1(tmp_path, baseline):
 
 def test_control_native_layouts_differ(tmp_path):
     """negative control: stock ops + SUM collectives give different bytes at TP4/CP1 (KV heads
-    replicated) vs TP1."""
+    replicated, the vocab-parallel stock log-softmax) vs TP1."""
     one = single_process(JOB, "native")
     four = _run(tmp_path, 4, 1, False, "native")
     with pytest.raises(AssertionError):
         assert_same_bytes(four, one, "native")
-    # Still the same computation: gradients agree to fp32 rounding, not bitwise.
+    # Still the same computation: gradients and the per-token logprobs (at TP4 Megatron's
+    # vocab-parallel form, NativeOps.linear_token_logprobs) agree to fp32 rounding, not bitwise.
     g1, g4 = one["steps"][0]["grads"], four[0]["steps"][0]["grads"]
     for n in g1:
         assert ((g1[n] - g4[n]).norm() / g1[n].norm().clamp(min=1e-30)).item() < 1e-4, n
+    lp1, lp4 = one["steps"][0]["logprobs"], four[0]["steps"][0]["logprobs"]
+    assert set(lp1) == set(lp4)
+    assert max(abs(float(lp1[k]) - float(lp4[k])) for k in lp1) < 1e-5
+    assert abs(one["steps"][0]["entropy"] - four[0]["steps"][0]["entropy"]) < 1e-5

@@ -165,6 +165,45 @@ def _reduce_scatter(t: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     return par.rows_of_rank(_all_reduce(t, comm), comm, dim)
 
 
+def _sum_over(t: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """SUM all-reduce of per-rank terms into an output every rank then uses whole and alike
+    (logprobs, entropy of a replicated loss): each term's gradient is the sum's, as it
+    arrives (no reduction back)."""
+    return pair(t, lambda x: _all_reduce(x, comm), lambda g: g)
+
+
+def _sum_shared(t: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """SUM all-reduce into a value each rank uses only with its own slice (the softmax
+    denominator): the loss's gradient of it is the sum of every rank's part, all-reduced."""
+    return pair(t, lambda x: _all_reduce(x, comm), lambda g: _all_reduce(g, comm))
+
+
+def _vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                             tp: Comm, live_vocab: int | None):
+    """(logprobs [N], entropy [N]) of `targets` (global ids) from this rank's vocab slice of
+    the logits [N, V/TP], as Megatron-LM computes its vocab-parallel cross entropy (Shoeybi et
+    al., arXiv 1909.08053, §3: a MAX all-reduce of the row maxima, SUM all-reduces of Σ exp,
+    of the target's term from the rank holding it, and here of Σ p·log p for the entropy),
+    differentiable through torch autograd. fp32; ids >= live_vocab get −inf as in log_softmax."""
+    z = logits.float() / temperature
+    v = z.shape[1]
+    off = tp.rank * v
+    if live_vocab is not None and live_vocab < v * tp.size:
+        ids = torch.arange(off, off + v, device=z.device)
+        z = torch.where(ids < live_vocab, z, torch.full_like(z, float("-inf")))
+    m = z.detach().amax(-1, keepdim=True)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp.group)
+    zs = z - m
+    logp = zs - _sum_shared(zs.exp().sum(-1), tp).log()[:, None]
+    local = targets - off
+    held = (local >= 0) & (local < v)
+    pick = logp.gather(1, local.clamp(0, v - 1)[:, None])[:, 0]
+    lp = _sum_over(torch.where(held, pick, torch.zeros_like(pick)), tp)
+    p = logp.exp()
+    plogp = p * torch.where(p > 0, logp, torch.zeros_like(logp))
+    return lp, -_sum_over(plogp.sum(-1), tp)
+
+
 def _native_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """What the stock arm computes in: the compute dtype on CUDA (bf16 cuBLAS, flash SDPA: what
     GPU users run); fp32 on CPU, where nobody trains in bf16 and the arm is the control."""
@@ -201,6 +240,17 @@ class NativeOps:
         # masked ids: 0 · −inf is NaN, in the value and (through where) in the gradient
         ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
         return lp, ent
+
+    @staticmethod
+    def linear_token_logprobs(h, w, targets, temperature, pc: ParallelCtx, live_vocab=None,
+                              dtype=torch.float32):
+        """LM head + logprobs as stock stacks compute them: at TP1 the logits and torch's
+        log-softmax (transformers); at TP > 1 Megatron's vocab-parallel form on each rank's
+        logits slice, never gathering the vocabulary (`_vocab_parallel_logprobs`)."""
+        (logits,) = NativeOps.col(h, [w], None, None, pc, dtype)
+        if pc.tp.size == 1:
+            return NativeOps.token_logprobs_entropy(logits, targets, temperature, live_vocab)
+        return _vocab_parallel_logprobs(logits, targets, temperature, pc.tp, live_vocab)
 
     @staticmethod
     def log_softmax(logits, temperature, live_vocab=None):
