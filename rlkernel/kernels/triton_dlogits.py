@@ -107,10 +107,12 @@ def dlogits(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torc
     """logprobs._dlogits(z, targets, lse, ent, g_lp, g_ent, T) rounded to out's dtype, written
     into `out`, bitwise; returns out.
 
-    z [N, V] fp32 (any row stride), targets [N] int64 in [0, V), lse, ent, g_lp, g_ent [N] fp32
+    z [N, V] fp32 (any row stride), targets [N] int64 (a target outside [0, V), held by another
+    vocab-parallel rank, adds to no column), lse, ent, g_lp, g_ent [N] fp32
     (g_ent None: no entropy term), out [N, V] fp32 or bf16 with unit column stride (any row
     stride: a row slice of a larger buffer). from_logits: z holds logits and the kernel forms
-    logprobs._div_t(logits, T, live_vocab) itself. ValueError on bad input.
+    logprobs._div_t(logits, T, live_vocab) itself (live_vocab a column count in [0, V]).
+    ValueError on bad input.
     """
     vecs = [lse, ent, g_lp] + ([] if g_ent is None else [g_ent])
     _check(z, targets, vecs, out)

@@ -210,9 +210,11 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
     live_vocab (logprobs._div_t), bitwise, without forming the logits.
 
     h [N, K], w [V, K] (any strides; both float32 or both bfloat16: the logits are the bytes of
-    triton_matmul.linear_nt for that dtype), targets [N] long, V % shards == 0, live_vocab in
-    [1, V] or None (= V); `tile` None = LINEAR_STATS_TILES[h.dtype]. Returns (m, s, t [N, shards] fp32,
-    z_target [N] fp32).
+    triton_matmul.linear_nt for that dtype), targets [N] long (column indices of w; one outside
+    [0, V), as for a vocab slice whose rank does not hold that target, matches no column and
+    gives z_target −inf), V % shards == 0, live_vocab in [0, V] or None (= V; 0: a slice with no
+    live id, every statistic (−inf, 0, 0)); `tile` None = LINEAR_STATS_TILES[h.dtype]. Returns
+    (m, s, t [N, shards] fp32, z_target [N] fp32).
     """
     check_cuda("fused logprobs", h, w, targets)
     if h.dtype != w.dtype or h.dtype not in (torch.float32, torch.bfloat16):
