@@ -122,8 +122,8 @@ def attention_oracle64(q, k, v, q_pos, kv_len, d_out, scale: float):
 # ------------------------------------------------------------------ in-process ranks
 # The kernels take a TokenSum / Comm for their cross-rank reductions. To test the CP/TP contract
 # without processes, ranks run as threads and `ThreadComm` implements the primitives every Comm
-# collective is built on (all_gather, all_gather_object, the integer sum) with a barrier. The
-# kernels' own code (TokenSum.result/exact_sum, Comm.tree_all_reduce) is what runs.
+# collective is built on (all_gather, all_gather_object, all_to_all, the integer sum) with a
+# barrier. The kernels' own code (TokenSum.result/exact_sum, Comm.tree_all_reduce) is what runs.
 
 
 class _ThreadGroup:
@@ -152,6 +152,10 @@ class ThreadComm(Comm):
 
     def all_gather_object(self, obj, op):
         return self._g.exchange(self.rank, op, obj)
+
+    def all_to_all(self, chunks, op):
+        got = self._g.exchange(self.rank, op, [c.contiguous() for c in chunks])
+        return [sent[self.rank].clone() for sent in got]
 
     def sum_ints(self, t, op):
         return torch.stack(self.all_gather(t, op)).sum(0)   # int64: exact in any order
@@ -209,8 +213,9 @@ class _ReplayGroup:
 
 
 class ReplayComm(Comm):
-    """One rank of a `_ReplayGroup` (see above): all_gather and sum_ints, the primitives of the
-    collectives the attention backward uses (tree_all_reduce, TokenSum.round_exact)."""
+    """One rank of a `_ReplayGroup` (see above): all_gather, all_to_all and sum_ints, the
+    primitives of the collectives the attention backward uses (tree_all_reduce,
+    TokenSum.round_exact)."""
 
     def __init__(self, group: _ReplayGroup, rank: int) -> None:
         super().__init__("replay", None, tuple(range(group.n)), rank)
@@ -234,6 +239,11 @@ class ReplayComm(Comm):
     def all_gather(self, t, op):
         parts = self._parts(op, t)
         return [t.contiguous()] * self.size if parts is None else parts
+
+    def all_to_all(self, chunks, op):
+        parts = self._parts(op, torch.stack(list(chunks)))   # equal-shaped chunks
+        own = chunks[self.rank].contiguous()
+        return [own] * self.size if parts is None else [p[self.rank] for p in parts]
 
     def sum_ints(self, t, op, *, inplace=False):
         parts = self._parts(op, t)

@@ -138,6 +138,71 @@ def test_comm_collectives_across_4_ranks(tmp_path):
     assert differ > 0
 
 
+SLICED_SHAPES = [(1000,), (7, 129), (2, 3), (1,), (0, 5)]
+"""numel divisible by no world size, 2-D, fewer elements than ranks (the gathered form), empty."""
+
+
+def _sliced_partials(world: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Every rank's partial: the adversarial order-sensitive columns tiled over `shape`."""
+    cols = _adversarial_partials()
+    n = torch.Size(shape).numel()
+    reps = -(-n // cols.shape[1]) if n else 0
+    tiled = cols.repeat(-(-world // WORLD), reps)[:world, :n]
+    return [tiled[r].reshape(shape).clone() for r in range(world)]
+
+
+def _sliced_rank(rank: int, out: str) -> None:
+    from rlkernel.distributed import comm as comm_mod
+    world = dist.get_world_size()
+    comm = _world_comm(rank, world)
+    res = {}
+    for shape in SLICED_SHAPES:
+        mine = _sliced_partials(world, shape)[rank]
+        comm_mod.SLICED_MIN_ELEMS = 0          # the sliced form wherever it applies
+        res[("sliced", shape)] = comm.tree_all_reduce(mine, f"s{shape}")
+        comm_mod.SLICED_MIN_ELEMS = 1 << 62    # the gathered form
+        res[("gathered", shape)] = comm.tree_all_reduce(mine, f"g{shape}")
+    for dim in (0, 1):
+        res[("rs", dim)] = comm.tree_reduce_scatter(_rank_input(rank, (world * 2, world * 3)),
+                                                    f"rs{dim}", dim=dim)
+    try:
+        comm.tree_reduce_scatter(torch.zeros(world + 1, 2), "rs-bad", dim=0)
+    except ValueError as e:
+        res["rs-bad"] = str(e)
+    torch.save(res, pathlib.Path(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_sliced_tree_all_reduce_and_all_to_all_reduce_scatter_keep_the_tree_bits(tmp_path, world):
+    """On 3 and 4 gloo ranks: tree_all_reduce in its sliced form (all-to-all of 1/size slices,
+    each summed by the tree, all-gathered) == its gathered form == tree_combine of every rank's
+    partial in one process, bitwise, for sizes no world divides, 2-D, smaller than the world and
+    empty; tree_reduce_scatter by all-to-all along dim 0 and dim 1 == this rank's slice of the
+    one-process tree, and a dim that does not split evenly is a ValueError naming it. Control:
+    the adversarial partials' tree over the ranks rotated by one gives other bits, so a slice
+    summed in the wrong order would show (a mirrored order would not: a + b == b + a)."""
+    launch(_sliced_rank, (str(tmp_path),), world_size=world, timeout_s=30)
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for shape in SLICED_SHAPES:
+        parts = _sliced_partials(world, shape)
+        want = tree_combine(parts)
+        for r, got in enumerate(res):
+            for form in ("sliced", "gathered"):
+                t = got[(form, shape)]
+                assert t.shape == want.shape and t.view(torch.int32).equal(want.view(torch.int32)), \
+                    (form, shape, r)
+    parts = _sliced_partials(world, (1000,))
+    assert not tree_combine(parts[1:] + parts[:1]).view(torch.int32).equal(
+        tree_combine(parts).view(torch.int32))
+    full = tree_combine([_rank_input(r, (world * 2, world * 3)) for r in range(world)])
+    for r, got in enumerate(res):
+        for dim in (0, 1):
+            n = full.shape[dim] // world
+            want = full.narrow(dim, r * n, n)
+            assert got[("rs", dim)].view(torch.int32).equal(want.contiguous().view(torch.int32))
+        assert "does not split into" in got["rs-bad"]
+
+
 def _cuda_rank(rank: int, out: str) -> None:
     world = dist.get_world_size()
     comm = _world_comm(rank, world)

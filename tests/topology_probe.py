@@ -105,9 +105,14 @@ def probe(rank: int, cfg: RunConfig, job: Job, out_dir: str) -> None:
     """One rank of a launched job: `job.steps` training steps; writes out_dir/rank{rank}.pkl."""
     import torch.distributed as dist
 
+    from rlkernel.distributed import comm as comm_mod
     from rlkernel.distributed.context import build_contexts
     from rlkernel.distributed.topology import Topology, build_comms
 
+    # The tiny model's partials are far below the threshold of tree_all_reduce's sliced form;
+    # take it for every partial, so layouts of more than two TP ranks run it in the model (two
+    # ranks always take the gathered form).
+    comm_mod.SLICED_MIN_ELEMS = 0
     topo = Topology.from_config(cfg, rank, dist.get_world_size())
     comms = build_comms(topo)
     pc, _ = build_contexts(topo, comms, job.mcfg)

@@ -31,6 +31,11 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
            torch.bool, torch.uint8, torch.int16, torch.int8]
 
 
+SLICED_MIN_ELEMS = 1 << 20
+"""Partials of at least this many elements take tree_all_reduce's sliced form on more than two
+ranks (below it, one gather's latency beats two calls' bandwidth: a decode step's rows)."""
+
+
 class CollectiveMismatch(RuntimeError):
     """Ranks of one group made different collective calls (order, op, shape or dtype)."""
 
@@ -107,13 +112,39 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def all_to_all(self, chunks: Sequence[torch.Tensor], op: str) -> list[torch.Tensor]:
+        """chunks[j] (one per rank, every rank the same shapes in the same order) goes to rank j;
+        returns what every rank sent to this one, in rank order. Exact. The call signature
+        checked is chunk 0's."""
+        if len(chunks) != self.size:
+            raise ValueError(f"all_to_all({op!r}): {len(chunks)} chunks for {self.size} ranks")
+        self._validate(op, chunks[0])
+        if self.size == 1:
+            return [chunks[0].contiguous()]
+        out = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in chunks]
+        dist.all_to_all(out, [c.contiguous() for c in chunks], group=self.group)
+        return out
+
     def tree_all_reduce(self, partial: torch.Tensor, op: str) -> torch.Tensor:
         """Pairwise-tree sum of every rank's partial (rank r = leaf r); identical bits on all ranks.
 
         Each rank's partial must be its aligned subtree of the canonical tree, so the result
-        equals the single-process tree over all leaves.
+        equals the single-process tree over all leaves. The tree is elementwise, so it can be
+        cut anywhere: on more than two ranks and at least SLICED_MIN_ELEMS elements, each rank
+        receives every rank's 1/size slice (all-to-all), sums its slice by the tree, and the
+        sums are all-gathered — 2·(size−1)/size of the partial's bytes per rank, a ring
+        all-reduce's traffic, where gathering every partial moves size−1 times them (DESIGN.md,
+        collectives on GPUs). The same bits either way (tests/test_dist.py).
         """
-        return tree_combine(self.all_gather(partial, op))
+        if self.size <= 2 or partial.numel() < max(SLICED_MIN_ELEMS, self.size):
+            return tree_combine(self.all_gather(partial, op))
+        flat = partial.reshape(-1)
+        per = -(-flat.numel() // self.size)
+        padded = flat.new_zeros(per * self.size)   # the pad's sums are never returned
+        padded[:flat.numel()] = flat
+        mine = tree_combine(self.all_to_all(list(padded.split(per)), f"{op}:slices"))
+        whole = self.all_gather_cat(mine, f"{op}:sums")
+        return whole[:flat.numel()].reshape(partial.shape)
 
     def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
         """Elementwise SUM of an int64 tensor over the group, identical on every rank; exact in
@@ -132,10 +163,17 @@ class Comm:
         return out
 
     def tree_reduce_scatter(self, partial: torch.Tensor, op: str, dim: int = 0) -> torch.Tensor:
-        """tree_all_reduce, then this rank's equal slice along `dim` (rank order)."""
-        full = self.tree_all_reduce(partial, op)
-        n = full.shape[dim] // self.size
-        return full.narrow(dim, self.rank * n, n)
+        """This rank's equal slice along `dim` (rank order) of tree_all_reduce(partial): each
+        rank receives only its slice of every rank's partial (all-to-all) and sums those by the
+        tree, (size−1)/size of the partial's bytes per rank. ValueError unless size divides
+        the dim."""
+        n = partial.shape[dim] // self.size
+        if n * self.size != partial.shape[dim]:
+            raise ValueError(f"tree_reduce_scatter({op!r}): dim {dim} of {tuple(partial.shape)} "
+                             f"does not split into {self.size} equal slices")
+        if self.size == 1:
+            return self.tree_all_reduce(partial, op)
+        return tree_combine(self.all_to_all(list(partial.split(n, dim)), op))
 
     def select_owner(self, t: torch.Tensor, owner: torch.Tensor, op: str) -> torch.Tensor:
         """Element-wise pick the value of the rank named by `owner` (int64, t's shape) — exact.
