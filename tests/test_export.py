@@ -246,3 +246,30 @@ def test_an_unreadable_run_names_the_file_and_why(run, tmp_path, capsys, name, t
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"RUN {str(d)!r}: {words}" in err, err
     assert not out.exists()
+
+
+def test_export_of_a_padded_byte_tokenizer_model_keeps_the_padded_ids_masked(tmp_path):
+    """A model with more embedding rows (512) than the byte tokenizer's 264 ids and no
+    tokenizer.json: the run masks ids 264..511. Its export's stand-in tokenizer has the byte
+    tokenizer's 264 ids, not 512, so a run on the exported directory masks the same 248 ids:
+    the same policy (a 512-id stand-in, written before, unmasked them: another policy)."""
+    import dataclasses
+
+    from rlkernel.model.checkpoint import init_weights, save_checkpoint
+    from rlkernel.model.config import tiny
+
+    cfg = dataclasses.replace(tiny(), vocab_size=512)
+    model = tmp_path / "m"
+    save_checkpoint(model, cfg, init_weights(cfg, 0))
+    small = ["--steps", "1", "--n-prompts", "1", "--n-samples-per-prompt", "2",
+             "--max-response-len", "8", "--entropy-coef", "0.01", "--allow-dirty"]
+    run = tmp_path / "run"
+    assert main(["run", *small, "--model", str(model), "--run-dir", str(run)]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    from tokenizers import Tokenizer
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() == 264
+    again = tmp_path / "again"
+    assert main(["run", *small, "--model", str(out), "--run-dir", str(again)]) == 0
+    vocab = json.loads((again / "manifest.json").read_text())["inputs"]["vocab"]
+    assert vocab["tokenizer_ids"] == 264 and vocab["masked_ids"] == 512 - 264

@@ -185,7 +185,7 @@ def _model_config(run: pathlib.Path, config: dict) -> Qwen3Config:
 def _tokenizer_files(config: dict, manifest: dict, cfg: Qwen3Config) -> dict[str, bytes]:
     """The tokenizer files for the export: the input model's (checked against the manifest's
     hashes when it has them), or the byte tokenizer's stand-in when the run used that."""
-    from rlkernel.data.tokenizer import standin_tokenizer_files
+    from rlkernel.data.tokenizer import BYTE_VOCAB_SIZE, standin_tokenizer_files
 
     model = config.get("model")
     if model is None or not (pathlib.Path(model) / "tokenizer.json").is_file():
@@ -193,8 +193,10 @@ def _tokenizer_files(config: dict, manifest: dict, cfg: Qwen3Config) -> dict[str
             raise ExportError(f"the run's input model directory {model!r} (for its tokenizer "
                               "files) no longer exists; restore it, or export from a copy of the "
                               "run whose manifest names a directory that exists")
-        # The run encoded with the byte tokenizer (no tokenizer.json): write its equivalent.
-        return standin_tokenizer_files(cfg.vocab_size, cfg.eos_token_id)
+        # The run encoded with the byte tokenizer (no tokenizer.json): write its equivalent —
+        # its ids only, so embedding rows past them stay masked (probability 0) in whatever
+        # loads the export, as they were in the run (loop.run: live = min(tokenizer, vocab)).
+        return standin_tokenizer_files(min(BYTE_VOCAB_SIZE, cfg.vocab_size), cfg.eos_token_id)
     d = pathlib.Path(model)
     files = {n: (d / n).read_bytes() for n in TOKENIZER_FILES if (d / n).is_file()}
     recorded = manifest.get("tokenizer_files")
