@@ -255,6 +255,17 @@ def test_every_field_but_timings_is_compared(tmp_path):
         assert [(r.where, r.name) for r in report.results if not r.same] == [("step 0", name)]
 
 
+def test_nonfinite_ranks_are_where_not_what(tmp_path):
+    """A skipped update's `nonfinite_ranks` lists global rank ids, which differ between two
+    topologies of one run: not compared. `grad_nonfinite` (which parameters) is."""
+    base = dict(_step(0), grad_nonfinite=["w"], update_skipped=True, nonfinite_ranks={"w": [0]})
+    a = write_run(tmp_path / "a", [base])
+    b = write_run(tmp_path / "b", [dict(base, nonfinite_ranks={"w": [0, 1, 2, 3]})])
+    assert compare_runs(a, b).identical
+    c = write_run(tmp_path / "c", [dict(base, grad_nonfinite=["v"])])
+    assert [r.name for r in compare_runs(a, c).results if not r.same] == ["grad_nonfinite"]
+
+
 def test_incomplete_run_is_compared_and_never_identical(tmp_path, capsys):
     """a run that stopped early: its steps are compared, and the verdict is DIFFERENT."""
     a = write_run(tmp_path / "a", [_step(0)])

@@ -1,7 +1,8 @@
 """`rlk compare RUN_A RUN_B`: is the evidence of two runs bitwise identical, field by field?
 
 Compares the initial weights record (version, per-tensor hashes) and, step by step, every field
-of every step record except `timings` and `resources` (measurements). "Equal" means exactly equal JSON values: the same type,
+of every step record except `timings` and `resources` (measurements) and `nonfinite_ranks`
+(global rank ids: the topology's). "Equal" means exactly equal JSON values: the same type,
 floats with the same bits (`float.hex`, so 0.0 != -0.0), lists elementwise, dicts key by key.
 A step present in one run only is a difference. Manifest differences (config, canonical spec,
 inputs: file hashes, vocab, stored dtypes; versions, git commit) are reported as information:
@@ -28,8 +29,10 @@ from rlkernel import jsontext
 from rlkernel.config import SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
 from rlkernel.runner.evidence import EVIDENCE_FORMAT
 
-IGNORED_STEP_FIELDS = frozenset({"timings", "resources"})
-"""Step fields that are allowed to differ (wall-clock measurements)."""
+IGNORED_STEP_FIELDS = frozenset({"timings", "resources", "nonfinite_ranks"})
+"""Step fields that are allowed to differ: wall-clock measurements, and where in the world a
+non-finite gradient sat (global rank ids, which a topology decides; *which* parameters were
+non-finite, `grad_nonfinite`, is compared)."""
 HASH_FIELDS = frozenset({"tensor_hashes"})
 """Dict fields {tensor name: hash}, summarised by tensor name instead of printed whole."""
 MAX_NAMES = 20
