@@ -91,6 +91,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.vocab < 64 or args.vocab % 64:
+        ap.error(f"--vocab {args.vocab}: must be a positive multiple of 64 (8 virtual shards "
+                 f"split over up to TP 8)")
+    if not 1 <= args.live <= args.vocab:
+        ap.error(f"--live {args.live}: must be in [1, --vocab {args.vocab}]")
+    if min(args.tokens) < 1 or args.hidden < 1:
+        ap.error("--tokens and --hidden must be >= 1")
     if args.device == "cuda":
         require_cuda()
     rows = []

@@ -48,7 +48,7 @@ from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 from rlkernel.runner.inputs import check_unchanged, describe_inputs, startup_notes
-from rlkernel.runner.watch import config_warnings, summary_lines
+from rlkernel.runner.watch import TMP_SUFFIX, config_warnings, summary_lines
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
 """The directory that holds the rlkernel package: the checkout whose git state is recorded."""
@@ -784,6 +784,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _resume_name(d: pathlib.Path) -> pathlib.Path:
+    """The run --resume continues: `d`, or for a killed run's `X.tmp-<pid>` (a run directory
+    before its publishing rename) X itself — so the resume takes X's lock and publishes X, as
+    `--resume X` does, instead of writing the temporary directory unlocked and leaving it
+    there. Raises ConfigError when that pid still runs, or when X is a published run too."""
+    cut = TMP_SUFFIX.search(d.name)
+    if cut is None or not (d / "manifest.json").is_file():
+        return d
+    base = d.with_name(d.name[:cut.start()])
+    pid = _pid_of(d)
+    if pid is not None and _alive(pid):
+        raise ConfigError(f"--resume {str(d)!r}: its run is still going (pid {pid} is alive); "
+                          f"wait for it to end, or stop it (if that pid is no rlk run, rename "
+                          f"the directory to {base} yourself)")
+    if (base / "manifest.json").exists():
+        raise ConfigError(f"--resume {str(d)!r}: a killed run left it beside the published run "
+                          f"{base}; resume {base}, or move one of the two away")
+    return base
+
+
 def _resume_source(d: pathlib.Path) -> pathlib.Path:
     """Where --resume's run lies: `d` itself, or — when `d` has no manifest — the `d.tmp-<pid>`
     a killed `rlk run` left behind (a run is published under its name only when it ends; SIGKILL
@@ -842,7 +862,16 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
         raise ConfigError(f"--steps {given['steps']}: a run with --lr-schedule "
                           f"{saved['lr_schedule']} cannot be extended on resume (its LR decays "
                           f"over the saved --steps {saved.get('steps')}); start a new run")
-    cfg = RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
+    try:
+        cfg = RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
+    except ConfigError as e:   # a flag given now clashes with one the run was saved with
+        inherited = sorted(flag_name(k) for k in RESUME_MAY_CHANGE - set(given)
+                           if k in saved and flag_name(k) in str(e))
+        if not inherited:
+            raise
+        hint = ", e.g. --no-sp" if "--sp" in inherited else ""
+        raise ConfigError(f"{e} ({', '.join(inherited)}: from the resumed run's saved config; "
+                          f"a resume may set it again{hint})") from None
     _check_same_spec(manifest.get("canonical_spec"), cfg.canonical_spec(), d)
     return cfg
 
@@ -1059,6 +1088,8 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
         given = {k: v for k, v in vars(args).items() if k in names}
+        if given.get("resume"):
+            given["resume"] = str(_resume_name(pathlib.Path(given["resume"])))
         src = _resume_source(pathlib.Path(given["resume"])) if given.get("resume") else None
         cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
         # An occupied --run-dir is refused first, before the slower checks (a resume writes into

@@ -936,6 +936,24 @@ def test_resume_may_change_gpu_memory_utilization(tmp_path):
         cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9, "seed": 7}, d)
 
 
+def test_a_resume_clash_with_a_saved_flag_says_where_it_came_from(tmp_path):
+    """A run saved with --tp 2 --sp resumed with --tp 1 only: the --sp error says --sp is the
+    saved run's setting and how to change it (--no-sp); with --no-sp the resume is accepted."""
+    d = tmp_path / "r"
+    d.mkdir()
+    saved = {**RunConfig().to_dict(), "tp": 2, "sp": True}
+    (d / "manifest.json").write_text(json.dumps({"config": saved, "canonical_spec":
+                                                 RunConfig().canonical_spec()}))
+    with pytest.raises(ConfigError, match=r"\(--sp: from the resumed run's saved config; a "
+                                          r"resume may set it again, e.g. --no-sp\)"):
+        cli._resume_config({"resume": str(d), "tp": 1}, d)
+    cfg = cli._resume_config({"resume": str(d), "tp": 1, "sp": False}, d)
+    assert cfg.tp == 1 and not cfg.sp
+    with pytest.raises(ConfigError) as e:     # the user's own --sp: no note
+        cli._resume_config({"resume": str(d), "tp": 1, "sp": True}, d)
+    assert "saved config" not in str(e.value)
+
+
 def test_resume_may_change_enforce_eager(tmp_path):
     """--resume --enforce-eager is allowed (how decode runs, not what it computes), also for a
     run whose manifest predates the flag; a non-bool value is refused by name."""

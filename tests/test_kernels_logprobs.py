@@ -509,6 +509,23 @@ def gather_vocab_with(comm, z):
                            lambda g: rows_of_rank(g, comm, 1))
 
 
+@pytest.mark.parametrize("bad", [512, 517, -1])
+def test_fused_lm_head_rejects_a_target_outside_the_vocabulary(bad):
+    """A target outside [0, V) is a ValueError naming it (TP1 and a TP2 slice alike); it would
+    get logprob −inf and no gradient term on every rank (the unfused path's gather raises)."""
+    h, w = randn(16, 8, seed=1), randn(512, 8, seed=2)
+    tgt = torch.zeros(16, dtype=torch.long)
+    tgt[5] = bad
+    with pytest.raises(ValueError, match=f"target {bad} at row 5 is not a token id of the 512"):
+        linear_token_logprobs_entropy(h, w, tgt, 1.0)
+
+    def rank(r, comm):
+        with pytest.raises(ValueError, match=f"target {bad} at row 5"):
+            linear_token_logprobs_entropy(h, w[r * 256:(r + 1) * 256], tgt, 1.0, shards=4,
+                                          vocab_comm=comm)
+    run_ranks(2, rank)
+
+
 def test_vocab_parallel_fused_lm_head_rejects_shards_that_do_not_divide_the_slice():
     """A slice whose rows do not divide into the local virtual shards is a ValueError naming
     both, before any work."""

@@ -277,6 +277,49 @@ def test_resume_finds_a_killed_runs_tmp_dir_only_when_its_process_is_gone(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+def test_resume_by_a_killed_runs_tmp_path_continues_and_publishes_the_run(tmp_path, capsys,
+                                                                          uninterrupted):
+    """--resume RUN.tmp-<pid> (the path a killed run left, pid gone) is --resume RUN: the run is
+    renamed to RUN, takes RUN's lock (a second resume by either name is then refused, not
+    renamed under it) and is published there with the uninterrupted run's final bytes; with the
+    pid alive it is refused ('still going'), and beside a published RUN it is ambiguous."""
+    d = tmp_path / "run"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = tmp_path / f"run.tmp-{gone.pid}"
+    shutil.copytree(uninterrupted, tmp)
+    shutil.rmtree(tmp / "checkpoints" / "step-000003")
+    live = tmp_path / f"run.tmp-{os.getpid()}"
+    shutil.copytree(tmp, live)
+    assert main(["run", "--resume", str(live), "--allow-dirty"]) == 2
+    assert "still going" in capsys.readouterr().err
+    shutil.rmtree(live)
+    assert main(["run", "--resume", str(tmp), "--allow-dirty"]) == 0
+    assert f"{tmp} (left by a killed run) is now {d}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]   # published, no lock left
+    for f in ("model.safetensors", "rlk_weights.json"):
+        assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
+    shutil.copytree(uninterrupted, tmp)
+    assert main(["run", "--resume", str(tmp), "--allow-dirty"]) == 2
+    assert "beside the published run" in capsys.readouterr().err
+
+
+def test_resume_by_either_name_takes_the_runs_one_lock(tmp_path, capsys, uninterrupted):
+    """While a resume of RUN holds RUN.lock, a resume given RUN.tmp-<pid> of a killed run is
+    refused at its start (it locked RUN.tmp-<pid>.lock and renamed the directory from under the
+    first, which then failed writing its evidence)."""
+    from rlkernel.runner.dirlock import run_dir_lock
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = tmp_path / f"run.tmp-{gone.pid}"
+    shutil.copytree(uninterrupted, tmp)
+    with run_dir_lock(tmp_path / "run"):
+        assert main(["run", "--resume", str(tmp), "--allow-dirty"]) == 2
+    assert "is writing this directory" in capsys.readouterr().err
+    assert tmp.is_dir()
+
+
 def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrupted):
     """Resuming at evidence step 1 of 3 prints one "resuming ... at step 2/3" line, then progress
     "step 2/3", "step 3/3" (not 1/3); the replaced RUN/final holds the same bytes as the

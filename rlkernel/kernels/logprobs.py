@@ -240,6 +240,20 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None, None
 
 
+def _check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Targets must be ids in [0, vocab): no rank would hold another, and it would silently get
+    logprob −inf and no gradient term. CPU: ValueError naming one. CUDA: a device-side assert
+    (no host sync; the unfused path's gather fails the same way)."""
+    if targets.is_cuda:
+        torch._assert_async(((targets >= 0) & (targets < vocab)).all())
+        return
+    bad = ((targets < 0) | (targets >= vocab)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(f"fused logprobs: target {int(targets[i])} at row {i} is not a token id "
+                         f"of the {vocab}-id vocabulary")
+
+
 def _gather_vocab_stats(vocab_comm: Comm, v_local: int, targets: torch.Tensor, m, s, t, z_y):
     """Every rank's shard statistics [N, local shards] → [N, all shards] in rank order (rank r's
     slice holds the virtual shards [r·S/tp, (r+1)·S/tp)), and the target's z from the rank whose
@@ -258,7 +272,7 @@ def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: tor
     """token_logprobs_entropy(h @ Wᵀ, targets, T, live_vocab=...) without keeping the logits.
 
     h [N, H] fp32 (every row of the TP group: under SP, already gathered), targets [N] long
-    (global ids), temperature > 0, live_vocab in [1, V] or None (= V). w [V, H] is the full
+    (global ids in [0, V)), temperature > 0, live_vocab in [1, V] or None (= V). w [V, H] is the full
     vocabulary, or with `vocab_comm` (the TP group; vocab-parallel LM head) this rank's slice
     [V/tp, H] of rows [r·V/tp, (r+1)·V/tp), `shards` then its local virtual shards
     (VIRTUAL_TP/tp). -> (logprobs [N], entropy [N]) fp32, identical on every rank of the group
@@ -275,13 +289,15 @@ def linear_token_logprobs_entropy(h: torch.Tensor, w: torch.Tensor, targets: tor
     (kernels/matmul.py rounding points); the result equals column_parallel_linear(h, [w],
     compute_dtype=...) gathered and fed to token_logprobs_entropy.
     ValueError: live_vocab out of range, compute dtype not supported, shards not dividing the
-    slice.
+    slice, a target outside [0, V) (on CUDA a device-side assert instead: no host sync).
     """
-    check_live_vocab(live_vocab, w.shape[0] * (1 if vocab_comm is None else vocab_comm.size))
+    vocab = w.shape[0] * (1 if vocab_comm is None else vocab_comm.size)
+    check_live_vocab(live_vocab, vocab)
     check_compute_dtype(compute_dtype)
     if shards < 1 or w.shape[0] % shards:
         raise ValueError(f"fused logprobs: {w.shape[0]} vocab rows do not divide into {shards} "
                          f"virtual shards")
+    _check_targets(targets, vocab)
     return _LinearTokenLogprobs.apply(h, w, targets, float(temperature), shards, tok, live_vocab,
                                       compute_dtype, vocab_comm)
 
