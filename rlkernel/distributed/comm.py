@@ -80,12 +80,12 @@ class Comm:
         dev = t.device if t is not None and t.is_cuda else torch.device("cpu")
         got = [torch.empty_like(mine, device=dev) for _ in range(self.size)]
         dist.all_gather(got, mine.to(dev), group=self.group)
-        for r, s in enumerate(got):
-            if not torch.equal(s.cpu(), mine):
+        for r, s in enumerate(torch.stack(got).cpu()):   # one device-to-host copy, not size
+            if not torch.equal(s, mine):
                 raise CollectiveMismatch(
                     f"{self.name} group {self.ranks}: rank {self.ranks[self.rank]} called {op!r} "
                     f"({self._describe(mine)}) but rank {self.ranks[r]} made a different call "
-                    f"({self._describe(s.cpu())})")
+                    f"({self._describe(s)})")
 
     # -- collectives ------------------------------------------------------------------------
     def all_gather(self, t: torch.Tensor, op: str) -> list[torch.Tensor]:
