@@ -151,6 +151,22 @@ def _sliced_partials(world: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
     return [tiled[r].reshape(shape).clone() for r in range(world)]
 
 
+def _pick_owner(world: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return (torch.arange(torch.Size(shape).numel()) * 7 % world).reshape(shape)
+
+
+def _pick_input(world: int, shape: tuple[int, ...], rank: int) -> torch.Tensor:
+    """Rank `rank`'s values for select_owner: −0.0 where it owns the element, +0.0 elsewhere
+    on odd elements (a sum would give +0.0), random values on even ones."""
+    n = torch.Size(shape).numel()
+    g = torch.Generator().manual_seed(77 + rank)
+    t = torch.randn(n, generator=g)
+    own = _pick_owner(world, shape).reshape(-1) == rank
+    odd = torch.arange(n) % 2 == 1
+    t[odd] = torch.where(own[odd], -0.0, 0.0)
+    return t.reshape(shape)
+
+
 def _sliced_rank(rank: int, out: str) -> None:
     from rlkernel.distributed import comm as comm_mod
     world = dist.get_world_size()
@@ -158,10 +174,13 @@ def _sliced_rank(rank: int, out: str) -> None:
     res = {}
     for shape in SLICED_SHAPES:
         mine = _sliced_partials(world, shape)[rank]
+        pick = _pick_input(world, shape, rank)
         comm_mod.SLICED_MIN_ELEMS = 0          # the sliced form wherever it applies
         res[("sliced", shape)] = comm.tree_all_reduce(mine, f"s{shape}")
+        res[("sliced-pick", shape)] = comm.select_owner(pick, _pick_owner(world, shape), "sp")
         comm_mod.SLICED_MIN_ELEMS = 1 << 62    # the gathered form
         res[("gathered", shape)] = comm.tree_all_reduce(mine, f"g{shape}")
+        res[("gathered-pick", shape)] = comm.select_owner(pick, _pick_owner(world, shape), "gp")
     for dim in (0, 1):
         res[("rs", dim)] = comm.tree_reduce_scatter(_rank_input(rank, (world * 2, world * 3)),
                                                     f"rs{dim}", dim=dim)
@@ -177,7 +196,8 @@ def test_sliced_tree_all_reduce_and_all_to_all_reduce_scatter_keep_the_tree_bits
     """On 3 and 4 gloo ranks: tree_all_reduce in its sliced form (all-to-all of 1/size slices,
     each summed by the tree, all-gathered) == its gathered form == tree_combine of every rank's
     partial in one process, bitwise, for sizes no world divides, 2-D, smaller than the world and
-    empty; tree_reduce_scatter by all-to-all along dim 0 and dim 1 == this rank's slice of the
+    empty; select_owner by slices == gathered == the owner's bits (−0.0 where the owner holds
+    it and the others +0.0); tree_reduce_scatter by all-to-all along dim 0 and dim 1 == this rank's slice of the
     one-process tree, and a dim that does not split evenly is a ValueError naming it. Control:
     the adversarial partials' tree over the ranks rotated by one gives other bits, so a slice
     summed in the wrong order would show (a mirrored order would not: a + b == b + a)."""
@@ -186,10 +206,13 @@ def test_sliced_tree_all_reduce_and_all_to_all_reduce_scatter_keep_the_tree_bits
     for shape in SLICED_SHAPES:
         parts = _sliced_partials(world, shape)
         want = tree_combine(parts)
+        picks = torch.stack([_pick_input(world, shape, r) for r in range(world)])
+        want_pick = picks.gather(0, _pick_owner(world, shape).unsqueeze(0))[0]
         for r, got in enumerate(res):
-            for form in ("sliced", "gathered"):
+            for form, w in (("sliced", want), ("gathered", want), ("sliced-pick", want_pick),
+                            ("gathered-pick", want_pick)):
                 t = got[(form, shape)]
-                assert t.shape == want.shape and t.view(torch.int32).equal(want.view(torch.int32)), \
+                assert t.shape == w.shape and t.view(torch.int32).equal(w.view(torch.int32)), \
                     (form, shape, r)
     parts = _sliced_partials(world, (1000,))
     assert not tree_combine(parts[1:] + parts[:1]).view(torch.int32).equal(

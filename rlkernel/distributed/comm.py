@@ -136,15 +136,29 @@ class Comm:
         all-reduce's traffic, where gathering every partial moves size−1 times them (DESIGN.md,
         collectives on GPUs). The same bits either way (tests/test_dist.py).
         """
-        if self.size <= 2 or partial.numel() < max(SLICED_MIN_ELEMS, self.size):
+        if not self._sliced_pays(partial):
             return tree_combine(self.all_gather(partial, op))
-        flat = partial.reshape(-1)
+        return self._by_slices(partial, op, lambda parts, a, b: tree_combine(parts))
+
+    def _sliced_pays(self, t: torch.Tensor) -> bool:
+        """Whether an elementwise combination over ranks of t moves fewer bytes by slices
+        (all-to-all, combine, all-gather) than by gathering every rank's t: more than two ranks
+        and at least SLICED_MIN_ELEMS elements (below it one call's latency wins)."""
+        return self.size > 2 and t.numel() >= max(SLICED_MIN_ELEMS, self.size)
+
+    def _by_slices(self, t: torch.Tensor, op: str, combine) -> torch.Tensor:
+        """An elementwise combination of every rank's t, computed by slices: rank r receives
+        every rank's flat elements [a, b) = [r·c, (r+1)·c), c = ⌈n/size⌉ (all-to-all),
+        `combine(received parts in rank order, a, b)` gives the result's elements [a, b), and
+        those are all-gathered. The pad past n is combined and dropped."""
+        flat = t.reshape(-1)
         per = -(-flat.numel() // self.size)
-        padded = flat.new_zeros(per * self.size)   # the pad's sums are never returned
+        padded = flat.new_zeros(per * self.size)
         padded[:flat.numel()] = flat
-        mine = tree_combine(self.all_to_all(list(padded.split(per)), f"{op}:slices"))
-        whole = self.all_gather_cat(mine, f"{op}:sums")
-        return whole[:flat.numel()].reshape(partial.shape)
+        a = self.rank * per
+        mine = combine(self.all_to_all(list(padded.split(per)), f"{op}:slices"), a, a + per)
+        whole = self.all_gather_cat(mine, f"{op}:combined")
+        return whole[:flat.numel()].reshape(t.shape)
 
     def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
         """Elementwise SUM of an int64 tensor over the group, identical on every rank; exact in
@@ -179,10 +193,18 @@ class Comm:
         """Element-wise pick the value of the rank named by `owner` (int64, t's shape) — exact.
 
         Used where exactly one rank holds a value (vocab-parallel lookups, target logits), so no
-        sum with zeros can flip the sign of a zero.
+        sum with zeros can flip the sign of a zero. Large picks go by slices, as
+        tree_all_reduce's (the pick is elementwise too).
         """
+        owner = owner.to(t.device)
+        if self._sliced_pays(t):
+            flat_owner = owner.reshape(-1)
+            own = flat_owner.new_zeros(-(-flat_owner.numel() // self.size) * self.size)
+            own[:flat_owner.numel()] = flat_owner
+            return self._by_slices(t, op, lambda parts, a, b: torch.stack(parts).gather(
+                0, own[a:b].unsqueeze(0))[0])
         parts = self.all_gather(t, op)
         if self.size == 1:
             return parts[0]
         stacked = torch.stack(parts)
-        return stacked.gather(0, owner.unsqueeze(0).to(stacked.device))[0]
+        return stacked.gather(0, owner.unsqueeze(0))[0]
