@@ -226,6 +226,20 @@ def test_sliced_tree_all_reduce_and_all_to_all_reduce_scatter_keep_the_tree_bits
         assert "does not split into" in got["rs-bad"]
 
 
+def test_signatures_are_exchanged_on_the_cpu_when_the_group_has_a_cpu_backend(monkeypatch):
+    """A device payload's call signature goes over the group's CPU backend when it has one
+    ("cpu:gloo,cuda:nccl", what GPU runs use: no host sync per collective), over the payload's
+    device when it has none (a bare NCCL group); CPU payloads and calls without a tensor always
+    over the CPU. (A meta tensor stands for a CUDA one here.)"""
+    t = torch.empty(3, device="meta")
+    for config, want in (("cpu:gloo,cuda:nccl", "cpu"), ("cuda:nccl", "meta")):
+        monkeypatch.setattr(dist, "get_backend_config", lambda group, c=config: c)
+        comm = Comm("tp", object(), (0, 1), 0)
+        assert comm._signature_device(t).type == want
+        assert comm._signature_device(None).type == "cpu"
+        assert comm._signature_device(torch.zeros(2)).type == "cpu"
+
+
 def _cuda_rank(rank: int, out: str) -> None:
     world = dist.get_world_size()
     comm = _world_comm(rank, world)

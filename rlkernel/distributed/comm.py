@@ -50,6 +50,7 @@ class Comm:
         self.rank = rank
         self.size = len(self.ranks)
         self._calls = 0
+        self._cpu_signatures: bool | None = None   # decided at the first checked call
 
     @classmethod
     def single(cls, name: str = "local") -> "Comm":
@@ -77,7 +78,7 @@ class Comm:
         if self.size == 1:
             return
         mine = self._signature(op, t)
-        dev = t.device if t is not None and t.is_cuda else torch.device("cpu")
+        dev = self._signature_device(t)
         got = [torch.empty_like(mine, device=dev) for _ in range(self.size)]
         dist.all_gather(got, mine.to(dev), group=self.group)
         for r, s in enumerate(torch.stack(got).cpu()):   # one device-to-host copy, not size
@@ -86,6 +87,22 @@ class Comm:
                     f"{self.name} group {self.ranks}: rank {self.ranks[self.rank]} called {op!r} "
                     f"({self._describe(mine)}) but rank {self.ranks[r]} made a different call "
                     f"({self._describe(s)})")
+
+    def _signature_device(self, t: torch.Tensor | None) -> torch.device:
+        """Where call signatures are exchanged: on the CPU whenever the group has a CPU backend
+        (gloo; GPU runs use "cpu:gloo,cuda:nccl"), so checking one never waits for the GPU —
+        read back from the device, each check was a host sync that drained the GPU's queue
+        before every collective; on the payload's device only for a group without one (a
+        bare NCCL group)."""
+        if t is None or t.device.type == "cpu":
+            return torch.device("cpu")
+        if self._cpu_signatures is None:
+            config = getattr(dist, "get_backend_config", None)
+            try:
+                self._cpu_signatures = config is not None and "cpu:" in config(self.group)
+            except (RuntimeError, ValueError):
+                self._cpu_signatures = False
+        return torch.device("cpu") if self._cpu_signatures else t.device
 
     # -- collectives ------------------------------------------------------------------------
     def all_gather(self, t: torch.Tensor, op: str) -> list[torch.Tensor]:
