@@ -148,7 +148,9 @@ class ThreadComm(Comm):
         self._g = group
 
     def all_gather(self, t, op):
-        return [x.clone() for x in self._g.exchange(self.rank, op, t.contiguous())]
+        # A snapshot goes in: a rank may change its tensor (sum_ints in place) as soon as the
+        # exchange returns, before a slower rank has copied it.
+        return [x.clone() for x in self._g.exchange(self.rank, op, t.contiguous().clone())]
 
     def all_gather_object(self, obj, op):
         return self._g.exchange(self.rank, op, obj)
@@ -157,8 +159,9 @@ class ThreadComm(Comm):
         got = self._g.exchange(self.rank, op, [c.contiguous() for c in chunks])
         return [sent[self.rank].clone() for sent in got]
 
-    def sum_ints(self, t, op):
-        return torch.stack(self.all_gather(t, op)).sum(0)   # int64: exact in any order
+    def sum_ints(self, t, op, *, inplace=False):
+        total = torch.stack(self.all_gather(t, op)).sum(0)   # int64: exact in any order
+        return t.copy_(total) if inplace else total
 
 
 def run_ranks(n: int, fn):

@@ -97,6 +97,18 @@ def test_dp_matrix_full_matches_dp1_whole_step(tmp_path, baseline, dp, tp, cp, m
                       f"DP{dp}/TP{tp}/CP{cp}/{micro}")
 
 
+def test_untied_embedding_split_over_dp_and_cp_matches_the_whole_step(tmp_path):
+    """An untied model (the embedding a lookup-only weight: its persistent sums kept over the
+    looked-up rows only, summed over the union of the DP × CP ranks' rows) at DP2 × CP2 with
+    one sample per microbatch == its DP1 whole-step run, bytes, on every rank."""
+    model = MODEL.replace(tie_word_embeddings=False)
+    want = single_process(_job("whole step", model))
+    out = tmp_path / "untied"
+    out.mkdir()
+    got = run_layout(out, _job("1 sample", model), 1, 2, False, dp=2)
+    assert_same_bytes(got, want, "untied DP2/CP2/1 sample")
+
+
 @pytest.mark.slow
 def test_dp2_tp2_cp2_with_sp_matches_dp1(tmp_path, baseline):
     """DP2 × TP2 × CP2 with sequence parallelism (norm weights reduced over the whole world),

@@ -556,3 +556,74 @@ def test_persistent_sink_casts_each_weight_once_per_mini_batch_and_again_after_a
     sink.finish()
     assert sink.compute_copy(w, torch.bfloat16) is None           # closed again
     assert mm.weight_point(w, torch.bfloat16, tok) is not again   # a fresh cast
+
+
+# ---------------------------------------------------------------------------------------------
+# lookup-only weights (an untied embedding): split over the looked-up rows, any scope group
+
+
+def _lookup_only(rank, comm, ids_by_mb, w, coefs, sparse: bool, seen: dict):
+    """One rank's gradient of Σ coef·embed(ids) over microbatches into a persistent sink whose
+    scope groups are `comm` (the other ranks hold other tokens), with the weight declared
+    lookup-only (sparse) or not; seen[rank] = (the sink's whole accumulators, split rows per
+    microbatch) at finish."""
+    p = torch.nn.Parameter(w.clone())
+    gs = tokensum.GradSink({"dp_cp": comm, "world": comm})
+    gs.begin({"emb": p}, sparse={"emb"} if sparse else set())
+    tok = tokensum.TokenSum(comm, sink=gs)
+    sizes = []
+    for ids, coef in zip(ids_by_mb, coefs):
+        (embed(ids, p, offset=OFFSET, tok=tok) * coef).sum().backward()
+        sizes.append(gs._split["emb"][0].numel() if "emb" in gs._split else 0)
+    real = gs._finish_sparse
+
+    def spy(name, out):
+        real(name, out)
+        seen[rank] = (set(gs._acc), sizes)
+    gs._finish_sparse = spy
+    grad = gs.finish()["emb"]
+    seen.setdefault(rank, (set(gs._acc), sizes))
+    return grad
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_lookup_only_weight_split_over_ranks_gives_the_whole_accumulator_bytes(monkeypatch,
+                                                                               fraction):
+    """An untied embedding (lookup-only) on 2 ranks holding other tokens, 2 one-leaf
+    microbatches each, rank 0 looking up rows 0-3 then 2-5 and rank 1 rows 4-9 (some rows on
+    both ranks, some on neither): summed over the union of the ranks' rows, the gradient ==
+    the whole-accumulator path's bytes on both ranks, with no [V, H] accumulator and each
+    rank's split holding only its own rows. With SPLIT_MAX_FRACTION 0.5 rank 1's 7 of 12 rows
+    pass half and it takes the whole accumulator while rank 0 (6 rows) stays split; at finish
+    both finish whole (rank 0's split digits added into a whole accumulator): the same bytes.
+    Control: one rank's part alone differs."""
+    from kernel_helpers import run_ranks
+
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", fraction)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(ROWS, H, generator=g)
+    local = {0: [torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
+                 torch.randint(2, 6, (TOKEN_LEAF,), generator=g)],
+             1: [torch.randint(4, 11, (TOKEN_LEAF,), generator=g),
+                 torch.randint(5, 11, (TOKEN_LEAF,), generator=g)]}
+    ids = {r: [x + OFFSET for x in mbs] for r, mbs in local.items()}
+    coefs = {r: [torch.randn(TOKEN_LEAF, H, generator=g) for _ in mbs] for r, mbs in ids.items()}
+    seen: dict = {}
+
+    def run(sparse):
+        return run_ranks(2, lambda r, comm: _lookup_only(r, comm, ids[r], w, coefs[r], sparse,
+                                                         seen))
+    base = run(False)
+    got = run(True)
+    for r in (0, 1):
+        assert _same(got[r], base[r]) and _same(base[r], base[0])
+    rank_rows = {r: torch.unique(torch.cat(local[r])).numel() for r in (0, 1)}
+    if fraction == 1.0:
+        assert all(seen[r][0] == set() for r in (0, 1)), seen      # no whole accumulator
+        assert [seen[r][1][-1] for r in (0, 1)] == [rank_rows[0], rank_rows[1]]
+    else:
+        assert rank_rows[1] > ROWS // 2 >= rank_rows[0]
+        assert all(seen[r][0] == {"emb"} for r in (0, 1)), seen     # both whole at finish
+    alone = run_ranks(2, lambda r, comm: _lookup_only(
+        r, Comm.single("tokens"), ids[r], w, coefs[r], True, {}))
+    assert not _same(alone[0], base[0]), "control"

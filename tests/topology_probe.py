@@ -106,6 +106,7 @@ def probe(rank: int, cfg: RunConfig, job: Job, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rlkernel.distributed import comm as comm_mod
+    from rlkernel.distributed import tokensum
     from rlkernel.distributed.context import build_contexts
     from rlkernel.distributed.topology import Topology, build_comms
 
@@ -113,6 +114,10 @@ def probe(rank: int, cfg: RunConfig, job: Job, out_dir: str) -> None:
     # take it for every partial, so layouts of more than two TP ranks run it in the model (two
     # ranks always take the gathered form).
     comm_mod.SLICED_MIN_ELEMS = 0
+    # Likewise a split embedding accumulator never hands over to the whole one here (a random
+    # model's tokens touch most of the tiny vocabulary): layouts run the split and union paths;
+    # the hand-over is tests/test_sink_direct_kernels.py's.
+    tokensum.SPLIT_MAX_FRACTION = 1.0
     topo = Topology.from_config(cfg, rank, dist.get_world_size())
     comms = build_comms(topo)
     pc, _ = build_contexts(topo, comms, job.mcfg)

@@ -88,6 +88,13 @@ class GradSink:
     the dense sum's rows into it before rounding them — instead of moving the whole weight to
     digits at the first lookup's backward; once the rows noted pass SPLIT_MAX_FRACTION of the
     weight's, it takes its whole accumulator after all (the split digits added there).
+    Weights whose only use is a row lookup (`sparse`: an untied embedding) take the same split
+    in persistent mode with no dense use at all, over any scope group: each rank's accumulator
+    covers the rows its lookups noted, and `finish` sums them over the union of every rank's
+    rows (all-gathered ids) — rows no rank looked up get +0.0, as the whole accumulator rounds
+    its zeros to. A vocab-sized [V, H, N_COLS] accumulator (qwen3-8b: 32 GB per rank at TP2)
+    becomes one of the rows the mini-batch's tokens touch; past SPLIT_MAX_FRACTION on any rank
+    of the group, every rank takes the whole accumulator after all.
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
@@ -103,6 +110,8 @@ class GradSink:
         self._done: dict[str, torch.Tensor] = {}
         self.direct = False
         self._keep: frozenset[str] = frozenset()
+        self._sparse: frozenset[str] = frozenset()   # lookup-only weights (class doc)
+        self._shapes: dict[str, tuple[torch.Size, torch.device]] = {}   # of noted weights
         self._rows: dict[str, tuple[torch.Tensor, str]] = {}    # noted rows, scope (split weights)
         self._split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # rows, their accumulator
         self._whole: set[str] = set()     # kept weights whose split grew into the whole weight
@@ -118,17 +127,20 @@ class GradSink:
         return cls({s: Comm.single(s) for s in SCOPES})
 
     def begin(self, params: dict[str, torch.Tensor], *, direct: bool = False,
-              keep: frozenset[str] | set[str] = frozenset()) -> None:
+              keep: frozenset[str] | set[str] = frozenset(),
+              sparse: frozenset[str] | set[str] = frozenset()) -> None:
         """Open the sink for a mini-batch of `params` (name -> parameter, canonical order).
 
         direct: every rank of both scope groups runs exactly one microbatch (one backward) in
         this mini-batch, so gradients may be finished inside it (class doc); `keep`: names that
-        stay persistent anyway (used more than once per forward). All ranks must agree."""
+        stay persistent anyway (used more than once per forward); `sparse`: names used only by
+        a row lookup (class doc: split over the rows noted in persistent mode). All ranks must
+        agree."""
         self._names = {id(p): n for n, p in params.items()}
         self._order = list(params)
         self._acc, self._words, self._scope, self._done = {}, {}, {}, {}
-        self._rows, self._split, self._whole = {}, {}, set()
-        self.direct, self._keep = direct, frozenset(keep)
+        self._rows, self._split, self._whole, self._shapes = {}, {}, set(), {}
+        self.direct, self._keep, self._sparse = direct, frozenset(keep), frozenset(sparse)
         self._pending.clear()    # a backward that raised may have left some (and their operands)
         self._copies = {}
         self._next_slot, self._slot_host = 0, {}
@@ -178,8 +190,10 @@ class GradSink:
         persistent accumulator. Call before the dense use's backward (the lookup's forward);
         several calls add rows. RuntimeError once the dense use has finished w."""
         name = self._names.get(id(w))   # None: not a trained parameter (a frozen model's)
-        if (name is None or not (self.open and name in self._keep)
-                or self.groups[scope].size != 1 or name in self._whole):
+        if name is None or not self.open or name in self._whole:
+            return
+        kept = name in self._keep and self.groups[scope].size == 1
+        if not (kept or (name in self._sparse and not self.direct)):
             return
         if name in self._done:
             raise RuntimeError(f"GradSink: rows of {name} noted after its dense use finished it")
@@ -193,6 +207,7 @@ class GradSink:
                                    f"{scope}")
             rows = torch.cat([self._rows[name][0], rows])
         self._rows[name] = (torch.unique(rows), scope)
+        self._shapes[name] = (w.shape, w.device)
 
     def add_split_rows(self, w: torch.Tensor, add_at) -> bool:
         """The sparse use of a split weight (`note_rows`): `add_at(rows, acc)` adds this rank's
@@ -404,6 +419,10 @@ class GradSink:
         self.open = False
         self._copies = {}
         self._resolve(0)    # every deferred chunk exact before any gradient leaves the sink
+        out: dict[str, torch.Tensor] = {}
+        for n in self._order:
+            if n in self._sparse and not self.direct:
+                self._finish_sparse(n, out)
         for n, (rows, acc) in self._split.items():
             if n not in self._done:     # persistent: the dense use's sums of those rows join
                 noted = self._rows[n][1]
@@ -411,7 +430,6 @@ class GradSink:
                     raise RuntimeError(f"GradSink: {n} is split (rows noted over {noted}) but "
                                        f"its dense use reduced over {self._scope[n]}")
                 acc += self._held_rows(n, rows)
-        out: dict[str, torch.Tensor] = {}
         for scope in SCOPES:
             # Every rank must reduce the same list in the same buckets; the signature check of
             # each collective catches a rank whose kernels saw another set of weights.
@@ -429,6 +447,43 @@ class GradSink:
         out.update(self._done)
         self._done, self._rows, self._split = {}, {}, {}
         return {n: out[n] for n in self._order if n in out}
+
+    def _finish_sparse(self, name: str, out: dict[str, torch.Tensor]) -> None:
+        """A lookup-only weight at `finish` (persistent mode; class doc): its split rows summed
+        over the scope group's union of rows into out[name] — or, when any rank of the group
+        holds the whole accumulator, this rank's split added into its own whole one, which the
+        buckets then finish. Collective over the scope group (the same calls on every rank,
+        whatever each one's state). RuntimeError when no lookup reached this rank's sink."""
+        if name in self._rows:
+            scope = self._rows[name][1]
+        elif name in self._whole:
+            scope = self._scope[name]
+        else:
+            raise RuntimeError(f"GradSink: {name} is a lookup-only weight but no lookup of it "
+                               "reached this rank's sink in the mini-batch")
+        comm, op = self.groups[scope], f"grad-sink:sparse:{name}"
+        whole = name in self._whole
+        if comm.size > 1:
+            whole = any(comm.all_gather_object(whole, f"{op}:whole"))
+        if name not in self._split:       # whole here: the buckets finish it
+            self._rows.pop(name, None)
+            return
+        rows, acc = self._split.pop(name)
+        shape, dev = self._shapes[name]
+        del self._rows[name]
+        if whole:                         # another rank went whole: so does this one
+            full = self._acc[name] = fx.zeros(shape, dev)
+            self._scope[name] = scope
+            full[rows] = acc
+            return
+        if comm.size > 1:
+            union = _union_rows(comm, rows, f"{op}:rows")
+            held = fx.zeros((union.numel(), *shape[1:]), dev)
+            held[torch.searchsorted(union, rows)] = acc
+            rows, acc = union, comm.sum_ints(held, op, inplace=True)
+        grad = torch.zeros(shape, dtype=torch.float32, device=dev)
+        grad[rows] = fx.round_fp32(acc)
+        out[name] = grad
 
     def _held_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Digits int64 [R, *shape[1:], N_COLS] of the rows `rows` of a weight's mini-batch sum
@@ -481,6 +536,17 @@ class GradSink:
             if b == math.prod(shape):     # fully rounded: free it before the next bucket
                 self._acc.pop(n, None)
                 self._words.pop(n, None)
+
+
+def _union_rows(comm: Comm, rows: torch.Tensor, op: str) -> torch.Tensor:
+    """Ascending union of every rank's row ids (ascending long [R_r] each, R_r may differ):
+    the counts, then the ids padded to the largest count with -1, all-gathered."""
+    counts = comm.all_gather(torch.tensor([rows.numel()], device=rows.device), f"{op}:counts")
+    most = int(max(int(c) for c in counts))
+    padded = torch.full((most,), -1, dtype=rows.dtype, device=rows.device)
+    padded[:rows.numel()] = rows
+    every = torch.cat(comm.all_gather(padded, op))
+    return torch.unique(every[every >= 0])
 
 
 def _digits_of(words: torch.Tensor) -> torch.Tensor:

@@ -104,14 +104,17 @@ class InvariantOps:
         gradient of every backward is added exactly into it (distributed/tokensum.py).
         direct: every rank runs one microbatch in this mini-batch, so weights are finished in
         their backward (no persistent accumulators) except a tied embedding, which two kernels
-        (lookup and LM head) add to."""
+        (lookup and LM head) add to. An untied embedding's only use is its lookup: persistent
+        mode keeps its sums over the rows looked up only (GradSink `sparse`)."""
         model.zero_grad(set_to_none=True)
         for p in model.logical_params().values():
             p.main_grad = None
         sink = model.pc.tok.sink
         if sink is not None:
-            keep = {"model.embed_tokens.weight"} if model.cfg.tie_word_embeddings else set()
-            sink.begin(model.logical_params(), direct=direct, keep=keep)
+            emb = {"model.embed_tokens.weight"}
+            tied = model.cfg.tie_word_embeddings
+            sink.begin(model.logical_params(), direct=direct, keep=emb if tied else set(),
+                       sparse=set() if tied else emb)
 
     @staticmethod
     def paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk, pc: ParallelCtx):
