@@ -575,12 +575,12 @@ def _lookup_only(rank, comm, ids_by_mb, w, coefs, sparse: bool, seen: dict):
     for ids, coef in zip(ids_by_mb, coefs):
         (embed(ids, p, offset=OFFSET, tok=tok) * coef).sum().backward()
         sizes.append(gs._split["emb"][0].numel() if "emb" in gs._split else 0)
-    real = gs._finish_sparse
+    real = gs._finish_split
 
-    def spy(name, out):
-        real(name, out)
+    def spy(name, out, later):
+        real(name, out, later)
         seen[rank] = (set(gs._acc), sizes)
-    gs._finish_sparse = spy
+    gs._finish_split = spy
     grad = gs.finish()["emb"]
     seen.setdefault(rank, (set(gs._acc), sizes))
     return grad
@@ -627,3 +627,65 @@ def test_lookup_only_weight_split_over_ranks_gives_the_whole_accumulator_bytes(m
     alone = run_ranks(2, lambda r, comm: _lookup_only(
         r, Comm.single("tokens"), ids[r], w, coefs[r], True, {}))
     assert not _same(alone[0], base[0]), "control"
+
+
+def _tied_over_ranks(rank, comm, ids_by_mb, w, coefs, split: bool, seen: dict):
+    """One rank's gradient of a tied weight (lookup, then the same weight as the LM head) over
+    microbatches into a persistent sink whose scope groups are `comm`; split off: note_rows
+    disabled (the whole accumulator). seen[rank] = the names finish wrote over the buckets."""
+    p = torch.nn.Parameter(w.clone())
+    gs = tokensum.GradSink({"dp_cp": comm, "world": comm})
+    gs.begin({"emb": p}, keep={"emb"})
+    if not split:
+        gs.note_rows = lambda *a, **k: None
+    tok = tokensum.TokenSum(comm, sink=gs)
+    for ids, coef in zip(ids_by_mb, coefs):
+        (y,) = column_parallel_linear(embed(ids, p, offset=OFFSET, tok=tok), [p], tok=tok)
+        (y * coef).sum().backward()
+    real = gs._finish_split
+
+    def spy(name, out, later):
+        real(name, out, later)
+        seen[rank] = set(later)
+    gs._finish_split = spy
+    return gs.finish()["emb"]
+
+
+def test_tied_weight_split_over_ranks_in_persistent_mode_gives_the_whole_accumulator_bytes(
+        monkeypatch):
+    """A tied weight on 2 ranks holding other tokens, 2 one-leaf microbatches each (persistent
+    mode): each rank's lookups add to its rows' split, finish adds its dense (LM-head) sums of
+    the union of both ranks' rows, sums over the ranks and writes those rows over the dense
+    result — bytes == the whole accumulator (split off) on both ranks, and the union path ran.
+    Control: without the union (each rank's own rows only) a row only the other rank looked
+    up would miss that rank's lookup part."""
+    from kernel_helpers import run_ranks
+
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", 1.0)
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(ROWS, H, generator=g)
+    local = {0: [torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
+                 torch.randint(2, 6, (TOKEN_LEAF,), generator=g)],
+             1: [torch.randint(4, 11, (TOKEN_LEAF,), generator=g),
+                 torch.randint(5, 11, (TOKEN_LEAF,), generator=g)]}
+    ids = {r: [x + OFFSET for x in mbs] for r, mbs in local.items()}
+    coefs = {r: [torch.randn(TOKEN_LEAF, ROWS, generator=g) for _ in mbs]
+             for r, mbs in ids.items()}
+    seen: dict = {}
+
+    def run(split):
+        return run_ranks(2, lambda r, comm: _tied_over_ranks(r, comm, ids[r], w, coefs[r],
+                                                             split, seen))
+    base = run(False)
+    assert seen == {0: set(), 1: set()}
+    got = run(True)
+    assert seen == {0: {"emb"}, 1: {"emb"}}
+    for r in (0, 1):
+        assert _same(got[r], base[r]) and _same(base[r], base[0])
+    monkeypatch.setattr(tokensum, "_union_rows", lambda comm, rows, op: rows)
+    try:
+        mixed = run(True)
+    except RuntimeError as e:   # 6 and 7 rows: the ranks' sums cannot even line up (a process
+        assert "equal size" in str(e)   # group's signature check refuses the same call)
+        mixed = None
+    assert mixed is None or not all(_same(mixed[r], base[r]) for r in (0, 1)), "control"

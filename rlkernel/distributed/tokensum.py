@@ -82,7 +82,8 @@ class GradSink:
     rows only; the sparse use (the lookup's backward) adds into that one (`add_split_rows`);
     `finish` rounds it over those rows. The same exact sum of the same partials, rounded once:
     the persistent path's bytes, without its [V, H, N_COLS] accumulator (32 GB at qwen3-1.7b).
-    In persistent mode (several microbatches) such a weight is split too: the dense use keeps
+    In persistent mode (several microbatches) such a weight is split too, over any scope group
+    (`finish` sums the ranks' rows over their union, below): the dense use keeps
     its sum as usual (words on CUDA), the sparse uses add into an accumulator over the rows
     noted so far (grown, digits copied, when a later lookup brings new rows), and `finish` adds
     the dense sum's rows into it before rounding them — instead of moving the whole weight to
@@ -192,8 +193,10 @@ class GradSink:
         name = self._names.get(id(w))   # None: not a trained parameter (a frozen model's)
         if name is None or not self.open or name in self._whole:
             return
-        kept = name in self._keep and self.groups[scope].size == 1
-        if not (kept or (name in self._sparse and not self.direct)):
+        # Persistent mode splits at any scope group (finish sums the ranks' rows over their
+        # union); direct mode only where the group is this rank (finish_direct's chunks).
+        if not (name in self._keep or name in self._sparse) or (
+                self.direct and (name in self._sparse or self.groups[scope].size != 1)):
             return
         if name in self._done:
             raise RuntimeError(f"GradSink: rows of {name} noted after its dense use finished it")
@@ -420,11 +423,13 @@ class GradSink:
         self._copies = {}
         self._resolve(0)    # every deferred chunk exact before any gradient leaves the sink
         out: dict[str, torch.Tensor] = {}
-        for n in self._order:
-            if n in self._sparse and not self.direct:
-                self._finish_sparse(n, out)
+        later: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # rows written over `out`
+        if not self.direct:
+            for n in self._order:
+                if n in self._sparse or n in self._keep:
+                    self._finish_split(n, out, later)
         for n, (rows, acc) in self._split.items():
-            if n not in self._done:     # persistent: the dense use's sums of those rows join
+            if n not in self._done:     # the dense use's sums of those rows join
                 noted = self._rows[n][1]
                 if self._scope.get(n, noted) != noted:
                     raise RuntimeError(f"GradSink: {n} is split (rows noted over {noted}) but "
@@ -442,26 +447,39 @@ class GradSink:
             for bucket in _buckets([(n, math.prod(self._held(n)[0])) for n in names]):
                 self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
         self._acc, self._words = {}, {}
-        for n, (rows, acc) in self._split.items():   # scope groups of one rank: no collective
+        for n, (rows, acc) in self._split.items():   # direct mode: one-rank scope groups
             (self._done if n in self._done else out)[n][rows] = fx.round_fp32(acc)
+        for n, (rows, vals) in later.items():
+            out[n][rows] = vals
         out.update(self._done)
         self._done, self._rows, self._split = {}, {}, {}
         return {n: out[n] for n in self._order if n in out}
 
-    def _finish_sparse(self, name: str, out: dict[str, torch.Tensor]) -> None:
-        """A lookup-only weight at `finish` (persistent mode; class doc): its split rows summed
-        over the scope group's union of rows into out[name] — or, when any rank of the group
-        holds the whole accumulator, this rank's split added into its own whole one, which the
-        buckets then finish. Collective over the scope group (the same calls on every rank,
-        whatever each one's state). RuntimeError when no lookup reached this rank's sink."""
+    def _finish_split(self, name: str, out: dict[str, torch.Tensor],
+                      later: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A split weight at `finish` in persistent mode (class doc), before the buckets: its
+        rows' exact sums — the lookups' split digits plus, for a kept (tied) weight, its dense
+        use's sums of the same rows — summed over the scope group's union of rows and rounded:
+        into out[name] (zeros elsewhere) for a lookup-only weight, into later[name] for a kept
+        one (written over the buckets' rounding of its dense sums). When any rank of the group
+        holds the whole accumulator, this rank's split is added into its own whole one, which
+        the buckets finish. Collective over the scope group (the same calls on every rank,
+        whatever each one's state). RuntimeError when no lookup of a lookup-only weight reached
+        this rank's sink."""
+        dense = name in self._keep
         if name in self._rows:
             scope = self._rows[name][1]
         elif name in self._whole:
             scope = self._scope[name]
+        elif dense:                       # never looked up here: its dense sums are all there is
+            return
         else:
             raise RuntimeError(f"GradSink: {name} is a lookup-only weight but no lookup of it "
                                "reached this rank's sink in the mini-batch")
-        comm, op = self.groups[scope], f"grad-sink:sparse:{name}"
+        if dense and self._scope.get(name, scope) != scope:
+            raise RuntimeError(f"GradSink: {name} is split (rows noted over {scope}) but its "
+                               f"dense use reduced over {self._scope[name]}")
+        comm, op = self.groups[scope], f"grad-sink:split:{name}"
         whole = name in self._whole
         if comm.size > 1:
             whole = any(comm.all_gather_object(whole, f"{op}:whole"))
@@ -472,18 +490,33 @@ class GradSink:
         shape, dev = self._shapes[name]
         del self._rows[name]
         if whole:                         # another rank went whole: so does this one
-            full = self._acc[name] = fx.zeros(shape, dev)
-            self._scope[name] = scope
-            full[rows] = acc
+            self._whole_digits(name, scope, shape, dev)[rows] += acc
             return
+        union = _union_rows(comm, rows, f"{op}:rows") if comm.size > 1 else rows
+        held = fx.zeros((union.numel(), *shape[1:]), dev)
+        held[torch.searchsorted(union, rows)] = acc
+        if dense and (name in self._acc or name in self._words):
+            held += self._held_rows(name, union)
         if comm.size > 1:
-            union = _union_rows(comm, rows, f"{op}:rows")
-            held = fx.zeros((union.numel(), *shape[1:]), dev)
-            held[torch.searchsorted(union, rows)] = acc
-            rows, acc = union, comm.sum_ints(held, op, inplace=True)
+            held = comm.sum_ints(held, op, inplace=True)
+        vals = fx.round_fp32(held)
+        if dense and (name in self._acc or name in self._words):
+            later[name] = (union, vals)
+            return
         grad = torch.zeros(shape, dtype=torch.float32, device=dev)
-        grad[rows] = fx.round_fp32(acc)
+        grad[union] = vals
         out[name] = grad
+
+    def _whole_digits(self, name: str, scope: str, shape: torch.Size,
+                      dev: torch.device) -> torch.Tensor:
+        """The whole-weight digit accumulator of `name` (`accumulator` by name): its digits, its
+        double words moved to digits, or a new zero one."""
+        if name in self._words:
+            self._acc[name] = _digits_of(self._words.pop(name).view(2, -1)).view(*shape, fx.N_COLS)
+        elif name not in self._acc:
+            self._acc[name] = fx.zeros(shape, dev)
+            self._scope[name] = scope
+        return self._acc[name]
 
     def _held_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Digits int64 [R, *shape[1:], N_COLS] of the rows `rows` of a weight's mini-batch sum
