@@ -562,6 +562,22 @@ def test_persistent_sink_casts_each_weight_once_per_mini_batch_and_again_after_a
 # lookup-only weights (an untied embedding): split over the looked-up rows, any scope group
 
 
+def _two_rank_lookups(seed: int, cols: int):
+    """(w [ROWS, H], local rows per rank and microbatch, their ids at OFFSET, loss coefficients
+    [TOKEN_LEAF, cols] per microbatch): rank 0 looks up rows 0-3 then 2-5, rank 1 rows 4-10
+    then 5-10, one leaf each — rows on both ranks, rows on one, rows on neither."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(ROWS, H, generator=g)
+    local = {0: [torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
+                 torch.randint(2, 6, (TOKEN_LEAF,), generator=g)],
+             1: [torch.randint(4, 11, (TOKEN_LEAF,), generator=g),
+                 torch.randint(5, 11, (TOKEN_LEAF,), generator=g)]}
+    ids = {r: [x + OFFSET for x in mbs] for r, mbs in local.items()}
+    coefs = {r: [torch.randn(TOKEN_LEAF, cols, generator=g) for _ in mbs]
+             for r, mbs in ids.items()}
+    return w, local, ids, coefs
+
+
 def _lookup_only(rank, comm, ids_by_mb, w, coefs, sparse: bool, seen: dict):
     """One rank's gradient of Σ coef·embed(ids) over microbatches into a persistent sink whose
     scope groups are `comm` (the other ranks hold other tokens), with the weight declared
@@ -600,14 +616,7 @@ def test_lookup_only_weight_split_over_ranks_gives_the_whole_accumulator_bytes(m
     from kernel_helpers import run_ranks
 
     monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", fraction)
-    g = torch.Generator().manual_seed(11)
-    w = torch.randn(ROWS, H, generator=g)
-    local = {0: [torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
-                 torch.randint(2, 6, (TOKEN_LEAF,), generator=g)],
-             1: [torch.randint(4, 11, (TOKEN_LEAF,), generator=g),
-                 torch.randint(5, 11, (TOKEN_LEAF,), generator=g)]}
-    ids = {r: [x + OFFSET for x in mbs] for r, mbs in local.items()}
-    coefs = {r: [torch.randn(TOKEN_LEAF, H, generator=g) for _ in mbs] for r, mbs in ids.items()}
+    w, local, ids, coefs = _two_rank_lookups(11, H)
     seen: dict = {}
 
     def run(sparse):
@@ -662,15 +671,7 @@ def test_tied_weight_split_over_ranks_in_persistent_mode_gives_the_whole_accumul
     from kernel_helpers import run_ranks
 
     monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", 1.0)
-    g = torch.Generator().manual_seed(12)
-    w = torch.randn(ROWS, H, generator=g)
-    local = {0: [torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
-                 torch.randint(2, 6, (TOKEN_LEAF,), generator=g)],
-             1: [torch.randint(4, 11, (TOKEN_LEAF,), generator=g),
-                 torch.randint(5, 11, (TOKEN_LEAF,), generator=g)]}
-    ids = {r: [x + OFFSET for x in mbs] for r, mbs in local.items()}
-    coefs = {r: [torch.randn(TOKEN_LEAF, ROWS, generator=g) for _ in mbs]
-             for r, mbs in ids.items()}
+    w, _, ids, coefs = _two_rank_lookups(12, ROWS)
     seen: dict = {}
 
     def run(split):
