@@ -240,6 +240,20 @@ def test_signatures_are_exchanged_on_the_cpu_when_the_group_has_a_cpu_backend(mo
         assert comm._signature_device(torch.zeros(2)).type == "cpu"
 
 
+def test_sliced_form_threshold_and_all_to_all_chunk_count():
+    """The sliced form is taken from SLICED_MIN_ELEMS elements on more than two ranks (one
+    fewer, or two ranks: the gathered form); all_to_all with a chunk count other than the
+    group size is a ValueError naming both."""
+    from rlkernel.distributed.comm import SLICED_MIN_ELEMS
+    three, two = Comm("w", None, range(3), 0), Comm("w", None, range(2), 0)
+    assert three._sliced_pays(torch.empty(SLICED_MIN_ELEMS))
+    assert not three._sliced_pays(torch.empty(SLICED_MIN_ELEMS - 1))
+    assert not two._sliced_pays(torch.empty(SLICED_MIN_ELEMS))
+    t = torch.zeros(2)
+    with pytest.raises(ValueError, match="2 chunks for 1 ranks"):
+        Comm.single().all_to_all([t, t], "x")
+
+
 def _cuda_rank(rank: int, out: str) -> None:
     world = dist.get_world_size()
     comm = _world_comm(rank, world)

@@ -97,6 +97,28 @@ def test_dp_matrix_full_matches_dp1_whole_step(tmp_path, baseline, dp, tp, cp, m
                       f"DP{dp}/TP{tp}/CP{cp}/{micro}")
 
 
+def test_an_untied_embedding_is_summed_over_its_looked_up_rows_only(monkeypatch):
+    """With several microbatches the untied model's sink declares the embedding lookup-only and
+    holds no whole [V, H] accumulator for it, only the split over the rows looked up (the
+    hand-over threshold raised, as the tiny vocabulary would pass it); the gradients equal the
+    whole step's. (Bytes alone cannot tell: the whole accumulator gives the same ones.)"""
+    from rlkernel.distributed import tokensum
+
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", 1.0)
+    model = MODEL.replace(tie_word_embeddings=False)
+    seen = []
+    real = tokensum.GradSink.finish
+
+    def finish(self):
+        seen.append((set(self._sparse), set(self._acc), set(self._split)))
+        return real(self)
+    monkeypatch.setattr(tokensum.GradSink, "finish", finish)
+    one = _grads_one_process("1 sample", model=model)
+    emb = "model.embed_tokens.weight"
+    assert seen[-1][0] == {emb} and emb not in seen[-1][1] and emb in seen[-1][2]
+    assert _differing(one, _grads_one_process("whole step", model=model)) == []
+
+
 def test_untied_embedding_split_over_dp_and_cp_matches_the_whole_step(tmp_path):
     """An untied model (the embedding a lookup-only weight: its persistent sums kept over the
     looked-up rows only, summed over the union of the DP × CP ranks' rows) at DP2 × CP2 with

@@ -564,13 +564,14 @@ def test_persistent_sink_casts_each_weight_once_per_mini_batch_and_again_after_a
 
 def _two_rank_lookups(seed: int, cols: int):
     """(w [ROWS, H], local rows per rank and microbatch, their ids at OFFSET, loss coefficients
-    [TOKEN_LEAF, cols] per microbatch): rank 0 looks up rows 0-3 then 2-5, rank 1 rows 4-10
-    then 5-10, one leaf each — rows on both ranks, rows on one, rows on neither."""
+    [TOKEN_LEAF, cols] per microbatch): rank 0 looks up rows 0-3 then 2-5, rank 1 rows 4-7
+    then 5-10, one leaf each — rows on both ranks, rows on one, rows on neither; rank 1's
+    second microbatch takes its rows past half of ROWS (a split with digits hands over)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(ROWS, H, generator=g)
     local = {0: [torch.randint(0, 4, (TOKEN_LEAF,), generator=g),
                  torch.randint(2, 6, (TOKEN_LEAF,), generator=g)],
-             1: [torch.randint(4, 11, (TOKEN_LEAF,), generator=g),
+             1: [torch.randint(4, 8, (TOKEN_LEAF,), generator=g),
                  torch.randint(5, 11, (TOKEN_LEAF,), generator=g)]}
     ids = {r: [x + OFFSET for x in mbs] for r, mbs in local.items()}
     coefs = {r: [torch.randn(TOKEN_LEAF, cols, generator=g) for _ in mbs]
@@ -609,8 +610,9 @@ def test_lookup_only_weight_split_over_ranks_gives_the_whole_accumulator_bytes(m
     microbatches each, rank 0 looking up rows 0-3 then 2-5 and rank 1 rows 4-9 (some rows on
     both ranks, some on neither): summed over the union of the ranks' rows, the gradient ==
     the whole-accumulator path's bytes on both ranks, with no [V, H] accumulator and each
-    rank's split holding only its own rows. With SPLIT_MAX_FRACTION 0.5 rank 1's 7 of 12 rows
-    pass half and it takes the whole accumulator while rank 0 (6 rows) stays split; at finish
+    rank's split holding only its own rows. With SPLIT_MAX_FRACTION 0.5 rank 1's rows pass half
+    at its second lookup and it takes the whole accumulator (its split digits carried there)
+    while rank 0 (6 rows) stays split; at finish
     both finish whole (rank 0's split digits added into a whole accumulator): the same bytes.
     Control: one rank's part alone differs."""
     from kernel_helpers import run_ranks
@@ -632,6 +634,7 @@ def test_lookup_only_weight_split_over_ranks_gives_the_whole_accumulator_bytes(m
         assert [seen[r][1][-1] for r in (0, 1)] == [rank_rows[0], rank_rows[1]]
     else:
         assert rank_rows[1] > ROWS // 2 >= rank_rows[0]
+        assert 0 < seen[1][1][0] <= ROWS // 2 and seen[1][1][1] == 0   # split, then whole
         assert all(seen[r][0] == {"emb"} for r in (0, 1)), seen     # both whole at finish
     alone = run_ranks(2, lambda r, comm: _lookup_only(
         r, Comm.single("tokens"), ids[r], w, coefs[r], True, {}))
@@ -690,3 +693,13 @@ def test_tied_weight_split_over_ranks_in_persistent_mode_gives_the_whole_accumul
         assert "equal size" in str(e)   # group's signature check refuses the same call)
         mixed = None
     assert mixed is None or not all(_same(mixed[r], base[r]) for r in (0, 1)), "control"
+
+
+def test_union_rows_is_the_sorted_union_without_the_padding():
+    """_union_rows over 2 thread ranks with 2 and 4 rows (the shorter padded with -1 for the
+    gather): every rank gets [0, 1, 3, 5, 11] — no -1 (it would index the last row)."""
+    from kernel_helpers import run_ranks
+
+    rows = {0: torch.tensor([3, 11]), 1: torch.tensor([0, 1, 5, 11])}
+    got = run_ranks(2, lambda r, comm: tokensum._union_rows(comm, rows[r], "u"))
+    assert all(u.tolist() == [0, 1, 3, 5, 11] for u in got)
