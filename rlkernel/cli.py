@@ -913,7 +913,7 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
         raise ValueError(f"--resume {str(d)!r}: {path} holds steps {_span(kept)} but the "
                          f"checkpoint continues at step {next_step} after steps 0..{next_step - 1}"
                          ": the evidence was cut or edited; resuming would leave a gap in it")
-    if next_step >= cfg.steps and evidence.get("complete") and len(steps) >= cfg.steps:
+    if next_step >= cfg.steps and evidence.get("complete") is True and len(steps) >= cfg.steps:
         raise ValueError(f"--resume {str(d)!r}: the run is already complete ({len(steps)}/"
                          f"{cfg.steps} steps); to go on, extend it with --steps N "
                          f"(N > {len(steps)})")

@@ -181,6 +181,20 @@ def test_unfinished_run_and_missing_checkpoint(run, tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["false", "yes", 1])
+def test_a_completion_flag_that_is_not_json_true_is_no_completion(run, tmp_path, capsys, flag):
+    """evidence.json's "complete" counts only as the JSON value true: an edited "false" (a
+    truthy string), "yes" or 1 makes export refuse the default final/ weights ("did not finish
+    all its steps"), as a run that stopped early."""
+    d = tmp_path / "run"
+    shutil.copytree(run, d)
+    ev = _evidence(d)
+    ev["complete"] = flag
+    (d / "evidence.json").write_text(json.dumps(ev))
+    assert main(["export", str(d), "--out", str(tmp_path / "out")]) == 2
+    assert "did not finish all its steps" in capsys.readouterr().err
+
+
 def test_export_copies_the_input_models_tokenizer_and_refuses_a_changed_one(tmp_path, capsys):
     """A run of `rlk init-model` output (with tokenizer files): the export's tokenizer files ==
     the input model's bytes; after the input's tokenizer.json changes, export refuses (exit 1)."""

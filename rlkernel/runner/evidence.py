@@ -352,7 +352,7 @@ class EvidenceWriter:
             return
         self.init = data.get("init")
         self.steps = list(data.get("steps") or [])
-        self.complete = bool(data.get("complete"))
+        self.complete = data.get("complete") is True   # "false" is no completion
         self.summary = data.get("summary")
 
     def _check_open(self) -> None:

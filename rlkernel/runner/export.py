@@ -272,7 +272,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
     avail = available_steps(run)
     if step is None:
         last = len(steps) - 1
-        if not evidence.get("complete") or avail.get(last) != run / FINAL_DIR:
+        done = evidence.get("complete") is True   # a JSON true, not any truthy value
+        if not done or avail.get(last) != run / FINAL_DIR:
             damaged = _final_meta(run)[1]
             if damaged is not None:     # a file of the run is broken, not the user's call
                 raise ExportError(f"{damaged}: cannot tell which step final/ holds; "
@@ -280,7 +281,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
                                      "and the run kept no checkpoints"))
             held = _final_step(run)
             why = (f"it did not finish all its steps: {len(steps)} recorded"
-                   if not evidence.get("complete") else "its final/ weights are missing"
+                   if not done else "its final/ weights are missing"
                    if held is None else f"final/ holds step {held}, not the last step {last}")
             raise ExportUsageError(f"RUN {str(run)!r} has no final weights ({why}); "
                                    + (f"give --step N; {_steps_text(avail)}" if avail else
