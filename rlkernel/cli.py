@@ -787,17 +787,13 @@ def _alive(pid: int) -> bool:
 def _resume_name(d: pathlib.Path) -> pathlib.Path:
     """The run --resume continues: `d`, or for a killed run's `X.tmp-<pid>` (a run directory
     before its publishing rename) X itself — so the resume takes X's lock and publishes X, as
-    `--resume X` does, instead of writing the temporary directory unlocked and leaving it
-    there. Raises ConfigError when that pid still runs, or when X is a published run too."""
+    `--resume X` does (`_resume_source` then finds the temporary directory and refuses it if
+    its pid still runs), instead of writing it unlocked and leaving it there. Raises
+    ConfigError when X is a published run too."""
     cut = TMP_SUFFIX.search(d.name)
     if cut is None or not (d / "manifest.json").is_file():
         return d
     base = d.with_name(d.name[:cut.start()])
-    pid = _pid_of(d)
-    if pid is not None and _alive(pid):
-        raise ConfigError(f"--resume {str(d)!r}: its run is still going (pid {pid} is alive); "
-                          f"wait for it to end, or stop it (if that pid is no rlk run, rename "
-                          f"the directory to {base} yourself)")
     if (base / "manifest.json").exists():
         raise ConfigError(f"--resume {str(d)!r}: a killed run left it beside the published run "
                           f"{base}; resume {base}, or move one of the two away")

@@ -168,14 +168,23 @@ class Comm:
         every rank's flat elements [a, b) = [r·c, (r+1)·c), c = ⌈n/size⌉ (all-to-all),
         `combine(received parts in rank order, a, b)` gives the result's elements [a, b), and
         those are all-gathered. The pad past n is combined and dropped."""
-        flat = t.reshape(-1)
-        per = -(-flat.numel() // self.size)
-        padded = flat.new_zeros(per * self.size)
-        padded[:flat.numel()] = flat
+        per = self._slice_len(t)
         a = self.rank * per
-        mine = combine(self.all_to_all(list(padded.split(per)), f"{op}:slices"), a, a + per)
+        mine = combine(self.all_to_all(list(self._padded_flat(t).split(per)), f"{op}:slices"),
+                       a, a + per)
         whole = self.all_gather_cat(mine, f"{op}:combined")
-        return whole[:flat.numel()].reshape(t.shape)
+        return whole[:t.numel()].reshape(t.shape)
+
+    def _slice_len(self, t: torch.Tensor) -> int:
+        """Elements per rank when t's flat elements are cut into `size` slices: ⌈n/size⌉."""
+        return -(-t.numel() // self.size)
+
+    def _padded_flat(self, t: torch.Tensor) -> torch.Tensor:
+        """t's flat elements, zero-padded to size · _slice_len(t)."""
+        flat = t.reshape(-1)
+        padded = flat.new_zeros(self._slice_len(t) * self.size)
+        padded[:flat.numel()] = flat
+        return padded
 
     def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
         """Elementwise SUM of an int64 tensor over the group, identical on every rank; exact in
@@ -215,9 +224,7 @@ class Comm:
         """
         owner = owner.to(t.device)
         if self._sliced_pays(t):
-            flat_owner = owner.reshape(-1)
-            own = flat_owner.new_zeros(-(-flat_owner.numel() // self.size) * self.size)
-            own[:flat_owner.numel()] = flat_owner
+            own = self._padded_flat(owner)
             return self._by_slices(t, op, lambda parts, a, b: torch.stack(parts).gather(
                 0, own[a:b].unsqueeze(0))[0])
         parts = self.all_gather(t, op)

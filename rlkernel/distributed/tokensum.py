@@ -112,7 +112,7 @@ class GradSink:
         self.direct = False
         self._keep: frozenset[str] = frozenset()
         self._sparse: frozenset[str] = frozenset()   # lookup-only weights (class doc)
-        self._shapes: dict[str, tuple[torch.Size, torch.device]] = {}   # of noted weights
+        self._params: dict[str, torch.Tensor] = {}
         self._rows: dict[str, tuple[torch.Tensor, str]] = {}    # noted rows, scope (split weights)
         self._split: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # rows, their accumulator
         self._whole: set[str] = set()     # kept weights whose split grew into the whole weight
@@ -138,9 +138,10 @@ class GradSink:
         a row lookup (class doc: split over the rows noted in persistent mode). All ranks must
         agree."""
         self._names = {id(p): n for n, p in params.items()}
+        self._params = dict(params)
         self._order = list(params)
         self._acc, self._words, self._scope, self._done = {}, {}, {}, {}
-        self._rows, self._split, self._whole, self._shapes = {}, {}, set(), {}
+        self._rows, self._split, self._whole = {}, {}, set()
         self.direct, self._keep, self._sparse = direct, frozenset(keep), frozenset(sparse)
         self._pending.clear()    # a backward that raised may have left some (and their operands)
         self._copies = {}
@@ -210,7 +211,6 @@ class GradSink:
                                    f"{scope}")
             rows = torch.cat([self._rows[name][0], rows])
         self._rows[name] = (torch.unique(rows), scope)
-        self._shapes[name] = (w.shape, w.device)
 
     def add_split_rows(self, w: torch.Tensor, add_at) -> bool:
         """The sparse use of a split weight (`note_rows`): `add_at(rows, acc)` adds this rank's
@@ -487,36 +487,26 @@ class GradSink:
             self._rows.pop(name, None)
             return
         rows, acc = self._split.pop(name)
-        shape, dev = self._shapes[name]
+        w = self._params[name]
         del self._rows[name]
         if whole:                         # another rank went whole: so does this one
-            self._whole_digits(name, scope, shape, dev)[rows] += acc
+            self.accumulator(w, scope)[rows] += acc
             return
         union = _union_rows(comm, rows, f"{op}:rows") if comm.size > 1 else rows
-        held = fx.zeros((union.numel(), *shape[1:]), dev)
+        held = fx.zeros((union.numel(), *w.shape[1:]), w.device)
         held[torch.searchsorted(union, rows)] = acc
-        if dense and (name in self._acc or name in self._words):
+        has_dense = dense and (name in self._acc or name in self._words)
+        if has_dense:
             held += self._held_rows(name, union)
         if comm.size > 1:
             held = comm.sum_ints(held, op, inplace=True)
         vals = fx.round_fp32(held)
-        if dense and (name in self._acc or name in self._words):
+        if has_dense:
             later[name] = (union, vals)
             return
-        grad = torch.zeros(shape, dtype=torch.float32, device=dev)
+        grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         grad[union] = vals
         out[name] = grad
-
-    def _whole_digits(self, name: str, scope: str, shape: torch.Size,
-                      dev: torch.device) -> torch.Tensor:
-        """The whole-weight digit accumulator of `name` (`accumulator` by name): its digits, its
-        double words moved to digits, or a new zero one."""
-        if name in self._words:
-            self._acc[name] = _digits_of(self._words.pop(name).view(2, -1)).view(*shape, fx.N_COLS)
-        elif name not in self._acc:
-            self._acc[name] = fx.zeros(shape, dev)
-            self._scope[name] = scope
-        return self._acc[name]
 
     def _held_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Digits int64 [R, *shape[1:], N_COLS] of the rows `rows` of a weight's mini-batch sum

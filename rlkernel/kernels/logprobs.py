@@ -110,15 +110,15 @@ def _div_t_live(logits: torch.Tensor, temperature: float, n_live: int) -> torch.
     return z
 
 
-def vocab_slice(vocab_comm: Comm | None, v_local: int, targets: torch.Tensor,
-                live_vocab: int | None) -> tuple[int, torch.Tensor, int]:
-    """What a vocab-parallel rank needs of global ids: (offset of its slice, targets as local
-    column indices, live ids of its slice in [0, v_local]). A target another rank holds gets a
-    local index outside [0, v_local), which matches no column here (rank 0's -1 included)."""
+def _vocab_slice(vocab_comm: Comm | None, v_local: int, targets: torch.Tensor,
+                 live_vocab: int | None) -> tuple[torch.Tensor, int]:
+    """What a vocab-parallel rank needs of global ids: (targets as local column indices, live
+    ids of its slice in [0, v_local]). A target another rank holds gets a local index outside
+    [0, v_local), which matches no column here (rank 0's -1 included)."""
     off = 0 if vocab_comm is None else vocab_comm.rank * v_local
     live = v_local * (1 if vocab_comm is None else vocab_comm.size) \
         if live_vocab is None else live_vocab
-    return off, targets - off, min(max(live - off, 0), v_local)
+    return targets - off, min(max(live - off, 0), v_local)
 
 
 def _finish_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
@@ -208,7 +208,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, targets, temperature, shards, tok, live_vocab, cd, vocab_comm):
         hr, wr = rounding_point(h, cd), weight_point(w, cd, tok)
-        _, local, n_live = vocab_slice(vocab_comm, w.shape[0], targets, live_vocab)
+        local, n_live = _vocab_slice(vocab_comm, w.shape[0], targets, live_vocab)
         if h.is_cuda:
             from rlkernel.kernels import triton_logprobs
             m, s, t, z_y = triton_logprobs.linear_shard_stats(hr, wr, local, temperature,
