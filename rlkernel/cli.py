@@ -386,6 +386,10 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
         if d.resolve() == pathlib.Path.cwd().resolve():
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
                               "current one")
+        if TMP_SUFFIX.search(d.name):   # the name rlk run gives a run before it publishes it
+            raise ConfigError(f"--run-dir {cfg.run_dir!r}: a name ending in .tmp-<digits> is "
+                              "what an unfinished run lies under (a later --resume or run "
+                              "would take it for a killed one); give another name")
         taken = _occupied("--run-dir", cfg.run_dir)
         if taken:
             raise ConfigError(taken)
@@ -784,20 +788,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _resume_name(d: pathlib.Path) -> pathlib.Path:
-    """The run --resume continues: `d`, or for a killed run's `X.tmp-<pid>` (a run directory
-    before its publishing rename) X itself — so the resume takes X's lock and publishes X, as
-    `--resume X` does (`_resume_source` then finds the temporary directory and refuses it if
-    its pid still runs), instead of writing it unlocked and leaving it there. Raises
-    ConfigError when X is a published run too."""
+def _resume_target(d: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """(the run --resume continues, the directory its files lie in). Given a run's name, that
+    name and `_resume_source`'s answer. Given a killed run's `X.tmp-<pid>` (a run directory
+    before its publishing rename): X and that directory — so the resume takes X's lock and
+    publishes X, as `--resume X` does, instead of writing the temporary directory unlocked and
+    leaving it there. Raises ConfigError when that pid still runs, or when X is a published
+    run too."""
     cut = TMP_SUFFIX.search(d.name)
     if cut is None or not (d / "manifest.json").is_file():
-        return d
+        return d, _resume_source(d)
     base = d.with_name(d.name[:cut.start()])
+    pid = _pid_of(d)
+    if pid is not None and _alive(pid):
+        raise ConfigError(f"--resume {str(d)!r}: its run is still going (pid {pid} is alive); "
+                          f"wait for it to end, or stop it (if that pid is no rlk run, rename "
+                          f"the directory to {base} yourself)")
     if (base / "manifest.json").exists():
         raise ConfigError(f"--resume {str(d)!r}: a killed run left it beside the published run "
                           f"{base}; resume {base}, or move one of the two away")
-    return base
+    return base, d
 
 
 def _resume_source(d: pathlib.Path) -> pathlib.Path:
@@ -1084,9 +1094,10 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
         given = {k: v for k, v in vars(args).items() if k in names}
+        src = None
         if given.get("resume"):
-            given["resume"] = str(_resume_name(pathlib.Path(given["resume"])))
-        src = _resume_source(pathlib.Path(given["resume"])) if given.get("resume") else None
+            name, src = _resume_target(pathlib.Path(given["resume"]))
+            given["resume"] = str(name)
         cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
         # An occupied --run-dir is refused first, before the slower checks (a resume writes into
         # its own directory).

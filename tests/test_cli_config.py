@@ -936,6 +936,15 @@ def test_resume_may_change_gpu_memory_utilization(tmp_path):
         cli._resume_config({"resume": str(d), "gpu_memory_utilization": 0.9, "seed": 7}, d)
 
 
+def test_a_run_dir_named_like_an_unfinished_run_is_refused(capsys, cwd):
+    """--run-dir X.tmp-<digits> is the name an unfinished run lies under: a run published there
+    would later be taken for a killed one (a resume renamed it to X). Refused up front, exit 2,
+    nothing made."""
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--steps", "1", "--run-dir", "z.tmp-99")
+    assert code == 2 and "--run-dir 'z.tmp-99': a name ending in .tmp-<digits>" in err
+    assert list(cwd.iterdir()) == []
+
+
 def test_a_resume_clash_with_a_saved_flag_says_where_it_came_from(tmp_path):
     """A run saved with --tp 2 --sp resumed with --tp 1 only: the --sp error says --sp is the
     saved run's setting and how to change it (--no-sp); with --no-sp the resume is accepted."""

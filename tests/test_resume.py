@@ -292,9 +292,12 @@ def test_resume_by_a_killed_runs_tmp_path_continues_and_publishes_the_run(tmp_pa
     live = tmp_path / f"run.tmp-{os.getpid()}"
     shutil.copytree(tmp, live)
     assert main(["run", "--resume", str(live), "--allow-dirty"]) == 2
-    assert "still going" in capsys.readouterr().err
-    shutil.rmtree(live)
+    err = capsys.readouterr().err
+    assert "still going" in err and str(live) in err
+    # The directory named is the one resumed, though another killed run's lies beside it
+    # (--resume RUN would have to ask which).
     assert main(["run", "--resume", str(tmp), "--allow-dirty"]) == 0
+    shutil.rmtree(live)
     assert f"{tmp} (left by a killed run) is now {d}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]   # published, no lock left
     for f in ("model.safetensors", "rlk_weights.json"):
