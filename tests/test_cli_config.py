@@ -1200,31 +1200,38 @@ def test_prompts_per_run_are_bounded(capsys, cwd):
     assert RunConfig(steps=16384, n_prompts=64).steps == 16384   # exactly 2**20: accepted
 
 
-def test_signals_wait_for_the_end_of_a_step_record():
-    """SIGINT inside _signals_deferred (recording a step and its checkpoint) is delivered when the
-    block ends, not in the middle; outside it (the control) it interrupts at once."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_signals_wait_for_the_end_of_a_step_record(sig):
+    """SIGINT, or SIGTERM/SIGHUP under `rlk run`'s handler (cli._exit_on_sigterm), inside
+    _signals_deferred (recording a step and its checkpoint) is delivered when the block ends,
+    not in the middle; outside it (the control) it interrupts at once."""
     import os
     import signal
 
+    from rlkernel.cli import _exit_on_sigterm, _restore_sigterm
     from rlkernel.runner.loop import _signals_deferred
     # Ctrl-C's usual handler: a shell's background job may have left SIGINT ignored.
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = _exit_on_sigterm()
+    num = getattr(signal, sig)
+    raised = KeyboardInterrupt if sig == "SIGINT" else SystemExit
     try:
         reached = []
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(raised):
             with _signals_deferred():
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), num)
                 for _ in range(1000):   # bytecodes where a Python signal handler would run
                     reached.append(1)
                 reached.append("end")
         assert reached[-1] == "end"
         reached.clear()
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(raised):
+            os.kill(os.getpid(), num)
             for _ in range(10**6):
                 reached.append(1)
         assert len(reached) < 10**6
     finally:
+        _restore_sigterm(previous)
         signal.signal(signal.SIGINT, before)
 
 

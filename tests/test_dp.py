@@ -119,16 +119,19 @@ def test_an_untied_embedding_is_summed_over_its_looked_up_rows_only(monkeypatch)
     assert _differing(one, _grads_one_process("whole step", model=model)) == []
 
 
-def test_untied_embedding_split_over_dp_and_cp_matches_the_whole_step(tmp_path):
-    """An untied model (the embedding a lookup-only weight: its persistent sums kept over the
-    looked-up rows only, summed over the union of the DP × CP ranks' rows) at DP2 × CP2 with
-    one sample per microbatch == its DP1 whole-step run, bytes, on every rank."""
+@pytest.mark.parametrize("micro", ["1 sample", "whole step"])
+def test_untied_embedding_split_over_dp_and_cp_matches_the_whole_step(tmp_path, micro):
+    """An untied model (the embedding a lookup-only weight: its sums kept over the looked-up
+    rows only, summed over the union of the DP × CP ranks' rows) at DP2 × CP2 with one sample
+    per microbatch (persistent mode) or one microbatch per rank (direct mode: the split made
+    at the lookup's backward over the union) == its DP1 whole-step run, bytes, on every
+    rank."""
     model = MODEL.replace(tie_word_embeddings=False)
     want = single_process(_job("whole step", model))
     out = tmp_path / "untied"
     out.mkdir()
-    got = run_layout(out, _job("1 sample", model), 1, 2, False, dp=2)
-    assert_same_bytes(got, want, "untied DP2/CP2/1 sample")
+    got = run_layout(out, _job(micro, model), 1, 2, False, dp=2)
+    assert_same_bytes(got, want, f"untied DP2/CP2/{micro}")
 
 
 @pytest.mark.slow
@@ -230,7 +233,9 @@ def test_one_microbatch_finishes_weights_in_their_backward_with_the_same_bytes(m
     rows only, which the lookup completes; tokensum.GradSink.note_rows); 1-sample microbatches
     keep an accumulator for every weight. The gradients are identical (int32 views), also when
     direct mode cuts every weight into 64-element row chunks (the embedding's vocab rows
-    included). Untied: lm_head and embedding are direct, nothing is split."""
+    included). Untied: the lookup's rows pass half the tiny vocabulary, so the embedding is
+    finished by direct chunks like lm_head; with that threshold raised, it is split over the
+    rows looked up (GradSink._direct_split) — the same bytes."""
     from rlkernel.distributed import tokensum
 
     model = MODEL.replace(tie_word_embeddings=tied)
@@ -252,6 +257,9 @@ def test_one_microbatch_finishes_weights_in_their_backward_with_the_same_bytes(m
     assert _differing(one, whole) == []
     monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 64)
     assert _differing(_grads_one_process("whole step", model=model), whole) == []
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", 1.0)
+    assert _differing(_grads_one_process("whole step", model=model), whole) == []
+    assert split[-1] == {"model.embed_tokens.weight"} and not seen[-1][1]
 
 
 def test_direct_mode_refuses_a_weight_finished_twice():

@@ -695,6 +695,78 @@ def test_tied_weight_split_over_ranks_in_persistent_mode_gives_the_whole_accumul
     assert mixed is None or not all(_same(mixed[r], base[r]) for r in (0, 1)), "control"
 
 
+def _direct_over_ranks(rank, comm, ids, w, coef, tied: bool, direct: bool, split: bool,
+                       seen: dict):
+    """One rank's gradient of an embedding over ONE microbatch (ids [2·TOKEN_LEAF]) into a sink
+    whose scope groups are `comm`: tied (lookup, then the same weight as the LM head; kept) or
+    lookup-only (sparse); direct or persistent mode; split off: note_rows disabled (and the
+    untied weight not declared lookup-only: its whole accumulator, or direct mode's chunks).
+    seen[rank] = (the names with a whole-weight accumulator or words, the split's rows) just
+    before finish."""
+    p = torch.nn.Parameter(w.clone())
+    gs = tokensum.GradSink({"dp_cp": comm, "world": comm})
+    gs.begin({"emb": p}, direct=direct, keep={"emb"} if tied else set(),
+             sparse=set() if tied or not split else {"emb"})
+    if not split:
+        gs.note_rows = lambda *a, **k: None
+    tok = tokensum.TokenSum(comm, sink=gs)
+    h = embed(ids, p, offset=OFFSET, tok=tok)
+    y = column_parallel_linear(h, [p], tok=tok)[0] if tied else h
+    (y * coef).sum().backward()
+    seen[rank] = (set(gs._acc) | set(gs._words),
+                  gs._split["emb"][0].clone() if "emb" in gs._split else None)
+    return gs.finish()["emb"]
+
+
+@pytest.mark.parametrize("tied,fraction", [(True, 0.5), (False, 1.0), (False, 0.5)])
+def test_direct_mode_splits_an_embedding_over_ranks_with_the_whole_accumulator_bytes(
+        monkeypatch, tied, fraction):
+    """Direct mode (one microbatch per rank) on 2 ranks holding other tokens: a tied embedding's
+    LM-head use finishes every row directly and keeps its partials of the UNION of both ranks'
+    looked-up rows, the lookups add there, finish sums that over the ranks; an untied one's
+    lookup splits it over that union likewise — unless the union (11 of 12 rows here) passes
+    SPLIT_MAX_FRACTION, when every rank finishes it by direct chunks instead. Bytes == the
+    whole accumulator (split off) == persistent mode, on both ranks, with no whole-weight
+    accumulator made. Control (tied): with each rank's own rows instead of the union, a row
+    only the other rank looked up misses this rank's head part (or the ranks' sums cannot line
+    up)."""
+    from kernel_helpers import run_ranks
+
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", fraction)
+    w, local, ids, coefs = _two_rank_lookups(13, ROWS if tied else H)
+    ids = {r: torch.cat(x) for r, x in ids.items()}
+    coef = {r: torch.cat(x) for r, x in coefs.items()}
+    seen: dict = {}
+
+    def run(direct, split):
+        return run_ranks(2, lambda r, comm: _direct_over_ranks(r, comm, ids[r], w, coef[r],
+                                                               tied, direct, split, seen))
+    base = run(False, False)
+    assert all(seen[r][0] == {"emb"} for r in (0, 1))     # the whole accumulator
+    got = run(True, True)
+    assert all(seen[r][0] == set() for r in (0, 1)), seen
+    union = torch.unique(torch.cat([torch.cat(local[0]), torch.cat(local[1])]))
+    assert union.numel() > ROWS // 2
+    for r in (0, 1):
+        if tied or fraction == 1.0:
+            assert torch.equal(seen[r][1], union), (r, seen[r][1])
+        else:
+            assert seen[r][1] is None, (r, seen[r][1])
+        assert _same(got[r], base[r]) and _same(base[r], base[0])
+    assert _same(run(True, False)[0], base[0]) and _same(run(False, True)[1], base[0])
+    if tied:
+        real = tokensum._union_rows
+        tokensum._union_rows = lambda comm, rows, op: rows
+        try:
+            mixed = run(True, True)
+        except RuntimeError as e:
+            assert "equal size" in str(e)
+            mixed = None
+        finally:
+            tokensum._union_rows = real
+        assert mixed is None or not all(_same(mixed[r], base[r]) for r in (0, 1)), "control"
+
+
 def test_union_rows_is_the_sorted_union_without_the_padding():
     """_union_rows over 2 thread ranks with 2 and 4 rows (the shorter padded with -1 for the
     gather): every rank gets [0, 1, 3, 5, 11] — no -1 (it would index the last row)."""

@@ -77,11 +77,14 @@ class GradSink:
     Weights used more than once per forward (`keep`, e.g. tied embeddings) stay persistent —
     except a kept weight whose second use touches only a few rows that are known before the
     first use's backward (the tied embedding: the lookup's ids, `note_rows` at its forward):
-    with a scope group of one rank, the dense use (the LM head's dW) finishes every row
-    directly and also adds its partials of the noted rows into a small accumulator of those
-    rows only; the sparse use (the lookup's backward) adds into that one (`add_split_rows`);
-    `finish` rounds it over those rows. The same exact sum of the same partials, rounded once:
-    the persistent path's bytes, without its [V, H, N_COLS] accumulator (32 GB at qwen3-1.7b).
+    the dense use (the LM head's dW) finishes every row directly and also adds its partials
+    of the noted rows — over a scope group of several ranks, of the union of every rank's
+    noted rows (all-gathered ids), since each rank's head partials of a row another rank
+    looked up belong to that row's sum too — into a small accumulator of those rows only; the
+    sparse use (the lookup's backward) adds into that one (`add_split_rows`); `finish` sums it
+    over the scope group and rounds it over those rows, written over their direct rounding.
+    The same exact sum of the same partials, rounded once: the persistent path's bytes,
+    without its [V, H, N_COLS] accumulator (32 GB at qwen3-1.7b, on every DP/CP rank).
     In persistent mode (several microbatches) such a weight is split too, over any scope group
     (`finish` sums the ranks' rows over their union, below): the dense use keeps
     its sum as usual (words on CUDA), the sparse uses add into an accumulator over the rows
@@ -90,12 +93,16 @@ class GradSink:
     digits at the first lookup's backward; once the rows noted pass SPLIT_MAX_FRACTION of the
     weight's, it takes its whole accumulator after all (the split digits added there).
     Weights whose only use is a row lookup (`sparse`: an untied embedding) take the same split
-    in persistent mode with no dense use at all, over any scope group: each rank's accumulator
+    in either mode with no dense use at all, over any scope group: each rank's accumulator
     covers the rows its lookups noted, and `finish` sums them over the union of every rank's
     rows (all-gathered ids) — rows no rank looked up get +0.0, as the whole accumulator rounds
     its zeros to. A vocab-sized [V, H, N_COLS] accumulator (qwen3-8b: 32 GB per rank at TP2)
     becomes one of the rows the mini-batch's tokens touch; past SPLIT_MAX_FRACTION on any rank
-    of the group, every rank takes the whole accumulator after all.
+    of the group, every rank takes the whole accumulator after all. In direct mode the split is
+    made at the (one) lookup's backward over the union of the group's rows at once
+    (`_direct_split`); past SPLIT_MAX_FRACTION there, the weight is finished by
+    `finish_direct`'s chunks instead (no accumulator lives beyond one chunk). Same bytes on
+    every path: the same exact sums, rounded once.
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
@@ -185,24 +192,24 @@ class GradSink:
         return name not in self._keep or (name in self._rows and name not in self._done)
 
     def note_rows(self, w: torch.Tensor, ids: torch.Tensor, offset: int, scope: str) -> None:
-        """A kept weight's sparse use will add to w's rows ids - offset only (ids long, any order
-        and repeats; those outside [0, rows of w) are another rank's: the lookup's ids of a vocab
-        shard at `offset`), reduced over `scope`: where the sink is direct and
-        that scope group is this rank alone, w is finished split (class doc) instead of through a
-        persistent accumulator. Call before the dense use's backward (the lookup's forward);
-        several calls add rows. RuntimeError once the dense use has finished w."""
+        """A kept or lookup-only weight's sparse use will add to w's rows ids - offset only
+        (ids long, any order and repeats; those outside [0, rows of w) are another rank's: the
+        lookup's ids of a vocab shard at `offset`), reduced over `scope`: w is finished split
+        (class doc) instead of through an accumulator of all its rows. Call before the dense
+        use's backward (the lookup's forward); several calls add rows. Every rank of the scope
+        group must note w's rows in the same mini-batches (the union is a collective).
+        RuntimeError once the dense use has finished w."""
         name = self._names.get(id(w))   # None: not a trained parameter (a frozen model's)
         if name is None or not self.open or name in self._whole:
             return
-        # Persistent mode splits at any scope group (finish sums the ranks' rows over their
-        # union); direct mode only where the group is this rank (finish_direct's chunks).
-        if not (name in self._keep or name in self._sparse) or (
-                self.direct and (name in self._sparse or self.groups[scope].size != 1)):
+        # Both modes split at any scope group: finish (or, for a kept weight in direct mode,
+        # its dense use) sums the ranks' rows over their union.
+        if not (name in self._keep or name in self._sparse):
             return
         if name in self._done:
             raise RuntimeError(f"GradSink: rows of {name} noted after its dense use finished it")
-        # Only here, past the checks: the mask is a host sync on CUDA, which no other forward
-        # (untied, persistent, DP/CP) should pay.
+        # Only here, past the checks: the mask is a host sync on CUDA, which the forward of a
+        # model with no embedding to train need not pay.
         local = ids.reshape(-1) - offset
         rows = local[(local >= 0) & (local < w.shape[0])]
         if name in self._rows:
@@ -218,8 +225,11 @@ class GradSink:
         N_COLS]; returns True. False (nothing done) for a weight that is not split. RuntimeError
         when the dense use has not run yet (its partials of these rows would be lost)."""
         name = self._names.get(id(w))   # a foreign tensor is the other paths' to refuse
-        if self.open and not self.direct and name in self._rows:
+        if self.open and name in self._rows and not self.direct:
             self._grow_split(name, w)
+        elif (self.open and self.direct and name in self._sparse and name in self._rows
+              and name not in self._split and not self._direct_split(name, w)):
+            return False      # too many rows: finish_direct's chunks (the kernel's next path)
         if name in self._split:
             add_at(*self._split[name])
             return True
@@ -227,6 +237,24 @@ class GradSink:
             raise RuntimeError(f"GradSink: the sparse use of {name} reached the sink before its "
                                "dense use (the split path needs the dense use first)")
         return False
+
+    def _direct_split(self, name: str, w: torch.Tensor) -> bool:
+        """Direct mode, a lookup-only weight at its lookup's backward: a zero split accumulator
+        over the union of the scope group's noted rows (the same on every rank: each adds its
+        partials there, `finish` sums them), True; or, when that union passes
+        SPLIT_MAX_FRACTION of the weight's rows, no split on any rank (False: the rows are
+        dropped, finish_direct's transient chunks cost less than such an accumulator).
+        Collective over the scope group (every rank's one lookup backward reaches it)."""
+        rows, scope = self._rows[name]
+        comm = self.groups[scope]
+        if comm.size > 1:
+            rows = _union_rows(comm, rows, f"grad-sink:split:{name}:rows")
+        if rows.numel() > SPLIT_MAX_FRACTION * w.shape[0]:
+            del self._rows[name]
+            return False
+        self._rows[name] = (rows, scope)
+        self._split[name] = (rows, fx.zeros((rows.numel(), *w.shape[1:]), w.device))
+        return True
 
     def _grow_split(self, name: str, w: torch.Tensor) -> None:
         """Persistent mode: the split accumulator of `name` over every row noted so far (the
@@ -299,6 +327,11 @@ class GradSink:
             if add_rows_at is None or noted != scope:
                 raise RuntimeError(f"GradSink: {name} is split (rows noted over {noted}) but its "
                                    f"dense use over {scope} gave no add_rows_at")
+            if comm.size > 1:
+                # Every rank's dense partials of a row another rank looked up must join that
+                # row's exact sum too (its direct rounding above is written over at finish).
+                rows = _union_rows(comm, rows, f"grad-sink:split:{name}:rows")
+                self._rows[name] = (rows, noted)
             acc = fx.zeros((rows.numel(), *w.shape[1:]), w.device)
             add_rows_at(rows, acc)
             self._split[name] = (rows, acc)
@@ -428,13 +461,6 @@ class GradSink:
             for n in self._order:
                 if n in self._sparse or n in self._keep:
                     self._finish_split(n, out, later)
-        for n, (rows, acc) in self._split.items():
-            if n not in self._done:     # the dense use's sums of those rows join
-                noted = self._rows[n][1]
-                if self._scope.get(n, noted) != noted:
-                    raise RuntimeError(f"GradSink: {n} is split (rows noted over {noted}) but "
-                                       f"its dense use reduced over {self._scope[n]}")
-                acc += self._held_rows(n, rows)
         for scope in SCOPES:
             # Every rank must reduce the same list in the same buckets; the signature check of
             # each collective catches a rank whose kernels saw another set of weights.
@@ -447,8 +473,16 @@ class GradSink:
             for bucket in _buckets([(n, math.prod(self._held(n)[0])) for n in names]):
                 self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
         self._acc, self._words = {}, {}
-        for n, (rows, acc) in self._split.items():   # direct mode: one-rank scope groups
-            (self._done if n in self._done else out)[n][rows] = fx.round_fp32(acc)
+        for n in self._order:    # direct mode's splits, over the union of rows already
+            if n in self._split:
+                rows, acc = self._split[n]
+                comm = self.groups[self._rows[n][1]]
+                if comm.size > 1:
+                    acc = comm.sum_ints(acc, f"grad-sink:split:{n}", inplace=True)
+                if n not in self._done:   # lookup-only: rows no rank looked up get +0.0
+                    w = self._params[n]
+                    self._done[n] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                self._done[n][rows] = fx.round_fp32(acc)
         for n, (rows, vals) in later.items():
             out[n][rows] = vals
         out.update(self._done)

@@ -439,8 +439,9 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
 
 @contextlib.contextmanager
 def _signals_deferred():
-    """Hold SIGINT/SIGTERM (main thread only) until the block ends: a Ctrl-C just after a step's
-    line is printed must not leave that step recorded without its checkpoint. A signal that
+    """Hold SIGINT/SIGTERM/SIGHUP (main thread only; `rlk run` unwinds on all three) until the
+    block ends: a Ctrl-C, kill or closed terminal just after a step's line is printed must not
+    leave that step recorded without its checkpoint. A signal that
     arrives meanwhile is re-raised, to the handler that was in place, when the block ends; an
     ignored signal stays ignored. (A thread signal mask would not do: the kernel may deliver
     the signal to another thread, e.g. a torch worker, and Python still runs it at once.)"""
@@ -449,8 +450,8 @@ def _signals_deferred():
         return
     pending: list[int] = []
     held = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(sig) not in (signal.SIG_IGN, None):
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) not in (signal.SIG_IGN, None):
             held[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield
