@@ -432,18 +432,22 @@ def _stale_temporaries(final: pathlib.Path) -> list[pathlib.Path]:
 
 def _warn_stale_temporaries(final: pathlib.Path) -> None:
     """One warning per stale temporary beside `final` (_stale_temporaries), naming it, the
-    gone pid and what to do with it: `rlk run --resume <name>` when it holds a checkpoint,
-    else delete it (or keep its partial evidence). Nothing is deleted: it may be someone's
-    data."""
+    gone pid and what to do with it: `rlk run --resume <that directory>` when it holds a
+    checkpoint (by its own path: its name may have several such temporaries; a name another
+    run has published since must be moved away from first), else delete it (or keep its
+    partial evidence). Nothing is deleted: it may be someone's data."""
     stale = _stale_temporaries(final)
     lines = []
     for p in stale[:_STALE_LISTED]:
         name = p.with_name(p.name.rpartition(".tmp-")[0])
         ckpt = p / "checkpoints"
-        what = (f"resume it with: rlk run --resume {name}"
-                if ckpt.is_dir() and any(ckpt.glob("step-*")) else
-                "it has no checkpoint to resume from; delete it, or rename it to keep its "
+        what = ("it has no checkpoint to resume from; delete it, or rename it to keep its "
                 "partial evidence")
+        if ckpt.is_dir() and any(ckpt.glob("step-*")):
+            what = (f"resume it with: rlk run --resume {p}"
+                    if not (name / "manifest.json").exists() else
+                    f"its name is the published run {name}'s: to resume it, move it to a free "
+                    f"name (e.g. mv {p} {name}-resumed) and rlk run --resume that")
         lines.append(f"{p} was left by an rlk run that was killed (pid {_pid_of(p)} is not "
                      f"running); {what}")
     if len(stale) > _STALE_LISTED:

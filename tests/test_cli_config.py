@@ -637,7 +637,7 @@ def test_a_run_warns_of_temporaries_that_killed_runs_left_and_deletes_nothing(
     warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: runs/")]
     assert warnings == [
         f"rlk run: warning: runs/a.tmp-{dead} was left by an rlk run that was killed (pid {dead} "
-        "is not running); resume it with: rlk run --resume runs/a",
+        f"is not running); resume it with: rlk run --resume runs/a.tmp-{dead}",
         f"rlk run: warning: runs/b.tmp-{dead} was left by an rlk run that was killed (pid {dead} "
         "is not running); it has no checkpoint to resume from; delete it, or rename it to keep "
         "its partial evidence"]
@@ -647,6 +647,14 @@ def test_a_run_warns_of_temporaries_that_killed_runs_left_and_deletes_nothing(
     # only the run directory's own parent is looked at
     code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "elsewhere/r")
     assert code == 0 and "warning: runs/" not in err
+    (runs / "a").mkdir()     # another run published the name since: resume it under another
+    (runs / "a" / "manifest.json").write_text("{}")
+    code, _, err = rlk(capsys, "run", "--allow-dirty")
+    assert code == 0 and (
+        f"rlk run: warning: runs/a.tmp-{dead} was left by an rlk run that was killed (pid "
+        f"{dead} is not running); its name is the published run runs/a's: to resume it, move "
+        f"it to a free name (e.g. mv runs/a.tmp-{dead} runs/a-resumed) and rlk run --resume "
+        "that") in err.splitlines()
 
 
 def test_many_stale_temporaries_are_named_three_then_counted(capsys, cwd, loop):

@@ -179,6 +179,12 @@ def test_unfinished_run_and_missing_checkpoint(run, tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("x")
     assert main(["export", str(run), "--out", str(tmp_path / "full")]) == 2
     assert "--out" in capsys.readouterr().err
+    ev["steps"] = []     # stopped before its first step was recorded
+    (d / "evidence.json").write_text(json.dumps(ev))
+    assert main(["export", str(d), "--step", "0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--step 0: must be an evidence step of" in err and "recorded no step" in err
+    assert "[0, 0)" not in err and not out.exists()
 
 
 @pytest.mark.parametrize("flag", ["false", "yes", 1])

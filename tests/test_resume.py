@@ -305,6 +305,16 @@ def test_resume_by_a_killed_runs_tmp_path_continues_and_publishes_the_run(tmp_pa
     shutil.copytree(uninterrupted, tmp)
     assert main(["run", "--resume", str(tmp), "--allow-dirty"]) == 2
     assert "beside the published run" in capsys.readouterr().err
+    # What the start-up warning advises then: move it to a free name and resume that.
+    shutil.rmtree(tmp / "checkpoints" / "step-000003")
+    shutil.rmtree(tmp / "final")
+    ev = json.loads((tmp / "evidence.json").read_text())
+    ev["complete"] = False
+    (tmp / "evidence.json").write_text(json.dumps(ev))
+    moved = tmp.rename(tmp_path / "run-resumed")
+    assert main(["run", "--resume", str(moved), "--allow-dirty"]) == 0, capsys.readouterr().err
+    for f in ("model.safetensors", "rlk_weights.json"):
+        assert (moved / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
 
 
 def test_resume_by_either_name_takes_the_runs_one_lock(tmp_path, capsys, uninterrupted):

@@ -288,8 +288,10 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
                                       f"nothing to export: {_steps_text(avail)}"))
         step = last
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < len(steps):
-        raise ExportUsageError(f"--step {step!r}: must be an evidence step of {str(run)!r}, in "
-                               f"[0, {len(steps)}); {_steps_text(avail)}")
+        where = (f"in [0, {len(steps)})" if steps else
+                 "which has none (it recorded no step)")
+        raise ExportUsageError(f"--step {step!r}: must be an evidence step of {str(run)!r}, "
+                               f"{where}; {_steps_text(avail)}")
     if step not in avail:
         raise ExportUsageError(f"--step {step}: {str(run)!r} kept no weights for it; "
                                f"{_steps_text(avail)}")
