@@ -696,15 +696,15 @@ def test_tied_weight_split_over_ranks_in_persistent_mode_gives_the_whole_accumul
 
 
 def _direct_over_ranks(rank, comm, ids, w, coef, tied: bool, direct: bool, split: bool,
-                       seen: dict):
+                       seen: dict, dp_cp=None):
     """One rank's gradient of an embedding over ONE microbatch (ids [2·TOKEN_LEAF]) into a sink
     whose scope groups are `comm`: tied (lookup, then the same weight as the LM head; kept) or
     lookup-only (sparse); direct or persistent mode; split off: note_rows disabled (and the
     untied weight not declared lookup-only: its whole accumulator, or direct mode's chunks).
     seen[rank] = (the names with a whole-weight accumulator or words, the split's rows) just
-    before finish."""
+    before finish. dp_cp: that scope's group instead of `comm` (world stays `comm`)."""
     p = torch.nn.Parameter(w.clone())
-    gs = tokensum.GradSink({"dp_cp": comm, "world": comm})
+    gs = tokensum.GradSink({"dp_cp": dp_cp or comm, "world": comm})
     gs.begin({"emb": p}, direct=direct, keep={"emb"} if tied else set(),
              sparse=set() if tied or not split else {"emb"})
     if not split:
@@ -765,6 +765,65 @@ def test_direct_mode_splits_an_embedding_over_ranks_with_the_whole_accumulator_b
         finally:
             tokensum._union_rows = real
         assert mixed is None or not all(_same(mixed[r], base[r]) for r in (0, 1)), "control"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_direct_split_is_over_the_embeddings_scope_group_not_the_world(monkeypatch, tied):
+    """Direct mode on 2 ranks that are one rank each of dp_cp (TP ranks: other vocab shards,
+    DP × CP of 1) but share the world group: the embedding's split covers this rank's own
+    looked-up rows (4 of 12 each; their union over the world, 8, would pass SPLIT_MAX_FRACTION
+    0.5) and is not summed over the world — each rank's bytes == its own one-process gradient
+    (whole accumulator, split off). Control: with dp_cp the 2-rank group, the other rank's
+    partials join (other bytes), so the data tells the groups apart."""
+    from kernel_helpers import run_ranks
+
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", 0.5)
+    w, local, ids, coefs = _two_rank_lookups(13, ROWS if tied else H)
+    ids = {r: x[0] for r, x in ids.items()}      # rows 0-3 on rank 0, 4-7 on rank 1
+    coef = {r: x[0] for r, x in coefs.items()}
+    own = {r: torch.unique(local[r][0]) for r in (0, 1)}
+    assert all(own[r].numel() <= ROWS // 2 for r in (0, 1))
+    assert torch.unique(torch.cat([own[0], own[1]])).numel() > ROWS // 2
+    seen: dict = {}
+    want = [_direct_over_ranks(r, Comm.single("solo"), ids[r], w, coef[r], tied, False, False,
+                               {}) for r in (0, 1)]
+    got = run_ranks(2, lambda r, comm: _direct_over_ranks(
+        r, comm, ids[r], w, coef[r], tied, True, True, seen, dp_cp=Comm.single("dp_cp")))
+    for r in (0, 1):
+        assert seen[r][0] == set() and seen[r][1] is not None, (r, seen[r])
+        assert torch.equal(seen[r][1], own[r]), (r, seen[r][1])
+        assert _same(got[r], want[r]), r
+    summed = run_ranks(2, lambda r, comm: _direct_over_ranks(
+        r, comm, ids[r], w, coef[r], tied, True, True, {}))
+    assert not all(_same(summed[r], want[r]) for r in (0, 1)), "control"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_lookup_only_split_holds_at_exactly_split_max_fraction_of_the_rows(monkeypatch,
+                                                                              direct):
+    """SPLIT_MAX_FRACTION bounds the split inclusively ("past" it, the split ends): a
+    lookup-only embedding whose one lookup touches exactly 6 of its 12 rows at fraction 0.5
+    is split over those rows, in direct mode (GradSink._direct_split) as in persistent mode
+    (_grow_split); with 7 rows (the control) it is not. Bytes == no sink either way."""
+    monkeypatch.setattr(tokensum, "SPLIT_MAX_FRACTION", 0.5)
+    g = torch.Generator().manual_seed(17)
+    w = torch.randn(ROWS, H, generator=g)
+    coef = torch.randn(TOKEN_LEAF, H, generator=g)
+    for n_rows in (ROWS // 2, ROWS // 2 + 1):
+        ids = torch.arange(TOKEN_LEAF) % n_rows + OFFSET     # each of rows 0..n_rows-1
+        ref = torch.nn.Parameter(w.clone())
+        (embed(ids, ref, offset=OFFSET) * coef).sum().backward()
+        p = torch.nn.Parameter(w.clone())
+        gs = tokensum.GradSink.single()
+        gs.begin({"emb": p}, direct=direct, sparse={"emb"})
+        tok = tokensum.TokenSum(Comm.single("tokens"), sink=gs)
+        (embed(ids, p, offset=OFFSET, tok=tok) * coef).sum().backward()
+        rows = gs._split["emb"][0].clone() if "emb" in gs._split else None
+        assert _same(gs.finish()["emb"], ref.grad), n_rows
+        if n_rows == ROWS // 2:
+            assert rows is not None and torch.equal(rows, torch.arange(n_rows)), rows
+        else:
+            assert rows is None, rows
 
 
 def test_union_rows_is_the_sorted_union_without_the_padding():
