@@ -104,8 +104,8 @@ class InvariantOps:
         gradient of every backward is added exactly into it (distributed/tokensum.py).
         direct: every rank runs one microbatch in this mini-batch, so weights are finished in
         their backward (no persistent accumulators) except a tied embedding, which two kernels
-        (lookup and LM head) add to. An untied embedding's only use is its lookup: persistent
-        mode keeps its sums over the rows looked up only (GradSink `sparse`)."""
+        (lookup and LM head) add to. An untied embedding's only use is its lookup: either mode
+        keeps its sums over the rows looked up only (GradSink `sparse`)."""
         model.zero_grad(set_to_none=True)
         for p in model.logical_params().values():
             p.main_grad = None
