@@ -1,0 +1,74 @@
+"""`nohup rlk run ...`: a hangup the user asked to ignore must not stop the run.
+
+nohup (and `trap '' HUP`, and daemon launchers) start the program with SIGHUP set to SIG_IGN, so
+that closing the terminal or SSH session leaves it running. `rlk run` installs its own SIGHUP
+handler at start-up (cli._exit_on_sigterm: "treat SIGHUP like SIGTERM") without looking at the
+inherited disposition, so the ignored hangup becomes SystemExit(129): the run stops after the
+steps it has, which a run without --save-every cannot resume. (runner/loop._signals_deferred
+does keep an ignored signal ignored; the CLI has already replaced it by then.)
+
+Found by a breaker session (2026-12-05); the library is not changed here.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from rlkernel.cli import main
+
+ARGS = ["--steps", "3", "--max-response-len", "8", "--n-prompts", "1",
+        "--n-samples-per-prompt", "2", "--kl-coef", "0.01", "--allow-dirty"]
+
+
+def test_exit_on_sigterm_keeps_an_ignored_sighup_ignored():
+    """The start-up handler must leave SIGHUP ignored when it was ignored (nohup)."""
+    from rlkernel import cli
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        previous = cli._exit_on_sigterm()
+        try:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, (
+                "rlk run replaced an ignored SIGHUP (nohup) with a handler that stops the run")
+        finally:
+            cli._restore_sigterm(previous)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def _ignore_sighup():   # what nohup does before exec
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_nohup_run_survives_a_hangup_with_the_uninterrupted_bytes(tmp_path, capsys):
+    """`rlk run` started with SIGHUP ignored, SIGHUP to its process group once step 1 is in
+    the evidence: it finishes all 3 steps (exit 0) and `rlk compare` with an uninterrupted run
+    says IDENTICAL. Today: exit 129, "terminated after 1 step(s)", 1 step kept."""
+    d = tmp_path / "hup"
+    proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
+                             str(d)], start_new_session=True, preexec_fn=_ignore_sighup,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    sent = False
+    while time.time() < deadline and proc.poll() is None:
+        for m in d.parent.glob(f"{d.name}*/metrics.jsonl"):
+            if m.read_text().count("\n") >= 1:
+                proc.send_signal(signal.SIGHUP)
+                sent = True
+                break
+        if sent:
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=240)
+    assert sent, "the run ended before the hangup could be sent"
+    assert proc.returncode == 0, (proc.returncode, err.strip().splitlines()[-1:])
+    assert len(json.loads((d / "evidence.json").read_text())["steps"]) == 3
+
+    u = tmp_path / "u"
+    assert main(["run", *ARGS, "--run-dir", str(u)]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--quiet", str(u), str(d)]) == 0, capsys.readouterr().out
