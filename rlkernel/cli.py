@@ -730,7 +730,8 @@ def _publish_run(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path | None:
 
 def _exit_on_sigterm():
     """Treat SIGTERM and SIGHUP (a closed terminal or SSH session) like Ctrl-C: unwind, so a
-    partial run is published (not left as .tmp-* beside its lock).
+    partial run is published (not left as .tmp-* beside its lock). One the process was started
+    ignoring (nohup) is left ignored.
 
     Returns the previous handlers (None when not on the main thread) for `_restore_sigterm`.
     """
@@ -742,7 +743,10 @@ def _exit_on_sigterm():
 
     if threading.current_thread() is not threading.main_thread():
         return None
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # An ignored signal stays ignored: nohup (or `trap '' HUP`) asked the run to outlive its
+    # terminal, and a handler here would turn that hangup into the run's end.
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(sig) is not signal.SIG_IGN}
 
 
 def _restore_sigterm(previous) -> None:

@@ -2,12 +2,10 @@
 
 nohup (and `trap '' HUP`, and daemon launchers) start the program with SIGHUP set to SIG_IGN, so
 that closing the terminal or SSH session leaves it running. `rlk run` installs its own SIGHUP
-handler at start-up (cli._exit_on_sigterm: "treat SIGHUP like SIGTERM") without looking at the
-inherited disposition, so the ignored hangup becomes SystemExit(129): the run stops after the
-steps it has, which a run without --save-every cannot resume. (runner/loop._signals_deferred
-does keep an ignored signal ignored; the CLI has already replaced it by then.)
-
-Found by a breaker session (2026-12-05); the library is not changed here.
+handler at start-up (cli._exit_on_sigterm: "treat SIGHUP like SIGTERM"); it used to do so
+without looking at the inherited disposition, so the ignored hangup became SystemExit(129) and
+the run stopped after the steps it had (which a run without --save-every cannot resume).
+Found by a breaker session (2026-12-05).
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ def _ignore_sighup():   # what nohup does before exec
 def test_nohup_run_survives_a_hangup_with_the_uninterrupted_bytes(tmp_path, capsys):
     """`rlk run` started with SIGHUP ignored, SIGHUP to its process group once step 1 is in
     the evidence: it finishes all 3 steps (exit 0) and `rlk compare` with an uninterrupted run
-    says IDENTICAL. Today: exit 129, "terminated after 1 step(s)", 1 step kept."""
+    says IDENTICAL (before the fix: exit 129, "terminated after 1 step(s)", 1 step kept)."""
     d = tmp_path / "hup"
     proc = subprocess.Popen([sys.executable, "-m", "rlkernel.cli", "run", *ARGS, "--run-dir",
                              str(d)], start_new_session=True, preexec_fn=_ignore_sighup,
