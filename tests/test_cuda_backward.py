@@ -284,3 +284,52 @@ def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypa
     for other in (two, four, whole):
         assert [n for n in one if not torch.equal(one[n].view(torch.int32),
                                                   other[n].view(torch.int32))] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untied_embedding_split_in_direct_mode_gives_the_chunked_bytes(monkeypatch, dtype):
+    """The tiny model untied on CUDA: one microbatch (direct mode: the lookup's backward splits
+    the lookup-only embedding over its looked-up rows, GradSink._direct_split, since
+    2026-12-05) == the same with SPLIT_MAX_FRACTION 0 (no split: finish_direct's row chunks, the
+    path before) == two and four microbatches (persistent: the rows' accumulator grows), every
+    gradient bytewise; the split ran where asked and not where it was off."""
+    from rlkernel.distributed import tokensum
+    from rlkernel.model.checkpoint import init_weights
+    from rlkernel.model.config import preset
+    from rlkernel.model.ops import ops_for
+    from rlkernel.model.qwen3 import Qwen3ForCausalLM
+    from rlkernel.train.losses import LossCoefs, invariant_exp
+    from rlkernel.train.step import TrainSample, compute_gradients
+
+    cfg = preset("tiny").replace(tie_word_embeddings=False)
+    weights = init_weights(cfg, 0)
+    samples = [TrainSample(i, tuple(range(1, 9)), tuple(range(10 + i, 30 + i)),
+                           torch.full((20,), -2.0), 1.0 if i % 2 else -1.0) for i in range(4)]
+    seen = []
+    real = tokensum.GradSink.finish
+
+    def spy(self):
+        seen.append((set(self._split), set(self._acc), self.direct))
+        return real(self)
+    monkeypatch.setattr(tokensum.GradSink, "finish", spy)
+
+    def grads(budget):
+        pol = Qwen3ForCausalLM(cfg, ops_for("invariant"), dtype).to(DEV)
+        pol.load_tensors({k: v.to(DEV) for k, v in weights.items()})
+        compute_gradients(pol, None, samples, temperature=1.0,
+                          coefs=LossCoefs(0.2, 0.0, 0.01, "k3"), micro_batch_tokens=budget,
+                          pad_id=0, exp=invariant_exp)
+        return {n: p.grad.clone() for n, p in pol.logical_params().items()}
+    emb = "model.embed_tokens.weight"
+    per = len(samples[0].prompt_ids) + len(samples[0].response_ids)
+    one = grads(4 * per)
+    with monkeypatch.context() as mp:
+        mp.setattr(tokensum, "SPLIT_MAX_FRACTION", 0.0)
+        chunked = grads(4 * per)
+    two, four = grads(2 * per), grads(per)
+    assert seen[0] == ({emb}, set(), True), seen
+    assert seen[1] == (set(), set(), True), seen
+    assert all(sp == {emb} and emb not in acc and not d for sp, acc, d in seen[2:]), seen
+    for other in (chunked, two, four):
+        assert [n for n in one if not torch.equal(one[n].view(torch.int32),
+                                                  other[n].view(torch.int32))] == []
