@@ -235,14 +235,10 @@ def test_cuda_token_logprobs_backward_equals_cpu_torch_path(dl_case):
     assert same_bits(got, want), describe_diff(got, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypatch, dtype):
-    """The tiny tied model on CUDA: one microbatch (direct mode: the LM head's dW finishes every
-    row from its double words and keeps exact partials of the looked-up rows, the lookup adds
-    into them; tokensum.GradSink.note_rows) == two and four microbatches (persistent: the head's
-    sum carried in words, the lookups into a growing accumulator of their rows) == two
-    microbatches with the split off (the whole-weight accumulator), every gradient bytewise;
-    the split really ran where asked (no embedding accumulator) and not where it was off."""
+def _tiny_sink_grads(monkeypatch, dtype, tied: bool):
+    """(grads(micro_batch_tokens) -> every gradient of the tiny model (tied or not) on CUDA over
+    4 fixed samples, the GradSink's (split names, accumulator names, direct) at each finish,
+    the tokens one sample counts toward the budget)."""
     from rlkernel.distributed import tokensum
     from rlkernel.model.checkpoint import init_weights
     from rlkernel.model.config import preset
@@ -251,57 +247,7 @@ def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypa
     from rlkernel.train.losses import LossCoefs, invariant_exp
     from rlkernel.train.step import TrainSample, compute_gradients
 
-    cfg = preset("tiny")
-    weights = init_weights(cfg, 0)
-    samples = [TrainSample(i, tuple(range(1, 9)), tuple(range(10 + i, 30 + i)),
-                           torch.full((20,), -2.0), 1.0 if i % 2 else -1.0) for i in range(4)]
-    seen = []
-    real = tokensum.GradSink.finish
-
-    def spy(self):
-        seen.append((set(self._split), set(self._acc)))
-        return real(self)
-    monkeypatch.setattr(tokensum.GradSink, "finish", spy)
-
-    def grads(budget):
-        pol = Qwen3ForCausalLM(cfg, ops_for("invariant"), dtype).to(DEV)
-        pol.load_tensors({k: v.to(DEV) for k, v in weights.items()})
-        compute_gradients(pol, None, samples, temperature=1.0,
-                          coefs=LossCoefs(0.2, 0.0, 0.01, "k3"), micro_batch_tokens=budget,
-                          pad_id=0, exp=invariant_exp)
-        return {n: p.grad.clone() for n, p in pol.logical_params().items()}
-    emb = "model.embed_tokens.weight"
-    per = len(samples[0].prompt_ids) + len(samples[0].response_ids)   # the budget counts these
-    one = grads(4 * per)                        # all four samples: one microbatch
-    two = grads(2 * per)                        # two samples each: two microbatches
-    four = grads(per)                           # one each: the split rows grow three times
-    with monkeypatch.context() as mp:           # the kept weight's whole-weight accumulator
-        mp.setattr(tokensum.GradSink, "note_rows", lambda self, *a, **k: None)
-        whole = grads(2 * per)
-    assert seen[0] == ({emb}, set()), seen
-    assert all(sp == {emb} and emb not in acc for sp, acc in seen[1:3]), seen   # head: words
-    assert emb in seen[3][1] and not seen[3][0], seen
-    for other in (two, four, whole):
-        assert [n for n in one if not torch.equal(one[n].view(torch.int32),
-                                                  other[n].view(torch.int32))] == []
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_untied_embedding_split_in_direct_mode_gives_the_chunked_bytes(monkeypatch, dtype):
-    """The tiny model untied on CUDA: one microbatch (direct mode: the lookup's backward splits
-    the lookup-only embedding over its looked-up rows, GradSink._direct_split, since
-    2026-12-05) == the same with SPLIT_MAX_FRACTION 0 (no split: finish_direct's row chunks, the
-    path before) == two and four microbatches (persistent: the rows' accumulator grows), every
-    gradient bytewise; the split ran where asked and not where it was off."""
-    from rlkernel.distributed import tokensum
-    from rlkernel.model.checkpoint import init_weights
-    from rlkernel.model.config import preset
-    from rlkernel.model.ops import ops_for
-    from rlkernel.model.qwen3 import Qwen3ForCausalLM
-    from rlkernel.train.losses import LossCoefs, invariant_exp
-    from rlkernel.train.step import TrainSample, compute_gradients
-
-    cfg = preset("tiny").replace(tie_word_embeddings=False)
+    cfg = preset("tiny").replace(tie_word_embeddings=tied)
     weights = init_weights(cfg, 0)
     samples = [TrainSample(i, tuple(range(1, 9)), tuple(range(10 + i, 30 + i)),
                            torch.full((20,), -2.0), 1.0 if i % 2 else -1.0) for i in range(4)]
@@ -320,8 +266,49 @@ def test_untied_embedding_split_in_direct_mode_gives_the_chunked_bytes(monkeypat
                           coefs=LossCoefs(0.2, 0.0, 0.01, "k3"), micro_batch_tokens=budget,
                           pad_id=0, exp=invariant_exp)
         return {n: p.grad.clone() for n, p in pol.logical_params().items()}
+    return grads, seen, len(samples[0].prompt_ids) + len(samples[0].response_ids)
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    return [n for n in a if not torch.equal(a[n].view(torch.int32), b[n].view(torch.int32))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_embedding_split_in_direct_mode_gives_the_persistent_bytes(monkeypatch, dtype):
+    """The tiny tied model on CUDA: one microbatch (direct mode: the LM head's dW finishes every
+    row from its double words and keeps exact partials of the looked-up rows, the lookup adds
+    into them; tokensum.GradSink.note_rows) == two and four microbatches (persistent: the head's
+    sum carried in words, the lookups into a growing accumulator of their rows) == two
+    microbatches with the split off (the whole-weight accumulator), every gradient bytewise;
+    the split really ran where asked (no embedding accumulator) and not where it was off."""
+    from rlkernel.distributed import tokensum
+
+    grads, seen, per = _tiny_sink_grads(monkeypatch, dtype, tied=True)
     emb = "model.embed_tokens.weight"
-    per = len(samples[0].prompt_ids) + len(samples[0].response_ids)
+    one = grads(4 * per)                        # all four samples: one microbatch
+    two = grads(2 * per)                        # two samples each: two microbatches
+    four = grads(per)                           # one each: the split rows grow three times
+    with monkeypatch.context() as mp:           # the kept weight's whole-weight accumulator
+        mp.setattr(tokensum.GradSink, "note_rows", lambda self, *a, **k: None)
+        whole = grads(2 * per)
+    assert seen[0][:2] == ({emb}, set()), seen
+    assert all(sp == {emb} and emb not in acc for sp, acc, _ in seen[1:3]), seen   # head: words
+    assert emb in seen[3][1] and not seen[3][0], seen
+    for other in (two, four, whole):
+        assert _differing(one, other) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untied_embedding_split_in_direct_mode_gives_the_chunked_bytes(monkeypatch, dtype):
+    """The tiny model untied on CUDA: one microbatch (direct mode: the lookup's backward splits
+    the lookup-only embedding over its looked-up rows, GradSink._direct_split, since
+    2026-12-05) == the same with SPLIT_MAX_FRACTION 0 (no split: finish_direct's row chunks, the
+    path before) == two and four microbatches (persistent: the rows' accumulator grows), every
+    gradient bytewise; the split ran where asked and not where it was off."""
+    from rlkernel.distributed import tokensum
+
+    grads, seen, per = _tiny_sink_grads(monkeypatch, dtype, tied=False)
+    emb = "model.embed_tokens.weight"
     one = grads(4 * per)
     with monkeypatch.context() as mp:
         mp.setattr(tokensum, "SPLIT_MAX_FRACTION", 0.0)
@@ -331,5 +318,4 @@ def test_untied_embedding_split_in_direct_mode_gives_the_chunked_bytes(monkeypat
     assert seen[1] == (set(), set(), True), seen
     assert all(sp == {emb} and emb not in acc and not d for sp, acc, d in seen[2:]), seen
     for other in (chunked, two, four):
-        assert [n for n in one if not torch.equal(one[n].view(torch.int32),
-                                                  other[n].view(torch.int32))] == []
+        assert _differing(one, other) == []

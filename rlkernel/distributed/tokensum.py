@@ -245,16 +245,22 @@ class GradSink:
         SPLIT_MAX_FRACTION of the weight's rows, no split on any rank (False: the rows are
         dropped, finish_direct's transient chunks cost less than such an accumulator).
         Collective over the scope group (every rank's one lookup backward reaches it)."""
+        rows = self._noted_union(name)
+        if rows.numel() > SPLIT_MAX_FRACTION * w.shape[0]:
+            del self._rows[name]
+            return False
+        self._split[name] = (rows, fx.zeros((rows.numel(), *w.shape[1:]), w.device))
+        return True
+
+    def _noted_union(self, name: str) -> torch.Tensor:
+        """Direct mode: the union of the scope group's noted rows of `name` (this rank's own on
+        a group of one), kept as its noted rows and returned. Collective over the group."""
         rows, scope = self._rows[name]
         comm = self.groups[scope]
         if comm.size > 1:
             rows = _union_rows(comm, rows, f"grad-sink:split:{name}:rows")
-        if rows.numel() > SPLIT_MAX_FRACTION * w.shape[0]:
-            del self._rows[name]
-            return False
-        self._rows[name] = (rows, scope)
-        self._split[name] = (rows, fx.zeros((rows.numel(), *w.shape[1:]), w.device))
-        return True
+            self._rows[name] = (rows, scope)
+        return rows
 
     def _grow_split(self, name: str, w: torch.Tensor) -> None:
         """Persistent mode: the split accumulator of `name` over every row noted so far (the
@@ -323,15 +329,13 @@ class GradSink:
                     continue
             self._digits_into(out, a, b, add_rows, comm, op)
         if name in self._rows:
-            rows, noted = self._rows[name]
+            noted = self._rows[name][1]
             if add_rows_at is None or noted != scope:
                 raise RuntimeError(f"GradSink: {name} is split (rows noted over {noted}) but its "
                                    f"dense use over {scope} gave no add_rows_at")
-            if comm.size > 1:
-                # Every rank's dense partials of a row another rank looked up must join that
-                # row's exact sum too (its direct rounding above is written over at finish).
-                rows = _union_rows(comm, rows, f"grad-sink:split:{name}:rows")
-                self._rows[name] = (rows, noted)
+            # Every rank's dense partials of a row another rank looked up must join that row's
+            # exact sum too (its direct rounding above is written over at finish).
+            rows = self._noted_union(name)
             acc = fx.zeros((rows.numel(), *w.shape[1:]), w.device)
             add_rows_at(rows, acc)
             self._split[name] = (rows, acc)
