@@ -48,7 +48,7 @@ def _sync(dev: torch.device) -> None:
 
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
          dev: torch.device, micro_samples: int = 0, kl: bool = True, trace: bool = False,
-         sync_sites: bool = False, kernel_sites: bool = False, host_profile: bool = False):
+         sync_sites: bool = False, kernel_sites: int = 0, host_profile: bool = False):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
     if mode == "invariant":   # as rlk run trains: weights held in bf16, fp32 main_grad beside
@@ -103,7 +103,7 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
     if sync_sites:
         out["sync_sites"] = _sync_sites(step, dev)
     if kernel_sites:
-        out["kernel_sites"] = _kernel_sites(step, dev)
+        out["kernel_sites"] = _kernel_sites(step, dev, kernel_sites)
     if host_profile:
         out["host_profile"] = _host_profile(step, dev)
     del policy, ref, opt
@@ -136,7 +136,7 @@ def _hf_response_logprobs(m, ids: torch.Tensor, p_len: int) -> torch.Tensor:
 
 
 def _transformers_arm(cfg, weights, samples, steps: int, dev: torch.device,
-                      micro_samples: int = 0, kernel_sites: bool = False):
+                      micro_samples: int = 0, kernel_sites: int = 0):
     """The stock stack users run: transformers bf16 (SDPA, torch autograd), the same samples
     as padded-free [b, P+R] rows (all samples have one length), the same clipped-ratio loss
     over response tokens (token mean), grads widened to fp32 masters, grad-norm clip 1.0 and
@@ -195,7 +195,7 @@ def _transformers_arm(cfg, weights, samples, steps: int, dev: torch.device,
            "fwd_bwd_s": fb, "warm_fwd_bwd_s": min(fb), "micro_samples": mb,
            "first_grad_norm": float(norms[0])}
     if kernel_sites:
-        out["kernel_sites"] = _kernel_sites(step, dev)
+        out["kernel_sites"] = _kernel_sites(step, dev, kernel_sites)
     del m, opt, masters, params
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -420,9 +420,9 @@ def main() -> None:
                          "ops, where the host was while the device idled")
     ap.add_argument("--sync-sites", action="store_true",
                     help="one more step with CUDA sync debugging: the host syncs by call site")
-    ap.add_argument("--kernel-sites", action="store_true",
+    ap.add_argument("--kernel-sites", type=int, nargs="?", const=40, default=0, metavar="ROWS",
                     help="one more profiled step: device time by the rlkernel code that "
-                         "launched it")
+                         "launched it, the largest ROWS sites (40 when no number is given)")
     ap.add_argument("--host-profile", action="store_true",
                     help="one more step under cProfile: the host's Python time by function and "
                          "by package")

@@ -1,7 +1,8 @@
 """The train step's logprob comparison (rlkernel/train/step.py): `logprob_compared` (the evidence's
 `logprob_tokens`) counts the (trainer, rollout) pairs actually compared, not the planned count;
 under CP the mismatch, compared and clipped counts cover every CP rank's tokens (2 gloo ranks);
-the CUDA stream alignment changes no CPU gradient bit.
+the CUDA stream alignment changes no CPU gradient bit; the attention output reaching o_proj in
+bf16 (no widened copy) changes none either.
 
 Run: `.venv/bin/python -m pytest -q tests/test_train_step.py`.
 """
@@ -25,7 +26,7 @@ from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
 from rlkernel.train import step as step_mod
 from rlkernel.train.losses import LossCoefs, invariant_exp
-from rlkernel.train.step import TrainSample, compute_gradients, microbatches
+from rlkernel.train.step import TrainSample, compute_gradients, gradients, microbatches
 
 CFG = tiny()
 W = init_weights(CFG, 0)
@@ -290,3 +291,35 @@ def test_cp2_mismatch_compared_and_clipped_counts_cover_every_cp_rank(tmp_path):
             got = pickle.load(fh)
         assert (got.n_tokens, got.logprob_mismatches, got.logprob_compared, got.n_clipped) == \
             (n_tok, n, n_tok, f), f"CP rank {r}"
+
+
+def test_attention_output_into_o_proj_without_a_widened_copy_changes_no_bit(monkeypatch):
+    """bf16 runs hand attention's bf16 output to o_proj as it is (o_proj's backward rounds dX to
+    bf16, dO's rounding point) instead of widening it to fp32 for o_proj to round back: every
+    gradient and stat has the bytes of the widening path (the code before 2026-12-05), which
+    really ran (o_proj saw fp32 inputs then, bf16 now)."""
+    from rlkernel.kernels import matmul as matmul_mod
+
+    samples = _samples()
+    seen: list[torch.dtype] = []
+    real = matmul_mod._RowParallelLinear.forward
+
+    def watched(ctx, x, *rest):
+        seen.append(x.dtype)
+        return real(ctx, x, *rest)
+
+    def run():
+        pol = _model()
+        st = compute_gradients(pol, None, samples, temperature=SP.temperature,
+                               coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
+                               pad_id=257, exp=invariant_exp)
+        return st, {n: g.view(torch.int32).clone() for n, g in gradients(pol).items()}
+    monkeypatch.setattr(matmul_mod._RowParallelLinear, "forward", staticmethod(watched))
+    st_new, g_new = run()
+    assert torch.bfloat16 in seen                      # o_proj's x: the bf16 attention output
+    seen.clear()
+    monkeypatch.setattr(InvariantOps, "stream", staticmethod(lambda o: o.to(torch.float32)))
+    st_old, g_old = run()
+    assert torch.bfloat16 not in seen
+    assert st_new == st_old and g_new.keys() == g_old.keys()
+    assert all(torch.equal(g_new[n], g_old[n]) for n in g_new)

@@ -375,13 +375,16 @@ class _RowParallelLinear(torch.autograd.Function):
         xr = rounding_point(x, cd)
         ctx.save_for_backward(xr, w)
         ctx.tok, ctx.param, ctx.cd = tok, w, cd   # the parameter keys the sink (see column)
+        ctx.x_dtype = x.dtype
         return row_parallel_nt(xr, weight_point(w, cd, tok), local_shards)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         dy = rounding_point(dy, ctx.cd)
-        dx = seq_matmul(dy, weight_point(ctx.param, ctx.cd, ctx.tok)) \
+        # dX in x's dtype: a bf16 x (the attention output) takes its gradient rounded to bf16
+        # here, once (round to nearest even), as a widening cast's backward would.
+        dx = seq_matmul(dy, weight_point(ctx.param, ctx.cd, ctx.tok)).to(ctx.x_dtype) \
             if ctx.needs_input_grad[0] else None
         dw = grad_weight(dy, x, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
@@ -424,9 +427,10 @@ def row_parallel_linear(x: torch.Tensor, w: torch.Tensor, *, local_shards: int =
                         compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """This rank's subtree of y = x·wᵀ with K cut into virtual-TP shards (o_proj, down_proj).
 
-    x [M, K_local] fp32, w [N, K_local] (K_local = local_shards shards) -> [M, N] fp32 partial;
+    x [M, K_local] fp32 (or already in the compute dtype: the attention output of bf16 runs),
+    w [N, K_local] (K_local = local_shards shards) -> [M, N] fp32 partial;
     `parallel.exit_row` finishes the tree across TP (TP=1: the result). Backward: dX local
-    (sequential over N), dW by the token reduction through `tok`. `compute_dtype`: as
+    (sequential over N) in x's dtype, dW by the token reduction through `tok`. `compute_dtype`: as
     column_parallel_linear (ValueError outside COMPUTE_DTYPES).
     """
     check_compute_dtype(compute_dtype)

@@ -80,7 +80,23 @@ class StreamLayout:
         moved = StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
                              mv(self.kv_len), mv(self.kv_idx), self.pos_bound, self.dense_causal)
         moved._moves["bounds"] = self.attention_bounds()   # read here, before the move
+        for idx, new in ((self.q_idx, moved.q_idx), (self.kv_idx, moved.kv_idx)):
+            if idx is not None:
+                moved._moves[("prefix", id(new))] = self.slots_are_prefix(idx)
         return moved
+
+    def slots_are_prefix(self, idx: torch.Tensor) -> bool:
+        """Host-known: slot t of sample s is stream row s·T + t for every slot of idx [S, T]
+        (one of this layout's own index tensors): equal-length samples packed back to back, as
+        a training microbatch of one response length is. Their slot view is then the stream's
+        first S·T rows reshaped, and `to_samples` / `to_stream` need no gather or scatter.
+        Free on host tensors (`to` carries it over); False for a layout built on the device
+        without it (a rollout step: reading it would sync)."""
+        key = ("prefix", id(idx))
+        if key not in self._moves:
+            self._moves[key] = (not idx.is_cuda and idx.numel() > 0 and torch.equal(
+                idx.reshape(-1), torch.arange(idx.numel(), dtype=idx.dtype)))
+        return self._moves[key]
 
 
 @dataclass(frozen=True)
@@ -230,16 +246,30 @@ def _moves_of(idx: torch.Tensor, n_rows: int, lay: StreamLayout | None) -> SlotM
     return lay.moves(idx, n_rows) if lay is not None else slot_moves(idx, n_rows)
 
 
+def _prefix(idx: torch.Tensor, n_rows: int, lay: StreamLayout | None) -> bool:
+    return lay is not None and idx.numel() <= n_rows and lay.slots_are_prefix(idx)
+
+
 def to_samples(x: torch.Tensor, q_idx: torch.Tensor,
                lay: StreamLayout | None = None) -> torch.Tensor:
     """Stream rows [L, ...] -> per-sample slots [S, T, ...] (empty slots 0). Exact both ways.
-    lay: the layout q_idx belongs to (its index tensors are then derived once per pass)."""
+    lay: the layout q_idx belongs to (its index tensors are then derived once per pass; when
+    its slots are the stream's first rows in order, the result is a view of x: no copy)."""
+    if _prefix(q_idx, x.shape[0], lay):
+        m = q_idx.numel()
+        return (x if m == x.shape[0] else x[:m]).view(q_idx.shape + x.shape[1:])
     return _ToSamples.apply(x, _moves_of(q_idx, x.shape[0], lay))
 
 
 def to_stream(y: torch.Tensor, q_idx: torch.Tensor, n_rows: int,
               lay: StreamLayout | None = None) -> torch.Tensor:
-    """Per-sample slots [S, T, ...] -> stream rows [n_rows, ...] (rows no slot maps to: 0)."""
+    """Per-sample slots [S, T, ...] -> stream rows [n_rows, ...] (rows no slot maps to: 0).
+    When lay's slots are the stream's first rows in order: y's rows in order (one copy when y
+    is a strided view), then the +0 padding rows."""
+    if _prefix(q_idx, n_rows, lay):
+        rows = y.reshape((-1,) + y.shape[2:])
+        pad = n_rows - rows.shape[0]
+        return rows if pad == 0 else torch.cat([rows, rows.new_zeros((pad,) + rows.shape[1:])])
     return _ToStream.apply(y, _moves_of(q_idx, n_rows, lay))
 
 

@@ -74,10 +74,10 @@ class InvariantOps:
 
     @staticmethod
     def stream(o):
-        """The attention output as o_proj's input: an autograd pass widens it exactly to fp32
-        (the backward of this cast is dO's rounding point in bf16 runs); an inference pass
-        keeps the bf16 values, which o_proj would round the widened copy back to."""
-        return o.to(torch.float32) if needs_grad(o) else o
+        """The attention output as o_proj's input: as it came (bf16 in bf16 runs: o_proj's
+        rounding point of x is then the identity, and o_proj's backward rounds dX to bf16,
+        dO's rounding point). No widened fp32 copy in either pass."""
+        return o
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):

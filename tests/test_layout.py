@@ -1,0 +1,116 @@
+"""The stream <-> per-sample slot moves of rlkernel/model/layout.py: when a layout's slots are the
+stream's first rows in order (equal-length samples back to back, as a training microbatch of one
+response length is), `to_samples` is a view and `to_stream` a reshape, with the bytes and the
+gradients of the gather / scatter path they replace.
+
+Run: `.venv/bin/python -m pytest -q tests/test_layout.py` (about 10 s).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.model.checkpoint import init_weights
+from rlkernel.model.config import tiny
+from rlkernel.model.layout import (StreamLayout, chunk_layout, cp_local_layout, packed_layout,
+                                   to_samples, to_stream)
+from rlkernel.model.ops import InvariantOps
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.train.losses import LossCoefs, invariant_exp
+from rlkernel.train.step import TrainSample, compute_gradients, gradients
+
+
+def _seqs(lengths: list[int]) -> list[list[int]]:
+    return [[(7 * i + j) % 250 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def test_prefix_slots_only_for_equal_samples_back_to_back():
+    """Equal leaf-multiple lengths (and one-token decode chunks) are the prefix case; unequal
+    lengths, lengths off the leaf (gaps between samples) and a CP rank holding unequal parts of its
+    samples are not; a CP layout's logical keys of equal samples are."""
+    def prefix(lay, idx=None):
+        return lay.slots_are_prefix(lay.q_idx if idx is None else idx)
+    assert prefix(packed_layout(_seqs([32, 32, 32]), 257, multiple=64))
+    assert prefix(packed_layout(_seqs([16]), 257))
+    assert not prefix(packed_layout(_seqs([32, 16]), 257))
+    assert not prefix(packed_layout(_seqs([30, 30]), 257))      # sample 1 starts at row 32
+    assert prefix(chunk_layout([[1], [2], [3]], [4, 9, 2], 257))
+    assert not prefix(chunk_layout([[1, 2], [3]], [0, 0], 257))
+    full = packed_layout(_seqs([32, 32]), 257, multiple=64)
+    even = cp_local_layout(full, torch.tensor([0, 1, 2, 3, 60, 61, 62, 63]))
+    assert prefix(even) and prefix(even, even.kv_idx)      # 4 local rows of each sample
+    uneven = cp_local_layout(full, torch.tensor([0, 1, 2, 3, 28, 29, 30, 31]))
+    assert not prefix(uneven) and prefix(uneven, uneven.kv_idx)   # sample 1: no local row
+
+
+def _moves(lay: StreamLayout, fast: bool, x: torch.Tensor, w_s: torch.Tensor,
+           w_x: torch.Tensor):
+    """to_samples then to_stream of x, through lay (fast) or through the gather path (lay None),
+    and the gradient of a weighted sum of both results."""
+    x = x.clone().requires_grad_(True)
+    use = lay if fast else None
+    s = to_samples(x, lay.q_idx, use)
+    back = to_stream(s * 3.0, lay.q_idx, x.shape[0], use)
+    ((s * w_s).sum() + (back * w_x).sum()).backward()
+    return s, back, x.grad
+
+
+def test_prefix_moves_give_the_gather_paths_bytes_and_gradients():
+    """Padded stream (64 rows, 48 in slots): the view's values, the stream rebuilt with +0
+    padding rows and the gradient reaching x are bitwise the gather / scatter path's, and the
+    fast path really ran (the slot view shares x's storage)."""
+    lay = packed_layout(_seqs([16, 16, 16]), 257, multiple=64)
+    assert lay.tokens.shape[0] == 64 and lay.slots_are_prefix(lay.q_idx)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 4, generator=g)
+    x[5] = -0.0                                          # the sign of a zero survives both
+    w_s, w_x = torch.randn(3, 16, 3, 4, generator=g), torch.randn(64, 3, 4, generator=g)
+    fast = _moves(lay, True, x, w_s, w_x)
+    slow = _moves(lay, False, x, w_s, w_x)
+    for a, b in zip(fast, slow):
+        assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert torch.equal(fast[1][48:], torch.zeros(16, 3, 4))
+    xv = torch.randn(48, 2, generator=g)
+    assert to_samples(xv, lay.q_idx, lay).data_ptr() == xv.data_ptr()
+    assert to_samples(xv, lay.q_idx, None).data_ptr() != xv.data_ptr()
+
+
+def _equal_samples() -> list[TrainSample]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(3):
+        ids = torch.randint(0, 250, (32,), generator=g).tolist()
+        lp = -torch.rand(22, generator=g)
+        out.append(TrainSample(i, tuple(ids[:10]), tuple(ids[10:]), lp, 0.5 - 0.4 * i))
+    return out
+
+
+def test_a_training_step_on_equal_samples_is_bitwise_the_gather_paths(monkeypatch):
+    """compute_gradients on equal-length samples (the prefix case) with the fast moves and with
+    them switched off: every gradient and stat has the same bytes, and the fast path was taken
+    (counted). bf16 rounding points, so the views feed the casts the gathers fed."""
+    cfg, w = tiny(), init_weights(tiny(), 0)
+    samples = _equal_samples()
+    calls = {"prefix": 0}
+    real = StreamLayout.slots_are_prefix
+
+    def counted(self, idx):
+        hit = real(self, idx)
+        calls["prefix"] += hit
+        return hit
+
+    def run():
+        pol = Qwen3ForCausalLM(cfg, InvariantOps, torch.bfloat16)
+        pol.load_tensors(w)
+        st = compute_gradients(pol, None, samples, temperature=0.8,
+                               coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
+                               pad_id=257, exp=invariant_exp)
+        return st, {n: g.view(torch.int32).clone() for n, g in gradients(pol).items()}
+    monkeypatch.setattr(StreamLayout, "slots_are_prefix", counted)
+    st_fast, g_fast = run()
+    assert calls["prefix"] > 0
+    monkeypatch.setattr(StreamLayout, "slots_are_prefix", lambda self, idx: False)
+    st_slow, g_slow = run()
+    assert st_fast == st_slow
+    assert g_fast.keys() == g_slow.keys()
+    assert all(torch.equal(g_fast[n], g_slow[n]) for n in g_fast)
