@@ -191,6 +191,28 @@ def shapes_and_non_contiguous_inputs():
 
 
 @check
+def recomputed_sigma_gives_the_kept_sigmas_bytes():
+    """Training keeps no sig: the forward without its store gives the same out (and None for
+    sig), and the backward recomputing σ(gate) gives the d_gate, d_up of the backward reading
+    the kept sig, bitwise, on the adversarial cases, a tail length and an empty input. Control:
+    a sig off by one ulp changes d_gate, so the comparison can fail."""
+    gate, up, dh = cases()
+    for n in (gate.numel(), 1025):
+        g, u, d = gate[:n], up[:n], dh[:n]
+        out, sig = ta.swiglu_fwd(g, u)
+        out2, none = ta.swiglu_fwd(g, u, keep_sig=False)
+        assert none is None and same_bits(out2, out)
+        for a, b in zip(ta.swiglu_bwd(d, g, u), ta.swiglu_bwd(d, g, u, sig)):
+            assert same_bits(a, b)
+    empty = torch.empty(0, 5)
+    assert [t.shape for t in ta.swiglu_bwd(empty, empty, empty)] == [(0, 5), (0, 5)]
+    g, u, d = gate[:4096], up[:4096], dh[:4096]
+    _, sig = ta.swiglu_fwd(g, u)
+    bumped = torch.nextafter(sig, torch.full_like(sig, 2.0))
+    assert not same_bits(ta.swiglu_bwd(d, g, u, bumped)[0], ta.swiglu_bwd(d, g, u)[0])
+
+
+@check
 def bad_arguments_are_refused():
     x = torch.ones(4, 3)
     for args in ((x, torch.ones(3, 4)), (x.double(), x.double()), (x, x.bfloat16())):

@@ -36,7 +36,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("attention_bwd_triton_checks.py needs TRITON_INTERPRET=1")
 
 import triton_interpreter_compat  # noqa: F401 - before any launch
-from triton_interpreter_compat import sequential_dot
+from triton_interpreter_compat import sequential_dot, triton_bf16 as _triton_bf16
 import triton
 import triton.language as tl
 from kernel_helpers import (
@@ -437,29 +437,14 @@ def summation_orders_with_a_sequential_dot():
             "control: leaf positions descending gave the same dV bytes"
 
 
-@triton.jit
-def _to_bf16_kernel(X, Y, N, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(Y + i, tl.load(X + i, mask=i < N).to(tl.bfloat16), mask=i < N)
-
-
-def _triton_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x fp32 -> fp32 values of Triton's `.to(tl.bfloat16)`, the kernels' rounding points (the
-    interpreter truncates, unlike torch's and the GPU's round-to-nearest-even: so the expected
-    bytes take the conversion from Triton itself)."""
-    flat = x.contiguous().reshape(-1)
-    y = torch.empty(flat.shape, dtype=torch.bfloat16)
-    _to_bf16_kernel[(triton.cdiv(flat.numel(), 1024),)](flat, y, flat.numel(), BLOCK=1024)
-    return y.float().reshape(x.shape)
-
-
 @check
 def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
     """bf16 q/k/v/out/d_out, 2 query heads on 2 KV heads (G = 1: no head tree), tl.dot one
     multiply-add chain per element (bf16 widened exactly): the bytes are those of the module doc's
     rounding points (Triton's own fp32 -> bf16 conversion, `_triton_bf16`), rebuilt from exact
     products and fp32 chains. Run 1 (q = 0, v = 0, k random):
-    head 0 has lse 0, so p = 1 and ds_tj = −delta_t: dQ_t = bf16(scale·chain_j bf16(ds_tj)·k_j);
+    head 0 has lse 0, so p = 1 and ds_tj = −delta_t: dQ_t = bf16(scale·chain_j bf16(ds_tj)·k_j)
+    (the outer rounding the kernel's store, Triton's conversion too);
     head 1 has lse −0.0048, so p = exp(0.0048) (not a bf16 value): dV_j = bf16(exact Σ_leaves
     chain_t bf16(p)·dO_t). Run 2 (k = 0, v = 0, q random, lse 0): dK_j = bf16(scale·exact
     Σ_leaves chain_t bf16(ds_tj)·q_t). 130 queries (3 leaves). Controls: the same sums without
@@ -481,8 +466,9 @@ def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
         part = [_chain([w[t, :, None] * x[t] for t in ts]) for ts in leaves]
         return fx.exact_sum_fp32(torch.stack(part))
 
-    def dq_want(ds, k_h):     # ds [t] on the visible pairs -> [t, D]
-        return (_chain([(vis[:, j] * ds)[:, None] * k_h[j] for j in range(n)]) * scale).bfloat16()
+    def dq_want(ds, k_h):     # ds [t] on the visible pairs -> [t, D], rounded as the kernel's
+        # store rounds dQ (Triton's conversion: the interpreter's truncation here)
+        return _triton_bf16(_chain([(vis[:, j] * ds)[:, None] * k_h[j] for j in range(n)]) * scale)
 
     lse = torch.zeros(1, 2, 1, n)
     lse[:, 1] = lse1
@@ -490,7 +476,7 @@ def bf16_rounding_points_of_p_and_ds_with_a_sequential_dot():
     with sequential_dot():
         dq, _, dv = tb.attention_backward(zeros, k, zeros, out, lse, d_out, q_pos, kv_len, scale)
     ds0 = -delta[0]
-    assert_bitwise(dq[0, 0], dq_want(_triton_bf16(ds0), k.float()[0, 0]))
+    assert_bitwise(dq[0, 0].float(), dq_want(_triton_bf16(ds0), k.float()[0, 0]))
     assert_bitwise(dv[0, 1], token_sum(vis * p1_bf, do32[1]).bfloat16())
     assert n_diff(dq_want(ds0, k.float()[0, 0]),
                   dq_want(_triton_bf16(ds0), k.float()[0, 0])) > 0, \
@@ -656,6 +642,47 @@ def fp32_d_out_is_read_at_the_bf16_rounding_point():
         want = _bwd(q, k, v, out, lse, base, q_pos, kv_len)
     for a, b in zip(got, want):
         assert_bitwise(a.float(), b.float())
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """t [S, H, T, D] with the same values, laid out [S, T, H, D] in memory (the model's view of
+    the token stream)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@check
+def token_major_layout_and_the_bf16_store_change_no_bit():
+    """bf16 q/k/v/d_out laid out token-major (as the model hands them over) against the same
+    values contiguous: out, dQ, dK, dV bitwise equal, out token-major in memory either way and
+    each gradient in its input's memory order. dQ rounded by the kernel's store == the fp32 dQ
+    through Triton's own conversion, bitwise (on the GPU: == torch's cast, checked there).
+    Control: the fp32 dQ does differ from its bf16 rounding."""
+    with sequential_dot():
+        q, k, v, q_pos, kv_len, *_ = _pack([70, 41], seed=96)
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+        d_out = randn(*q.shape, seed=97).bfloat16()
+        runs = []
+        for qq, kk, vv, dd in ((q, k, v, d_out), tuple(_token_major(t) for t in (q, k, v, d_out))):
+            out, lse = _fwd(qq, kk, vv, q_pos, kv_len)
+            assert out.transpose(1, 2).is_contiguous()
+            grads = _bwd(qq, kk, vv, out, lse, dd, q_pos, kv_len)
+            for g, ref in zip(grads, (qq, kk, vv)):
+                assert g.dtype == torch.bfloat16 and g.stride() == ref.stride(), (
+                    g.stride(), ref.stride())
+            runs.append((out, *grads))
+        for a, b in zip(*runs):
+            assert_bitwise(a.float(), b.float())
+        out, lse = _fwd(q, k, v, q_pos, kv_len)
+        delta = tb._delta(out, d_out, q_pos)
+        args = (q, k, v, d_out, lse.reshape(q.shape[0], q.shape[1], -1), delta, q_pos, kv_len,
+                SCALE, None)
+        dq32 = tb._dq(*args)
+        dq16 = tb._dq(*args, torch.bfloat16)
+        assert dq32.dtype == torch.float32 and dq16.dtype == torch.bfloat16
+        # The interpreter's fp32 -> bf16 truncates (`_triton_bf16`); the GPU's store rounds to
+        # nearest even as torch does: tests/test_cuda_attention_bwd.py checks it there.
+        assert_bitwise(dq16.float(), _triton_bf16(dq32))
+        assert n_diff(dq32, dq16.float()) > 0, "control: fp32 dQ has no bits past bf16"
 
 
 @check

@@ -16,6 +16,7 @@ from kernel_helpers import interpreted_checks, run_checks
 CHECKS, check = interpreted_checks(__file__)
 
 import triton_interpreter_compat  # noqa: F401 - numpy >= 2.3: before any launch
+from triton_interpreter_compat import triton_bf16
 
 from rlkernel.kernels import triton_rope as tr
 from rlkernel.kernels.rope import RopeTable, apply_rope
@@ -84,16 +85,41 @@ def rope_autograd_entry_on_cpu_is_apply_rope():
 
 
 @check
+def bf16_out_is_the_fp32_result_rounded_and_a_bf16_gradient_is_widened_exactly():
+    """out_dtype bf16: the fp32 forward's values through Triton's own fp32 -> bf16 conversion
+    (the interpreter truncates; the GPU rounds to nearest even as torch's cast does, checked in
+    tests/test_cuda.py); backward of a bf16 dy (no subnormals: the interpreter flushes them
+    when it widens) == backward of the same values in fp32, bitwise.
+    Control: the fp32 result has bits past bf16."""
+    for x, cos, sin, dy in _cases():
+        y32 = tr.rope_pass(x, cos, sin)
+        y16 = tr.rope_pass(x, cos, sin, out_dtype=torch.bfloat16)
+        assert y16.dtype == torch.bfloat16 and _same(y16.float(), triton_bf16(y32))
+        # bf16 subnormals left out: the interpreter's bf16 -> fp32 widening flushes them (the
+        # GPU's cvt.f32.bf16 is exact: tests/test_rope_triton.py reads it in the PTX).
+        d16 = dy.bfloat16()
+        d16 = torch.where(d16.float().abs() < torch.finfo(torch.float32).tiny, 0.0, d16)
+        assert _same(tr.rope_pass(d16, cos, sin, backward=True),
+                     tr.rope_pass(d16.float(), cos, sin, backward=True)), tuple(x.shape)
+    x, cos, sin, _ = _cases()[2]
+    assert not _same(tr.rope_pass(x, cos, sin), triton_bf16(tr.rope_pass(x, cos, sin)))
+
+
+@check
 def bad_input_is_refused():
-    """Odd D, non-fp32 x, tables of another length: ValueError."""
-    for x, cos in ((torch.randn(4, 2, 7), torch.randn(4, 7)),
-                   (torch.randn(4, 2, 8).double(), torch.randn(4, 8)),
-                   (torch.randn(4, 2, 8), torch.randn(5, 8))):
+    """Odd D, non-fp32 x (a bf16 x outside the backward), tables of another length, an fp16
+    out_dtype: ValueError."""
+    for x, cos, kw in ((torch.randn(4, 2, 7), torch.randn(4, 7), {}),
+                       (torch.randn(4, 2, 8).double(), torch.randn(4, 8), {}),
+                       (torch.randn(4, 2, 8).bfloat16(), torch.randn(4, 8), {}),
+                       (torch.randn(4, 2, 8), torch.randn(4, 8), {"out_dtype": torch.float16}),
+                       (torch.randn(4, 2, 8), torch.randn(5, 8), {})):
         try:
-            tr.rope_pass(x, cos, cos)
+            tr.rope_pass(x, cos, cos, **kw)
         except ValueError:
             continue
-        raise AssertionError(f"accepted x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)}")
+        raise AssertionError(f"accepted x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} "
+                             f"{kw}")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,12 @@ def test_shapes_and_non_contiguous_inputs(results):
     _ok(results, "shapes_and_non_contiguous_inputs")
 
 
+def test_recomputed_sigma_gives_the_kept_sigmas_bytes(results):
+    """The forward without its sig store and the backward recomputing σ (training's way) ==
+    the kept-sig kernels, bitwise; control: a sig one ulp off changes d_gate."""
+    _ok(results, "recomputed_sigma_gives_the_kept_sigmas_bytes")
+
+
 def test_bad_arguments_are_refused(results):
     """Mismatched shapes, float64, bf16: ValueError."""
     _ok(results, "bad_arguments_are_refused")
@@ -90,18 +96,20 @@ def test_negative_control_fp32_sigmoid_two_roundings_and_reassociated_grads_diff
 
 # ------------------------------------------------------------------ compiled code (PTX)
 
-def _ptx(kernel, fusion: bool) -> str:
-    """PTX of a kernel (fp32 pointers, then n, then BLOCK) for sm_90, compiled on the CPU."""
-    *ptrs, n, block = kernel.arg_names
-    return sm90_ptx(kernel, {**{p: "*fp32" for p in ptrs}, n: "i64", block: "constexpr"},
-                    {block: 1024}, 4, fusion)
+def _ptx(kernel, fusion: bool, sig: bool = True) -> str:
+    """PTX of a kernel (fp32 pointers, then n, BLOCK and its STORE_SIG / LOAD_SIG flag) for
+    sm_90, compiled on the CPU."""
+    *ptrs, n, block, flag = kernel.arg_names
+    return sm90_ptx(kernel, {**{p: "*fp32" for p in ptrs}, n: "i64", block: "constexpr",
+                             flag: "constexpr"}, {block: 1024, flag: sig}, 4, fusion)
 
 
 def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants():
     """sm_90 PTX of both kernels as launched (enable_fp_fusion=False): no fma, no .ftz; every
     float64 add/sub/mul rounds to nearest (.rn: ptxas may not contract it); the forward's one
     division is div.rn.f64 and its float64 → fp32 conversion cvt.rn.f32.f64; each Horner
-    coefficient and ln2 / log2 e constant of elementwise.py appears as its exact double.
+    coefficient and ln2 / log2 e constant of elementwise.py appears as its exact double; the
+    same for the backward that recomputes σ (training keeps no sig).
     Control: the forward compiled with fp fusion on contains fma."""
     from rlkernel.kernels import elementwise as ew
     from rlkernel.kernels import triton_activation as ta
@@ -113,6 +121,13 @@ def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants():
     assert re.findall(r"\bdiv\.\w+\.f64\b", fwd) and set(re.findall(r"\bdiv\.\w+\.f64\b", fwd)) \
         == {"div.rn.f64"}
     assert "div" not in bwd and "cvt.rn.f32.f64" in fwd
-    for c in (*ew._EXP_COEF, ew._LOG2E, ew._LN2_HI, ew._LN2_LO):
-        assert ptx_double(c) in fwd, c
+    # The backward that recomputes σ (training: no sig kept) compiles the forward's σ.
+    bwd_sig = _ptx(ta._bwd_kernel, False, sig=False)
+    assert "fma" not in bwd_sig and ".ftz" not in bwd_sig and ".approx" not in bwd_sig
+    assert not re.search(r"\b(add|sub|mul)\.f(32|64)\b", bwd_sig)
+    assert set(re.findall(r"\bdiv\.\w+\.f64\b", bwd_sig)) == {"div.rn.f64"}
+    for ptx in (fwd, bwd_sig):
+        assert "cvt.rn.f32.f64" in ptx
+        for c in (*ew._EXP_COEF, ew._LOG2E, ew._LN2_HI, ew._LN2_LO):
+            assert ptx_double(c) in ptx, c
     assert "fma.rn.f64" in _ptx(ta._fwd_kernel, True)

@@ -128,3 +128,10 @@ def test_fp32_d_out_is_read_at_the_bf16_rounding_point(results):
     """bf16 q/k/v, an fp32 d_out whose extra bits every rounding drops: the bytes of the bf16
     d_out (delta reads dO at its rounding point too); control: the extra bits are real."""
     _ok(results, "fp32_d_out_is_read_at_the_bf16_rounding_point")
+
+
+def test_token_major_layout_and_the_bf16_store_change_no_bit(results):
+    """bf16 q/k/v/d_out token-major in memory == contiguous, bitwise (out, dQ, dK, dV), out
+    token-major and each gradient laid out like its input; dQ rounded by the kernel's store ==
+    the fp32 dQ through Triton's conversion; control: the fp32 dQ differs from its rounding."""
+    _ok(results, "token_major_layout_and_the_bf16_store_change_no_bit")

@@ -604,20 +604,24 @@ def test_rms_norm_backward_kernel_equals_the_torch_ops(heads, h):
         assert not _same(r[..., None] * (gw - xh * q[..., None]), dx)
 
 
-def test_rope_passes_equal_torch_ops_and_autograd():
-    """kernels/rope.rope on CUDA (two Triton passes) == apply_rope's torch ops forward and torch
-    autograd's backward, bitwise, Q/K shapes at positions to 40k, with ±0.0 gradient rows."""
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rope_passes_equal_torch_ops_and_autograd(out_dtype):
+    """kernels/rope.rope on CUDA (two Triton passes) == apply_rope's torch ops, then
+    `.to(out_dtype)`, forward and torch autograd's backward, bitwise, Q/K shapes at positions to
+    40k, with ±0.0 gradient rows. bf16: the store's rounding == torch's cast (both to nearest
+    even), and the bf16 gradient widened in the kernel == the cast's backward."""
     from rlkernel.kernels.rope import RopeTable, apply_rope, rope
     g = _gen(19)
     for heads, d in ((16, 128), (8, 128), (4, 64)):
         pos = torch.randint(0, 40000, (300,), device=DEV, generator=g)
         cos, sin = RopeTable(d, 1e6).lookup(pos, 40000)
         x = torch.randn(300, heads, d, device=DEV, generator=g)
-        dy = torch.randn(300, heads, d, device=DEV, generator=g)
+        dy = torch.randn(300, heads, d, device=DEV, generator=g).to(out_dtype)
         dy[3], dy[4, :, ::2] = 0.0, -0.0
         a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        ya, yb = rope(a, cos, sin), apply_rope(b, cos, sin)
+        ya, yb = rope(a, cos, sin, out_dtype), apply_rope(b, cos, sin).to(out_dtype)
         assert ya.grad_fn is not None and "Rope" in type(ya.grad_fn).__name__
+        assert ya.dtype == out_dtype
         ya.backward(dy)
         yb.backward(dy)
         assert _same(ya.detach(), yb.detach()) and _same(a.grad, b.grad), (heads, d)

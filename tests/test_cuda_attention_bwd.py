@@ -4,7 +4,9 @@ Bitwise, each layout running its own forward as training does: a sample's dQ/dK/
 packed batch with NaN padding; CP zig-zag query leaves over 2 and 4 ranks and a Tq split (two
 calls of other Tq) == one call, dK/dV joined by the exact sum over the group; TP ranks sharing a
 KV head (kv_comm) == one rank; a decode row's dQ == its prefill row; every tile of the tables and
-any chunk size == the defaults; the public attention() autograd == the kernel called directly.
+any chunk size == the defaults; the public attention() autograd == the kernel called directly;
+token-major inputs (the model's) == contiguous ones, with out token-major and each gradient laid
+out like its input, and dQ rounded by the kernel's store == torch's cast of the fp32 dQ.
 Against float64 autograd with a tolerance (fp32: 1e-5·max|ref| per gradient; bf16: relative norm
 2e-2, the forward's bf16 output feeds delta). Memory: one 32k-token sample (4 query heads, 1 KV
 head, D = 128, fp32) peaks within `peak_bytes` and below a quarter of one fp32 [Tq, Tk] matrix,
@@ -404,3 +406,32 @@ def test_cuda_negative_control_fp32_sum_of_leaf_partials_depends_on_order():
         fwd = fwd + part[i]
         rev = rev + part[n_leaves - 1 - i]
     assert n_diff(fwd, rev) > 0
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_cuda_token_major_layout_and_the_bf16_dq_store_change_no_bit():
+    """bf16, 3 packed samples: q/k/v/d_out laid out token-major (the model's view of the token
+    stream) give the contiguous inputs' out, dQ, dK, dV bitwise, out is token-major in memory and
+    each gradient laid out like its input; dQ rounded to bf16 by the kernel's store == the fp32
+    dQ rounded by torch's cast (both round to nearest even). Control: the fp32 dQ has bits past
+    bf16."""
+    from rlkernel.kernels import triton_attention_bwd as tb
+    from rlkernel.kernels.triton_attention import attention_forward
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(LENGTHS, torch.bfloat16, seed=7)
+    runs = []
+    for args in ((q, k, v, d_out), tuple(_token_major(t) for t in (q, k, v, d_out))):
+        res = _grads(*args[:3], q_pos, kv_len, args[3])
+        assert res[0].transpose(1, 2).is_contiguous()
+        assert all(g.stride() == a.stride() for g, a in zip(res[1:], args[:3]))
+        runs.append(res)
+    for a, b, what in zip(*runs, ("out", "dq", "dk", "dv")):
+        _assert_same(a, b, what)
+    out, lse = attention_forward(q, k, v, q_pos, kv_len, SCALE)
+    delta = tb._delta(out, d_out, q_pos)
+    args = (q, k, v, d_out, lse.reshape(q.shape[0], HQ, -1), delta, q_pos, kv_len, SCALE, None)
+    dq32, dq16 = tb._dq(*args), tb._dq(*args, torch.bfloat16)
+    _assert_same(dq16, dq32.bfloat16(), "dq store vs torch cast")
+    assert n_diff(dq32, dq16.float()) > 0

@@ -4,8 +4,11 @@
    == kernels/rope.apply_rope and the backward == torch autograd's gradient of it, bitwise with
    signed zeros, subnormals and huge values, D = 128/64/8/6 (a padded tile); control: without
    autograd's "+ 0" zeros keep the wrong sign; rope() on CPU is apply_rope; bad input refused.
+   The bf16 store of the forward == Triton's own conversion of its fp32 result, and a bf16
+   gradient == its fp32 widening, bitwise.
 2. PTX for sm_90 (no device): no fma, no flush-to-zero in either pass, the backward's "+ 0"
-   kept; control: fp fusion on gives fma in the forward.
+   kept; control: fp fusion on gives fma in the forward. The bf16 store rounds to nearest
+   even (cvt.rn.bf16.f32, torch's rounding).
 On a GPU: tests/test_cuda.py (the passes against torch's CUDA ops and autograd).
 """
 
@@ -23,6 +26,7 @@ results = checks_fixture("rope_triton_checks.py")
     "backward_equals_torch_autograd",
     "backward_negative_control_without_the_zero_add",
     "rope_autograd_entry_on_cpu_is_apply_rope",
+    "bf16_out_is_the_fp32_result_rounded_and_a_bf16_gradient_is_widened_exactly",
     "bad_input_is_refused",
 ])
 def test_interpreted(results, name):
@@ -30,9 +34,9 @@ def test_interpreted(results, name):
     _ok(results, name)
 
 
-def _ptx(backward: bool, fusion: bool) -> str:
+def _ptx(backward: bool, fusion: bool, x: str = "*fp32", y: str = "*fp32") -> str:
     from rlkernel.kernels import triton_rope as tr
-    types = ["*fp32"] * 4 + ["i32"] * 3 + ["constexpr"] * 3
+    types = [x, "*fp32", "*fp32", y] + ["i32"] * 3 + ["constexpr"] * 3
     return sm90_ptx(tr._rope_kernel, types, {"BLOCK_R": 32, "DP": 128, "BACKWARD": backward},
                     4, fusion)
 
@@ -47,3 +51,19 @@ def test_compiled_ptx_has_no_fma_and_no_ftz():
     zero_adds = sum("add.rn.f32" in ln and "0f00000000" in ln for ln in lines)
     assert zero_adds and 2 * zero_adds == sum("mul.rn.f32" in ln for ln in lines)
     assert "fma.rn.f32" in _ptx(False, True)
+
+
+def test_compiled_bf16_store_rounds_to_nearest_even_and_a_bf16_gradient_widens_exactly():
+    """The forward storing bf16 (a bf16 run's rounding point of q and k) converts with
+    cvt.rn.bf16.f32 — round to nearest even, torch's cast — never a truncating or other-mode
+    cvt; the backward loading a bf16 gradient widens it with cvt.f32.bf16 (exact, subnormals
+    included: no .ftz; the interpreter's widening flushes them, so this is where the subnormal
+    case is checked) and still has no fma. Control: the fp32 store has no
+    bf16 conversion."""
+    fwd = _ptx(False, False, y="*bf16")
+    assert "cvt.rn.bf16.f32" in fwd and "fma" not in fwd and ".ftz" not in fwd
+    assert not any(m in fwd for m in ("cvt.rz.bf16", "cvt.rm.bf16", "cvt.rp.bf16"))
+    bwd = _ptx(True, False, x="*bf16")
+    assert "cvt.f32.bf16" in bwd          # exact (subnormals too: no .ftz anywhere)
+    assert "fma" not in bwd and ".ftz" not in bwd and "cvt.rn.bf16.f32" not in bwd
+    assert "bf16" not in _ptx(False, False)

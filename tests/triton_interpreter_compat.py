@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import torch
+import triton
 import triton.language as tl
 import triton.runtime.interpreter as _interp
 
@@ -78,3 +80,20 @@ def sequential_dot():
         yield
     finally:
         _interp.InterpreterBuilder.create_dot = real
+
+
+@triton.jit
+def _to_bf16_kernel(X, Y, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i, mask=i < N).to(tl.bfloat16), mask=i < N)
+
+
+def triton_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 -> fp32 values of Triton's `.to(tl.bfloat16)`, the kernels' rounding points (the
+    interpreter truncates, unlike torch's and the GPU's round-to-nearest-even: so the expected
+    bytes take the conversion from Triton itself; tests/test_cuda*.py check the GPU's rounding
+    against torch's)."""
+    flat = x.contiguous().reshape(-1)
+    y = torch.empty(flat.shape, dtype=torch.bfloat16)
+    _to_bf16_kernel[(triton.cdiv(flat.numel(), 1024),)](flat, y, flat.numel(), BLOCK=1024)
+    return y.float().reshape(x.shape)

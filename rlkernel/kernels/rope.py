@@ -74,23 +74,27 @@ class _Rope(torch.autograd.Function):
     """apply_rope with its forward and backward as kernels/triton_rope.py passes (CUDA, fp32)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, out_dtype):
         from rlkernel.kernels import triton_rope
         ctx.save_for_backward(cos, sin)
-        return triton_rope.rope_pass(x, cos, sin)
+        return triton_rope.rope_pass(x, cos, sin, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
         from rlkernel.kernels import triton_rope
         cos, sin = ctx.saved_tensors
-        return triton_rope.rope_pass(dy, cos, sin, backward=True), None, None
+        return triton_rope.rope_pass(dy, cos, sin, backward=True), None, None, None
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` for autograd passes: x [L, heads, D], cos/sin [L, D] -> [L, heads, D], the same
-    bytes forward and backward; on CUDA (fp32 x and tables, constant tables) two Triton passes
-    instead of ~13 torch launches."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`apply_rope(x, cos, sin).to(out_dtype)` for autograd passes: x [L, heads, D], cos/sin
+    [L, D] -> [L, heads, D] in out_dtype (fp32, or bf16: a bf16 run's rounding point of q and k),
+    the same bytes forward and backward (the cast's backward widens the gradient exactly); on
+    CUDA (fp32 x and tables, constant tables) one Triton pass each way instead of ~13 torch
+    launches and the cast's two."""
     if (x.is_cuda and x.dtype == torch.float32 and cos.dtype == torch.float32
-            and sin.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad)):
-        return _Rope.apply(x, cos, sin)
-    return apply_rope(x, cos, sin)
+            and sin.dtype == torch.float32 and not (cos.requires_grad or sin.requires_grad)
+            and out_dtype in (torch.float32, torch.bfloat16)):
+        return _Rope.apply(x, cos, sin, out_dtype)
+    return apply_rope(x, cos, sin).to(out_dtype)

@@ -1,7 +1,10 @@
 """SwiGLU forward and backward on CUDA (Triton): the torch path's bits, in one pass each.
 
 What: `swiglu_fwd(gate, up) -> (out, sig)` and `swiglu_bwd(dh, gate, up, sig) -> (d_gate, d_up)`
-for fp32 tensors of one shape, one program per BLOCK consecutive elements.
+for fp32 tensors of one shape, one program per BLOCK consecutive elements. Training keeps no
+sig: the forward skips its store and the backward recomputes σ from gate (the same bits; the
+float64 chain costs less than an fp32 [L, I] written, kept and read back: 400 MB per layer at
+qwen3-1.7b's 6,144 columns and 16k tokens).
 Why: kernels/activation.py's torch path runs σ as dozens of float64 elementwise launches
 (kernels/elementwise.py's exp64 Horner chain: ~190 ms of a 1.74 s H200 training step); here
 each element is read once and written once, and its value is the same as before.
@@ -62,24 +65,28 @@ def _grads(dh, g, u, sig):
 
 
 @triton.jit
-def _fwd_kernel(G, U, OUT, SIG, n, BLOCK: tl.constexpr):
+def _fwd_kernel(G, U, OUT, SIG, n, BLOCK: tl.constexpr, STORE_SIG: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0)
     u = tl.load(U + offs, mask=ok, other=0.0)
     sig = _sigmoid32(g)
     tl.store(OUT + offs, (g * sig) * u, mask=ok)
-    tl.store(SIG + offs, sig, mask=ok)
+    if STORE_SIG:
+        tl.store(SIG + offs, sig, mask=ok)
 
 
 @triton.jit
-def _bwd_kernel(DH, G, U, SIG, DG, DU, n, BLOCK: tl.constexpr):
+def _bwd_kernel(DH, G, U, SIG, DG, DU, n, BLOCK: tl.constexpr, LOAD_SIG: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     dh = tl.load(DH + offs, mask=ok, other=0.0)
     g = tl.load(G + offs, mask=ok, other=0.0)
     u = tl.load(U + offs, mask=ok, other=0.0)
-    sig = tl.load(SIG + offs, mask=ok, other=0.0)
+    if LOAD_SIG:
+        sig = tl.load(SIG + offs, mask=ok, other=0.0)
+    else:
+        sig = _sigmoid32(g)           # the forward's σ again: the same bits, no [n] fp32 kept
     d_gate, d_up = _grads(dh, g, u, sig)
     tl.store(DG + offs, d_gate, mask=ok)
     tl.store(DU + offs, d_up, mask=ok)
@@ -95,34 +102,44 @@ def _check(what: str, *ts: torch.Tensor) -> None:
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK,
-               num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out = silu(gate)·up, sig = σ(gate)), fp32, shaped like gate (contiguous).
+               num_warps: int = NUM_WARPS, keep_sig: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out = silu(gate)·up, sig = σ(gate)), fp32, shaped like gate (contiguous); sig None
+    when keep_sig is False (the backward recomputes it: `swiglu_bwd` with sig None).
 
     Raises ValueError unless gate and up are fp32 CUDA tensors of one shape.
     """
     _check("swiglu", gate, up)
     g, u = gate.contiguous(), up.contiguous()
-    out, sig = torch.empty_like(g), torch.empty_like(g)
+    out = torch.empty_like(g)
+    sig = torch.empty_like(g) if keep_sig else None
     n = g.numel()
     if n:
         with device_ctx(g):
-            _fwd_kernel[(triton.cdiv(n, block),)](g, u, out, sig, n, BLOCK=block,
+            _fwd_kernel[(triton.cdiv(n, block),)](g, u, out, out if sig is None else sig, n,
+                                                   BLOCK=block, STORE_SIG=keep_sig,
                                                    num_warps=num_warps, enable_fp_fusion=False)
     return out, sig
 
 
-def swiglu_bwd(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, sig: torch.Tensor,
-               block: int = BLOCK, num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up) of out = silu(gate)·up given dh = d out and the forward's sig; fp32.
+def swiglu_bwd(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+               sig: torch.Tensor | None = None, block: int = BLOCK,
+               num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) of out = silu(gate)·up given dh = d out and the forward's sig, or with sig
+    None σ(gate) recomputed in the kernel (the same bits: a float64 Horner chain per element is
+    cheaper than reading and keeping an fp32 [n]); fp32.
 
-    Raises ValueError unless all four are fp32 CUDA tensors of one shape.
+    Raises ValueError unless all are fp32 CUDA tensors of one shape.
     """
-    _check("swiglu backward", dh, gate, up, sig)
-    dh, g, u, s = (t.contiguous() for t in (dh, gate, up, sig))
+    ts = (dh, gate, up) if sig is None else (dh, gate, up, sig)
+    _check("swiglu backward", *ts)
+    dh, g, u = (t.contiguous() for t in (dh, gate, up))
+    s = g if sig is None else sig.contiguous()        # unread when recomputed
     d_gate, d_up = torch.empty_like(g), torch.empty_like(g)
     n = g.numel()
     if n:
         with device_ctx(g):
             _bwd_kernel[(triton.cdiv(n, block),)](dh, g, u, s, d_gate, d_up, n, BLOCK=block,
+                                                   LOAD_SIG=sig is not None,
                                                    num_warps=num_warps, enable_fp_fusion=False)
     return d_gate, d_up

@@ -170,7 +170,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 
     q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D]: one dtype, float32 or bfloat16, any strides; D a power
     of two in [16, 256]; q_pos [S, Tq] long (−1 = empty slot, output 0); kv_len [S] long.
-    Returns (out [S, Hq, Tq, D] in q's dtype, lse [S, Hkv, G, Tq] fp32; 0 where no key is seen).
+    Returns (out [S, Hq, Tq, D] in q's dtype, token-major in memory (out.transpose(1, 2) is
+    contiguous), lse [S, Hkv, G, Tq] fp32; 0 where no key is seen).
     `tile` = (BLOCK_M, num_warps, num_stages) overrides the table (tests). ValueError on bad input.
     """
     check_cuda("attention", q, k, v, q_pos, kv_len)
@@ -217,7 +218,9 @@ def _launch(q, k, v, q_pos, kv_len, scale, tile, hkv, tk, sk, sv, table):
         raise ValueError(f"attention: q_pos {tuple(q_pos.shape)} / kv_len {tuple(kv_len.shape)} "
                          f"do not match S={s_}, Tq={tq}")
     g = hq // hkv
-    out = torch.empty(s_, hq, tq, d, dtype=q.dtype, device=q.device)
+    # Token-major memory ([S, Tq, Hq, D] viewed as [S, Hq, Tq, D]): the stream order o_proj
+    # reads, so the model's way back to the stream is a reshape, not a transposing copy.
+    out = torch.empty(s_, tq, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(s_, hkv, g, tq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse

@@ -359,12 +359,15 @@ def _delta(out, d_out, q_pos) -> torch.Tensor:
     return delta
 
 
-def _dq(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tile) -> torch.Tensor:
-    """dQ [S, Hq, Tq, D] fp32 (module doc, `_dq_kernel`)."""
+def _dq(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tile,
+        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dQ [S, Hq, Tq, D] (module doc, `_dq_kernel`) in `dtype` and q's memory order: the fp32
+    result, or its rounding to bf16 done by the kernel's store (round to nearest even, as
+    torch's cast: the same bytes without an fp32 copy)."""
     s_, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv
-    dq = torch.empty(s_, hq, tq, d, dtype=torch.float32, device=q.device)
+    dq = torch.empty_like(q, dtype=dtype)
     bm, warps, stages = tile or _pick(_DQ_TILES[q.dtype], tq * g)
     n_tiles = triton.cdiv(tq * g, bm)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
@@ -609,7 +612,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     force_flag sends every dK/dV program through the per-leaf fallback (tests) — none of these
     changes a bit. bounds: (q_pos.max(), kv_len.max()) as host ints, if the caller knows them
     (they must be those values); None reads them, a host sync. Returns dQ like q, dK and dV like
-    k, in q's dtype.
+    k, in q's dtype and each in its input's memory order.
     ValueError on bad input. Syncs the host once per dK/dV chunk (which programs of its two
     kinds, if any, failed the exactness check of both the first pass and its retry), and once more without `bounds`.
     """
@@ -631,8 +634,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     tk_eff = max(0, min(tk, top_len))
     with device_ctx(q):
         delta = _delta(out, d_out, q_pos) if tq else torch.zeros(s_, hq, 0, device=q.device)
-        dq = _dq(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, dq_tile) if tq \
-            else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = _dq(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, dq_tile, q.dtype) if tq \
+            else torch.zeros_like(q)
         dkv = _dkv_per_head(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, tok, n_leaves,
                             tk_eff, words_elems, kv_tile, force_flag)
     # The G heads of each group by the halving tree, as kernels/attention.py does: this rank's
@@ -642,5 +645,13 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     if kv_comm is not None and kv_comm.size > 1:
         dv = kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
         dk = kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
-    dk = dk * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, _like(dk * scale, k), _like(dv, v)
+
+
+def _like(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """x in ref's dtype and memory order (one rounding copy, or x itself when both already
+    match): a gradient laid out like its input needs no transposing copy on its way back to
+    the token stream."""
+    if x.dtype == ref.dtype and x.stride() == ref.stride():
+        return x
+    return torch.empty_like(ref).copy_(x)

@@ -65,12 +65,14 @@ class InvariantOps:
         return norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas)
 
     @staticmethod
-    def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1):
-        """Per-head RMSNorm, then RoPE (Qwen3's Q/K path): x [L, heads, D] -> same, fp32."""
+    def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1, out_dtype=torch.float32):
+        """Per-head RMSNorm, then RoPE (Qwen3's Q/K path): x [L, heads, D] -> same, fp32 values
+        returned in out_dtype (bf16: attention's rounding point of q and k, taken by the RoPE
+        pass itself; its backward widens the gradient exactly)."""
         if not needs_grad(x, w):
-            return norm.rms_norm_inference(x, w, eps, cos, sin)
+            return norm.rms_norm_inference(x, w, eps, cos, sin, out_dtype)
         return rope(norm.rms_norm(x, w, eps, tok=tok, head_comm=head_comm, replicas=replicas),
-                    cos, sin)
+                    cos, sin, out_dtype)
 
     @staticmethod
     def stream(o):
@@ -307,7 +309,8 @@ class NativeOps:
         return w.to(x.dtype) * y.to(x.dtype)
 
     @staticmethod
-    def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1):
+    def norm_rope(x, w, eps, cos, sin, tok, head_comm=None, replicas=1, out_dtype=None):
+        """out_dtype: ignored (the stream's dtype: bf16 on CUDA, as attention takes it)."""
         y = NativeOps.norm(x, w, eps, tok)
         return apply_rope(y, cos.to(y.dtype), sin.to(y.dtype))
 

@@ -130,10 +130,11 @@ class Attention(nn.Module):
         q, k, v = ops.col(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
                           self.dx_rows, shards, pc, self.cd)              # [Lc, heads·D]
         n = q.shape[0]
+        # bf16 runs: q and k leave RoPE rounded to bf16 (attention's rounding point, below).
         q = ops.norm_rope(q.view(n, self.heads, c.head_dim), self.q_norm.weight,
-                          c.rms_norm_eps, cos, sin, pc.tok, pc.tp, 1)
+                          c.rms_norm_eps, cos, sin, pc.tok, pc.tp, 1, self.cd)
         k = ops.norm_rope(k.view(n, self.kv_heads, c.head_dim), self.k_norm.weight,
-                          c.rms_norm_eps, cos, sin, pc.tok, pc.tp, self.kv_rep)
+                          c.rms_norm_eps, cos, sin, pc.tok, pc.tp, self.kv_rep, self.cd)
         v = v.view(n, self.kv_heads, c.head_dim)
         if lay.kv_idx is not None:                # CP-split pass: K/V of the logical stream
             k, v = ops.cp_gather(k, pc), ops.cp_gather(v, pc)           # [L, kv_heads, D]
@@ -142,7 +143,8 @@ class Attention(nn.Module):
         ks = to_samples(k_all, lay.keys_idx, lay).transpose(1, 2)       # [S, kv_heads, T, D]
         vs = to_samples(v_all, lay.keys_idx, lay).transpose(1, 2)
         # bf16 runs: q, k, v rounded to bf16 here (the attention kernels' tensor-core operands;
-        # the KV cache stores these bf16 values); the backward of this cast widens dQ, dK, dV.
+        # the KV cache stores these bf16 values; q and k arrive rounded by RoPE, so only v is
+        # cast here); the backward of a cast widens the gradient.
         qs, ks, vs = (rounding_point(t, self.cd) for t in (qs, ks, vs))
         scale = 1.0 / math.sqrt(c.head_dim)
         if cache is not None and lay.kv_idx is None:
