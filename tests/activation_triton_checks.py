@@ -213,6 +213,33 @@ def recomputed_sigma_gives_the_kept_sigmas_bytes():
 
 
 @check
+def bf16_stores_are_the_fp32_results_rounded():
+    """out_dtype bf16 (the MLP's rounding points): out, d_gate, d_up == the fp32 kernels' values
+    through Triton's own fp32 -> bf16 conversion, bitwise (the interpreter truncates where the
+    GPU rounds to nearest even as torch does: tests/test_activation_triton.py reads cvt.rn in the
+    PTX and tests/test_mlp.py compares with torch on a GPU). Control: the fp32 results have
+    bits past bf16. An fp16 out_dtype is refused."""
+    from triton_interpreter_compat import triton_bf16
+    gate, up, dh = cases()
+    out32, _ = ta.swiglu_fwd(gate, up, keep_sig=False)
+    out16, _ = ta.swiglu_fwd(gate, up, keep_sig=False, out_dtype=torch.bfloat16)
+    assert out16.dtype == torch.bfloat16 and same_bits(out16.float(), triton_bf16(out32))
+    g32 = ta.swiglu_bwd(dh, gate, up)
+    g16 = ta.swiglu_bwd(dh, gate, up, out_dtype=torch.bfloat16)
+    for a, b in zip(g16, g32):
+        assert a.dtype == torch.bfloat16 and same_bits(a.float(), triton_bf16(b))
+    finite = out32.isfinite()
+    assert not same_bits(out32[finite], triton_bf16(out32)[finite])
+    for call in (lambda: ta.swiglu_fwd(gate, up, out_dtype=torch.float16),
+                 lambda: ta.swiglu_bwd(dh, gate, up, out_dtype=torch.float16)):
+        try:
+            call()
+        except ValueError:
+            continue
+        raise AssertionError("accepted an fp16 out_dtype")
+
+
+@check
 def bad_arguments_are_refused():
     x = torch.ones(4, 3)
     for args in ((x, torch.ones(3, 4)), (x.double(), x.double()), (x, x.bfloat16())):

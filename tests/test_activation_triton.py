@@ -4,12 +4,14 @@
    == the torch path on CPU (activation.swiglu_fwd_torch / swiglu_bwd_torch), bitwise (NaN
    payloads aside: tests/swiglu_cases.same_bits), on adversarial inputs (tests/swiglu_cases.py),
    with negative controls; and the kernels' exp alone (`_exp64`) == elementwise.exp64 in float64,
-   which sees slips that σ's rounding to fp32 hides. The checks live in
+   which sees slips that σ's rounding to fp32 hides; training's way (no σ kept, recomputed in
+   the backward) and the bf16 stores (the MLP's rounding points) give the same bytes. The checks live in
    tests/activation_triton_checks.py and run in one subprocess (the interpreter is chosen before
    triton is imported); each test asserts one.
 2. The code the GPU would run: both kernels compiled for sm_90 (PTX, no device needed) contain
    no fma and no flush-to-zero, round every float64 op to nearest, divide with div.rn.f64, and
-   carry elementwise.py's constants as exact doubles; control: with fp fusion on, fma appears.
+   carry elementwise.py's constants as exact doubles (the σ-recomputing backward too), and the
+   bf16 stores round to nearest even; control: with fp fusion on, fma appears.
 On a GPU: tests/test_cuda_backward.py (CUDA kernels == CPU torch path, batch invariance).
 Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_activation_triton.py (needs triton;
 about 10 s).
@@ -78,6 +80,12 @@ def test_recomputed_sigma_gives_the_kept_sigmas_bytes(results):
     _ok(results, "recomputed_sigma_gives_the_kept_sigmas_bytes")
 
 
+def test_bf16_stores_are_the_fp32_results_rounded(results):
+    """out_dtype bf16: out, d_gate, d_up == the fp32 results through Triton's conversion,
+    bitwise; control: the fp32 results have bits past bf16; fp16 refused."""
+    _ok(results, "bf16_stores_are_the_fp32_results_rounded")
+
+
 def test_bad_arguments_are_refused(results):
     """Mismatched shapes, float64, bf16: ValueError."""
     _ok(results, "bad_arguments_are_refused")
@@ -96,12 +104,26 @@ def test_negative_control_fp32_sigmoid_two_roundings_and_reassociated_grads_diff
 
 # ------------------------------------------------------------------ compiled code (PTX)
 
-def _ptx(kernel, fusion: bool, sig: bool = True) -> str:
-    """PTX of a kernel (fp32 pointers, then n, BLOCK and its STORE_SIG / LOAD_SIG flag) for
-    sm_90, compiled on the CPU."""
+def _ptx(kernel, fusion: bool, sig: bool = True, bf16_out: tuple[str, ...] = ()) -> str:
+    """PTX of a kernel (fp32 pointers — bf16 for those named in bf16_out —, then n, BLOCK and
+    its STORE_SIG / LOAD_SIG flag) for sm_90, compiled on the CPU."""
     *ptrs, n, block, flag = kernel.arg_names
-    return sm90_ptx(kernel, {**{p: "*fp32" for p in ptrs}, n: "i64", block: "constexpr",
-                             flag: "constexpr"}, {block: 1024, flag: sig}, 4, fusion)
+    types = {p: "*bf16" if p in bf16_out else "*fp32" for p in ptrs}
+    return sm90_ptx(kernel, {**types, n: "i64", block: "constexpr", flag: "constexpr"},
+                    {block: 1024, flag: sig}, 4, fusion)
+
+
+def test_compiled_bf16_stores_round_to_nearest_even():
+    """The forward storing a bf16 OUT and the backward storing bf16 DG / DU (the MLP's rounding
+    points) convert with cvt.rn.bf16.f32 — torch's round to nearest even —, no other mode, and
+    keep the fp32 kernels' other properties (no fma, no .ftz); the fp32 stores convert
+    nothing to bf16 (control)."""
+    from rlkernel.kernels import triton_activation as ta
+    for ptx in (_ptx(ta._fwd_kernel, False, sig=False, bf16_out=("OUT",)),
+                _ptx(ta._bwd_kernel, False, sig=False, bf16_out=("DG", "DU"))):
+        assert "cvt.rn.bf16.f32" in ptx and "fma" not in ptx and ".ftz" not in ptx
+        assert not re.search(r"cvt\.r[zmp]\.bf16", ptx)
+    assert "bf16" not in _ptx(ta._fwd_kernel, False, sig=False)
 
 
 def test_compiled_ptx_has_no_fma_no_ftz_and_exact_float64_constants():

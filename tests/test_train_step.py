@@ -2,7 +2,7 @@
 `logprob_tokens`) counts the (trainer, rollout) pairs actually compared, not the planned count;
 under CP the mismatch, compared and clipped counts cover every CP rank's tokens (2 gloo ranks);
 the CUDA stream alignment changes no CPU gradient bit; the attention output reaching o_proj in
-bf16 (no widened copy) changes none either.
+bf16 (no widened copy) changes none either, nor does the MLP as one autograd node (kernels/mlp.py).
 
 Run: `.venv/bin/python -m pytest -q tests/test_train_step.py`.
 """
@@ -293,6 +293,15 @@ def test_cp2_mismatch_compared_and_clipped_counts_cover_every_cp_rank(tmp_path):
             (n_tok, n, n_tok, f), f"CP rank {r}"
 
 
+def _step_bits(samples):
+    """Stats and gradients (int32 bits) of one bf16 step without a reference policy."""
+    pol = _model()
+    st = compute_gradients(pol, None, samples, temperature=SP.temperature,
+                           coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
+                           pad_id=257, exp=invariant_exp)
+    return st, {n: g.view(torch.int32).clone() for n, g in gradients(pol).items()}
+
+
 def test_attention_output_into_o_proj_without_a_widened_copy_changes_no_bit(monkeypatch):
     """bf16 runs hand attention's bf16 output to o_proj as it is (o_proj's backward rounds dX to
     bf16, dO's rounding point) instead of widening it to fp32 for o_proj to round back: every
@@ -309,11 +318,7 @@ def test_attention_output_into_o_proj_without_a_widened_copy_changes_no_bit(monk
         return real(ctx, x, *rest)
 
     def run():
-        pol = _model()
-        st = compute_gradients(pol, None, samples, temperature=SP.temperature,
-                               coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
-                               pad_id=257, exp=invariant_exp)
-        return st, {n: g.view(torch.int32).clone() for n, g in gradients(pol).items()}
+        return _step_bits(samples)
     monkeypatch.setattr(matmul_mod._RowParallelLinear, "forward", staticmethod(watched))
     st_new, g_new = run()
     assert torch.bfloat16 in seen                      # o_proj's x: the bf16 attention output
@@ -323,3 +328,54 @@ def test_attention_output_into_o_proj_without_a_widened_copy_changes_no_bit(monk
     assert torch.bfloat16 not in seen
     assert st_new == st_old and g_new.keys() == g_old.keys()
     assert all(torch.equal(g_new[n], g_old[n]) for n in g_new)
+
+
+def _separate_mlp(x, w_gate, w_up, w_down, local_shards, pc, dtype=torch.float32):
+    """The MLP as the three ops it fuses (kernels/mlp.py's reference)."""
+    g, u = InvariantOps.col(x, [w_gate, w_up], None, local_shards, pc, dtype)
+    return InvariantOps.row(InvariantOps.swiglu(g, u), w_down, local_shards, pc, dtype)
+
+
+def test_fused_mlp_is_bitwise_the_separate_linears_and_swiglu(monkeypatch):
+    """The MLP as one autograd node (kernels/mlp.py) against gate/up column-parallel, SwiGLU
+    and down row-parallel as separate ops: every gradient and stat of a bf16 step has the same
+    bytes, and the fused node really ran (its backward counted). Control: the separate path
+    with SwiGLU's output not rounded before down (an fp32 down product) moves the gradients."""
+    from rlkernel.kernels import mlp as mlp_mod
+
+    samples = _samples()
+    calls = {"backward": 0}
+    real = mlp_mod._SwiGLUMLP.backward
+
+    def counted(ctx, dy):
+        calls["backward"] += 1
+        return real(ctx, dy)
+
+    def run():
+        return _step_bits(samples)
+    monkeypatch.setattr(mlp_mod._SwiGLUMLP, "backward", staticmethod(counted))
+    st_fused, g_fused = run()
+    assert calls["backward"] == CFG.num_hidden_layers
+    monkeypatch.setattr(InvariantOps, "mlp", staticmethod(_separate_mlp))
+    st_sep, g_sep = run()
+    assert st_fused == st_sep and g_fused.keys() == g_sep.keys()
+    assert all(torch.equal(g_fused[n], g_sep[n]) for n in g_fused)
+
+    def unrounded(x, w_gate, w_up, w_down, local_shards, pc, dtype=torch.float32):
+        g, u = InvariantOps.col(x, [w_gate, w_up], None, local_shards, pc, dtype)
+        return InvariantOps.row(InvariantOps.swiglu(g, u), w_down, local_shards, pc,
+                                torch.float32)
+    monkeypatch.setattr(InvariantOps, "mlp", staticmethod(unrounded))
+    _, g_ctl = run()
+    assert any(not torch.equal(g_ctl[n], g_fused[n]) for n in g_fused)
+
+
+def test_swiglu_mlp_refuses_weights_that_do_not_form_an_mlp():
+    from rlkernel.kernels.mlp import swiglu_mlp
+    x, wg, wd = torch.zeros(16, 8), torch.zeros(12, 8), torch.zeros(8, 12)
+    with pytest.raises(ValueError, match="expected gate and up"):
+        swiglu_mlp(x, wg, torch.zeros(12, 7), wd)
+    with pytest.raises(ValueError, match="expected gate and up"):
+        swiglu_mlp(x, wg, wg, torch.zeros(12, 8))
+    with pytest.raises(ValueError, match="compute dtype"):
+        swiglu_mlp(x, wg, wg, wd, compute_dtype=torch.float16)

@@ -61,3 +61,21 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up. gate, up [L, I] fp32 -> [L, I] fp32."""
     return _SwiGLU.apply(gate, up)
+
+
+def swiglu_rounded(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate)·up without autograd, rounded to out_dtype (fp32: unrounded; bf16: the next
+    linear's rounding point, on CUDA taken by the kernel's store). gate, up [L, I] fp32."""
+    if gate.is_cuda:
+        return _triton().swiglu_fwd(gate, up, keep_sig=False, out_dtype=out_dtype)[0]
+    return swiglu_fwd_torch(gate, up)[0].to(out_dtype)
+
+
+def swiglu_grads_rounded(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                         out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) of silu(gate)·up for dh (fp32), σ recomputed, each rounded to out_dtype
+    (bf16: the gate/up linear's rounding point of dY, on CUDA taken by the kernel's stores)."""
+    if dh.is_cuda:
+        return _triton().swiglu_bwd(dh, gate, up, out_dtype=out_dtype)
+    d_gate, d_up = swiglu_bwd_torch(dh, gate, up, sigmoid32(gate))
+    return d_gate.to(out_dtype), d_up.to(out_dtype)

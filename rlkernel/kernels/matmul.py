@@ -352,21 +352,32 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
-        x, *ws = ctx.saved_tensors
-        dys = tuple(rounding_point(dy, ctx.cd) for dy in dys)
-        ws = [weight_point(w, ctx.cd, ctx.tok) for w in ctx.params]
-        dx = None
-        if ctx.needs_input_grad[0] and x.is_cuda and _shard_kernel().worth_fusing(
-                operand_dtype(dys[0], ws[0]),
-                [[rows[s] for rows in ctx.shard_rows] for s in range(len(ctx.shard_rows[0]))]):
-            dx = _shard_kernel().column_dx(dys, ws, ctx.shard_rows)   # the loop below, fused
-        elif ctx.needs_input_grad[0]:
-            dx = column_dx_by_shards(dys, ws, ctx.shard_rows)
-            if dx is None:   # this rank owns no row of any projection (N < TP): no partial
-                dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        dws = tuple(grad_weight(dy, x, w, ctx.tok) if ctx.needs_input_grad[4 + i]
-                    else None for i, (dy, w) in enumerate(zip(dys, ctx.params)))
+        x, *_ = ctx.saved_tensors
+        dx, dws = column_grads(x, dys, ctx.params, ctx.shard_rows, ctx.cd, ctx.tok,
+                               ctx.needs_input_grad[0], ctx.needs_input_grad[4:])
         return (dx, None, None, None) + dws
+
+
+def column_grads(xr: torch.Tensor, dys: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                 shard_rows, cd: torch.dtype, tok: TokenSum | None, need_dx: bool,
+                 need_dw: Sequence[bool]) -> tuple[torch.Tensor | None, tuple]:
+    """A column-parallel linear's backward (`column_parallel_linear`): (dX [M, K] fp32, this
+    rank's local subtree, or None when not needed; each weight's dW through `tok`, or None).
+    xr: the forward's rounded input; dys: the outputs' gradients (rounded here to cd)."""
+    dys = tuple(rounding_point(dy, cd) for dy in dys)
+    ws = [weight_point(w, cd, tok) for w in params]
+    dx = None
+    if need_dx and xr.is_cuda and _shard_kernel().worth_fusing(
+            operand_dtype(dys[0], ws[0]),
+            [[rows[s] for rows in shard_rows] for s in range(len(shard_rows[0]))]):
+        dx = _shard_kernel().column_dx(dys, ws, shard_rows)   # the loop below, fused
+    elif need_dx:
+        dx = column_dx_by_shards(dys, ws, shard_rows)
+        if dx is None:   # this rank owns no row of any projection (N < TP): no partial
+            dx = torch.zeros(xr.shape, dtype=torch.float32, device=xr.device)
+    dws = tuple(grad_weight(dy, xr, w, tok) if need else None
+                for need, dy, w in zip(need_dw, dys, params))
+    return dx, dws
 
 
 class _RowParallelLinear(torch.autograd.Function):
@@ -380,14 +391,22 @@ class _RowParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        dy = rounding_point(dy, ctx.cd)
+        x, _ = ctx.saved_tensors
         # dX in x's dtype: a bf16 x (the attention output) takes its gradient rounded to bf16
         # here, once (round to nearest even), as a widening cast's backward would.
-        dx = seq_matmul(dy, weight_point(ctx.param, ctx.cd, ctx.tok)).to(ctx.x_dtype) \
-            if ctx.needs_input_grad[0] else None
-        dw = grad_weight(dy, x, ctx.param, ctx.tok) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        dx, dw = row_grads(x, dy, ctx.param, ctx.cd, ctx.tok, ctx.needs_input_grad[0],
+                           ctx.needs_input_grad[1])
+        return (None if dx is None else dx.to(ctx.x_dtype)), dw, None, None, None
+
+
+def row_grads(xr: torch.Tensor, dy: torch.Tensor, param: torch.Tensor, cd: torch.dtype,
+              tok: TokenSum | None, need_dx: bool, need_dw: bool):
+    """A row-parallel linear's backward (`row_parallel_linear`): (dX [M, K_local] fp32 or None,
+    dW through `tok` or None). xr: the forward's rounded input; dy rounded here to cd."""
+    dy = rounding_point(dy, cd)
+    dx = seq_matmul(dy, weight_point(param, cd, tok)) if need_dx else None
+    dw = grad_weight(dy, xr, param, tok) if need_dw else None
+    return dx, dw
 
 
 def column_parallel_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *,

@@ -28,8 +28,10 @@ each), whereas e.g. tl.fma(p, r, c) would round c to fp32 first.
 An element depends only on its own inputs, so the result is batch-invariant by construction.
 Source: Shazeer, "GLU Variants Improve Transformer" (2020); exp: Cody & Waite range reduction.
 
-Does not: broadcast (shapes must match), take dtypes other than fp32, keep strides (inputs are
-made contiguous; outputs are contiguous), or provide autograd (kernels/activation.py does).
+Outputs may be stored rounded to bf16 (out_dtype): the MLP's linears take them at that rounding
+point anyway (kernels/mlp.py), so no fp32 copy is written and read back to be cast.
+Does not: broadcast (shapes must match), take input dtypes other than fp32, keep strides (inputs
+are made contiguous; outputs are contiguous), or provide autograd (kernels/activation.py does).
 NaN payloads are not part of the contract (NaN positions are): which NaN a NaN·NaN product
 returns is the hardware's and the compiler's choice, and NVIDIA GPUs return a canonical NaN.
 Tests: tests/test_activation_triton.py (TRITON_INTERPRET=1: bitwise vs the CPU torch path on
@@ -71,7 +73,8 @@ def _fwd_kernel(G, U, OUT, SIG, n, BLOCK: tl.constexpr, STORE_SIG: tl.constexpr)
     g = tl.load(G + offs, mask=ok, other=0.0)
     u = tl.load(U + offs, mask=ok, other=0.0)
     sig = _sigmoid32(g)
-    tl.store(OUT + offs, (g * sig) * u, mask=ok)
+    # A bf16 OUT: the fp32 value rounded to nearest even by the store (torch's cast).
+    tl.store(OUT + offs, ((g * sig) * u).to(OUT.dtype.element_ty), mask=ok)
     if STORE_SIG:
         tl.store(SIG + offs, sig, mask=ok)
 
@@ -88,8 +91,8 @@ def _bwd_kernel(DH, G, U, SIG, DG, DU, n, BLOCK: tl.constexpr, LOAD_SIG: tl.cons
     else:
         sig = _sigmoid32(g)           # the forward's σ again: the same bits, no [n] fp32 kept
     d_gate, d_up = _grads(dh, g, u, sig)
-    tl.store(DG + offs, d_gate, mask=ok)
-    tl.store(DU + offs, d_up, mask=ok)
+    tl.store(DG + offs, d_gate.to(DG.dtype.element_ty), mask=ok)   # bf16: rounded, as OUT
+    tl.store(DU + offs, d_up.to(DU.dtype.element_ty), mask=ok)
 
 
 def _check(what: str, *ts: torch.Tensor) -> None:
@@ -101,22 +104,32 @@ def _check(what: str, *ts: torch.Tensor) -> None:
             raise ValueError(f"{what}: shapes differ, {tuple(ts[0].shape)} vs {tuple(t.shape)}")
 
 
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK,
-               num_warps: int = NUM_WARPS, keep_sig: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out = silu(gate)·up, sig = σ(gate)), fp32, shaped like gate (contiguous); sig None
-    when keep_sig is False (the backward recomputes it: `swiglu_bwd` with sig None).
+def _check_out(what: str, out_dtype: torch.dtype) -> None:
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{what}: out_dtype must be float32 or bfloat16, got {out_dtype}")
 
-    Raises ValueError unless gate and up are fp32 CUDA tensors of one shape.
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK,
+               num_warps: int = NUM_WARPS, keep_sig: bool = True,
+               out_dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out = silu(gate)·up, sig = σ(gate)), shaped like gate (contiguous); sig fp32, None when
+    keep_sig is False (the backward recomputes it: `swiglu_bwd` with sig None); out fp32, or
+    with out_dtype bf16 the fp32 value rounded to nearest even (the next linear's rounding
+    point, taken by the store: `.to(torch.bfloat16)`'s bytes).
+
+    Raises ValueError unless gate and up are fp32 CUDA tensors of one shape (and out_dtype fp32
+    or bf16).
     """
     _check("swiglu", gate, up)
+    _check_out("swiglu", out_dtype)
     g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
+    out = torch.empty_like(g, dtype=out_dtype)
     sig = torch.empty_like(g) if keep_sig else None
     n = g.numel()
     if n:
         with device_ctx(g):
-            _fwd_kernel[(triton.cdiv(n, block),)](g, u, out, out if sig is None else sig, n,
+            _fwd_kernel[(triton.cdiv(n, block),)](g, u, out, g if sig is None else sig, n,
                                                    BLOCK=block, STORE_SIG=keep_sig,
                                                    num_warps=num_warps, enable_fp_fusion=False)
     return out, sig
@@ -124,18 +137,21 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK,
 
 def swiglu_bwd(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                sig: torch.Tensor | None = None, block: int = BLOCK,
-               num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+               num_warps: int = NUM_WARPS, out_dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) of out = silu(gate)·up given dh = d out and the forward's sig, or with sig
     None σ(gate) recomputed in the kernel (the same bits: a float64 Horner chain per element is
-    cheaper than reading and keeping an fp32 [n]); fp32.
+    cheaper than reading and keeping an fp32 [n]); fp32, or with out_dtype bf16 rounded to
+    nearest even by the stores (the gate/up linear's rounding point of dY).
 
-    Raises ValueError unless all are fp32 CUDA tensors of one shape.
+    Raises ValueError unless all are fp32 CUDA tensors of one shape (and out_dtype fp32 or bf16).
     """
     ts = (dh, gate, up) if sig is None else (dh, gate, up, sig)
     _check("swiglu backward", *ts)
+    _check_out("swiglu backward", out_dtype)
     dh, g, u = (t.contiguous() for t in (dh, gate, up))
     s = g if sig is None else sig.contiguous()        # unread when recomputed
-    d_gate, d_up = torch.empty_like(g), torch.empty_like(g)
+    d_gate, d_up = torch.empty_like(g, dtype=out_dtype), torch.empty_like(g, dtype=out_dtype)
     n = g.numel()
     if n:
         with device_ctx(g):

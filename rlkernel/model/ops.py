@@ -21,7 +21,7 @@ from rlkernel.distributed import parallel as par
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.parallel import collective_pair as pair
-from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, norm,
+from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, mlp, norm,
                               paged_attention)
 from rlkernel.kernels.rope import apply_rope, rope
 from rlkernel.spec import VIRTUAL_TP
@@ -91,6 +91,15 @@ class InvariantOps:
     def row(x, w, local_shards, pc: ParallelCtx, dtype=torch.float32):
         return par.exit_row(matmul.row_parallel_linear(x, w, local_shards=local_shards,
                                                        tok=pc.tok, compute_dtype=dtype), pc)
+
+    @staticmethod
+    def mlp(x, w_gate, w_up, w_down, local_shards, pc: ParallelCtx, dtype=torch.float32):
+        """down(swiglu(gate(x), up(x))): `col`, `swiglu` and `row`'s bytes in one autograd node
+        (kernels/mlp.py: the bf16 rounding points of the activation and of its gradients taken
+        by the SwiGLU kernels' stores)."""
+        return par.exit_row(mlp.swiglu_mlp(par.enter_tp(x, pc), w_gate, w_up, w_down,
+                                           local_shards=local_shards, tok=pc.tok,
+                                           compute_dtype=dtype), pc)
 
     @staticmethod
     def attention(q, k, v, q_pos, kv_len, scale, pc: ParallelCtx, dtype=torch.float32,
@@ -236,6 +245,11 @@ class NativeOps:
     @staticmethod
     def swiglu(g, u):
         return F.silu(g) * u
+
+    @staticmethod
+    def mlp(x, w_gate, w_up, w_down, local_shards, pc: ParallelCtx, dtype=torch.float32):
+        g, u = NativeOps.col(x, [w_gate, w_up], None, local_shards, pc, dtype)
+        return NativeOps.row(NativeOps.swiglu(g, u), w_down, local_shards, pc, dtype)
 
     @staticmethod
     def token_logprobs_entropy(logits, targets, temperature, live_vocab=None):

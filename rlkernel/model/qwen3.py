@@ -180,10 +180,9 @@ class MLP(nn.Module):
         self.down_proj = _Weight(cfg.hidden_size, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops, pc = self.ops, self.pc
-        shards = VIRTUAL_TP // pc.tp.size
-        g, u = ops.col(x, [self.gate_proj.weight, self.up_proj.weight], None, shards, pc, self.cd)
-        return ops.row(ops.swiglu(g, u), self.down_proj.weight, shards, pc, self.cd)
+        return self.ops.mlp(x, self.gate_proj.weight, self.up_proj.weight,
+                            self.down_proj.weight, VIRTUAL_TP // self.pc.tp.size, self.pc,
+                            self.cd)
 
 
 class DecoderLayer(nn.Module):

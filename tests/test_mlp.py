@@ -1,0 +1,80 @@
+"""kernels/mlp.py: the SwiGLU MLP as one autograd node has the bytes of the separate ops it fuses
+(matmul.column_parallel_linear for gate/up, activation.swiglu, matmul.row_parallel_linear for
+down): output, dX and the three dW, fp32 and bf16 compute, 1 / 2 / 8 local virtual-TP shards,
+on the CPU and (when present) on a GPU, where the SwiGLU kernels store the bf16 activation and
+its gradients rounded themselves. Control: rounding the activation's gradient (not only dY) in
+the separate path moves dX. The whole-model check is in tests/test_train_step.py.
+
+Run: `.venv/bin/python -m pytest -q tests/test_mlp.py` (a few seconds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernel.kernels.activation import swiglu
+from rlkernel.kernels.matmul import column_parallel_linear, row_parallel_linear
+from rlkernel.kernels.mlp import swiglu_mlp
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _inputs(device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    m, h, inter = 256, 64, 96
+    x = torch.randn(m, h, generator=g)
+    ws = [(torch.randn(*shape, generator=g) * 0.2).bfloat16().float()
+          for shape in ((inter, h), (inter, h), (h, inter))]
+    dy = torch.randn(m, h, generator=g)
+    return [t.to(device) for t in (x, *ws, dy)]
+
+
+def _grads(fn, x, ws, dy):
+    x = x.clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in ws]
+    y = fn(x, *ws)
+    y.backward(dy)
+    return [t.view(torch.int32).clone() for t in (y.detach(), x.grad, *(w.grad for w in ws))]
+
+
+def _separate(shards, cd, swiglu_fn=swiglu):
+    def fn(x, wg, wu, wd):
+        g, u = column_parallel_linear(x, [wg, wu], local_shards=shards, compute_dtype=cd)
+        return row_parallel_linear(swiglu_fn(g, u), wd, local_shards=shards, compute_dtype=cd)
+    return fn
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shards", [1, 2, 8])
+def test_fused_mlp_equals_the_separate_ops(device, cd, shards):
+    """Output, dX, dW_gate, dW_up, dW_down of swiglu_mlp == the separate ops', bitwise."""
+    x, wg, wu, wd, dy = _inputs(device)
+    fused = _grads(lambda x, a, b, c: swiglu_mlp(x, a, b, c, local_shards=shards,
+                                                 compute_dtype=cd), x, (wg, wu, wd), dy)
+    sep = _grads(_separate(shards, cd), x, (wg, wu, wd), dy)
+    for name, a, b in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), fused, sep):
+        assert torch.equal(a, b), (name, int((a != b).sum()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_control_an_extra_rounding_of_the_activation_gradient_moves_dx(device):
+    """The comparison above can fail: a separate path that also rounds SwiGLU's incoming
+    gradient to bf16 (down's dX, fp32 in the fused node) gives other dX bytes."""
+    x, wg, wu, wd, dy = _inputs(device)
+
+    class _RoundGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.bfloat16().float()
+
+    fused = _grads(lambda x, a, b, c: swiglu_mlp(x, a, b, c, compute_dtype=torch.bfloat16),
+                   x, (wg, wu, wd), dy)
+    ctl = _grads(_separate(8, torch.bfloat16, lambda g, u: _RoundGrad.apply(swiglu(g, u))),
+                 x, (wg, wu, wd), dy)
+    assert torch.equal(fused[0], ctl[0]) and not torch.equal(fused[1], ctl[1])
