@@ -114,3 +114,59 @@ def test_a_training_step_on_equal_samples_is_bitwise_the_gather_paths(monkeypatc
     assert st_fast == st_slow
     assert g_fast.keys() == g_slow.keys()
     assert all(torch.equal(g_fast[n], g_slow[n]) for n in g_fast)
+
+
+def _slot_map_layout(q_idx: list[list[int]], n_rows: int) -> StreamLayout:
+    """A layout of n_rows stream rows whose slot map is q_idx (−1 = empty slot)."""
+    idx = torch.tensor(q_idx)
+    pos = torch.where(idx >= 0, torch.arange(idx.shape[1]).expand_as(idx), -1)
+    rows = torch.zeros(n_rows, dtype=torch.long)
+    return StreamLayout(rows, rows.clone(), idx, pos, (idx >= 0).sum(1))
+
+
+def test_slot_maps_one_step_off_the_prefix_take_the_gather_paths_bytes():
+    """Slot maps one step away from the stream's first rows in order are not the prefix case:
+    every slot one row later (row 0 unread), the two samples swapped, one sample's slots
+    reversed, the last slot empty. Through such a layout to_samples / to_stream give the gather
+    / scatter path's bytes and gradients (10-row stream, so a wrong view still fits). Control:
+    the identity map is the prefix case, and its slot view shares x's storage."""
+    maps = {"offset by one row": [[1, 2, 3, 4], [5, 6, 7, 8]],
+            "samples swapped": [[4, 5, 6, 7], [0, 1, 2, 3]],
+            "slots reversed": [[3, 2, 1, 0], [4, 5, 6, 7]],
+            "last slot empty": [[0, 1, 2, 3], [4, 5, 6, -1]]}
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 3, generator=g)
+    w_s, w_x = torch.randn(2, 4, 3, generator=g), torch.randn(10, 3, generator=g)
+    for what, q_idx in maps.items():
+        lay = _slot_map_layout(q_idx, 10)
+        assert not lay.slots_are_prefix(lay.q_idx), what
+        fast = _moves(lay, True, x, w_s, w_x)
+        slow = _moves(lay, False, x, w_s, w_x)
+        for a, b in zip(fast, slow):
+            assert a.shape == b.shape and torch.equal(a.view(torch.int32),
+                                                      b.view(torch.int32)), what
+    ident = _slot_map_layout([[0, 1, 2, 3], [4, 5, 6, 7]], 10)
+    assert ident.slots_are_prefix(ident.q_idx)
+    assert to_samples(x, ident.q_idx, ident).data_ptr() == x.data_ptr()
+
+
+def test_to_carries_each_index_tensors_prefix_flag_to_its_moved_copy():
+    """`to` hands the moved layout each index tensor's flag under that tensor's moved copy, read
+    on the host before the move (on the device reading it would sync; here the "meta" device,
+    which has no values to read at all): a CP rank holding unequal parts of its samples keeps
+    q_idx False and kv_idx True, an even rank True and True, plain packed layouts their q_idx
+    flag (True for equal samples, False for unequal ones)."""
+    full = packed_layout(_seqs([32, 32]), 257, multiple=64)
+    cases = [(cp_local_layout(full, torch.tensor([0, 1, 2, 3, 28, 29, 30, 31])), (False, True)),
+             (cp_local_layout(full, torch.tensor([0, 1, 2, 3, 60, 61, 62, 63])), (True, True)),
+             (full, (True, None)),
+             (packed_layout(_seqs([32, 16]), 257), (False, None))]
+    for lay, want in cases:
+        here = (lay.slots_are_prefix(lay.q_idx),
+                None if lay.kv_idx is None else lay.slots_are_prefix(lay.kv_idx))
+        assert here == want
+        moved = lay.to(torch.device("meta"))
+        assert moved.q_idx.is_meta
+        got = (moved.slots_are_prefix(moved.q_idx),
+               None if moved.kv_idx is None else moved.slots_are_prefix(moved.kv_idx))
+        assert got == want, (got, want)
