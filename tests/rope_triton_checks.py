@@ -106,6 +106,35 @@ def bf16_out_is_the_fp32_result_rounded_and_a_bf16_gradient_is_widened_exactly()
 
 
 @check
+def rope_autograd_entry_takes_out_dtype_on_both_paths():
+    """rope(x, cos, sin, bf16) on CPU tensors is apply_rope(x, cos, sin).to(bf16) under autograd:
+    a bf16 result with its bytes, and x's fp32 gradient of a bf16 dy with its bytes. The CUDA
+    path's autograd function (`_Rope`, run here on CPU tensors by the interpreter) hands
+    out_dtype to its forward pass: a bf16 result with the bytes of rope_pass(out_dtype=bf16),
+    and for a bf16 dy x's fp32 gradient == the backward pass of dy. Control: the fp32 result has
+    bits past bf16 (a result left in fp32 would not have these bytes)."""
+    from rlkernel.kernels.rope import _Rope, rope
+    x, cos, sin, dy = _cases()[2]
+    d16 = dy.bfloat16()           # normal values only: the interpreter flushes bf16 subnormals
+    assert bool((d16.float().abs() >= torch.finfo(torch.float32).tiny).all())
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = rope(a, cos, sin, torch.bfloat16), apply_rope(b, cos, sin).to(torch.bfloat16)
+    assert ya.dtype == yb.dtype == torch.bfloat16 and _same(ya.detach().float(),
+                                                            yb.detach().float())
+    ya.backward(d16)
+    yb.backward(d16)
+    assert a.grad.dtype == torch.float32 and _same(a.grad, b.grad)
+    c = x.clone().requires_grad_(True)
+    yc = _Rope.apply(c, cos, sin, torch.bfloat16)
+    assert yc.dtype == torch.bfloat16
+    assert _same(yc.detach().float(), tr.rope_pass(x, cos, sin, out_dtype=torch.bfloat16).float())
+    yc.backward(d16)
+    assert c.grad.dtype == torch.float32
+    assert _same(c.grad, tr.rope_pass(d16, cos, sin, backward=True))
+    assert not _same(tr.rope_pass(x, cos, sin), yc.detach().float())
+
+
+@check
 def bad_input_is_refused():
     """Odd D, non-fp32 x (a bf16 x outside the backward), tables of another length, an fp16
     out_dtype: ValueError."""

@@ -3,7 +3,9 @@
 1. Under TRITON_INTERPRET=1 (checks in tests/rope_triton_checks.py, one subprocess): the forward
    == kernels/rope.apply_rope and the backward == torch autograd's gradient of it, bitwise with
    signed zeros, subnormals and huge values, D = 128/64/8/6 (a padded tile); control: without
-   autograd's "+ 0" zeros keep the wrong sign; rope() on CPU is apply_rope; bad input refused.
+   autograd's "+ 0" zeros keep the wrong sign; rope() on CPU is apply_rope (a bf16 out_dtype:
+   apply_rope then the cast; the CUDA path's autograd function hands out_dtype to its pass);
+   bad input refused.
    The bf16 store of the forward == Triton's own conversion of its fp32 result, and a bf16
    gradient == its fp32 widening, bitwise.
 2. PTX for sm_90 (no device): no fma, no flush-to-zero in either pass, the backward's "+ 0"
@@ -27,6 +29,7 @@ results = checks_fixture("rope_triton_checks.py")
     "backward_negative_control_without_the_zero_add",
     "rope_autograd_entry_on_cpu_is_apply_rope",
     "bf16_out_is_the_fp32_result_rounded_and_a_bf16_gradient_is_widened_exactly",
+    "rope_autograd_entry_takes_out_dtype_on_both_paths",
     "bad_input_is_refused",
 ])
 def test_interpreted(results, name):
