@@ -686,6 +686,47 @@ def token_major_layout_and_the_bf16_store_change_no_bit():
 
 
 @check
+def fp32_token_major_gradients_keep_the_inputs_memory_order():
+    """fp32 q/k/v/d_out laid out token-major against the same values contiguous: dQ, dK, dV
+    bitwise equal, each in its input's memory order (dK and dV already have k's / v's dtype
+    here: no rounding copy, yet no contiguous result handed back either). Control: token-major
+    k's strides are not the contiguous ones."""
+    with sequential_dot():
+        q, k, v, q_pos, kv_len, *_ = _pack([70, 41], seed=100)
+        d_out = randn(*q.shape, seed=101)
+        runs = []
+        for qq, kk, vv, dd in ((q, k, v, d_out), tuple(_token_major(t) for t in (q, k, v, d_out))):
+            out, lse = _fwd(qq, kk, vv, q_pos, kv_len)
+            grads = _bwd(qq, kk, vv, out, lse, dd, q_pos, kv_len)
+            for g, ref in zip(grads, (qq, kk, vv)):
+                assert g.dtype == torch.float32 and g.stride() == ref.stride(), (
+                    g.stride(), ref.stride())
+            runs.append(grads)
+        for a, b in zip(*runs):
+            assert_bitwise(a, b)
+        assert _token_major(k).stride() != k.stride()
+
+
+@check
+def no_queries_give_gradients_like_the_inputs():
+    """Tq = 0 (no query rows in this call: the backward's own no-query branch), bf16 q/k/v/d_out
+    token-major: dQ is empty in q's dtype and memory order, dK and dV +0 in k's / v's dtype and
+    memory order, as the calls with queries return them (token_major_layout_... above).
+    Control: q's strides are not those of a fresh tensor of its shape."""
+    q, k, v, q_pos, kv_len, *_ = _pack([70, 41], seed=98)
+    q, k, v = (_token_major(t.bfloat16()) for t in (q, k, v))
+    q0, q_pos0 = q[:, :, :0], q_pos[:, :0]
+    d_out0 = _token_major(randn(*q.shape, seed=99).bfloat16())[:, :, :0]
+    lse0 = torch.zeros(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], 0)
+    assert q0.stride() != torch.empty(q0.shape).stride()
+    dq, dk, dv = _bwd(q0, k, v, torch.zeros_like(q0), lse0, d_out0, q_pos0, kv_len)
+    assert dq.shape == q0.shape and dq.dtype == torch.bfloat16 and dq.stride() == q0.stride()
+    for g, ref in ((dk, k), (dv, v)):
+        assert g.dtype == torch.bfloat16 and g.stride() == ref.stride(), (g.dtype, g.stride())
+        _assert_plus_zero(g.float())
+
+
+@check
 def bad_arguments_are_refused():
     """fp16, a head count not a multiple of the KV heads, a wrong lse shape: ValueError."""
     (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()

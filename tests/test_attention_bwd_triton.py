@@ -3,6 +3,8 @@ TRITON_INTERPRET=1 (Triton on the CPU), against a float64 autograd oracle and ag
 under batch / CP / Tq / TP / chunk changes, bitwise, with a negative control. The checks live in
 tests/attention_bwd_triton_checks.py and run in one subprocess (the interpreter is chosen before
 triton is imported, and must not leak into this process); each test asserts its check's result.
+PTX for sm_90 compiled on the CPU: dQ's bf16 store rounds to nearest even (the interpreter
+truncates, so only the PTX shows it).
 On a GPU: tests/test_cuda_attention_bwd.py (the same properties with the GPU's dot orders).
 Run: PYTHONPATH=. .venv/bin/python -m pytest -q tests/test_attention_bwd_triton.py (needs triton;
 about 2 min).
@@ -10,7 +12,7 @@ about 2 min).
 
 from __future__ import annotations
 
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("attention_bwd_triton_checks.py")
@@ -135,3 +137,42 @@ def test_token_major_layout_and_the_bf16_store_change_no_bit(results):
     token-major and each gradient laid out like its input; dQ rounded by the kernel's store ==
     the fp32 dQ through Triton's conversion; control: the fp32 dQ differs from its rounding."""
     _ok(results, "token_major_layout_and_the_bf16_store_change_no_bit")
+
+
+def test_fp32_token_major_gradients_keep_the_inputs_memory_order(results):
+    """fp32 q/k/v/d_out token-major == contiguous, bitwise (dQ, dK, dV), each gradient laid out
+    like its input."""
+    _ok(results, "fp32_token_major_gradients_keep_the_inputs_memory_order")
+
+def test_no_queries_give_gradients_like_the_inputs(results):
+    """Tq = 0, bf16 token-major inputs: an empty dQ in q's dtype and memory order, dK and dV +0
+    in k's / v's."""
+    _ok(results, "no_queries_give_gradients_like_the_inputs")
+
+
+def _dq_ptx(dq: str) -> str:
+    """PTX of `_dq_kernel` for sm_90 (compiled on the CPU) with bf16 q/k/v/d_out and a dQ
+    pointer of type dq, as `_dq` launches it (fp fusion off, G = 1, D = 64)."""
+    from rlkernel.kernels import triton_attention_bwd as tb
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32",
+            "DELTA": "*fp32", "DQ": dq, "QPOS": "*i64", "KVLEN": "*i64"}
+    consts = {"G": 1, "D": 64, "BLOCK_M": 64, "BLOCK_N": tb.KV_BLOCK, "PREC": "tf32",
+              "BF16": True}
+    types = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "scale"
+                                else "i64" if n.startswith("s_") else "i32")
+             for n in tb._dq_kernel.arg_names}
+    return sm90_ptx(tb._dq_kernel, types, consts, 4, False)
+
+
+def test_compiled_bf16_dq_store_rounds_to_nearest_even():
+    """dQ stored in bf16 by `_dq_kernel` (the bf16 run's dQ) converts with cvt.rn.bf16.f32 —
+    round to nearest even, torch's cast, which the interpreter cannot show (it truncates) —
+    never a truncating or other-mode cvt: every bf16 conversion of the kernel is .rn, and the
+    bf16 store adds .rn conversions to those of dS's rounding point. Control: the fp32 store
+    has only dS's."""
+    import re
+    rn = r"cvt\.rn\.bf16(x2)?\.f32"
+    bf, f32 = _dq_ptx("*bf16"), _dq_ptx("*fp32")
+    for ptx in (bf, f32):
+        assert not re.search(r"cvt\.r[zmp]\w*\.bf16", ptx) and ".ftz" not in ptx
+    assert len(re.findall(rn, bf)) > len(re.findall(rn, f32)) > 0
