@@ -3,7 +3,10 @@
 down): output, dX and the three dW, fp32 and bf16 compute, 1 / 2 / 8 local virtual-TP shards,
 on the CPU and (when present) on a GPU, where the SwiGLU kernels store the bf16 activation and
 its gradients rounded themselves. Control: rounding the activation's gradient (not only dY) in
-the separate path moves dX. The whole-model check is in tests/test_train_step.py.
+the separate path moves dX. Also: frozen subsets of (x, W_gate, W_up, W_down) get the separate
+ops' gradients; the CPU SwiGLU halves (swiglu_rounded / swiglu_grads_rounded) return the torch
+path rounded to out_dtype; an x of another width is refused; the native arm's MLP is
+transformers' Qwen3MLP on CPU, bitwise. The whole-model check is in tests/test_train_step.py.
 
 Run: `.venv/bin/python -m pytest -q tests/test_mlp.py` (a few seconds).
 """
@@ -78,3 +81,28 @@ def test_control_an_extra_rounding_of_the_activation_gradient_moves_dx(device):
     ctl = _grads(_separate(8, torch.bfloat16, lambda g, u: _RoundGrad.apply(swiglu(g, u))),
                  x, (wg, wu, wd), dy)
     assert torch.equal(fused[0], ctl[0]) and not torch.equal(fused[1], ctl[1])
+
+
+# Each non-empty subset of (x, w_gate, w_up, w_down) that requires a gradient, by index.
+_NEEDS = [tuple(i for i in range(4) if mask >> i & 1) for mask in range(1, 16)]
+
+
+@pytest.mark.parametrize("needs", _NEEDS, ids=lambda n: "-".join("x g u d".split()[i] for i in n))
+def test_fused_mlp_gradients_follow_requires_grad_as_the_separate_ops_do(needs):
+    """With only some of x, w_gate, w_up, w_down requiring a gradient (frozen weights), the
+    fused node gives each of them the separate ops' gradient, bitwise, and the others none
+    (needs_input_grad read at the right positions: a frozen w_up must not take w_down's
+    gradient away, nor a frozen w_down give it one). The all-trainable subset is the
+    comparison above; a frozen tensor must get no gradient on either side."""
+    x, wg, wu, wd, dy = _inputs("cpu")
+
+    def run(fn):
+        ts = [t.clone().requires_grad_(i in needs) for i, t in enumerate((x, wg, wu, wd))]
+        fn(*ts).backward(dy)
+        return [None if t.grad is None else t.grad.view(torch.int32) for t in ts]
+    fused = run(lambda x, a, b, c: swiglu_mlp(x, a, b, c, local_shards=2,
+                                              compute_dtype=torch.bfloat16))
+    sep = run(_separate(2, torch.bfloat16))
+    for i, (a, b) in enumerate(zip(fused, sep)):
+        assert (a is None) == (b is None) == (i not in needs), (i, needs)
+        assert a is None or torch.equal(a, b), (i, int((a != b).sum()))
