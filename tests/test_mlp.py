@@ -106,3 +106,24 @@ def test_fused_mlp_gradients_follow_requires_grad_as_the_separate_ops_do(needs):
     for i, (a, b) in enumerate(zip(fused, sep)):
         assert (a is None) == (b is None) == (i not in needs), (i, needs)
         assert a is None or torch.equal(a, b), (i, int((a != b).sum()))
+
+
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16])
+def test_swiglu_rounded_helpers_are_the_torch_path_rounded_to_the_compute_dtype(cd):
+    """On the CPU, activation.swiglu_rounded / swiglu_grads_rounded (the fused node's SwiGLU
+    halves) return tensors of out_dtype holding swiglu_fwd_torch / swiglu_bwd_torch's fp32
+    results cast to it, bitwise (fp32: the unrounded results). Control: those fp32 results
+    have bits past bf16, so the bf16 comparison sees a missing rounding."""
+    from rlkernel.kernels.activation import (swiglu_bwd_torch, swiglu_fwd_torch,
+                                             swiglu_grads_rounded, swiglu_rounded)
+    from rlkernel.kernels.elementwise import sigmoid32
+    g = torch.Generator().manual_seed(3)
+    gate, up, dh = (torch.randn(64, 96, generator=g) * 3 for _ in range(3))
+    out32 = swiglu_fwd_torch(gate, up)[0]
+    grads32 = swiglu_bwd_torch(dh, gate, up, sigmoid32(gate))
+    got = (swiglu_rounded(gate, up, cd), *swiglu_grads_rounded(dh, gate, up, cd))
+    for a, want in zip(got, (out32, *grads32)):
+        assert a.dtype == cd, a.dtype
+        assert torch.equal(a.float().view(torch.int32), want.to(cd).float().view(torch.int32))
+    if cd == torch.bfloat16:
+        assert all(not torch.equal(w.to(cd).float(), w) for w in (out32, *grads32))
