@@ -127,3 +127,14 @@ def test_swiglu_rounded_helpers_are_the_torch_path_rounded_to_the_compute_dtype(
         assert torch.equal(a.float().view(torch.int32), want.to(cd).float().view(torch.int32))
     if cd == torch.bfloat16:
         assert all(not torch.equal(w.to(cd).float(), w) for w in (out32, *grads32))
+
+
+def test_swiglu_mlp_refuses_an_input_of_another_width():
+    """x whose last dimension is not the weights' H: ValueError naming the shapes (as for
+    weights that do not form an MLP), not a matmul error from inside the node. Control: the
+    same weights with x [M, H] run."""
+    wg, wd = torch.zeros(16, 8), torch.zeros(8, 16)
+    for width in (7, 9, 16):
+        with pytest.raises(ValueError, match="expected gate and up"):
+            swiglu_mlp(torch.zeros(16, width), wg, wg, wd)
+    assert swiglu_mlp(torch.zeros(16, 8), wg, wg, wd).shape == (16, 8)
