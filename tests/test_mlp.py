@@ -138,3 +138,41 @@ def test_swiglu_mlp_refuses_an_input_of_another_width():
         with pytest.raises(ValueError, match="expected gate and up"):
             swiglu_mlp(torch.zeros(16, width), wg, wg, wd)
     assert swiglu_mlp(torch.zeros(16, 8), wg, wg, wd).shape == (16, 8)
+
+
+def _hf_grads(ref, x, ws, dy):
+    """Output, dX and the gate/up/down dW (int32 bits) of transformers' Qwen3MLP `ref` with
+    its weights set to ws."""
+    for lin, w in zip((ref.gate_proj, ref.up_proj, ref.down_proj), ws):
+        lin.weight = torch.nn.Parameter(w.clone())
+    x = x.clone().requires_grad_(True)
+    y = ref(x)
+    y.backward(dy)
+    return [t.view(torch.int32).clone() for t in (y.detach(), x.grad, ref.gate_proj.weight.grad,
+                                                   ref.up_proj.weight.grad,
+                                                   ref.down_proj.weight.grad)]
+
+
+def test_native_mlp_on_cpu_is_transformers_qwen3_mlp():
+    """--mode native's MLP (model/ops.NativeOps.mlp, the stock arm) on CPU tensors is
+    transformers' Qwen3MLP, down_proj(silu(gate_proj(x)) * up_proj(x)), on the same weights:
+    output, dX and the three dW bitwise, for an fp32 and a bf16 compute dtype (the CPU arm
+    stays fp32). Control: gate and up swapped in the reference give other bytes."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    from rlkernel.distributed.parallel import ParallelCtx
+    from rlkernel.model.ops import NativeOps
+    from rlkernel.spec import VIRTUAL_TP
+    x, wg, wu, wd, dy = _inputs("cpu")
+    ref = Qwen3MLP(transformers.Qwen3Config(hidden_size=64, intermediate_size=96,
+                                            hidden_act="silu"))
+    want = _hf_grads(ref, x, (wg, wu, wd), dy)
+    pc = ParallelCtx.single()
+    for cd in (torch.float32, torch.bfloat16):
+        ours = _grads(lambda x, a, b, c: NativeOps.mlp(x, a, b, c, VIRTUAL_TP, pc, cd),
+                      x, (wg, wu, wd), dy)
+        for name, a, b in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), ours, want):
+            assert torch.equal(a, b), (cd, name, int((a != b).sum()))
+    swapped = _hf_grads(ref, x, (wu, wg, wd), dy)
+    assert not torch.equal(want[0], swapped[0])
