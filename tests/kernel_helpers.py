@@ -368,3 +368,22 @@ def run_interpreted_checks(script: Path, *names: str) -> dict[str, str]:
                        text=True, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def fifo_in_place_of(path: Path, unblock_after_s: float = 20.0) -> None:
+    """Replace the file at `path` by a FIFO (what a reader must refuse, not read: opening it
+    blocks until a writer comes). A daemon thread opens and closes its write end after
+    `unblock_after_s`, so code that does read it gets an empty file and the test fails instead
+    of hanging the suite."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+    def unblock() -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)   # ENXIO: nobody is reading
+        except OSError:
+            return
+        os.close(fd)
+    timer = threading.Timer(unblock_after_s, unblock)
+    timer.daemon = True
+    timer.start()

@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+from kernel_helpers import fifo_in_place_of
 
 from rlkernel import cli
 from rlkernel.config import SAME_EVIDENCE_SETTINGS, RunConfig
@@ -284,14 +285,19 @@ def test_same_value_is_bitwise():
 @pytest.mark.parametrize("breakage,expect", [
     ("missing", "evidence.json: not found"),
     ("invalid", "not valid JSON"),
+    ("fifo", "evidence.json: not a regular file"),
 ])
 def test_unreadable_run_is_a_clear_error(tmp_path, capsys, breakage, expect):
+    """Missing, invalid, or a FIFO in the evidence's place (reading it would block forever):
+    exit 2 at once, one error line naming the file."""
     a = write_run(tmp_path / "a", [_step(0)])
     b = write_run(tmp_path / "b", [_step(0)], complete=(breakage != "incomplete"))
     if breakage == "missing":
         (b / "evidence.json").unlink()
     elif breakage == "invalid":
         (b / "evidence.json").write_text("{\"steps\": [")
+    elif breakage == "fifo":
+        fifo_in_place_of(b / "evidence.json")
     with pytest.raises(CompareError, match=expect):
         compare_runs(a, b)
     code, out, err = rlk_compare(capsys, a, b)

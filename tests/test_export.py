@@ -20,6 +20,7 @@ import shutil
 
 import pytest
 import torch
+from kernel_helpers import fifo_in_place_of
 from safetensors.torch import load_file
 
 from rlkernel.cli import main
@@ -251,13 +252,17 @@ def test_a_damaged_final_record_is_named_not_called_an_unfinished_run(run, tmp_p
     ("manifest.json", "[1]", "manifest.json has no 'config' object"),
     ("evidence.json", '{"steps": {}}', "evidence.json has no 'steps' list"),
     ("evidence.json", None, "evidence.json is missing"),
+    ("manifest.json", "fifo", "manifest.json is not a regular file"),
 ])
 def test_an_unreadable_run_names_the_file_and_why(run, tmp_path, capsys, name, text, words):
     """A run directory whose manifest or evidence cannot be used: exit 2, one line naming the
-    file and the reason (was "no readable manifest.json and evidence.json" for every case)."""
+    file and the reason (was "no readable manifest.json and evidence.json" for every case); a
+    FIFO in the manifest's place is refused, not read (which would block forever)."""
     d = tmp_path / "run"
     shutil.copytree(run, d)
-    if text is None:
+    if text == "fifo":
+        fifo_in_place_of(d / name)
+    elif text is None:
         (d / name).unlink()
     else:
         (d / name).write_text(text)

@@ -85,6 +85,8 @@ class CompareReport:
 
 
 def _load_json(path: pathlib.Path) -> Any:
+    if path.exists() and not path.is_file():     # a FIFO or device would block or never end
+        raise CompareError(f"{path}: not a regular file; not a file rlk run writes")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

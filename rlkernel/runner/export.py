@@ -107,7 +107,10 @@ class Exported:
 
 
 def _read_json(path: pathlib.Path) -> tuple[object, str | None]:
-    """(document, None), or (None, why it cannot be read: missing, not UTF-8, not JSON)."""
+    """(document, None), or (None, why it cannot be read: missing, not a regular file, not
+    UTF-8, not JSON)."""
+    if path.exists() and not path.is_file():     # a FIFO or device would block or never end
+        return None, "is not a regular file"
     try:
         return jsontext.loads(path.read_text(encoding="utf-8")), None
     except FileNotFoundError:
