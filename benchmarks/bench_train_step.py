@@ -449,7 +449,8 @@ def main() -> None:
             dump(a.out, res)
             print(f"{mode}: warm step {r['warm_step_s']:.3f} s ({tokens / r['warm_step_s']:.0f} "
                   f"tok/s), forward + backward {r['warm_fwd_bwd_s']:.3f} s, peak "
-                  f"{r['peak_gib']:.2f} GiB, steps {[round(t, 3) for t in r['step_s']]}",
+                  f"{r['peak_gib']:.2f} GiB, steps {[round(t, 3) for t in r['step_s']]}, first grad "
+                  f"norm {r['first_grad_norm']!r}",
                   flush=True)
             for row in r.get("kernel_sites", []):
                 print(f"    {row['ms']:8.1f} ms {row['kernels']:6d}x  {row['site']}  "
@@ -470,7 +471,9 @@ def main() -> None:
         res["arms"][mode] = r
         dump(a.out, res)          # after each arm: a later arm's failure keeps this one
         print(f"{mode}: warm step {r['warm_step_s']:.3f} s ({tokens / r['warm_step_s']:.0f} tok/s), "
-              f"peak {r['peak_gib']:.2f} GiB ({r['peak_bytes_per_param']:.1f} B/param), steps {[round(t, 3) for t in r['step_s']]}", flush=True)
+              f"peak {r['peak_gib']:.2f} GiB ({r['peak_bytes_per_param']:.1f} B/param), steps "
+              f"{[round(t, 3) for t in r['step_s']]}, first grad norm {r['first_grad_norm']!r}",
+              flush=True)
         for k in r.get("top_kernels", [])[:25]:
             print(f"   {k['ms']:9.1f} ms {k['calls']:6d}x  {k['name']}")
         if "trace" in r:
