@@ -1,13 +1,17 @@
 """The stream <-> per-sample slot moves of rlkernel/model/layout.py: when a layout's slots are the
 stream's first rows in order (equal-length samples back to back, as a training microbatch of one
 response length is), `to_samples` is a view and `to_stream` a reshape, with the bytes and the
-gradients of the gather / scatter path they replace.
+gradients of the gather / scatter path they replace — in a single process and at CP2 (2 gloo
+ranks, local query slots and gathered logical keys both prefix maps).
 
 Run: `.venv/bin/python -m pytest -q tests/test_layout.py` (about 10 s).
 """
 
 from __future__ import annotations
 
+import pickle
+
+import pytest
 import torch
 
 from rlkernel.model.checkpoint import init_weights
@@ -85,12 +89,19 @@ def _equal_samples() -> list[TrainSample]:
     return out
 
 
-def test_a_training_step_on_equal_samples_is_bitwise_the_gather_paths(monkeypatch):
-    """compute_gradients on equal-length samples (the prefix case) with the fast moves and with
-    them switched off: every gradient and stat has the same bytes, and the fast path was taken
-    (counted). bf16 rounding points, so the views feed the casts the gathers fed."""
-    cfg, w = tiny(), init_weights(tiny(), 0)
-    samples = _equal_samples()
+def _step_bits(samples, pc=None):
+    """Stats and gradients (int32 bits) of one bf16 step of the tiny model (pc: its ranks)."""
+    cfg = tiny()
+    pol = Qwen3ForCausalLM(cfg, InvariantOps, torch.bfloat16, pc)
+    pol.load_tensors(init_weights(cfg, 0))
+    st = compute_gradients(pol, None, samples, temperature=0.8,
+                           coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
+                           pad_id=257, exp=invariant_exp)
+    return st, {n: g.view(torch.int32).clone() for n, g in gradients(pol).items()}
+
+
+def _count_prefix_hits(monkeypatch) -> dict:
+    """Count the layouts' prefix answers that were True (the fast path taken)."""
     calls = {"prefix": 0}
     real = StreamLayout.slots_are_prefix
 
@@ -98,22 +109,61 @@ def test_a_training_step_on_equal_samples_is_bitwise_the_gather_paths(monkeypatc
         hit = real(self, idx)
         calls["prefix"] += hit
         return hit
-
-    def run():
-        pol = Qwen3ForCausalLM(cfg, InvariantOps, torch.bfloat16)
-        pol.load_tensors(w)
-        st = compute_gradients(pol, None, samples, temperature=0.8,
-                               coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
-                               pad_id=257, exp=invariant_exp)
-        return st, {n: g.view(torch.int32).clone() for n, g in gradients(pol).items()}
     monkeypatch.setattr(StreamLayout, "slots_are_prefix", counted)
-    st_fast, g_fast = run()
+    return calls
+
+
+def test_a_training_step_on_equal_samples_is_bitwise_the_gather_paths(monkeypatch):
+    """compute_gradients on equal-length samples (the prefix case) with the fast moves and with
+    them switched off: every gradient and stat has the same bytes, and the fast path was taken
+    (counted). bf16 rounding points, so the views feed the casts the gathers fed."""
+    samples = _equal_samples()
+    calls = _count_prefix_hits(monkeypatch)
+    st_fast, g_fast = _step_bits(samples)
     assert calls["prefix"] > 0
     monkeypatch.setattr(StreamLayout, "slots_are_prefix", lambda self, idx: False)
-    st_slow, g_slow = run()
+    st_slow, g_slow = _step_bits(samples)
     assert st_fast == st_slow
     assert g_fast.keys() == g_slow.keys()
     assert all(torch.equal(g_fast[n], g_slow[n]) for n in g_fast)
+
+
+def _cp2_rank(rank: int, out_dir: str) -> None:
+    """One of 2 CP ranks (gloo): the equal-samples step with the prefix answers counted."""
+    import torch.distributed as dist
+
+    from rlkernel.config import RunConfig
+    from rlkernel.distributed.context import build_contexts
+    from rlkernel.distributed.topology import Topology, build_comms
+
+    topo = Topology.from_config(RunConfig(cp=2), rank, dist.get_world_size())
+    pc, _ = build_contexts(topo, build_comms(topo), tiny())
+    mp = pytest.MonkeyPatch()
+    try:
+        calls = _count_prefix_hits(mp)
+        st, grads = _step_bits(_equal_samples(), pc)
+    finally:
+        mp.undo()
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump((st, grads, calls["prefix"]), f)
+
+
+def test_cp2_on_equal_samples_takes_the_views_and_gives_the_single_process_bytes(tmp_path):
+    """CP2 (2 gloo ranks), equal-length samples: each rank holds one leaf of each sample, so
+    its local query slots and the gathered logical keys are both prefix maps (the views are
+    taken on both ranks, counted), and every rank's gradients and stats have the single
+    process's bytes."""
+    from rlkernel.distributed.launch import launch
+
+    st_one, g_one = _step_bits(_equal_samples())
+    launch(_cp2_rank, (str(tmp_path),), world_size=2, backend="gloo", timeout_s=120)
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as fh:
+            st, grads, hits = pickle.load(fh)
+        assert hits > 0, f"CP rank {r} took no view"
+        assert st == st_one, f"CP rank {r}"
+        assert grads.keys() == g_one.keys()
+        assert all(torch.equal(grads[n], g_one[n]) for n in g_one), f"CP rank {r}"
 
 
 def _slot_map_layout(q_idx: list[list[int]], n_rows: int) -> StreamLayout:
