@@ -317,14 +317,16 @@ def test_attention_output_into_o_proj_without_a_widened_copy_changes_no_bit(monk
         seen.append(x.dtype)
         return real(ctx, x, *rest)
 
-    def run():
-        return _step_bits(samples)
     monkeypatch.setattr(matmul_mod._RowParallelLinear, "forward", staticmethod(watched))
-    st_new, g_new = run()
+    st_new, g_new = _step_bits(samples)
     assert torch.bfloat16 in seen                      # o_proj's x: the bf16 attention output
     seen.clear()
-    monkeypatch.setattr(InvariantOps, "stream", staticmethod(lambda o: o.to(torch.float32)))
-    st_old, g_old = run()
+    attention = InvariantOps.attention               # the old path: its output widened
+
+    def widened(*args, **kw):
+        return attention(*args, **kw).to(torch.float32)
+    monkeypatch.setattr(InvariantOps, "attention", staticmethod(widened))
+    st_old, g_old = _step_bits(samples)
     assert torch.bfloat16 not in seen
     assert st_new == st_old and g_new.keys() == g_old.keys()
     assert all(torch.equal(g_new[n], g_old[n]) for n in g_new)
@@ -351,13 +353,11 @@ def test_fused_mlp_is_bitwise_the_separate_linears_and_swiglu(monkeypatch):
         calls["backward"] += 1
         return real(ctx, dy)
 
-    def run():
-        return _step_bits(samples)
     monkeypatch.setattr(mlp_mod._SwiGLUMLP, "backward", staticmethod(counted))
-    st_fused, g_fused = run()
+    st_fused, g_fused = _step_bits(samples)
     assert calls["backward"] == CFG.num_hidden_layers
     monkeypatch.setattr(InvariantOps, "mlp", staticmethod(_separate_mlp))
-    st_sep, g_sep = run()
+    st_sep, g_sep = _step_bits(samples)
     assert st_fused == st_sep and g_fused.keys() == g_sep.keys()
     assert all(torch.equal(g_fused[n], g_sep[n]) for n in g_fused)
 
@@ -366,7 +366,7 @@ def test_fused_mlp_is_bitwise_the_separate_linears_and_swiglu(monkeypatch):
         return InvariantOps.row(InvariantOps.swiglu(g, u), w_down, local_shards, pc,
                                 torch.float32)
     monkeypatch.setattr(InvariantOps, "mlp", staticmethod(unrounded))
-    _, g_ctl = run()
+    _, g_ctl = _step_bits(samples)
     assert any(not torch.equal(g_ctl[n], g_fused[n]) for n in g_fused)
 
 

@@ -43,19 +43,13 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if gate.is_cuda:
-            out, _ = _triton().swiglu_fwd(gate, up, keep_sig=False)
-        else:
-            out, _ = swiglu_fwd_torch(gate, up)
         ctx.save_for_backward(gate, up)
-        return out
+        return swiglu_rounded(gate, up, torch.float32)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         gate, up = ctx.saved_tensors
-        if dh.is_cuda:
-            return _triton().swiglu_bwd(dh, gate, up)
-        return swiglu_bwd_torch(dh, gate, up, sigmoid32(gate))
+        return swiglu_grads_rounded(dh, gate, up, torch.float32)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

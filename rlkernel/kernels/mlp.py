@@ -42,7 +42,7 @@ class _SwiGLUMLP(torch.autograd.Function):
         ctx.save_for_backward(xr, g, u, a)
         # The parameters key the gradient sink (see matmul._ColumnParallelLinear).
         ctx.tok, ctx.cd, ctx.params = tok, cd, (w_gate, w_up, w_down)
-        ctx.shard_rows = tuple(tuple(virtual_shard_rows(w.shape[0], local_shards))
+        ctx.shard_rows = tuple(virtual_shard_rows(w.shape[0], local_shards)
                                for w in (w_gate, w_up))
         return row_parallel_nt(a, weight_point(w_down, cd, tok), local_shards)
 

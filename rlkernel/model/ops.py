@@ -75,13 +75,6 @@ class InvariantOps:
                     cos, sin, out_dtype)
 
     @staticmethod
-    def stream(o):
-        """The attention output as o_proj's input: as it came (bf16 in bf16 runs: o_proj's
-        rounding point of x is then the identity, and o_proj's backward rounds dX to bf16,
-        dO's rounding point). No widened fp32 copy in either pass."""
-        return o
-
-    @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):
         return matmul.column_parallel_linear(par.enter_tp(x, pc), ws, shard_rows=shard_rows,
                                              local_shards=local_shards, tok=pc.tok,
@@ -327,11 +320,6 @@ class NativeOps:
         """out_dtype: ignored (the stream's dtype: bf16 on CUDA, as attention takes it)."""
         y = NativeOps.norm(x, w, eps, tok)
         return apply_rope(y, cos.to(y.dtype), sin.to(y.dtype))
-
-    @staticmethod
-    def stream(o):
-        """The attention output as o_proj's input: as it came (bf16 on CUDA)."""
-        return o
 
     @staticmethod
     def col(x, ws, shard_rows, local_shards, pc: ParallelCtx, dtype=torch.float32):

@@ -156,7 +156,8 @@ class Attention(nn.Module):
                 ks, vs = self._write_cache(cache, ks, vs, lay)
             o = ops.attention(qs, ks, vs, lay.q_pos, lay.kv_len, scale, pc, self.cd,
                               lay.dense_causal and cache is None, lay.attention_bounds())
-        o = ops.stream(o)
+        # bf16 runs: o stays bf16 into o_proj (its rounding point of x is then the identity, and
+        # its backward rounds dX to bf16: dO's rounding point).
         o = to_stream(o.transpose(1, 2), lay.q_idx, n, lay).reshape(n, self.heads * c.head_dim)
         return ops.row(o, self.o_proj.weight, shards, pc, self.cd)
 
