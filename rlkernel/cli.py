@@ -383,7 +383,9 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     Raises ConfigError when --run-dir is occupied."""
     if cfg.run_dir is not None:
         d = pathlib.Path(cfg.run_dir)
-        if d.resolve() == pathlib.Path.cwd().resolve():
+        # realpath, not Path.resolve: a symbolic link loop must reach the checks below (it
+        # raised RuntimeError here, a traceback instead of a usage error).
+        if os.path.realpath(d) == os.path.realpath(pathlib.Path.cwd()):
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
                               "current one")
         if TMP_SUFFIX.search(d.name):   # the name rlk run gives a run before it publishes it

@@ -369,6 +369,19 @@ def test_unusable_run_dir(tmp_path, run_dir, words):
     assert f.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+@pytest.mark.parametrize("sub", ["", "/sub"])
+def test_a_symlink_loop_as_run_dir_is_a_usage_error(tmp_path, sub):
+    """--run-dir a symbolic link loop (or a path under one): one error line naming the flag,
+    exit 2, nothing written (resolving the path raised RuntimeError: a traceback, exit 1)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    rd = f"{loop}{sub}"
+    rc, err = rlk("run", "--allow-dirty", "--run-dir", rd)
+    assert rc == 2 and "Traceback" not in err
+    assert error_line(err).startswith(f"--run-dir {rd!r}: "), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
+
+
 # ---------------------------------------------------------------------------------------------
 # model checkpoint directories: config.json
 
