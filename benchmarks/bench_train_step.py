@@ -34,11 +34,17 @@ from rlkernel.train.step import TrainSample, compute_gradients, gradients
 PAD = 0
 
 
-def _samples(n: int, p: int, r: int, vocab: int, seed: int) -> list[TrainSample]:
+def _samples(n: int, p: int, r: int, vocab: int, seed: int,
+             ragged: bool = False) -> list[TrainSample]:
+    """n samples of p prompt and r response tokens; ragged: responses ending at an EOS, of
+    lengths drawn uniformly from [r/2, r] (seeded), as rollouts end."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, min(vocab, 32000), (n, p + r), generator=g)
-    return [TrainSample(i, tuple(ids[i, :p].tolist()), tuple(ids[i, p:].tolist()),
-                        torch.full((r,), -2.0), 1.0 if i % 2 else -1.0) for i in range(n)]
+    lens = (torch.randint(max(1, r // 2), r + 1, (n,), generator=g).tolist() if ragged
+            else [r] * n)
+    return [TrainSample(i, tuple(ids[i, :p].tolist()), tuple(ids[i, p:p + m].tolist()),
+                        torch.full((m,), -2.0), 1.0 if i % 2 else -1.0)
+            for i, m in enumerate(lens)]
 
 
 def _sync(dev: torch.device) -> None:
@@ -427,18 +433,26 @@ def main() -> None:
                     help="one more step under cProfile: the host's Python time by function and "
                          "by package")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
+    ap.add_argument("--ragged", action="store_true",
+                    help="responses of lengths drawn from [R/2, R] (samples ending at their "
+                         "EOS: the invariant attention reads the packed streams in place, the "
+                         "native arm gathers per-sample tensors); not with the transformers arm")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.ragged and "transformers" in a.arms.split(","):
+        ap.error("--ragged: the transformers arm takes equal-length samples only "
+                 f"(--arms {a.arms})")
     dev = torch.device(a.device)
     if dev.type == "cuda":
         require_cuda()
     cfg = preset(a.model)
     weights = init_weights(cfg, 0)
-    samples = _samples(a.samples, a.prompt_len, a.response_len, cfg.vocab_size, 1)
-    tokens = a.samples * (a.prompt_len + a.response_len)
+    samples = _samples(a.samples, a.prompt_len, a.response_len, cfg.vocab_size, 1, a.ragged)
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     n_params = sum(w.numel() for w in weights.values())
     res = {"env": env() if dev.type == "cuda" else {"device": "cpu"}, "model": a.model,
            "samples": a.samples, "prompt_len": a.prompt_len, "response_len": a.response_len,
+           "ragged": a.ragged,
            "tokens": tokens, "parameters": n_params, "arms": {}}
     for mode in a.arms.split(","):
         if mode == "transformers":

@@ -726,6 +726,114 @@ def no_queries_give_gradients_like_the_inputs():
         _assert_plus_zero(g.float())
 
 
+def _stream(x: torch.Tensor, idx: torch.Tensor, n_rows: int, fill=NAN) -> torch.Tensor:
+    """x [S, H, T, D] as a token stream [n_rows, H, D]: slot (s, t) at row idx[s, t] (>= 0),
+    every other row `fill` (NaN: a kernel that reads it poisons its result)."""
+    out = torch.full((n_rows, x.shape[1], x.shape[3]), fill, dtype=x.dtype)
+    s_i, t_i = (idx >= 0).nonzero(as_tuple=True)
+    out[idx[s_i, t_i]] = x[s_i, :, t_i]
+    return out
+
+
+def _rows_of(stream: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the stream's rows at idx's valid slots [n, H, D], every other row) of a stream result."""
+    named = torch.zeros(stream.shape[0], dtype=torch.bool)
+    named[idx[idx >= 0]] = True
+    return stream[idx[idx >= 0]], stream[~named]
+
+
+def _reversed_rows(q_idx: torch.Tensor) -> torch.Tensor:
+    """q_idx's slot map with the samples placed in the stream in reverse order (LEAF-aligned):
+    the kernels run sample 0 first, so a store past a sample's slots would land on rows an
+    earlier-run sample already wrote (and be seen), not on rows a later one overwrites."""
+    out = torch.full_like(q_idx, -1)
+    off = 0
+    for s_ in reversed(range(q_idx.shape[0])):
+        n = int((q_idx[s_] >= 0).sum())
+        out[s_, :n] = off + torch.arange(n)
+        off += -(-n // LEAF) * LEAF
+    return out
+
+
+def _packed_run(q, k, v, d_out, q_pos, kv_len, q_idx, k_idx, n_q, n_k, tile=None, **kw):
+    """Forward and backward through the packed-stream entry points on streams built from the
+    per-sample tensors (NaN in every row no slot names): (out, lse, dq, dk, dv) streams. tile:
+    the forward's and dQ's (BLOCK_M, warps, stages)."""
+    q_rows, k_rows = q_idx[:, 0].clamp(min=0), k_idx[:, 0].clamp(min=0)
+    qs, ks, vs, gs = (_stream(q, q_idx, n_q), _stream(k, k_idx, n_k), _stream(v, k_idx, n_k),
+                      _stream(d_out, q_idx, n_q))
+    out, lse = ta.attention_forward_packed(qs, ks, vs, q_rows, k_rows, q_pos, kv_len,
+                                           k.shape[2], SCALE, tile)
+    grads = tb.attention_backward_packed(qs, ks, vs, out, lse, gs, q_rows, k_rows, q_pos, kv_len,
+                                         k.shape[2], SCALE, dq_tile=tile, **kw)
+    return (out, lse, *grads)
+
+
+def _same_as_per_sample(packed_res, q, k, v, d_out, q_pos, kv_len, q_idx, k_idx) -> None:
+    """Every packed result == the per-sample call's, bitwise, at its rows; +0.0 elsewhere."""
+    out_p, lse_p, dq_p, dk_p, dv_p = packed_res
+    out, lse = _fwd(q, k, v, q_pos, kv_len)
+    dq, dk, dv = _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+    assert_bitwise(lse_p, lse)
+    k_live = torch.where(torch.arange(k.shape[2])[None, :] < kv_len[:, None], k_idx, -1)
+    for got, want, idx in ((out_p, out, q_idx), (dq_p, dq, q_idx), (dk_p, dk, k_live),
+                           (dv_p, dv, k_live)):
+        assert got.dtype == want.dtype
+        at, rest = _rows_of(got, idx)
+        s_i, t_i = (idx >= 0).nonzero(as_tuple=True)
+        assert_bitwise(at.float(), want[s_i, :, t_i].float())
+        _assert_plus_zero(rest.float())
+
+
+@check
+def packed_streams_give_the_per_sample_bytes():
+    """The packed-stream entry points (attention_forward_packed / attention_backward_packed:
+    each sample's rows read and written in place) on 3 samples of lengths 128, 64, 100 packed
+    in reverse order (`_reversed_rows`: the 64-token sample's 64 empty slots name the rows of
+    the 128-token one; gaps after the others), NaN in every row no slot names: out, lse, dQ, dK, dV == the
+    per-sample calls' bytes at their rows, +0.0 in every other row — fp32 and bf16 (the
+    interpreter's exact bf16 dot). Also a CP-like query stream holding positions 64..127 of
+    each sample only, on its own rows, against the full key stream. Control: key rows one off
+    (k_rows + 1) change the output."""
+    with sequential_dot():
+        q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack([128, 64, 100], seed=120)
+        q_idx = _reversed_rows(q_idx)
+        d_out = randn(*q.shape, seed=121)
+        # One row tile per sample (and KV head), run in sample order: a store into an empty
+        # slot's row would clobber the rows of the sample placed after it, written already.
+        whole = (q.shape[2] * q.shape[1] // k.shape[1], 4, 1)
+        for dt, tile in ((torch.float32, whole), (torch.float32, None), (torch.bfloat16, None)):
+            qq, kk, vv, gg = (t.to(dt) for t in (q, k, v, d_out))
+            res = _packed_run(qq, kk, vv, gg, q_pos, kv_len, q_idx, q_idx, sl, sl, tile)
+            _same_as_per_sample(res, qq, kk, vv, gg, q_pos, kv_len, q_idx, q_idx)
+        # Queries of positions 64.. only (a CP rank's leaf), packed back to back on new rows.
+        part = q_pos >= 64
+        n_part = part.sum(1)
+        tq = int(n_part.max())
+        qp = torch.full((3, tq), -1, dtype=torch.long)
+        qi = torch.full((3, tq), -1, dtype=torch.long)
+        q2 = torch.full((3, q.shape[1], tq, q.shape[3]), NAN)
+        g2 = torch.full_like(q2, NAN)
+        for s_ in range(3):
+            n = int(n_part[s_])
+            qp[s_, :n] = q_pos[s_, part[s_]]
+            qi[s_, :n] = torch.arange(n)
+            q2[s_, :, :n] = q[s_][:, part[s_]]
+            g2[s_, :, :n] = d_out[s_][:, part[s_]]
+        qi = _reversed_rows(qi)
+        res = _packed_run(q2, k, v, g2, qp, kv_len, qi, q_idx, int(qi.max()) + LEAF, sl)
+        _same_as_per_sample(res, q2, k, v, g2, qp, kv_len, qi, q_idx)
+        ks, vs = _stream(k, q_idx, sl, 0.0), _stream(v, q_idx, sl, 0.0)
+        q_rows, k_rows, tk = q_idx[:, 0], q_idx[:, 0], k.shape[2]
+        qs = _stream(q, q_idx, sl)      # k_rows + 1 stays inside the stream: the last sample
+        assert int((k_rows + kv_len).max()) < sl                 # ends before its last row
+        base = ta.attention_forward_packed(qs, ks, vs, q_rows, k_rows, q_pos, kv_len, tk,
+                                           SCALE)[0]
+        off1 = ta.attention_forward_packed(qs, ks, vs, q_rows, k_rows + 1, q_pos, kv_len, tk,
+                                           SCALE)[0]
+        assert n_diff(base, off1) > 0, "control: key rows one off gave the same output"
+
+
 @check
 def bad_arguments_are_refused():
     """fp16, a head count not a multiple of the KV heads, a wrong lse shape: ValueError."""

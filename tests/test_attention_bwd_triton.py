@@ -150,14 +150,22 @@ def test_no_queries_give_gradients_like_the_inputs(results):
     _ok(results, "no_queries_give_gradients_like_the_inputs")
 
 
+def test_packed_streams_give_the_per_sample_bytes(results):
+    """Packed-stream attention (each sample's rows read and written in place, NaN in every row
+    no slot names): out, lse, dQ, dK, dV == the per-sample calls' bytes, +0.0 elsewhere, fp32
+    and bf16, and for a CP-like query subset on its own rows; control: key rows one off differ."""
+    _ok(results, "packed_streams_give_the_per_sample_bytes")
+
+
 def _dq_ptx(dq: str) -> str:
     """PTX of `_dq_kernel` for sm_90 (compiled on the CPU) with bf16 q/k/v/d_out and a dQ
     pointer of type dq, as `_dq` launches it (fp fusion off, G = 1, D = 64)."""
     from rlkernel.kernels import triton_attention_bwd as tb
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32",
-            "DELTA": "*fp32", "DQ": dq, "QPOS": "*i64", "KVLEN": "*i64"}
+            "DELTA": "*fp32", "DQ": dq, "QPOS": "*i64", "KVLEN": "*i64", "QROWS": "*i64",
+            "KROWS": "*i64"}
     consts = {"G": 1, "D": 64, "BLOCK_M": 64, "BLOCK_N": tb.KV_BLOCK, "PREC": "tf32",
-              "BF16": True}
+              "BF16": True, "PACKED": False}
     types = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "scale"
                                 else "i64" if n.startswith("s_") else "i32")
              for n in tb._dq_kernel.arg_names}
@@ -176,3 +184,40 @@ def test_compiled_bf16_dq_store_rounds_to_nearest_even():
     for ptx in (bf, f32):
         assert not re.search(r"cvt\.r[zmp]\w*\.bf16", ptx) and ".ftz" not in ptx
     assert len(re.findall(rn, bf)) > len(re.findall(rn, f32)) > 0
+
+
+def _packed_ptx(kernel, packed: bool, extra: dict | None = None) -> str:
+    """PTX for sm_90 of one of the attention kernels with bf16 tensors, PACKED on or off."""
+    fp32 = {"LSE", "DELTA", "OUT", "FLAGS"}
+    i64 = {"QPOS", "KVLEN", "QROWS", "KROWS", "TABLE", "SLOT", "PIDS"}
+    consts = {"G": 2, "D": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PREC": "tf32", "BF16": True,
+              "PAGED": False, "PACKED": packed, **(extra or {})}
+    types = {}
+    for n in kernel.arg_names:
+        if n in consts:
+            types[n] = "constexpr"
+        elif n.isupper() and n not in ("HKV", "HQ"):
+            types[n] = ("*fp32" if n in fp32 else "*i32" if n in ("FLAGS", "PIDS", "SLOT")
+                        else "*i64" if n in i64 else "*bf16")
+        else:
+            types[n] = "fp32" if n == "scale" else "i64" if n.startswith("s_") else "i32"
+    consts = {n: v for n, v in consts.items() if n in kernel.arg_names}
+    return sm90_ptx(kernel, types, consts, 4, False)
+
+
+def test_packed_variants_compile_for_sm90_and_read_the_row_offsets():
+    """Every attention kernel with PACKED on compiles for sm_90 (the interpreter cannot show
+    it) and loads more 64-bit words than with PACKED off: the samples' first rows (QROWS,
+    KROWS), which the off variant never reads."""
+    import re
+
+    from rlkernel.kernels import triton_attention as ta
+    from rlkernel.kernels import triton_attention_bwd as tb
+    dkv = {"DT": 64, "LEAF": tb.CUDA_DKV_LEAF, "KIND": 0, "EMIT": False, "RETRY": False,
+           "FORCE_FLAG": 0}
+    for kernel, extra in ((ta._attn_fwd_kernel, None), (tb._delta_kernel, None),
+                          (tb._dq_kernel, None), (tb._dkv_kernel, dkv)):
+        on, off = (_packed_ptx(kernel, p, extra) for p in (True, False))
+        loads = [len(re.findall(r"ld\.global(\.\w+)*\.[us]64|ld\.global(\.\w+)*\.b64", x))
+                 for x in (on, off)]
+        assert loads[0] > loads[1], (kernel.__name__, loads)

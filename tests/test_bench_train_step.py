@@ -213,3 +213,36 @@ def test_transformers_arm_scores_each_response_token_as_our_model_does():
     assert got.shape == want.shape == (3, 10)
     assert float((got - want).abs().max()) < 0.02, (got - want).abs().max()
     assert float((shifted - want).abs().max()) > 0.5
+
+
+def test_ragged_samples_smoke_cpu_takes_the_packed_attention(tmp_path, monkeypatch):
+    """--ragged: responses of several lengths in [R/2, R] (fewer tokens than S·(P+R)), and the
+    invariant arm's attention reads the packed streams in place (counted); with the
+    transformers arm it is a usage error naming the arms (exit 2)."""
+    import sys
+
+    import pytest
+
+    from rlkernel.model.ops import InvariantOps
+    calls = []
+    real = InvariantOps.attention_packed
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(InvariantOps, "attention_packed", staticmethod(counted))
+    samples = bench_train_step._samples(6, 8, 24, 300, 1, ragged=True)
+    lens = {len(s.response_ids) for s in samples}
+    assert len(lens) > 1 and min(lens) >= 12 and max(lens) <= 24
+    out = tmp_path / "r.json"
+    argv = ["bench_train_step.py", "--model", "tiny", "--samples", "3", "--prompt-len", "8",
+            "--response-len", "24", "--steps", "1", "--device", "cpu", "--arms", "invariant",
+            "--no-kl", "--ragged", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_train_step.main()
+    res = json.loads(out.read_text())
+    assert res["ragged"] and res["tokens"] < 3 * 32 and calls
+    monkeypatch.setattr(sys, "argv", argv[:-2] + ["--arms", "invariant,transformers"])
+    with pytest.raises(SystemExit) as e:
+        bench_train_step.main()
+    assert e.value.code == 2

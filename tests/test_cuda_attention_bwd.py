@@ -6,7 +6,8 @@ calls of other Tq) == one call, dK/dV joined by the exact sum over the group; TP
 KV head (kv_comm) == one rank; a decode row's dQ == its prefill row; every tile of the tables and
 any chunk size == the defaults; the public attention() autograd == the kernel called directly;
 token-major inputs (the model's) == contiguous ones, with out token-major and each gradient laid
-out like its input, and dQ rounded by the kernel's store == torch's cast of the fp32 dQ.
+out like its input, and dQ rounded by the kernel's store == torch's cast of the fp32 dQ; the
+packed-stream entry points (each sample's rows read in place) == the per-sample calls.
 Against float64 autograd with a tolerance (fp32: 1e-5·max|ref| per gradient; bf16: relative norm
 2e-2, the forward's bf16 output feeds delta). Memory: one 32k-token sample (4 query heads, 1 KV
 head, D = 128, fp32) peaks within `peak_bytes` and below a quarter of one fp32 [Tq, Tk] matrix,
@@ -435,3 +436,58 @@ def test_cuda_token_major_layout_and_the_bf16_dq_store_change_no_bit():
     dq32, dq16 = tb._dq(*args), tb._dq(*args, torch.bfloat16)
     _assert_same(dq16, dq32.bfloat16(), "dq store vs torch cast")
     assert n_diff(dq32, dq16.float()) > 0
+
+
+def _stream(x: torch.Tensor, idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """x [S, H, T, D] as a token stream [n_rows, H, D] (slot (s, t) at row idx[s, t] >= 0), NaN
+    in every other row: a kernel that read one would poison its result."""
+    out = torch.full((n_rows, x.shape[1], x.shape[3]), NAN, dtype=x.dtype, device=DEV)
+    s_i, t_i = (idx >= 0).nonzero(as_tuple=True)
+    out[idx[s_i, t_i]] = x[s_i, :, t_i]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_packed_streams_give_the_per_sample_bytes(dtype):
+    """The packed-stream entry points (each sample's rows of the token streams read and written
+    in place: attention_forward_packed / attention_backward_packed) on 3 samples packed in
+    reverse order with NaN in every row no slot names: out, lse, dQ, dK, dV == the per-sample
+    calls' bytes at their rows and +0.0 in every other row, with the real tile tables; and
+    through kernels/attention.attention_packed's autograd. Control: key rows one off differ."""
+    from rlkernel.kernels.attention import attention_packed
+    from rlkernel.kernels.triton_attention import attention_forward, attention_forward_packed
+    from rlkernel.kernels.triton_attention_bwd import attention_backward_packed
+    lengths = [320, 64, 200]          # the 64-token sample's empty slots name the 320's rows
+    q, k, v, q_pos, kv_len, _, _, d_out = _pack(lengths, dtype, seed=11)
+    idx = torch.full_like(q_pos, -1)
+    off = 0
+    for s_ in reversed(range(len(lengths))):
+        idx[s_, :lengths[s_]] = off + torch.arange(lengths[s_], device=DEV)
+        off += -(-lengths[s_] // TOKEN_LEAF) * TOKEN_LEAF
+    n = off + TOKEN_LEAF
+    rows = idx[:, 0]
+    qs, ks, vs, gs = (_stream(t, idx, n) for t in (q, k, v, d_out))
+    out, lse = attention_forward(q, k, v, q_pos, kv_len, SCALE)
+    from rlkernel.kernels.triton_attention_bwd import attention_backward
+    want = (out, *attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE))
+    out_p, lse_p = attention_forward_packed(qs, ks, vs, rows, rows, q_pos, kv_len, q.shape[2],
+                                            SCALE)
+    _assert_same(lse_p, lse, "lse")
+    got = (out_p, *attention_backward_packed(qs, ks, vs, out_p, lse_p, gs, rows, rows, q_pos,
+                                             kv_len, q.shape[2], SCALE))
+    qq, kk, vv = (t.clone().requires_grad_() for t in (qs, ks, vs))
+    o_auto = attention_packed(qq, kk, vv, rows, rows, q_pos, kv_len, q.shape[2], SCALE)
+    o_auto.backward(gs)
+    named = torch.zeros(n, dtype=torch.bool, device=DEV)
+    named[idx[idx >= 0]] = True
+    s_i, t_i = (idx >= 0).nonzero(as_tuple=True)
+    for what, a, b, c in zip(("out", "dq", "dk", "dv"), got, want,
+                             (o_auto.detach(), qq.grad, kk.grad, vv.grad)):
+        _assert_same(a[idx[s_i, t_i]], b[s_i, :, t_i], what)
+        assert bool((a[~named].float().view(torch.int32) == 0).all()), f"{what}: not +0.0"
+        _assert_same(c, a, f"{what} through autograd")
+    off1 = attention_forward_packed(qs.nan_to_num(), ks.nan_to_num(), vs.nan_to_num(), rows,
+                                    rows + 1, q_pos, kv_len, q.shape[2], SCALE)[0]
+    base = attention_forward_packed(qs.nan_to_num(), ks.nan_to_num(), vs.nan_to_num(), rows,
+                                    rows, q_pos, kv_len, q.shape[2], SCALE)[0]
+    assert n_diff(off1.float(), base.float()) > 0

@@ -2,7 +2,10 @@
 stream's first rows in order (equal-length samples back to back, as a training microbatch of one
 response length is), `to_samples` is a view and `to_stream` a reshape, with the bytes and the
 gradients of the gather / scatter path they replace — in a single process and at CP2 (2 gloo
-ranks, local query slots and gathered logical keys both prefix maps).
+ranks, local query slots and gathered logical keys both prefix maps). When each sample's slots
+are one run of consecutive rows (`StreamLayout.packed_rows`: samples of any lengths as the packer
+lays them out), the model's invariant attention reads the streams in place
+(kernels/attention.attention_packed) with the bytes of the gather path, single process and CP2.
 
 Run: `.venv/bin/python -m pytest -q tests/test_layout.py` (about 10 s).
 """
@@ -100,32 +103,102 @@ def _step_bits(samples, pc=None):
     return st, {n: g.view(torch.int32).clone() for n, g in gradients(pol).items()}
 
 
+def _unequal_samples() -> list[TrainSample]:
+    """Samples ending at their EOS: prompt 10, responses 22, 7, 15 (rows off the leaf)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, n in enumerate((22, 7, 15)):
+        ids = torch.randint(0, 250, (10 + n,), generator=g).tolist()
+        out.append(TrainSample(i, tuple(ids[:10]), tuple(ids[10:]), -torch.rand(n, generator=g),
+                               0.5 - 0.4 * i))
+    return out
+
+
 def _count_prefix_hits(monkeypatch) -> dict:
-    """Count the layouts' prefix answers that were True (the fast path taken)."""
-    calls = {"prefix": 0}
-    real = StreamLayout.slots_are_prefix
+    """Count the layouts' prefix answers that were True (the views taken) and the packed
+    attention calls (the streams read in place)."""
+    calls = {"prefix": 0, "packed": 0}
+    real, real_packed = StreamLayout.slots_are_prefix, InvariantOps.attention_packed
 
     def counted(self, idx):
         hit = real(self, idx)
         calls["prefix"] += hit
         return hit
+
+    def counted_packed(*a, **kw):
+        calls["packed"] += 1
+        return real_packed(*a, **kw)
     monkeypatch.setattr(StreamLayout, "slots_are_prefix", counted)
+    monkeypatch.setattr(InvariantOps, "attention_packed", staticmethod(counted_packed))
     return calls
 
 
+def _same_bits(a, b) -> bool:
+    (st_a, g_a), (st_b, g_b) = a, b
+    return st_a == st_b and g_a.keys() == g_b.keys() and all(torch.equal(g_a[n], g_b[n])
+                                                             for n in g_a)
+
+
 def test_a_training_step_on_equal_samples_is_bitwise_the_gather_paths(monkeypatch):
-    """compute_gradients on equal-length samples (the prefix case) with the fast moves and with
-    them switched off: every gradient and stat has the same bytes, and the fast path was taken
+    """compute_gradients on equal-length samples (the prefix case) with the views, with the
+    views switched off (then the packed attention reads the streams in place) and with both off
+    (the gathers): every gradient and stat has the same bytes, and each fast path was taken
     (counted). bf16 rounding points, so the views feed the casts the gathers fed."""
     samples = _equal_samples()
     calls = _count_prefix_hits(monkeypatch)
-    st_fast, g_fast = _step_bits(samples)
-    assert calls["prefix"] > 0
+    views = _step_bits(samples)
+    assert calls["prefix"] > 0 and calls["packed"] == 0
     monkeypatch.setattr(StreamLayout, "slots_are_prefix", lambda self, idx: False)
-    st_slow, g_slow = _step_bits(samples)
-    assert st_fast == st_slow
-    assert g_fast.keys() == g_slow.keys()
-    assert all(torch.equal(g_fast[n], g_slow[n]) for n in g_fast)
+    packed = _step_bits(samples)
+    assert calls["packed"] > 0
+    monkeypatch.setattr(StreamLayout, "packed_rows", lambda self: None)
+    gathers = _step_bits(samples)
+    assert _same_bits(views, gathers) and _same_bits(packed, gathers)
+
+
+def test_a_training_step_on_unequal_samples_reads_the_streams_in_place(monkeypatch):
+    """Samples ending at their EOS (lengths 32, 17, 25: not the prefix case): the invariant
+    attention reads each sample's rows of the packed streams in place (counted), with every
+    gradient and stat bitwise the gather path's (packed_rows switched off). Control: key rows
+    one off (k_rows + 1 in the layout's answer) change the bytes, so the comparison can fail."""
+    samples = _unequal_samples()
+    calls = _count_prefix_hits(monkeypatch)
+    packed = _step_bits(samples)
+    assert calls["packed"] > 0
+    real = StreamLayout.packed_rows
+    monkeypatch.setattr(StreamLayout, "packed_rows", lambda self: None)
+    assert _same_bits(packed, _step_bits(samples))
+
+    def one_off(self):
+        rows = real(self)
+        return None if rows is None else (rows[0], rows[1] + 1, rows[2])
+    monkeypatch.setattr(StreamLayout, "packed_rows", one_off)
+    assert not _same_bits(packed, _step_bits(samples))
+
+
+def test_packed_rows_of_training_layouts_and_what_is_refused():
+    """packed_rows: the packer's sample offsets for unequal and equal samples; a CP rank's local
+    query rows and the logical key rows; the moved copy keeps the host answer (meta device).
+    None where a sample's slots are not one run of rows from its first: slots reversed, a gap
+    inside a sample, an empty slot before a valid one, validity of q_idx and q_pos disagreeing,
+    keys fewer than kv_len (a decode chunk over a KV cache)."""
+    lay = packed_layout(_seqs([32, 17, 25]), 257)
+    q_rows, k_rows, tk = lay.packed_rows()
+    assert q_rows.tolist() == k_rows.tolist() == [0, 32, 64] and tk == 32
+    full = packed_layout(_seqs([32, 32]), 257, multiple=64)
+    cp = cp_local_layout(full, torch.tensor([0, 1, 2, 3, 28, 29, 30, 31]))
+    q_rows, k_rows, _ = cp.packed_rows()
+    assert q_rows.tolist() == [0, 0] and k_rows.tolist() == [0, 32]
+    moved = cp.to(torch.device("meta"))
+    assert moved.packed_rows()[0].is_meta and moved.packed_rows()[2] == 32
+    for q_idx in ([[3, 2, 1, 0], [4, 5, 6, 7]], [[0, 1, 2, 4], [5, 6, 7, 8]],
+                  [[0, -1, 2, 3], [4, 5, 6, 7]]):
+        assert _slot_map_layout(q_idx, 10).packed_rows() is None, q_idx
+    ok = _slot_map_layout([[0, 1, 2, -1], [4, 5, 6, 7]], 10)
+    assert ok.packed_rows()[0].tolist() == [0, 4]
+    bad_pos = StreamLayout(ok.tokens, ok.positions, ok.q_idx, ok.q_pos.clamp(min=0), ok.kv_len)
+    assert bad_pos.packed_rows() is None
+    assert chunk_layout([[1], [2]], [4, 9], 257).packed_rows() is None
 
 
 def _cp2_rank(rank: int, out_dir: str) -> None:
@@ -141,29 +214,32 @@ def _cp2_rank(rank: int, out_dir: str) -> None:
     mp = pytest.MonkeyPatch()
     try:
         calls = _count_prefix_hits(mp)
-        st, grads = _step_bits(_equal_samples(), pc)
+        equal = _step_bits(_equal_samples(), pc)
+        hits = dict(calls)
+        unequal = _step_bits(_unequal_samples(), pc)
     finally:
         mp.undo()
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
-        pickle.dump((st, grads, calls["prefix"]), f)
+        pickle.dump((equal, hits, unequal, calls["packed"] - hits["packed"]), f)
 
 
-def test_cp2_on_equal_samples_takes_the_views_and_gives_the_single_process_bytes(tmp_path):
-    """CP2 (2 gloo ranks), equal-length samples: each rank holds one leaf of each sample, so
-    its local query slots and the gathered logical keys are both prefix maps (the views are
-    taken on both ranks, counted), and every rank's gradients and stats have the single
-    process's bytes."""
+def test_cp2_takes_the_fast_paths_and_gives_the_single_process_bytes(tmp_path):
+    """CP2 (2 gloo ranks). Equal-length samples: each rank's local query slots and the gathered
+    logical keys are read without gathers (prefix views, or the packed attention where a rank's
+    query slots are not the prefix case; counted on both ranks); samples ending at their EOS:
+    the packed attention on both ranks (counted). Every rank's gradients and stats have the
+    single process's bytes in both cases."""
     from rlkernel.distributed.launch import launch
 
-    st_one, g_one = _step_bits(_equal_samples())
+    one = _step_bits(_equal_samples()), _step_bits(_unequal_samples())
     launch(_cp2_rank, (str(tmp_path),), world_size=2, backend="gloo", timeout_s=120)
     for r in range(2):
         with open(tmp_path / f"rank{r}.pkl", "rb") as fh:
-            st, grads, hits = pickle.load(fh)
-        assert hits > 0, f"CP rank {r} took no view"
-        assert st == st_one, f"CP rank {r}"
-        assert grads.keys() == g_one.keys()
-        assert all(torch.equal(grads[n], g_one[n]) for n in g_one), f"CP rank {r}"
+            equal, hits, unequal, packed_calls = pickle.load(fh)
+        assert hits["prefix"] + hits["packed"] > 0, f"CP rank {r} gathered everything"
+        assert packed_calls > 0, f"CP rank {r}: no packed attention on unequal samples"
+        assert _same_bits(equal, one[0]), f"CP rank {r}, equal samples"
+        assert _same_bits(unequal, one[1]), f"CP rank {r}, unequal samples"
 
 
 def _slot_map_layout(q_idx: list[list[int]], n_rows: int) -> StreamLayout:

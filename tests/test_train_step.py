@@ -321,11 +321,10 @@ def test_attention_output_into_o_proj_without_a_widened_copy_changes_no_bit(monk
     st_new, g_new = _step_bits(samples)
     assert torch.bfloat16 in seen                      # o_proj's x: the bf16 attention output
     seen.clear()
-    attention = InvariantOps.attention               # the old path: its output widened
-
-    def widened(*args, **kw):
-        return attention(*args, **kw).to(torch.float32)
-    monkeypatch.setattr(InvariantOps, "attention", staticmethod(widened))
+    for name in ("attention", "attention_packed"):   # the old path: the output widened
+        def widened(*args, _op=getattr(InvariantOps, name), **kw):
+            return _op(*args, **kw).to(torch.float32)
+        monkeypatch.setattr(InvariantOps, name, staticmethod(widened))
     st_old, g_old = _step_bits(samples)
     assert torch.bfloat16 not in seen
     assert st_new == st_old and g_new.keys() == g_old.keys()

@@ -20,7 +20,10 @@ TP4: 12 heads as 6 + 6), and only the halving tree has those equal parts as subt
 G, so each rank reduces its part locally and `kv_comm` finishes the same tree. (When the group
 spans 2**k whole virtual-TP shards, its top k levels are those shards; for a power-of-two G it is
 the plain pairwise tree, so such models keep their bits.)
-Layout: per-sample padded [S, heads, T, D]; rlkernel/model gathers it from the token stream.
+Layout: per-sample padded [S, heads, T, D], which rlkernel/model gathers from the token stream;
+or, `attention_packed`, the packed streams themselves with each sample's first row (varlen
+attention, as FlashAttention-2's cu_seqlens entry point): the same bytes, no per-sample copies
+on CUDA (the kernels read and write each sample's rows in place).
 Devices: on CPU both directions are the torch code below (the reference); on CUDA both dispatch to
 Triton kernels with the CUDA block size 64: the forward to kernels/triton_attention.py, the
 backward to kernels/triton_attention_bwd.py (FlashAttention-2 recomputation from lse, the same
@@ -256,3 +259,94 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     dtype. ValueError for q/k/v of other or mixed dtypes.
     """
     return _Attention.apply(q, k, v, q_pos, kv_len, float(scale), tok, kv_comm, bounds)
+
+
+class _AttentionPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_rows, k_rows, q_pos, kv_len, tk, scale, tok, kv_comm, bounds):
+        if q.is_cuda:
+            from rlkernel.kernels import triton_attention
+            out, lse = triton_attention.attention_forward_packed(q, k, v, q_rows, k_rows, q_pos,
+                                                                 kv_len, tk, scale)
+        else:
+            qm, km = _slot_rows(q_rows, q_pos >= 0, q.shape[0]), _key_rows(k_rows, kv_len, tk,
+                                                                            k.shape[0])
+            out_s, lse = attention_forward(_gather(q, qm), _gather(k, km), _gather(v, km),
+                                           q_pos, kv_len, scale)
+            out = _scatter(out_s, qm, q.shape[0])
+        ctx.save_for_backward(q, k, v, out, lse, q_rows, k_rows, q_pos, kv_len)
+        ctx.tk, ctx.scale, ctx.bounds = tk, scale, bounds
+        ctx.tok, ctx.kv_comm = tok or TokenSum.single(), kv_comm
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, q_rows, k_rows, q_pos, kv_len = ctx.saved_tensors
+        if q.is_cuda:
+            from rlkernel.kernels import triton_attention_bwd
+            dq, dk, dv = triton_attention_bwd.attention_backward_packed(
+                q, k, v, out, lse, d_out, q_rows, k_rows, q_pos, kv_len, ctx.tk, ctx.scale,
+                ctx.tok, ctx.kv_comm, bounds=ctx.bounds)
+        else:
+            qm = _slot_rows(q_rows, q_pos >= 0, q.shape[0])
+            km = _key_rows(k_rows, kv_len, ctx.tk, k.shape[0])
+            dq, dk, dv = attention_backward(
+                _gather(q, qm), _gather(k, km), _gather(v, km), _gather(out, qm), lse,
+                _gather(d_out, qm), q_pos, kv_len, ctx.scale, ctx.tok, ctx.kv_comm)
+            dq, dk, dv = (_scatter(dq, qm, q.shape[0]), _scatter(dk, km, k.shape[0]),
+                          _scatter(dv, km, k.shape[0]))
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _slot_rows(first: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """[S, T] long: stream row first[s] + t of each valid slot, the dump row n_rows otherwise."""
+    t = torch.arange(valid.shape[1], device=valid.device)
+    return torch.where(valid, first[:, None] + t, torch.full_like(valid, n_rows, dtype=torch.long))
+
+
+def _key_rows(first: torch.Tensor, kv_len: torch.Tensor, tk: int, n_rows: int) -> torch.Tensor:
+    """`_slot_rows` of tk key slots, slot j valid below kv_len."""
+    j = torch.arange(tk, device=kv_len.device)
+    return _slot_rows(first, j[None, :] < kv_len[:, None], n_rows)
+
+
+def _gather(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Stream x [L, H, D] -> per-sample [S, H, T, D] (the dump row reads +0.0): copies only."""
+    rows = torch.cat([x, x.new_zeros((1,) + x.shape[1:])])[at]           # [S, T, H, D]
+    return rows.transpose(1, 2)
+
+
+def _scatter(y: torch.Tensor, at: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Per-sample y [S, H, T, D] -> stream [n_rows, H, D]: each valid slot at its row, rows no
+    slot names +0.0 (copies only)."""
+    s_, h, t, d = y.shape
+    out = y.new_zeros(n_rows + 1, h, d)
+    out.index_copy_(0, at.reshape(-1), y.transpose(1, 2).reshape(s_ * t, h, d))
+    return out[:n_rows]
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: torch.Tensor,
+                     k_rows: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, tk: int,
+                     scale: float, tok: TokenSum | None = None, kv_comm: Comm | None = None,
+                     bounds: tuple[int, int] | None = None) -> torch.Tensor:
+    """`attention` on packed token streams: q [Lq, Hq, D], k/v [Lk, Hkv, D] (one dtype, fp32 or
+    bf16), where slot t of sample s (q_pos[s, t] >= 0; the valid slots come first) is query
+    row q_rows[s] + t and key slot j < kv_len[s] is key row k_rows[s] + j (q_rows, k_rows [S]
+    long); tk (host int) >= every kv_len, the per-sample problem's key slots. Returns the output
+    stream [Lq, Hq, D] (+0.0 in rows no query slot names); the gradients reach q, k, v's rows
+    the same way (+0.0 elsewhere). The bytes of `attention` on the gathered per-sample tensors
+    scattered back: on CPU it is that (copies around the reference); on CUDA the Triton
+    kernels read and write each sample's rows in place (no gather or scatter copies but dK/dV's
+    scatter). The row maps are the caller's contract (model/layout.StreamLayout.packed_rows
+    checks them on the host). ValueError for mismatched shapes or dtypes."""
+    s_ = q_pos.shape[0] if q_pos.dim() == 2 else -1
+    if (q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or tuple(q_rows.shape) != (s_,)
+            or tuple(k_rows.shape) != (s_,) or tuple(kv_len.shape) != (s_,)):
+        raise ValueError(f"attention_packed: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, q_rows {tuple(q_rows.shape)}, k_rows "
+                         f"{tuple(k_rows.shape)}, q_pos {tuple(q_pos.shape)}, kv_len "
+                         f"{tuple(kv_len.shape)}: want [Lq, Hq, D], [Lk, Hkv, D] twice, [S], [S], "
+                         "[S, Tq], [S]")
+    _check_dtype(q, k, v)
+    return _AttentionPacked.apply(q, k, v, q_rows, k_rows, q_pos, kv_len, int(tk), float(scale),
+                                  tok, kv_comm, bounds)

@@ -23,6 +23,9 @@ KV head. Split-KV decode is not used (batch × KV heads already fill the GPU at 
 Returns lse = m + log(l) in the [S, Hkv, G, Tq] layout of kernels/attention.py, from which the
 backward (kernels/triton_attention_bwd.py) recomputes p = exp(s − lse) with this kernel's s.
 
+`attention_forward_packed` runs it on the packed token streams themselves (varlen, as
+FlashAttention-2's cu_seqlens entry point): sample s's slots are rows q_rows[s] + t / key rows
+k_rows[s] + j (PACKED, `sample_base`), empty slots are neither read nor written.
 `paged_attention_forward` runs the same kernel with K/V read through a block table (paged KV
 cache of the rollout engine): only the addresses change (PAGED is a compile-time switch).
 Does not: backward (kernels/triton_attention_bwd.py), CP gathering.
@@ -66,6 +69,17 @@ def _block_base(kbase, vbase, TABLE, s, s_ts, s_tb, s_ks, s_vs, j0, j,
 
 
 @triton.jit
+def sample_base(ROWS, s, stride, PACKED: tl.constexpr):
+    """Element offset of sample s's first row: s·stride in a per-sample tensor [S, ...], or
+    ROWS[s]·stride in a packed token stream (PACKED: sample s's slots are the stream's rows
+    ROWS[s], ROWS[s] + 1, ...; stride is then the stream's row stride)."""
+    if PACKED:
+        return tl.load(ROWS + s).to(tl.int64) * stride
+    else:
+        return s * stride
+
+
+@triton.jit
 def query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV, n_tiles,
                G: tl.constexpr, BLOCK_M: tl.constexpr):
     """This program's tile of rows r = (t, g) of one KV head's G query heads, latest tiles first:
@@ -86,35 +100,41 @@ def query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV, n_tiles,
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN, TABLE,
+def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN, TABLE, QROWS, KROWS,
                      s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd,
                      s_vs, s_vh, s_vt, s_vd, s_os, s_oh, s_ot, s_od,
                      s_ls, s_lh, s_lg, s_lt, s_ps, s_pt, s_ts, s_tb,
                      Tq, Tk, HKV, n_tiles, scale,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr):
+                     BLOCK_N: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr,
+                     PACKED: tl.constexpr):
     # PAGED: K/V are block pools [blocks, BLOCK_N, Hkv, D] (s_ks = the block stride) and key
-    # block b of sample s is pool block TABLE[s, b]; otherwise K/V are [S, Hkv, Tk, D]. Only the
-    # addresses differ: the same blocks are visited in the same order with the same operations.
+    # block b of sample s is pool block TABLE[s, b]; otherwise K/V are [S, Hkv, Tk, D]. PACKED:
+    # Q/O are token streams [Lq, Hq, D] and K/V [Lk, Hkv, D], sample s's slots from rows
+    # QROWS[s] / KROWS[s] on (s_qs = s_qt, ... the row strides). Only the addresses differ: the
+    # same blocks are visited in the same order with the same operations.
     s, hk, t, g, row_ok, pos, kvl, last, hi = query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV,
                                                          n_tiles, G, BLOCK_M)
     dd = tl.arange(0, D)
     head = (hk * G + g).to(tl.int64)
-    q = tl.load(Q + s * s_qs + head[:, None] * s_qh + t.to(tl.int64)[:, None] * s_qt
-                + dd[None, :] * s_qd, mask=row_ok[:, None], other=0.0)
+    # Rows with no query (pos < 0) are not read (in a stream their slot names no row of theirs)
+    # and are zeroed at the end: no other row's value changes with what they hold.
+    live = row_ok & (pos >= 0)
+    q = tl.load(Q + sample_base(QROWS, s, s_qs, PACKED) + head[:, None] * s_qh
+                + t.to(tl.int64)[:, None] * s_qt + dd[None, :] * s_qd,
+                mask=live[:, None], other=0.0)
     if PAGED:
         kbase = K + hk.to(tl.int64) * s_kh
         vbase = V + hk.to(tl.int64) * s_vh
     else:
-        kbase = K + s * s_ks + hk.to(tl.int64) * s_kh
-        vbase = V + s * s_vs + hk.to(tl.int64) * s_vh
+        kbase = K + sample_base(KROWS, s, s_ks, PACKED) + hk.to(tl.int64) * s_kh
+        vbase = V + sample_base(KROWS, s, s_vs, PACKED) + hk.to(tl.int64) * s_vh
     ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32).to(Q.dtype.element_ty)
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     # Blocks that every live row sees whole: the same ops without masks or selects (all-true
-    # masks and selects change no value). Rows with no query (pos < 0) are zeroed at the end.
-    live = row_ok & (pos >= 0)
+    # masks and selects change no value).
     n_full = (tl.minimum(tl.min(tl.where(live, last, 1 << 30), 0), Tk - 1) + 1) // BLOCK_N
     for j0 in range(0, n_full * BLOCK_N, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
@@ -157,8 +177,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN, TABLE,
     l_safe = tl.where(has, l, 1.0)
     out = tl.where(has[:, None], tl.math.div_rn(acc, l_safe[:, None]), 0.0)
     lse = tl.where(has, m + tl.log(l_safe), 0.0)
-    tl.store(O + s * s_os + head[:, None] * s_oh + t.to(tl.int64)[:, None] * s_ot
-             + dd[None, :] * s_od, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    # A stream's empty slots are other samples' rows (or past the stream): not written (the
+    # caller zeroes the stream); a per-sample output's empty slots get their zeros here.
+    o_ok = live if PACKED else row_ok
+    tl.store(O + sample_base(QROWS, s, s_os, PACKED) + head[:, None] * s_oh
+             + t.to(tl.int64)[:, None] * s_ot + dd[None, :] * s_od, out.to(O.dtype.element_ty),
+             mask=o_ok[:, None])
     tl.store(LSE + s * s_ls + hk.to(tl.int64) * s_lh + g.to(tl.int64) * s_lg
              + t.to(tl.int64) * s_lt, lse, mask=row_ok)
 
@@ -175,12 +199,62 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     `tile` = (BLOCK_M, num_warps, num_stages) overrides the table (tests). ValueError on bad input.
     """
     check_cuda("attention", q, k, v, q_pos, kv_len)
-    if (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]) or v.shape != k.shape:
+    if (q.dim() != 4 or k.dim() != 4 or (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3])
+            or v.shape != k.shape):
         raise ValueError(f"attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} do not form a GQA problem")
-    sk, sv = k.stride(), v.stride()
-    return _launch(q, k, v, q_pos, kv_len, scale, tile, k.shape[1], k.shape[2],
-                   sk, sv, None)
+    s_, hq, tq, d = q.shape
+    # Token-major memory ([S, Tq, Hq, D] viewed as [S, Hq, Tq, D]): the stream order o_proj
+    # reads, so the model's way back to the stream is a reshape, not a transposing copy.
+    out = torch.empty(s_, tq, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    return _launch(q, k, v, q_pos, kv_len, scale, tile, (s_, hq, tq, d, k.shape[1], k.shape[2]),
+                   q.stride(), k.stride(), v.stride(), out, out.stride(), None)
+
+
+def stream_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """The kernels' (sample, head, slot, dim) strides of a token stream x [L, H, D] whose samples
+    start at given rows: the sample stride is the row stride (`sample_base` multiplies it by
+    the sample's first row)."""
+    return x.stride(0), x.stride(1), x.stride(0), x.stride(2)
+
+
+def check_packed(what: str, q, k, v, q_rows, k_rows, q_pos, kv_len) -> None:
+    """ValueError unless q [Lq, Hq, D], k/v [Lk, Hkv, D], q_rows / k_rows / kv_len [S] and
+    q_pos [S, Tq] form a packed problem."""
+    s_ = q_pos.shape[0] if q_pos.dim() == 2 else -1
+    if (q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]
+            or q_pos.dim() != 2 or tuple(q_rows.shape) != (s_,)
+            or tuple(k_rows.shape) != (s_,) or tuple(kv_len.shape) != (s_,)):
+        raise ValueError(f"{what}: streams q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, q_rows {tuple(q_rows.shape)}, k_rows "
+                         f"{tuple(k_rows.shape)}, q_pos {tuple(q_pos.shape)}, kv_len "
+                         f"{tuple(kv_len.shape)} do not form a packed GQA problem "
+                         f"([Lq, Hq, D], [Lk, Hkv, D], [S], [S], [S, Tq], [S])")
+
+
+def attention_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             q_rows: torch.Tensor, k_rows: torch.Tensor, q_pos: torch.Tensor,
+                             kv_len: torch.Tensor, tk: int, scale: float,
+                             tile: tuple[int, int, int] | None = None):
+    """`attention_forward` reading each sample's rows of the packed token streams in place (as
+    FlashAttention-2's varlen entry point reads cu_seqlens; Dao 2023): no per-sample copy.
+
+    q [Lq, Hq, D], k/v [Lk, Hkv, D] (any strides, one dtype); slot t < n_s of sample s is query
+    row q_rows[s] + t and key slot j < kv_len[s] key row k_rows[s] + j, where n_s is the count of
+    q_pos[s]'s slots >= 0, which come first (empty slots −1 after them); tk >= every kv_len
+    (host int: the key slots of the per-sample problem). The same bytes as `attention_forward`
+    on the gathered per-sample tensors: only addresses differ.
+    Returns (out [Lq, Hq, D] in q's dtype, rows no query slot names +0.0; lse [S, Hkv, G, Tq]).
+    ValueError on bad input (shapes; the row maps are the caller's contract, not checked: a
+    check would sync the host)."""
+    check_cuda("attention", q, k, v, q_rows, k_rows, q_pos, kv_len)
+    check_packed("attention", q, k, v, q_rows, k_rows, q_pos, kv_len)
+    s_, tq = q_pos.shape
+    hq, d = q.shape[1], q.shape[2]
+    out = torch.zeros(q.shape[0], hq, d, dtype=q.dtype, device=q.device)
+    return _launch(q, k, v, q_pos, kv_len, scale, tile, (s_, hq, tq, d, k.shape[1], tk),
+                   stream_strides(q), stream_strides(k), stream_strides(v), out,
+                   stream_strides(out), None, (q_rows, k_rows))
 
 
 def paged_attention_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -199,18 +273,25 @@ def paged_attention_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                          f"{tuple(v_pool.shape)}, table {tuple(table.shape)}: pools must be "
                          f"[blocks, {KV_BLOCK}, Hkv, D] and the table [S, nb]")
     sk, sv = k_pool.stride(), v_pool.stride()
+    s_, hq, tq, d = q.shape
+    out = torch.empty(s_, tq, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     # Kernel stride order (sample/block, head, position, dim) from the pool's (block, pos, head, dim).
-    return _launch(q, k_pool, v_pool, q_pos, kv_len, scale, tile, k_pool.shape[2],
-                   table.shape[1] * KV_BLOCK, (sk[0], sk[2], sk[1], sk[3]),
-                   (sv[0], sv[2], sv[1], sv[3]), table)
+    return _launch(q, k_pool, v_pool, q_pos, kv_len, scale, tile,
+                   (s_, hq, tq, d, k_pool.shape[2], table.shape[1] * KV_BLOCK), q.stride(),
+                   (sk[0], sk[2], sk[1], sk[3]), (sv[0], sv[2], sv[1], sv[3]), out, out.stride(),
+                   table)
 
 
-def _launch(q, k, v, q_pos, kv_len, scale, tile, hkv, tk, sk, sv, table):
+def _launch(q, k, v, q_pos, kv_len, scale, tile, dims, sq, sk, sv, out, so, table,
+            rows=None):
+    """Checks, then one forward launch. dims = (S, Hq, Tq, D, Hkv, Tk); sq/sk/sv/so the
+    kernel's (sample, head, slot, dim) strides of q, k, v, out; rows = (q_rows, k_rows) of
+    packed streams, or None."""
     if q.dtype not in _TILES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"attention: q/k/v must share dtype float32 or bfloat16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
-    s_, hq, tq, d = q.shape
-    if hq % hkv:
+    s_, hq, tq, d, hkv, tk = dims
+    if hkv == 0 or hq % hkv:
         raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} KV heads")
     if d & (d - 1) or not 16 <= d <= 256:
         raise ValueError(f"attention: head_dim {d} must be a power of two in [16, 256]")
@@ -218,26 +299,25 @@ def _launch(q, k, v, q_pos, kv_len, scale, tile, hkv, tk, sk, sv, table):
         raise ValueError(f"attention: q_pos {tuple(q_pos.shape)} / kv_len {tuple(kv_len.shape)} "
                          f"do not match S={s_}, Tq={tq}")
     g = hq // hkv
-    # Token-major memory ([S, Tq, Hq, D] viewed as [S, Hq, Tq, D]): the stream order o_proj
-    # reads, so the model's way back to the stream is a reshape, not a transposing copy.
-    out = torch.empty(s_, tq, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(s_, hkv, g, tq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    if s_ * hq * tq * d == 0:
         return out, lse
-    rows = tq * g
+    rows_n = tq * g
     if tile is None:
-        tile = next(cfg for max_rows, cfg in _TILES[q.dtype] if rows <= max_rows)
+        tile = next(cfg for max_rows, cfg in _TILES[q.dtype] if rows_n <= max_rows)
     bm, warps, stages = tile
-    n_tiles = triton.cdiv(rows, bm)
+    n_tiles = triton.cdiv(rows_n, bm)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
     paged = table is not None
     tb = table if paged else kv_len                         # unused pointer when not paged
     st = table.stride() if paged else (0, 0)
+    q_rows, k_rows = rows if rows is not None else (kv_len, kv_len)   # unused unless packed
     with device_ctx(q):
         _attn_fwd_kernel[(n_tiles, s_ * hkv)](
-            q, k, v, out, lse, q_pos, kv_len, tb,
-            *q.stride(), *sk, *sv, *out.stride(), *lse.stride(), *q_pos.stride(), *st,
+            q, k, v, out, lse, q_pos, kv_len, tb, q_rows, k_rows,
+            *sq, *sk, *sv, *so, *lse.stride(), *q_pos.stride(), *st,
             tq, tk, hkv, n_tiles, float(scale),
             G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec, PAGED=paged,
-            num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+            PACKED=rows is not None, num_warps=warps, num_stages=stages,
+            enable_fp_fusion=False)
     return out, lse

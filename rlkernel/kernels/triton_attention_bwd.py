@@ -82,6 +82,13 @@ dK/dV kernel (float64 units); the dots are the tensor cores' (bf16) or the CUDA 
 Kernels launch with enable_fp_fusion=False, as the forward does: no mul+add is contracted
 differently between kernels or tiles (and TwoSum stays exact). Tiles come from literal tables;
 none changes a bit on the GPU (tests/test_cuda_attention_bwd.py checks every row).
+Packed streams (`attention_backward_packed`, the backward of
+triton_attention.attention_forward_packed): q, out, dO are token streams [Lq, Hq, D] and k, v
+[Lk, Hkv, D] whose sample s starts at row q_rows[s] / k_rows[s] (`sample_base`); the three
+kernels read those rows in place and dQ is stored into a zeroed stream at the live rows only
+(an empty slot's row belongs to another sample). dK and dV leave the head tree per sample
+[S, Hkv, Tk, D] and are rounded and scattered to their rows (the one copy left of the
+per-sample path's gathers and scatters). Same operations on the same values: the same bytes.
 Does not: run on CPU tensors (kernels/attention.py's torch code is the reference there; under
 TRITON_INTERPRET=1 these kernels run on CPU tensors for tests/test_attention_bwd_triton.py),
 communicate other than through `tok.comm` / `kv_comm`, or take fp16.
@@ -95,7 +102,8 @@ import triton.language as tl
 
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum
-from rlkernel.kernels.triton_attention import query_rows
+from rlkernel.kernels.triton_attention import (check_packed, query_rows, sample_base,
+                                                stream_strides)
 from rlkernel.kernels.triton_util import INTERPRET, check_cuda, device_ctx
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics import triton_fixedpoint as tfx
@@ -130,9 +138,9 @@ _DELTA_TILE = (32, 4)   # (BLOCK_M rows, num_warps)
 
 
 @triton.jit
-def _delta_kernel(O, DO, QPOS, DELTA, s_os, s_oh, s_ot, s_od, s_gs, s_gh, s_gt, s_gd,
+def _delta_kernel(O, DO, QPOS, DELTA, QROWS, s_os, s_oh, s_ot, s_od, s_gs, s_gh, s_gt, s_gd,
                   s_ps, s_pt, s_es, s_eh, s_et, Tq, HQ,
-                  D: tl.constexpr, BLOCK_M: tl.constexpr):
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, PACKED: tl.constexpr):
     # delta_t = Σ_d dO_td·O_td: fp32 products, summed by a dot with ones (ieee: one add per d,
     # d ascending, whatever BLOCK_M). Padding slots (pos < 0) are never read and get 0.
     sh = tl.program_id(1)
@@ -143,10 +151,11 @@ def _delta_kernel(O, DO, QPOS, DELTA, s_os, s_oh, s_ot, s_od, s_gs, s_gh, s_gt, 
     live = (t < Tq) & (pos >= 0)
     dd = tl.arange(0, D)
     tt = t.to(tl.int64)[:, None]
-    o = tl.load(O + s * s_os + h * s_oh + tt * s_ot + dd[None, :] * s_od,
+    o = tl.load(O + sample_base(QROWS, s, s_os, PACKED) + h * s_oh + tt * s_ot + dd[None, :] * s_od,
                 mask=live[:, None], other=0.0).to(tl.float32)
     # dO at its rounding point (the output's dtype, q's), as the other kernels read it.
-    do = tl.load(DO + s * s_gs + h * s_gh + tt * s_gt + dd[None, :] * s_gd,
+    do = tl.load(DO + sample_base(QROWS, s, s_gs, PACKED) + h * s_gh + tt * s_gt
+                 + dd[None, :] * s_gd,
                  mask=live[:, None], other=0.0).to(O.dtype.element_ty).to(tl.float32)
     ones = tl.full((D, 16), 1.0, dtype=tl.float32)
     delta = tl.max(tl.dot(o * do, ones, input_precision="ieee"), 1)   # 16 equal columns
@@ -154,13 +163,16 @@ def _delta_kernel(O, DO, QPOS, DELTA, s_os, s_oh, s_ot, s_od, s_gs, s_gh, s_gt, 
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN, QROWS, KROWS,
                s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd, s_vs, s_vh, s_vt, s_vd,
                s_gs, s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et,
                s_os, s_oh, s_ot, s_od, s_ps, s_pt,
                Tq, Tk, HKV, n_tiles, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr, BF16: tl.constexpr):
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr, BF16: tl.constexpr,
+               PACKED: tl.constexpr):
+    # PACKED: Q, DO, DQ token streams [Lq, Hq, D] and K, V [Lk, Hkv, D], sample s from rows
+    # QROWS[s] / KROWS[s] (the forward's `sample_base`): only addresses differ.
     s, hk, t, g, row_ok, pos, kvl, _, hi = query_rows(QPOS, KVLEN, s_ps, s_pt, Tq, Tk, HKV,
                                                       n_tiles, G, BLOCK_M)
     head = (hk * G + g).to(tl.int64)
@@ -169,14 +181,15 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN,
     tt = t.to(tl.int64)
     # Padding slots are not read (zeros): no NaN garbage enters the dots. dO in q's dtype: the
     # bf16 rounding point of the output's gradient (exact for fp32).
-    q = tl.load(Q + s * s_qs + head[:, None] * s_qh + tt[:, None] * s_qt + dd[None, :] * s_qd,
-                mask=live[:, None], other=0.0)
-    do = tl.load(DO + s * s_gs + head[:, None] * s_gh + tt[:, None] * s_gt + dd[None, :] * s_gd,
+    q = tl.load(Q + sample_base(QROWS, s, s_qs, PACKED) + head[:, None] * s_qh
+                + tt[:, None] * s_qt + dd[None, :] * s_qd, mask=live[:, None], other=0.0)
+    do = tl.load(DO + sample_base(QROWS, s, s_gs, PACKED) + head[:, None] * s_gh
+                 + tt[:, None] * s_gt + dd[None, :] * s_gd,
                  mask=live[:, None], other=0.0).to(Q.dtype.element_ty)
     lse = tl.load(LSE + s * s_ls + head * s_lh + tt * s_lt, mask=live, other=0.0)
     delta = tl.load(DELTA + s * s_es + head * s_eh + tt * s_et, mask=live, other=0.0)
-    kbase = K + s * s_ks + hk.to(tl.int64) * s_kh
-    vbase = V + s * s_vs + hk.to(tl.int64) * s_vh
+    kbase = K + sample_base(KROWS, s, s_ks, PACKED) + hk.to(tl.int64) * s_kh
+    vbase = V + sample_base(KROWS, s, s_vs, PACKED) + hk.to(tl.int64) * s_vh
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     for j0 in range(0, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
@@ -197,19 +210,22 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN,
         else:
             acc = tl.dot(ds, tl.trans(kt), acc, input_precision="ieee")
     dq = tl.where(live[:, None], acc * scale, 0.0)
-    tl.store(DQ + s * s_os + head[:, None] * s_oh + tt[:, None] * s_ot + dd[None, :] * s_od,
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    # A stream's empty slots are not its rows: left as the caller's zeros (forward's o_ok).
+    dq_ok = live if PACKED else row_ok
+    tl.store(DQ + sample_base(QROWS, s, s_os, PACKED) + head[:, None] * s_oh
+             + tt[:, None] * s_ot + dd[None, :] * s_od, dq.to(DQ.dtype.element_ty),
+             mask=dq_ok[:, None])
 
 
 @triton.jit
-def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
+def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS, QROWS, KROWS,
                 s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd, s_vs, s_vh, s_vt, s_vd,
                 s_gs, s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et, s_ms, s_mp,
                 s_ow, s0, j0, width, n_tiles_k, n_leaves, HQ, scale,
                 G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, LEAF: tl.constexpr,
                 BLOCK_N: tl.constexpr, KIND: tl.constexpr, PREC: tl.constexpr,
                 BF16: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
-                FORCE_FLAG: tl.constexpr):
+                FORCE_FLAG: tl.constexpr, PACKED: tl.constexpr):
     # One program: BLOCK_N keys [jt, jt + BLOCK_N) x output columns [d0, d0 + DT) of one query
     # head h of sample s; KIND 0 = dK (Σ_t ds·q), 1 = dV (Σ_t p·dO), over every leaf that sees
     # the keys. First pass (neither EMIT nor RETRY): the leaf partials are added into a float64
@@ -244,11 +260,14 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
     kvl = tl.load(KVLEN + s).to(tl.int32)
     k_ok = jn < kvl
     jj = jn.to(tl.int64)
-    kb = tl.load(K + s * s_ks + hk * s_kh + jj[:, None] * s_kt + dd[None, :] * s_kd,
-                 mask=k_ok[:, None], other=0.0)                                # [BN, D]
+    # PACKED: Q, DO token streams [Lq, Hq, D] and K, V [Lk, Hkv, D] (`_dq_kernel`).
+    qs0 = sample_base(QROWS, s, s_qs, PACKED)
+    gs0 = sample_base(QROWS, s, s_gs, PACKED)
+    kb = tl.load(K + sample_base(KROWS, s, s_ks, PACKED) + hk * s_kh + jj[:, None] * s_kt
+                 + dd[None, :] * s_kd, mask=k_ok[:, None], other=0.0)          # [BN, D]
     if KIND == 0:
-        vb = tl.load(V + s * s_vs + hk * s_vh + jj[:, None] * s_vt + dd[None, :] * s_vd,
-                     mask=k_ok[:, None], other=0.0)                            # [BN, D]
+        vb = tl.load(V + sample_base(KROWS, s, s_vs, PACKED) + hk * s_vh + jj[:, None] * s_vt
+                     + dd[None, :] * s_vd, mask=k_ok[:, None], other=0.0)      # [BN, D]
     hi = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
     if RETRY:
         lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
@@ -265,14 +284,14 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
         # The pair is live iff some query of the leaf sees a key of the tile.
         seen = tl.max(tl.where(here, tl.minimum(p_abs, kvl - 1), -1), 0)
         if jt <= seen:
-            q = tl.load(Q + s * s_qs + head * s_qh + tq[:, None] * s_qt + dd[None, :] * s_qd,
+            q = tl.load(Q + qs0 + head * s_qh + tq[:, None] * s_qt + dd[None, :] * s_qd,
                         mask=here[:, None], other=0.0)                         # [LEAF, D]
             lse = tl.load(LSE + s * s_ls + head * s_lh + tq * s_lt, mask=here, other=0.0)
             st = tl.dot(kb, tl.trans(q), input_precision=PREC)                 # [BN, LEAF]
             vis = here[None, :] & (jn[:, None] <= p_abs[None, :]) & k_ok[:, None]
             pt = tl.where(vis, tl.exp(st * scale - lse[None, :]), 0.0)
             if KIND == 1:
-                dov = tl.load(DO + s * s_gs + head * s_gh + tq[:, None] * s_gt
+                dov = tl.load(DO + gs0 + head * s_gh + tq[:, None] * s_gt
                               + do_[None, :] * s_gd, mask=here[:, None],
                               other=0.0).to(Q.dtype.element_ty)                # [LEAF, DT]
                 # Leaf sums: the LEAF queries are the dot's K dim, in position order.
@@ -281,7 +300,7 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
                 else:
                     part = tl.dot(pt, dov, input_precision="ieee")
             else:
-                do = tl.load(DO + s * s_gs + head * s_gh + tq[:, None] * s_gt
+                do = tl.load(DO + gs0 + head * s_gh + tq[:, None] * s_gt
                              + dd[None, :] * s_gd, mask=here[:, None],
                              other=0.0).to(Q.dtype.element_ty)                 # [LEAF, D]
                 delta = tl.load(DELTA + s * s_es + head * s_eh + tq * s_et, mask=here,
@@ -291,7 +310,7 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS,
                 if DT == D:
                     qo = q
                 else:
-                    qo = tl.load(Q + s * s_qs + head * s_qh + tq[:, None] * s_qt
+                    qo = tl.load(Q + qs0 + head * s_qh + tq[:, None] * s_qt
                                  + do_[None, :] * s_qd, mask=here[:, None], other=0.0)
                 if BF16:
                     part = tl.dot(dst.to(tl.bfloat16), qo)
@@ -332,11 +351,7 @@ def _check(q, k, v, out, lse, d_out, q_pos, kv_len) -> None:
             or hq % k.shape[1]):
         raise ValueError(f"attention backward: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} do not form a GQA problem")
-    if q.dtype not in _DQ_TILES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"attention backward: q/k/v must share dtype float32 or bfloat16, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if d & (d - 1) or not 16 <= d <= 256:
-        raise ValueError(f"attention backward: head_dim {d} must be a power of two in [16, 256]")
+    _check_dtypes(q, k, v, d)
     g = hq // k.shape[1]
     if (out.shape != q.shape or d_out.shape != q.shape
             or tuple(lse.shape) != (s_, k.shape[1], g, tq) or lse.dtype != torch.float32):
@@ -348,36 +363,69 @@ def _check(q, k, v, out, lse, d_out, q_pos, kv_len) -> None:
                          f"{tuple(kv_len.shape)} do not match S={s_}, Tq={tq}")
 
 
-def _delta(out, d_out, q_pos) -> torch.Tensor:
-    """delta [S, Hq, Tq] fp32 = Σ_d dO·O per query (module doc); 0 for padding slots."""
-    s_, hq, tq, d = out.shape
+def _strides(x: torch.Tensor, rows) -> tuple[int, ...]:
+    """The kernels' (sample, head, slot, dim) strides of x: its own [S, H, T, D] ones, or a
+    packed stream's [L, H, D] (rows given: triton_attention.stream_strides)."""
+    return x.stride() if rows is None else stream_strides(x)
+
+
+def _rows_args(rows, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QROWS / KROWS pointers: the packed streams' first rows, or any tensor (unread)."""
+    return rows if rows is not None else (q_pos, q_pos)
+
+
+def _check_dtypes(q, k, v, d: int) -> None:
+    if q.dtype not in _DQ_TILES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"attention backward: q/k/v must share dtype float32 or bfloat16, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if d & (d - 1) or not 16 <= d <= 256:
+        raise ValueError(f"attention backward: head_dim {d} must be a power of two in [16, 256]")
+
+
+def _delta(out, d_out, q_pos, rows=None) -> torch.Tensor:
+    """delta [S, Hq, Tq] fp32 = Σ_d dO·O per query (module doc); 0 for padding slots. rows:
+    (q_rows, k_rows) when out and d_out are packed streams [Lq, Hq, D]."""
+    s_, tq = q_pos.shape
+    hq, d = out.shape[1], out.shape[-1]          # [S, Hq, Tq, D] or a stream [Lq, Hq, D]
     delta = torch.empty(s_, hq, tq, dtype=torch.float32, device=out.device)
     bm, warps = _DELTA_TILE
     _delta_kernel[(triton.cdiv(tq, bm), s_ * hq)](
-        out, d_out, q_pos, delta, *out.stride(), *d_out.stride(), *q_pos.stride(),
-        *delta.stride(), tq, hq, D=d, BLOCK_M=bm, num_warps=warps, enable_fp_fusion=False)
+        out, d_out, q_pos, delta, _rows_args(rows, q_pos)[0], *_strides(out, rows),
+        *_strides(d_out, rows), *q_pos.stride(), *delta.stride(), tq, hq, D=d, BLOCK_M=bm,
+        PACKED=rows is not None, num_warps=warps, enable_fp_fusion=False)
     return delta
 
 
 def _dq(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tile,
-        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        dtype: torch.dtype = torch.float32, rows=None, tk: int = 0) -> torch.Tensor:
     """dQ [S, Hq, Tq, D] (module doc, `_dq_kernel`) in `dtype` and q's memory order: the fp32
     result, or its rounding to bf16 done by the kernel's store (round to nearest even, as
-    torch's cast: the same bytes without an fp32 copy)."""
-    s_, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
+    torch's cast: the same bytes without an fp32 copy). rows = (q_rows, k_rows): q, d_out
+    [Lq, Hq, D] and k, v [Lk, Hkv, D] are packed streams of tk key slots; dQ is then a stream
+    [Lq, Hq, D], +0.0 in rows no query slot names."""
+    s_, hq, tq, d, hkv, tk = _dims(q, k, q_pos, rows, tk)
     g = hq // hkv
-    dq = torch.empty_like(q, dtype=dtype)
+    dq = torch.empty_like(q, dtype=dtype) if rows is None else torch.zeros_like(q, dtype=dtype)
     bm, warps, stages = tile or _pick(_DQ_TILES[q.dtype], tq * g)
     n_tiles = triton.cdiv(tq * g, bm)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
     _dq_kernel[(n_tiles, s_ * hkv)](
-        q, k, v, d_out, lse, delta, dq, q_pos, kv_len,
-        *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *lse.stride(), *delta.stride(),
-        *dq.stride(), *q_pos.stride(), tq, tk, hkv, n_tiles, float(scale),
-        G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec, BF16=q.dtype == torch.bfloat16,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        q, k, v, d_out, lse, delta, dq, q_pos, kv_len, *_rows_args(rows, q_pos),
+        *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
+        *lse.stride(), *delta.stride(), *_strides(dq, rows), *q_pos.stride(), tq, tk, hkv,
+        n_tiles, float(scale), G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec,
+        BF16=q.dtype == torch.bfloat16, PACKED=rows is not None, num_warps=warps,
+        num_stages=stages, enable_fp_fusion=False)
     return dq
+
+
+def _dims(q, k, q_pos, rows, tk: int) -> tuple[int, int, int, int, int, int]:
+    """(S, Hq, Tq, D, Hkv, Tk) of the per-sample problem: from q [S, Hq, Tq, D] and k
+    [S, Hkv, Tk, D], or from packed streams q [Lq, Hq, D], k [Lk, Hkv, D], q_pos [S, Tq] and
+    the key slots tk (rows given)."""
+    if rows is None:
+        return (*q.shape, k.shape[1], k.shape[2])
+    return q_pos.shape[0], q.shape[1], q_pos.shape[1], q.shape[2], k.shape[1], tk
 
 
 def slot_map(q_pos: torch.Tensor, n_leaves: int) -> torch.Tensor:
@@ -435,19 +483,20 @@ def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int,
                 retry: bool = False) -> None:
     """One `_dkv_kernel` launch of `grid` programs (module doc): the first pass, its `retry`
     (over the same grid, flags and words) or `emit`; args = (q, k, v, d_out, lse_h, delta,
-    slot, kv_len, scale)."""
-    q, k, v, d_out, lse_h, delta, slot, kv_len, scale = args
-    hq, d = q.shape[1], q.shape[3]
+    slot, kv_len, scale, rows) (rows: `_dq`'s)."""
+    q, k, v, d_out, lse_h, delta, slot, kv_len, scale, rows = args
+    hq, d = lse_h.shape[1], q.shape[-1]
     bn, dt, warps, stages = tile
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
     s_ow = out.stride(0)
     _dkv_kernel[(grid,)](
-        q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids,
-        *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *lse_h.stride(), *delta.stride(),
-        *slot.stride(), s_ow, s0, j0, width, n_tiles_k, n_leaves, hq, float(scale),
-        G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_DKV_LEAF, BLOCK_N=bn, KIND=kind, PREC=prec,
-        BF16=q.dtype == torch.bfloat16, EMIT=emit, RETRY=retry, FORCE_FLAG=int(force_flag),
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids, *_rows_args(rows, slot),
+        *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
+        *lse_h.stride(), *delta.stride(), *slot.stride(), s_ow, s0, j0, width, n_tiles_k,
+        n_leaves, hq, float(scale), G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_DKV_LEAF,
+        BLOCK_N=bn, KIND=kind, PREC=prec, BF16=q.dtype == torch.bfloat16, EMIT=emit,
+        RETRY=retry, FORCE_FLAG=int(force_flag), PACKED=rows is not None, num_warps=warps,
+        num_stages=stages, enable_fp_fusion=False)
 
 
 def _program_rows(pids: torch.Tensor, n_tiles_k: int, n_dt: int, bn: int, dt: int, width: int,
@@ -471,7 +520,7 @@ def _redo_flagged(args, flagged: torch.Tensor, kind: int, s0: int, j0: int, widt
     digits [m, N_COLS]) of their elements inside the chunk."""
     q = args[0]
     bn, dt, _, _ = tile
-    d = q.shape[3]
+    d = q.shape[-1]
     per = max(1, EMIT_BYTES // (4 * max(1, n_leaves) * bn * dt))
     idx_all, dig_all = [], []
     for a in range(0, flagged.numel(), per):
@@ -517,17 +566,16 @@ def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str,
 
 
 def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leaves, tk_eff,
-                  words_elems, tile, force_flag=False) -> torch.Tensor:
+                  words_elems, tile, force_flag=False, rows=None, tk: int = 0) -> torch.Tensor:
     """[2, S, Hq, Tk, D] fp32: per query head, Σ over queries of ds·q (0) and p·dO (1) by the
     token reduction (leaf partials added exactly inside `_dkv_kernel`, summed over `tok.comm`,
-    rounded once)."""
-    s_, hq, _, d = q.shape
-    tk = k.shape[2]
+    rounded once). rows, tk: `_dq`'s (packed streams in, the per-sample result out)."""
+    s_, hq, _, d, _, tk = _dims(q, k, q_pos, rows, tk)
     if tk_eff == 0:
         return torch.zeros(2, s_, hq, tk, d, dtype=torch.float32, device=q.device)
     tile = _kv_tile(q.dtype, d, tile)
     bn, dt = tile[0], tile[1]
-    args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, scale)
+    args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, scale, rows)
     sc, kc = chunk_shape(s_, hq, d, tk_eff, words_elems)
     # Chunks of whole samples whose keys cover every slot (tk_eff rounded up to a block reaches
     # Tk: the usual training case) round straight into their rows of out — no zero fill, no
@@ -578,7 +626,7 @@ def leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, scale,
     tile = _kv_tile(q.dtype, d, kv_tile)
     bn, dt = tile[0], tile[1]
     args = (q, k, v, d_out, lse_h, _delta(out, d_out, q_pos), slot_map(q_pos, n_leaves),
-            kv_len, scale)
+            kv_len, scale, None)
     n_tiles_k = triton.cdiv(tk, bn)
     grid = n_tiles_k * (d // dt) * s_ * hq
     res = torch.zeros(n_leaves, 2, s_ * hq * tk * d, device=q.device)
@@ -617,12 +665,53 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     kinds, if any, failed the exactness check of both the first pass and its retry), and once more without `bounds`.
     """
     _check(q, k, v, out, lse, d_out, q_pos, kv_len)
-    tok = tok or TokenSum.single()
-    s_, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    g = hq // hkv
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm,
+                           words_elems, dq_tile, kv_tile, force_flag, bounds, None, k.shape[2])
+    return dq, _like(dk, k), _like(dv, v)
+
+
+def attention_backward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                              q_rows: torch.Tensor, k_rows: torch.Tensor, q_pos: torch.Tensor,
+                              kv_len: torch.Tensor, tk: int, scale: float,
+                              tok: TokenSum | None = None, kv_comm: Comm | None = None, *,
+                              words_elems: int = WORDS_ELEMS,
+                              dq_tile: tuple[int, int, int] | None = None,
+                              kv_tile: tuple[int, int, int, int] | None = None,
+                              force_flag: bool = False, bounds: tuple[int, int] | None = None):
+    """`attention_backward` on packed token streams, the backward of
+    triton_attention.attention_forward_packed (its q, k, v, q_rows, k_rows, q_pos, kv_len, tk,
+    scale; out [Lq, Hq, D] and lse from it; d_out like out): each sample's rows are read in
+    place, dQ is written in place. Returns dQ [Lq, Hq, D], dK / dV [Lk, Hkv, D] in q's dtype,
+    +0.0 in rows no slot names; the bytes of `attention_backward` on the gathered per-sample
+    tensors, scattered back to the streams. ValueError on bad input; host syncs as there."""
+    check_cuda("attention backward", q, k, v, out, lse, d_out, q_rows, k_rows, q_pos, kv_len)
+    check_packed("attention backward", q, k, v, q_rows, k_rows, q_pos, kv_len)
+    _check_dtypes(q, k, v, q.shape[-1])
+    s_, tq = q_pos.shape
+    hq, hkv = q.shape[1], k.shape[1]
+    if (out.shape != q.shape or d_out.shape != q.shape or hq % hkv
+            or tuple(lse.shape) != (s_, hkv, hq // hkv, tq) or lse.dtype != torch.float32):
+        raise ValueError(f"attention backward: out {tuple(out.shape)}, d_out "
+                         f"{tuple(d_out.shape)}, lse {tuple(lse.shape)} {lse.dtype} do not "
+                         f"match q {tuple(q.shape)} (lse fp32 [S, Hkv, G, Tq])")
     if s_ == 0 or hq == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    rows = (q_rows, k_rows)
+    dq, dk, dv = _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm,
+                           words_elems, dq_tile, kv_tile, force_flag, bounds, rows, tk)
+    return dq, _to_rows(dk, k, k_rows, kv_len), _to_rows(dv, v, k_rows, kv_len)
+
+
+def _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm, words_elems,
+              dq_tile, kv_tile, force_flag, bounds, rows, tk):
+    """(dQ in q's dtype and layout, dK·scale and dV [S, Hkv, Tk, D] fp32): the module doc's
+    three kernels, then the G heads of each group by the halving tree."""
+    tok = tok or TokenSum.single()
+    s_, hq, tq, d, hkv, tk = _dims(q, k, q_pos, rows, tk)
+    g = hq // hkv
     lse_h = lse.reshape(s_, hq, tq)
     if bounds is not None:
         top_pos, top_len = bounds
@@ -633,11 +722,12 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     n_leaves = max(0, top_pos) // CUDA_DKV_LEAF + 1
     tk_eff = max(0, min(tk, top_len))
     with device_ctx(q):
-        delta = _delta(out, d_out, q_pos) if tq else torch.zeros(s_, hq, 0, device=q.device)
-        dq = _dq(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, dq_tile, q.dtype) if tq \
-            else torch.zeros_like(q)
+        delta = _delta(out, d_out, q_pos, rows) if tq \
+            else torch.zeros(s_, hq, 0, device=q.device)
+        dq = _dq(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, dq_tile, q.dtype, rows,
+                 tk) if tq else torch.zeros_like(q)
         dkv = _dkv_per_head(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, tok, n_leaves,
-                            tk_eff, words_elems, kv_tile, force_flag)
+                            tk_eff, words_elems, kv_tile, force_flag, rows, tk)
     # The G heads of each group by the halving tree, as kernels/attention.py does: this rank's
     # equal part locally, then across the TP ranks replicating the KV head.
     dkv = tree_sum_halving(dkv.view(2, s_, hkv, g, tk, d), 3)
@@ -645,7 +735,23 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     if kv_comm is not None and kv_comm.size > 1:
         dv = kv_comm.tree_all_reduce(dv, "attention-kv-head-tree-dv")
         dk = kv_comm.tree_all_reduce(dk, "attention-kv-head-tree-dk")
-    return dq, _like(dk * scale, k), _like(dv, v)
+    return dq, dk * scale, dv
+
+
+def _to_rows(x: torch.Tensor, ref: torch.Tensor, k_rows: torch.Tensor,
+             kv_len: torch.Tensor) -> torch.Tensor:
+    """x [S, Hkv, Tk, D] as a stream like ref [Lk, Hkv, D] (its dtype): key slot j < kv_len[s]
+    at row k_rows[s] + j, other rows +0.0 (one rounding copy and one scatter, no host sync:
+    slots past kv_len go to a dropped dump row)."""
+    s_, hkv, tk, d = x.shape
+    n = ref.shape[0]
+    j = torch.arange(tk, device=x.device)
+    at = torch.where(j < kv_len[:, None], k_rows[:, None] + j, torch.full_like(j, n))
+    rows = torch.empty(s_, tk, hkv, d, dtype=ref.dtype, device=x.device)
+    rows.copy_(x.transpose(1, 2))
+    res = torch.zeros(n + 1, hkv, d, dtype=ref.dtype, device=x.device)
+    res.index_copy_(0, at.reshape(-1), rows.view(s_ * tk, hkv, d))
+    return res[:n]
 
 
 def _like(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

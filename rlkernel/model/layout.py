@@ -80,6 +80,8 @@ class StreamLayout:
         moved = StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
                              mv(self.kv_len), mv(self.kv_idx), self.pos_bound, self.dense_causal)
         moved._moves["bounds"] = self.attention_bounds()   # read here, before the move
+        rows = self.packed_rows()
+        moved._moves["packed"] = None if rows is None else (mv(rows[0]), mv(rows[1]), rows[2])
         for idx, new in ((self.q_idx, moved.q_idx), (self.kv_idx, moved.kv_idx)):
             if idx is not None:
                 moved._moves[("prefix", id(new))] = self.slots_are_prefix(idx)
@@ -97,6 +99,45 @@ class StreamLayout:
             self._moves[key] = (not idx.is_cuda and idx.numel() > 0 and torch.equal(
                 idx.reshape(-1), torch.arange(idx.numel(), dtype=idx.dtype)))
         return self._moves[key]
+
+    def packed_rows(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Host-known: (q_rows [S], k_rows [S] long, tk) when every sample's slots are one run
+        of consecutive stream rows — query slot t < n_s is row q_rows[s] + t with n_s the slots
+        whose q_pos >= 0, which come first, and key slot j < kv_len[s] is row k_rows[s] + j of
+        the key stream (tk = keys_idx's slots) — as the packer lays out a training microbatch
+        (and CP's local rows keep it); else None. Then attention can read the streams in place
+        (kernels/attention.attention_packed) instead of gathering per-sample copies. Free on
+        host tensors (`to` carries it); None for a layout built on the device (a rollout step:
+        reading it would sync)."""
+        if "packed" not in self._moves:
+            self._moves["packed"] = _packed_rows(self)
+        return self._moves["packed"]
+
+
+def _run_starts(idx: torch.Tensor, count: torch.Tensor) -> torch.Tensor | None:
+    """[S] first rows if idx [S, T]'s first count[s] slots of each sample are consecutive rows
+    (and any later ones −1), else None."""
+    t = torch.arange(idx.shape[1])
+    first = idx[:, 0].clamp(min=0)
+    inside = t[None, :] < count[:, None]
+    want = torch.where(inside, first[:, None] + t, torch.full_like(idx, -1))
+    return first if torch.equal(idx, want) else None
+
+
+def _packed_rows(lay: StreamLayout):
+    if lay.q_idx.is_cuda or lay.q_idx.numel() == 0 or lay.keys_idx.shape[1] == 0:
+        return None
+    n_q = (lay.q_pos >= 0).sum(1)
+    if not torch.equal(lay.q_idx >= 0, lay.q_pos >= 0) or n_q.numel() != lay.kv_len.numel():
+        return None
+    n_k = (lay.keys_idx >= 0).sum(1)
+    if bool((n_k < lay.kv_len).any()):
+        return None
+    q_rows = _run_starts(lay.q_idx, n_q)
+    k_rows = _run_starts(lay.keys_idx, n_k)
+    if q_rows is None or k_rows is None:
+        return None
+    return q_rows, k_rows, lay.keys_idx.shape[1]
 
 
 @dataclass(frozen=True)
@@ -248,6 +289,12 @@ def _moves_of(idx: torch.Tensor, n_rows: int, lay: StreamLayout | None) -> SlotM
 
 def _prefix(idx: torch.Tensor, n_rows: int, lay: StreamLayout | None) -> bool:
     return lay is not None and idx.numel() <= n_rows and lay.slots_are_prefix(idx)
+
+
+def slots_are_views(lay: StreamLayout, n_q_rows: int, n_k_rows: int) -> bool:
+    """Whether `to_samples` of lay's query slots (a stream of n_q_rows) and of its key slots
+    (n_k_rows) are both views, and `to_stream` a reshape: no copies at all."""
+    return _prefix(lay.q_idx, n_q_rows, lay) and _prefix(lay.keys_idx, n_k_rows, lay)
 
 
 def to_samples(x: torch.Tensor, q_idx: torch.Tensor,

@@ -31,6 +31,8 @@ class InvariantOps:
     """Invariant kernels (rlkernel/kernels) and tree collectives (rlkernel/distributed)."""
 
     name = "invariant"
+    packed_attention = True
+    """`attention_packed` reads the token streams in place (no per-sample gathers)."""
     swiglu = staticmethod(activation.swiglu)
     token_logprobs_entropy = staticmethod(logprobs.token_logprobs_entropy)
     log_softmax = staticmethod(logprobs.log_softmax)
@@ -101,6 +103,15 @@ class InvariantOps:
         bounds: StreamLayout.attention_bounds of q_pos/kv_len (spares the backward a sync)."""
         return attention.attention(q, k, v, q_pos, kv_len, scale, tok=pc.tok, kv_comm=pc.kv,
                                    bounds=bounds)
+
+    @staticmethod
+    def attention_packed(q, k, v, rows, q_pos, kv_len, scale, pc: ParallelCtx, bounds=None):
+        """Invariant attention reading the token streams in place: q [Lq, Hq, D], k/v
+        [Lk, Hkv, D], rows = StreamLayout.packed_rows(); returns the output stream [Lq, Hq, D]
+        (kernels/attention.attention_packed: `attention`'s bytes without the per-sample copies)."""
+        q_rows, k_rows, tk = rows
+        return attention.attention_packed(q, k, v, q_rows, k_rows, q_pos, kv_len, tk, scale,
+                                          tok=pc.tok, kv_comm=pc.kv, bounds=bounds)
 
     @staticmethod
     def begin_grads(model, direct: bool = False) -> None:
@@ -234,6 +245,8 @@ class NativeOps:
     fp32, as in transformers' Qwen3; on CPU every op is fp32 (the control)."""
 
     name = "native"
+    packed_attention = False
+    """SDPA takes per-sample [S, H, T, D] tensors: the model gathers them."""
 
     @staticmethod
     def swiglu(g, u):

@@ -31,7 +31,7 @@ from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.kernels.matmul import rounding_point
 from rlkernel.kernels.rope import RopeTable
 from rlkernel.model.config import VIRTUAL_TP, Qwen3Config, param_shapes
-from rlkernel.model.layout import StreamLayout, to_samples, to_stream
+from rlkernel.model.layout import StreamLayout, slots_are_views, to_samples, to_stream
 from rlkernel.model.sharding import (dx_shard_rows, kv_replicas, local_tensor, logical_tensor,
                                      shard_of)
 from rlkernel.spec import ATTN_KV_BLOCK
@@ -139,6 +139,16 @@ class Attention(nn.Module):
         if lay.kv_idx is not None:                # CP-split pass: K/V of the logical stream
             k, v = ops.cp_gather(k, pc), ops.cp_gather(v, pc)           # [L, kv_heads, D]
         k_all, v_all = k, v
+        scale = 1.0 / math.sqrt(c.head_dim)
+        rows = lay.packed_rows() if cache is None and ops.packed_attention else None
+        if rows is not None and not slots_are_views(lay, n, k_all.shape[0]):
+            # Each sample's rows read and written in place (kernels/attention.attention_packed):
+            # the bytes of the per-sample path below without its gathers and scatters.
+            o = ops.attention_packed(*(rounding_point(t, self.cd) for t in (q, k_all, v_all)),
+                                     rows, lay.q_pos, lay.kv_len, scale, pc,
+                                     lay.attention_bounds())
+            return ops.row(o.reshape(n, self.heads * c.head_dim), self.o_proj.weight, shards,
+                           pc, self.cd)
         qs = to_samples(q, lay.q_idx, lay).transpose(1, 2)               # [S, heads, T, D]
         ks = to_samples(k_all, lay.keys_idx, lay).transpose(1, 2)       # [S, kv_heads, T, D]
         vs = to_samples(v_all, lay.keys_idx, lay).transpose(1, 2)
@@ -146,7 +156,6 @@ class Attention(nn.Module):
         # the KV cache stores these bf16 values; q and k arrive rounded by RoPE, so only v is
         # cast here); the backward of a cast widens the gradient.
         qs, ks, vs = (rounding_point(t, self.cd) for t in (qs, ks, vs))
-        scale = 1.0 / math.sqrt(c.head_dim)
         if cache is not None and lay.kv_idx is None:
             # The cache stores this pass's keys and attends over every key of each row (a
             # paged cache may read them through its block table instead of a dense copy).
