@@ -13,6 +13,8 @@ Run: `.venv/bin/python -m pytest -q tests/test_mlp.py` (a few seconds).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -138,6 +140,16 @@ def test_swiglu_mlp_refuses_an_input_of_another_width():
         with pytest.raises(ValueError, match="expected gate and up"):
             swiglu_mlp(torch.zeros(16, width), wg, wg, wd)
     assert swiglu_mlp(torch.zeros(16, 8), wg, wg, wd).shape == (16, 8)
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 8), (8,)])
+def test_swiglu_mlp_refuses_an_input_that_is_not_2d(shape):
+    """x [B, T, H] or [H] (the docstring says [M, H]): ValueError naming its shape, not a
+    matmul error with unrelated shapes (3-D) or an IndexError (1-D)."""
+    wg, wd = torch.zeros(16, 8), torch.zeros(8, 16)
+    want = f"x {shape} is {len(shape)}-D; expected x [M, H]"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        swiglu_mlp(torch.zeros(shape), wg, wg, wd)
 
 
 def _hf_grads(ref, x, ws, dy):

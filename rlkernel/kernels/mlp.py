@@ -67,10 +67,13 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     rows), w_down [H, I_local] -> [M, H] fp32 partial, which `parallel.exit_row` finishes across
     TP. local_shards: this rank's virtual-TP shards of I (VIRTUAL_TP / TP). Backward: dX fp32,
     this rank's local subtree (`parallel.enter_tp` finishes it); dW of the three weights through
-    `tok`. ValueError for a compute dtype outside COMPUTE_DTYPES or weights whose shapes do not
-    form an MLP.
+    `tok`. ValueError for a compute dtype outside COMPUTE_DTYPES, an x that is not 2-D, or
+    weights whose shapes do not form an MLP.
     """
     check_compute_dtype(compute_dtype)
+    if x.dim() != 2:   # a [B, T, H] x failed deep inside the matmuls with unrelated shapes
+        raise ValueError(f"swiglu_mlp: x {tuple(x.shape)} is {x.dim()}-D; expected x [M, H] "
+                         "(flatten the leading dimensions into M)")
     inter, hidden = w_gate.shape
     if (w_up.shape != w_gate.shape or tuple(w_down.shape) != (hidden, inter)
             or x.shape[-1] != hidden):
