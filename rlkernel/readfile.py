@@ -1,0 +1,91 @@
+"""Read a file of a run or model directory only when it is a regular file.
+
+A FIFO (named pipe) in a file's place makes `open` block until a writer comes, so the command
+hung with no message; a character device such as /dev/zero never ends; a directory fails with a
+bare IsADirectoryError. Every reader here opens with O_NONBLOCK (an open of a FIFO returns at
+once; regular files ignore the flag), checks the open descriptor with fstat, so the file checked
+is the file read (no window to swap it in between), and raises NotRegularFileError naming the
+path and what it is. That error is an OSError: callers' `except OSError` turn it into their own
+error type as they do an unreadable file.
+`require_regular` serves libraries that open by name (safetensors, tokenizers): their own open
+comes after the check, a window only a file swapped in on purpose fits through.
+Does not: parse (beyond JSON text, via jsontext) or write.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import IO, Any
+
+from rlkernel import jsontext
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+class NotRegularFileError(OSError):
+    """A path that must be a regular file is a FIFO, device, socket or directory.
+    str(): "PATH: not a regular file but a FIFO (named pipe)"; strerror: the part after PATH."""
+
+    def __init__(self, path: str | os.PathLike, mode: int) -> None:
+        kind = next((f" but {k}" for test, k in _KINDS if test(mode)), "")
+        super().__init__(None, f"not a regular file{kind}", os.fspath(path))
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def open_fd(path: str | os.PathLike) -> int:
+    """A read-only descriptor of the regular file `path` (the caller closes it).
+
+    Raises NotRegularFileError when `path` is anything else, and open's OSError otherwise
+    (FileNotFoundError, PermissionError, ...).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        if e.errno != errno.ENXIO:   # ENXIO: a socket, which open refuses
+            raise
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            raise
+        raise NotRegularFileError(path, mode) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(path, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_binary(path: str | os.PathLike) -> IO[bytes]:
+    """`open(path, "rb")` of a regular file. Raises as `open_fd`."""
+    return os.fdopen(open_fd(path), "rb")
+
+
+def require_regular(path: str | os.PathLike) -> None:
+    """Check that `path` is a regular file before a library that opens it by name (safetensors)
+    does. Raises as `open_fd`."""
+    os.close(open_fd(path))
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """The bytes of the regular file `path`. Raises as `open_fd`."""
+    with open_binary(path) as f:
+        return f.read()
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The UTF-8 text of the regular file `path`. Raises as `open_fd`, and UnicodeDecodeError."""
+    return read_bytes(path).decode("utf-8")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON document in the regular file `path`. Raises as `read_text`, and
+    json.JSONDecodeError (jsontext.loads: nesting too deep included)."""
+    return jsontext.loads(read_text(path))
