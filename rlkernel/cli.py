@@ -41,7 +41,7 @@ import sys
 import typing
 
 import rlkernel
-from rlkernel import jsontext
+from rlkernel import jsontext, readfile
 from rlkernel.config import (SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name,
                              model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
@@ -845,10 +845,13 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     flags applied."""
     d = pathlib.Path(given["resume"])
     try:
-        manifest = jsontext.loads((src / "manifest.json").read_text())
+        manifest = readfile.read_json(src / "manifest.json")
         saved = manifest["config"]
         if not isinstance(saved, dict):  # e.g. "config": [] would crash in saved.get below
             raise TypeError(saved)
+    except readfile.NotRegularFileError as e:   # a FIFO would block, a device never end
+        raise ConfigError(f"--resume {str(d)!r}: {e}; give a run directory written by rlk "
+                          "run") from None
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
                           "written by rlk run") from None
@@ -916,10 +919,11 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
     Raises ValueError."""
     path = src / "evidence.json"
     try:
-        evidence = jsontext.loads(path.read_text())
+        evidence = readfile.read_json(path)
         steps = evidence.get("steps") if isinstance(evidence, dict) else None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence ({e})") from None
+    except (OSError, ValueError) as e:   # strerror: an OSError's text without the path again
+        raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence "
+                         f"({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(steps, list):
         raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
     # A run records each step before its checkpoint: the checkpoint's steps are all there, in
@@ -949,7 +953,7 @@ def _resume_hint(d: pathlib.Path) -> str:
     if checkpoint_dirs(d):
         return f"resume with: rlk run --resume {d}"
     try:
-        every = jsontext.loads((d / "manifest.json").read_text())["config"].get("save_every")
+        every = readfile.read_json(d / "manifest.json")["config"].get("save_every")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         every = None
     if every:
@@ -999,12 +1003,16 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
     from rlkernel.runner.evidence import utc_now, versions
     from rlkernel.runner.loop import run_loop
+    from rlkernel.runner.metrics import COMPLETIONS, METRICS
 
     d = pathlib.Path(cfg.resume)
     try:
         ck = latest_checkpoint(src)
         _check_not_finished(src, cfg, d, ck.next_step)
-        manifest = jsontext.loads((src / "manifest.json").read_text())
+        for name in (METRICS, COMPLETIONS):   # the loop rewrites them after the evidence: a
+            if (src / name).exists():          # FIFO failed it there, with the run half resumed
+                readfile.require_regular(src / name)
+        manifest = readfile.read_json(src / "manifest.json")
         check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])

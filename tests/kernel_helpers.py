@@ -370,20 +370,34 @@ def run_interpreted_checks(script: Path, *names: str) -> dict[str, str]:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def fifo_in_place_of(path: Path, unblock_after_s: float = 20.0) -> None:
+_UNBLOCKER = """
+import os, stat, sys, time
+path, (after, give_up), parent = sys.argv[1], map(float, sys.argv[2:4]), int(sys.argv[4])
+time.sleep(after)
+end = time.monotonic() + give_up
+while time.monotonic() < end and os.getppid() == parent:
+    try:
+        if not stat.S_ISFIFO(os.lstat(path).st_mode):
+            break
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except FileNotFoundError:
+        break
+    except OSError:   # ENXIO: nobody is reading now
+        pass
+    time.sleep(0.5)
+"""
+
+
+def fifo_in_place_of(path: Path, unblock_after_s: float = 20.0, give_up_s: float = 600.0) -> None:
     """Replace the file at `path` by a FIFO (what a reader must refuse, not read: opening it
-    blocks until a writer comes). A daemon thread opens and closes its write end after
-    `unblock_after_s`, so code that does read it gets an empty file and the test fails instead
-    of hanging the suite."""
+    blocks until a writer comes). From `unblock_after_s` on, a watchdog process opens and
+    closes its write end twice a second while the FIFO is there (for `give_up_s` at most, and
+    while this process lives), so code that does read it gets an empty file and the test fails
+    instead of hanging the suite. A process, not a thread: safetensors' load_file and
+    tokenizers' from_file block in open holding the GIL, so a thread never ran; and every open
+    is answered, not the first only (a command may read a file more than once)."""
     path.unlink(missing_ok=True)
     os.mkfifo(path)
-
-    def unblock() -> None:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)   # ENXIO: nobody is reading
-        except OSError:
-            return
-        os.close(fd)
-    timer = threading.Timer(unblock_after_s, unblock)
-    timer.daemon = True
-    timer.start()
+    subprocess.Popen([sys.executable, "-c", _UNBLOCKER, str(path), str(unblock_after_s),
+                      str(give_up_s), str(os.getpid())], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 
 import pytest
 from kernel_helpers import fifo_in_place_of
 
 from rlkernel import readfile
+from rlkernel.cli import main
 from rlkernel.readfile import NotRegularFileError
 
 READERS = [readfile.read_bytes, readfile.read_text, readfile.read_json, readfile.require_regular]
@@ -89,3 +91,62 @@ def test_no_descriptor_is_left_open(tmp_path):
             readfile.read_bytes(tmp_path / "p")
         readfile.read_bytes(tmp_path / "f")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# every command that reads a run directory: a FIFO in a file's place is an error, not a hang
+
+FLAGS = ["--steps", "2", "--save-every", "1", "--n-prompts", "1", "--n-samples-per-prompt", "2",
+         "--max-response-len", "8", "--allow-dirty"]
+RESUME = ["run", "--resume", "{d}", "--steps", "3", "--allow-dirty"]   # 3: not already complete
+FIFO = "not a regular file but a FIFO (named pipe)"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 2-step run with both checkpoints and final/ (about 2 s)."""
+    d = tmp_path_factory.mktemp("fifo") / "run"
+    assert main(["run", *FLAGS, "--run-dir", str(d)]) == 0
+    return d
+
+
+@pytest.mark.parametrize("name, drop, argv, code, words", [
+    ("manifest.json", [], RESUME, 2, f"--resume '{{d}}': {{d}}/manifest.json: {FIFO}"),
+    ("evidence.json", [], RESUME, 2, f"{{d}}/evidence.json cannot be read as evidence ({FIFO})"),
+    ("checkpoints/step-000002/state.safetensors", ["checkpoints/step-000001"], RESUME, 2,
+     f"no complete checkpoint to resume from (skipped: step-000002: "
+     f"{{d}}/checkpoints/step-000002/state.safetensors: {FIFO})"),
+    ("checkpoints/step-000002/meta.json", ["checkpoints/step-000001"], RESUME, 2,
+     f"(skipped: step-000002: {{d}}/checkpoints/step-000002/meta.json: {FIFO})"),
+    ("metrics.jsonl", [], RESUME, 2, f"{{d}}/metrics.jsonl: {FIFO}"),
+    ("completions.jsonl", [], RESUME, 2, f"{{d}}/completions.jsonl: {FIFO}"),
+    ("evidence.json", ["metrics.jsonl"], ["report", "{d}", "--out", "{d}.plots"], 2,
+     f"{{d}}/evidence.json: cannot be read ({FIFO})"),
+    ("metrics.jsonl", [], ["report", "{d}", "--out", "{d}.plots"], 2,
+     f"{{d}}/metrics.jsonl: cannot be read ({FIFO})"),
+    ("final/model.safetensors", [], ["export", "{d}", "--out", "{d}.hf"], 1,
+     f"{{d}}/final/model.safetensors: {FIFO}; expected a safetensors file"),
+    ("final/config.json", [], ["export", "{d}", "--out", "{d}.hf"], 1,
+     f"{{d}}/final/config.json: {FIFO}; expected a JSON file"),
+    ("checkpoints/step-000001/state.safetensors", [],
+     ["export", "{d}", "--step", "0", "--out", "{d}.hf"], 1,
+     f"unreadable checkpoint ({{d}}/checkpoints/step-000001/state.safetensors: {FIFO})"),
+    ("manifest.json", [], ["compare", "{d}", "{d}"], 2, f"{{d}}/manifest.json: {FIFO}"),
+])
+def test_a_fifo_in_a_run_file_is_an_error_naming_it(run, tmp_path, capsys, name, drop, argv,
+                                                    code, words):
+    """rlk run --resume, report, export and compare with a FIFO in place of one file of a run
+    (each hung in open before): the command's own error (exit 2 usage, 1 a broken run's
+    weights), one line naming the file, nothing resumed (the evidence is unchanged)."""
+    d = tmp_path / "run"
+    shutil.copytree(run, d)
+    for p in drop:
+        shutil.rmtree(d / p) if (d / p).is_dir() else (d / p).unlink()
+    fifo_in_place_of(d / name)
+    before = (d / "evidence.json").read_bytes() if name != "evidence.json" else None
+    capsys.readouterr()
+    assert main([a.format(d=d) for a in argv]) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words.format(d=d) in err, err
+    if before is not None:
+        assert (d / "evidence.json").read_bytes() == before

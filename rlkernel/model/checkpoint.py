@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from rlkernel import jsontext
+from rlkernel import readfile
 from rlkernel.model.config import Qwen3Config, param_shapes, preset
 
 CONFIG_NAME = "config.json"
@@ -168,8 +168,9 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
     is missing, not JSON, or not a supported dense Qwen3 config; there is no *.safetensors, or
     several without an index, or both model.safetensors and an index; the index is malformed,
     names a missing shard, or disagrees with the shards' contents; a safetensors file is
-    truncated or corrupt; a tensor appears in two shards; any tensor is missing, unexpected,
-    of the wrong shape, or not float32/bfloat16/float16.
+    truncated or corrupt; a file is not a regular file (a FIFO, a device); a tensor appears in
+    two shards; any tensor is missing, unexpected, of the wrong shape, or not
+    float32/bfloat16/float16.
     """
     d = Path(model_dir)
     if not d.exists():
@@ -229,7 +230,9 @@ def read_model_config(model_dir: str | os.PathLike) -> Qwen3Config:
 def _read_json(path: Path):
     """Parsed JSON of `path`; CheckpointError naming the file (and line/column) otherwise."""
     try:
-        return jsontext.loads(path.read_text(encoding="utf-8"))
+        return readfile.read_json(path)
+    except readfile.NotRegularFileError as e:   # a FIFO would block, a device never end
+        raise CheckpointError(f"{e}; expected a JSON file") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: "
                               f"{e.msg})") from None
@@ -238,7 +241,7 @@ def _read_json(path: Path):
 
 
 def _read_config(path: Path) -> Qwen3Config:
-    if not path.is_file():
+    if not path.exists():   # anything else there (a FIFO, a directory): _read_json says what
         raise CheckpointError(f"{path}: missing; a checkpoint directory needs a Hugging Face "
                               f"{CONFIG_NAME}")
     d = _read_json(path)
@@ -319,7 +322,7 @@ def _read_index(index: Path) -> dict[Path, set[str] | None]:
             raise CheckpointError(f"{index}: tensor {name!r} maps to {fname!r}; allowed: a plain "
                                   "file name in the same directory")
         path = index.parent / fname
-        if not path.is_file():
+        if not path.exists():   # anything else there: _read_safetensors says what
             raise CheckpointError(f"{index}: tensor {name!r} is in shard {fname!r}, which is "
                                   "missing")
         names = shards.setdefault(path, set())
@@ -339,7 +342,10 @@ def _check_shard_against_index(index: Path, shard: Path, listed: set[str], found
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
+        readfile.require_regular(path)   # load_file opens by name: a FIFO would block it forever
         return load_file(str(path), device="cpu")
+    except readfile.NotRegularFileError as e:
+        raise CheckpointError(f"{e}; expected a safetensors file") from None
     except SafetensorError as e:
         raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt?): "
                               f"{e}") from None

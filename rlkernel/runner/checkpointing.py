@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from rlkernel import jsontext
+from rlkernel import readfile
 
 CKPT_DIR = "checkpoints"
 _STATE = "state.safetensors"
@@ -96,8 +96,8 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
 
 
 def _load(path: pathlib.Path) -> Checkpoint:
-    meta = jsontext.loads((path / _META).read_text())
-    blob = (path / _STATE).read_bytes()
+    meta = readfile.read_json(path / _META)
+    blob = readfile.read_bytes(path / _STATE)
     if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
         raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")
     tensors = {n: t.clone() for n, t in safetensors.torch.load(blob).items()}

@@ -26,7 +26,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlkernel import jsontext
+from rlkernel import jsontext, readfile
 from rlkernel.config import SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
 from rlkernel.runner.evidence import EVIDENCE_FORMAT
 
@@ -85,10 +85,10 @@ class CompareReport:
 
 
 def _load_json(path: pathlib.Path) -> Any:
-    if path.exists() and not path.is_file():     # a FIFO or device would block or never end
-        raise CompareError(f"{path}: not a regular file; not a file rlk run writes")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = readfile.read_text(path)
+    except readfile.NotRegularFileError as e:   # a FIFO would block, a device never end
+        raise CompareError(f"{e}; not a file rlk run writes") from None
     except FileNotFoundError:
         raise CompareError(f"{path}: not found (is {path.parent} a run directory?)") from None
     except OSError as e:

@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-from rlkernel import jsontext
+from rlkernel import readfile
 
 EVIDENCE_FORMAT = 1
 
@@ -189,7 +189,7 @@ def git_state(src_dir: str | os.PathLike) -> dict[str, Any]:
     for line in untracked:
         rel = line[3:].strip('"')
         try:
-            data = (pathlib.Path(top.strip()) / rel).read_bytes()
+            data = readfile.read_bytes(pathlib.Path(top.strip()) / rel)
             hashes[rel] = hashlib.sha256(data).hexdigest()
         except OSError:
             hashes[rel] = None
@@ -332,7 +332,7 @@ class EvidenceWriter:
         w.run_dir = pathlib.Path(run_dir)
         w.manifest = to_json_safe(manifest)
         w.progress = progress
-        data = jsontext.loads((w.run_dir / "evidence.json").read_text())
+        data = readfile.read_json(w.run_dir / "evidence.json")
         w.init = data.get("init")
         w.steps = list(data.get("steps") or [])[:upto]
         if progress is not None:  # progress counts on from the kept steps ("step 4/6", not 1/6)
@@ -347,7 +347,7 @@ class EvidenceWriter:
         """Reload init/steps/completion from evidence.json as another process (rank 0 of a
         launched job) left it, so the CLI sees what was written. Missing or unreadable: no-op."""
         try:
-            data = jsontext.loads((self.run_dir / "evidence.json").read_text())
+            data = readfile.read_json(self.run_dir / "evidence.json")
         except (OSError, ValueError):
             return
         self.init = data.get("init")

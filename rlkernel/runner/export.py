@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkernel import jsontext
+from rlkernel import readfile
 from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_model_config,
                                        save_checkpoint)
 from rlkernel.model.config import Qwen3Config, param_shapes, tiny
@@ -109,12 +109,12 @@ class Exported:
 def _read_json(path: pathlib.Path) -> tuple[object, str | None]:
     """(document, None), or (None, why it cannot be read: missing, not a regular file, not
     UTF-8, not JSON)."""
-    if path.exists() and not path.is_file():     # a FIFO or device would block or never end
-        return None, "is not a regular file"
     try:
-        return jsontext.loads(path.read_text(encoding="utf-8")), None
+        return readfile.read_json(path), None
     except FileNotFoundError:
         return None, "is missing"
+    except readfile.NotRegularFileError:   # a FIFO would block, a device never end
+        return None, "is not a regular file"
     except UnicodeDecodeError:
         return None, "is not UTF-8 text"
     except ValueError as e:   # JSONDecodeError, and jsontext's too-deep documents

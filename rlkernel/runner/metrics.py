@@ -37,7 +37,7 @@ import os
 import pathlib
 from typing import Any, Iterable
 
-from rlkernel import jsontext
+from rlkernel import jsontext, readfile
 from rlkernel.runner.evidence import to_json_safe
 
 METRICS = "metrics.jsonl"
@@ -144,8 +144,9 @@ def append_jsonl(path: pathlib.Path, rows: Iterable[dict[str, Any]]) -> None:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The objects of a JSON-lines file; a last line without its newline (a write cut by a crash)
-    and lines that are not JSON objects are dropped. Raises OSError if unreadable."""
-    text = pathlib.Path(path).read_text(encoding="utf-8")
+    and lines that are not JSON objects are dropped. Raises OSError if unreadable
+    (readfile.NotRegularFileError for a FIFO, device or directory)."""
+    text = readfile.read_text(path)
     lines = text.split("\n")[:-1]  # the piece after the last newline is incomplete (or empty)
     out = []
     for line in lines:

@@ -27,7 +27,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from rlkernel import jsontext
+from rlkernel import readfile
 from rlkernel.runner.metrics import METRICS, metrics_row, read_jsonl
 
 
@@ -58,18 +58,19 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     rows: list[dict[str, Any]] = []
     source = str(path)
     try:
-        if path.is_file():
+        if path.exists():   # a FIFO too: read_jsonl refuses it (skipping it hid the reason)
             rows = read_jsonl(path)
         if not rows:
             source = str(d / "evidence.json")
-            ev = jsontext.loads((d / "evidence.json").read_text(encoding="utf-8"))
+            ev = readfile.read_json(d / "evidence.json")
             steps = ev.get("steps") if isinstance(ev, dict) else None
             rows = [metrics_row(s) for s in steps or [] if isinstance(s, dict)]
     except FileNotFoundError:
         raise ReportError(f"{d}: neither {METRICS} nor evidence.json; give a directory written "
                           "by rlk run") from None
-    except (OSError, ValueError) as e:
-        raise ReportError(f"{source}: cannot be read ({e})") from None
+    except (OSError, ValueError) as e:   # strerror: the OSError's text without the path again
+        raise ReportError(f"{source}: cannot be read ({getattr(e, 'strerror', None) or e})") \
+            from None
     rows = sorted((r for r in rows if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     if not rows:
         raise ReportError(f"{d}: no step recorded yet (in {source})")
