@@ -41,7 +41,7 @@ import sys
 import typing
 
 import rlkernel
-from rlkernel import jsontext, readfile
+from rlkernel import readfile
 from rlkernel.config import (SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name,
                              model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
@@ -470,7 +470,7 @@ def _check_model_dir(model: str) -> None:
     if not d.is_dir():
         what = "is a file, not a directory" if d.exists() else "no such directory"
         raise ConfigError(model_flag_error(model, f"{what}; {_MODEL_EXPECTED}"))
-    missing = [what for what, present in (("no config.json", (d / "config.json").is_file()),
+    missing = [what for what, present in (("no config.json", (d / "config.json").exists()),
                                           ("no *.safetensors weights",
                                            any(d.glob("*.safetensors"))))
                if not present]
@@ -536,7 +536,7 @@ def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
         return tiny()
     path = pathlib.Path(cfg.model) / "config.json"
     try:
-        d = jsontext.loads(path.read_text())
+        d = readfile.read_json(path)
         return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
     except ConfigError as e:   # a shape the kernels cannot run (its message names the file)
         raise ConfigError(model_flag_error(cfg.model, str(e))) from None

@@ -150,3 +150,38 @@ def test_a_fifo_in_a_run_file_is_an_error_naming_it(run, tmp_path, capsys, name,
     assert len(err.splitlines()) == 1 and words.format(d=d) in err, err
     if before is not None:
         assert (d / "evidence.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("name, words", [
+    ("config.json", f"config.json: {FIFO}; expected a JSON file"),
+    ("model.safetensors", f"model.safetensors: {FIFO}; expected a safetensors file"),
+    ("tokenizer.json", f"cannot load tokenizer ({{m}}/tokenizer.json: {FIFO})"),
+])
+def test_a_fifo_in_the_model_directory_is_a_usage_error(run, tmp_path, capsys, name, words):
+    """rlk run --model DIR (the run's final/, a Hugging Face directory) with a FIFO in place of
+    config.json, the weights or tokenizer.json: exit 2 naming the file (the loaders hung in
+    open, or config.json was called missing), no run directory left."""
+    m = tmp_path / "model"
+    shutil.copytree(run / "final", m)
+    fifo_in_place_of(m / name)
+    out = tmp_path / "r"
+    capsys.readouterr()
+    assert main(["run", *FLAGS, "--steps", "1", "--model", str(m), "--run-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1].startswith(f"rlk run: error: --model '{m}': "), err
+    assert words.format(m=m) in err.splitlines()[-1], err
+    assert not out.exists()
+
+
+def test_a_fifo_as_a_prompt_file_or_a_hashed_input_is_refused(tmp_path):
+    """The loaders behind the CLI's is_file checks refuse a FIFO themselves (one swapped in
+    after the check, or a caller of the API): the prompt file reader, an input's SHA-256."""
+    from rlkernel.data.prompts import PromptFileError, load_prompts
+    from rlkernel.runner.inputs import sha256_file
+
+    p = tmp_path / "prompts.jsonl"
+    fifo_in_place_of(p)
+    with pytest.raises(PromptFileError, match=re.escape(f"{p}: cannot read ({FIFO})")):
+        load_prompts(p)
+    with pytest.raises(NotRegularFileError):
+        sha256_file(p)

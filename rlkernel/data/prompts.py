@@ -27,6 +27,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from rlkernel import readfile
+
 PARQUET_MAGIC = b"PAR1"
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_HINT = "pip install 'rl-kernel[parquet]' (or: pip install pyarrow)"
@@ -234,8 +236,7 @@ def load_prompts(path: str | os.PathLike, *, input_key: str = "prompt",
 def read_prompt_file(path: str | os.PathLike) -> bytes:
     """The bytes of a prompt file. Raises PromptFileError if it is missing or unreadable."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return readfile.read_bytes(path)   # a FIFO would block, a device never end
     except FileNotFoundError:
         raise PromptFileError(f"{path}: file not found; give the path of a JSONL or Parquet "
                               "prompt file") from None

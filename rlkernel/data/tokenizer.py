@@ -26,6 +26,8 @@ import json
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from rlkernel import readfile
+
 # Byte tokenizer layout: ids 0..255 are raw UTF-8 bytes, then specials, then reserved ids.
 BYTE_VOCAB_SIZE = 264
 BYTE_EOS_ID = 256  # "<|endoftext|>"
@@ -96,6 +98,7 @@ class HFTokenizer:
         """
         self.path = Path(path)
         try:
+            readfile.require_regular(self.path)   # from_file opens by name: a FIFO blocks it
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for any parse error
             raise TokenizerError(f"{self.path}: cannot load tokenizer ({e}); expected a Hugging "

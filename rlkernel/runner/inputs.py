@@ -30,7 +30,7 @@ import pathlib
 import struct
 from typing import Any
 
-from rlkernel import jsontext
+from rlkernel import jsontext, readfile
 from rlkernel.config import ConfigError, RunConfig, model_flag_error
 from rlkernel.model.config import Qwen3Config
 
@@ -64,7 +64,7 @@ def input_files(cfg: RunConfig) -> list[pathlib.Path]:
 def sha256_file(path: str | pathlib.Path) -> str:
     """SHA-256 (hex) of a file's bytes, read in 16 MiB chunks. Raises OSError."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with readfile.open_binary(path) as f:   # a FIFO swapped in after the listing: refused
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -78,7 +78,7 @@ def _stored_dtypes(files: list[pathlib.Path]) -> list[str] | None:
         if p.suffix != ".safetensors":
             continue
         try:
-            with open(p, "rb") as f:
+            with readfile.open_binary(p) as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > 100_000_000:
                     return None
