@@ -38,6 +38,7 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 import typing
 
 import rlkernel
@@ -363,6 +364,26 @@ def _occupied(flag: str, value: str) -> str | None:
     if _dir_is_free(d):
         return None
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
+
+
+def _uncreatable(flag: str, value: str) -> str | None:
+    """The usage error for a new-directory flag whose directory cannot be made where it is
+    (export and init-model found out only when writing, after all the work: exit 1): an
+    ancestor is a symbolic link that leads nowhere (a loop, a missing target), or the nearest
+    existing one takes no new directory (/proc, /sys, read-only), which a probe directory made
+    and removed there tells. None when it can be made."""
+    for p in pathlib.Path(os.path.abspath(value)).parents:
+        if p.is_symlink() and not p.exists():   # exists() is False for a loop, no error
+            return (f"{flag} {value!r}: cannot be created, {str(p)!r} is a symbolic link that "
+                    "leads nowhere (a loop, or a missing target); give a new or empty directory")
+        if p.exists():
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".rlk-probe-", dir=p))
+            except OSError as e:
+                return (f"{flag} {value!r}: cannot create a directory in {str(p)!r} "
+                        f"({e.strerror or e}); give a writable new directory")
+            return None
+    return None
 
 
 def _why_not_a_link(d: pathlib.Path) -> str:
@@ -1249,7 +1270,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
-    taken = _non_utf8(("--out", args.out)) or _occupied("--out", args.out)
+    taken = (_non_utf8(("--out", args.out)) or _occupied("--out", args.out)
+             or _uncreatable("--out", args.out))
     if taken:
         return _error("init-model", taken, 2)
     out = pathlib.Path(args.out)
@@ -1271,7 +1293,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
     # its own check for callers of the API.
-    taken = _non_utf8(("RUN", args.run), ("--out", args.out)) or _occupied("--out", args.out)
+    taken = (_non_utf8(("RUN", args.run), ("--out", args.out)) or _occupied("--out", args.out)
+             or _uncreatable("--out", args.out))
     if taken:
         return _error("export", taken, 2)
     try:

@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -379,6 +380,31 @@ def test_a_symlink_loop_as_run_dir_is_a_usage_error(tmp_path, sub):
     rc, err = rlk("run", "--allow-dirty", "--run-dir", rd)
     assert rc == 2 and "Traceback" not in err
     assert error_line(err).startswith(f"--run-dir {rd!r}: "), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
+
+
+@pytest.mark.parametrize("cmd", ["export", "init-model"])
+@pytest.mark.parametrize("out, words", [
+    ("{loop}", "is a symbolic link to 'loop', which does not exist"),
+    ("{loop}/sub", "cannot be created, '{loop}' is a symbolic link that leads nowhere"),
+    ("{loop}/sub/deeper", "cannot be created, '{loop}' is a symbolic link that leads nowhere"),
+    ("/proc/self/rlk-out", "cannot create a directory in '/proc/self'"),
+    ("/proc/rlk-out", "cannot create a directory in '/proc'"),
+])
+def test_an_out_that_cannot_be_created_is_a_usage_error(tmp_path, cmd, out, words):
+    """export / init-model --out a symbolic link loop, a path under one, or under /proc: one
+    error line naming the flag, exit 2, before any work — export's RUN is not even read (they
+    failed only when writing, exit 1, after the weights were made or verified)."""
+    if out.startswith("/proc") and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    o = out.format(loop=loop)
+    argv = (["export", str(tmp_path / "no-such-run")] if cmd == "export"
+            else ["init-model", "--preset", "tiny"])
+    rc, err = rlk(*argv, "--out", o)
+    assert rc == 2
+    assert error_line(err, cmd).startswith(f"--out {o!r}: {words.format(loop=loop)}"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
 
 
