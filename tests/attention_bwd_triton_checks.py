@@ -24,12 +24,14 @@ Run by hand: TRITON_INTERPRET=1 .venv/bin/python tests/attention_bwd_triton_chec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import sys
 import warnings
 
+import numpy as np
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -832,6 +834,100 @@ def packed_streams_give_the_per_sample_bytes():
         off1 = ta.attention_forward_packed(qs, ks, vs, q_rows, k_rows + 1, q_pos, kv_len, tk,
                                            SCALE)[0]
         assert n_diff(base, off1) > 0, "control: key rows one off gave the same output"
+
+
+
+@contextlib.contextmanager
+def _accesses_in(ranges):
+    """Yields a list that gets one entry ("load" / "store") per interpreted memory access (mask
+    on) with an address in one of ranges [(lo, hi) bytes]: the interpreter reads and writes
+    CPU tensors in place, so an access past a tensor's end is seen here, where the GPU would
+    read or write another tensor's memory (or fault)."""
+    ib = triton.runtime.interpreter.InterpreterBuilder
+    load, store = ib.create_masked_load, ib.create_masked_store
+    hits = []
+
+    def seen(ptrs, mask, what):
+        at = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape).astype(bool)]
+        if any(bool(((at >= lo) & (at < hi)).any()) for lo, hi in ranges):
+            hits.append(what)
+
+    def masked_load(self, ptrs, mask, other, *rest):
+        seen(ptrs, mask, "load")
+        return load(self, ptrs, mask, other, *rest)
+
+    def masked_store(self, ptrs, value, mask, *rest):
+        seen(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *rest)
+    ib.create_masked_load, ib.create_masked_store = masked_load, masked_store
+    try:
+        yield hits
+    finally:
+        ib.create_masked_load, ib.create_masked_store = load, store
+
+
+def _guarded(x: torch.Tensor, n_guard: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """x [L, ...] copied into the first L rows of a NaN buffer of L + n_guard rows: (that view,
+    the guard rows' byte range)."""
+    buf = torch.full((x.shape[0] + n_guard,) + x.shape[1:], NAN, dtype=x.dtype)
+    buf[:x.shape[0]] = x
+    lo = buf.data_ptr() + x.shape[0] * buf.stride(0) * buf.element_size()
+    return buf[:x.shape[0]], (lo, buf.data_ptr() + buf.numel() * buf.element_size())
+
+
+@check
+def packed_kernels_touch_no_row_past_the_streams_ends():
+    """Streams that end at the last row of a short sample (lengths 128, 40 packed in order: the
+    40-token sample's 88 empty query slots and its key slots past kv_len name rows past the
+    end), each stream a view of a buffer with NaN guard rows after it: the packed forward and
+    backward (fp32 and bf16) neither load nor store an address in the guard rows of q, k, v,
+    out or dO, and give the per-sample bytes. (The forward's unmasked whole-block loop, run by a
+    tile of empty slots only, read the short sample's keys 40..127: rows past the end.)
+    Control: the forward's read of q's last row (the row before the guard) is seen."""
+    with sequential_dot():
+        q, k, v, q_pos, kv_len, q_idx, _, _ = _pack([128, 40], seed=160)
+        d_out = randn(*q.shape, seed=161)
+        n = int(q_idx.max()) + 1
+        rows, tk = q_idx[:, 0].contiguous(), k.shape[2]
+        for dt in (torch.float32, torch.bfloat16):
+            qq, kk, vv, gg = (t.to(dt) for t in (q, k, v, d_out))
+            (qs, gq), (ks, gk), (vs, gv), (ds, gd) = (_guarded(_stream(t, q_idx, n), q.shape[2])
+                                                      for t in (qq, kk, vv, gg))
+            with _accesses_in([gq, gk, gv, gd]) as hits:
+                out, lse = ta.attention_forward_packed(qs, ks, vs, rows, rows, q_pos, kv_len, tk,
+                                                       SCALE)
+            assert not hits, f"forward {dt}: {sorted(set(hits))} past the streams' ends"
+            out, go = _guarded(out, q.shape[2])
+            with _accesses_in([gq, gk, gv, gd, go]) as hits:
+                grads = tb.attention_backward_packed(qs, ks, vs, out, lse, ds, rows, rows, q_pos,
+                                                     kv_len, tk, SCALE)
+            assert not hits, f"backward {dt}: {sorted(set(hits))} past the streams' ends"
+            _same_as_per_sample((out, lse, *grads), qq, kk, vv, gg, q_pos, kv_len, q_idx, q_idx)
+        with _accesses_in([(gq[0] - qs.stride(0) * qs.element_size(), gq[0])]) as hits:
+            ta.attention_forward_packed(qs, ks, vs, rows, rows, q_pos, kv_len, tk, SCALE)
+        assert "load" in hits, "control: the read of q's last row was not seen"
+
+
+
+@check
+def packed_row_maps_of_any_strides_give_the_per_sample_bytes():
+    """q_rows / k_rows given as column views of the slot maps (q_idx[:, 0]: stride Tq, not 1;
+    the key rows another layout's): the packed forward and backward give the per-sample bytes,
+    as with contiguous row maps (the kernels index ROWS[s]; a strided view read as contiguous
+    would give sample 1 the rows of sample 0's slots)."""
+    with sequential_dot():
+        q, k, v, q_pos, kv_len, q_idx, sl, _ = _pack([128, 40], seed=180)
+        k_idx = _reversed_rows(q_idx)
+        d_out = randn(*q.shape, seed=181)
+        qs, gs = _stream(q, q_idx, sl), _stream(d_out, q_idx, sl)
+        ks, vs = _stream(k, k_idx, sl), _stream(v, k_idx, sl)
+        q_rows, k_rows = q_idx[:, 0], k_idx[:, 0]
+        assert q_rows.stride(0) == k_rows.stride(0) == q.shape[2] > 1
+        out, lse = ta.attention_forward_packed(qs, ks, vs, q_rows, k_rows, q_pos, kv_len,
+                                               k.shape[2], SCALE)
+        grads = tb.attention_backward_packed(qs, ks, vs, out, lse, gs, q_rows, k_rows, q_pos,
+                                             kv_len, k.shape[2], SCALE)
+        _same_as_per_sample((out, lse, *grads), q, k, v, d_out, q_pos, kv_len, q_idx, k_idx)
 
 
 @check

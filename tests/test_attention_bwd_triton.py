@@ -157,6 +157,21 @@ def test_packed_streams_give_the_per_sample_bytes(results):
     _ok(results, "packed_streams_give_the_per_sample_bytes")
 
 
+
+def test_packed_kernels_touch_no_row_past_the_streams_ends(results):
+    """Packed streams ending at a short sample's last row, guard rows after each: the packed
+    forward and backward load and store no address in the guard rows (the forward's tiles of
+    empty slots alone ran its unmasked whole-block loop over keys past kv_len), with the
+    per-sample bytes; control: the read of q's last row is seen."""
+    _ok(results, "packed_kernels_touch_no_row_past_the_streams_ends")
+
+
+def test_packed_row_maps_of_any_strides_give_the_per_sample_bytes(results):
+    """q_rows / k_rows as column views of the slot maps (stride Tq): the per-sample bytes, as
+    with contiguous row maps (read as contiguous they name the wrong rows)."""
+    _ok(results, "packed_row_maps_of_any_strides_give_the_per_sample_bytes")
+
+
 def _dq_ptx(dq: str) -> str:
     """PTX of `_dq_kernel` for sm_90 (compiled on the CPU) with bf16 q/k/v/d_out and a dQ
     pointer of type dq, as `_dq` launches it (fp fusion off, G = 1, D = 64)."""

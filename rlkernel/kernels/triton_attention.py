@@ -134,8 +134,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QPOS, KVLEN, TABLE, QROWS, KROWS,
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     # Blocks that every live row sees whole: the same ops without masks or selects (all-true
-    # masks and selects change no value).
-    n_full = (tl.minimum(tl.min(tl.where(live, last, 1 << 30), 0), Tk - 1) + 1) // BLOCK_N
+    # masks and selects change no value). None in a tile without a live row (hi = 0 there): its
+    # unmasked loads would read keys past kv_len, in a packed stream other samples' rows or
+    # rows past the stream's end.
+    n_full = (tl.minimum(tl.min(tl.where(live, last, 1 << 30), 0), hi - 1) + 1) // BLOCK_N
     for j0 in range(0, n_full * BLOCK_N, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         kb, vb, jj = _block_base(kbase, vbase, TABLE, s, s_ts, s_tb, s_ks, s_vs, j0, j,
@@ -246,7 +248,8 @@ def attention_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     on the gathered per-sample tensors: only addresses differ.
     Returns (out [Lq, Hq, D] in q's dtype, rows no query slot names +0.0; lse [S, Hkv, G, Tq]).
     ValueError on bad input (shapes; the row maps are the caller's contract, not checked: a
-    check would sync the host)."""
+    check would sync the host). q_rows / k_rows may have any strides (a column view such as
+    idx[:, 0] included): the kernels read a contiguous copy (`sample_base` indexes ROWS[s])."""
     check_cuda("attention", q, k, v, q_rows, k_rows, q_pos, kv_len)
     check_packed("attention", q, k, v, q_rows, k_rows, q_pos, kv_len)
     s_, tq = q_pos.shape
@@ -254,7 +257,7 @@ def attention_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.zeros(q.shape[0], hq, d, dtype=q.dtype, device=q.device)
     return _launch(q, k, v, q_pos, kv_len, scale, tile, (s_, hq, tq, d, k.shape[1], tk),
                    stream_strides(q), stream_strides(k), stream_strides(v), out,
-                   stream_strides(out), None, (q_rows, k_rows))
+                   stream_strides(out), None, (q_rows.contiguous(), k_rows.contiguous()))
 
 
 def paged_attention_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -699,7 +699,7 @@ def attention_backward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"match q {tuple(q.shape)} (lse fp32 [S, Hkv, G, Tq])")
     if s_ == 0 or hq == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    rows = (q_rows, k_rows)
+    rows = (q_rows.contiguous(), k_rows.contiguous())    # sample_base reads ROWS[s]: stride 1
     dq, dk, dv = _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm,
                            words_elems, dq_tile, kv_tile, force_flag, bounds, rows, tk)
     return dq, _to_rows(dk, k, k_rows, kv_len), _to_rows(dv, v, k_rows, kv_len)
