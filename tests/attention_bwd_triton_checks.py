@@ -931,6 +931,33 @@ def packed_row_maps_of_any_strides_give_the_per_sample_bytes():
 
 
 @check
+def packed_bad_arguments_are_refused():
+    """attention_forward_packed / attention_backward_packed refuse, with ValueError, streams and
+    row maps that do not form a packed problem: q_rows or k_rows not [S], kv_len not [S], a
+    per-sample (4-d) q, v unlike k, k's head_dim unlike q's."""
+    q, k, v, q_pos, kv_len, q_idx, _, _ = _pack([70, 41], seed=170)
+    n = int(q_idx.max()) + 1
+    qs, ks, vs = (_stream(t, q_idx, n, 0.0) for t in (q, k, v))
+    rows = q_idx[:, 0]
+    base = {"q": qs, "k": ks, "v": vs, "q_rows": rows, "k_rows": rows, "q_pos": q_pos,
+            "kv_len": kv_len}
+    out, lse = ta.attention_forward_packed(**base, tk=k.shape[2], scale=SCALE)
+    bad = [{"q_rows": rows[:1]}, {"k_rows": rows[None]}, {"kv_len": kv_len[:1]}, {"q": q},
+           {"v": vs[:-1]}, {"k": ks[..., :8], "v": vs[..., :8]}]
+    for change in bad:
+        args = {**base, **change}
+        for name, call in (("forward", lambda: ta.attention_forward_packed(
+                **args, tk=k.shape[2], scale=SCALE)),
+                           ("backward", lambda: tb.attention_backward_packed(
+                **args, out=out, lse=lse, d_out=out, tk=k.shape[2], scale=SCALE))):
+            try:
+                call()
+            except ValueError:
+                continue
+            raise AssertionError(f"{name} accepted {sorted(change)}")
+
+
+@check
 def bad_arguments_are_refused():
     """fp16, a head count not a multiple of the KV heads, a wrong lse shape: ValueError."""
     (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()

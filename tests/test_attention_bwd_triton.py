@@ -172,6 +172,12 @@ def test_packed_row_maps_of_any_strides_give_the_per_sample_bytes(results):
     _ok(results, "packed_row_maps_of_any_strides_give_the_per_sample_bytes")
 
 
+def test_packed_bad_arguments_are_refused(results):
+    """The packed forward and backward refuse row maps or kv_len not [S], a 4-d q, v unlike k,
+    k's head_dim unlike q's: ValueError."""
+    _ok(results, "packed_bad_arguments_are_refused")
+
+
 def _dq_ptx(dq: str) -> str:
     """PTX of `_dq_kernel` for sm_90 (compiled on the CPU) with bf16 q/k/v/d_out and a dQ
     pointer of type dq, as `_dq` launches it (fp fusion off, G = 1, D = 64)."""

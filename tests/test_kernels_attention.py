@@ -417,3 +417,64 @@ def test_attention_refuses_mixed_dtypes():
     q, k, v, q_pos, kv_len, *_ = _pack([5])
     with pytest.raises(ValueError, match="share dtype float32 or bfloat16, got torch.bfloat16, torch.float32"):
         attention_forward(q.bfloat16(), k, v, q_pos, kv_len, SCALE)
+
+
+def _to_stream(x: torch.Tensor, idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """x [S, H, T, D] as a token stream [n_rows, H, D]: slot (s, t) at row idx[s, t] (>= 0), NaN
+    in every row no slot names."""
+    out = torch.full((n_rows, x.shape[1], x.shape[3]), NAN, dtype=x.dtype)
+    s_i, t_i = (idx >= 0).nonzero(as_tuple=True)
+    out[idx[s_i, t_i]] = x[s_i, :, t_i]
+    return out
+
+
+def _runs(lengths, order, gap: int, tq: int) -> torch.Tensor:
+    """[S, tq] slot map: sample s's first lengths[s] slots one run of rows, the samples placed
+    in `order` with `gap` unnamed rows after each."""
+    idx = torch.full((len(lengths), tq), -1, dtype=torch.long)
+    off = 0
+    for s_ in order:
+        idx[s_, :lengths[s_]] = off + torch.arange(lengths[s_])
+        off += lengths[s_] + gap
+    return idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_packed_on_cpu_is_attention_on_the_gathered_samples(dtype):
+    """kernels/attention.attention_packed (the model's packed path; on CPU copies around the
+    reference) on streams of 3 samples (lengths 40, 9, 25; tk = 40): the query stream holds them
+    back to back in the order 2, 0, 1 and ends at sample 1's last row (its empty slots name
+    rows past the end; sample 2's name sample 0's rows), the key stream in the order 1, 2, 0
+    with 3 unnamed rows after each (k_rows != q_rows; sample 2's key slots past its kv_len name
+    sample 0's rows); NaN in every unnamed row. Output and
+    dQ/dK/dV == attention() on the per-sample tensors, bitwise, at each slot's row; +0.0 in
+    every row no slot names. Shapes that do not form the problem: ValueError."""
+    from rlkernel.kernels.attention import attention_packed
+    lengths = [40, 9, 25]
+    q, k, v, q_pos, kv_len, _, _, _ = _pack(lengths, seed=140)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    d_out = randn(*q.shape, seed=141).to(dtype)
+    tq = q.shape[2]
+    qi, ki = _runs(lengths, [2, 0, 1], 0, tq), _runs(lengths, [1, 2, 0], 3, tq)
+    nq, nk = int(qi.max()) + 1, int(ki.max()) + 4
+    qs, gs = _to_stream(q, qi, nq), _to_stream(d_out, qi, nq)
+    ks, vs = (_to_stream(t, ki, nk).requires_grad_() for t in (k, v))
+    qs.requires_grad_()
+    out = attention_packed(qs, ks, vs, qi[:, 0], ki[:, 0], q_pos, kv_len, tq, SCALE)
+    out.backward(gs)
+    want = _attn_grads(q, k, v, q_pos, kv_len, None, None, d_out, q_pos >= 0)
+    for got, ref, idx in ((out.detach(), want[0], qi), (qs.grad, want[1], qi),
+                          (ks.grad, want[2], ki), (vs.grad, want[3], ki)):
+        assert got.dtype == dtype
+        s_i, t_i = (idx >= 0).nonzero(as_tuple=True)
+        assert_bitwise(got[idx[s_i, t_i]].float(), ref[s_i, :, t_i].float())
+        named = torch.zeros(got.shape[0], dtype=torch.bool)
+        named[idx[s_i, t_i]] = True
+        assert bool((got[~named].float().view(torch.int32) == 0).all()), "not +0.0"
+    rows = qi[:, 0]
+    for bad in ({"q": qs[None]}, {"v": vs[:-1]}, {"q_rows": rows[:2]}, {"k_rows": rows[None]},
+                {"kv_len": kv_len[:2]}):
+        args = {"q": qs, "k": ks, "v": vs, "q_rows": rows, "k_rows": ki[:, 0], "q_pos": q_pos,
+                "kv_len": kv_len, "tk": tq, "scale": SCALE, **bad}
+        with pytest.raises(ValueError):
+            attention_packed(**args)

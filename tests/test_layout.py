@@ -20,7 +20,7 @@ import torch
 from rlkernel.model.checkpoint import init_weights
 from rlkernel.model.config import tiny
 from rlkernel.model.layout import (StreamLayout, chunk_layout, cp_local_layout, packed_layout,
-                                   to_samples, to_stream)
+                                   slots_are_views, to_samples, to_stream)
 from rlkernel.model.ops import InvariantOps
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.train.losses import LossCoefs, invariant_exp
@@ -199,6 +199,50 @@ def test_packed_rows_of_training_layouts_and_what_is_refused():
     bad_pos = StreamLayout(ok.tokens, ok.positions, ok.q_idx, ok.q_pos.clamp(min=0), ok.kv_len)
     assert bad_pos.packed_rows() is None
     assert chunk_layout([[1], [2]], [4, 9], 257).packed_rows() is None
+
+
+
+def test_packed_rows_need_q_idx_and_q_pos_valid_at_the_same_slots():
+    """Sample 0's query slots are one run of rows (0, 1, 2, then an empty slot) and its q_pos
+    has as many valid slots, but not the same ones (slot 2 empty, slot 3 valid: the kernels
+    would read row 3, which q_idx does not name): packed_rows is None. Control: q_pos valid at
+    q_idx's slots is packed."""
+    idx = torch.tensor([[0, 1, 2, -1], [4, 5, 6, 7]])
+    rows = torch.zeros(10, dtype=torch.long)
+    kv_len = torch.tensor([3, 4])
+    same = torch.tensor([[0, 1, 2, -1], [0, 1, 2, 3]])
+    other = torch.tensor([[0, 1, -1, 2], [0, 1, 2, 3]])
+    assert StreamLayout(rows, rows.clone(), idx, same, kv_len).packed_rows()[0].tolist() == [0, 4]
+    assert StreamLayout(rows, rows.clone(), idx, other, kv_len).packed_rows() is None
+
+
+def test_to_carries_the_packed_rows_values_to_the_moved_copy():
+    """`to` hands the moved layout the host's packed_rows answer with its values: a CP rank's
+    local query rows [0, 0], logical key rows [0, 32] and tk 32 (moved to "cpu:0", a device
+    unequal to "cpu" whose tensors can be read, so the values themselves are checked)."""
+    full = packed_layout(_seqs([32, 32]), 257, multiple=64)
+    cp = cp_local_layout(full, torch.tensor([0, 1, 2, 3, 28, 29, 30, 31]))
+    moved = cp.to(torch.device("cpu", 0))
+    assert moved is not cp
+    q_rows, k_rows, tk = moved.packed_rows()
+    assert q_rows.tolist() == [0, 0] and k_rows.tolist() == [0, 32] and tk == 32
+
+
+def test_slots_are_views_only_when_query_and_key_slots_are_both_the_prefix():
+    """slots_are_views (the model's choice of the views over the packed attention): True when
+    the query slots and the key slots are both the streams' first rows in order (kv_idx None:
+    the keys are the query slots); False when only one of them is (keys one row off, or
+    queries one row off)."""
+    prefix = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    rows = torch.zeros(10, dtype=torch.long)
+    pos = torch.arange(4).expand(2, 4).clone()
+
+    def lay(q_idx, kv_idx=None):
+        return StreamLayout(rows, rows.clone(), q_idx, pos, torch.tensor([4, 4]), kv_idx)
+    assert slots_are_views(lay(prefix), 10, 10)
+    assert slots_are_views(lay(prefix, prefix.clone()), 10, 10)
+    assert not slots_are_views(lay(prefix, prefix + 1), 10, 10)
+    assert not slots_are_views(lay(prefix + 1, prefix.clone()), 10, 10)
 
 
 def _cp2_rank(rank: int, out_dir: str) -> None:
