@@ -450,44 +450,50 @@ def _stream(x: torch.Tensor, idx: torch.Tensor, n_rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_packed_streams_give_the_per_sample_bytes(dtype):
     """The packed-stream entry points (each sample's rows of the token streams read and written
-    in place: attention_forward_packed / attention_backward_packed) on 3 samples packed in
-    reverse order with NaN in every row no slot names: out, lse, dQ, dK, dV == the per-sample
-    calls' bytes at their rows and +0.0 in every other row, with the real tile tables; and
-    through kernels/attention.attention_packed's autograd. Control: key rows one off differ."""
+    in place: attention_forward_packed / attention_backward_packed) on 3 samples, the query
+    stream packed in reverse order and the key stream in sample order (k_rows != q_rows), NaN
+    in every row no slot names, the row maps column views of the slot maps (stride Tq): out,
+    lse, dQ, dK, dV == the per-sample calls' bytes at their rows and +0.0 in every other row,
+    with the real tile tables; and through kernels/attention.attention_packed's autograd.
+    Control: key rows one off differ."""
     from rlkernel.kernels.attention import attention_packed
     from rlkernel.kernels.triton_attention import attention_forward, attention_forward_packed
     from rlkernel.kernels.triton_attention_bwd import attention_backward_packed
     lengths = [320, 64, 200]          # the 64-token sample's empty slots name the 320's rows
-    q, k, v, q_pos, kv_len, _, _, d_out = _pack(lengths, dtype, seed=11)
+    q, k, v, q_pos, kv_len, k_idx, n_k, d_out = _pack(lengths, dtype, seed=11)
     idx = torch.full_like(q_pos, -1)
     off = 0
     for s_ in reversed(range(len(lengths))):
         idx[s_, :lengths[s_]] = off + torch.arange(lengths[s_], device=DEV)
         off += -(-lengths[s_] // TOKEN_LEAF) * TOKEN_LEAF
     n = off + TOKEN_LEAF
-    rows = idx[:, 0]
-    qs, ks, vs, gs = (_stream(t, idx, n) for t in (q, k, v, d_out))
+    rows, k_rows = idx[:, 0], k_idx[:, 0]
+    assert not rows.is_contiguous() and bool((rows != k_rows).any())
+    qs, gs = _stream(q, idx, n), _stream(d_out, idx, n)
+    ks, vs = _stream(k, k_idx, n_k), _stream(v, k_idx, n_k)
     out, lse = attention_forward(q, k, v, q_pos, kv_len, SCALE)
     from rlkernel.kernels.triton_attention_bwd import attention_backward
     want = (out, *attention_backward(q, k, v, out, lse, d_out, q_pos, kv_len, SCALE))
-    out_p, lse_p = attention_forward_packed(qs, ks, vs, rows, rows, q_pos, kv_len, q.shape[2],
+    out_p, lse_p = attention_forward_packed(qs, ks, vs, rows, k_rows, q_pos, kv_len, q.shape[2],
                                             SCALE)
     _assert_same(lse_p, lse, "lse")
-    got = (out_p, *attention_backward_packed(qs, ks, vs, out_p, lse_p, gs, rows, rows, q_pos,
+    got = (out_p, *attention_backward_packed(qs, ks, vs, out_p, lse_p, gs, rows, k_rows, q_pos,
                                              kv_len, q.shape[2], SCALE))
     qq, kk, vv = (t.clone().requires_grad_() for t in (qs, ks, vs))
-    o_auto = attention_packed(qq, kk, vv, rows, rows, q_pos, kv_len, q.shape[2], SCALE)
+    o_auto = attention_packed(qq, kk, vv, rows, k_rows, q_pos, kv_len, q.shape[2], SCALE)
     o_auto.backward(gs)
-    named = torch.zeros(n, dtype=torch.bool, device=DEV)
-    named[idx[idx >= 0]] = True
-    s_i, t_i = (idx >= 0).nonzero(as_tuple=True)
-    for what, a, b, c in zip(("out", "dq", "dk", "dv"), got, want,
-                             (o_auto.detach(), qq.grad, kk.grad, vv.grad)):
-        _assert_same(a[idx[s_i, t_i]], b[s_i, :, t_i], what)
+    for what, a, b, c, at in zip(("out", "dq", "dk", "dv"), got, want,
+                                 (o_auto.detach(), qq.grad, kk.grad, vv.grad),
+                                 (idx, idx, k_idx, k_idx)):
+        named = torch.zeros(a.shape[0], dtype=torch.bool, device=DEV)
+        named[at[at >= 0]] = True
+        s_i, t_i = (at >= 0).nonzero(as_tuple=True)
+        _assert_same(a[at[s_i, t_i]], b[s_i, :, t_i], what)
         assert bool((a[~named].float().view(torch.int32) == 0).all()), f"{what}: not +0.0"
         _assert_same(c, a, f"{what} through autograd")
+    assert int((k_rows + kv_len).max()) < n_k                # k_rows + 1 stays in the stream
     off1 = attention_forward_packed(qs.nan_to_num(), ks.nan_to_num(), vs.nan_to_num(), rows,
-                                    rows + 1, q_pos, kv_len, q.shape[2], SCALE)[0]
+                                    k_rows + 1, q_pos, kv_len, q.shape[2], SCALE)[0]
     base = attention_forward_packed(qs.nan_to_num(), ks.nan_to_num(), vs.nan_to_num(), rows,
-                                    rows, q_pos, kv_len, q.shape[2], SCALE)[0]
+                                    k_rows, q_pos, kv_len, q.shape[2], SCALE)[0]
     assert n_diff(off1.float(), base.float()) > 0
