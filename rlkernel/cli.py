@@ -960,6 +960,23 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
                          f"(N > {len(steps)})")
 
 
+def _check_replaced_dirs(src: pathlib.Path, d: pathlib.Path) -> None:
+    """A resume replaces checkpoints/step-* and final/ only after computing steps: refuse what is
+    not a real directory there now, before anything is written (a FIFO hung the run with its
+    signals held; a file or link failed it after the work). Raises ResumeError."""
+    from rlkernel.runner.checkpointing import (ResumeError, check_checkpoint_dirs,
+                                               replaced_directory_problem)
+    from rlkernel.runner.export import FINAL_DIR
+
+    try:
+        check_checkpoint_dirs(src)
+        why = replaced_directory_problem(src / FINAL_DIR)
+        if why is not None:
+            raise ResumeError(f"{why}; the run replaces it with its final weights: move it away")
+    except ResumeError as e:
+        raise ResumeError(f"--resume {str(d)!r}: {e}") from None
+
+
 def _span(steps: list) -> str:
     """A short view of a list of step indices: [] , [0, 1, 2] or [0, 1, ..., 7] (n)."""
     if len(steps) <= 4:
@@ -1030,6 +1047,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     try:
         ck = latest_checkpoint(src)
         _check_not_finished(src, cfg, d, ck.next_step)
+        _check_replaced_dirs(src, d)
         for name in (METRICS, COMPLETIONS):   # the loop rewrites them after the evidence: a
             if (src / name).exists():          # FIFO failed it there, with the run half resumed
                 readfile.require_regular(src / name)

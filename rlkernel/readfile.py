@@ -9,6 +9,7 @@ path and what it is. That error is an OSError: callers' `except OSError` turn it
 error type as they do an unreadable file.
 `require_regular` serves libraries that open by name (safetensors, tokenizers): their own open
 comes after the check, a window only a file swapped in on purpose fits through.
+`non_directory` says what is in a directory's place before it is removed or replaced.
 Does not: parse (beyond JSON text, via jsontext) or write.
 """
 
@@ -24,6 +25,24 @@ from rlkernel import jsontext
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))
+
+
+_ENTRY_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISREG, "a regular file"), *_KINDS)
+
+
+def non_directory(path: str | os.PathLike) -> str | None:
+    """What lies at `path` when something is there that is not a real directory, by lstat (a
+    symbolic link is one, even to a directory): "a FIFO (named pipe)", "a symbolic link", ...;
+    None when `path` is a directory or nothing. For code that is about to rmtree or replace a
+    directory it made: rmtree opens its path (the open of a FIFO blocks, with signals held) and
+    refuses a link, both after the work. Raises lstat's OSError other than a missing path."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(mode):
+        return None
+    return next((k for test, k in _ENTRY_KINDS if test(mode)), "a file of another kind")
 
 
 class NotRegularFileError(OSError):

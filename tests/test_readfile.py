@@ -185,3 +185,17 @@ def test_a_fifo_as_a_prompt_file_or_a_hashed_input_is_refused(tmp_path):
         load_prompts(p)
     with pytest.raises(NotRegularFileError):
         sha256_file(p)
+
+
+def test_non_directory_names_what_lies_in_a_directorys_place(tmp_path):
+    """non_directory, by lstat (never an open: a FIFO's would block): None for a directory or
+    nothing; a link counts as one, even to a directory."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dirlink").symlink_to(tmp_path)
+    (tmp_path / "loop").symlink_to("loop")
+    want = {"fifo": "a FIFO (named pipe)", "file": "a regular file",
+            "dirlink": "a symbolic link", "loop": "a symbolic link", "missing": None}
+    assert {n: readfile.non_directory(tmp_path / n) for n in want} == want
+    assert readfile.non_directory(tmp_path) is None
+    assert readfile.non_directory("/dev/null") == "a character device"

@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -399,3 +400,130 @@ def test_sighup_publishes_the_partial_run_as_sigterm_does(tmp_path, uninterrupte
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0
     _identical(capsys, uninterrupted, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a resume replaces (checkpoints/step-*, final/) is checked before any work
+
+
+def _rlk_process(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`rlk ARGV` in a process of its own, killed after `timeout` s with the test failed: a run
+    blocked in the open of a FIFO while it holds its signals is stopped only by SIGKILL."""
+    try:
+        return subprocess.run([sys.executable, "-m", "rlkernel.cli", *argv], timeout=timeout,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rlk {' '.join(argv)} hung for {timeout} s")
+
+
+def _snapshot(d) -> dict[str, object]:
+    """Every entry under `d` by relative path: a regular file's bytes, else its file type (a FIFO
+    is never opened)."""
+    out: dict[str, object] = {}
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            mode = os.lstat(p).st_mode
+            out[os.path.relpath(p, d)] = (open(p, "rb").read() if stat.S_ISREG(mode)
+                                          else stat.S_IFMT(mode))
+    return out
+
+
+def _put(p, kind: str) -> None:
+    """A `kind` entry at `p`, which is free."""
+    if kind == "FIFO":
+        os.mkfifo(p)
+    elif kind == "file":
+        p.write_text("not a checkpoint\n")
+    elif kind == "link to a directory":
+        p.symlink_to(p.parent)
+    elif kind == "link to nowhere":
+        p.symlink_to("/nonexistent/x")
+    else:   # a link to itself: a loop
+        p.symlink_to(p.name)
+
+
+@pytest.mark.parametrize("name, kind, what", [
+    ("checkpoints/step-000003", "FIFO", "a FIFO (named pipe)"),
+    ("checkpoints/step-000003", "file", "a regular file"),
+    ("checkpoints/step-000003", "link to a directory", "a symbolic link"),
+    ("final", "FIFO", "a FIFO (named pipe)"),
+    ("final", "link to nowhere", "a symbolic link"),
+    ("final", "loop", "a symbolic link"),
+])
+def test_resume_refuses_a_non_directory_it_would_replace_before_any_work(tmp_path,
+                                                                        uninterrupted, name,
+                                                                        kind, what):
+    """A checkpoint directory the resume rewrites, or final/, replaced by a FIFO, file or link:
+    exit 2 with one line naming it, the run byte-identical. The resume computed the step first,
+    then hung in rmtree's open of the FIFO with its signals held (SIGTERM could not stop it),
+    or failed with a bare errno (exit 1) after the work."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    shutil.rmtree(d / name)
+    if name == "final":   # step 3 is re-run, so checkpoints/step-000003 is rewritten too
+        shutil.rmtree(d / "checkpoints" / "step-000003")
+    _put(d / name, kind)
+    before = _snapshot(d)
+    p = _rlk_process("run", "--resume", str(d), "--steps", "4", "--allow-dirty")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"rlk run: error: --resume '{d}': {d / name} is {what}, not a directory; the run "
+        f"replaces it with {'its final weights' if name == 'final' else 'a checkpoint'}: move "
+        "it away"], p.stderr
+    assert _snapshot(d) == before
+
+
+def test_resume_removes_stale_checkpoint_temporaries_of_any_kind(tmp_path, uninterrupted):
+    """checkpoints/step-*.tmp-* entries (a killed run's half-written checkpoint) that are a FIFO
+    or a file are unlinked, not opened (rmtree of the FIFO hung, signals held); the resume
+    finishes with the uninterrupted run's weights."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    shutil.rmtree(d / "checkpoints" / "step-000003")
+    os.mkfifo(d / "checkpoints" / "step-000009.tmp-1")
+    (d / "checkpoints" / "step-000008.tmp-2").write_text("x")
+    p = _rlk_process("run", "--resume", str(d), "--allow-dirty")
+    assert p.returncode == 0, p.stderr
+    assert sorted(q.name for q in (d / "checkpoints").iterdir()) == [
+        "step-000001", "step-000002", "step-000003"]
+    for f in ("model.safetensors", "rlk_weights.json"):
+        assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
+
+
+def test_writing_a_checkpoint_or_final_never_opens_a_fifo(tmp_path):
+    """The writers themselves (a FIFO swapped in during a run): save_checkpoint refuses a
+    non-directory where its checkpoint goes, in one line; save_final_weights replaces whatever
+    final/ is (a FIFO, a link to nowhere) by rename and unlinks it. In a process of its own:
+    rmtree blocked in the FIFO's open for good."""
+    script = """
+import os, pathlib, sys
+from rlkernel.model.checkpoint import init_weights
+from rlkernel.model.config import tiny
+from rlkernel.runner.checkpointing import save_checkpoint
+from rlkernel.runner.export import save_final_weights
+d = pathlib.Path(sys.argv[1])
+os.makedirs(d / "checkpoints")
+os.mkfifo(d / "checkpoints" / "step-000001")
+try:
+    save_checkpoint(d, 1, 1, {"x": init_weights(tiny(), 0)["model.norm.weight"]}, "v")
+except NotADirectoryError as e:
+    print(e)
+for kind in ("fifo", "nowhere"):
+    os.mkfifo(d / "final") if kind == "fifo" else (d / "final").symlink_to("/nonexistent/x")
+    save_final_weights(d, tiny(), init_weights(tiny(), 0), step=0, version="v")
+    assert (d / "final" / "rlk_weights.json").is_file()
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoints", "final"], list(d.iterdir())
+    import shutil; shutil.rmtree(d / "final")
+print("ok")
+"""
+    ck = tmp_path / "checkpoints" / "step-000001"
+    try:
+        p = subprocess.run([sys.executable, "-c", script, str(tmp_path)], timeout=120,
+                           capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a checkpoint or final/ writer hung on a FIFO")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        f"cannot write checkpoint {ck}: {ck} is a FIFO (named pipe), not a directory; move it "
+        "away", "ok"], p.stdout

@@ -61,13 +61,49 @@ def fsync_dir(d: pathlib.Path) -> None:
         os.close(fd)
 
 
+def remove_entry(path: pathlib.Path) -> None:
+    """Remove `path`, a temporary this code made, whatever it is now, ignoring errors: a
+    directory by rmtree, anything else (a file, a link, a FIFO swapped in) by unlink — rmtree
+    would open a FIFO and block there, with the step's signals held."""
+    try:
+        if readfile.non_directory(path) is None:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def replaced_directory_problem(path: pathlib.Path) -> str | None:
+    """Why the directory `path`, which a run replaces (a checkpoint, final/), cannot be: what
+    lies there instead of a directory ("PATH is a FIFO (named pipe), not a directory"); None
+    when it is a directory or absent."""
+    try:
+        what = readfile.non_directory(path)
+    except OSError as e:
+        return f"{path} cannot be examined ({e.strerror or e})"
+    return None if what is None else f"{path} is {what}, not a directory"
+
+
+def check_checkpoint_dirs(run_dir: pathlib.Path) -> None:
+    """Refuse, before a resume writes anything, a `checkpoints/step-*` entry that is not a real
+    directory: the run replaces it after computing that step (rmtree blocked on a FIFO; a file
+    or link failed the run there). Stale `.tmp-*` entries are removed instead (save_checkpoint).
+    Raises ResumeError naming the entry."""
+    root = pathlib.Path(run_dir) / CKPT_DIR
+    for p in sorted(root.glob("step-*")) if root.is_dir() else []:
+        why = None if ".tmp-" in p.name else replaced_directory_problem(p)
+        if why is not None:
+            raise ResumeError(f"{why}; the run replaces it with a checkpoint: move it away")
+
+
 def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
                     tensors: dict[str, torch.Tensor], version: str) -> pathlib.Path:
     """Atomically write checkpoint `next_step` under run_dir/checkpoints; returns its path."""
     root = pathlib.Path(run_dir) / CKPT_DIR
     root.mkdir(exist_ok=True)
     for stale in root.glob("step-*.tmp-*"):           # left by a run killed mid-write
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_entry(stale)
     final = root / f"step-{next_step:06d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
@@ -88,6 +124,9 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
         shutil.rmtree(tmp, ignore_errors=True)
         raise OSError(e.errno, f"cannot write checkpoint {final} ({e.strerror or e}; "
                                f"{len(blob) / 2**20:.1f} MiB)") from None
+    why = replaced_directory_problem(final)
+    if why is not None:   # not rmtree'd: it would block on a FIFO and refuse a link
+        raise NotADirectoryError(f"cannot write checkpoint {final}: {why}; move it away")
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -37,7 +36,7 @@ from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_mo
                                        save_checkpoint)
 from rlkernel.model.config import Qwen3Config, param_shapes, tiny
 from rlkernel.runner.checkpointing import (ResumeError, checkpoint_dirs, fsync_dir,
-                                          read_checkpoint)
+                                          read_checkpoint, remove_entry)
 from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
 
 FINAL_DIR = "final"
@@ -74,13 +73,13 @@ def save_final_weights(run_dir: str | os.PathLike, cfg: Qwen3Config,
     save_checkpoint(staging, cfg, tensors,
                     extra_files={WEIGHTS_META: (json.dumps(meta, indent=1) + "\n").encode()})
     old = None
-    if final.exists():
+    if os.path.lexists(final):   # a link to nowhere too: renaming over it failed, after the run
         old = run_dir / f".{FINAL_DIR}.old-{os.getpid()}"
         os.rename(final, old)
     os.rename(staging, final)
     fsync_dir(run_dir)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_entry(old)   # whatever it was: rmtree blocked on a FIFO
     return final
 
 
