@@ -960,6 +960,24 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
                          f"(N > {len(steps)})")
 
 
+def _check_rewritten_file(path: pathlib.Path, d: pathlib.Path) -> None:
+    """metrics.jsonl / completions.jsonl: the loop rewrites them after the evidence, so one that
+    cannot be read failed the resume there, half done (a FIFO; a link to nowhere, which
+    exists() called absent: exit 1 after a step). Absent is fine: the loop writes a new one.
+    Raises ValueError naming the file."""
+    if not os.path.lexists(path):
+        return
+    try:
+        readfile.require_regular(path)
+        return
+    except FileNotFoundError:   # lexists, yet missing: a link whose target is not there
+        why = f"is a symbolic link to {os.readlink(path)!r}, which does not exist"
+    except OSError as e:
+        why = f"cannot be read ({e.strerror or e})"
+    raise ValueError(f"--resume {str(d)!r}: {path} {why}; the resume rewrites it: restore it, "
+                     "or move it away")
+
+
 def _check_replaced_dirs(src: pathlib.Path, d: pathlib.Path) -> None:
     """A resume replaces checkpoints/step-* and final/ only after computing steps: refuse what is
     not a real directory there now, before anything is written (a FIFO hung the run with its
@@ -1048,9 +1066,8 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
         ck = latest_checkpoint(src)
         _check_not_finished(src, cfg, d, ck.next_step)
         _check_replaced_dirs(src, d)
-        for name in (METRICS, COMPLETIONS):   # the loop rewrites them after the evidence: a
-            if (src / name).exists():          # FIFO failed it there, with the run half resumed
-                readfile.require_regular(src / name)
+        for name in (METRICS, COMPLETIONS):
+            _check_rewritten_file(src / name, d)
         manifest = readfile.read_json(src / "manifest.json")
         check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])

@@ -527,3 +527,25 @@ print("ok")
     assert p.stdout.splitlines() == [
         f"cannot write checkpoint {ck}: {ck} is a FIFO (named pipe), not a directory; move it "
         "away", "ok"], p.stdout
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "completions.jsonl"])
+@pytest.mark.parametrize("kind", ["link to nowhere", "loop"])
+def test_resume_refuses_a_metrics_file_it_cannot_rewrite(tmp_path, capsys, uninterrupted, name,
+                                                         kind):
+    """metrics.jsonl or completions.jsonl as a symbolic link to nowhere or a loop (exists()
+    calls both absent): exit 2 with one line naming the file, the run byte-identical; the
+    resume computed a step, then failed rewriting it (exit 1, ENOENT)."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    (d / name).unlink()
+    _put(d / name, kind)
+    before = _snapshot(d)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    why = ("is a symbolic link to '/nonexistent/x', which does not exist"
+           if kind == "link to nowhere" else "cannot be read (Too many levels of symbolic links)")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"rlk run: error: --resume '{d}': {d / name} {why}; the resume rewrites it: restore it, "
+        "or move it away"]
+    assert _snapshot(d) == before
