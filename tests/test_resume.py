@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+from kernel_helpers import fifo_in_place_of
 
 from rlkernel.cli import main
 from rlkernel.runner.checkpointing import latest_checkpoint
@@ -548,4 +549,25 @@ def test_resume_refuses_a_metrics_file_it_cannot_rewrite(tmp_path, capsys, unint
     assert capsys.readouterr().err.strip().splitlines() == [
         f"rlk run: error: --resume '{d}': {d / name} {why}; the resume rewrites it: restore it, "
         "or move it away"]
+    assert _snapshot(d) == before
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "link to nowhere"])
+def test_resume_refuses_an_unreadable_model_file_before_rewriting_the_run(tmp_path, capsys,
+                                                                          kind):
+    """A FIFO or a link to nowhere as the model's model.safetensors.index.json (not an input of
+    the run, which had one weights file): exit 2 naming it, the finished run byte-identical. The
+    inputs' listing skipped what is_file() refused, so the resume started, rewrote its evidence
+    as unfinished (complete=false) and failed in the loader, exit 1."""
+    d, model, _ = _run_with_inputs(tmp_path)
+    index = model / "model.safetensors.index.json"
+    fifo_in_place_of(index) if kind == "FIFO" else index.symlink_to("/nonexistent/x")
+    before = _snapshot(d)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    why = ("not a regular file but a FIFO (named pipe)" if kind == "FIFO"
+           else "No such file or directory")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"rlk run: error: --model '{model}': cannot read {index} ({why}); inputs are hashed "
+        "into the manifest"]
     assert _snapshot(d) == before

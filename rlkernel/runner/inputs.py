@@ -50,13 +50,15 @@ _CHUNK = 1 << 24
 def input_files(cfg: RunConfig) -> list[pathlib.Path]:
     """The files `cfg`'s run reads, sorted: the model directory's config.json, safetensors index,
     every *.safetensors (stray ones too: over-inclusive is the safe side) and tokenizer.json, and
-    the prompts file. Files that do not exist are left out (the loaders report them)."""
+    the prompts file. Names with nothing there are left out (the loaders report them); anything
+    else is listed, so that hashing refuses a FIFO, directory or link to nowhere before any work
+    (is_file() skipped them, and a resume failed on them only after rewriting its evidence)."""
     out: list[pathlib.Path] = []
     if cfg.model is not None:
         d = pathlib.Path(cfg.model)
-        out += [d / n for n in _MODEL_FILES if (d / n).is_file()]
-        out += [p for p in d.glob("*.safetensors") if p.is_file()]
-    if cfg.prompts is not None and pathlib.Path(cfg.prompts).is_file():
+        out += [d / n for n in _MODEL_FILES if os.path.lexists(d / n)]
+        out += list(d.glob("*.safetensors"))
+    if cfg.prompts is not None and os.path.lexists(cfg.prompts):
         out.append(pathlib.Path(cfg.prompts))
     return sorted(out)
 
