@@ -533,9 +533,7 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
             load_prompts(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
         if cfg.apply_chat_template:
             load_chat_template(cfg.model).render("probe")
-        # Imported only now: it pulls in torch (seconds), which the checks above do not need.
-        from rlkernel.runner.export import tokenizer_file_hashes
-        tokenizer_files = tokenizer_file_hashes(cfg.model)
+        tokenizer_files = _tokenizer_hashes(cfg)
     except PromptFileError as e:
         # Its message starts "FILE:LINE: " or "FILE: ": one prefix for every content problem.
         raise ConfigError(f"--prompts {e}") from None
@@ -546,6 +544,21 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
     except (RewardError, OSError) as e:
         raise ConfigError(str(e)) from None
     return {"reward": reward.describe(), "tokenizer_files": tokenizer_files}
+
+
+def _tokenizer_hashes(cfg: RunConfig) -> dict[str, str]:
+    """The manifest's "tokenizer_files". Raises ConfigError naming --model and the file that is
+    there but cannot be read (a FIFO, a directory, a link to nowhere)."""
+    # Imported only now: it pulls in torch (seconds), which the checks before do not need.
+    from rlkernel.runner.export import tokenizer_file_hashes
+
+    try:
+        return tokenizer_file_hashes(cfg.model)
+    except OSError as e:
+        why = readfile.unreadable_reason(e.filename, e) if e.filename else str(e)
+        raise ConfigError(model_flag_error(str(cfg.model), f"cannot read {e.filename} ({why}); "
+                                           "tokenizer files are hashed into the manifest")
+                          ) from None
 
 
 def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
@@ -969,13 +982,10 @@ def _check_rewritten_file(path: pathlib.Path, d: pathlib.Path) -> None:
         return
     try:
         readfile.require_regular(path)
-        return
-    except FileNotFoundError:   # lexists, yet missing: a link whose target is not there
-        why = f"is a symbolic link to {os.readlink(path)!r}, which does not exist"
     except OSError as e:
-        why = f"cannot be read ({e.strerror or e})"
-    raise ValueError(f"--resume {str(d)!r}: {path} {why}; the resume rewrites it: restore it, "
-                     "or move it away")
+        raise ValueError(f"--resume {str(d)!r}: {path} cannot be read "
+                         f"({readfile.unreadable_reason(path, e)}); the resume rewrites it: "
+                         "restore it, or move it away") from None
 
 
 def _check_replaced_dirs(src: pathlib.Path, d: pathlib.Path) -> None:

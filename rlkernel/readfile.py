@@ -93,6 +93,18 @@ def require_regular(path: str | os.PathLike) -> None:
     os.close(open_fd(path))
 
 
+def unreadable_reason(path: str | os.PathLike, e: OSError) -> str:
+    """Why a reader here could not read `path` (it raised `e`), without the path, for messages:
+    a symbolic link whose target is missing says so ("No such file or directory" named a file
+    that ls shows), anything else is e's text."""
+    if isinstance(e, FileNotFoundError) and os.path.islink(path):
+        try:
+            return f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+        except OSError:   # gone meanwhile
+            pass
+    return e.strerror or str(e)
+
+
 def read_bytes(path: str | os.PathLike) -> bytes:
     """The bytes of the regular file `path`. Raises as `open_fd`."""
     with open_binary(path) as f:

@@ -154,13 +154,16 @@ def test_a_fifo_in_a_run_file_is_an_error_naming_it(run, tmp_path, capsys, name,
 
 @pytest.mark.parametrize("name, words", [
     # Refused when the inputs are hashed, before the loaders (which refuse it too) run.
-    (n, f"cannot read {{m}}/{n} ({FIFO}); inputs are hashed into the manifest")
-    for n in ("config.json", "model.safetensors", "tokenizer.json")
+    *[(n, f"cannot read {{m}}/{n} ({FIFO}); inputs are hashed into the manifest")
+      for n in ("config.json", "model.safetensors")],
+    *[(n, f"cannot read {{m}}/{n} ({FIFO}); tokenizer files are hashed into the manifest")
+      for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")],
 ])
 def test_a_fifo_in_the_model_directory_is_a_usage_error(run, tmp_path, capsys, name, words):
     """rlk run --model DIR (the run's final/, a Hugging Face directory) with a FIFO in place of
-    config.json, the weights or tokenizer.json: exit 2 naming the file (the loaders hung in
-    open, or config.json was called missing), no run directory left."""
+    config.json, the weights or a tokenizer file: exit 2 naming the file (the loaders hung in
+    open, config.json was called missing, tokenizer_config.json or chat_template.jinja were
+    skipped as absent), no run directory left."""
     m = tmp_path / "model"
     shutil.copytree(run / "final", m)
     fifo_in_place_of(m / name)
@@ -171,6 +174,45 @@ def test_a_fifo_in_the_model_directory_is_a_usage_error(run, tmp_path, capsys, n
     assert err.splitlines()[-1].startswith(f"rlk run: error: --model '{m}': "), err
     assert words.format(m=m) in err.splitlines()[-1], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name, kind", [("chat_template.jinja", "FIFO"),
+                                        ("chat_template.jinja", "directory"),
+                                        ("tokenizer_config.json", "FIFO")])
+def test_a_chat_template_file_that_is_no_file_is_named(run, tmp_path, capsys, name, kind):
+    """--apply-chat-template with a FIFO or directory as chat_template.jinja, or a FIFO as
+    tokenizer_config.json: exit 2 naming that file and what it is (is_file() skipped it, and
+    the error said the model had no chat template)."""
+    m = tmp_path / "model"
+    shutil.copytree(run / "final", m)
+    fifo_in_place_of(m / name) if kind == "FIFO" else (m / name).mkdir()
+    capsys.readouterr()
+    assert main(["run", *FLAGS, "--steps", "1", "--model", str(m), "--apply-chat-template",
+                 "--run-dir", str(tmp_path / "r")]) == 2
+    what = FIFO if kind == "FIFO" else "not a regular file but a directory"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"rlk run: error: --apply-chat-template: {m / name}: cannot be read ({what})"]
+
+
+def test_a_tokenizer_json_link_to_nowhere_is_an_error_not_the_byte_tokenizer(run, tmp_path,
+                                                                            capsys):
+    """tokenizer.json as a symbolic link to nowhere: exists() called it absent, so the run used
+    the byte tokenizer silently. load_tokenizer raises naming it; rlk run exits 2."""
+    from rlkernel.data.tokenizer import TokenizerError, load_tokenizer
+
+    m = tmp_path / "model"
+    shutil.copytree(run / "final", m)
+    (m / "tokenizer.json").symlink_to("/nonexistent/x")
+    why = "a symbolic link to '/nonexistent/x', which does not exist"
+    with pytest.raises(TokenizerError, match=re.escape(f"{m}/tokenizer.json: cannot be read "
+                                                       f"({why}); expected a Hugging Face")):
+        load_tokenizer(m, vocab_size=300, eos_token_id=None)
+    capsys.readouterr()
+    assert main(["run", *FLAGS, "--steps", "1", "--model", str(m), "--run-dir",
+                 str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"rlk run: error: --model '{m}': cannot read {m}/tokenizer.json ({why}); tokenizer "
+        "files are hashed into the manifest"]
 
 
 def test_a_fifo_as_a_prompt_file_or_a_hashed_input_is_refused(tmp_path):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlkernel import jsontext
+from rlkernel import jsontext, readfile
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -74,10 +74,23 @@ class ChatTemplate:
                                     f"{type(e).__name__}: {e}") from None
 
 
+def _read_text(path: Path) -> str:
+    """`path`'s UTF-8 text. Raises ChatTemplateError naming it when it cannot be read (a FIFO,
+    directory or link to nowhere included: is_file() skipped them, and the error said there was
+    no template) or is not UTF-8."""
+    try:
+        return readfile.read_text(path)
+    except OSError as e:
+        raise ChatTemplateError(f"{path}: cannot be read ({readfile.unreadable_reason(path, e)})"
+                                ) from None
+    except UnicodeDecodeError as e:
+        raise ChatTemplateError(f"{path}: cannot be read ({e})") from None
+
+
 def _read_json(path: Path) -> dict:
     try:
-        d = jsontext.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = jsontext.loads(_read_text(path))
+    except json.JSONDecodeError as e:
         raise ChatTemplateError(f"{path}: cannot be read as JSON ({e})") from None
     if not isinstance(d, dict):
         raise ChatTemplateError(f"{path}: top level is a JSON {type(d).__name__}; expected an "
@@ -106,14 +119,11 @@ def load_chat_template(model_dir: str | os.PathLike | None) -> ChatTemplate:
                                 "or leave out --apply-chat-template")
     d = Path(model_dir)
     cfg_path = d / TOKENIZER_CONFIG
-    tcfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    tcfg = _read_json(cfg_path) if os.path.lexists(cfg_path) else {}
     special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(tcfg.get(k))) is not None}
     file = d / TEMPLATE_FILE
-    if file.is_file():
-        try:
-            return ChatTemplate(file.read_text(encoding="utf-8"), str(file), special)
-        except (OSError, UnicodeDecodeError) as e:
-            raise ChatTemplateError(f"{file}: cannot be read ({e})") from None
+    if os.path.lexists(file):
+        return ChatTemplate(_read_text(file), str(file), special)
     tmpl = tcfg.get("chat_template")
     if isinstance(tmpl, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}

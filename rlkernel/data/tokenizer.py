@@ -99,6 +99,11 @@ class HFTokenizer:
         self.path = Path(path)
         try:
             readfile.require_regular(self.path)   # from_file opens by name: a FIFO blocks it
+        except OSError as e:
+            raise TokenizerError(f"{self.path}: cannot be read "
+                                 f"({readfile.unreadable_reason(self.path, e)}); expected a "
+                                 "Hugging Face tokenizer.json") from None
+        try:
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for any parse error
             raise TokenizerError(f"{self.path}: cannot load tokenizer ({e}); expected a Hugging "
@@ -166,7 +171,9 @@ def load_tokenizer(model_dir: str | os.PathLike | None, *, vocab_size: int,
     # Where the model config's values come from, for messages about them.
     config = (f"{Path(model_dir) / 'config.json'}: the model directory" if model_dir is not None
               else "the model (no model directory)")
-    if path is None or not path.exists():
+    # lexists: a link to nowhere is a broken tokenizer.json (HFTokenizer says so), not none
+    # (exists() is False for it, and the byte tokenizer was used silently).
+    if path is None or not os.path.lexists(path):
         if vocab_size < BYTE_MIN_MODEL_VOCAB:
             raise TokenizerError(f"{config} has no tokenizer.json and its vocab_size {vocab_size} "
                                  f"is too small for the byte tokenizer (needs >= "

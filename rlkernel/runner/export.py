@@ -85,12 +85,14 @@ def save_final_weights(run_dir: str | os.PathLike, cfg: Qwen3Config,
 
 def tokenizer_file_hashes(model_dir: str | os.PathLike | None) -> dict[str, str]:
     """SHA-256 of each TOKENIZER_FILES file in `model_dir` ({} for None): recorded in the
-    manifest at run start, checked again by `rlk export` before it copies them."""
+    manifest at run start, checked again by `rlk export` before it copies them. Raises OSError
+    (readfile's) for a name that is there but is no readable regular file: a FIFO, directory or
+    link to nowhere was skipped, as if absent."""
     if model_dir is None:
         return {}
     d = pathlib.Path(model_dir)
-    return {n: hashlib.sha256((d / n).read_bytes()).hexdigest()
-            for n in TOKENIZER_FILES if (d / n).is_file()}
+    return {n: hashlib.sha256(readfile.read_bytes(d / n)).hexdigest()
+            for n in TOKENIZER_FILES if os.path.lexists(d / n)}
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,8 @@ def describe_inputs(cfg: RunConfig, mcfg: Qwen3Config | None) -> dict[str, Any]:
             try:
                 hashes[str(p)] = fut.result()
             except OSError as e:
-                what = f"cannot read {p} ({e.strerror or e}); inputs are hashed into the manifest"
+                what = (f"cannot read {p} ({readfile.unreadable_reason(p, e)}); inputs are hashed "
+                        "into the manifest")
                 if cfg.prompts is not None and p == pathlib.Path(cfg.prompts):
                     raise ConfigError(f"--prompts: {what}") from None
                 raise ConfigError(model_flag_error(str(cfg.model), what)) from None
