@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import datetime
 import difflib
+import errno
 import glob
 import itertools
 import math
@@ -346,6 +347,61 @@ def _non_utf8(*named: tuple[str, str]) -> str | None:
             return (f"{name} {value!r}: must be a UTF-8 path (rlk records and prints the paths "
                     "it reads and writes)")
     return None
+
+
+_SHOWN_CHARS = 80
+"""Longest path a usage error echoes whole; a longer one is cut in the middle."""
+
+
+def _shown(value: str) -> str:
+    """`value` quoted for a message, cut to its start and end when longer than _SHOWN_CHARS
+    (a 300-character name took the terminal's screen), with its length."""
+    if len(value) <= _SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:48] + '...' + value[-24:]!r} ({len(value)} characters)"
+
+
+def _unusable_path(*named: tuple[str, str | None]) -> str | None:
+    """The usage error for the first (name, path) that cannot even be looked up, for a reason
+    other than its absence or a link loop (each command's checks name those): a name longer
+    than the file system allows (ENAMETOOLONG), a directory it may not search (EACCES).
+    pathlib's exists/is_dir/is_file raise them: a traceback from the command's first check.
+    None when every given path can be looked up."""
+    for name, value in named:
+        if not value:   # left out; '' has its own message
+            continue
+        try:
+            os.lstat(value)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                continue
+            hint = "; give a shorter path" if e.errno == errno.ENAMETOOLONG else ""
+            return f"{name} {_shown(value)}: cannot be looked up ({e.strerror or e}){hint}"
+    return None
+
+
+_STAGING_BYTES = 32
+"""Most bytes model/checkpoint.save_checkpoint adds to an output's name for the directory it
+writes first (`.NAME.tmp-PID-HEX`, renamed to NAME at the end)."""
+
+
+def _name_too_long(flag: str, value: str) -> str | None:
+    """The usage error for a new-directory flag (export / init-model --out) whose last name fits
+    the file system but not with the staging suffix (_STAGING_BYTES): the write failed after
+    all the work (ENAMETOOLONG, exit 1). None when it fits."""
+    out = pathlib.Path(os.path.abspath(value))
+    parent = next((p for p in out.parents if p.is_dir()), pathlib.Path("/"))
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):   # no such limit known here
+        return None
+    size = len(os.fsencode(out.name))
+    if size + _STAGING_BYTES <= limit:
+        return None
+    return (f"{flag} {_shown(value)}: its last name has {size} bytes; the output is written "
+            f"first under that name and up to {_STAGING_BYTES} bytes more, which must fit the "
+            f"{limit} bytes a name may have here: give a name of at most "
+            f"{limit - _STAGING_BYTES} bytes")
 
 
 def _occupied(flag: str, value: str) -> str | None:
@@ -1178,6 +1234,10 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
         given = {k: v for k, v in vars(args).items() if k in names}
+        bad = _unusable_path(*[(flag_name(k), given.get(k))
+                               for k in ("run_dir", "resume", "model", "prompts")])
+        if bad:
+            raise ConfigError(bad)
         src = None
         if given.get("resume"):
             name, src = _resume_target(pathlib.Path(given["resume"]))
@@ -1281,7 +1341,8 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from rlkernel.runner.compare import CompareError, compare_runs, format_report
 
-    bad = _non_utf8(("RUN_A", args.run_a), ("RUN_B", args.run_b))
+    named = (("RUN_A", args.run_a), ("RUN_B", args.run_b))
+    bad = _non_utf8(*named) or _unusable_path(*named)
     if bad:
         return _error("compare", bad, 2)
     try:
@@ -1298,7 +1359,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from rlkernel.runner.report import ReportError, write_report
 
-    bad = _non_utf8(*[("RUN", r) for r in args.runs], ("--out", args.out))
+    named = (*[("RUN", r) for r in args.runs], ("--out", args.out))
+    bad = _non_utf8(*named) or _unusable_path(*named)
     if bad:
         return _error("report", bad, 2)
     try:
@@ -1315,8 +1377,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
-    taken = (_non_utf8(("--out", args.out)) or _occupied("--out", args.out)
-             or _uncreatable("--out", args.out))
+    taken = (_non_utf8(("--out", args.out)) or _unusable_path(("--out", args.out))
+             or _occupied("--out", args.out) or _uncreatable("--out", args.out)
+             or _name_too_long("--out", args.out))
     if taken:
         return _error("init-model", taken, 2)
     out = pathlib.Path(args.out)
@@ -1338,8 +1401,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
     # its own check for callers of the API.
-    taken = (_non_utf8(("RUN", args.run), ("--out", args.out)) or _occupied("--out", args.out)
-             or _uncreatable("--out", args.out))
+    named = (("RUN", args.run), ("--out", args.out))
+    taken = (_non_utf8(*named) or _unusable_path(*named) or _occupied("--out", args.out)
+             or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("export", taken, 2)
     try:

@@ -408,6 +408,51 @@ def test_an_out_that_cannot_be_created_is_a_usage_error(tmp_path, cmd, out, word
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["run", "--allow-dirty", "--run-dir", "{long}"], "--run-dir"),
+    (["run", "--allow-dirty", "--run-dir", "{long}/sub"], "--run-dir"),
+    (["run", "--allow-dirty", "--run-dir", "{tmp}/r", "--prompts", "{long}"], "--prompts"),
+    (["run", "--allow-dirty", "--run-dir", "{tmp}/r", "--model", "{long}"], "--model"),
+    (["run", "--allow-dirty", "--resume", "{long}"], "--resume"),
+    (["export", "{tmp}/no-run", "--out", "{long}"], "--out"),
+    (["export", "{long}", "--out", "{tmp}/o"], "RUN"),
+    (["init-model", "--preset", "tiny", "--out", "{long}"], "--out"),
+    (["compare", "{long}", "{tmp}"], "RUN_A"),
+    (["compare", "{tmp}", "{long}"], "RUN_B"),
+    (["report", "{long}", "--out", "{tmp}/p"], "RUN"),
+    (["report", "{tmp}", "--out", "{long}"], "--out"),
+])
+def test_a_name_longer_than_the_file_system_allows_is_a_usage_error(tmp_path, argv, flag):
+    """A path with a 300-character name (ENAMETOOLONG) given to any command: one error line
+    naming the flag and the path cut to its ends, exit 2, nothing written (the first
+    exists()/is_dir() raised: a traceback, exit 1)."""
+    long = str(tmp_path / ("n" * 300))
+    argv = [a.format(long=long, tmp=tmp_path) for a in argv]
+    rc, err = rlk(*argv)
+    assert rc == 2
+    msg = error_line(err, argv[0])
+    assert msg.startswith(f"{flag} '{long[:48]}...") and msg.endswith(
+        "characters): cannot be looked up (File name too long); give a shorter path"), msg
+    assert len(msg) < 250 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cmd", ["export", "init-model"])
+def test_an_out_name_too_long_for_its_staging_name_is_a_usage_error(tmp_path, cmd):
+    """export / init-model --out with a 250-byte name: it fits the file system, but the output
+    is written first under `.NAME.tmp-PID-HEX`, which does not (init-model failed after the
+    work, exit 1): exit 2 before any work, naming the flag and the longest name allowed."""
+    out = str(tmp_path / ("n" * 250))
+    argv = ["export", str(tmp_path / "no-run")] if cmd == "export" else ["init-model",
+                                                                         "--preset", "tiny"]
+    rc, err = rlk(*argv, "--out", out)
+    assert rc == 2
+    assert error_line(err, cmd).endswith(
+        "its last name has 250 bytes; the output is written first under that name and up to 32 "
+        "bytes more, which must fit the 255 bytes a name may have here: give a name of at most "
+        "223 bytes")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # model checkpoint directories: config.json
 
