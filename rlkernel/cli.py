@@ -830,8 +830,10 @@ def _exit_on_sigterm():
     import signal
     import threading
 
+    from rlkernel.termination import Terminated
+
     def handler(signum, frame):
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)   # not a plain SystemExit: the reward's sys.exit is one
 
     if threading.current_thread() is not threading.main_thread():
         return None

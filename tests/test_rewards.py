@@ -17,8 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -71,6 +75,17 @@ REWARDS = textwrap.dedent('''
         return True
 
     def two(prompt, completion):
+        return 0.0
+
+    STEP_1 = []
+
+    def sleeps_in_step_1(prompt, completion, label):
+        """0.0 for a step's 4 samples; then writes the file $RLK_TEST_MARK and sleeps."""
+        STEP_1.append(completion)
+        if len(STEP_1) > 4:
+            import pathlib, time
+            pathlib.Path(os.environ["RLK_TEST_MARK"]).write_text("sleeping")
+            time.sleep(600)
         return 0.0
 
     class Judge:
@@ -258,3 +273,30 @@ def test_rank_0s_reward_error_is_raised_relayed_on_the_other_ranks():
         with pytest.raises(RewardError, match="boom on sample 0") as info:
             score_on_rank0(_Bad(), [("p", "c", "l", 0)], rank, _Comm())
         assert getattr(info.value, "relayed_from", None) == (None if rank == 0 else 0)
+
+
+def test_sigterm_while_the_reward_runs_terminates_the_run_as_elsewhere(rewards_file, tmp_path):
+    """SIGTERM while the reward function runs (step 1, after step 0's checkpoint): exit 143 and
+    the one "terminated after 1 step(s); ...; resume with: rlk run --resume D" line of a SIGTERM
+    elsewhere. The handler's SystemExit was caught as the reward's own failure ("reward ...
+    raised SystemExit: 143 on sample 4", exit 1, no resume hint)."""
+    d, mark = tmp_path / "run", tmp_path / "sleeping"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlkernel.cli", "run", *SMALL, "--steps", "2", "--save-every",
+         "1", "--reward", f"{rewards_file}:sleeps_in_step_1", "--run-dir", str(d)],
+        env={**os.environ, "RLK_TEST_MARK": str(mark)}, start_new_session=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not mark.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), f"the reward never reached step 1 (exit {proc.poll()})"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:   # the reward sleeps 10 minutes: never leave it behind
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"rlk run: terminated after 1 step(s); partial run "
+                                            f"kept in {d}; resume with: rlk run --resume {d}")

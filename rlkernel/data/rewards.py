@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rlkernel.data import tasks
+from rlkernel.termination import Terminated
 
 BUILTIN = "builtin:exact_match"
 """How the manifest names the default reward (rlkernel.data.tasks.reward)."""
@@ -91,8 +92,8 @@ class RewardFn:
         """
         try:
             v = self.fn(prompt, completion, label)
-        except KeyboardInterrupt:   # Ctrl-C while the reward runs: the user's, not a failure
-            raise
+        except (KeyboardInterrupt, Terminated):   # Ctrl-C, SIGTERM or SIGHUP while the reward
+            raise                                  # runs: the user's stop, not its failure
         except BaseException as e:  # the user's code: anything else it raises (sys.exit too:
             # exit code 0 must not read as a finished run) is the reward's failure
             raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} on sample "
@@ -166,7 +167,7 @@ def load_reward(spec: str | None) -> RewardFn:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())  # as `python -m` does: local modules import
             module = importlib.import_module(where)
-    except RewardError:
+    except (RewardError, Terminated):   # Terminated: SIGTERM while the module imports
         raise
     except ModuleNotFoundError as e:
         raise RewardError(f"--reward {spec!r}: cannot import module {where!r} ({e}); give an "
