@@ -77,6 +77,13 @@ REWARDS = textwrap.dedent('''
     def two(prompt, completion):
         return 0.0
 
+    class _NoFloat(float):
+        def __float__(self):
+            raise RuntimeError("no float today")
+
+    def unconvertible(prompt, completion, label):
+        return _NoFloat(0.5)
+
     STEP_1 = []
 
     def sleeps_in_step_1(prompt, completion, label):
@@ -145,6 +152,8 @@ def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
     ("flag", "returned True (bool) for sample 7"),
     ("quits", "raised SystemExit: 0 on sample 7"),    # sys.exit(0) is a failure, not an exit
     ("raises_generator_exit", "raised GeneratorExit: odd on sample 7"),
+    ("unconvertible", "returned 0.5 (_NoFloat) for sample 7, which float() cannot convert "
+                      "(RuntimeError: no float today); allowed: a finite int or float"),
 ])
 def test_bad_value_names_function_sample_and_value(rewards_file, func, words):
     r = load_reward(f"{rewards_file}:{func}")

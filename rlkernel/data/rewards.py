@@ -105,6 +105,10 @@ class RewardFn:
             f = float(v)
         except (OverflowError, TypeError, ValueError):
             f = math.nan
+        except Exception as e:   # a Real whose __float__ fails otherwise: user code too
+            raise RewardError(f"reward {self.name} returned {v!r} ({type(v).__name__}) for "
+                              f"sample {sample_id}, which float() cannot convert "
+                              f"({type(e).__name__}: {e}); allowed: {_ALLOWED}") from e
         if not math.isfinite(f):
             raise RewardError(f"reward {self.name} returned {v!r} for sample {sample_id}; "
                               f"allowed: {_ALLOWED}")
