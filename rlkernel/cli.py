@@ -404,6 +404,17 @@ def _name_too_long(flag: str, value: str) -> str | None:
             f"{limit - _STAGING_BYTES} bytes")
 
 
+def _bad_paths(*named: tuple[str, str]) -> str | None:
+    """The usage error for the first of a command's (name, path) arguments that no command
+    takes, before any work: '' (which the file system reads as the current directory: report
+    wrote its PNGs there, compare and export read the run there), not UTF-8 (_non_utf8), or
+    not looked up (_unusable_path). None when all are usable."""
+    empty = next((name for name, value in named if value == ""), None)
+    if empty is not None:   # as rlk run's RunConfig words it for --run-dir ''
+        return f"{empty} '': must be a non-empty path"
+    return _non_utf8(*named) or _unusable_path(*named)
+
+
 def _occupied(flag: str, value: str) -> str | None:
     """The usage error for a new-directory flag (`--run-dir`, `--out`) whose value is taken, in
     one wording for every command; None when the directory is free."""
@@ -1344,7 +1355,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from rlkernel.runner.compare import CompareError, compare_runs, format_report
 
     named = (("RUN_A", args.run_a), ("RUN_B", args.run_b))
-    bad = _non_utf8(*named) or _unusable_path(*named)
+    bad = _bad_paths(*named)
     if bad:
         return _error("compare", bad, 2)
     try:
@@ -1362,7 +1373,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rlkernel.runner.report import ReportError, write_report
 
     named = (*[("RUN", r) for r in args.runs], ("--out", args.out))
-    bad = _non_utf8(*named) or _unusable_path(*named)
+    bad = _bad_paths(*named)
     if bad:
         return _error("report", bad, 2)
     try:
@@ -1379,9 +1390,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
-    taken = (_non_utf8(("--out", args.out)) or _unusable_path(("--out", args.out))
-             or _occupied("--out", args.out) or _uncreatable("--out", args.out)
-             or _name_too_long("--out", args.out))
+    taken = (_bad_paths(("--out", args.out)) or _occupied("--out", args.out)
+             or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("init-model", taken, 2)
     out = pathlib.Path(args.out)
@@ -1404,7 +1414,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
     # its own check for callers of the API.
     named = (("RUN", args.run), ("--out", args.out))
-    taken = (_non_utf8(*named) or _unusable_path(*named) or _occupied("--out", args.out)
+    taken = (_bad_paths(*named) or _occupied("--out", args.out)
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("export", taken, 2)

@@ -475,6 +475,30 @@ def test_every_command_refuses_a_path_that_is_not_utf8(capsys, cwd, argv, name):
     assert list(cwd.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv,name", [
+    (["report", "a", "--out", ""], "--out"),
+    (["report", "", "--out", "p"], "RUN"),
+    (["compare", "", "a"], "RUN_A"),
+    (["compare", "a", ""], "RUN_B"),
+    (["export", "", "--out", "e"], "RUN"),
+    (["export", "a", "--out", ""], "--out"),
+    (["init-model", "--preset", "tiny", "--out", ""], "--out"),
+])
+def test_every_command_refuses_an_empty_path(capsys, cwd, argv, name):
+    """'' as a path of any command is exit 2, one line naming the argument, as for rlk run's
+    --run-dir '': the file system reads it as the current directory, where report wrote its
+    PNGs (exit 0) and compare and export read a run."""
+    (cwd / "a").mkdir()
+    for d in (cwd, cwd / "a"):   # both look like runs to report
+        (d / "metrics.jsonl").write_text('{"step": 0, "reward": 0.5}\n')
+    before = sorted(cwd.rglob("*"))
+    code, out, err = rlk(capsys, *argv)
+    assert code == 2 and out == "", err
+    assert err.strip().splitlines() == [f"rlk {argv[0]}: error: {name} '': must be a non-empty "
+                                        "path"]
+    assert sorted(cwd.rglob("*")) == before
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_signal_while_the_run_validates_releases_the_lock_and_says_so(capsys, cwd, loop,
                                                                        monkeypatch, sig):
