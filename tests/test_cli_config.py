@@ -832,6 +832,31 @@ def test_git_state_ignores_the_users_untracked_files_and_records_the_diff(tmp_pa
     assert st["diff_sha256"] == hashlib.sha256(st["diff"].encode()).hexdigest()
 
 
+def test_git_state_records_package_files_under_their_own_names(tmp_path):
+    """Untracked package files named with non-ASCII bytes (UTF-8 or not) are recorded under
+    their names with their SHA-256, and a staged rename is one entry: without -z git quotes and
+    octal-escapes such names ('rlkernel/zz \\303\\251.py'), which named no file (hash None);
+    with it, a name that is not UTF-8 comes raw and must still decode to its bytes."""
+    import hashlib
+
+    repo = tmp_path / "src"
+    (repo / "rlkernel").mkdir(parents=True)
+    (repo / "rlkernel" / "__init__.py").write_text("")
+    (repo / "rlkernel" / "a.py").write_text("")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (repo / "rlkernel" / "zz \u00e9.py").write_text("A = 1\n")
+    open(os.fsencode(repo / "rlkernel") + b"/b\xff.py", "wb").write(b"B = 2\n")
+    _git(repo, "mv", "rlkernel/a.py", "rlkernel/\u00e4.py")
+    st = git_state(repo)
+    odd = os.fsdecode(b"rlkernel/b\xff.py")
+    assert st["dirty_files"] == ["R  rlkernel/\u00e4.py", f"?? {odd}", "?? rlkernel/zz \u00e9.py"]
+    assert st["untracked_package_files"] == {
+        odd: hashlib.sha256(b"B = 2\n").hexdigest(),
+        "rlkernel/zz \u00e9.py": hashlib.sha256(b"A = 1\n").hexdigest()}
+
+
 # ---------------------------------------------------------------------------------------------
 # Ctrl-C and resume lines
 

@@ -145,9 +145,11 @@ def versions() -> dict[str, Any]:
 
 
 def _git(src_dir: pathlib.Path, *args: str) -> str | None:
+    # surrogateescape: a file name that is not UTF-8 (raw with -z) round-trips to its bytes
+    # instead of failing the decode.
     try:
         p = subprocess.run(["git", "-C", str(src_dir), *args], capture_output=True, text=True,
-                           timeout=60)
+                           encoding="utf-8", errors="surrogateescape", timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return p.stdout if p.returncode == 0 else None
@@ -155,6 +157,21 @@ def _git(src_dir: pathlib.Path, *args: str) -> str | None:
 
 DIFF_LIMIT = 1 << 20
 """Most characters of `git diff` kept in the manifest; its SHA-256 always covers all of it."""
+
+
+def _status_entries(porcelain_z: str) -> list[str]:
+    """The entries of `git status --porcelain -z` as "XY PATH" lines with PATH as it is: without
+    -z, git quotes and octal-escapes a name with non-ASCII bytes ("rlkernel/zz \\303\\251.py"),
+    which named no file (its hash was recorded as None). A rename's or copy's source path, the
+    item after its entry, is dropped."""
+    items = iter(porcelain_z.split("\0"))
+    out = []
+    for item in items:
+        if item:
+            out.append(item)
+            if "R" in item[:2] or "C" in item[:2]:
+                next(items, None)
+    return out
 
 
 def git_state(src_dir: str | os.PathLike) -> dict[str, Any]:
@@ -177,17 +194,17 @@ def git_state(src_dir: str | os.PathLike) -> dict[str, Any]:
     if _git(src, "ls-files", "--error-unmatch", "--", "rlkernel/__init__.py") is None:
         return unknown
     commit = _git(src, "rev-parse", "HEAD")
-    tracked = _git(src, "status", "--porcelain", "--untracked-files=no", "--", ".")
-    package = _git(src, "status", "--porcelain", "--untracked-files=all", "--", "rlkernel")
+    tracked = _git(src, "status", "--porcelain", "-z", "--untracked-files=no", "--", ".")
+    package = _git(src, "status", "--porcelain", "-z", "--untracked-files=all", "--", "rlkernel")
     diff = _git(src, "diff", "HEAD", "--binary", "--", ".")
     top = _git(src, "rev-parse", "--show-toplevel")  # porcelain paths are relative to it
     if commit is None or tracked is None or package is None or diff is None or top is None:
         return unknown
-    untracked = [line for line in package.splitlines() if line.startswith("?? ")]
-    dirty = [line for line in tracked.splitlines() if line] + untracked
+    untracked = [line for line in _status_entries(package) if line.startswith("?? ")]
+    dirty = _status_entries(tracked) + untracked
     hashes = {}
     for line in untracked:
-        rel = line[3:].strip('"')
+        rel = line[3:]
         try:
             data = readfile.read_bytes(pathlib.Path(top.strip()) / rel)
             hashes[rel] = hashlib.sha256(data).hexdigest()
@@ -195,7 +212,7 @@ def git_state(src_dir: str | os.PathLike) -> dict[str, Any]:
             hashes[rel] = None
     return {"commit": commit.strip(), "dirty": bool(dirty), "dirty_files": dirty,
             "diff": diff if len(diff) <= DIFF_LIMIT else None,
-            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest(),
+            "diff_sha256": hashlib.sha256(diff.encode("utf-8", "surrogateescape")).hexdigest(),
             "untracked_package_files": hashes}
 
 
