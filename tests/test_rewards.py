@@ -309,3 +309,22 @@ def test_sigterm_while_the_reward_runs_terminates_the_run_as_elsewhere(rewards_f
     assert proc.returncode == 143 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (f"rlk run: terminated after 1 step(s); partial run "
                                             f"kept in {d}; resume with: rlk run --resume {d}")
+
+
+def test_a_reward_that_prints_leaves_stdout_to_the_run_directory(tmp_path, capsys):
+    """A reward module that prints at import and on every call: its lines go to stderr, and
+    rlk run's stdout stays the one line it promises, the run directory (scripts read it)."""
+    f = tmp_path / "chatty.py"
+    f.write_text(textwrap.dedent('''
+        print("loading the rubric")
+
+        def score(prompt, completion, label):
+            print("scoring", len(completion))
+            return 0.0
+    '''))
+    d = tmp_path / "run"
+    assert main(["run", *SMALL, "--steps", "1", "--reward", f"{f}:score",
+                 "--run-dir", str(d)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{d}\n"
+    assert "loading the rubric" in err and err.count("scoring ") == 4, err

@@ -25,6 +25,7 @@ Run its tests: `.venv/bin/python -m pytest -q tests/test_data.py -k reward`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -91,7 +92,9 @@ class RewardFn:
         raises, or returns a bool, a non-number, or a non-finite number.
         """
         try:
-            v = self.fn(prompt, completion, label)
+            # stdout carries only the run directory (scripts read it): a print goes to stderr
+            with contextlib.redirect_stdout(sys.stderr):
+                v = self.fn(prompt, completion, label)
         except (KeyboardInterrupt, Terminated):   # Ctrl-C, SIGTERM or SIGHUP while the reward
             raise                                  # runs: the user's stop, not its failure
         except BaseException as e:  # the user's code: anything else it raises (sys.exit too:
@@ -135,7 +138,8 @@ def _import_file(path: pathlib.Path, spec: str):
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[mod_name] = module
     try:
-        loader_spec.loader.exec_module(module)
+        with contextlib.redirect_stdout(sys.stderr):   # as RewardFn.score: stdout is rlk's
+            loader_spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(mod_name, None)
         raise
@@ -170,7 +174,8 @@ def load_reward(spec: str | None) -> RewardFn:
         else:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())  # as `python -m` does: local modules import
-            module = importlib.import_module(where)
+            with contextlib.redirect_stdout(sys.stderr):   # as _import_file
+                module = importlib.import_module(where)
     except (RewardError, Terminated):   # Terminated: SIGTERM while the module imports
         raise
     except ModuleNotFoundError as e:
