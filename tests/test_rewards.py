@@ -84,6 +84,15 @@ REWARDS = textwrap.dedent('''
     def unconvertible(prompt, completion, label):
         return _NoFloat(0.5)
 
+    def very_big(prompt, completion, label):
+        return 10**400
+
+    def very_big_beyond_repr(prompt, completion, label):
+        return 10**5000
+
+    def very_long_error(prompt, completion, label):
+        raise ValueError("x" * 10000)
+
     STEP_1 = []
 
     def sleeps_in_step_1(prompt, completion, label):
@@ -152,6 +161,11 @@ def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
     ("flag", "returned True (bool) for sample 7"),
     ("quits", "raised SystemExit: 0 on sample 7"),    # sys.exit(0) is a failure, not an exit
     ("raises_generator_exit", "raised GeneratorExit: odd on sample 7"),
+    # A long value or error is cut (10**400 printed 401 digits); one whose text cannot be made
+    # (past Python's int digit limit) is named by its type (the message itself raised).
+    ("very_big", f"returned {'1' + '0' * 59}... (401 characters) for sample 7; allowed: "),
+    ("very_big_beyond_repr", "returned <int: repr() failed> for sample 7; allowed: "),
+    ("very_long_error", f"raised ValueError: {'x' * 60}... (10000 characters) on sample 7 "),
     ("unconvertible", "returned 0.5 (_NoFloat) for sample 7, which float() cannot convert "
                       "(RuntimeError: no float today); allowed: a finite int or float"),
 ])

@@ -54,6 +54,21 @@ reward scale that means something."""
 _ALLOWED = f"a finite int or float in [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}]"
 
 
+_SHOWN_CHARS = 80
+"""Longest text of a returned value or raised error a RewardError quotes whole."""
+
+
+def _shown(x: Any, how: Callable[[Any], str] = repr) -> str:
+    """`how(x)` (repr, or str for an error) for a message: cut past _SHOWN_CHARS (a reward of
+    10**400 printed its 401 digits), or x's type when that text cannot be made (an int past
+    Python's digit limit, a __repr__ that raises: the message itself failed, a traceback)."""
+    try:
+        text = how(x)
+    except Exception:
+        return f"<{type(x).__name__}: {how.__name__}() failed>"
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:60]}... ({len(text)} characters)"
+
+
 class RewardError(ValueError):
     """A reward function that cannot be loaded or that returned/raised something unusable; the
     message names the function (and the sample id and value when scoring)."""
@@ -99,24 +114,26 @@ class RewardFn:
             raise                                  # runs: the user's stop, not its failure
         except BaseException as e:  # the user's code: anything else it raises (sys.exit too:
             # exit code 0 must not read as a finished run) is the reward's failure
-            raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} on sample "
-                              f"{sample_id} (completion {completion[:60]!r})") from e
+            raise RewardError(f"reward {self.name} raised {type(e).__name__}: "
+                              f"{_shown(e, str)} on sample {sample_id} (completion "
+                              f"{completion[:60]!r})") from e
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise RewardError(f"reward {self.name} returned {v!r} ({type(v).__name__}) for sample "
-                              f"{sample_id}; allowed: {_ALLOWED}")
+            raise RewardError(f"reward {self.name} returned {_shown(v)} ({type(v).__name__}) "
+                              f"for sample {sample_id}; allowed: {_ALLOWED}")
         try:
             f = float(v)
         except (OverflowError, TypeError, ValueError):
             f = math.nan
         except Exception as e:   # a Real whose __float__ fails otherwise: user code too
-            raise RewardError(f"reward {self.name} returned {v!r} ({type(v).__name__}) for "
-                              f"sample {sample_id}, which float() cannot convert "
-                              f"({type(e).__name__}: {e}); allowed: {_ALLOWED}") from e
+            raise RewardError(f"reward {self.name} returned {_shown(v)} ({type(v).__name__}) "
+                              f"for sample {sample_id}, which float() cannot convert "
+                              f"({type(e).__name__}: {_shown(e, str)}); allowed: {_ALLOWED}"
+                              ) from e
         if not math.isfinite(f):
-            raise RewardError(f"reward {self.name} returned {v!r} for sample {sample_id}; "
+            raise RewardError(f"reward {self.name} returned {_shown(v)} for sample {sample_id}; "
                               f"allowed: {_ALLOWED}")
         if abs(f) > REWARD_LIMIT:
-            raise RewardError(f"reward {self.name} returned {v!r} for sample {sample_id}; "
+            raise RewardError(f"reward {self.name} returned {_shown(v)} for sample {sample_id}; "
                               f"allowed: {_ALLOWED} (the step's reward statistics are float64 "
                               "and would overflow); scale the reward down")
         return f
