@@ -477,17 +477,19 @@ def test_resume_refuses_a_non_directory_it_would_replace_before_any_work(tmp_pat
 
 def test_resume_removes_stale_checkpoint_temporaries_of_any_kind(tmp_path, uninterrupted):
     """checkpoints/step-*.tmp-* entries (a killed run's half-written checkpoint) that are a FIFO
-    or a file are unlinked, not opened (rmtree of the FIFO hung, signals held); the resume
-    finishes with the uninterrupted run's weights."""
+    or a file are unlinked, not opened (rmtree of the FIFO hung, signals held); a file whose
+    name is no checkpoint's is left alone; the resume finishes with the uninterrupted run's
+    weights."""
     d = tmp_path / "run"
     shutil.copytree(uninterrupted, d)
     shutil.rmtree(d / "checkpoints" / "step-000003")
     os.mkfifo(d / "checkpoints" / "step-000009.tmp-1")
     (d / "checkpoints" / "step-000008.tmp-2").write_text("x")
+    (d / "checkpoints" / "step-notes.txt").write_text("not the run's: left alone")
     p = _rlk_process("run", "--resume", str(d), "--allow-dirty")
     assert p.returncode == 0, p.stderr
     assert sorted(q.name for q in (d / "checkpoints").iterdir()) == [
-        "step-000001", "step-000002", "step-000003"]
+        "step-000001", "step-000002", "step-000003", "step-notes.txt"]
     for f in ("model.safetensors", "rlk_weights.json"):
         assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
 

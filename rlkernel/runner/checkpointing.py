@@ -86,13 +86,15 @@ def replaced_directory_problem(path: pathlib.Path) -> str | None:
 
 
 def check_checkpoint_dirs(run_dir: pathlib.Path) -> None:
-    """Refuse, before a resume writes anything, a `checkpoints/step-*` entry that is not a real
-    directory: the run replaces it after computing that step (rmtree blocked on a FIFO; a file
-    or link failed the run there). Stale `.tmp-*` entries are removed instead (save_checkpoint).
+    """Refuse, before a resume writes anything, a `checkpoints/step-N` entry (N digits: the names
+    save_checkpoint writes) that is not a real directory: the run replaces it after computing
+    that step (rmtree blocked on a FIFO; a file or link failed the run there). Stale `.tmp-*`
+    entries are removed instead (save_checkpoint); other names are not the run's.
     Raises ResumeError naming the entry."""
     root = pathlib.Path(run_dir) / CKPT_DIR
     for p in sorted(root.glob("step-*")) if root.is_dir() else []:
-        why = None if ".tmp-" in p.name else replaced_directory_problem(p)
+        ours = p.name.removeprefix("step-").isdigit()
+        why = replaced_directory_problem(p) if ours else None
         if why is not None:
             raise ResumeError(f"{why}; the run replaces it with a checkpoint: move it away")
 
