@@ -46,6 +46,8 @@ import torch
 
 from rlkernel.kernels.elementwise import exp32, log32
 from rlkernel.kernels.matmul import seq_matmul
+from rlkernel.kernels.slots import (SlotMoves, gather_slots, run_slot_map, scatter_slots,
+                                   slot_moves)
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.numerics.trees import tree_sum, tree_sum_halving
@@ -269,11 +271,10 @@ class _AttentionPacked(torch.autograd.Function):
             out, lse = triton_attention.attention_forward_packed(q, k, v, q_rows, k_rows, q_pos,
                                                                  kv_len, tk, scale)
         else:
-            qm, km = _slot_rows(q_rows, q_pos >= 0, q.shape[0]), _key_rows(k_rows, kv_len, tk,
-                                                                            k.shape[0])
-            out_s, lse = attention_forward(_gather(q, qm), _gather(k, km), _gather(v, km),
+            qm, km = _packed_moves(q, k, q_rows, k_rows, q_pos, kv_len, tk)
+            out_s, lse = attention_forward(_to_slots(q, qm), _to_slots(k, km), _to_slots(v, km),
                                            q_pos, kv_len, scale)
-            out = _scatter(out_s, qm, q.shape[0])
+            out = scatter_slots(out_s.transpose(1, 2), qm)
         ctx.save_for_backward(q, k, v, out, lse, q_rows, k_rows, q_pos, kv_len)
         ctx.tk, ctx.scale, ctx.bounds = tk, scale, bounds
         ctx.tok, ctx.kv_comm = tok or TokenSum.single(), kv_comm
@@ -288,41 +289,44 @@ class _AttentionPacked(torch.autograd.Function):
                 q, k, v, out, lse, d_out, q_rows, k_rows, q_pos, kv_len, ctx.tk, ctx.scale,
                 ctx.tok, ctx.kv_comm, bounds=ctx.bounds)
         else:
-            qm = _slot_rows(q_rows, q_pos >= 0, q.shape[0])
-            km = _key_rows(k_rows, kv_len, ctx.tk, k.shape[0])
-            dq, dk, dv = attention_backward(
-                _gather(q, qm), _gather(k, km), _gather(v, km), _gather(out, qm), lse,
-                _gather(d_out, qm), q_pos, kv_len, ctx.scale, ctx.tok, ctx.kv_comm)
-            dq, dk, dv = (_scatter(dq, qm, q.shape[0]), _scatter(dk, km, k.shape[0]),
-                          _scatter(dv, km, k.shape[0]))
+            qm, km = _packed_moves(q, k, q_rows, k_rows, q_pos, kv_len, ctx.tk)
+            grads = attention_backward(
+                _to_slots(q, qm), _to_slots(k, km), _to_slots(v, km), _to_slots(out, qm), lse,
+                _to_slots(d_out, qm), q_pos, kv_len, ctx.scale, ctx.tok, ctx.kv_comm)
+            dq, dk, dv = (scatter_slots(g.transpose(1, 2), m) for g, m in zip(grads, (qm, km, km)))
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-def _slot_rows(first: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """[S, T] long: stream row first[s] + t of each valid slot, the dump row n_rows otherwise."""
-    t = torch.arange(valid.shape[1], device=valid.device)
-    return torch.where(valid, first[:, None] + t, torch.full_like(valid, n_rows, dtype=torch.long))
-
-
-def _key_rows(first: torch.Tensor, kv_len: torch.Tensor, tk: int, n_rows: int) -> torch.Tensor:
-    """`_slot_rows` of tk key slots, slot j valid below kv_len."""
+def key_slot_map(k_rows: torch.Tensor, kv_len: torch.Tensor, tk: int) -> torch.Tensor:
+    """kernels/slots.run_slot_map of a packed key stream's tk key slots (valid below
+    kv_len)."""
     j = torch.arange(tk, device=kv_len.device)
-    return _slot_rows(first, j[None, :] < kv_len[:, None], n_rows)
+    return run_slot_map(k_rows, j[None, :] < kv_len[:, None])
 
 
-def _gather(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """Stream x [L, H, D] -> per-sample [S, H, T, D] (the dump row reads +0.0): copies only."""
-    rows = torch.cat([x, x.new_zeros((1,) + x.shape[1:])])[at]           # [S, T, H, D]
-    return rows.transpose(1, 2)
+def _packed_moves(q, k, q_rows, k_rows, q_pos, kv_len, tk) -> tuple[SlotMoves, SlotMoves]:
+    """The slot moves of a packed problem's query and key streams."""
+    return (slot_moves(run_slot_map(q_rows, q_pos >= 0), q.shape[0]),
+            slot_moves(key_slot_map(k_rows, kv_len, tk), k.shape[0]))
 
 
-def _scatter(y: torch.Tensor, at: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """Per-sample y [S, H, T, D] -> stream [n_rows, H, D]: each valid slot at its row, rows no
-    slot names +0.0 (copies only)."""
-    s_, h, t, d = y.shape
-    out = y.new_zeros(n_rows + 1, h, d)
-    out.index_copy_(0, at.reshape(-1), y.transpose(1, 2).reshape(s_ * t, h, d))
-    return out[:n_rows]
+def _to_slots(x: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
+    """Stream x [L, H, D] -> per-sample [S, H, T, D] (empty slots +0.0)."""
+    return gather_slots(x, mv).transpose(1, 2)
+
+
+def check_packed(what: str, q, k, v, q_rows, k_rows, q_pos, kv_len) -> None:
+    """ValueError unless q [Lq, Hq, D], k/v [Lk, Hkv, D], q_rows / k_rows / kv_len [S] and
+    q_pos [S, Tq] form a packed problem."""
+    s_ = q_pos.shape[0] if q_pos.dim() == 2 else -1
+    if (q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]
+            or q_pos.dim() != 2 or tuple(q_rows.shape) != (s_,)
+            or tuple(k_rows.shape) != (s_,) or tuple(kv_len.shape) != (s_,)):
+        raise ValueError(f"{what}: streams q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, q_rows {tuple(q_rows.shape)}, k_rows "
+                         f"{tuple(k_rows.shape)}, q_pos {tuple(q_pos.shape)}, kv_len "
+                         f"{tuple(kv_len.shape)} do not form a packed GQA problem "
+                         f"([Lq, Hq, D], [Lk, Hkv, D], [S], [S], [S, Tq], [S])")
 
 
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: torch.Tensor,
@@ -335,18 +339,11 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: 
     long); tk (host int) >= every kv_len, the per-sample problem's key slots. Returns the output
     stream [Lq, Hq, D] (+0.0 in rows no query slot names); the gradients reach q, k, v's rows
     the same way (+0.0 elsewhere). The bytes of `attention` on the gathered per-sample tensors
-    scattered back: on CPU it is that (copies around the reference); on CUDA the Triton
-    kernels read and write each sample's rows in place (no gather or scatter copies but dK/dV's
-    scatter). The row maps are the caller's contract (model/layout.StreamLayout.packed_rows
-    checks them on the host). ValueError for mismatched shapes or dtypes."""
-    s_ = q_pos.shape[0] if q_pos.dim() == 2 else -1
-    if (q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or tuple(q_rows.shape) != (s_,)
-            or tuple(k_rows.shape) != (s_,) or tuple(kv_len.shape) != (s_,)):
-        raise ValueError(f"attention_packed: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
-                         f"{tuple(v.shape)}, q_rows {tuple(q_rows.shape)}, k_rows "
-                         f"{tuple(k_rows.shape)}, q_pos {tuple(q_pos.shape)}, kv_len "
-                         f"{tuple(kv_len.shape)}: want [Lq, Hq, D], [Lk, Hkv, D] twice, [S], [S], "
-                         "[S, Tq], [S]")
+    scattered back: on CPU it is that (kernels/slots.py's moves around the reference); on CUDA
+    the Triton kernels read and write each sample's rows in place (no gather or scatter copies
+    but dK/dV's scatter). The row maps are the caller's contract (model/layout.StreamLayout.
+    packed_rows checks them on the host). ValueError for mismatched shapes or dtypes."""
+    check_packed("attention_packed", q, k, v, q_rows, k_rows, q_pos, kv_len)
     _check_dtype(q, k, v)
     return _AttentionPacked.apply(q, k, v, q_rows, k_rows, q_pos, kv_len, int(tk), float(scale),
                                   tok, kv_comm, bounds)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels.attention import check_packed
 from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.spec import CUDA_ATTN_KV_BLOCK
 
@@ -218,20 +219,6 @@ def stream_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
     start at given rows: the sample stride is the row stride (`sample_base` multiplies it by
     the sample's first row)."""
     return x.stride(0), x.stride(1), x.stride(0), x.stride(2)
-
-
-def check_packed(what: str, q, k, v, q_rows, k_rows, q_pos, kv_len) -> None:
-    """ValueError unless q [Lq, Hq, D], k/v [Lk, Hkv, D], q_rows / k_rows / kv_len [S] and
-    q_pos [S, Tq] form a packed problem."""
-    s_ = q_pos.shape[0] if q_pos.dim() == 2 else -1
-    if (q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]
-            or q_pos.dim() != 2 or tuple(q_rows.shape) != (s_,)
-            or tuple(k_rows.shape) != (s_,) or tuple(kv_len.shape) != (s_,)):
-        raise ValueError(f"{what}: streams q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}, q_rows {tuple(q_rows.shape)}, k_rows "
-                         f"{tuple(k_rows.shape)}, q_pos {tuple(q_pos.shape)}, kv_len "
-                         f"{tuple(kv_len.shape)} do not form a packed GQA problem "
-                         f"([Lq, Hq, D], [Lk, Hkv, D], [S], [S], [S, Tq], [S])")
 
 
 def attention_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -102,8 +102,9 @@ import triton.language as tl
 
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.tokensum import TokenSum
-from rlkernel.kernels.triton_attention import (check_packed, query_rows, sample_base,
-                                                stream_strides)
+from rlkernel.kernels.attention import check_packed, key_slot_map
+from rlkernel.kernels.slots import scatter_slots, slot_moves
+from rlkernel.kernels.triton_attention import query_rows, sample_base, stream_strides
 from rlkernel.kernels.triton_util import INTERPRET, check_cuda, device_ctx
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics import triton_fixedpoint as tfx
@@ -741,17 +742,12 @@ def _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm, word
 def _to_rows(x: torch.Tensor, ref: torch.Tensor, k_rows: torch.Tensor,
              kv_len: torch.Tensor) -> torch.Tensor:
     """x [S, Hkv, Tk, D] as a stream like ref [Lk, Hkv, D] (its dtype): key slot j < kv_len[s]
-    at row k_rows[s] + j, other rows +0.0 (one rounding copy and one scatter, no host sync:
-    slots past kv_len go to a dropped dump row)."""
+    at row k_rows[s] + j, other rows +0.0 (one rounding copy and kernels/slots.py's scatter,
+    no host sync)."""
     s_, hkv, tk, d = x.shape
-    n = ref.shape[0]
-    j = torch.arange(tk, device=x.device)
-    at = torch.where(j < kv_len[:, None], k_rows[:, None] + j, torch.full_like(j, n))
     rows = torch.empty(s_, tk, hkv, d, dtype=ref.dtype, device=x.device)
     rows.copy_(x.transpose(1, 2))
-    res = torch.zeros(n + 1, hkv, d, dtype=ref.dtype, device=x.device)
-    res.index_copy_(0, at.reshape(-1), rows.view(s_ * tk, hkv, d))
-    return res[:n]
+    return scatter_slots(rows, slot_moves(key_slot_map(k_rows, kv_len, tk), ref.shape[0]))
 
 
 def _like(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

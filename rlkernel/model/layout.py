@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlkernel.kernels.slots import (SlotMoves, gather_slots, run_slot_map, scatter_slots,
+                                   slot_moves)
 from rlkernel.spec import TOKEN_LEAF
 
 @dataclass(frozen=True)
@@ -117,11 +119,9 @@ class StreamLayout:
 def _run_starts(idx: torch.Tensor, count: torch.Tensor) -> torch.Tensor | None:
     """[S] first rows if idx [S, T]'s first count[s] slots of each sample are consecutive rows
     (and any later ones −1), else None."""
-    t = torch.arange(idx.shape[1])
     first = idx[:, 0].clamp(min=0)
-    inside = t[None, :] < count[:, None]
-    want = torch.where(inside, first[:, None] + t, torch.full_like(idx, -1))
-    return first if torch.equal(idx, want) else None
+    inside = torch.arange(idx.shape[1])[None, :] < count[:, None]
+    return first if torch.equal(idx, run_slot_map(first, inside)) else None
 
 
 def _packed_rows(lay: StreamLayout):
@@ -138,28 +138,6 @@ def _packed_rows(lay: StreamLayout):
     if q_rows is None or k_rows is None:
         return None
     return q_rows, k_rows, lay.keys_idx.shape[1]
-
-
-@dataclass(frozen=True)
-class SlotMoves:
-    """Index tensors of one slot map idx [S, T] (−1 = empty) and a stream of n_rows rows:
-    gather [S·T] (stream row of each slot, empty -> 0), valid [S, T] and its negation empty,
-    scatter [S·T] (stream row of each slot, empty -> the dump row n_rows)."""
-
-    idx: torch.Tensor
-    gather: torch.Tensor
-    valid: torch.Tensor
-    scatter: torch.Tensor
-    n_rows: int
-    empty: torch.Tensor
-
-
-def slot_moves(idx: torch.Tensor, n_rows: int) -> SlotMoves:
-    """The SlotMoves of idx [S, T] and a stream of n_rows rows."""
-    valid = idx >= 0
-    return SlotMoves(idx, idx.clamp(min=0).reshape(-1), valid,
-                     torch.where(valid, idx, torch.full_like(idx, n_rows)).reshape(-1), n_rows,
-                     ~valid)
 
 
 def _check_leaf(leaf: int) -> None:
@@ -239,48 +217,27 @@ def chunk_layout(chunks: list[list[int]], starts: list[int], pad_id: int) -> Str
     return StreamLayout(tokens, positions, q_idx, q_pos, kv_len)
 
 
-def _gather_slots(x: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
-    """[S, T, ...] slot view of stream rows x [n_rows, ...]: valid slots copy their row, empty
-    ones +0. A gather and a masked fill, not boolean indexing: no data-dependent shape, so no host
-    sync on CUDA (the rollout decode loop, the training backward)."""
-    if x.shape[0] == 0:
-        return x.new_zeros(mv.idx.shape + x.shape[1:])
-    rows = x[mv.gather].view(mv.idx.shape + x.shape[1:])
-    # in place on the fresh gather, with the mask of the layout: two launches, not three (a
-    # zero scalar and a where), four times per layer and microbatch in training
-    return rows.masked_fill_(mv.empty.view(mv.empty.shape + (1,) * (x.dim() - 1)), 0)
-
-
-def _scatter_slots(y: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
-    """Stream rows [n_rows, ...] of the slot view y [S, T, ...]: each valid slot's values at its
-    row, rows no slot names +0. Empty slots land in an extra dump row (dropped): no boolean
-    indexing, no host sync."""
-    out = y.new_zeros((mv.n_rows + 1,) + y.shape[2:])
-    out.index_copy_(0, mv.scatter, y.reshape((-1,) + y.shape[2:]))
-    return out[:mv.n_rows]
-
-
 class _ToSamples(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
         ctx.mv = mv
-        return _gather_slots(x, mv)
+        return gather_slots(x, mv)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         # A stream row is read by one slot at most: its gradient is that slot's, copied.
-        return _scatter_slots(dy, ctx.mv), None
+        return scatter_slots(dy, ctx.mv), None
 
 
 class _ToStream(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, mv: SlotMoves) -> torch.Tensor:
         ctx.mv = mv
-        return _scatter_slots(y, mv)
+        return scatter_slots(y, mv)
 
     @staticmethod
     def backward(ctx, dx: torch.Tensor):
-        return _gather_slots(dx, ctx.mv), None
+        return gather_slots(dx, ctx.mv), None
 
 
 def _moves_of(idx: torch.Tensor, n_rows: int, lay: StreamLayout | None) -> SlotMoves:
