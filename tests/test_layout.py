@@ -6,8 +6,11 @@ ranks, local query slots and gathered logical keys both prefix maps). When each 
 are one run of consecutive rows (`StreamLayout.packed_rows`: samples of any lengths as the packer
 lays them out), the model's invariant attention reads the streams in place
 (kernels/attention.attention_packed) with the bytes of the gather path, single process and CP2.
+The native arm's `attention_packed` (flash varlen attention on CUDA) falls back on the CPU to the
+gather path's bytes, single process and CP2; `StreamLayout.packed_segments` (its cu_seqlens) is
+checked on hand-made layouts.
 
-Run: `.venv/bin/python -m pytest -q tests/test_layout.py` (about 10 s).
+Run: `.venv/bin/python -m pytest -q tests/test_layout.py` (about 20 s).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from rlkernel.model.checkpoint import init_weights
 from rlkernel.model.config import tiny
 from rlkernel.model.layout import (StreamLayout, chunk_layout, cp_local_layout, packed_layout,
                                    slots_are_views, to_samples, to_stream)
-from rlkernel.model.ops import InvariantOps
+from rlkernel.model.ops import InvariantOps, NativeOps
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.step import TrainSample, compute_gradients, gradients
@@ -92,10 +95,10 @@ def _equal_samples() -> list[TrainSample]:
     return out
 
 
-def _step_bits(samples, pc=None):
+def _step_bits(samples, pc=None, ops=InvariantOps):
     """Stats and gradients (int32 bits) of one bf16 step of the tiny model (pc: its ranks)."""
     cfg = tiny()
-    pol = Qwen3ForCausalLM(cfg, InvariantOps, torch.bfloat16, pc)
+    pol = Qwen3ForCausalLM(cfg, ops, torch.bfloat16, pc)
     pol.load_tensors(init_weights(cfg, 0))
     st = compute_gradients(pol, None, samples, temperature=0.8,
                            coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=512,
@@ -340,3 +343,132 @@ def test_to_carries_each_index_tensors_prefix_flag_to_its_moved_copy():
         got = (moved.slots_are_prefix(moved.q_idx),
                None if moved.kv_idx is None else moved.slots_are_prefix(moved.kv_idx))
         assert got == want, (got, want)
+
+
+def _count_native_packed(monkeypatch) -> list:
+    """Count the native arm's packed attention calls (one per layer and pass)."""
+    calls, real = [], NativeOps.attention_packed
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(NativeOps, "attention_packed", staticmethod(counted))
+    return calls
+
+
+def _native_hidden_bits(seqs: list[list[int]]):
+    """The bf16 native tiny model over packed_layout(seqs): its hidden rows and every
+    parameter's gradient of a weighted sum of them (int32 bits)."""
+    cfg = tiny()
+    m = Qwen3ForCausalLM(cfg, NativeOps, torch.bfloat16)
+    m.load_tensors(init_weights(cfg, 0))
+    h = m.hidden(packed_layout(seqs, 257))
+    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(4))
+    (h * w).sum().backward()
+    return h.detach().view(torch.int32).clone(), {
+        n: p.grad.view(torch.int32).clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def test_native_packed_attention_on_cpu_is_bitwise_the_gather_path(monkeypatch):
+    """Ragged samples (lengths 32, 17, 25: not the prefix case) through the native arm on the
+    CPU: its attention_packed runs (counted) and, flash being CUDA-only, takes the gather path
+    inside it, so the hidden rows and every gradient of the model, and a training step's stats
+    and gradients, are bitwise those of the model calling the gathers itself
+    (packed_attention False: attention_packed not called)."""
+    seqs = _seqs([32, 17, 25])
+    calls = _count_native_packed(monkeypatch)
+    packed = _native_hidden_bits(seqs), _step_bits(_unequal_samples(), ops=NativeOps)
+    assert len(calls) > 0
+    monkeypatch.setattr(NativeOps, "packed_attention", False)
+    n_calls = len(calls)
+    plain = _native_hidden_bits(seqs), _step_bits(_unequal_samples(), ops=NativeOps)
+    assert len(calls) == n_calls
+    assert torch.equal(packed[0][0], plain[0][0])
+    assert packed[0][1].keys() == plain[0][1].keys() and len(plain[0][1]) > 0
+    assert all(torch.equal(packed[0][1][n], plain[0][1][n]) for n in plain[0][1])
+    assert _same_bits(packed[1], plain[1])
+
+
+def _cp2_native_rank(rank: int, out_dir: str) -> None:
+    """One of 2 CP ranks (gloo): the native step on unequal samples through attention_packed
+    (counted: under CP its keys are gathered, so the gather path inside it) and with
+    packed_attention off."""
+    import torch.distributed as dist
+
+    from rlkernel.config import RunConfig
+    from rlkernel.distributed.context import build_contexts
+    from rlkernel.distributed.topology import Topology, build_comms
+
+    topo = Topology.from_config(RunConfig(cp=2), rank, dist.get_world_size())
+    pc, _ = build_contexts(topo, build_comms(topo), tiny())
+    mp = pytest.MonkeyPatch()
+    try:
+        calls = _count_native_packed(mp)
+        packed = _step_bits(_unequal_samples(), pc, NativeOps)
+        n_calls = len(calls)
+        mp.setattr(NativeOps, "packed_attention", False)
+        plain = _step_bits(_unequal_samples(), pc, NativeOps)
+    finally:
+        mp.undo()
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump((packed, plain, n_calls, len(calls) - n_calls), f)
+
+
+def test_cp2_native_packed_attention_is_bitwise_the_gather_path(tmp_path):
+    """CP2 (2 gloo ranks), native arm, samples ending at their EOS: on every rank the step
+    through attention_packed (called: counted) has the stats and gradient bytes of the step
+    with packed_attention off (attention_packed not called)."""
+    from rlkernel.distributed.launch import launch
+
+    launch(_cp2_native_rank, (str(tmp_path),), world_size=2, backend="gloo", timeout_s=120)
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as fh:
+            packed, plain, n_packed, n_plain = pickle.load(fh)
+        assert n_packed > 0 and n_plain == 0, (r, n_packed, n_plain)
+        assert _same_bits(packed, plain), f"CP rank {r}"
+
+
+def _dense_layout(q_idx: list[list[int]], n_rows: int) -> StreamLayout:
+    """A dense causal layout of n_rows stream rows whose slot map is q_idx (−1 = empty)."""
+    lay = _slot_map_layout(q_idx, n_rows)
+    return StreamLayout(lay.tokens, lay.positions, lay.q_idx, lay.q_pos, lay.kv_len,
+                        dense_causal=True)
+
+
+def test_packed_segments_cut_the_stream_at_each_samples_first_row():
+    """packed_segments (the native arm's flash varlen cu_seqlens): the packer's layout of
+    lengths 32, 17, 25 (gaps after samples 1 and 2, end padding) is cut at rows 0, 32, 64 and
+    the stream's end, the padding rows in their sample's segment and not owned; rows before the
+    first sample form a leading segment; one sample filling its stream is one segment, every
+    row owned (owned None). None where the segments would be wrong: starts not increasing
+    (samples swapped), a non-dense layout (rollout chunks), a CP rank's view (gathered keys),
+    kv_len unequal to the query slots. `to` carries the host answer (meta device)."""
+    lay = packed_layout(_seqs([32, 17, 25]), 257)
+    seg = lay.packed_segments()
+    assert lay.tokens.shape[0] == 96 and seg.n_rows == 96
+    assert seg.cu_seqlens.dtype == torch.int32 and seg.cu_seqlens.tolist() == [0, 32, 64, 96]
+    assert seg.max_len == 32
+    want = torch.zeros(96, dtype=torch.bool)
+    want[0:32] = want[32:49] = want[64:89] = True
+    assert torch.equal(seg.owned, want)
+    lead = _dense_layout([[2, 3, 4, -1], [5, 6, 7, 8]], 12).packed_segments()
+    assert lead.cu_seqlens.tolist() == [0, 2, 5, 12] and lead.max_len == 7
+    assert lead.owned.tolist() == [False] * 2 + [True] * 7 + [False] * 3
+    one = _dense_layout([[0, 1, 2, 3]], 4).packed_segments()
+    assert one.cu_seqlens.tolist() == [0, 4] and one.max_len == 4 and one.owned is None
+    assert _dense_layout([[4, 5, 6, 7], [0, 1, 2, 3]], 8).packed_segments() is None
+    assert _dense_layout([[4, 5, 6, 7], [0, 1, 2, 3]], 8).packed_rows() is not None
+    assert _slot_map_layout([[0, 1, 2, 3], [4, 5, 6, 7]], 8).packed_segments() is None
+    assert chunk_layout([[1, 2], [3, 4]], [0, 0], 257).packed_segments() is None
+    full = packed_layout(_seqs([32, 32]), 257, multiple=64)
+    assert full.packed_segments() is not None
+    cp = cp_local_layout(full, torch.tensor([0, 1, 2, 3, 28, 29, 30, 31]))
+    assert cp.packed_rows() is not None and cp.packed_segments() is None
+    d = _dense_layout([[0, 1, 2, 3], [4, 5, 6, 7]], 8)
+    shorter = StreamLayout(d.tokens, d.positions, d.q_idx, d.q_pos, d.kv_len - 1,
+                           dense_causal=True)
+    assert shorter.packed_rows() is not None and shorter.packed_segments() is None
+    moved = lay.to(torch.device("meta"))
+    got = moved.packed_segments()
+    assert got.cu_seqlens.is_meta and got.owned.is_meta and got.max_len == 32
+    assert got.n_rows == 96

@@ -11,12 +11,29 @@ Does not: decide packing (rlkernel/data/packing.py) or CP placement (rlkernel/di
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from rlkernel.kernels.slots import (SlotMoves, gather_slots, run_slot_map, scatter_slots,
                                    slot_moves)
 from rlkernel.spec import TOKEN_LEAF
+
+
+class PackedSegments(NamedTuple):
+    """A packed causal stream cut into the segments of a variable-length (cu_seqlens) attention
+    call (FlashAttention-2, Dao 2023, its varlen entry point; torch.nn.attention.varlen):
+    `StreamLayout.packed_segments`."""
+
+    cu_seqlens: torch.Tensor
+    """[N + 1] int32: segment boundaries, 0 first and the stream's row count last."""
+    max_len: int
+    """Rows of the longest segment (host int: flash's max_q and max_k)."""
+    owned: torch.Tensor | None
+    """[L] bool: rows holding some sample's live slot; None when every row does."""
+    n_rows: int
+    """L, the stream's rows (host int)."""
+
 
 @dataclass(frozen=True)
 class StreamLayout:
@@ -84,6 +101,9 @@ class StreamLayout:
         moved._moves["bounds"] = self.attention_bounds()   # read here, before the move
         rows = self.packed_rows()
         moved._moves["packed"] = None if rows is None else (mv(rows[0]), mv(rows[1]), rows[2])
+        seg = self.packed_segments()
+        moved._moves["segments"] = None if seg is None else seg._replace(
+            cu_seqlens=mv(seg.cu_seqlens), owned=mv(seg.owned))
         for idx, new in ((self.q_idx, moved.q_idx), (self.kv_idx, moved.kv_idx)):
             if idx is not None:
                 moved._moves[("prefix", id(new))] = self.slots_are_prefix(idx)
@@ -115,6 +135,20 @@ class StreamLayout:
             self._moves["packed"] = _packed_rows(self)
         return self._moves["packed"]
 
+    def packed_segments(self) -> PackedSegments | None:
+        """Host-known: this pass's stream as the segments of one variable-length causal
+        attention call, when a sample's keys are its own queries' rows in this stream: a
+        `dense_causal` layout, no CP key gather (kv_idx None), `packed_rows` whose query and
+        key runs agree and hold kv_len[s] rows each, with strictly increasing starts. Segment s
+        runs from sample s's first row to the next sample's (the last: to the stream's end), so
+        it holds the sample's live rows and then any padding rows; causal masking keeps every
+        live query from those padding keys. Rows before the first sample, if any, form a
+        leading segment owned by no sample. Else None. Free on host tensors (`to` carries it);
+        None for a layout built on the device."""
+        if "segments" not in self._moves:
+            self._moves["segments"] = _packed_segments(self)
+        return self._moves["segments"]
+
 
 def _run_starts(idx: torch.Tensor, count: torch.Tensor) -> torch.Tensor | None:
     """[S] first rows if idx [S, T]'s first count[s] slots of each sample are consecutive rows
@@ -138,6 +172,28 @@ def _packed_rows(lay: StreamLayout):
     if q_rows is None or k_rows is None:
         return None
     return q_rows, k_rows, lay.keys_idx.shape[1]
+
+
+def _packed_segments(lay: StreamLayout) -> PackedSegments | None:
+    rows = lay.packed_rows()
+    if rows is None or not lay.dense_causal or lay.kv_idx is not None:
+        return None
+    q_rows, k_rows, _ = rows
+    n_q = (lay.q_pos >= 0).sum(1)
+    if not torch.equal(q_rows, k_rows) or not torch.equal(n_q, lay.kv_len):
+        return None
+    n_rows = lay.tokens.shape[0]
+    starts, counts = q_rows.tolist(), n_q.tolist()
+    ends = starts[1:] + [n_rows]
+    if any(e <= s or s + c > e for s, c, e in zip(starts, counts, ends)):
+        return None                                # starts not increasing, or past the end
+    cuts = ([0] if starts[0] > 0 else []) + starts + [n_rows]
+    owned = None
+    if sum(counts) < n_rows:                       # padding or leading rows: no sample's
+        owned = torch.zeros(n_rows, dtype=torch.bool)
+        owned[lay.q_idx[lay.q_idx >= 0]] = True
+    return PackedSegments(torch.tensor(cuts, dtype=torch.int32),
+                          max(b - a for a, b in zip(cuts, cuts[1:])), owned, n_rows)
 
 
 def _check_leaf(leaf: int) -> None:

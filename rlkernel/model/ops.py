@@ -24,6 +24,8 @@ from rlkernel.distributed.parallel import collective_pair as pair
 from rlkernel.kernels import (activation, attention, embedding, logprobs, matmul, mlp, norm,
                               paged_attention)
 from rlkernel.kernels.rope import apply_rope, rope
+from rlkernel.model import varlen
+from rlkernel.model.layout import StreamLayout, to_samples, to_stream
 from rlkernel.spec import VIRTUAL_TP
 
 
@@ -105,10 +107,13 @@ class InvariantOps:
                                    bounds=bounds)
 
     @staticmethod
-    def attention_packed(q, k, v, rows, q_pos, kv_len, scale, pc: ParallelCtx, bounds=None):
+    def attention_packed(q, k, v, rows, q_pos, kv_len, scale, pc: ParallelCtx, bounds=None, *,
+                         lay=None, dtype=torch.float32):
         """Invariant attention reading the token streams in place: q [Lq, Hq, D], k/v
         [Lk, Hkv, D], rows = StreamLayout.packed_rows(); returns the output stream [Lq, Hq, D]
-        (kernels/attention.attention_packed: `attention`'s bytes without the per-sample copies)."""
+        (kernels/attention.attention_packed: `attention`'s bytes without the per-sample copies).
+        lay, dtype: the native arm's (unused: the kernels read rows, and the compute dtype has
+        no rounding point here)."""
         q_rows, k_rows, tk = rows
         return attention.attention_packed(q, k, v, q_rows, k_rows, q_pos, kv_len, tk, scale,
                                           tok=pc.tok, kv_comm=pc.kv, bounds=bounds)
@@ -245,8 +250,9 @@ class NativeOps:
     fp32, as in transformers' Qwen3; on CPU every op is fp32 (the control)."""
 
     name = "native"
-    packed_attention = False
-    """SDPA takes per-sample [S, H, T, D] tensors: the model gathers them."""
+    packed_attention = True
+    """`attention_packed`: flash varlen attention on the streams where it can run (CUDA, a
+    dense causal pass without CP), else the per-sample gathers around SDPA."""
 
     @staticmethod
     def swiglu(g, u):
@@ -371,6 +377,27 @@ class NativeOps:
                                              attn_mask=vis[:, None], scale=scale,
                                              enable_gqa=gqa)
         return out * row[:, None, :, None]
+
+    @staticmethod
+    def attention_packed(q, k, v, rows, q_pos, kv_len, scale, pc: ParallelCtx, bounds=None, *,
+                         lay: StreamLayout, dtype=torch.float32):
+        """Attention of packed streams as users with remove-padding run it: q [Lq, Hq, D], k/v
+        [Lk, Hkv, D] (bf16 on a bf16 CUDA run) -> the output stream [Lq, Hq, D] in the native
+        dtype (bf16 there; rows no sample holds +0). Where `varlen.usable` on lay's
+        `packed_segments` (CUDA, sm80+, a dense causal pass whose keys are its own rows: no CP),
+        one FlashAttention-2 varlen call (Dao 2023; torch.nn.attention.varlen.varlen_attn) reads
+        the streams without per-sample copies. Otherwise (CPU, CP, other layouts, no varlen in
+        this torch) the gather path, bytes and all: `to_samples` of q, k, v, `attention` (SDPA)
+        and `to_stream`. rows: StreamLayout.packed_rows() (the invariant arm's; lay holds it)."""
+        seg, flash_dtype = lay.packed_segments(), _native_dtype(q, dtype)
+        if varlen.usable(q, k, seg, scale, flash_dtype):
+            return varlen.flash_varlen_attention(q, k, v, seg, scale, flash_dtype)
+        qs = to_samples(q, lay.q_idx, lay).transpose(1, 2)              # [S, Hq, T, D]
+        ks = to_samples(k, lay.keys_idx, lay).transpose(1, 2)           # [S, Hkv, Tk, D]
+        vs = to_samples(v, lay.keys_idx, lay).transpose(1, 2)
+        o = NativeOps.attention(qs, ks, vs, q_pos, kv_len, scale, pc, dtype, lay.dense_causal,
+                                bounds)
+        return to_stream(o.transpose(1, 2), lay.q_idx, q.shape[0], lay)
 
     @staticmethod
     def begin_grads(model, direct: bool = False) -> None:

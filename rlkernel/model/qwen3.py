@@ -142,11 +142,13 @@ class Attention(nn.Module):
         scale = 1.0 / math.sqrt(c.head_dim)
         rows = lay.packed_rows() if cache is None and ops.packed_attention else None
         if rows is not None and not slots_are_views(lay, n, k_all.shape[0]):
-            # Each sample's rows read and written in place (kernels/attention.attention_packed):
-            # the bytes of the per-sample path below without its gathers and scatters.
+            # Each sample's rows read and written in place. Invariant arm
+            # (kernels/attention.attention_packed): the bytes of the per-sample path below
+            # without its gathers and scatters. Native arm: flash varlen attention where it
+            # runs (CUDA, no CP), else exactly the per-sample path below.
             o = ops.attention_packed(*(rounding_point(t, self.cd) for t in (q, k_all, v_all)),
                                      rows, lay.q_pos, lay.kv_len, scale, pc,
-                                     lay.attention_bounds())
+                                     lay.attention_bounds(), lay=lay, dtype=self.cd)
             return ops.row(o.reshape(n, self.heads * c.head_dim), self.o_proj.weight, shards,
                            pc, self.cd)
         qs = to_samples(q, lay.q_idx, lay).transpose(1, 2)               # [S, heads, T, D]
