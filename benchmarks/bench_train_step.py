@@ -501,7 +501,13 @@ def main() -> None:
                   f"[{row['top_kernel']}]")
     if {"invariant", "native"} <= res["arms"].keys():
         res["ratio"] = res["arms"]["invariant"]["warm_step_s"] / res["arms"]["native"]["warm_step_s"]
-        print(f"ratio invariant / native: {res['ratio']:.2f}")
+        mb = (a.invariant_micro_samples or a.samples, a.native_micro_samples or a.samples)
+        same = mb[0] == mb[1]
+        res["ratio_same_packing"] = same
+        print(f"ratio invariant / native: {res['ratio']:.2f}" + ("" if same else (
+            f" (NOT the cost of invariance: the arms ran {mb[0]} and {mb[1]} samples per "
+            "microbatch, and a stock step pays per microbatch; rerun with equal "
+            "--invariant-micro-samples and --native-micro-samples)")))
     if {"invariant", "transformers"} <= res["arms"].keys():
         res["ratio_transformers"] = (res["arms"]["invariant"]["warm_step_s"]
                                      / res["arms"]["transformers"]["warm_step_s"])
