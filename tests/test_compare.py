@@ -137,6 +137,66 @@ def test_a_layout_difference_is_no_difference_of_configuration(tmp_path, capsys)
     assert code == 0 and "note" not in out and compare_runs(a, b).config_differences == []
 
 
+def _set_manifest(run, **sections):
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.update(copy.deepcopy(sections))
+    path.write_text(json.dumps(manifest))
+
+
+def _inputs(weights="a", config="c", prompts="p", tokenizer="t", template="j"):
+    """A manifest's inputs, reward and tokenizer_files for --model m --prompts p.jsonl
+    --reward rr.py:score (each content as one repeated hex digit)."""
+    return {"config": {"tp": 1, "steps": 2, "model": "m", "prompts": "p.jsonl",
+                       "reward": "rr.py:score"},
+            "inputs": {"files": {"m/config.json": config * 64, "m/model.safetensors": weights * 64,
+                                 "m/tokenizer.json": tokenizer * 64, "p.jsonl": prompts * 64},
+                       "vocab": None, "weights": {"stored_dtypes": ["bfloat16"]}},
+            "tokenizer_files": {"tokenizer.json": tokenizer * 64, "chat_template.jinja": template * 64},
+            "reward": {"spec": "rr.py:score", "function": "rr.py:score",
+                       "source_file": "/w/rr.py", "source_sha256": "e" * 64}}
+
+
+def test_inputs_whose_content_changed_are_named_in_the_note(tmp_path, capsys):
+    """Same flags, other file contents (rr.py edited, model.safetensors replaced under its path,
+    ...): the note says the runs read different inputs and names each, as it names differing
+    settings, so a DIFFERENT is not read as a broken promise; --quiet keeps it. The info lines
+    show the hashes (the reward and tokenizer_files sections too); the verdict is the
+    evidence's. Same inputs: no note."""
+    s = _step(0)
+    s["rewards"] = [0.0, 0.0, 0.0, 0.0]
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [s])
+    same = write_run(tmp_path / "same", [_step(0)])
+    _set_manifest(a, **_inputs())
+    _set_manifest(same, **_inputs())
+    assert "note" not in rlk_compare(capsys, a, same)[1]
+
+    changed = _inputs()
+    changed["reward"]["source_sha256"] = "f" * 64
+    _set_manifest(b, **changed)
+    code, out, _ = rlk_compare(capsys, a, b)
+    lines = out.splitlines()
+    assert code == 1 and lines[-1] == "DIFFERENT: 1 field differs"
+    assert f'info  reward: source_sha256 "{"e" * 64}" vs "{"f" * 64}"' in lines, out
+    (note,) = [ln for ln in lines if ln.startswith("note  ")]
+    assert note.startswith("note  A and B read different inputs (changed content: the --reward "
+                           "source /w/rr.py): "), note
+    assert compare_runs(a, b).input_differences == ["the --reward source /w/rr.py"]
+    assert cli.main(["compare", "--quiet", str(a), str(b)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == note
+
+    _set_manifest(b, **_inputs(weights="b", config="d", prompts="q", template="k"))
+    _set_config(b, temperature=0.5)
+    code, out, _ = rlk_compare(capsys, a, b)
+    (note,) = [ln for ln in out.splitlines() if ln.startswith("note  ")]
+    assert note.startswith("note  A and B differ in configuration (sampling settings: "
+                           "--temperature) and read different inputs (changed content: --model "
+                           "weights (model.safetensors), --model config.json, --model tokenizer "
+                           "(chat_template.jinja), the --prompts file p.jsonl): "), note
+    assert "info  tokenizer_files: chat_template.jinja" in out
+
+
 def test_one_bit_of_grad_norm_differs(tmp_path, capsys):
     """grad_norm differing in its last mantissa bit -> exit 1, the field named."""
     s = _step(1)

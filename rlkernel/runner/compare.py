@@ -5,12 +5,15 @@ of every step record except `timings` and `resources` (measurements) and `nonfin
 (global rank ids: the topology's). "Equal" means exactly equal JSON values: the same type,
 floats with the same bits (`float.hex`, so 0.0 != -0.0), lists elementwise, dicts key by key.
 A step present in one run only is a difference. Manifest differences (config, canonical spec,
-inputs: file hashes, vocab, stored dtypes; versions, git commit) are reported as information:
-two topologies of one run are *expected* to differ in config and to be identical in evidence.
+inputs: file hashes, vocab, stored dtypes; the reward function's source hash, the tokenizer
+files' hashes; versions, git commit) are reported as information: two topologies of one run are
+*expected* to differ in config and to be identical in evidence.
 A config difference outside config.SAME_EVIDENCE_SETTINGS (e.g. --temperature, --top-p, --seed)
 makes two runs of different configurations, whose tokens and evidence may differ (a --model
-path to the same weights as the embedded model's may still be IDENTICAL):
-the report says so in a line before the per-field results.
+path to the same weights as the embedded model's may still be IDENTICAL); so does an input whose
+recorded content differs under the same flags (rr.py edited between two runs of
+`--reward rr.py:score`, weights replaced under the same --model path: `_input_differences`):
+the report says so, naming the settings and inputs, in a line before the per-field results.
 
 Does not: read tensors or checkpoints (only evidence.json / manifest.json), or tolerate anything.
 
@@ -56,15 +59,16 @@ class FieldResult:
 
 @dataclass
 class CompareReport:
-    """Everything `rlk compare` found. `results` decide the verdict; `info` and
+    """Everything `rlk compare` found. `results` decide the verdict; `info`,
     `config_differences` (the config fields, outside SAME_EVIDENCE_SETTINGS, whose values differ)
-    do not."""
+    and `input_differences` (the inputs whose recorded content differs, described) do not."""
 
     a: str
     b: str
     results: list[FieldResult] = field(default_factory=list)
     info: list[str] = field(default_factory=list)
     config_differences: list[str] = field(default_factory=list)
+    input_differences: list[str] = field(default_factory=list)
 
     @property
     def n_differences(self) -> int:
@@ -247,7 +251,8 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     info = []
-    for section in ("config", "canonical_spec", "inputs", "versions", "git"):
+    for section in ("config", "canonical_spec", "inputs", "reward", "tokenizer_files",
+                    "versions", "git"):
         fa, fb = _flatten(ma.get(section) or {}), _flatten(mb.get(section) or {})
         for k in list(fa) + [k for k in fb if k not in fa]:
             if k == "dirty_files":
@@ -266,16 +271,92 @@ def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
             and not same_value(ca.get(k, "<absent>"), cb.get(k, "<absent>"))]
 
 
-def _config_note(keys: list[str]) -> str:
-    """The line that says A and B are two configurations, so that a DIFFERENT below (their
-    tokens, above all with other sampling settings) is not read as a broken promise."""
+def _section(m: dict[str, Any], name: str) -> dict[str, Any] | None:
+    v = m.get(name)
+    return v if isinstance(v, dict) else None
+
+
+# Roles of the recorded input files, in the order the note names them.
+_ROLES = ("--model weights", "--model config.json", "--model tokenizer", "the --prompts file",
+          "the --reward source", "input")
+
+
+def _input_contents(m: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
+    """{role: {name: SHA-256}} of what a manifest records reading; a role is None where the
+    manifest does not record it (written by an older rl-kernel). A model file is keyed by its
+    name in the --model directory, the prompts file and the reward source by role alone, so the
+    same content under another path is no difference (a path that differs is a config
+    difference)."""
+    config = _section(m, "config") or {}
+    inputs, reward, tok = (_section(m, n) for n in ("inputs", "reward", "tokenizer_files"))
+    files = inputs.get("files") if inputs is not None else None
+    out: dict[str, dict[str, Any] | None] = dict.fromkeys(_ROLES)
+    if isinstance(files, dict):
+        out.update({role: {} for role in _ROLES})
+        model, prompts = config.get("model"), config.get("prompts")
+        for path, sha in files.items():
+            p = pathlib.PurePath(path)
+            if isinstance(prompts, str) and p == pathlib.PurePath(prompts):
+                out["the --prompts file"][""] = sha
+            elif isinstance(model, str) and p.parent == pathlib.PurePath(model):
+                role = ("--model weights" if p.name.endswith((".safetensors", ".index.json"))
+                        else "--model config.json" if p.name == "config.json"
+                        else "--model tokenizer")
+                out[role][p.name] = sha
+            else:
+                out["input"][path] = sha
+    if tok is not None and out["--model tokenizer"] is not None:
+        out["--model tokenizer"].update(tok)
+    out["the --reward source"] = None if reward is None else {"": reward.get("source_sha256")}
+    return out
+
+
+def _input_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
+    """The inputs whose recorded content (SHA-256) differs between A and B, each described with
+    the files concerned ("--model weights (model.safetensors)", "the --reward source
+    /w/rr.py"), in _ROLES order. What either manifest does not record is not compared."""
+    ca, cb = _input_contents(ma), _input_contents(mb)
+    out = []
+    for role in _ROLES:
+        a, b = ca[role], cb[role]
+        if a is None or b is None:
+            continue
+        names = [n for n in list(a) + [n for n in b if n not in a]
+                 if not same_value(a.get(n, "<absent>"), b.get(n, "<absent>"))]
+        if not names:
+            continue
+        if role == "the --reward source":
+            ra, rb = _section(ma, "reward") or {}, _section(mb, "reward") or {}
+            if not (ra.get("spec") or rb.get("spec")):
+                role = "the built-in reward's source"
+            fa, fb = ra.get("source_file"), rb.get("source_file")
+            out.append(f"{role} {fa}" if fa == fb else f"{role} {fa} vs {fb}")
+        elif role == "the --prompts file":
+            pa, pb = ((_section(m, "config") or {}).get("prompts") for m in (ma, mb))
+            out.append(f"{role} {pa}" if pa == pb else f"{role} {pa} vs {pb}")
+        elif role == "--model config.json":
+            out.append(role)
+        else:
+            out.append(f"{role} ({_names(names)})" if role != "input" else
+                       f"input {_names(names)}")
+    return out
+
+
+def _config_note(keys: list[str], inputs: list[str] | None = None) -> str:
+    """The line that says A and B are two configurations, or read different inputs (`inputs`:
+    _input_differences), so that a DIFFERENT below (their tokens, above all with other sampling
+    settings) is not read as a broken promise."""
     sampling = [flag_name(k) for k in keys if k in SAMPLING_SETTINGS]
     other = [flag_name(k) for k in keys if k not in SAMPLING_SETTINGS]
     groups = [f"sampling settings: {', '.join(sampling)}"] if sampling else []
     groups += [f"{'other ' if sampling else ''}settings: {', '.join(other)}"] if other else []
-    return (f"A and B differ in configuration ({'; '.join(groups)}): tokens and evidence may "
-            "differ without a reproducibility failure (identical evidence is promised for one "
-            "configuration across layouts)")
+    what = f"differ in configuration ({'; '.join(groups)})" if groups else ""
+    if inputs:
+        read = f"read different inputs (changed content: {', '.join(inputs)})"
+        what = f"{what} and {read}" if what else read
+    promise = "one configuration of the same inputs" if inputs else "one configuration"
+    return (f"A and B {what}: tokens and evidence may differ without a reproducibility failure "
+            f"(identical evidence is promised for {promise} across layouts)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +371,8 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     ma, ea = load_run(a_dir)
     mb, eb = load_run(b_dir)
     report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb),
-                           config_differences=_config_differences(ma, mb))
+                           config_differences=_config_differences(ma, mb),
+                           input_differences=_input_differences(ma, mb))
     same = _run_path(a_dir).resolve()
     if same == _run_path(b_dir).resolve():
         report.info.insert(0, f"A and B are the same run ({same}): this compares a run with "
@@ -327,7 +409,8 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
 
 def format_report(report: CompareReport, quiet: bool = False) -> str:
     """Human-readable report: run paths, manifest information, a "note" line when the runs
-    differ in configuration (report.config_differences), one line per field, the verdict.
+    differ in configuration or inputs (report.config_differences, report.input_differences),
+    one line per field, the verdict.
 
     quiet: only the note (if any), the fields that differ and the verdict (no paths or
     information lines): a DIFFERENT of two configurations still says so.
@@ -336,8 +419,8 @@ def format_report(report: CompareReport, quiet: bool = False) -> str:
     shown = [r for r in report.results if not (quiet and r.same)]
     lines = [] if quiet else [f"A: {report.a}", f"B: {report.b}"]
     lines += [] if quiet else [f"info  {s}" for s in report.info]
-    if report.config_differences:
-        lines.append(f"note  {_config_note(report.config_differences)}")
+    if report.config_differences or report.input_differences:
+        lines.append(f"note  {_config_note(report.config_differences, report.input_differences)}")
     width = max((len(r.where) for r in shown), default=0)
     name_width = max((len(r.name) for r in shown), default=0)
     for r in shown:
