@@ -214,7 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     cmp = sub.add_parser("compare", help="compare the evidence of two runs (exit 0 iff identical)",
-                         description="Compare two runs field by field; exit 0 iff identical.")
+                         description="Compare two runs field by field; exit 0 iff identical.",
+                         epilog="exit status: 0 identical, 1 different (an incomplete run "
+                                "included), 2 a usage error: a run that cannot be read, or RUN_A "
+                                "and RUN_B the same run (a run compared with itself proves "
+                                "nothing).")
     cmp.add_argument("run_a", metavar="RUN_A")
     cmp.add_argument("run_b", metavar="RUN_B")
     cmp.add_argument("--quiet", action="store_true",
@@ -1364,6 +1368,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if _debug():
             raise
         return _error("compare", e, 2)
+    if report.same_run is not None:   # a typo in a script: its IDENTICAL would be a false pass
+        return _error("compare", f"RUN_A and RUN_B are the same run ({report.same_run}); "
+                                 "comparing a run with itself proves nothing: give two run "
+                                 "directories", 2)
     print(format_report(report, quiet=args.quiet))
     return report.exit_code
 

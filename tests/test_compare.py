@@ -78,16 +78,32 @@ def test_identical_runs_exit_0(tmp_path, capsys):
                for ln in lines)
 
 
-def test_a_run_compared_with_itself_says_so(tmp_path, capsys):
-    """rlk compare A A (or A and A/evidence.json): IDENTICAL, with an info line that it is one
-    run; two separate runs get no such line."""
+def test_a_run_compared_with_itself_is_refused(tmp_path, capsys):
+    """rlk compare A A (or A and A/evidence.json, or A by another path), with or without
+    --quiet: exit 2 and one line on stderr saying A and B are one run, nothing on stdout, so a
+    script with a typo does not pass on a run's identity with itself (its IDENTICAL, exit 0,
+    hid the info line under --quiet). The API still compares and says so in an info line; two
+    separate runs get neither. `rlk compare --help` lists the exit codes."""
     a = write_run(tmp_path / "a", [_step(0)])
     for other in (a, a / "evidence.json", tmp_path / "." / "a"):
-        code, out, _ = rlk_compare(capsys, a, other)
-        assert code == 0 and out.splitlines()[-1] == "IDENTICAL"
-        assert "info  A and B are the same run" in out, out
+        for quiet in ([], ["--quiet"]):
+            code = cli.main(["compare", *quiet, str(a), str(other)])
+            out, err = capsys.readouterr()
+            assert code == 2 and out == "", out
+            (line,) = err.splitlines()
+            assert line.startswith(f"rlk compare: error: RUN_A and RUN_B are the same run "
+                                   f"({a.resolve()})"), line
+        report = compare_runs(a, other)
+        assert report.identical and report.same_run == a.resolve()
+        assert report.info[0].startswith("A and B are the same run")
     b = write_run(tmp_path / "b", [_step(0)])
-    assert "same run" not in rlk_compare(capsys, a, b)[1]
+    assert compare_runs(a, b).same_run is None
+    code, out, err = rlk_compare(capsys, a, b)
+    assert code == 0 and "same run" not in out + err
+    assert cli.main(["compare", "--help"]) == 0
+    usage = " ".join(capsys.readouterr().out.split())
+    assert ("exit status: 0 identical, 1 different (an incomplete run included), 2 a usage "
+            "error: a run that cannot be read, or RUN_A and RUN_B the same run") in usage, usage
 
 
 def _set_config(run, **settings):

@@ -17,8 +17,9 @@ the report says so, naming the settings and inputs, in a line before the per-fie
 
 Does not: read tensors or checkpoints (only evidence.json / manifest.json), or tolerate anything.
 
-Run: `rlk compare runs/A runs/B` (exit 0 identical, 1 different, 2 unreadable run; `--quiet`
-prints only the differing fields and the verdict);
+Run: `rlk compare runs/A runs/B` (exit 0 identical, 1 different, 2 unreadable run, or A and B
+one run: the CLI refuses that, `compare_runs` reports it in `same_run`; `--quiet` prints only the
+differing fields and the verdict);
 tests: `.venv/bin/python -m pytest -q tests/test_compare.py`.
 """
 
@@ -61,7 +62,9 @@ class FieldResult:
 class CompareReport:
     """Everything `rlk compare` found. `results` decide the verdict; `info`,
     `config_differences` (the config fields, outside SAME_EVIDENCE_SETTINGS, whose values differ)
-    and `input_differences` (the inputs whose recorded content differs, described) do not."""
+    and `input_differences` (the inputs whose recorded content differs, described) do not.
+    `same_run`: the run's resolved directory when A and B are one run (compared with itself:
+    IDENTICAL proves nothing), else None."""
 
     a: str
     b: str
@@ -69,6 +72,7 @@ class CompareReport:
     info: list[str] = field(default_factory=list)
     config_differences: list[str] = field(default_factory=list)
     input_differences: list[str] = field(default_factory=list)
+    same_run: pathlib.Path | None = None
 
     @property
     def n_differences(self) -> int:
@@ -375,6 +379,7 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
                            input_differences=_input_differences(ma, mb))
     same = _run_path(a_dir).resolve()
     if same == _run_path(b_dir).resolve():
+        report.same_run = same
         report.info.insert(0, f"A and B are the same run ({same}): this compares a run with "
                               "itself, not two runs")
 
