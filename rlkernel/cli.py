@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("run_b", metavar="RUN_B")
     cmp.add_argument("--quiet", action="store_true",
                      help="print only the fields that differ and the verdict line (and the "
-                          "note when the runs are two configurations)")
+                          "note when the runs are two configurations or read different "
+                          "inputs)")
     cmp.set_defaults(func=cmd_compare)
 
     rep = sub.add_parser("report", help="draw PNG plots of the per-step metrics of runs",
