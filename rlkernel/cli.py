@@ -1386,7 +1386,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if bad:
         return _error("report", bad, 2)
     try:
-        paths = write_report(args.runs, args.out)
+        paths = write_report(args.runs, args.out,
+                             warn=lambda line: print(f"rlk report: warning: {line}",
+                                                     file=sys.stderr))
     except ReportError as e:
         if _debug():
             raise

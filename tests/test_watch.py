@@ -272,6 +272,76 @@ def test_report_draws_one_and_several_runs(run, tmp_path, capsys):
     _png_ok(paths[0])
 
 
+def _huge_metrics_run(d: pathlib.Path) -> pathlib.Path:
+    """A run directory whose metrics.jsonl (3 steps) has reward_mean 1e308 at every step,
+    tokens_per_s -1e308 at step 1 and a second update's grad norm 1e308 at step 2."""
+    rows = [metrics_row(_rec(i)) for i in range(3)]
+    for r in rows:
+        r["reward_mean"] = 1e308
+    rows[1]["tokens_per_s"] = -1e308
+    rows[2]["grad_norms"] = [0.75, 1e308]
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_report_of_huge_values_draws_the_rest_and_names_them(tmp_path, capsys):
+    """Values past ±PLOT_LIMIT (1e300; matplotlib's tick arithmetic overflowed near 1e308: a
+    ValueError traceback, no plot written) are gaps: exit 0, every PNG written and readable,
+    and one warning line per run and metric on stderr naming the metric, its steps, the value
+    and the plot it is missing from."""
+    run = _huge_metrics_run(tmp_path / "huge")
+    code = main(["report", str(run), "--out", str(tmp_path / "p")])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, err
+    names = {pathlib.Path(p).name for p in out.split()}
+    assert {"overview.png", "reward.png", "throughput.png", "grad_norm.png", "loss.png"} <= names
+    for p in out.split():
+        _png_ok(pathlib.Path(p))
+    assert err.splitlines() == [
+        "rlk report: warning: huge: reward_mean at steps 0, 1, 2 (first 1e+308): past ±1e+300, "
+        "which a plot's axis cannot span; left out of reward.png and overview.png (a gap)",
+        "rlk report: warning: huge: grad_norms at step 2 (1e+308): past ±1e+300, which a plot's "
+        "axis cannot span; left out of grad_norm.png and overview.png (a gap)",
+        "rlk report: warning: huge: tokens_per_s at step 1 (-1e+308): past ±1e+300, which a "
+        "plot's axis cannot span; left out of throughput.png and overview.png (a gap)"], err
+
+
+def test_report_of_an_int_past_float64_draws_a_gap(tmp_path, capsys):
+    """metrics.jsonl with loss 10**400 (an int no float holds; math.isfinite raised
+    OverflowError, a traceback): a gap, like Inf, and every PNG is written."""
+    rows = [metrics_row(_rec(i)) for i in range(2)]
+    d = tmp_path / "bigint"
+    d.mkdir()
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (d / "metrics.jsonl").write_text(text.replace('"loss": 0.25', '"loss": 1' + "0" * 400, 1))
+    assert read_jsonl(d / "metrics.jsonl")[0]["loss"] == 10 ** 400
+    assert main(["report", str(d), "--out", str(tmp_path / "p")]) == 0
+    out, err = capsys.readouterr()
+    assert "loss.png" in out and "Traceback" not in err and err == "", err
+
+
+def test_report_leaves_out_a_panel_matplotlib_cannot_draw(tmp_path, capsys, monkeypatch):
+    """Should a value still break matplotlib (here: PLOT_LIMIT lifted, so 1e308 reaches it), that
+    panel is left out of its PNG and of overview.png with one warning naming it and the error;
+    the other PNGs are written. Control: the lifted limit does make matplotlib fail."""
+    from rlkernel.runner import report
+
+    monkeypatch.setattr(report, "PLOT_LIMIT", math.inf)
+    run = _huge_metrics_run(tmp_path / "huge")
+    code = main(["report", str(run), "--out", str(tmp_path / "p")])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, err
+    names = {pathlib.Path(p).name for p in out.split()}
+    assert "reward.png" not in names and {"overview.png", "loss.png", "lr.png"} <= names
+    for p in out.split():
+        _png_ok(pathlib.Path(p))
+    assert not (tmp_path / "p" / "reward.png").exists()
+    lines = [ln for ln in err.splitlines() if "reward.png" in ln]
+    assert lines and lines[0].startswith("rlk report: warning: reward.png: not drawn "
+                                         "(matplotlib: ValueError: "), err
+
+
 def test_report_refuses_an_unreadable_run(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     for target in (tmp_path / "missing", tmp_path / "empty"):

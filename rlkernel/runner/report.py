@@ -11,7 +11,10 @@ a run directory copied without it), the rows derived from its evidence.json by t
   mismatches.png train/rollout logprob byte mismatches (0 is the contract in --mode invariant)
   throughput.png response tokens per second of the whole step
   step_time.png  rollout (solid), train (dashed), sync (dotted) seconds per step
-A panel with no value in any run is left out. NaN/Inf values are gaps in a curve.
+A panel with no value in any run is left out. NaN/Inf values are gaps in a curve, and so are
+values past ±PLOT_LIMIT (an axis cannot span them: matplotlib's tick arithmetic overflowed near
+1e308, a traceback), each named in a warning (`warn`). Should matplotlib still fail on a panel,
+that panel is left out of its PNG and of overview.png, with a warning, and the rest is drawn.
 
 Matplotlib is driven through its object API with the Agg canvas: no pyplot, no global backend
 switch, no display needed.
@@ -25,10 +28,17 @@ import math
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rlkernel import readfile
 from rlkernel.runner.metrics import METRICS, metrics_row, read_jsonl
+
+
+PLOT_LIMIT = 1e300
+"""Largest |value| drawn. matplotlib's tick arithmetic overflowed from about 7e307 (an axis from
+-v to v) with a ValueError; rewards are bounded far below (data/rewards.REWARD_LIMIT, 1e100), so a
+value past this is a broken metric or an edited file, shown as a gap."""
+_SHOWN_STEPS = 5
 
 
 class ReportError(ValueError):
@@ -77,15 +87,29 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     return RunMetrics(d.name or str(d), rows, source)
 
 
+def _plottable(v: float) -> float:
+    """v, or NaN (a gap) when it is not finite or past ±PLOT_LIMIT."""
+    return v if math.isfinite(v) and abs(v) <= PLOT_LIMIT else math.nan
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except OverflowError:   # an int past float64 (metrics.jsonl edited by hand)
+            return math.inf if v > 0 else -math.inf
+    return None
+
+
 def _values(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
-        v = r.get(key)
-        if isinstance(v, str) and v in ("nan", "inf", "-inf"):
-            v = float(v)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = _number(r.get(key))
+        if v is not None:
             xs.append(r["step"])
-            ys.append(float(v) if math.isfinite(v) else math.nan)
+            ys.append(_plottable(v))
     return xs, ys
 
 
@@ -107,6 +131,34 @@ PANELS = [
 ]
 
 
+def _out_of_range(runs: list[RunMetrics]) -> list[str]:
+    """One line per run and metric with finite values past ±PLOT_LIMIT (drawn as gaps): its
+    steps, its first such value and the PNG it is missing from, in PANELS order."""
+    keys = [(k, stem) for stem, _, _, ks in PANELS for k, _ in ks]
+    keys.insert(1, ("reward_std", "reward"))
+    keys.insert(next(i for i, (_, s) in enumerate(keys) if s == "grad_norm") + 1,
+                ("grad_norms", "grad_norm"))
+    lines = []
+    for run in runs:
+        for key, stem in keys:
+            bad = []
+            for r in run.rows:
+                vs = r.get(key) if isinstance(r.get(key), list) else [r.get(key)]
+                big = [v for v in map(_number, vs) if v is not None and math.isfinite(v)
+                       and abs(v) > PLOT_LIMIT]
+                if big:
+                    bad.append((r["step"], big[0]))
+            if not bad:
+                continue
+            steps = ", ".join(str(s) for s, _ in bad[:_SHOWN_STEPS])
+            more = f", ... ({len(bad)} steps)" if len(bad) > _SHOWN_STEPS else ""
+            first = "first " if len(bad) > 1 else ""
+            lines.append(f"{run.label}: {key} at step{'s' if len(bad) > 1 else ''} {steps}{more} "
+                         f"({first}{bad[0][1]:g}): past ±{PLOT_LIMIT:g}, which a plot's axis "
+                         f"cannot span; left out of {stem}.png and overview.png (a gap)")
+    return lines
+
+
 def _draw(ax, runs: list[RunMetrics], panel, colors) -> bool:
     """Draw one panel; False when no run has a value for it."""
     from matplotlib.ticker import MaxNLocator
@@ -125,12 +177,13 @@ def _draw(ax, runs: list[RunMetrics], panel, colors) -> bool:
             if key == "reward_mean":
                 sx, sd = _values(run.rows, "reward_std")
                 if sx == xs:
-                    ax.fill_between(xs, [y - s for y, s in zip(ys, sd)],
-                                    [y + s for y, s in zip(ys, sd)], color=color, alpha=0.15)
+                    ax.fill_between(xs, [_plottable(y - s) for y, s in zip(ys, sd)],
+                                    [_plottable(y + s) for y, s in zip(ys, sd)], color=color,
+                                    alpha=0.15)
         if stem == "grad_norm":  # update i of n at x = step + i/n: the first sits on the line
-            pts = [(r["step"] + i / len(r["grad_norms"]), g) for r in run.rows
-                   if isinstance(r.get("grad_norms"), list)
-                   for i, g in enumerate(r["grad_norms"]) if isinstance(g, (int, float))]
+            pts = [(r["step"] + i / len(r["grad_norms"]), _plottable(_number(g)))
+                   for r in run.rows if isinstance(r.get("grad_norms"), list)
+                   for i, g in enumerate(r["grad_norms"]) if _number(g) is not None]
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, color=color, alpha=0.6)
     ax.set_title(title, fontsize=10)
@@ -153,9 +206,12 @@ def _figure(w: float, h: float):
     return fig
 
 
-def write_report(run_dirs: list[str], out_dir: str | os.PathLike) -> list[pathlib.Path]:
+def write_report(run_dirs: list[str], out_dir: str | os.PathLike,
+                 warn: Callable[[str], None] = lambda line: None) -> list[pathlib.Path]:
     """Draw the PNGs (module doc) of `run_dirs` into `out_dir` (created if missing); returns the
-    files written. Raises ReportError for an unreadable run or an unwritable out_dir."""
+    files written. `warn` gets one line per value left out of a plot (past ±PLOT_LIMIT) and per
+    panel matplotlib could not draw. Raises ReportError for an unreadable run or an unwritable
+    out_dir."""
     runs = [load_metrics(d) for d in run_dirs]
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):  # same directory name in different places: use paths
@@ -174,21 +230,30 @@ def write_report(run_dirs: list[str], out_dir: str | os.PathLike) -> list[pathli
 
     cmap = colormaps["tab10"]
     colors = [cmap(i % 10) for i in range(len(runs))]
-    # Values near the float64 limit (a reward of 1.7e308: its ±std band is inf, a gap) overflow
-    # inside matplotlib's tick arithmetic, which numpy reported as a RuntimeWarning on stderr;
-    # the plots themselves come out right, so that noise is silenced while drawing.
+    for line in _out_of_range(runs):
+        warn(line)
+    # Large values within PLOT_LIMIT can still overflow inside matplotlib's tick arithmetic,
+    # which numpy reported as a RuntimeWarning on stderr; the plots themselves come out right,
+    # so that noise is silenced while drawing.
     with numpy.errstate(over="ignore", invalid="ignore"):
-        return _draw_all(runs, out, colors)
+        return _draw_all(runs, out, colors, warn)
 
 
-def _draw_all(runs: list[RunMetrics], out: pathlib.Path, colors) -> list[pathlib.Path]:
+def _draw_all(runs: list[RunMetrics], out: pathlib.Path, colors,
+              warn: Callable[[str], None]) -> list[pathlib.Path]:
     written = []
     shown = []
     for panel in PANELS:
         fig = _figure(7, 4)
         if _draw(fig.add_subplot(), runs, panel, colors):
             path = out / f"{panel[0]}.png"
-            fig.savefig(path, dpi=110)
+            try:
+                fig.savefig(path, dpi=110)
+            except (ValueError, OverflowError) as e:   # matplotlib's arithmetic on a value
+                warn(f"{path.name}: not drawn (matplotlib: {type(e).__name__}: {e}); left out "
+                     "of overview.png too")
+                path.unlink(missing_ok=True)
+                continue
             written.append(path)
             shown.append(panel)
     cols = 3
