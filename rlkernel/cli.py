@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "evidence.json) of one or several runs as PNG files.")
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
     rep.add_argument("--out", required=True, metavar="DIR",
-                     help="output directory (created if missing; PNGs in it are replaced)")
+                     help="output directory (created if missing; PNGs in it are replaced; "
+                          "not a symbolic link)")
     rep.set_defaults(func=cmd_report)
 
     init = sub.add_parser("init-model", help="write a randomly initialised model directory",
@@ -420,16 +421,32 @@ def _bad_paths(*named: tuple[str, str]) -> str | None:
     return _non_utf8(*named) or _unusable_path(*named)
 
 
+def _not_a_directory(flag: str, value: str, give: str,
+                     usable: typing.Callable[[pathlib.Path], bool]) -> str | None:
+    """The usage error for an output-directory flag whose value cannot be that directory: an
+    ancestor is a file (mkdir would fail with a bare OS error after the work), the value is a
+    symbolic link (_why_not_a_link) or exists and is not a directory. None otherwise. `give`
+    says what the flag takes ("a new or empty directory"); `usable(target)`: whether a link's
+    target could be given instead."""
+    d = pathlib.Path(value)
+    blocked = next((p for p in d.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        return (f"{flag} {value!r}: cannot be created, {str(blocked)!r} is a file, not a "
+                f"directory; give {give}")
+    if d.is_symlink():
+        return f"{flag} {value!r}: {_why_not_a_link(d, give, usable)}"
+    if d.exists() and not d.is_dir():
+        return f"{flag} {value!r}: {_why_not_free(d)}; give {give}"
+    return None
+
+
 def _occupied(flag: str, value: str) -> str | None:
     """The usage error for a new-directory flag (`--run-dir`, `--out`) whose value is taken, in
     one wording for every command; None when the directory is free."""
     d = pathlib.Path(value)
-    blocked = next((p for p in d.parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:   # mkdir would fail with a bare OS error after the work
-        return (f"{flag} {value!r}: cannot be created, {str(blocked)!r} is a file, not a "
-                f"directory; give a new or empty directory")
-    if d.is_symlink():
-        return f"{flag} {value!r}: {_why_not_a_link(d)}"
+    wrong = _not_a_directory(flag, value, "a new or empty directory", _dir_is_free)
+    if wrong is not None:
+        return wrong
     if d.is_dir() and os.path.ismount(d):   # its rmdir fails (busy) after all the work
         return (f"{flag} {value!r}: is a mount point, which the output (built beside it and "
                 f"renamed into place) cannot replace; give a new directory inside it")
@@ -458,17 +475,18 @@ def _uncreatable(flag: str, value: str) -> str | None:
     return None
 
 
-def _why_not_a_link(d: pathlib.Path) -> str:
-    """Why the symbolic link `d` cannot be a new-directory flag's value: the output is built
-    beside it and renamed into place, and a rename neither follows a link nor replaces one by a
-    directory (it failed after all the work). Its target, when free, is offered instead."""
+def _why_not_a_link(d: pathlib.Path, give: str = "a new or empty directory",
+                    usable: typing.Callable[[pathlib.Path], bool] = _dir_is_free) -> str:
+    """Why the symbolic link `d` cannot be an output-directory flag's value: a new directory is
+    built beside it and renamed into place, and a rename neither follows a link nor replaces one
+    by a directory (it failed after all the work); and report writes where it is told, not
+    where a link leads. Its target, when `usable`, is offered instead."""
     target = os.readlink(d)
     if not d.exists():
-        return (f"is a symbolic link to {target!r}, which does not exist; give a new or empty "
-                "directory, not a link")
-    hint = f" (e.g. its target {str(d.resolve())!r})" if _dir_is_free(d) else ""
-    return (f"is a symbolic link to {target!r}; give a new or empty directory{hint}, not a "
-            "link")
+        return (f"is a symbolic link to {target!r}, which does not exist; give {give}, not a "
+                "link")
+    hint = f" (e.g. its target {str(d.resolve())!r})" if usable(d) else ""
+    return f"is a symbolic link to {target!r}; give {give}{hint}, not a link"
 
 
 def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
@@ -1382,7 +1400,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rlkernel.runner.report import ReportError, write_report
 
     named = (*[("RUN", r) for r in args.runs], ("--out", args.out))
-    bad = _bad_paths(*named)
+    # --out may hold files (its PNGs are replaced), but is refused as run / export refuse
+    # theirs when it is a file, lies under one, or is a symbolic link.
+    bad = (_bad_paths(*named) or _not_a_directory("--out", args.out, "a directory",
+                                                    pathlib.Path.is_dir)
+           or (None if os.path.isdir(args.out) else _uncreatable("--out", args.out)))
     if bad:
         return _error("report", bad, 2)
     try:

@@ -342,6 +342,43 @@ def test_report_leaves_out_a_panel_matplotlib_cannot_draw(tmp_path, capsys, monk
                                          "(matplotlib: ValueError: "), err
 
 
+def _metrics_run(d: pathlib.Path) -> pathlib.Path:
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(metrics_row(_rec(i))) + "\n"
+                                             for i in range(2)))
+    return d
+
+
+def test_report_out_that_is_a_file_or_a_link_is_refused(tmp_path, capsys, monkeypatch):
+    """report --out naming a file, a path under a file, or a symbolic link (to a directory, or
+    to nothing): one line, exit 2, nothing written, worded as run / export / init-model word
+    theirs (a file said "cannot create it (File exists)"; a link was written through, which
+    run and export refuse). A directory that holds files is still taken (PNGs replaced)."""
+    monkeypatch.chdir(tmp_path)
+    run = _metrics_run(tmp_path / "r")
+    pathlib.Path("afile").write_text("x")
+    pathlib.Path("tgt").mkdir()
+    pathlib.Path("tgt/keep").write_text("x")
+    pathlib.Path("link").symlink_to("tgt")
+    pathlib.Path("dangling").symlink_to("gone")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for out, why in (
+            ("afile", "is a file, not a directory; give a directory"),
+            ("afile/sub", "cannot be created, 'afile' is a file, not a directory; give a "
+                          "directory"),
+            ("link", f"is a symbolic link to 'tgt'; give a directory (e.g. its target "
+                     f"{str(tmp_path / 'tgt')!r}), not a link"),
+            ("dangling", "is a symbolic link to 'gone', which does not exist; give a "
+                         "directory, not a link")):
+        code = main(["report", str(run), "--out", out])
+        o, err = capsys.readouterr()
+        assert (code, o) == (2, ""), out
+        assert err.splitlines() == [f"rlk report: error: --out {out!r}: {why}"], err
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert main(["report", str(run), "--out", "tgt"]) == 0
+    assert (tmp_path / "tgt" / "overview.png").is_file() and (tmp_path / "tgt" / "keep").exists()
+
+
 def test_report_refuses_an_unreadable_run(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     for target in (tmp_path / "missing", tmp_path / "empty"):
