@@ -379,6 +379,18 @@ def test_report_out_that_is_a_file_or_a_link_is_refused(tmp_path, capsys, monkey
     assert (tmp_path / "tgt" / "overview.png").is_file() and (tmp_path / "tgt" / "keep").exists()
 
 
+def test_report_that_cannot_write_a_png_says_which(tmp_path, capsys):
+    """--out holding a directory named reward.png (savefig raised IsADirectoryError, a
+    traceback): one line naming the file and why, exit 2."""
+    run = _metrics_run(tmp_path / "r")
+    (tmp_path / "o" / "reward.png").mkdir(parents=True)
+    code = main(["report", str(run), "--out", str(tmp_path / "o")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines() == [f"rlk report: error: {tmp_path / 'o' / 'reward.png'}: cannot be "
+                                "written (Is a directory)"], err
+
+
 def test_report_refuses_an_unreadable_run(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     for target in (tmp_path / "missing", tmp_path / "empty"):

@@ -210,8 +210,8 @@ def write_report(run_dirs: list[str], out_dir: str | os.PathLike,
                  warn: Callable[[str], None] = lambda line: None) -> list[pathlib.Path]:
     """Draw the PNGs (module doc) of `run_dirs` into `out_dir` (created if missing); returns the
     files written. `warn` gets one line per value left out of a plot (past ±PLOT_LIMIT) and per
-    panel matplotlib could not draw. Raises ReportError for an unreadable run or an unwritable
-    out_dir."""
+    panel matplotlib could not draw. Raises ReportError for an unreadable run, an unwritable
+    out_dir or a PNG that cannot be written there."""
     runs = [load_metrics(d) for d in run_dirs]
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):  # same directory name in different places: use paths
@@ -248,7 +248,9 @@ def _draw_all(runs: list[RunMetrics], out: pathlib.Path, colors,
         if _draw(fig.add_subplot(), runs, panel, colors):
             path = out / f"{panel[0]}.png"
             try:
-                fig.savefig(path, dpi=110)
+                _save(fig, path, 110)
+            except ReportError:   # a ValueError too, but the file's, not the values'
+                raise
             except (ValueError, OverflowError) as e:   # matplotlib's arithmetic on a value
                 warn(f"{path.name}: not drawn (matplotlib: {type(e).__name__}: {e}); left out "
                      "of overview.png too")
@@ -263,5 +265,14 @@ def _draw_all(runs: list[RunMetrics], out: pathlib.Path, colors,
         _draw(fig.add_subplot(n_rows, cols, i + 1), runs, panel, colors)
     fig.suptitle("rl-kernel: " + ", ".join(r.label for r in runs), fontsize=11)
     path = out / "overview.png"
-    fig.savefig(path, dpi=90)
+    _save(fig, path, 90)
     return [path] + written
+
+
+def _save(fig, path: pathlib.Path, dpi: int) -> None:
+    """fig as PNG at `path`. Raises ReportError when the file cannot be written (a directory of
+    that name, a full disk); matplotlib's own errors pass through."""
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise ReportError(f"{path}: cannot be written ({e.strerror or e})") from None
