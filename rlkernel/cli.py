@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import decimal
 import difflib
 import errno
 import glob
@@ -126,21 +127,28 @@ def _integer(value: str) -> int:
 
 
 def _number(value: str) -> float:
-    """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed)."""
+    """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed). The
+    one place every float flag is parsed."""
     try:
         x = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if x == 0.0 and decimal.Decimal(value) != 0:
+        # float() reads '1e-400' as 0.0 (underflow): `--clip-grad 1e-400` turned clipping off
+        # while 1e-45 is refused. It stands for the smallest float64 of its sign, 5e-324: every
+        # float field refuses that (below FP32_TINY) with its own allowed range.
+        return _AsTyped(value, math.copysign(5e-324, x))
     return x if math.isfinite(x) else _AsTyped(value)
 
 
 class _AsTyped(float):
-    """A non-finite flag value that RunConfig's message shows as the user typed it: repr()
-    turns '-nan' and 'NaN' into nan and '1e999' into inf, values nobody typed. Only non-finite
-    values get it: every float field refuses them, so none reaches a valid config."""
+    """A flag value that RunConfig's message shows as the user typed it: repr() turns '-nan' and
+    'NaN' into nan and '1e999' into inf, values nobody typed, and a literal that underflows
+    stands for ±5e-324. Only those values get it: every float field refuses them, so none
+    reaches a valid config."""
 
-    def __new__(cls, text: str) -> _AsTyped:
-        self = super().__new__(cls, text)
+    def __new__(cls, text: str, value: float | None = None) -> _AsTyped:
+        self = super().__new__(cls, text if value is None else value)
         self.text = text.strip()
         return self
 

@@ -1779,3 +1779,31 @@ def test_a_mount_point_run_dir_is_refused_before_any_work(tmp_path, monkeypatch)
     monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(d) or real(p))
     msg = cli._occupied("--run-dir", str(d))
     assert msg is not None and "is a mount point" in msg and "inside it" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# from a breaker pass: float literals that parse to 0, -0, a flag given twice, control
+# characters in the paths a command prints
+
+
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+@pytest.mark.parametrize("text", ["1e-400", "-1e-400", "0.000_1e-400"])
+def test_a_nonzero_literal_that_float_reads_as_0_is_refused(capsys, cwd, loop, flag, text):
+    """`--clip-grad 1e-400` (float() underflows it to 0.0: no clipping) is refused like
+    `--clip-grad 1e-45`: one line naming the flag, the value as typed and what is allowed,
+    exit 2, nothing made; it never becomes 0 (or -0) and turns a term off."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", flag, text)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {flag} {text}: must be "), line
+    assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+@pytest.mark.parametrize("text,want", [
+    ("1e-400", "--clip-grad 1e-400: must be 0 or at least 1.1754943508222875e-38"),
+    ("-1e-400", "--clip-grad -1e-400: must be a finite number >= 0; allowed: [0, "),
+])
+def test_an_underflowing_clip_grad_says_what_is_allowed(capsys, cwd, loop, text, want):
+    """The refusal of an underflowing value is RunConfig's message for the tiny value typed."""
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--clip-grad", text)
+    assert code == 2 and err.startswith(f"rlk run: error: {want}"), err
