@@ -127,17 +127,21 @@ def _integer(value: str) -> int:
 
 
 def _number(value: str) -> float:
-    """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed). The
-    one place every float flag is parsed."""
+    """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed); -0 is
+    +0.0. The one place every float flag is parsed."""
     try:
         x = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if x == 0.0 and decimal.Decimal(value) != 0:
-        # float() reads '1e-400' as 0.0 (underflow): `--clip-grad 1e-400` turned clipping off
-        # while 1e-45 is refused. It stands for the smallest float64 of its sign, 5e-324: every
-        # float field refuses that (below FP32_TINY) with its own allowed range.
-        return _AsTyped(value, math.copysign(5e-324, x))
+    if x == 0.0:
+        if decimal.Decimal(value) != 0:
+            # float() reads '1e-400' as 0.0 (underflow): `--clip-grad 1e-400` turned clipping off
+            # while 1e-45 is refused. It stands for the smallest float64 of its sign, 5e-324:
+            # every float field refuses that (below FP32_TINY) with its own allowed range.
+            return _AsTyped(value, math.copysign(5e-324, x))
+        # '-0' is 0: as -0.0 it was another config hash, and rlk compare called `--kl-coef 0`
+        # and `--kl-coef -0` two configurations.
+        return 0.0
     return x if math.isfinite(x) else _AsTyped(value)
 
 

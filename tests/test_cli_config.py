@@ -1807,3 +1807,39 @@ def test_an_underflowing_clip_grad_says_what_is_allowed(capsys, cwd, loop, text,
     """The refusal of an underflowing value is RunConfig's message for the tiny value typed."""
     code, _, err = rlk(capsys, "run", "--allow-dirty", "--clip-grad", text)
     assert code == 2 and err.startswith(f"rlk run: error: {want}"), err
+
+
+ZERO_ALLOWED_FLOAT_FLAGS = ["--kl-coef", "--entropy-coef", "--weight-decay", "--clip-grad",
+                            "--adam-beta1", "--adam-beta2", "--clip-eps-low", "--clip-eps-high"]
+
+
+def _parsed_config(*argv: str) -> RunConfig:
+    args = cli.build_parser().parse_args(["run", *argv])
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+@pytest.mark.parametrize("flag", ZERO_ALLOWED_FLOAT_FLAGS)
+@pytest.mark.parametrize("text", ["-0", "-0.0", "-0e5", "-.0"])
+def test_minus_zero_is_the_config_of_zero(flag, text):
+    """`--kl-coef -0` == `--kl-coef 0`: the field is +0.0 and the config hash is the same (it was
+    -0.0, another hash, and rlk compare called the two runs two configurations)."""
+    field = flag[2:].replace("-", "_")
+    minus, plus = _parsed_config(flag, text), _parsed_config(flag, "0")
+    assert math.copysign(1.0, getattr(minus, field)) == 1.0
+    assert minus.to_dict() == plus.to_dict() and minus.fingerprint() == plus.fingerprint()
+
+
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+def test_every_float_flag_reads_minus_zero_as_plus_zero(flag):
+    """`rlk run FLAG -0` parses to +0.0 for every float flag (one that refuses 0 refuses it as 0)."""
+    value = getattr(cli.build_parser().parse_args(["run", flag, "-0"]), flag[2:].replace("-", "_"))
+    assert value == 0.0 and math.copysign(1.0, value) == 1.0
+
+
+def test_runs_of_kl_coef_0_and_minus_0_are_one_configuration(capsys, cwd, loop):
+    """rlk compare of `--kl-coef 0` and `--kl-coef -0` notes no difference of configuration."""
+    for name, value in (("a", "0"), ("b", "-0")):
+        assert rlk(capsys, "run", "--allow-dirty", "--run-dir", name, "--kl-coef", value)[0] == 0
+    code, out, _ = rlk(capsys, "compare", "a", "b")
+    assert "differ in configuration" not in out and code == 0, out
