@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "run":
         try:
-            _one_spelling(sys.argv[1:] if argv is None else argv)
+            _one_setting_per_field(_subparser(parser, "run"),
+                                   sys.argv[1:] if argv is None else argv)
         except ConfigError as e:
             return _error("run", e, 2)
     try:
@@ -733,15 +734,40 @@ def _check_local_world(cfg: RunConfig) -> None:
                           "or start the ranks with torchrun across machines")
 
 
-def _one_spelling(argv: list[str]) -> None:
-    """A flag and its alias (e.g. --micro-batch-tokens and --token-budget) set one field: given
-    both, the last would silently win. Raises ConfigError naming both."""
-    for field_name, aliases in RUN_FLAG_ALIASES.items():
-        names = (flag_name(field_name), *aliases)
-        used = sorted({a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in names})
-        if len(used) > 1:
-            raise ConfigError(f"{' and '.join(used)} set the same value ({flag_name(field_name)}); "
-                              "give only one of them")
+def _one_setting_per_field(run: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Each field is set once: a flag and its alias (e.g. --micro-batch-tokens and --token-budget)
+    or its --no- form set one field, and so does a flag given twice (`--lr 1e-3 --lr 1e-4`); the
+    last would silently win. A flag repeated with the value it already has (as typed, or as the
+    value it reads as: 1e-3 and 0.001) is one setting. `run` is the parser that took `argv`
+    (no run flag repeats by design: no append or count action). Raises ConfigError naming both
+    spellings, or both values."""
+    actions = {s: a for a in run._actions for s in a.option_strings}
+    args = _attach_negative_numbers(list(argv), {s for s, a in actions.items() if a.nargs is None})
+    seen: dict[str, tuple[str, str | None, typing.Any]] = {}   # field -> (flag, text, value)
+    i = 0
+    while i < len(args):
+        flag, eq, text = args[i].partition("=")
+        i += 1
+        if flag == "--":
+            return
+        action = actions.get(flag) if flag.startswith("--") else None
+        if action is None or isinstance(action, (argparse._AppendAction, argparse._CountAction)):
+            continue
+        if action.nargs is None:   # one value: after '=' or the next argument
+            if not eq:
+                text, i = (args[i] if i < len(args) else ""), i + 1
+            value = action.type(text) if callable(action.type) else text
+        else:                      # on/off: what the spelling stores
+            text = None
+            value = (not flag.startswith("--no-")
+                     if isinstance(action, argparse.BooleanOptionalAction) else action.const)
+        first_flag, first_text, first_value = seen.setdefault(action.dest, (flag, text, value))
+        if first_flag != flag:
+            raise ConfigError(f"{' and '.join(sorted({first_flag, flag}))} set the same value "
+                              f"({flag_name(action.dest)}); give only one of them")
+        if first_text != text and first_value != value:
+            raise ConfigError(f"{flag} given twice, {_shown(first_text)} and {_shown(text)}: the "
+                              "last would silently win; give it once")
 
 
 def _check_watch(cfg: RunConfig) -> None:

@@ -1843,3 +1843,37 @@ def test_runs_of_kl_coef_0_and_minus_0_are_one_configuration(capsys, cwd, loop):
         assert rlk(capsys, "run", "--allow-dirty", "--run-dir", name, "--kl-coef", value)[0] == 0
     code, out, _ = rlk(capsys, "compare", "a", "b")
     assert "differ in configuration" not in out and code == 0, out
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--lr", "1e-3", "--lr", "1e-4"], "--lr given twice, '1e-3' and '1e-4'"),
+    (["--lr=1e-3", "--lr", "-1e-4"], "--lr given twice, '1e-3' and '-1e-4'"),
+    (["--steps", "2", "--allow-dirty", "--steps=3"], "--steps given twice, '2' and '3'"),
+    (["--run-dir", "a", "--run-dir", "b"], "--run-dir given twice, 'a' and 'b'"),
+    (["--dtype", "bf16", "--dtype", "fp32"], "--dtype given twice, 'bf16' and 'fp32'"),
+    (["--learning-rate", "1e-3", "--learning-rate", "1e-4"],
+     "--learning-rate given twice, '1e-3' and '1e-4'"),
+    (["--tp", "2", "--sp", "--no-sp"], "--no-sp and --sp set the same value (--sp)"),
+])
+def test_a_flag_given_twice_with_two_values_is_refused(capsys, cwd, loop, argv, want):
+    """`--lr 1e-3 --lr 1e-4` (the last silently won) is one line naming both values, exit 2,
+    before any work, as a flag and its alias are; so is --sp with --no-sp."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: {want}"), line
+    assert loop.calls == [] and list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,field,value", [
+    (["--lr", "1e-3", "--lr", "1e-3"], "lr", 1e-3),
+    (["--lr", "1e-3", "--lr=0.001"], "lr", 1e-3),
+    (["--kl-coef", "0", "--kl-coef", "-0"], "kl_coef", 0.0),
+    (["--steps", "3", "--steps", "03"], "steps", 3),
+    (["--tp", "2", "--sp", "--sp"], "sp", True),
+])
+def test_a_flag_given_twice_with_one_value_is_that_value(capsys, cwd, loop, argv, field, value):
+    """A flag repeated with the same value (as typed, or as the number it reads as) runs with it."""
+    code, _, err = rlk(capsys, "run", "--allow-dirty", *argv)
+    assert code == 0, err
+    assert getattr(loop.calls[0][0], field) == value

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_helpers import with_flags
 from test_topology_run import assert_steps_sound
 from topology_probe import Job, assert_same_bytes, run_layout, single_process
 
@@ -373,15 +374,15 @@ def test_resume_at_another_dp_size_is_identical_to_the_uninterrupted_run(tmp_pat
     hold logical masters and moments, gathered from every DP chunk and TP shard."""
     whole = _rlk_run(tmp_path, "whole")
     part = str(tmp_path / "part")
-    assert main(["run", *RUN, "--run-dir", part, "--dp", "2", "--save-every", "1",
-                 "--steps", "1"]) == 0
+    assert main(["run", *with_flags(RUN, "--steps", "1"), "--run-dir", part, "--dp", "2",
+                 "--save-every", "1"]) == 0
     assert main(["run", "--resume", part, "--dp", "4", "--micro-batch-tokens", "64",
                  "--steps", "2", "--allow-dirty"]) == 0
     capsys.readouterr()
     assert main(["compare", whole, part]) == 0
     part2 = str(tmp_path / "part2")
-    assert main(["run", *RUN, "--run-dir", part2, "--dp", "4", "--save-every", "1",
-                 "--steps", "1"]) == 0
+    assert main(["run", *with_flags(RUN, "--steps", "1"), "--run-dir", part2, "--dp", "4",
+                 "--save-every", "1"]) == 0
     assert main(["run", "--resume", part2, "--steps", "2", "--dp", "1", "--allow-dirty"]) == 0
     capsys.readouterr()
     assert main(["compare", whole, part2]) == 0

@@ -36,6 +36,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
+from cli_helpers import with_flags
 
 from rlkernel.cli import main
 from rlkernel.config import ConfigError, RunConfig, flag_name
@@ -259,8 +260,8 @@ def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
     path.write_bytes(b"\n".join([_good_line("short", "1"), b"", _good_line("x" * 40, "2")]))
     for layout in ((), ("--tp", "2")):
         run_dir = tmp_path / f"r{len(layout)}"
-        rc, err = rlk("run", *SMALL, "--n-prompts", "3", "--max-prompt-len", "16", "--prompts",
-                      str(path), "--allow-dirty", "--run-dir", str(run_dir), *layout)
+        rc, err = rlk("run", *with_flags(SMALL, "--n-prompts", "3"), "--max-prompt-len", "16",
+                      "--prompts", str(path), "--allow-dirty", "--run-dir", str(run_dir), *layout)
         assert rc == 2, err
         assert error_line(err).endswith(
             f"--prompts {path}:3: prompt has 40 tokens, more than --max-prompt-len 16"), err
@@ -733,7 +734,7 @@ def _run_ok(base: pathlib.Path, capsys, *flags: str) -> dict:
     """A successful tiny run in a new directory `base`/r; returns its evidence."""
     base.mkdir()
     run_dir = base / "r"
-    rc = main(["run", *SMALL, *flags, "--allow-dirty", "--run-dir", str(run_dir)])
+    rc = main(["run", *with_flags(SMALL, *flags), "--allow-dirty", "--run-dir", str(run_dir)])
     err = capsys.readouterr().err
     assert rc == 0 and "Traceback" not in err, err
     assert list(base.iterdir()) == [run_dir]  # published under its final name, no temp left
@@ -760,8 +761,8 @@ def test_one_sample_per_prompt_warns_once(tmp_path, capsys):
     """--n-samples-per-prompt 1 without KL/entropy: the zero gradient is warned about once, before
     the run, not again when step 0 finds every advantage 0."""
     run_dir = tmp_path / "r"
-    rc = main(["run", *SMALL, "--n-samples-per-prompt", "1", "--max-response-len", "1",
-               "--allow-dirty", "--run-dir", str(run_dir)])
+    rc = main(["run", *with_flags(SMALL, "--n-samples-per-prompt", "1", "--max-response-len",
+                                  "1"), "--allow-dirty", "--run-dir", str(run_dir)])
     err = capsys.readouterr().err
     assert rc == 0, err
     warnings = [ln for ln in err.splitlines() if "warning:" in ln]
@@ -785,8 +786,9 @@ def test_divergence_stops_cleanly(tmp_path, capsys):
     """--lr 3e37 blows the fp32 weights up after the first update: the run must stop with exit 1
     and a message about non-finite values, keeping the evidence so far (complete: false)."""
     run_dir = tmp_path / "r"
-    rc = main(["run", *SMALL, "--steps", "3", "--lr", "3e37", "--dtype", "fp32", "--kl-coef",
-               "0.01", "--entropy-coef", "0.01", "--allow-dirty", "--run-dir", str(run_dir)])
+    rc = main(["run", *with_flags(SMALL, "--steps", "3"), "--lr", "3e37", "--dtype", "fp32",
+               "--kl-coef", "0.01", "--entropy-coef", "0.01", "--allow-dirty", "--run-dir",
+               str(run_dir)])
     err = capsys.readouterr().err
     assert rc == 1
     assert re.search(r"non-finite|NaN|[Ii]nf", error_line(err)), err

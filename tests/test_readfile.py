@@ -14,6 +14,7 @@ import shutil
 import socket
 
 import pytest
+from cli_helpers import with_flags
 from kernel_helpers import fifo_in_place_of
 
 from rlkernel import readfile
@@ -169,7 +170,8 @@ def test_a_fifo_in_the_model_directory_is_a_usage_error(run, tmp_path, capsys, n
     fifo_in_place_of(m / name)
     out = tmp_path / "r"
     capsys.readouterr()
-    assert main(["run", *FLAGS, "--steps", "1", "--model", str(m), "--run-dir", str(out)]) == 2
+    assert main(["run", *with_flags(FLAGS, "--steps", "1"), "--model", str(m),
+                 "--run-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines()[-1].startswith(f"rlk run: error: --model '{m}': "), err
     assert words.format(m=m) in err.splitlines()[-1], err
@@ -187,8 +189,8 @@ def test_a_chat_template_file_that_is_no_file_is_named(run, tmp_path, capsys, na
     shutil.copytree(run / "final", m)
     fifo_in_place_of(m / name) if kind == "FIFO" else (m / name).mkdir()
     capsys.readouterr()
-    assert main(["run", *FLAGS, "--steps", "1", "--model", str(m), "--apply-chat-template",
-                 "--run-dir", str(tmp_path / "r")]) == 2
+    assert main(["run", *with_flags(FLAGS, "--steps", "1"), "--model", str(m),
+                 "--apply-chat-template", "--run-dir", str(tmp_path / "r")]) == 2
     what = FIFO if kind == "FIFO" else "not a regular file but a directory"
     assert capsys.readouterr().err.strip().splitlines() == [
         f"rlk run: error: --apply-chat-template: {m / name}: cannot be read ({what})"]
@@ -208,7 +210,7 @@ def test_a_tokenizer_json_link_to_nowhere_is_an_error_not_the_byte_tokenizer(run
                                                        f"({why}); expected a Hugging Face")):
         load_tokenizer(m, vocab_size=300, eos_token_id=None)
     capsys.readouterr()
-    assert main(["run", *FLAGS, "--steps", "1", "--model", str(m), "--run-dir",
+    assert main(["run", *with_flags(FLAGS, "--steps", "1"), "--model", str(m), "--run-dir",
                  str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"rlk run: error: --model '{m}': cannot read {m}/tokenizer.json ({why}); tokenizer "

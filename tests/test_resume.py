@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+from cli_helpers import with_flags
 from kernel_helpers import fifo_in_place_of
 
 from rlkernel.cli import main
@@ -87,7 +88,7 @@ def test_sigkill_then_resume_is_identical(tmp_path, capsys, uninterrupted, seed)
 def test_resume_onto_other_topologies(tmp_path, capsys, uninterrupted):
     """saved at TP2/CP2 after step 1, resumed at TP1/CP4 and at TP4/CP1: == uninterrupted."""
     base = tmp_path / "tp2cp2"
-    assert main(["run", *ARGS, "--steps", "1", "--tp", "2", "--cp", "2",
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), "--tp", "2", "--cp", "2",
                  "--run-dir", str(base)]) == 0
     for extra in (["--tp", "1", "--cp", "4"], ["--tp", "4", "--cp", "1"]):
         d = tmp_path / ("r" + "".join(extra).replace("-", ""))
@@ -181,8 +182,8 @@ def _run_with_inputs(tmp_path):
     assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+3=", "label": "5"}\n')
     d = tmp_path / "run"
-    assert main(["run", *ARGS, "--steps", "1", "--model", str(model), "--prompts", str(prompts),
-                 "--run-dir", str(d)]) == 0
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), "--model", str(model),
+                 "--prompts", str(prompts), "--run-dir", str(d)]) == 0
     return d, model, prompts
 
 
