@@ -42,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import typing
+import unicodedata
 
 import rlkernel
 from rlkernel import readfile
@@ -365,6 +366,21 @@ def _non_utf8(*named: tuple[str, str]) -> str | None:
         except UnicodeEncodeError:
             return (f"{name} {value!r}: must be a UTF-8 path (rlk records and prints the paths "
                     "it reads and writes)")
+    return None
+
+
+def _line_breaking(*named: tuple[str, str | None]) -> str | None:
+    """The usage error for the first (name, path) of a path the command writes and prints on
+    stdout (its one-line result) that holds a control character or a line or paragraph
+    separator: `--run-dir 'a\\nb'` made the result two lines. None when none does (or is given)."""
+    for name, value in named:
+        bad = next((ch for ch in value or "" if unicodedata.category(ch) in ("Cc", "Zl", "Zp")),
+                   None)
+        if bad is not None:
+            what = "control character" if unicodedata.category(bad) == "Cc" else "line separator"
+            return (f"{name} {_shown(value)}: has the {what} {bad!r}; rlk prints this path as "
+                    "one line of its output: give a name without control characters or line "
+                    "separators")
     return None
 
 
@@ -1308,8 +1324,9 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     names = {f.name for f in dataclasses.fields(RunConfig)}
     try:
         given = {k: v for k, v in vars(args).items() if k in names}
-        bad = _unusable_path(*[(flag_name(k), given.get(k))
-                               for k in ("run_dir", "resume", "model", "prompts")])
+        bad = (_line_breaking(*[(flag_name(k), given.get(k)) for k in ("run_dir", "resume")])
+               or _unusable_path(*[(flag_name(k), given.get(k))
+                                   for k in ("run_dir", "resume", "model", "prompts")]))
         if bad:
             raise ConfigError(bad)
         src = None
@@ -1440,8 +1457,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     named = (*[("RUN", r) for r in args.runs], ("--out", args.out))
     # --out may hold files (its PNGs are replaced), but is refused as run / export refuse
     # theirs when it is a file, lies under one, or is a symbolic link.
-    bad = (_bad_paths(*named) or _not_a_directory("--out", args.out, "a directory",
-                                                    pathlib.Path.is_dir)
+    bad = (_bad_paths(*named) or _line_breaking(("--out", args.out))
+           or _not_a_directory("--out", args.out, "a directory", pathlib.Path.is_dir)
            or (None if os.path.isdir(args.out) else _uncreatable("--out", args.out)))
     if bad:
         return _error("report", bad, 2)
@@ -1461,7 +1478,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
-    taken = (_bad_paths(("--out", args.out)) or _occupied("--out", args.out)
+    taken = (_bad_paths(("--out", args.out)) or _line_breaking(("--out", args.out))
+             or _occupied("--out", args.out)
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("init-model", taken, 2)
@@ -1485,7 +1503,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
     # its own check for callers of the API.
     named = (("RUN", args.run), ("--out", args.out))
-    taken = (_bad_paths(*named) or _occupied("--out", args.out)
+    taken = (_bad_paths(*named) or _line_breaking(("--out", args.out))
+             or _occupied("--out", args.out)
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("export", taken, 2)

@@ -247,8 +247,8 @@ class RunConfig:
 
     # ---- run bookkeeping
     run_dir: str | None = None
-    """Run directory (must not exist, or be empty; not a symbolic link). None:
-    runs/<UTC time>-<config hash>."""
+    """Run directory (must not exist, or be empty; not a symbolic link; no control characters:
+    rlk run prints it as one line). None: runs/<UTC time>-<config hash>."""
     save_every: int = 0
     """Write a resumable checkpoint (fp32 masters, AdamW state, step cursor) into
     RUN_DIR/checkpoints after every N steps; 0 = never."""

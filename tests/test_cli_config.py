@@ -1877,3 +1877,28 @@ def test_a_flag_given_twice_with_one_value_is_that_value(capsys, cwd, loop, argv
     code, _, err = rlk(capsys, "run", "--allow-dirty", *argv)
     assert code == 0, err
     assert getattr(loop.calls[0][0], field) == value
+
+
+CONTROL_CHARS = ["\n", "\r", "\t", "\x1b", "\x7f", "\x85", "\u2028"]
+
+
+@pytest.mark.parametrize("char", CONTROL_CHARS, ids=repr)
+@pytest.mark.parametrize("argv,flag", [
+    (["run", "--allow-dirty", "--run-dir", "a{c}b"], "--run-dir"),
+    (["run", "--allow-dirty", "--resume", "a{c}b"], "--resume"),
+    (["init-model", "--preset", "tiny", "--out", "a{c}b"], "--out"),
+    (["export", "no-such-run", "--out", "a{c}b"], "--out"),
+    (["report", "no-such-run", "--out", "a{c}b"], "--out"),
+])
+def test_a_path_the_command_prints_with_a_control_character_is_refused(capsys, cwd, loop, char,
+                                                                       argv, flag):
+    """--run-dir 'a\\nb' (its result line on stdout became two lines) is refused before any
+    work: exit 2, stdout empty, one stderr line naming the flag, the path quoted and the
+    character; so is every path a command writes and prints (--resume, --out)."""
+    argv = [a.format(c=char) for a in argv]
+    code, out, err = rlk(capsys, *argv)
+    assert (code, out) == (2, "")
+    (line,) = err.strip().split("\n")
+    assert line.startswith(f"rlk {argv[0]}: error: {flag} {'a' + char + 'b'!r}: has the "), line
+    assert f" {char!r}; rlk prints this path as one line of its output" in line, line
+    assert loop.calls == [] and list(cwd.iterdir()) == []
