@@ -1091,13 +1091,9 @@ def _check_same_spec(saved: typing.Any, now: dict[str, typing.Any], d: pathlib.P
                           f"or start a new run")
 
 
-def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
-                        next_step: int) -> None:
-    """Refuse --resume when its checkpoint (`next_step`) already ends the run's --steps and the
-    evidence holds them all (nothing to do; an earlier checkpoint, e.g. after a corrupt last
-    one, re-runs the steps after it), and name evidence.json when it cannot be read.
-    Raises ValueError."""
-    path = src / "evidence.json"
+def _read_evidence(path: pathlib.Path, d: pathlib.Path) -> dict[str, typing.Any]:
+    """--resume's evidence.json at `path`: a dict with a list of steps. Raises ValueError naming
+    the file when it cannot be read or has no such list."""
     try:
         evidence = readfile.read_json(path)
         steps = evidence.get("steps") if isinstance(evidence, dict) else None
@@ -1106,6 +1102,16 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
                          f"({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(steps, list):
         raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
+    return evidence
+
+
+def _check_not_finished(evidence: dict[str, typing.Any], path: pathlib.Path, cfg: RunConfig,
+                        d: pathlib.Path, next_step: int) -> None:
+    """Refuse --resume when the evidence (`evidence`, read from `path`) lacks a step before its
+    checkpoint's `next_step`, or when that checkpoint already ends the run's --steps and the
+    evidence holds them all (nothing to do; an earlier checkpoint, e.g. after a corrupt last
+    one, re-runs the steps after it). Raises ValueError."""
+    steps = evidence["steps"]
     # A run records each step before its checkpoint: the checkpoint's steps are all there, in
     # order (an edited file resumed into a gap or a repeat and was marked complete).
     kept = [s.get("step") if isinstance(s, dict) else None for s in steps[:next_step]]
@@ -1117,6 +1123,18 @@ def _check_not_finished(src: pathlib.Path, cfg: RunConfig, d: pathlib.Path,
         raise ValueError(f"--resume {str(d)!r}: the run is already complete ({len(steps)}/"
                          f"{cfg.steps} steps); to go on, extend it with --steps N "
                          f"(N > {len(steps)})")
+
+
+def _check_checkpoint_continues(ck, evidence: dict[str, typing.Any], path: pathlib.Path,
+                                d: pathlib.Path) -> None:
+    """The checkpoint `ck` continues the evidence read from `path`
+    (checkpointing.check_continues). Raises ResumeError naming --resume."""
+    from rlkernel.runner.checkpointing import ResumeError, check_continues
+
+    try:
+        check_continues(ck, evidence, path)
+    except ResumeError as e:
+        raise ResumeError(f"--resume {str(d)!r}: {e}") from None
 
 
 def _check_rewritten_file(path: pathlib.Path, d: pathlib.Path) -> None:
@@ -1220,7 +1238,9 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     d = pathlib.Path(cfg.resume)
     try:
         ck = latest_checkpoint(src)
-        _check_not_finished(src, cfg, d, ck.next_step)
+        evidence = _read_evidence(src / "evidence.json", d)
+        _check_not_finished(evidence, src / "evidence.json", cfg, d, ck.next_step)
+        _check_checkpoint_continues(ck, evidence, src / "evidence.json", d)
         _check_replaced_dirs(src, d)
         for name in (METRICS, COMPLETIONS):
             _check_rewritten_file(src / name, d)

@@ -99,6 +99,35 @@ def check_checkpoint_dirs(run_dir: pathlib.Path) -> None:
             raise ResumeError(f"{why}; the run replaces it with a checkpoint: move it away")
 
 
+def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
+    """Refuse a checkpoint that does not continue the run's kept evidence (`evidence`, read from
+    `path`; the caller has checked that it holds steps 0..next_step-1): the checkpoint's
+    directory is named for the step its meta.json continues at, the evidence holds the init
+    record every run writes before its first step, and the weight version the checkpoint holds
+    is the one the evidence records after step next_step - 1 (the init's, before step 0). The
+    checkpoint's own version is checked against its weights only after they are restored
+    (loop.py); a checkpoint and evidence of two runs (one copied over the other) resumed into a
+    broken chain of versions and was marked complete. Raises ResumeError."""
+    named = ck.path.name.removeprefix("step-")
+    if not named.isdigit() or int(named) != ck.next_step:
+        raise ResumeError(f"{ck.path}: its meta.json continues at step {ck.next_step}, its name "
+                          f"at step {int(named) if named.isdigit() else named!r}: renamed or "
+                          "copied in from elsewhere; move it away")
+    init = evidence.get("init")
+    if not isinstance(init, dict) or not isinstance(init.get("version"), str):
+        raise ResumeError(f"{path} holds no init record (the initial weights' version, which "
+                          "every run records before its first step): it was edited; restore "
+                          "the run's own evidence.json")
+    n = ck.next_step
+    recorded = (evidence["steps"][n - 1] if n else init).get("version")
+    if recorded != ck.version:
+        after = f"after step {n - 1}" if n else "as its initial weights"
+        raise ResumeError(f"{ck.path} holds weight version {ck.version[:12]}, but {path} records "
+                          f"{str(recorded)[:12]} {after}: the checkpoint and the evidence are not "
+                          "of one run (one copied over the other?); restore the run's own, or "
+                          "start a new run")
+
+
 def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
                     tensors: dict[str, torch.Tensor], version: str) -> pathlib.Path:
     """Atomically write checkpoint `next_step` under run_dir/checkpoints; returns its path."""

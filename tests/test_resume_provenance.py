@@ -1,0 +1,99 @@
+"""--resume continues only a run whose parts belong together: its checkpoint, its evidence and its
+manifest are one run's.
+
+Chain: runs A (--seed 0) and B (--seed 1), 2 steps each, checkpointed after every step. A copy of
+A with a part of B (evidence.json, checkpoints/), or with a part edited (manifest config, the
+evidence's init), is refused by `rlk run --resume` with exit 2 and one line, before any work,
+every file of both runs byte-identical. (Those resumes exited 0 and marked the run complete
+with a broken chain of weight versions.) A legitimate resume of such a copy still runs.
+Run: `.venv/bin/python -m pytest -q tests/test_resume_provenance.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from test_resume import _snapshot
+
+from rlkernel.cli import main
+
+ARGS = ["--steps", "2", "--save-every", "1", "--kl-coef", "0.01", "--max-response-len", "16",
+        "--n-prompts", "2", "--n-samples-per-prompt", "2", "--allow-dirty"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"A": seed 0, "B": seed 1}: two finished 2-step runs with checkpoints step-000001/2."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, seed in (("A", "0"), ("B", "1")):
+        assert main(["run", *ARGS, "--seed", seed, "--run-dir", str(root / name)]) == 0
+    return {"A": root / "A", "B": root / "B"}
+
+
+def _copy(runs, tmp_path):
+    d = tmp_path / "C"
+    shutil.copytree(runs["A"], d)
+    return d
+
+
+def _edit_json(path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _refused(capsys, d, *others) -> str:
+    """Resume `d` (--steps 3): exit 2, one error line (returned), `d` and `others` unchanged."""
+    before = [_snapshot(p) for p in (d, *others)]
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "3", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"rlk run: error: --resume '{d}': "), err
+    assert [_snapshot(p) for p in (d, *others)] == before
+    return err[0]
+
+
+def test_resume_refuses_evidence_of_another_run(runs, tmp_path, capsys):
+    """A's checkpoint step-000002 (weights after A's step 1) with B's evidence.json: the
+    checkpoint's weight version is not the one the evidence records after step 1."""
+    d = _copy(runs, tmp_path)
+    shutil.copy(runs["B"] / "evidence.json", d / "evidence.json")
+    ck = json.loads((d / "checkpoints" / "step-000002" / "meta.json").read_text())["version"]
+    ev = json.loads((d / "evidence.json").read_text())["steps"][1]["version"]
+    err = _refused(capsys, d, runs["B"])
+    assert (f"{d / 'checkpoints' / 'step-000002'} holds weight version {ck[:12]}, but "
+            f"{d / 'evidence.json'} records {ev[:12]} after step 1: the checkpoint and the "
+            "evidence are not of one run") in err, err
+
+
+def test_resume_refuses_evidence_without_its_init(runs, tmp_path, capsys):
+    """evidence.json whose init record (written by every run before its first step) was
+    deleted or nulled."""
+    d = _copy(runs, tmp_path)
+    for edit in (lambda ev: ev.pop("init"), lambda ev: ev.update(init=None)):
+        _edit_json(d / "evidence.json", edit)
+        err = _refused(capsys, d)
+        assert f"{d / 'evidence.json'} holds no init record" in err, err
+
+
+def test_resume_refuses_a_checkpoint_under_another_steps_name(runs, tmp_path, capsys):
+    """checkpoints/step-000002 whose meta.json says it continues at step 1 (a checkpoint
+    renamed or copied in): the name and the contents disagree."""
+    d = _copy(runs, tmp_path)
+    shutil.rmtree(d / "checkpoints" / "step-000002")
+    shutil.copytree(d / "checkpoints" / "step-000001", d / "checkpoints" / "step-000002")
+    err = _refused(capsys, d)
+    assert (f"{d / 'checkpoints' / 'step-000002'}: its meta.json continues at step 1, its name "
+            "at step 2") in err, err
+
+
+def test_a_copied_run_still_resumes_to_the_same_weights(runs, tmp_path, capsys):
+    """Control: the copy of A with its own parts, extended to 3 steps, resumes (exit 0), and
+    the first two steps are A's."""
+    d = _copy(runs, tmp_path)
+    assert main(["run", "--resume", str(d), "--steps", "3", "--allow-dirty"]) == 0
+    steps = json.loads((d / "evidence.json").read_text())["steps"]
+    a = json.loads((runs["A"] / "evidence.json").read_text())["steps"]
+    assert [s["version"] for s in steps[:2]] == [s["version"] for s in a] and len(steps) == 3
