@@ -1153,9 +1153,11 @@ def _check_rewritten_file(path: pathlib.Path, d: pathlib.Path) -> None:
 
 
 def _check_replaced_dirs(src: pathlib.Path, d: pathlib.Path) -> None:
-    """A resume replaces checkpoints/step-* and final/ only after computing steps: refuse what is
-    not a real directory there now, before anything is written (a FIFO hung the run with its
-    signals held; a file or link failed it after the work). Raises ResumeError."""
+    """A resume reads checkpoints/ and replaces checkpoints/step-* and final/ only after
+    computing steps: refuse what is not a real directory there now, before anything is read or
+    written (a link to another run's checkpoints/ continued from its weights and wrote into it;
+    a FIFO hung the run with its signals held; a file or link failed it after the work).
+    Raises ResumeError."""
     from rlkernel.runner.checkpointing import (ResumeError, check_checkpoint_dirs,
                                                replaced_directory_problem)
     from rlkernel.runner.export import FINAL_DIR
@@ -1237,11 +1239,11 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
 
     d = pathlib.Path(cfg.resume)
     try:
+        _check_replaced_dirs(src, d)   # first: a linked checkpoints/ is not read from
         ck = latest_checkpoint(src)
         evidence = _read_evidence(src / "evidence.json", d)
         _check_not_finished(evidence, src / "evidence.json", cfg, d, ck.next_step)
         _check_checkpoint_continues(ck, evidence, src / "evidence.json", d)
-        _check_replaced_dirs(src, d)
         for name in (METRICS, COMPLETIONS):
             _check_rewritten_file(src / name, d)
         manifest = readfile.read_json(src / "manifest.json")

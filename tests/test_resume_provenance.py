@@ -97,3 +97,15 @@ def test_a_copied_run_still_resumes_to_the_same_weights(runs, tmp_path, capsys):
     steps = json.loads((d / "evidence.json").read_text())["steps"]
     a = json.loads((runs["A"] / "evidence.json").read_text())["steps"]
     assert [s["version"] for s in steps[:2]] == [s["version"] for s in a] and len(steps) == 3
+
+
+@pytest.mark.parametrize("linked", ["checkpoints", "checkpoints/step-000002"])
+def test_resume_refuses_checkpoints_linked_to_another_run(runs, tmp_path, capsys, linked):
+    """A copy of A whose checkpoints/ (or newest checkpoint) is a symbolic link to B's: refused
+    before the checkpoint is read, naming the link; B untouched. (It continued from B's weights
+    and wrote step-000003 into B's directory, exit 0.)"""
+    d = _copy(runs, tmp_path)
+    shutil.rmtree(d / linked)
+    (d / linked).symlink_to(runs["B"] / linked)
+    err = _refused(capsys, d, runs["B"])
+    assert f"{d / linked} is a symbolic link, not a directory" in err, err

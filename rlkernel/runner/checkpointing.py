@@ -86,12 +86,19 @@ def replaced_directory_problem(path: pathlib.Path) -> str | None:
 
 
 def check_checkpoint_dirs(run_dir: pathlib.Path) -> None:
-    """Refuse, before a resume writes anything, a `checkpoints/step-N` entry (N digits: the names
+    """Refuse, before a resume reads or writes anything, a `checkpoints/` that is not a real
+    directory of the run (a link to another run's: the resume continued from its weights and
+    wrote its next checkpoint there), and a `checkpoints/step-N` entry (N digits: the names
     save_checkpoint writes) that is not a real directory: the run replaces it after computing
     that step (rmtree blocked on a FIFO; a file or link failed the run there). Stale `.tmp-*`
     entries are removed instead (save_checkpoint); other names are not the run's.
     Raises ResumeError naming the entry."""
     root = pathlib.Path(run_dir) / CKPT_DIR
+    why = replaced_directory_problem(root)
+    if why is not None:
+        raise ResumeError(f"{why}; a run keeps its checkpoints in its own directory (a resume "
+                          "reads them and writes its next ones there): put the run's own "
+                          "checkpoints/ there")
     for p in sorted(root.glob("step-*")) if root.is_dir() else []:
         ours = p.name.removeprefix("step-").isdigit()
         why = replaced_directory_problem(p) if ours else None
