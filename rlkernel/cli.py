@@ -46,8 +46,8 @@ import unicodedata
 
 import rlkernel
 from rlkernel import readfile
-from rlkernel.config import (SEED_LIMIT, ConfigError, RunConfig, field_docs, flag_name,
-                             model_flag_error)
+from rlkernel.config import (RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError, RunConfig, field_docs,
+                             flag_name, model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
@@ -954,15 +954,6 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
     return 0
 
 
-# Settings a resumed run may give again: where (on which ranks) and how it runs, not what it
-# computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
-RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
-                               "micro_batch_tokens", "gpu_memory_utilization", "enforce_eager",
-                               "keep_rollout_state",
-                               "steps",
-                               "save_every", "allow_dirty", "resume", "tensorboard"})
-
-
 def _pid_of(tmp: pathlib.Path) -> int | None:
     pid = tmp.name.rpartition(".tmp-")[2]
     return int(pid) if pid.isdigit() else None
@@ -1125,13 +1116,15 @@ def _check_not_finished(evidence: dict[str, typing.Any], path: pathlib.Path, cfg
                          f"(N > {len(steps)})")
 
 
-def _check_checkpoint_continues(ck, evidence: dict[str, typing.Any], path: pathlib.Path,
-                                d: pathlib.Path) -> None:
-    """The checkpoint `ck` continues the evidence read from `path`
+def _check_checkpoint_is_the_runs(ck, cfg: RunConfig, evidence: dict[str, typing.Any],
+                                  path: pathlib.Path, d: pathlib.Path) -> None:
+    """The checkpoint `ck` was written under the manifest's config `cfg`
+    (checkpointing.check_settings) and continues the evidence read from `path`
     (checkpointing.check_continues). Raises ResumeError naming --resume."""
-    from rlkernel.runner.checkpointing import ResumeError, check_continues
+    from rlkernel.runner.checkpointing import ResumeError, check_continues, check_settings
 
     try:
+        check_settings(ck, cfg)
         check_continues(ck, evidence, path)
     except ResumeError as e:
         raise ResumeError(f"--resume {str(d)!r}: {e}") from None
@@ -1243,7 +1236,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
         ck = latest_checkpoint(src)
         evidence = _read_evidence(src / "evidence.json", d)
         _check_not_finished(evidence, src / "evidence.json", cfg, d, ck.next_step)
-        _check_checkpoint_continues(ck, evidence, src / "evidence.json", d)
+        _check_checkpoint_is_the_runs(ck, cfg, evidence, src / "evidence.json", d)
         for name in (METRICS, COMPLETIONS):
             _check_rewritten_file(src / name, d)
         manifest = readfile.read_json(src / "manifest.json")

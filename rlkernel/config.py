@@ -65,6 +65,13 @@ SAME_EVIDENCE_SETTINGS = frozenset({
 """RunConfig fields that never change a byte of the evidence (--mode invariant): where and how a
 run executes (layout, memory, CUDA graphs) and its bookkeeping. `rlk compare` calls a difference
 in any other field a difference of configuration, whose evidence is expected to differ."""
+# Settings a resumed run may give again: where (on which ranks) and how it runs, not what it
+# computes. Not --device: identity is promised within one backend only (DESIGN.md §1).
+RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp", "rollout_cp",
+                               "micro_batch_tokens", "gpu_memory_utilization", "enforce_eager",
+                               "keep_rollout_state",
+                               "steps",
+                               "save_every", "allow_dirty", "resume", "tensorboard"})
 SAMPLING_SETTINGS = ("temperature", "top_p")
 """The fields that choose which tokens are sampled from the same logits (named apart by compare)."""
 
@@ -340,6 +347,25 @@ class RunConfig:
         """SHA-256 (hex) of the canonical JSON of `to_dict()`; names default run directories."""
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def resume_settings(self) -> dict[str, Any]:
+        """The settings a run's checkpoints are tied to (recorded in each, compared on resume):
+        every field but those a resume may change (RESUME_MAY_CHANGE) and run_dir (a copied
+        run resumes under its new name); --steps too under a decaying LR schedule, whose
+        horizon sets every step's LR (a resume may not extend such a run)."""
+        free = RESUME_MAY_CHANGE | {"run_dir"}
+        if self.lr_schedule != "constant":
+            free = free - {"steps"}
+        return {k: v for k, v in self.to_dict().items() if k not in free}
+
+    def resume_differences(self, recorded: dict[str, Any]) -> list[str]:
+        """The fields of resume_settings() whose value in `recorded` (a checkpoint's) differs
+        from this config's. A field `recorded` lacks (one added to RunConfig since) counts at
+        its default, as a manifest's does (from_dict)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        now = self.resume_settings()
+        return [k for k in now if recorded.get(k, defaults[k]) != now[k]] + \
+            sorted(k for k in recorded if k not in now)
 
     def canonical_spec(self) -> dict[str, Any]:
         """The numerical contract of this run (DESIGN.md §1); recorded in every manifest."""

@@ -510,7 +510,8 @@ d = pathlib.Path(sys.argv[1])
 os.makedirs(d / "checkpoints")
 os.mkfifo(d / "checkpoints" / "step-000001")
 try:
-    save_checkpoint(d, 1, 1, {"x": init_weights(tiny(), 0)["model.norm.weight"]}, "v")
+    save_checkpoint(d, 1, 1, {"x": init_weights(tiny(), 0)["model.norm.weight"]}, "v",
+                    settings={})
 except NotADirectoryError as e:
     print(e)
 for kind in ("fifo", "nowhere"):

@@ -109,3 +109,53 @@ def test_resume_refuses_checkpoints_linked_to_another_run(runs, tmp_path, capsys
     (d / linked).symlink_to(runs["B"] / linked)
     err = _refused(capsys, d, runs["B"])
     assert f"{d / linked} is a symbolic link, not a directory" in err, err
+
+
+@pytest.mark.parametrize("field, value, flag, was", [("lr", 0.5, "--lr", 1e-05),
+                                                     ("seed", 1, "--seed", 0)])
+def test_resume_refuses_a_manifest_config_edited_since_its_checkpoint(runs, tmp_path, capsys,
+                                                                      field, value, flag, was):
+    """manifest.json's config.lr or config.seed edited: the checkpoint records the settings it
+    was written under (RunConfig.resume_settings), and they differ. (Resumed silently, exit 0.)"""
+    d = _copy(runs, tmp_path)
+    _edit_json(d / "manifest.json", lambda m: m["config"].update({field: value}))
+    err = _refused(capsys, d)
+    assert (f"{d / 'checkpoints' / 'step-000002'} was written under other settings than "
+            f"manifest.json's config: {flag} (checkpoint {was!r}, manifest {value!r})") in err, err
+
+
+def test_resume_refuses_another_runs_checkpoint_copied_in(runs, tmp_path, capsys):
+    """B's checkpoint step-000002 copied (not linked) into a copy of A: its settings name the
+    seed it was written under."""
+    d = _copy(runs, tmp_path)
+    shutil.rmtree(d / "checkpoints" / "step-000002")
+    shutil.copytree(runs["B"] / "checkpoints" / "step-000002", d / "checkpoints" / "step-000002")
+    err = _refused(capsys, d)
+    assert "manifest.json's config: --seed (checkpoint 1, manifest 0)" in err, err
+
+
+def test_resume_refuses_a_checkpoint_that_records_no_settings(runs, tmp_path, capsys):
+    """A checkpoint whose meta.json has no settings (as an older rl-kernel wrote them): nothing
+    ties it to the manifest, so it is refused, as a manifest without canonical_spec is."""
+    d = _copy(runs, tmp_path)
+    _edit_json(d / "checkpoints" / "step-000002" / "meta.json", lambda m: m.pop("settings"))
+    err = _refused(capsys, d)
+    assert (f"{d / 'checkpoints' / 'step-000002' / 'meta.json'} records no settings of the run "
+            "that wrote it") in err, err
+
+
+def test_resume_settings_are_what_a_resume_may_not_change():
+    """RunConfig.resume_settings: every field but RESUME_MAY_CHANGE and run_dir, and --steps
+    too under a decaying LR schedule (its horizon); resume_differences counts a field a
+    recorded dict lacks at its default, and names a recorded field the config has not."""
+    from rlkernel.config import RESUME_MAY_CHANGE, RunConfig
+
+    cfg = RunConfig(seed=3, tp=2, run_dir="x")
+    kept = cfg.resume_settings()
+    assert set(kept) == set(cfg.to_dict()) - RESUME_MAY_CHANGE - {"run_dir"}
+    assert "steps" in RunConfig(lr_schedule="cosine").resume_settings()
+    assert cfg.resume_differences(kept) == []
+    assert RunConfig(seed=3, tp=4, steps=9, run_dir="y").resume_differences(kept) == []
+    assert RunConfig().resume_differences(kept) == ["seed"]
+    assert cfg.resume_differences({k: v for k, v in kept.items() if k != "lr"}) == []
+    assert cfg.resume_differences({**kept, "steps": 2}) == ["steps"]

@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 
 from rlkernel import readfile
+from rlkernel.config import RunConfig, flag_name
 
 CKPT_DIR = "checkpoints"
 _STATE = "state.safetensors"
@@ -42,7 +43,9 @@ class Checkpoint:
     """next_step: the first step still to run; opt_steps: AdamW updates applied so far;
     tensors: logical fp32 tensors named master/<p>, exp_avg/<p>, exp_avg_sq/<p>;
     version: weight version after step next_step − 1 (checked on resume); path: its directory;
-    skipped: newer checkpoints `latest_checkpoint` passed over, "NAME: why" each."""
+    skipped: newer checkpoints `latest_checkpoint` passed over, "NAME: why" each;
+    settings: the run's RunConfig.resume_settings() when it was written (None: not recorded,
+    or not a dict), compared with the manifest's on resume."""
 
     next_step: int
     opt_steps: int
@@ -50,6 +53,7 @@ class Checkpoint:
     version: str
     path: pathlib.Path
     skipped: tuple[str, ...] = ()
+    settings: dict | None = None
 
 
 def fsync_dir(d: pathlib.Path) -> None:
@@ -106,6 +110,27 @@ def check_checkpoint_dirs(run_dir: pathlib.Path) -> None:
             raise ResumeError(f"{why}; the run replaces it with a checkpoint: move it away")
 
 
+def check_settings(ck: Checkpoint, cfg: RunConfig) -> None:
+    """Refuse a checkpoint written under other settings than the run's config `cfg` (its
+    manifest's, with a resume's flags): a manifest edited since (--lr, --seed: resumed
+    silently), or another run's checkpoint. A checkpoint that records none (written before
+    checkpoints recorded them) is refused too, as a manifest without its canonical spec is:
+    nothing shows it belongs to this config. Raises ResumeError naming the settings."""
+    if ck.settings is None:
+        raise ResumeError(f"{ck.path / _META} records no settings of the run that wrote it (a "
+                          "checkpoint of an older rl-kernel): nothing ties it to manifest.json's "
+                          "config; finish the run with the code that wrote it (its manifest's git "
+                          "commit), or start a new run")
+    diff = cfg.resume_differences(ck.settings)
+    if diff:
+        now = cfg.to_dict()
+        what = ", ".join(f"{flag_name(k)} (checkpoint {ck.settings.get(k)!r}, manifest "
+                         f"{now.get(k)!r})" for k in diff)
+        raise ResumeError(f"{ck.path} was written under other settings than manifest.json's "
+                          f"config: {what}; the manifest was edited or the checkpoint is "
+                          "another run's: restore them, or start a new run")
+
+
 def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
     """Refuse a checkpoint that does not continue the run's kept evidence (`evidence`, read from
     `path`; the caller has checked that it holds steps 0..next_step-1): the checkpoint's
@@ -136,8 +161,11 @@ def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
 
 
 def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
-                    tensors: dict[str, torch.Tensor], version: str) -> pathlib.Path:
-    """Atomically write checkpoint `next_step` under run_dir/checkpoints; returns its path."""
+                    tensors: dict[str, torch.Tensor], version: str, *,
+                    settings: dict) -> pathlib.Path:
+    """Atomically write checkpoint `next_step` under run_dir/checkpoints; returns its path.
+    `settings` (the run's RunConfig.resume_settings()) ties it to the run's config: a resume
+    refuses a manifest whose config has other ones (check_settings)."""
     root = pathlib.Path(run_dir) / CKPT_DIR
     root.mkdir(exist_ok=True)
     for stale in root.glob("step-*.tmp-*"):           # left by a run killed mid-write
@@ -147,7 +175,7 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
     tmp.mkdir()
     blob = safetensors.torch.save({n: t.contiguous().cpu() for n, t in tensors.items()})
     meta = {"next_step": next_step, "opt_steps": opt_steps, "version": version,
-            "state_sha256": hashlib.sha256(blob).hexdigest()}
+            "state_sha256": hashlib.sha256(blob).hexdigest(), "settings": settings}
     try:
         with open(tmp / _STATE, "wb") as f:
             f.write(blob)
@@ -178,8 +206,10 @@ def _load(path: pathlib.Path) -> Checkpoint:
     if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
         raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")
     tensors = {n: t.clone() for n, t in safetensors.torch.load(blob).items()}
+    settings = meta.get("settings")
     return Checkpoint(int(meta["next_step"]), int(meta["opt_steps"]), tensors,
-                      str(meta["version"]), path)
+                      str(meta["version"]), path,
+                      settings=settings if isinstance(settings, dict) else None)
 
 
 def read_checkpoint(path: pathlib.Path) -> Checkpoint:

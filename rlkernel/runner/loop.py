@@ -496,5 +496,6 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
     if cfg.save_every and (step + 1) % cfg.save_every == 0:
         state = _opt_state(opt, policy)
         if topo.rank == 0:
-            save_checkpoint(run_dir, step + 1, opt.steps, state, audit.version)
+            save_checkpoint(run_dir, step + 1, opt.steps, state, audit.version,
+                            settings=cfg.resume_settings())
     return False
