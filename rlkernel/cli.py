@@ -51,7 +51,8 @@ from rlkernel.config import (RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError, RunConf
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
-from rlkernel.runner.inputs import check_unchanged, describe_inputs, startup_notes
+from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inputs, input_paths,
+                                    located, recorded_paths, relocated, startup_notes)
 from rlkernel.runner.watch import TMP_SUFFIX, config_warnings, summary_lines
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
@@ -639,7 +640,8 @@ def _check_inputs(cfg: RunConfig) -> None:
 def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
     """Load what the run reads besides weights, before any work: the reward function, the
     whole prompts file, the chat template (rendered once). Returns the manifest's additions
-    {"reward": ..., "tokenizer_files": ...}. Raises ConfigError naming the flag and the value."""
+    {"reward": ..., "tokenizer_files": ..., "input_paths": ...} (runner/inputs.input_paths).
+    Raises ConfigError naming the flag and the value."""
     from rlkernel.data.chat import ChatTemplateError, load_chat_template
     from rlkernel.data.prompts import PromptFileError, load_prompts
     from rlkernel.data.rewards import RewardError, load_reward
@@ -662,7 +664,8 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
             from None
     except (RewardError, OSError) as e:
         raise ConfigError(str(e)) from None
-    return {"reward": reward.describe(), "tokenizer_files": tokenizer_files}
+    return {"reward": reward.describe(), "tokenizer_files": tokenizer_files,
+            "input_paths": input_paths(cfg)}
 
 
 def _tokenizer_hashes(cfg: RunConfig) -> dict[str, str]:
@@ -1066,6 +1069,22 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     return cfg
 
 
+def _resume_inputs(cfg: RunConfig, src: pathlib.Path) -> RunConfig:
+    """`cfg` (--resume's) with its inputs where its manifest recorded them when the run started
+    (runner/inputs.located): a resume reads them there, from any directory. A manifest written
+    before input_paths gives `cfg` itself, its paths read from the current directory as before.
+    Raises ConfigError naming a recorded input that is gone."""
+    d = str(cfg.resume)
+    try:
+        paths = recorded_paths(readfile.read_json(src / "manifest.json"))
+        where = located(cfg, paths)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume {d!r}: {e}") from None
+    if paths is not None:
+        check_located(where, d)
+    return where
+
+
 def _check_same_spec(saved: typing.Any, now: dict[str, typing.Any], d: pathlib.Path) -> None:
     """Refuse to resume a run whose manifest records another canonical spec than this code
     computes for it (e.g. written before a kernel changed its bits, spec.NUMERICS_VERSION): its
@@ -1223,8 +1242,10 @@ def _check_tokenizer_unchanged(saved: dict[str, typing.Any], now: dict[str, str]
                       f"start: {what}; restore them to resume, or start a new run")
 
 
-def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
-                inputs: dict[str, typing.Any]) -> int:
+def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
+                src: pathlib.Path, inputs: dict[str, typing.Any]) -> int:
+    """Continue --resume's run. `cfg` is its config as recorded (paths as typed); `where` the
+    same with the inputs where the run recorded them (_resume_inputs), which the run reads."""
     from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
     from rlkernel.runner.evidence import utc_now, versions
     from rlkernel.runner.loop import run_loop
@@ -1240,7 +1261,8 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
         for name in (METRICS, COMPLETIONS):
             _check_rewritten_file(src / name, d)
         manifest = readfile.read_json(src / "manifest.json")
-        check_unchanged(manifest.get("inputs"), describe_inputs(cfg, _model_shape(cfg)), str(d))
+        check_unchanged(relocated(manifest.get("inputs"), cfg, where),
+                        describe_inputs(where, _model_shape(where)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
     except (ResumeError, OSError, ValueError) as e:
@@ -1257,6 +1279,8 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     old = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     new = cfg.to_dict()
     manifest["config"] = new
+    # A run written before input_paths: where its inputs were found now, hashes checked above.
+    manifest.setdefault("input_paths", inputs["input_paths"])
     manifest.setdefault("resumes", []).append(
         {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()
                                                 if old.get(k) != v},
@@ -1271,7 +1295,7 @@ def _cmd_resume(cfg: RunConfig, git: dict[str, typing.Any], src: pathlib.Path,
     previous_sigterm = _exit_on_sigterm()
     try:
         writer = EvidenceWriter.resume(d, manifest, ck.next_step, progress)
-        run_loop(cfg, d, writer)
+        run_loop(where, d, writer)
         if not writer.complete:
             writer.finish({"steps": writer.n_steps})
     except (ValueError, OSError) as e:
@@ -1349,14 +1373,15 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             name, src = _resume_target(pathlib.Path(given["resume"]))
             given["resume"] = str(name)
         cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
+        where = cfg if src is None else _resume_inputs(cfg, src)
         # An occupied --run-dir is refused first, before the slower checks (a resume writes into
         # its own directory).
         final = _choose_run_dir(cfg) if src is None else None
         final = _lock_run_dir(cfg, final, held)
-        _check_inputs(cfg)
-        _check_topology(cfg)
+        _check_inputs(where)
+        _check_topology(where)
         _check_watch(cfg)
-        inputs = _check_data(cfg)
+        inputs = _check_data(where)
     except ConfigError as e:
         return _error("run", e, 2)
 
@@ -1370,7 +1395,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
                              "in the manifest)", 2)
     _warn(config_warnings(cfg))
     if src is not None:
-        return _cmd_resume(cfg, git, src, inputs)
+        return _cmd_resume(cfg, where, git, src, inputs)
     if not _follower_rank():
         _warn_stale_temporaries(final)
 

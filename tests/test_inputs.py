@@ -111,3 +111,39 @@ def test_padded_vocab_fp16_model_runs_notes_rounding_and_is_topology_invariant(t
     capsys.readouterr()
     assert main(["compare", str(a), str(b)]) == 0
     assert capsys.readouterr().out.rstrip().endswith("IDENTICAL")
+
+
+def test_input_paths_are_absolute_and_outside_the_config(tmp_path, monkeypatch):
+    """input_paths of --model m --prompts p.jsonl --reward r.py:score typed in WD == the
+    absolute paths, a symbolic link resolved (the reward keeps :score); a MODULE:FUNC reward
+    and left-out inputs as given; the config (and its hash) keep the typed paths, so runs typed
+    alike from two directories have one configuration. located() puts the recorded paths in,
+    relocated() keys the recorded file hashes as describe_inputs(located) does, and a
+    malformed or incomplete record is refused naming the key."""
+    from rlkernel.runner.inputs import input_paths, located, recorded_paths, relocated
+
+    wd = tmp_path / "wd"
+    (wd / "real").mkdir(parents=True)
+    (wd / "m").symlink_to(wd / "real")
+    monkeypatch.chdir(wd)
+    cfg = RunConfig(model="m", prompts="p.jsonl", reward="r.py:score")
+    paths = input_paths(cfg)
+    assert paths == {"model": str(wd / "real"), "prompts": str(wd / "p.jsonl"),
+                     "reward": f"{wd / 'r.py'}:score"}
+    assert input_paths(RunConfig(reward="my_rewards:score")) == {
+        "model": None, "prompts": None, "reward": "my_rewards:score"}
+    assert cfg.to_dict()["model"] == "m"
+    monkeypatch.chdir(tmp_path)
+    assert RunConfig(model="m", prompts="p.jsonl", reward="r.py:score").fingerprint() == \
+        cfg.fingerprint()
+
+    where = located(cfg, recorded_paths({"input_paths": paths}))
+    assert (where.model, where.prompts, where.reward) == tuple(paths.values())
+    assert located(cfg, recorded_paths({})) is cfg
+    recorded = {"files": {"m/config.json": "a", "p.jsonl": "b"}, "vocab": None}
+    assert relocated(recorded, cfg, where) == {
+        "files": {str(wd / "real" / "config.json"): "a", str(wd / "p.jsonl"): "b"}, "vocab": None}
+    with pytest.raises(ValueError, match="manifest.json input_paths"):
+        recorded_paths({"input_paths": {"model": 3}})
+    with pytest.raises(ValueError, match="records no prompts path"):
+        located(cfg, {**paths, "prompts": None})

@@ -224,6 +224,99 @@ def test_resume_refuses_inputs_that_changed_naming_the_file(tmp_path, capsys):
     assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 0
 
 
+_REWARD = "def score(prompt, completion, label):\n    return float(label in completion)\n"
+
+
+def _relative_inputs(wd):
+    """`wd` with a model m/, a prompts file pr.jsonl and a reward r.py, for runs that name them
+    relative to `wd`."""
+    wd.mkdir()
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(wd / "m")]) == 0
+    (wd / "pr.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n'
+                                 '{"prompt": "2+3=", "label": "5"}\n')
+    (wd / "r.py").write_text(_REWARD)
+    return ["--model", "m", "--prompts", "pr.jsonl", "--reward", "r.py:score"]
+
+
+def test_a_run_of_relative_inputs_resumes_from_any_directory(tmp_path, capsys, monkeypatch):
+    """A run started in WD with --model m --prompts pr.jsonl --reward r.py:score records them as
+    typed (config) and as absolute paths (input_paths); `rlk run --resume WD/run` from another
+    directory reads them there (exit 0), and the result == a 2-step run of copies of the same
+    inputs started in a third directory: `rlk compare` IDENTICAL, with no difference of
+    configuration (the typed paths are the same). Before, the resume looked for ./m and failed
+    with `--model 'm': no such directory`."""
+    wd, other, elsewhere = tmp_path / "wd", tmp_path / "other", tmp_path / "elsewhere"
+    inputs = _relative_inputs(wd)
+    monkeypatch.chdir(wd)
+    assert main(["run", *ARGS, "--steps", "1", *inputs, "--run-dir", "run"]) == 0
+    m = json.loads((wd / "run" / "manifest.json").read_text())
+    assert (m["config"]["model"], m["config"]["prompts"], m["config"]["reward"]) == \
+        ("m", "pr.jsonl", "r.py:score")
+    assert m["input_paths"] == {"model": str(wd / "m"), "prompts": str(wd / "pr.jsonl"),
+                                "reward": f"{wd / 'r.py'}:score"}
+
+    shutil.copytree(wd, other, ignore=shutil.ignore_patterns("run*"))
+    monkeypatch.chdir(other)
+    assert main(["run", *ARGS, "--steps", "2", *inputs, "--run-dir", "run"]) == 0
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 0
+    m = json.loads((wd / "run" / "manifest.json").read_text())
+    assert m["config"]["model"] == "m" and "model" not in m["resumes"][0]["changed"]
+    capsys.readouterr()
+    assert main(["compare", str(other / "run"), str(wd / "run")]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("IDENTICAL") and "differ in configuration" not in out, out
+
+
+@pytest.mark.parametrize("name, what", [("m", "model directory"), ("pr.jsonl", "prompts file"),
+                                        ("r.py", "reward file")])
+def test_a_resume_names_the_recorded_input_that_is_gone(tmp_path, capsys, monkeypatch, name,
+                                                         what):
+    """An input moved away after the run started: `rlk run --resume` (from another directory)
+    exits 2 with one line naming the absolute path the run recorded (not a flag of this command,
+    `--model 'm': no such directory`), the run untouched; put back, it resumes (exit 0)."""
+    wd = tmp_path / "wd"
+    inputs = _relative_inputs(wd)
+    monkeypatch.chdir(wd)
+    assert main(["run", *ARGS, "--steps", "1", *inputs, "--run-dir", "run"]) == 0
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(wd / "run")
+    (wd / name).rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        f"rlk run: error: --resume {str(wd / 'run')!r}: the run's {what} {str(wd / name)!r} "
+        "(recorded in manifest.json input_paths when the run started) no longer exists; "
+        "restore it there to resume, or start a new run"], err
+    assert _snapshot(wd / "run") == before
+    (tmp_path / "moved").rename(wd / name)
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 0
+
+
+def test_a_run_without_input_paths_resolves_its_inputs_as_before(tmp_path, capsys, monkeypatch):
+    """A manifest written before input_paths (the key removed): its typed relative inputs are
+    read from the current directory, as they were — from elsewhere `--model 'm': no such
+    directory` (exit 2), from WD it resumes (exit 0), and then records input_paths."""
+    wd = tmp_path / "wd"
+    inputs = _relative_inputs(wd)
+    monkeypatch.chdir(wd)
+    assert main(["run", *ARGS, "--steps", "1", *inputs, "--run-dir", "run"]) == 0
+    path = wd / "run" / "manifest.json"
+    m = json.loads(path.read_text())
+    del m["input_paths"]
+    path.write_text(json.dumps(m))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 2
+    assert "--model 'm': no such directory" in capsys.readouterr().err
+    monkeypatch.chdir(wd)
+    assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty"]) == 0
+    m = json.loads(path.read_text())
+    assert m["input_paths"]["model"] == str(wd / "m")
+
+
 def test_resume_refuses_a_run_written_under_another_numerical_spec(tmp_path, capsys, uninterrupted):
     """A manifest from code that computed other bits (an older numerics_version, or none at all:
     written before the field existed) or with no canonical_spec is refused with exit 2, one line

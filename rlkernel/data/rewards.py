@@ -163,16 +163,26 @@ def _import_file(path: pathlib.Path, spec: str):
     return module
 
 
+def reward_file(spec: str) -> str | None:
+    """The file part of a --reward "path/to/file.py:FUNC" spec as given, or None for a
+    "MODULE:FUNC" spec (imported by name from the module search path). A spec names a file when
+    the part before the last ":" ends in ".py", is an absolute path, or names an existing file."""
+    where = spec.rpartition(":")[0]
+    if where.endswith(".py") or os.path.isabs(where) or pathlib.Path(where).is_file():
+        return where
+    return None
+
+
 def load_reward(spec: str | None) -> RewardFn:
     """The reward function of `spec` ("MODULE:FUNC", "path/to/file.py:FUNC"), or the built-in
     exact match for None.
 
     MODULE is imported as usual (the current directory is on the path, as for `python -m`); a
-    spec whose part before the last ":" ends in ".py" or names an existing file is imported from
-    that file. FUNC may be dotted (a class attribute). The function must accept three positional
-    arguments. Raises RewardError naming `spec` and what is wrong: the file or module is missing,
-    importing it raised (its error is named), FUNC is missing or not callable, its signature
-    cannot take (prompt, completion, label), or it has no Python source file to hash.
+    spec that names a file (`reward_file`) is imported from that file. FUNC may be dotted (a
+    class attribute). The function must accept three positional arguments. Raises RewardError
+    naming `spec` and what is wrong: the file or module is missing, importing it raised (its
+    error is named), FUNC is missing or not callable, its signature cannot take (prompt,
+    completion, label), or it has no Python source file to hash.
     """
     if spec is None:
         src = inspect.getsourcefile(tasks.reward)
@@ -183,7 +193,7 @@ def load_reward(spec: str | None) -> RewardFn:
         raise RewardError(f"--reward {spec!r}: must be MODULE:FUNC or path/to/file.py:FUNC")
     path = pathlib.Path(where)
     try:
-        if where.endswith(".py") or path.is_file():
+        if reward_file(spec) is not None:
             if not path.is_file():
                 raise RewardError(f"--reward {spec!r}: no such file {where!r}; give an existing "
                                   ".py file or an importable module")

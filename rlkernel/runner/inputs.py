@@ -12,6 +12,13 @@ A resumed run reloads every input from its path (the KL reference is the initial
 file replaced under the same path would silently change the run: `check_unchanged` refuses the
 resume, naming the file.
 
+`input_paths` records, under the manifest's "input_paths" (beside "config", which keeps the
+paths as typed: `rlk compare` and the config hash see those), where --model, --prompts and a
+--reward file were when the run started: absolute, symbolic links resolved. A resume reads
+the inputs there (`located`), whatever its own current directory; a manifest without the key
+(written before it) has its typed paths read from the current directory, as before. Every other input lies in the model directory (tokenizer, chat template,
+the KL reference, which is the initial model).
+
 Does not: load tensors (only safetensors headers are read) or validate the model (the loader
 reports a bad checkpoint, with its own message, before any step; what cannot be read here is left
 out of "vocab"/"weights"), or import torch. Footgun: inputs are hashed when `rlk run` starts; a file
@@ -24,6 +31,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_inputs.py`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -31,7 +39,7 @@ import struct
 from typing import Any
 
 from rlkernel import jsontext, readfile
-from rlkernel.config import ConfigError, RunConfig, model_flag_error
+from rlkernel.config import ConfigError, RunConfig, flag_name, model_flag_error
 from rlkernel.model.config import Qwen3Config
 
 VOCAB_RULE = ("token ids >= the tokenizer's id bound (embedding rows past the tokenizer) have "
@@ -61,6 +69,88 @@ def input_files(cfg: RunConfig) -> list[pathlib.Path]:
     if cfg.prompts is not None and os.path.lexists(cfg.prompts):
         out.append(pathlib.Path(cfg.prompts))
     return sorted(out)
+
+
+INPUT_PATHS = {"model": "model directory", "prompts": "prompts file", "reward": "reward file"}
+"""The RunConfig fields that name inputs on disk (the reward: a "path/to/file.py:FUNC" spec's
+file), and what each names, for messages."""
+
+
+def input_paths(cfg: RunConfig) -> dict[str, str | None]:
+    """The manifest's "input_paths" of `cfg`'s run (module doc): each INPUT_PATHS field resolved
+    against the current directory now, symbolic links followed; None where the field is None. A
+    reward spec keeps its ":FUNC" (its file made absolute); a "MODULE:FUNC" spec is kept as
+    given: Python's module search finds it, not a path."""
+    from rlkernel.data.rewards import reward_file
+
+    out: dict[str, str | None] = {}
+    for f in INPUT_PATHS:
+        v = getattr(cfg, f)
+        if f == "reward" and v is not None:
+            where = reward_file(v)
+            out[f] = v if where is None else f"{os.path.realpath(where)}:{v.rpartition(':')[2]}"
+        else:
+            out[f] = None if v is None else os.path.realpath(v)
+    return out
+
+
+def recorded_paths(manifest: dict[str, Any]) -> dict[str, str | None] | None:
+    """The manifest's "input_paths", or None when it has none (written before the key).
+    Raises ValueError naming the key when it is there but not what `input_paths` writes."""
+    paths = manifest.get("input_paths")
+    if paths is None:
+        return None
+    if not (isinstance(paths, dict) and set(paths) == set(INPUT_PATHS)
+            and all(v is None or (isinstance(v, str) and v) for v in paths.values())):
+        raise ValueError(f"manifest.json input_paths {paths!r}: not a record of "
+                         f"{', '.join(INPUT_PATHS)} paths, as rlk run writes")
+    return paths
+
+
+def located(cfg: RunConfig, paths: dict[str, str | None] | None) -> RunConfig:
+    """`cfg` with its inputs where the run recorded them (`paths`: recorded_paths), for a resume
+    to read them; `cfg` itself when nothing was recorded. Raises ValueError when `paths` leaves
+    out an input `cfg` names."""
+    if paths is None:
+        return cfg
+    gone = [f for f in INPUT_PATHS if getattr(cfg, f) is not None and paths[f] is None]
+    if gone:
+        raise ValueError(f"manifest.json input_paths records no {gone[0]} path, but the run's "
+                         f"config names {flag_name(gone[0])} {getattr(cfg, gone[0])!r}")
+    return dataclasses.replace(cfg, **{f: paths[f] for f in INPUT_PATHS
+                                       if getattr(cfg, f) is not None})
+
+
+def check_located(where: RunConfig, run_dir: str) -> None:
+    """Refuse a resume whose input, at the path the run recorded (`where`: `located`), is gone:
+    named by that path, not by a flag of the resume's command line. Raises ConfigError."""
+    from rlkernel.data.rewards import reward_file
+
+    for f, what in INPUT_PATHS.items():
+        v = getattr(where, f)
+        path = reward_file(v) if f == "reward" and v is not None else v
+        if path is not None and not os.path.lexists(path):
+            raise ConfigError(f"--resume {run_dir!r}: the run's {what} {path!r} (recorded in "
+                              "manifest.json input_paths when the run started) no longer "
+                              "exists; restore it there to resume, or start a new run")
+
+
+def relocated(recorded: Any, cfg: RunConfig, where: RunConfig) -> Any:
+    """A manifest's "inputs" (recorded for `cfg`, its files keyed by the typed paths) with its
+    files keyed as `describe_inputs(where)` keys them, `where` being `located(cfg, ...)`: so
+    `check_unchanged` compares a file with itself. Anything else is returned as it is."""
+    files = recorded.get("files") if isinstance(recorded, dict) else None
+    if where is cfg or not isinstance(files, dict):
+        return recorded
+
+    def key(k: str) -> str:
+        p = pathlib.PurePath(k)
+        if cfg.prompts is not None and p == pathlib.PurePath(cfg.prompts):
+            return str(pathlib.Path(where.prompts))
+        if cfg.model is not None and p.parent == pathlib.PurePath(cfg.model):
+            return str(pathlib.Path(where.model) / p.name)
+        return k
+    return {**recorded, "files": {key(k): v for k, v in files.items()}}
 
 
 def sha256_file(path: str | pathlib.Path) -> str:
