@@ -224,6 +224,42 @@ def test_export_copies_the_input_models_tokenizer_and_refuses_a_changed_one(tmp_
     assert not (tmp_path / "hf2").exists()
 
 
+def test_export_of_a_relative_model_works_from_any_directory(tmp_path, capsys, monkeypatch):
+    """A run started in WD with --model m (relative): `rlk export WD/run` from another directory
+    copies WD/m's tokenizer files (exit 0), from the absolute path the run recorded
+    (input_paths). With WD/m moved away, exit 1 naming that recorded path. A manifest written
+    before input_paths reads m from the current directory, as before. Before, the export
+    looked for ./m and said it "no longer exists"."""
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    monkeypatch.chdir(wd)
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", "m"]) == 0
+    assert main(["run", "--model", "m", "--steps", "1", "--n-prompts", "1",
+                 "--n-samples-per-prompt", "2", "--max-response-len", "4", "--allow-dirty",
+                 "--run-dir", "run"]) == 0
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "hf"
+    assert main(["export", str(wd / "run"), "--out", str(out)]) == 0
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / f).read_bytes() == (wd / "m" / f).read_bytes()
+
+    (wd / "m").rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["export", str(wd / "run"), "--out", str(tmp_path / "hf2")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"directory {str(wd / 'm')!r}" in err, err
+    assert "no longer exists" in err and not (tmp_path / "hf2").exists()
+    (tmp_path / "moved").rename(wd / "m")
+
+    path = wd / "run" / "manifest.json"
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in m.items() if k != "input_paths"}))
+    assert main(["export", str(wd / "run"), "--out", str(tmp_path / "hf3")]) == 1
+    assert "directory 'm' (for its tokenizer files) no longer exists" in capsys.readouterr().err
+    monkeypatch.chdir(wd)
+    assert main(["export", "run", "--out", str(tmp_path / "hf3")]) == 0
+
+
 @pytest.mark.parametrize("text, why", [
     ('{"step": ', "is not valid JSON"),
     ("[" * 100_000 + "]" * 100_000, "is not valid JSON (nested too deeply"),

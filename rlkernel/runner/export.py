@@ -13,8 +13,9 @@ Any other step has no weights; export says which steps have.
 `export_run` writes a Hugging Face directory (config.json, model.safetensors, the tokenizer files
 of the run's input model, rlk_weights.json) after checking every tensor's SHA-256 against the
 per-tensor hashes the run recorded in evidence.json for that step: a tensor that differs is named
-and nothing is written. Reuses model/checkpoint.py (strict safetensors load/save, atomic) and
-weights/hashing.py.
+and nothing is written. The input model is read where the run recorded it when it started (the
+manifest's input_paths, runner/inputs.py), not relative to export's current directory.
+Reuses model/checkpoint.py (strict safetensors load/save, atomic) and weights/hashing.py.
 
 Does not: convert dtypes beyond master -> parameter dtype, shard, or merge LoRA (there is none).
 Run its tests: `.venv/bin/python -m pytest -q tests/test_export.py`.
@@ -37,6 +38,7 @@ from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_mo
 from rlkernel.model.config import Qwen3Config, param_shapes, tiny
 from rlkernel.runner.checkpointing import (ResumeError, checkpoint_dirs, fsync_dir,
                                           read_checkpoint, remove_entry)
+from rlkernel.runner.inputs import recorded_paths
 from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
 
 FINAL_DIR = "final"
@@ -175,23 +177,33 @@ def _steps_text(avail: dict[int, pathlib.Path]) -> str:
     return "steps with weights: " + ", ".join(shown)
 
 
-def _model_config(run: pathlib.Path, config: dict) -> Qwen3Config:
+def _input_model(run: pathlib.Path, manifest: dict) -> str | None:
+    """The run's input model directory: where the run recorded it when it started (the
+    manifest's input_paths, absolute), else — a run written before that record — its --model as
+    typed, read from the current directory. None for the embedded model."""
+    try:
+        paths = recorded_paths(manifest)
+    except ValueError as e:
+        raise ExportError(f"{run / 'manifest.json'}: {e}") from None
+    return manifest["config"].get("model") if paths is None else paths["model"]
+
+
+def _model_config(run: pathlib.Path, model: str | None) -> Qwen3Config:
     """The run's architecture: final/config.json, else the input model's, else the tiny model."""
-    for d in (run / FINAL_DIR, config.get("model")):
+    for d in (run / FINAL_DIR, model):
         if d is not None and (pathlib.Path(d) / "config.json").is_file():
             return read_model_config(d)
-    if config.get("model") is None:
+    if model is None:
         return tiny()
     raise ExportError(f"cannot find the model's config.json (neither {run / FINAL_DIR} nor the "
-                      f"run's --model {config['model']!r} has one)")
+                      f"run's input model directory {model!r} has one)")
 
 
-def _tokenizer_files(config: dict, manifest: dict, cfg: Qwen3Config) -> dict[str, bytes]:
+def _tokenizer_files(model: str | None, manifest: dict, cfg: Qwen3Config) -> dict[str, bytes]:
     """The tokenizer files for the export: the input model's (checked against the manifest's
     hashes when it has them), or the byte tokenizer's stand-in when the run used that."""
     from rlkernel.data.tokenizer import BYTE_VOCAB_SIZE, standin_tokenizer_files
 
-    model = config.get("model")
     if model is None or not (pathlib.Path(model) / "tokenizer.json").is_file():
         if model is not None and not pathlib.Path(model).is_dir():
             raise ExportError(f"the run's input model directory {model!r} (for its tokenizer "
@@ -301,7 +313,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
                                f"{_steps_text(avail)}")
     src = avail[step]
     config = manifest["config"]
-    cfg = _model_config(run, config)
+    model = _input_model(run, manifest)
+    cfg = _model_config(run, model)
     dtype = _DTYPES.get(config.get("dtype", "bf16"))
     if dtype is None:
         raise ExportError(f"{run / 'manifest.json'}: dtype {config.get('dtype')!r} is not one of "
@@ -324,7 +337,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
         raise ExportError(f"refusing to export {src}: version {version[:16]}... differs from "
                           f"the recorded {str(record.get('version'))[:16]}... of step {step}")
 
-    files = _tokenizer_files(config, manifest, cfg)
+    files = _tokenizer_files(model, manifest, cfg)
     meta = {"run": str(run.resolve()), "step": step, "version": version,
             "source": str(src.relative_to(run))}
     files[WEIGHTS_META] = (json.dumps(meta, indent=1) + "\n").encode()

@@ -14,9 +14,10 @@ resume, naming the file.
 
 `input_paths` records, under the manifest's "input_paths" (beside "config", which keeps the
 paths as typed: `rlk compare` and the config hash see those), where --model, --prompts and a
---reward file were when the run started: absolute, symbolic links resolved. A resume reads
-the inputs there (`located`), whatever its own current directory; a manifest without the key
-(written before it) has its typed paths read from the current directory, as before. Every other input lies in the model directory (tokenizer, chat template,
+--reward file were when the run started: absolute, symbolic links resolved. A resume and
+`rlk export` read the inputs there (`located`, export.py's `_input_model`), whatever their own
+current directory; a manifest without the key (written before it) has its typed paths read
+from the current directory, as before. Every other input lies in the model directory (tokenizer, chat template,
 the KL reference, which is the initial model).
 
 Does not: load tensors (only safetensors headers are read) or validate the model (the loader
