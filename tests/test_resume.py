@@ -248,7 +248,7 @@ def test_a_run_of_relative_inputs_resumes_from_any_directory(tmp_path, capsys, m
     wd, other, elsewhere = tmp_path / "wd", tmp_path / "other", tmp_path / "elsewhere"
     inputs = _relative_inputs(wd)
     monkeypatch.chdir(wd)
-    assert main(["run", *ARGS, "--steps", "1", *inputs, "--run-dir", "run"]) == 0
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), *inputs, "--run-dir", "run"]) == 0
     m = json.loads((wd / "run" / "manifest.json").read_text())
     assert (m["config"]["model"], m["config"]["prompts"], m["config"]["reward"]) == \
         ("m", "pr.jsonl", "r.py:score")
@@ -257,7 +257,7 @@ def test_a_run_of_relative_inputs_resumes_from_any_directory(tmp_path, capsys, m
 
     shutil.copytree(wd, other, ignore=shutil.ignore_patterns("run*"))
     monkeypatch.chdir(other)
-    assert main(["run", *ARGS, "--steps", "2", *inputs, "--run-dir", "run"]) == 0
+    assert main(["run", *with_flags(ARGS, "--steps", "2"), *inputs, "--run-dir", "run"]) == 0
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 0
@@ -279,7 +279,7 @@ def test_a_resume_names_the_recorded_input_that_is_gone(tmp_path, capsys, monkey
     wd = tmp_path / "wd"
     inputs = _relative_inputs(wd)
     monkeypatch.chdir(wd)
-    assert main(["run", *ARGS, "--steps", "1", *inputs, "--run-dir", "run"]) == 0
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), *inputs, "--run-dir", "run"]) == 0
     monkeypatch.chdir(tmp_path)
     before = _snapshot(wd / "run")
     (wd / name).rename(tmp_path / "moved")
@@ -302,7 +302,7 @@ def test_a_run_without_input_paths_resolves_its_inputs_as_before(tmp_path, capsy
     wd = tmp_path / "wd"
     inputs = _relative_inputs(wd)
     monkeypatch.chdir(wd)
-    assert main(["run", *ARGS, "--steps", "1", *inputs, "--run-dir", "run"]) == 0
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), *inputs, "--run-dir", "run"]) == 0
     path = wd / "run" / "manifest.json"
     m = json.loads(path.read_text())
     del m["input_paths"]
