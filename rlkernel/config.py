@@ -72,6 +72,10 @@ RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp"
                                "keep_rollout_state",
                                "steps",
                                "save_every", "allow_dirty", "resume", "tensorboard"})
+INPUT_FIELDS = frozenset({"model", "prompts", "reward"})
+"""Where a run's inputs are, not what they hold: a resume reads them at the manifest's absolute
+`input_paths` while its config keeps them as typed, so checkpoints do not record these paths; the
+inputs' content is checked by their SHA-256 in the manifest (runner/inputs.py)."""
 SAMPLING_SETTINGS = ("temperature", "top_p")
 """The fields that choose which tokens are sampled from the same logits (named apart by compare)."""
 
@@ -350,10 +354,11 @@ class RunConfig:
 
     def resume_settings(self) -> dict[str, Any]:
         """The settings a run's checkpoints are tied to (recorded in each, compared on resume):
-        every field but those a resume may change (RESUME_MAY_CHANGE) and run_dir (a copied
-        run resumes under its new name); --steps too under a decaying LR schedule, whose
-        horizon sets every step's LR (a resume may not extend such a run)."""
-        free = RESUME_MAY_CHANGE | {"run_dir"}
+        every field but those a resume may change (RESUME_MAY_CHANGE), run_dir (a copied
+        run resumes under its new name) and the input paths (INPUT_FIELDS); --steps too under
+        a decaying LR schedule, whose horizon sets every step's LR (a resume may not extend
+        such a run)."""
+        free = RESUME_MAY_CHANGE | {"run_dir"} | INPUT_FIELDS
         if self.lr_schedule != "constant":
             free = free - {"steps"}
         return {k: v for k, v in self.to_dict().items() if k not in free}
@@ -365,7 +370,7 @@ class RunConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         now = self.resume_settings()
         return [k for k in now if recorded.get(k, defaults[k]) != now[k]] + \
-            sorted(k for k in recorded if k not in now)
+            sorted(k for k in recorded if k not in now and k not in INPUT_FIELDS)
 
     def canonical_spec(self) -> dict[str, Any]:
         """The numerical contract of this run (DESIGN.md §1); recorded in every manifest."""

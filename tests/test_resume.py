@@ -241,8 +241,9 @@ def _relative_inputs(wd):
 def test_a_run_of_relative_inputs_resumes_from_any_directory(tmp_path, capsys, monkeypatch):
     """A run started in WD with --model m --prompts pr.jsonl --reward r.py:score records them as
     typed (config) and as absolute paths (input_paths); `rlk run --resume WD/run` from another
-    directory reads them there (exit 0), and the result == a 2-step run of copies of the same
-    inputs started in a third directory: `rlk compare` IDENTICAL, with no difference of
+    directory reads them there (exit 0), a second resume from a third takes the first one's
+    checkpoint as the run's own, and the result == a 3-step run of copies of the same inputs
+    started in a fourth directory: `rlk compare` IDENTICAL, with no difference of
     configuration (the typed paths are the same). Before, the resume looked for ./m and failed
     with `--model 'm': no such directory`."""
     wd, other, elsewhere = tmp_path / "wd", tmp_path / "other", tmp_path / "elsewhere"
@@ -257,12 +258,16 @@ def test_a_run_of_relative_inputs_resumes_from_any_directory(tmp_path, capsys, m
 
     shutil.copytree(wd, other, ignore=shutil.ignore_patterns("run*"))
     monkeypatch.chdir(other)
-    assert main(["run", *with_flags(ARGS, "--steps", "2"), *inputs, "--run-dir", "run"]) == 0
+    assert main(["run", *with_flags(ARGS, "--steps", "3"), *inputs, "--run-dir", "run"]) == 0
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 0
     m = json.loads((wd / "run" / "manifest.json").read_text())
     assert m["config"]["model"] == "m" and "model" not in m["resumes"][0]["changed"]
+    # Resumed again: the checkpoint the first resume wrote (under the absolute input paths) is
+    # the run's own (it was refused as "written under other settings: --model '/…/m' vs 'm'").
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "3", "--allow-dirty"]) == 0
     capsys.readouterr()
     assert main(["compare", str(other / "run"), str(wd / "run")]) == 0
     out = capsys.readouterr().out

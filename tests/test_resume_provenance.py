@@ -145,14 +145,17 @@ def test_resume_refuses_a_checkpoint_that_records_no_settings(runs, tmp_path, ca
 
 
 def test_resume_settings_are_what_a_resume_may_not_change():
-    """RunConfig.resume_settings: every field but RESUME_MAY_CHANGE and run_dir, and --steps
-    too under a decaying LR schedule (its horizon); resume_differences counts a field a
-    recorded dict lacks at its default, and names a recorded field the config has not."""
-    from rlkernel.config import RESUME_MAY_CHANGE, RunConfig
+    """RunConfig.resume_settings: every field but RESUME_MAY_CHANGE, run_dir and the input
+    paths (INPUT_FIELDS: a resume reads them at their absolute input_paths), and --steps too
+    under a decaying LR schedule (its horizon); resume_differences counts a field a recorded
+    dict lacks at its default, names a recorded field the config has not, and ignores recorded
+    input paths."""
+    from rlkernel.config import INPUT_FIELDS, RESUME_MAY_CHANGE, RunConfig
 
     cfg = RunConfig(seed=3, tp=2, run_dir="x")
     kept = cfg.resume_settings()
-    assert set(kept) == set(cfg.to_dict()) - RESUME_MAY_CHANGE - {"run_dir"}
+    assert set(kept) == set(cfg.to_dict()) - RESUME_MAY_CHANGE - {"run_dir"} - INPUT_FIELDS
+    assert cfg.resume_differences({**kept, "model": "/abs/m", "prompts": "/abs/p"}) == []
     assert "steps" in RunConfig(lr_schedule="cosine").resume_settings()
     assert cfg.resume_differences(kept) == []
     assert RunConfig(seed=3, tp=4, steps=9, run_dir="y").resume_differences(kept) == []
