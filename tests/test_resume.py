@@ -434,6 +434,25 @@ def test_resume_by_either_name_takes_the_runs_one_lock(tmp_path, capsys, uninter
     assert tmp.is_dir()
 
 
+@pytest.mark.parametrize("cwd, spelling", [("run", "."), ("run/checkpoints", "..")])
+def test_resume_from_inside_the_run_takes_the_runs_one_lock(tmp_path, capsys, uninterrupted,
+                                                             monkeypatch, cwd, spelling):
+    """`rlk run --resume .` inside RUN (a ValueError traceback: '.' has no name to lock) and
+    `--resume ..` from RUN/checkpoints (it locked checkpoints/...lock, so a resume of RUN by its
+    name ran beside it) take RUN.lock: refused while another resume holds it, exit 0 after."""
+    from rlkernel.runner.dirlock import run_dir_lock
+
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    shutil.rmtree(d / "checkpoints" / "step-000003")
+    monkeypatch.chdir(tmp_path / cwd)
+    with run_dir_lock(d):
+        assert main(["run", "--resume", spelling, "--allow-dirty"]) == 2
+    assert "is writing this directory" in capsys.readouterr().err
+    assert main(["run", "--resume", spelling, "--allow-dirty"]) == 0, capsys.readouterr().err
+    assert not list(tmp_path.glob("**/*.lock"))
+
+
 def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrupted):
     """Resuming at evidence step 1 of 3 prints one "resuming ... at step 2/3" line, then progress
     "step 2/3", "step 3/3" (not 1/3); the replaced RUN/final holds the same bytes as the
