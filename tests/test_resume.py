@@ -612,6 +612,19 @@ def test_resume_removes_stale_checkpoint_temporaries_of_any_kind(tmp_path, unint
         assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
 
 
+def test_resume_reads_only_checkpoints_named_by_their_step(tmp_path, capsys, uninterrupted):
+    """A copy checkpoints/step-000002.bak (a user's backup) is not the run's checkpoint: the
+    resume takes step-000002 and finishes with the uninterrupted run's weights (it read the
+    .bak, the newest name by string order, and refused it: 'its name at step 000002.bak')."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    shutil.rmtree(d / "checkpoints" / "step-000003")
+    shutil.copytree(d / "checkpoints" / "step-000002", d / "checkpoints" / "step-000002.bak")
+    assert main(["run", "--resume", str(d), "--allow-dirty"]) == 0, capsys.readouterr().err
+    for f in ("model.safetensors", "rlk_weights.json"):
+        assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
+
+
 def test_writing_a_checkpoint_or_final_never_opens_a_fifo(tmp_path):
     """The writers themselves (a FIFO swapped in during a run): save_checkpoint refuses a
     non-directory where its checkpoint goes, in one line; save_final_weights replaces whatever

@@ -243,11 +243,11 @@ def latest_checkpoint(run_dir: pathlib.Path) -> Checkpoint:
 
     Raises ResumeError naming the directory when there is none (listing why each was skipped).
     """
-    root = pathlib.Path(run_dir) / CKPT_DIR
-    cands = sorted((p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name),
-                   reverse=True) if root.is_dir() else []
+    # Only the run's own names (step-DIGITS), newest step first by number: a copy such as
+    # step-000002.bak is not a checkpoint (export and the resume's pre-checks skip it too).
+    dirs = checkpoint_dirs(run_dir)
     skipped = []
-    for p in cands:
+    for p in (dirs[n] for n in sorted(dirs, reverse=True)):
         try:
             return dataclasses.replace(_load(p), skipped=tuple(skipped))
         # TypeError: a meta.json of the wrong shape (e.g. a list); SafetensorError (not a
