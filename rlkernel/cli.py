@@ -1265,6 +1265,10 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
                         describe_inputs(where, _model_shape(where)), str(d))
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
+        if not isinstance(manifest.get("resumes", []), list):
+            raise ValueError(f"--resume {str(d)!r}: manifest.json 'resumes' is "
+                             f"{type(manifest['resumes']).__name__}, not the list of the "
+                             "run's resumes it writes: the manifest was edited")
     except (ResumeError, OSError, ValueError) as e:
         return _error("run", e, 2)
     if src != d:  # a killed run's temporary directory: publish it under the name it was given

@@ -162,3 +162,33 @@ def test_resume_settings_are_what_a_resume_may_not_change():
     assert RunConfig().resume_differences(kept) == ["seed"]
     assert cfg.resume_differences({k: v for k, v in kept.items() if k != "lr"}) == []
     assert cfg.resume_differences({**kept, "steps": 2}) == ["steps"]
+
+
+@pytest.mark.parametrize("key, value", [("next_step", 10**30), ("next_step", 10**10),
+                                        ("next_step", -1), ("next_step", True),
+                                        ("opt_steps", "3")])
+def test_a_checkpoint_with_an_impossible_step_count_is_skipped(runs, tmp_path, capsys, key,
+                                                               value):
+    """meta.json's next_step / opt_steps edited to what no run writes (10**30: an OverflowError
+    traceback building range(next_step); 10**10: a list of 10**10 ints) make that checkpoint
+    unreadable: the resume names it as skipped and takes the one before, exit 0."""
+    a = _copy(runs, tmp_path)
+    meta = a / "checkpoints" / "step-000002" / "meta.json"
+    m = json.loads(meta.read_text())
+    m[key] = value
+    meta.write_text(json.dumps(m))
+    assert main(["run", "--resume", str(a), "--steps", "2", "--allow-dirty"]) == 0
+    assert f"skipped checkpoint step-000002: meta.json {key}" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_manifest_whose_resumes_is_not_a_list(runs, tmp_path, capsys):
+    """manifest.json "resumes" edited to a string: exit 2 naming it, before any work (it was an
+    AttributeError traceback after the run had been published)."""
+    a = _copy(runs, tmp_path)
+    m = json.loads((a / "manifest.json").read_text())
+    m["resumes"] = "x"
+    (a / "manifest.json").write_text(json.dumps(m))
+    before = (a / "evidence.json").read_bytes()
+    assert main(["run", "--resume", str(a), "--steps", "3", "--allow-dirty"]) == 2
+    assert "'resumes' is str" in capsys.readouterr().err
+    assert (a / "evidence.json").read_bytes() == before

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 
 from rlkernel import readfile
-from rlkernel.config import RunConfig, flag_name
+from rlkernel.config import SIZE_LIMITS, RunConfig, flag_name
 
 CKPT_DIR = "checkpoints"
 _STATE = "state.safetensors"
@@ -207,6 +207,13 @@ def _load(path: pathlib.Path) -> Checkpoint:
         raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")
     tensors = {n: t.clone() for n, t in safetensors.torch.load(blob).items()}
     settings = meta.get("settings")
+    for key, most in (("next_step", SIZE_LIMITS["steps"]), ("opt_steps", None)):
+        # range(next_step) is built on resume: an edited 10**30 overflowed, 10**10 filled memory
+        n = meta[key]
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                and (most is None or n <= most)):
+            raise ValueError(f"meta.json {key} {str(n)[:40]!r}: not a step count "
+                             f"in [0, {most if most is not None else 'inf'}]")
     return Checkpoint(int(meta["next_step"]), int(meta["opt_steps"]), tensors,
                       str(meta["version"]), path,
                       settings=settings if isinstance(settings, dict) else None)
