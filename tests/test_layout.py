@@ -8,7 +8,10 @@ lays them out), the model's invariant attention reads the streams in place
 (kernels/attention.attention_packed) with the bytes of the gather path, single process and CP2.
 The native arm's `attention_packed` (flash varlen attention on CUDA) falls back on the CPU to the
 gather path's bytes, single process and CP2; `StreamLayout.packed_segments` (its cu_seqlens) is
-checked on hand-made layouts.
+checked on hand-made layouts. model/varlen.py's varlen_attn call (both torch signatures: GQA,
+causality, scale, unowned rows 0) runs on a CPU stand-in for varlen_attn, and `usable`'s host
+checks on stand-ins for CUDA tensors (the CUDA test, tests/test_cuda_reference.py, runs the real
+flash kernel, with the installed torch's signature only).
 
 Run: `.venv/bin/python -m pytest -q tests/test_layout.py` (about 20 s).
 """
@@ -472,3 +475,137 @@ def test_packed_segments_cut_the_stream_at_each_samples_first_row():
     got = moved.packed_segments()
     assert got.cu_seqlens.is_meta and got.owned.is_meta and got.max_len == 32
     assert got.n_rows == 96
+
+
+def _stand_in_varlen(params: frozenset, calls: list):
+    """A CPU stand-in for torch's varlen_attn whose keywords are `params` (torch 2.11+'s
+    scale / window_size / enable_gqa, or 2.10's is_causal alone): each cu_seqlens segment
+    attends over its own rows, window_size (left, right) read as flash reads it (key j of query
+    i when i - left <= j <= i + right, -1 unbounded; is_causal: (-1, 0)), enable_gqa as SDPA's,
+    in float64. Records each call's keywords."""
+    import torch.nn.functional as F
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        assert set(kw) <= params, kw
+        calls.append(kw)
+        cuts = cu_q.tolist()
+        assert torch.equal(cu_q, cu_k) and max_q == max_k == max(
+            b - a for a, b in zip(cuts, cuts[1:]))
+        assert kw.get("enable_gqa") or q.shape[1] == k.shape[1], "GQA heads without enable_gqa"
+        left, right = kw.get("window_size", (-1, 0) if kw.get("is_causal") else (-1, -1))
+        out = torch.zeros_like(q)
+        for a, b in zip(cuts, cuts[1:]):
+            i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None, :]
+            vis = ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
+            o = F.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1).double() for t in (q, k, v)), attn_mask=vis,
+                scale=kw.get("scale"), enable_gqa=bool(kw.get("enable_gqa")))
+            out[a:b] = o.transpose(0, 1).to(q.dtype)
+        return out
+    return varlen_attn
+
+
+_VARLEN_2_13 = frozenset({"return_aux", "scale", "window_size", "enable_gqa"})
+_VARLEN_2_10 = frozenset({"is_causal"})
+
+
+@pytest.mark.parametrize("params", [_VARLEN_2_13, _VARLEN_2_10], ids=["torch2.11+", "torch2.10"])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_flash_varlen_call_is_each_samples_causal_attention(params, hkv, monkeypatch):
+    """model/varlen.flash_varlen_attention builds its varlen_attn call for either torch
+    signature (the CUDA test runs only the installed one): on a stand-in varlen_attn that
+    attends within each cu_seqlens segment, a stream with leading rows, gaps and end padding
+    (3 samples; Hq 4 over Hkv 4, and GQA over Hkv 2: enable_gqa, or K/V heads repeated so that
+    query head h reads KV head h // 2) gives each sample's causal attention of its own rows
+    (float64 on the bf16 inputs, within a bf16 rounding), with the scale passed where the
+    signature takes one, and exactly 0 on the rows no sample owns. One call, bf16 in."""
+    from rlkernel.model import varlen
+
+    calls: list = []
+    monkeypatch.setattr(varlen, "_varlen_attn",
+                        lambda: (_stand_in_varlen(params, calls), params))
+    lay = _dense_layout([[2, 3, 4, -1, -1], [5, 6, 7, 8, 9], [11, 12, -1, -1, -1]], 14)
+    seg = lay.packed_segments()
+    assert seg.cu_seqlens.tolist() == [0, 2, 5, 11, 14] and seg.owned is not None
+    d, hq = 8, 4
+    scale = 0.3 if "scale" in params else d ** -0.5
+    g = torch.Generator().manual_seed(hkv)
+    q = torch.randn(14, hq, d, generator=g)
+    k, v = (torch.randn(14, hkv, d, generator=g) for _ in range(2))
+    got = varlen.flash_varlen_attention(q, k, v, seg, scale, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and len(calls) == 1
+    assert calls[0].get("window_size", (-1, 0)) == (-1, 0) and calls[0].get("is_causal", True)
+    want = torch.zeros(14, hq, d, dtype=torch.float64)
+    qb, kb, vb = (t.bfloat16().double() for t in (q, k, v))
+    for s in range(lay.q_idx.shape[0]):
+        r0, n = int(lay.q_idx[s, 0]), int(lay.kv_len[s])
+        ks, vs = (t[r0:r0 + n].repeat_interleave(hq // hkv, dim=1) for t in (kb, vb))
+        z = torch.einsum("qhd,khd->hqk", qb[r0:r0 + n], ks) * scale
+        z = z.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        want[r0:r0 + n] = torch.einsum("hqk,khd->qhd", torch.softmax(z, -1), vs)
+    assert torch.equal(got[~seg.owned], torch.zeros_like(got[~seg.owned]))
+    assert (got.double() - want).abs().max().item() <= 2 ** -6
+
+
+def test_varlen_usable_checks_what_flash_can_take_on_the_host(monkeypatch):
+    """model/varlen.usable, with a varlen_attn present and an sm80+ device (both stood in; a
+    stand-in for the CUDA tensors: usable reads only is_cuda, shape and device): True for q
+    [14, 4, 8] and k [14, 2, 8] in bf16 or fp16 over a layout's 14 rows; False for a CPU
+    tensor, no segments, fp32, a head dim not a multiple of 8 or past 256, Hkv not dividing Hq,
+    q or k of another row count than the segments', a device before sm80, a torch whose
+    varlen_attn takes neither window_size nor is_causal, and a scale other than 1/sqrt(D) where
+    it takes no scale (which it then runs)."""
+    import types
+
+    from rlkernel.model import varlen
+
+    params = {"v": _VARLEN_2_13}
+    capable = {"v": True}
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: (None, params["v"]))
+    monkeypatch.setattr(varlen, "_flash_capable", lambda device: capable["v"])
+    seg = _dense_layout([[2, 3, 4, -1, -1], [5, 6, 7, 8, 9], [11, 12, -1, -1, -1]],
+                        14).packed_segments()
+
+    def t(rows, heads, d=8):
+        return types.SimpleNamespace(is_cuda=True, shape=(rows, heads, d), device="cuda:0")
+
+    def usable(q=None, k=None, s=seg, scale=0.3, dtype=torch.bfloat16):
+        return varlen.usable(t(14, 4) if q is None else q, t(14, 2) if k is None else k, s,
+                             scale, dtype)
+
+    assert usable() and usable(dtype=torch.float16) and usable(t(14, 4, 256), t(14, 2, 256))
+    assert not usable(torch.zeros(14, 4, 8), torch.zeros(14, 2, 8))
+    assert not usable(s=None) and not usable(dtype=torch.float32)
+    assert not usable(t(14, 4, 12), t(14, 2, 12)) and not usable(t(14, 4, 264), t(14, 2, 264))
+    assert not usable(k=t(14, 3))
+    assert not usable(q=t(13, 4)) and not usable(k=t(16, 2))
+    capable["v"] = False
+    assert not usable()
+    capable["v"] = True
+    params["v"] = frozenset({"scale", "enable_gqa"})
+    assert not usable()
+    params["v"] = _VARLEN_2_10
+    assert not usable() and usable(scale=8 ** -0.5)
+
+
+def test_native_packed_attention_falls_back_with_the_layouts_causality(monkeypatch):
+    """Where flash varlen cannot run (here: the CPU), NativeOps.attention_packed is the gather
+    path the model takes with packed_attention off, dense_causal included: SDPA's is_causal
+    (its flash kernel on CUDA) for a dense causal layout, the explicit mask otherwise. (On the
+    CPU both give the same bits, so the bitwise tests above cannot tell.)"""
+    from rlkernel.distributed.parallel import ParallelCtx
+
+    seen, real = [], NativeOps.attention
+
+    def spied(*a, **kw):
+        seen.append(a[8])
+        return real(*a, **kw)
+    monkeypatch.setattr(NativeOps, "attention", staticmethod(spied))
+    for dense in (True, False):
+        d = _dense_layout([[2, 3, 4, -1, -1], [5, 6, 7, 8, 9]], 12)
+        lay = StreamLayout(d.tokens, d.positions, d.q_idx, d.q_pos, d.kv_len,
+                           dense_causal=dense)
+        q, k, v = (torch.randn(12, 2, 8) for _ in range(3))
+        NativeOps.attention_packed(q, k, v, lay.packed_rows(), lay.q_pos, lay.kv_len, 8 ** -0.5,
+                                   ParallelCtx.single(), lay.attention_bounds(), lay=lay)
+    assert seen == [True, False]
