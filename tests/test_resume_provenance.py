@@ -70,9 +70,14 @@ def test_resume_refuses_evidence_of_another_run(runs, tmp_path, capsys):
 
 def test_resume_refuses_evidence_without_its_init(runs, tmp_path, capsys):
     """evidence.json whose init record (written by every run before its first step) was
-    deleted or nulled."""
+    deleted or nulled, or lost its weight version (resumed from a later checkpoint, whose
+    version is the steps', it was not missed)."""
     d = _copy(runs, tmp_path)
-    for edit in (lambda ev: ev.pop("init"), lambda ev: ev.update(init=None)):
+    init = json.loads((d / "evidence.json").read_text())["init"]
+    assert isinstance(init.get("version"), str)
+    for edit in (lambda ev: ev.update(init={k: v for k, v in init.items() if k != "version"}),
+                 lambda ev: ev.update(init={**init, "version": None}),
+                 lambda ev: ev.pop("init"), lambda ev: ev.update(init=None)):
         _edit_json(d / "evidence.json", edit)
         err = _refused(capsys, d)
         assert f"{d / 'evidence.json'} holds no init record" in err, err
@@ -111,6 +116,23 @@ def test_resume_refuses_checkpoints_linked_to_another_run(runs, tmp_path, capsys
     assert f"{d / linked} is a symbolic link, not a directory" in err, err
 
 
+@pytest.mark.parametrize("kind", ["file", "dangling link"])
+def test_resume_names_a_checkpoints_that_is_not_a_directory_as_such(runs, tmp_path, capsys,
+                                                                     kind):
+    """A copy of A whose checkpoints/ is a file, or a symbolic link to nowhere: refused naming
+    what lies there, checked before any checkpoint is looked for (not "no complete checkpoint
+    to resume from", which sends the user after checkpoints the run did write)."""
+    d = _copy(runs, tmp_path)
+    shutil.rmtree(d / "checkpoints")
+    if kind == "file":
+        (d / "checkpoints").write_text("x")
+    else:
+        (d / "checkpoints").symlink_to(tmp_path / "gone")
+    err = _refused(capsys, d)
+    assert f"{d / 'checkpoints'} is a " in err and "not a directory" in err, err
+    assert "no complete checkpoint" not in err, err
+
+
 @pytest.mark.parametrize("field, value, flag, was", [("lr", 0.5, "--lr", 1e-05),
                                                      ("seed", 1, "--seed", 0)])
 def test_resume_refuses_a_manifest_config_edited_since_its_checkpoint(runs, tmp_path, capsys,
@@ -134,11 +156,17 @@ def test_resume_refuses_another_runs_checkpoint_copied_in(runs, tmp_path, capsys
     assert "manifest.json's config: --seed (checkpoint 1, manifest 0)" in err, err
 
 
-def test_resume_refuses_a_checkpoint_that_records_no_settings(runs, tmp_path, capsys):
-    """A checkpoint whose meta.json has no settings (as an older rl-kernel wrote them): nothing
-    ties it to the manifest, so it is refused, as a manifest without canonical_spec is."""
+@pytest.mark.parametrize("edit", [lambda m: m.pop("settings"), lambda m: m.update(settings=None),
+                                  lambda m: m.update(settings="lr=1e-05"),
+                                  lambda m: m.update(settings=[["lr", 1e-05]])],
+                         ids=["removed", "null", "a string", "a list"])
+def test_resume_refuses_a_checkpoint_that_records_no_settings(runs, tmp_path, capsys, edit):
+    """A checkpoint whose meta.json has no settings (as an older rl-kernel wrote them), or
+    settings that are not a dict of them (edited: a string or a list raised AttributeError, a
+    traceback): nothing ties it to the manifest, so it is refused, as a manifest without
+    canonical_spec is."""
     d = _copy(runs, tmp_path)
-    _edit_json(d / "checkpoints" / "step-000002" / "meta.json", lambda m: m.pop("settings"))
+    _edit_json(d / "checkpoints" / "step-000002" / "meta.json", edit)
     err = _refused(capsys, d)
     assert (f"{d / 'checkpoints' / 'step-000002' / 'meta.json'} records no settings of the run "
             "that wrote it") in err, err
