@@ -213,6 +213,43 @@ def test_inputs_whose_content_changed_are_named_in_the_note(tmp_path, capsys):
     assert "info  tokenizer_files: chat_template.jinja" in out
 
 
+def test_inputs_one_run_does_not_record_are_not_compared(tmp_path, capsys):
+    """A run whose manifest records its inputs (inputs, reward, tokenizer_files) against one of
+    the same config that records none (an older rl-kernel's), in either order: compared,
+    IDENTICAL (exit 0), no input difference claimed."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    old = write_run(tmp_path / "old", [_step(0)])
+    _set_manifest(a, **_inputs())
+    _set_manifest(old, config=_inputs()["config"])
+    for x, y in ((a, old), (old, a)):
+        code, out, err = rlk_compare(capsys, x, y)
+        assert (code, err) == (0, "") and "note" not in out, (out, err)
+        assert compare_runs(x, y).input_differences == []
+
+
+def test_a_changed_built_in_reward_is_not_called_a_reward_flag(tmp_path, capsys):
+    """Two runs without --reward whose built-in reward's source differs (two rl-kernel
+    versions): the note names "the built-in reward's source" with its file, not a --reward
+    flag neither run was given, and says evidence is promised only for the same inputs."""
+    s = _step(0)
+    s["rewards"] = [0.0, 0.0, 0.0, 0.0]
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [s])
+    for run, sha in ((a, "e"), (b, "f")):
+        sections = _inputs()
+        sections["config"]["reward"] = None
+        sections["reward"] = {"spec": None, "function": "rlkernel.data.tasks:reward",
+                              "source_file": "/r/tasks.py", "source_sha256": sha * 64}
+        _set_manifest(run, **sections)
+    code, out, _ = rlk_compare(capsys, a, b)
+    (note,) = [ln for ln in out.splitlines() if ln.startswith("note  ")]
+    assert code == 1 and note == (
+        "note  A and B read different inputs (changed content: the built-in reward's source "
+        "/r/tasks.py): tokens and evidence may differ without a reproducibility failure "
+        "(identical evidence is promised for one configuration of the same inputs across "
+        "layouts)"), note
+
+
 def test_one_bit_of_grad_norm_differs(tmp_path, capsys):
     """grad_norm differing in its last mantissa bit -> exit 1, the field named."""
     s = _step(1)

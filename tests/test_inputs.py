@@ -143,7 +143,9 @@ def test_input_paths_are_absolute_and_outside_the_config(tmp_path, monkeypatch):
     recorded = {"files": {"m/config.json": "a", "p.jsonl": "b"}, "vocab": None}
     assert relocated(recorded, cfg, where) == {
         "files": {str(wd / "real" / "config.json"): "a", str(wd / "p.jsonl"): "b"}, "vocab": None}
-    with pytest.raises(ValueError, match="manifest.json input_paths"):
-        recorded_paths({"input_paths": {"model": 3}})
+    for bad in ({"model": 3}, {"model": str(wd), "prompts": None},
+                {**paths, "tokenizer": None}, {**paths, "model": ""}, [str(wd)]):
+        with pytest.raises(ValueError, match="manifest.json input_paths"):
+            recorded_paths({"input_paths": bad})
     with pytest.raises(ValueError, match="records no prompts path"):
         located(cfg, {**paths, "prompts": None})

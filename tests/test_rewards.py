@@ -140,6 +140,7 @@ def test_load_from_file_and_module_records_the_source_hash(rewards_file, monkeyp
     ("{f}:missing", "has no attribute 'missing'; callables there: Judge, at_the_limit_then_huge, "
                     "boom, flag, huge"),
     ("{d}/nope.py:f", "no such file"),
+    ("{d}/nope:f", "no such file"),          # an absolute path names a file, .py or not
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
     ("math:floor", "cannot be called as"),
     ("{f}:CALLS", "is a NoneType, not callable"),

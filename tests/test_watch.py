@@ -307,9 +307,31 @@ def test_report_of_huge_values_draws_the_rest_and_names_them(tmp_path, capsys):
         "plot's axis cannot span; left out of throughput.png and overview.png (a gap)"], err
 
 
+def test_report_of_a_huge_reward_std_is_named_with_its_count_of_steps(tmp_path, capsys):
+    """reward_std past ±PLOT_LIMIT (the ±std band around the reward curve) at 7 steps: the
+    band is a gap there, and the warning names reward_std, the first 5 steps and how many
+    there are; exit 0, reward.png written."""
+    rows = [metrics_row(_rec(i)) for i in range(7)]
+    for r in rows:
+        r["reward_std"] = 1e308
+    d = tmp_path / "std"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(d), "--out", str(tmp_path / "p")]) == 0
+    out, err = capsys.readouterr()
+    assert "reward.png" in out
+    assert err.splitlines() == [
+        "rlk report: warning: std: reward_std at steps 0, 1, 2, 3, 4, ... (7 steps) (first "
+        "1e+308): past ±1e+300, which a plot's axis cannot span; left out of reward.png and "
+        "overview.png (a gap)"], err
+
+
 def test_report_of_an_int_past_float64_draws_a_gap(tmp_path, capsys):
     """metrics.jsonl with loss 10**400 (an int no float holds; math.isfinite raised
-    OverflowError, a traceback): a gap, like Inf, and every PNG is written."""
+    OverflowError, a traceback): a gap, like Inf (the step is drawn as NaN, not left out, which
+    would join its neighbours' line across it), and every PNG is written."""
+    from rlkernel.runner.report import _values, load_metrics
+
     rows = [metrics_row(_rec(i)) for i in range(2)]
     d = tmp_path / "bigint"
     d.mkdir()
@@ -319,16 +341,22 @@ def test_report_of_an_int_past_float64_draws_a_gap(tmp_path, capsys):
     assert main(["report", str(d), "--out", str(tmp_path / "p")]) == 0
     out, err = capsys.readouterr()
     assert "loss.png" in out and "Traceback" not in err and err == "", err
+    xs, ys = _values(load_metrics(d).rows, "loss")
+    assert xs == [0, 1] and math.isnan(ys[0]) and ys[1] == 0.25
 
 
 def test_report_leaves_out_a_panel_matplotlib_cannot_draw(tmp_path, capsys, monkeypatch):
     """Should a value still break matplotlib (here: PLOT_LIMIT lifted, so 1e308 reaches it), that
     panel is left out of its PNG and of overview.png with one warning naming it and the error;
-    the other PNGs are written. Control: the lifted limit does make matplotlib fail."""
+    the other PNGs are written, and a reward.png an earlier report left in --out is removed
+    (kept, it showed the earlier runs' plot as this report's). Control: the lifted limit does
+    make matplotlib fail."""
     from rlkernel.runner import report
 
     monkeypatch.setattr(report, "PLOT_LIMIT", math.inf)
     run = _huge_metrics_run(tmp_path / "huge")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "reward.png").write_bytes(PNG_MAGIC + b"an earlier report's plot")
     code = main(["report", str(run), "--out", str(tmp_path / "p")])
     out, err = capsys.readouterr()
     assert code == 0 and "Traceback" not in err, err
