@@ -293,11 +293,35 @@ def test_a_resume_names_the_recorded_input_that_is_gone(tmp_path, capsys, monkey
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [
         f"rlk run: error: --resume {str(wd / 'run')!r}: the run's {what} {str(wd / name)!r} "
-        "(recorded in manifest.json input_paths when the run started) no longer exists; "
-        "restore it there to resume, or start a new run"], err
+        "(recorded in manifest.json input_paths when the run started) no longer exists, nor "
+        "does its path as typed from this directory; restore it there to resume, or start a "
+        "new run"], err
     assert _snapshot(wd / "run") == before
     (tmp_path / "moved").rename(wd / name)
     assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 0
+
+
+def test_a_project_folder_moved_with_its_run_resumes_and_exports(tmp_path, capsys,
+                                                                   monkeypatch):
+    """WD (its run and its relative inputs) moved to WD2: the recorded absolute paths are gone,
+    the typed ones are found from WD2, whose content matches the manifest's hashes: `rlk run
+    --resume` and `rlk export` from WD2 work (both were refused: 'the run's model directory
+    '/…/wd/m' … no longer exists'), and the resumed run is IDENTICAL to an uninterrupted one."""
+    wd, wd2, other = tmp_path / "wd", tmp_path / "wd2", tmp_path / "other"
+    inputs = _relative_inputs(wd)
+    monkeypatch.chdir(wd)
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), *inputs, "--run-dir", "run"]) == 0
+    shutil.copytree(wd, other, ignore=shutil.ignore_patterns("run*"))
+    monkeypatch.chdir(other)
+    assert main(["run", *with_flags(ARGS, "--steps", "2"), *inputs, "--run-dir", "run"]) == 0
+    wd.rename(wd2)
+    monkeypatch.chdir(wd2)
+    assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty"]) == 0, \
+        capsys.readouterr().err
+    assert main(["export", "run", "--out", "exported"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["compare", str(other / "run"), "run"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("IDENTICAL")
 
 
 def test_a_run_without_input_paths_resolves_its_inputs_as_before(tmp_path, capsys, monkeypatch):

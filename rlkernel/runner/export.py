@@ -179,13 +179,19 @@ def _steps_text(avail: dict[int, pathlib.Path]) -> str:
 
 def _input_model(run: pathlib.Path, manifest: dict) -> str | None:
     """The run's input model directory: where the run recorded it when it started (the
-    manifest's input_paths, absolute), else — a run written before that record — its --model as
-    typed, read from the current directory. None for the embedded model."""
+    manifest's input_paths, absolute), else — a run written before that record, or one moved
+    with its inputs away from there — its --model as typed, read from the current directory
+    (the tokenizer files' SHA-256 is checked against the manifest's either way). None for the
+    embedded model."""
     try:
         paths = recorded_paths(manifest)
     except ValueError as e:
         raise ExportError(f"{run / 'manifest.json'}: {e}") from None
-    return manifest["config"].get("model") if paths is None else paths["model"]
+    typed = manifest["config"].get("model")
+    if paths is None or paths["model"] is None:
+        return typed
+    gone = not os.path.lexists(paths["model"])
+    return typed if gone and typed is not None and os.path.lexists(typed) else paths["model"]
 
 
 def _model_config(run: pathlib.Path, model: str | None) -> Qwen3Config:

@@ -108,32 +108,49 @@ def recorded_paths(manifest: dict[str, Any]) -> dict[str, str | None] | None:
     return paths
 
 
+def input_on_disk(field: str, value: str | None) -> str | None:
+    """The path an INPUT_PATHS field's value names on disk (a reward spec's file; None for a
+    "MODULE:FUNC" reward or an unset field)."""
+    from rlkernel.data.rewards import reward_file
+
+    if value is None:
+        return None
+    return reward_file(value) if field == "reward" else value
+
+
 def located(cfg: RunConfig, paths: dict[str, str | None] | None) -> RunConfig:
     """`cfg` with its inputs where the run recorded them (`paths`: recorded_paths), for a resume
-    to read them; `cfg` itself when nothing was recorded. Raises ValueError when `paths` leaves
-    out an input `cfg` names."""
+    to read them; `cfg` itself when nothing was recorded. An input gone from its recorded path
+    but found at its typed path from the current directory (a project folder moved with its run
+    and inputs) is read there: its SHA-256 is checked against the manifest's either way. Raises
+    ValueError when `paths` leaves out an input `cfg` names."""
     if paths is None:
         return cfg
     gone = [f for f in INPUT_PATHS if getattr(cfg, f) is not None and paths[f] is None]
     if gone:
         raise ValueError(f"manifest.json input_paths records no {gone[0]} path, but the run's "
                          f"config names {flag_name(gone[0])} {getattr(cfg, gone[0])!r}")
-    return dataclasses.replace(cfg, **{f: paths[f] for f in INPUT_PATHS
+
+    def where(f: str) -> str:
+        recorded, typed = input_on_disk(f, paths[f]), input_on_disk(f, getattr(cfg, f))
+        if (recorded is not None and not os.path.lexists(recorded) and typed is not None
+                and os.path.lexists(typed)):
+            return getattr(cfg, f)
+        return paths[f]
+    return dataclasses.replace(cfg, **{f: where(f) for f in INPUT_PATHS
                                        if getattr(cfg, f) is not None})
 
 
 def check_located(where: RunConfig, run_dir: str) -> None:
     """Refuse a resume whose input, at the path the run recorded (`where`: `located`), is gone:
     named by that path, not by a flag of the resume's command line. Raises ConfigError."""
-    from rlkernel.data.rewards import reward_file
-
     for f, what in INPUT_PATHS.items():
-        v = getattr(where, f)
-        path = reward_file(v) if f == "reward" and v is not None else v
+        path = input_on_disk(f, getattr(where, f))
         if path is not None and not os.path.lexists(path):
             raise ConfigError(f"--resume {run_dir!r}: the run's {what} {path!r} (recorded in "
                               "manifest.json input_paths when the run started) no longer "
-                              "exists; restore it there to resume, or start a new run")
+                              "exists, nor does its path as typed from this directory; "
+                              "restore it there to resume, or start a new run")
 
 
 def relocated(recorded: Any, cfg: RunConfig, where: RunConfig) -> Any:
