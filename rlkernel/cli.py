@@ -317,12 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    if args.command == "run":
-        try:
-            _one_setting_per_field(_subparser(parser, "run"),
-                                   sys.argv[1:] if argv is None else argv)
-        except ConfigError as e:
-            return _error("run", e, 2)
+    try:   # every command: `init-model --preset tiny --preset qwen3-8b` wrote a 16 GB model
+        _one_setting_per_field(_subparser(parser, args.command),
+                               sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        return _error(args.command, e, 2)
     try:
         code = args.func(args)
         sys.stdout.flush()   # a closed pipe is seen here, not in the interpreter's exit
@@ -753,14 +752,14 @@ def _check_local_world(cfg: RunConfig) -> None:
                           "or start the ranks with torchrun across machines")
 
 
-def _one_setting_per_field(run: argparse.ArgumentParser, argv: list[str]) -> None:
+def _one_setting_per_field(cmd: argparse.ArgumentParser, argv: list[str]) -> None:
     """Each field is set once: a flag and its alias (e.g. --micro-batch-tokens and --token-budget)
     or its --no- form set one field, and so does a flag given twice (`--lr 1e-3 --lr 1e-4`); the
     last would silently win. A flag repeated with the value it already has (as typed, or as the
-    value it reads as: 1e-3 and 0.001) is one setting. `run` is the parser that took `argv`
-    (no run flag repeats by design: no append or count action). Raises ConfigError naming both
-    spellings, or both values."""
-    actions = {s: a for a in run._actions for s in a.option_strings}
+    value it reads as: 1e-3 and 0.001) is one setting. `cmd` is the subcommand's parser that
+    took `argv` (append and count actions, meant to repeat, are left alone). Raises ConfigError
+    naming both spellings, or both values."""
+    actions = {s: a for a in cmd._actions for s in a.option_strings}
     args = _attach_negative_numbers(list(argv), {s for s, a in actions.items() if a.nargs is None})
     seen: dict[str, tuple[str, str | None, typing.Any]] = {}   # field -> (flag, text, value)
     i = 0

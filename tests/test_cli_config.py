@@ -1865,6 +1865,25 @@ def test_a_flag_given_twice_with_two_values_is_refused(capsys, cwd, loop, argv, 
     assert loop.calls == [] and list(cwd.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv,want", [
+    (["init-model", "--preset", "tiny", "--preset", "qwen3-8b", "--out", "m"],
+     "rlk init-model: error: --preset given twice, 'tiny' and 'qwen3-8b'"),
+    (["export", "r", "--step", "0", "--step", "1", "--out", "x"],
+     "rlk export: error: --step given twice, '0' and '1'"),
+    (["report", "r", "--out", "a", "--out", "b"],
+     "rlk report: error: --out given twice, 'a' and 'b'"),
+])
+def test_every_command_refuses_a_flag_given_twice_with_two_values(capsys, cwd, argv, want):
+    """Not only rlk run: `init-model --preset tiny --preset qwen3-8b` silently wrote a 16 GB
+    qwen3-8b model, `export --step 0 --step 1` exported step 1, `report --out a --out b` wrote
+    b. One line, exit 2, nothing made."""
+    code, out, err = rlk(capsys, *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(want), line
+    assert list(cwd.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv,field,value", [
     (["--lr", "1e-3", "--lr", "1e-3"], "lr", 1e-3),
     (["--lr", "1e-3", "--lr=0.001"], "lr", 1e-3),

@@ -31,12 +31,14 @@ class LockHeld(Exception):
 
 
 def lock_path(d: pathlib.Path) -> pathlib.Path:
-    """The lock file of run directory `d`: its sibling `<name>.lock`, of `d` made absolute and
-    normalised first, so that `.`, `..` and `x/../run` name the lock `run`'s other spellings take
-    (`.` has no name: `--resume .` raised ValueError, and `--resume ..` from checkpoints/ locked
-    `checkpoints/...lock`, beside a resume of the same run that took `run.lock`)."""
-    d = pathlib.Path(os.path.abspath(d))
-    return d.with_name(f"{d.name}.lock")
+    """The lock file of run directory `d`: its sibling `<name>.lock`, of `d` normalised first
+    (made absolute where it ends in `.` or `..`), so that `.`, `..` and `x/../run` name the file
+    `run`'s other spellings lock (`.` has no name: `--resume .` raised ValueError, and `--resume
+    ..` from checkpoints/ locked `checkpoints/...lock`, beside a resume that took `run.lock`)."""
+    n = pathlib.Path(os.path.normpath(d))
+    if n.name in ("", ".", ".."):
+        n = pathlib.Path(os.path.abspath(d))
+    return n.with_name(f"{n.name}.lock")
 
 
 @contextlib.contextmanager
