@@ -345,6 +345,25 @@ def test_report_of_an_int_past_float64_draws_a_gap(tmp_path, capsys):
     assert xs == [0, 1] and math.isnan(ys[0]) and ys[1] == 0.25
 
 
+@pytest.mark.parametrize("step", ["18446744073709551616", "-9223372036854775809",
+                                  "1" + "0" * 400, "-1", "true"])
+def test_report_skips_a_row_whose_step_no_run_writes(tmp_path, capsys, step):
+    """A metrics.jsonl row whose "step" is no step number (past int64: a TypeError/OverflowError
+    traceback in numpy, and an empty plots/ left behind; negative; a bool) is not drawn; the
+    other rows are, exit 0."""
+    from rlkernel.runner.report import load_metrics
+
+    d = tmp_path / "odd"
+    d.mkdir()
+    rows = [json.dumps(metrics_row(_rec(i))) for i in range(3)]
+    rows[1] = rows[1].replace('"step": 1', f'"step": {step}', 1)
+    (d / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert main(["report", str(d), "--out", str(tmp_path / "p")]) == 0
+    out, err = capsys.readouterr()
+    assert "reward.png" in out and "Traceback" not in err, err
+    assert [r["step"] for r in load_metrics(d).rows] == [0, 2]
+
+
 def test_report_leaves_out_a_panel_matplotlib_cannot_draw(tmp_path, capsys, monkeypatch):
     """Should a value still break matplotlib (here: PLOT_LIMIT lifted, so 1e308 reaches it), that
     panel is left out of its PNG and of overview.png with one warning naming it and the error;

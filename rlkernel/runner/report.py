@@ -81,10 +81,16 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     except (OSError, ValueError) as e:   # strerror: the OSError's text without the path again
         raise ReportError(f"{source}: cannot be read ({getattr(e, 'strerror', None) or e})") \
             from None
-    rows = sorted((r for r in rows if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    rows = sorted((r for r in rows if _is_step(r.get("step"))), key=lambda r: r["step"])
     if not rows:
         raise ReportError(f"{d}: no step recorded yet (in {source})")
     return RunMetrics(d.name or str(d), rows, source)
+
+
+def _is_step(v: object) -> bool:
+    """A step number a run writes: an int in [0, 2**53) (a float64 x holds it exactly; 2**64 or
+    10**400 made numpy raise, a traceback). Other rows are not steps and are not drawn."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53
 
 
 def _plottable(v: float) -> float:
