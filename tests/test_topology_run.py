@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from cli_helpers import with_flags
+
 from rlkernel.cli import main
 
 SEED = ["--steps", "2", "--require-updates", "--temperature", "0.7", "--top-p", "0.95",
@@ -20,7 +22,7 @@ SEED = ["--steps", "2", "--require-updates", "--temperature", "0.7", "--top-p", 
 
 def _run(tmp_path, name: str, *extra: str) -> str:
     d = str(tmp_path / name)
-    assert main(["run", *SEED, "--run-dir", d, *extra]) == 0
+    assert main(["run", *with_flags(SEED, *extra), "--run-dir", d]) == 0
     return d
 
 
