@@ -72,7 +72,10 @@ RESUME_MAY_CHANGE = frozenset({"dp", "tp", "cp", "sp", "recompute", "rollout_tp"
                                "keep_rollout_state",
                                "steps",
                                "save_every", "allow_dirty", "resume", "tensorboard"})
-INPUT_FIELDS = frozenset({"model", "prompts", "reward"})
+INPUT_PATHS = {"model": "model directory", "prompts": "prompts file", "reward": "reward file"}
+"""The RunConfig fields that name inputs on disk (the reward: a "path/to/file.py:FUNC" spec's
+file), and what each names, for messages (runner/inputs.py records where they were)."""
+INPUT_FIELDS = frozenset(INPUT_PATHS)
 """Where a run's inputs are, not what they hold: a resume reads them at the manifest's absolute
 `input_paths` while its config keeps them as typed, so checkpoints do not record these paths; the
 inputs' content is checked by their SHA-256 in the manifest (runner/inputs.py)."""

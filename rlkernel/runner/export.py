@@ -38,7 +38,7 @@ from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_mo
 from rlkernel.model.config import Qwen3Config, param_shapes, tiny
 from rlkernel.runner.checkpointing import (ResumeError, checkpoint_dirs, fsync_dir,
                                           read_checkpoint, remove_entry)
-from rlkernel.runner.inputs import recorded_paths
+from rlkernel.runner.inputs import recorded_paths, where_now
 from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
 
 FINAL_DIR = "final"
@@ -190,8 +190,7 @@ def _input_model(run: pathlib.Path, manifest: dict) -> str | None:
     typed = manifest["config"].get("model")
     if paths is None or paths["model"] is None:
         return typed
-    gone = not os.path.lexists(paths["model"])
-    return typed if gone and typed is not None and os.path.lexists(typed) else paths["model"]
+    return where_now("model", paths["model"], typed)
 
 
 def _model_config(run: pathlib.Path, model: str | None) -> Qwen3Config:

@@ -40,7 +40,7 @@ import struct
 from typing import Any
 
 from rlkernel import jsontext, readfile
-from rlkernel.config import ConfigError, RunConfig, flag_name, model_flag_error
+from rlkernel.config import INPUT_PATHS, ConfigError, RunConfig, flag_name, model_flag_error
 from rlkernel.model.config import Qwen3Config
 
 VOCAB_RULE = ("token ids >= the tokenizer's id bound (embedding rows past the tokenizer) have "
@@ -70,11 +70,6 @@ def input_files(cfg: RunConfig) -> list[pathlib.Path]:
     if cfg.prompts is not None and os.path.lexists(cfg.prompts):
         out.append(pathlib.Path(cfg.prompts))
     return sorted(out)
-
-
-INPUT_PATHS = {"model": "model directory", "prompts": "prompts file", "reward": "reward file"}
-"""The RunConfig fields that name inputs on disk (the reward: a "path/to/file.py:FUNC" spec's
-file), and what each names, for messages."""
 
 
 def input_paths(cfg: RunConfig) -> dict[str, str | None]:
@@ -131,14 +126,19 @@ def located(cfg: RunConfig, paths: dict[str, str | None] | None) -> RunConfig:
         raise ValueError(f"manifest.json input_paths records no {gone[0]} path, but the run's "
                          f"config names {flag_name(gone[0])} {getattr(cfg, gone[0])!r}")
 
-    def where(f: str) -> str:
-        recorded, typed = input_on_disk(f, paths[f]), input_on_disk(f, getattr(cfg, f))
-        if (recorded is not None and not os.path.lexists(recorded) and typed is not None
-                and os.path.lexists(typed)):
-            return getattr(cfg, f)
-        return paths[f]
-    return dataclasses.replace(cfg, **{f: where(f) for f in INPUT_PATHS
-                                       if getattr(cfg, f) is not None})
+    return dataclasses.replace(cfg, **{f: where_now(f, paths[f], getattr(cfg, f))
+                                       for f in INPUT_PATHS if getattr(cfg, f) is not None})
+
+
+def where_now(field: str, recorded: str | None, typed: str | None) -> str | None:
+    """An input's value to read it by: the `recorded` one (input_paths), unless what it names is
+    gone and what the `typed` one names from the current directory is there (a project folder
+    moved with its run and inputs): its SHA-256 is checked against the manifest's either way."""
+    on_disk, here = input_on_disk(field, recorded), input_on_disk(field, typed)
+    if (on_disk is not None and not os.path.lexists(on_disk) and here is not None
+            and os.path.lexists(here)):
+        return typed
+    return recorded
 
 
 def check_located(where: RunConfig, run_dir: str) -> None:
