@@ -606,6 +606,39 @@ def dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback():
 
 
 @check
+def late_sink_counts_third_tier_programs_instead_of_syncing():
+    """Under a late gradient sink (GradSink.begin(late=True), as the trainer's first pass) the
+    backward never reads the flags on the host: plant A's one third-tier program (dV, key tile
+    0) is counted in the sink's late counter and not redone, so dV[0, 0] is not the exact sum's
+    1 + 2**-23 (why the trainer then runs the mini-batch again) and `late_flagged` says so; the retry tier still fixes plant B's first-pass flags on the device
+    (count 0, the eager bytes), and plant C flags nothing (count 0, the eager bytes). Control:
+    the eager run of A redoes the program and gets 1 + 2**-23."""
+    from rlkernel.distributed.comm import Comm
+    from rlkernel.distributed.tokensum import GradSink
+    for parts, count in (([1.0, 2.0**-24, -2.0**-53, -2.0**-53, 2.0**-52, 2.0**-120], 1),
+                         ([1.0, 2.0**-24, 2.0**-80], 0), ([1.0, 2.0**-24, 2.0**-30], 0)):
+        args = _planted_dv([parts], len(parts), seed=321)
+        _, eager = _bwd_seeing_flags(args)
+        sink = GradSink.single()
+        sink.begin({}, late=True)
+        tok = TokenSum(Comm.single("tokens"), sink=sink)
+        seen, late = _bwd_seeing_flags(args, tok=tok)
+        assert seen == [], seen                       # no host-side redo under a late sink
+        counter = sink.late_counter(torch.device("cpu"))
+        assert int(counter) == count and sink.late_flagged() == bool(count), int(counter)
+        if count:
+            assert eager[2][0, 0, 0, 0].item() == 1.0 + 2.0**-23
+            assert late[2][0, 0, 0, 0].item() != 1.0 + 2.0**-23, "control: late = eager"
+            for a, b in ((late[0], eager[0]), (late[1], eager[1])):
+                assert_bitwise(a, b)                  # dQ and dK had nothing flagged
+        else:
+            for a, b in zip(late, eager):
+                assert_bitwise(a, b)
+        sink.begin({})                                # not late: no counter, never flagged
+        assert sink.late_counter(torch.device("cpu")) is None and not sink.late_flagged()
+
+
+@check
 def dkv_sums_at_the_double_word_bound_are_flagged():
     """|hi| >= triton_fixedpoint.TOP_F64_BITS flags a dK/dV program (the digits are exact only
     below it). Sums of 2**150 need 2**22 leaves of fp32 maxima, so the bound is lowered to 2**128:

@@ -115,6 +115,12 @@ def test_dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback(results):
     _ok(results, "dv_rounds_the_exact_sum_through_lo_and_the_flagged_fallback")
 
 
+def test_late_sink_counts_third_tier_programs_instead_of_syncing(results):
+    """A late gradient sink takes the count of third-tier programs instead of a host-side
+    redo (the value is then wrong: control); the retry tier's fixes stay on the device."""
+    _ok(results, "late_sink_counts_third_tier_programs_instead_of_syncing")
+
+
 def test_dkv_sums_at_the_double_word_bound_are_flagged(results):
     """With TOP_F64_BITS lowered to 2**128, a dV sum of 1.5·2**128 flags its program (and only
     it); the bytes (+Inf) equal the unflagged run's under the real bound."""

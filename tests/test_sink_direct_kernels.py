@@ -102,7 +102,7 @@ def test_direct_mode_is_chosen_from_every_dp_replicas_microbatch_count(monkeypat
         def all_gather_object(self, obj, op):
             return [obj, *others] if op == "microbatch-count" else [obj] * self.size
 
-    def begin_grads(model, direct=False):
+    def begin_grads(model, direct=False, late=False):
         seen.append(direct)
         raise Stop
 

@@ -378,3 +378,94 @@ def test_swiglu_mlp_refuses_weights_that_do_not_form_an_mlp():
         swiglu_mlp(x, wg, wg, torch.zeros(12, 8))
     with pytest.raises(ValueError, match="compute dtype"):
         swiglu_mlp(x, wg, wg, wd, compute_dtype=torch.float16)
+
+
+def _flaky_attention(monkeypatch, passes: list[bool], flag: bool = True) -> None:
+    """Patch the CPU attention backward to act like a CUDA one whose dV words met a third-tier
+    program (kernels/triton_attention_bwd.py): under a late sink it counts one late flag and
+    returns a wrong dV (the words are not the exact sum); under an eager sink it is the real
+    backward. Each call appends whether its sink was late to `passes`; flag=False counts
+    nothing (a rank whose kernels all checked exact)."""
+    from rlkernel.kernels import attention
+
+    real = attention.attention_backward
+
+    def flaky(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm):
+        dq, dk, dv = real(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm)
+        late = tok.late_counter(dv.device)
+        passes.append(late is not None)
+        if late is not None and flag:
+            late.add_(1)
+            dv = dv + 1.0
+        return dq, dk, dv
+
+    monkeypatch.setattr(attention, "attention_backward", flaky)
+
+
+def _grads_and_stats(samples, pc: ParallelCtx | None = None, mbt: int = 512):
+    pol = _model(pc)
+    st = compute_gradients(pol, None, samples, temperature=SP.temperature,
+                           coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=mbt,
+                           pad_id=257, exp=invariant_exp)
+    return st, {n: g.view(torch.int32).clone() for n, g in step_mod.gradients(pol).items()}
+
+
+@pytest.mark.parametrize("mbt", [512, 32])
+def test_a_late_activation_flag_runs_the_mini_batch_again_with_the_same_bytes(monkeypatch, mbt):
+    """The trainer's first pass opens the sink late (no host sync per attention backward); a
+    kernel that counted a late flag makes compute_gradients run the whole mini-batch again with
+    every flag resolved on the spot: the stats and every gradient have the bytes of a run that
+    never flagged, in direct mode (one microbatch) and persistent mode (several, mbt 32). A
+    run that flags nothing runs once, late. Control: with the check skipped (late_flagged
+    patched to False) the first pass's wrong dV reaches the gradients."""
+    samples = _samples()
+    clean_passes: list[bool] = []
+    _flaky_attention(monkeypatch, clean_passes, flag=False)
+    st0, g0 = _grads_and_stats(samples, mbt=mbt)
+    n_calls = len(clean_passes)
+    assert all(clean_passes)                                   # one late pass, nothing redone
+    assert (n_calls > CFG.num_hidden_layers) == (mbt == 32)   # several microbatches at 32
+    passes: list[bool] = []
+    _flaky_attention(monkeypatch, passes)
+    st, g = _grads_and_stats(samples, mbt=mbt)
+    assert passes == [True] * n_calls + [False] * n_calls      # late, then eager
+    assert st == st0 and g.keys() == g0.keys()
+    assert all(torch.equal(g[n], g0[n]) for n in g0)
+    monkeypatch.setattr(InvariantOps, "late_flagged", staticmethod(lambda model: False))
+    _, bad = _grads_and_stats(samples, mbt=mbt)
+    assert any(not torch.equal(bad[n], g0[n]) for n in g0), "control: the wrong dV is harmless"
+
+
+def _late_cp2_rank(rank: int, samples: list[TrainSample], out_dir: str) -> None:
+    """One of 2 CP ranks (gloo): only rank 1's attention counts a late flag; both ranks must
+    run the mini-batch again (the check is collective). Pickles (passes, stats, grads)."""
+    import torch.distributed as dist
+
+    from rlkernel.distributed.context import build_contexts
+    from rlkernel.distributed.topology import Topology, build_comms
+
+    topo = Topology.from_config(RunConfig(cp=2), rank, dist.get_world_size())
+    pc, _ = build_contexts(topo, build_comms(topo), CFG)
+    passes: list[bool] = []
+    with pytest.MonkeyPatch.context() as mp:
+        _flaky_attention(mp, passes, flag=rank == 1)
+        st, g = _grads_and_stats(samples, pc)
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump((passes, st, g), f)
+
+
+def test_a_late_flag_on_one_cp_rank_makes_every_rank_run_again(tmp_path):
+    """CP=2 (2 gloo ranks), a late flag on rank 1 only: both ranks run the mini-batch a second
+    time, eagerly (no rank hangs in the other's collectives), and each ends with the gradients
+    and stats of the one-process run that never flagged."""
+    samples = _samples()
+    st0, g0 = _grads_and_stats(samples)
+    launch(_late_cp2_rank, (samples, str(tmp_path)), world_size=2, backend="gloo",
+           timeout_s=120)
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as fh:
+            passes, st, g = pickle.load(fh)
+        half = len(passes) // 2
+        assert half and passes == [True] * half + [False] * half, (r, passes)
+        assert st == st0, f"CP rank {r}"
+        assert all(torch.equal(g[n], g0[n]) for n in g0), f"CP rank {r}"

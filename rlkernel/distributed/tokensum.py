@@ -103,6 +103,14 @@ class GradSink:
     (`_direct_split`); past SPLIT_MAX_FRACTION there, the weight is finished by
     `finish_direct`'s chunks instead (no accumulator lives beyond one chunk). Same bytes on
     every path: the same exact sums, rounded once.
+    Late activation flags (`begin(late=True)`): a kernel whose exact activation sum (attention
+    dK/dV, kernels/triton_attention_bwd.py) failed its device-side check — a third-tier
+    program, which needs the host — may, instead of syncing the host to fix it there, add the
+    count of such programs to `late_counter` and go on with a value that is then not the exact
+    sum. The caller reads the count once, after the mini-batch's last backward
+    (`late_flagged`, one host sync and a world gather of the counts) and, if any rank counted one,
+    discards the mini-batch and runs it again with late=False (train/step.py). Nothing read
+    before that check leaves the sink, so the bytes are those of a run that never deferred.
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
@@ -128,6 +136,8 @@ class GradSink:
         self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []   # (device, pinned host) counters
         self._next_slot = 0
         self._slot_host: dict[int, torch.Tensor] = {}   # id(handed-out counter) -> its host mirror
+        self.late = False
+        self._late_count: torch.Tensor | None = None   # int64 [] on the device (late flags)
 
     @classmethod
     def single(cls) -> "GradSink":
@@ -136,13 +146,15 @@ class GradSink:
 
     def begin(self, params: dict[str, torch.Tensor], *, direct: bool = False,
               keep: frozenset[str] | set[str] = frozenset(),
-              sparse: frozenset[str] | set[str] = frozenset()) -> None:
+              sparse: frozenset[str] | set[str] = frozenset(), late: bool = False) -> None:
         """Open the sink for a mini-batch of `params` (name -> parameter, canonical order).
 
         direct: every rank of both scope groups runs exactly one microbatch (one backward) in
         this mini-batch, so gradients may be finished inside it (class doc); `keep`: names that
         stay persistent anyway (used more than once per forward); `sparse`: names used only by
-        a row lookup (class doc: split over the rows noted in persistent mode). All ranks must
+        a row lookup (class doc: split over the rows noted in persistent mode); `late`:
+        activation kernels may count failed exactness checks in `late_counter` instead of
+        syncing the host (class doc; the caller must then call `late_flagged`). All ranks must
         agree."""
         self._names = {id(p): n for n, p in params.items()}
         self._params = dict(params)
@@ -153,7 +165,34 @@ class GradSink:
         self._pending.clear()    # a backward that raised may have left some (and their operands)
         self._copies = {}
         self._next_slot, self._slot_host = 0, {}
+        self.late, self._late_count = late, None
         self.open = True
+
+    def late_counter(self, device: torch.device) -> torch.Tensor | None:
+        """The open sink's int64 [] count of late activation flags on `device` (class doc): a
+        kernel adds the number of programs whose exact sum it could not finish without the
+        host. None when the sink is closed or not late: the kernel must finish them now."""
+        if not (self.open and self.late):
+            return None
+        if self._late_count is None:
+            self._late_count = torch.zeros((), dtype=torch.int64, device=device)
+        elif self._late_count.device != device:
+            raise RuntimeError(f"GradSink: late flags on {device} and "
+                               f"{self._late_count.device} in one mini-batch")
+        return self._late_count
+
+    def late_flagged(self) -> bool:
+        """Whether any rank's kernels counted a late activation flag in this mini-batch (a host
+        read of the count, then its sum over the world group, so every rank answers the same).
+        Call after the last backward and before `finish`; collective over the world group when
+        the sink is late (every rank's is: `begin` takes the same `late` on all)."""
+        if not (self.open and self.late):
+            return False
+        n = 0 if self._late_count is None else int(self._late_count)
+        world = self.groups["world"]
+        if world.size > 1:
+            n = sum(world.all_gather_object(n, "grad-sink:late-flags"))
+        return n != 0
 
     def compute_copy(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Parameter w in `dtype` (e.g. bf16 for the tensor cores), cast once per mini-batch in
@@ -702,6 +741,10 @@ class TokenSum:
         if self.sink is not None and self.sink.open:
             return self.sink.words(w, self._scope_for(heads))
         return None
+
+    def late_counter(self, device: torch.device) -> torch.Tensor | None:
+        """GradSink.late_counter of the sink (None without one: finish flagged programs now)."""
+        return None if self.sink is None else self.sink.late_counter(device)
 
     def flag_count(self, device: torch.device) -> torch.Tensor:
         """A zeroed int32 [] flag counter for `defer_carry` (GradSink.flag_count; a new zero

@@ -585,7 +585,11 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
     span = tk if direct else tk_eff
     out = (torch.empty if direct else torch.zeros)(2, s_, hq, tk, d, dtype=torch.float32,
                                                    device=q.device)
-    # Both kinds' words at once, so one host sync per chunk reads both kinds' flags.
+    # Both kinds' words at once, so one host sync per chunk reads both kinds' flags — or none:
+    # with a late sink the count of third-tier programs is left on the device for the caller's
+    # one check after the mini-batch (GradSink "Late activation flags"), which runs it again if
+    # any is counted; the words of such a program are then not its exact sum.
+    late = tok.late_counter(q.device)
     words = torch.empty(2, 2, sc * hq * min(kc, span) * d, dtype=torch.float64, device=q.device)
     for s0 in range(0, s_, sc):
         s1 = min(s_, s0 + sc)
@@ -599,10 +603,14 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
                 for retry in (False, True):   # the checked tier for what the first pass flagged
                     _launch_dkv(args, w[kind], flags[kind], flags[kind], kind, s0, j0, width,
                                 n_tiles_k, n_leaves, grid, tile, False, force_flag, retry)
-            flagged = torch.nonzero(flags)          # [n, 2] (kind, program): the chunk's one sync
+            if late is not None:
+                late.add_(torch.count_nonzero(flags))
+                flagged = None
+            else:
+                flagged = torch.nonzero(flags)      # [n, 2] (kind, program): the chunk's one sync
             for kind in (0, 1):
                 fix = None
-                if flagged.numel():                 # rare: split the programs by kind
+                if flagged is not None and flagged.numel():   # rare: split the programs by kind
                     ids = flagged[flagged[:, 0] == kind, 1]
                     fix = _redo_flagged(args, ids, kind, s0, j0, width, n_tiles_k, n_leaves,
                                         tile) if ids.numel() else None
@@ -663,7 +671,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     (they must be those values); None reads them, a host sync. Returns dQ like q, dK and dV like
     k, in q's dtype and each in its input's memory order.
     ValueError on bad input. Syncs the host once per dK/dV chunk (which programs of its two
-    kinds, if any, failed the exactness check of both the first pass and its retry), and once more without `bounds`.
+    kinds, if any, failed the exactness check of both the first pass and its retry) — except
+    under a late gradient sink (`tok.sink`, GradSink "Late activation flags"), which is handed
+    their count instead —, and once more without `bounds`.
     """
     _check(q, k, v, out, lse, d_out, q_pos, kv_len)
     if q.shape[0] == 0 or q.shape[1] == 0:

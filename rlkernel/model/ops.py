@@ -119,13 +119,14 @@ class InvariantOps:
                                           tok=pc.tok, kv_comm=pc.kv, bounds=bounds)
 
     @staticmethod
-    def begin_grads(model, direct: bool = False) -> None:
+    def begin_grads(model, direct: bool = False, late: bool = False) -> None:
         """Zero the gradients and open the policy's GradSink: until `sync_grads`, every weight
         gradient of every backward is added exactly into it (distributed/tokensum.py).
         direct: every rank runs one microbatch in this mini-batch, so weights are finished in
         their backward (no persistent accumulators) except a tied embedding, which two kernels
         (lookup and LM head) add to. An untied embedding's only use is its lookup: either mode
-        keeps its sums over the rows looked up only (GradSink `sparse`)."""
+        keeps its sums over the rows looked up only (GradSink `sparse`). late: the sink takes
+        late activation flags (GradSink doc); the caller then asks `late_flagged`."""
         model.zero_grad(set_to_none=True)
         for p in model.logical_params().values():
             p.main_grad = None
@@ -134,7 +135,15 @@ class InvariantOps:
             emb = {"model.embed_tokens.weight"}
             tied = model.cfg.tie_word_embeddings
             sink.begin(model.logical_params(), direct=direct, keep=emb if tied else set(),
-                       sparse=set() if tied else emb)
+                       sparse=set() if tied else emb, late=late)
+
+    @staticmethod
+    def late_flagged(model) -> bool:
+        """Whether the mini-batch since `begin_grads(late=True)` must run again: a kernel on
+        some rank counted a late activation flag (GradSink.late_flagged; collective over the
+        world group). Call after the last backward, before `sync_grads`."""
+        sink = model.pc.tok.sink
+        return sink is not None and sink.late_flagged()
 
     @staticmethod
     def paged_attention(q, k_pool, v_pool, table, q_pos, kv_len, scale, tk, pc: ParallelCtx):
@@ -400,8 +409,13 @@ class NativeOps:
         return to_stream(o.transpose(1, 2), lay.q_idx, q.shape[0], lay)
 
     @staticmethod
-    def begin_grads(model, direct: bool = False) -> None:
+    def begin_grads(model, direct: bool = False, late: bool = False) -> None:
         model.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def late_flagged(model) -> bool:
+        """Never: the stock kernels check nothing."""
+        return False
 
     @staticmethod
     def sync_grads(model) -> None:

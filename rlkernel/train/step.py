@@ -180,11 +180,43 @@ def microbatches(samples: list[TrainSample], micro_batch_tokens: int, pad_id: in
 def _loss_rows_on_device(policy: Qwen3ForCausalLM, mbs):
     """Per microbatch of `microbatches`: (layout, target ids [L'], loss rows [n] long, rollout
     logprobs [n] fp32, advantages [n] fp32, sample index [n] long) on the policy's device, n the
-    rows this rank holds that predict a response token."""
+    rows this rank holds that predict a response token; and those rows' sample indices as a
+    host list. The rows are found on the host, where the packer made the mask (no sync)."""
     for lay, per_row, _ in mbs:
-        targets, mask, old, adv, who = (t.to(policy.device) for t in per_row)
+        targets, mask, old, adv, who = per_row
         rows = mask.nonzero(as_tuple=True)[0]
-        yield lay, targets, rows, old[rows], adv[rows], who[rows]
+        dev = (targets, rows, old[rows], adv[rows], who[rows])
+        yield (lay, *(t.to(policy.device) for t in dev)), who[rows].tolist()
+
+
+def _backward_passes(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM | None, mbs,
+                     w32: torch.Tensor, temperature: float, coefs: LossCoefs, exp):
+    """Forward, per-token losses and backward of every microbatch into the open sink. Returns
+    (per-token loss terms {"total", "pg", "kl", "ent"} -> float list, the sample index of each
+    token, train/rollout mismatches, pairs compared, clipped tokens) of this rank. The counts
+    and terms stay on the device until the last backward is queued: one host read at the end,
+    not one per microbatch."""
+    terms: dict[str, list[torch.Tensor]] = {"total": [], "pg": [], "kl": [], "ent": []}
+    sample_of: list[int] = []
+    counted = []
+    for (lay, targets, rows, old, adv, who), who_host in _loss_rows_on_device(policy, mbs):
+        lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
+        ref_lp = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
+        lp, ent = lp_all[rows], ent_all[rows]
+        differs = lp.detach().view(torch.int32) != old.view(torch.int32)
+        total, pg, kl, cut = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
+        torch.autograd.backward(total, grad_tensors=w32[who])
+        counted.append(torch.stack([differs.sum(), cut.sum()]))
+        for key, t in (("total", total), ("pg", pg), ("kl", kl), ("ent", ent)):
+            if t is not None:
+                terms[key].append(t.detach().double())
+        sample_of.extend(who_host)
+    vals = {k: torch.cat(v).tolist() if v else [] for k, v in terms.items()}
+    mismatches, clipped = (torch.stack(counted).sum(0).tolist() if counted else (0, 0))
+    return vals, sample_of, int(mismatches), len(sample_of), int(clipped)
 
 
 def _everyone(pc: ParallelCtx, obj, op: str) -> list:
@@ -216,29 +248,18 @@ def compute_gradients(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM | None,
     # One microbatch on every DP replica (CP/TP ranks share their replica's grouping): weights
     # can be finished inside the backward, without mini-batch accumulators. Same bytes.
     counts = pc.dp.all_gather_object(len(mbs), "microbatch-count")
-    policy.ops.begin_grads(policy, direct=all(c == 1 for c in counts))
+    direct = all(c == 1 for c in counts)
     # fp32 coefficient per sample: the float64 weight rounded once (token-mean: fp32(1/N)).
     w32 = torch.tensor(weights, dtype=torch.float32, device=policy.device)
-    vals: dict[str, list[float]] = {"total": [], "pg": [], "kl": [], "ent": []}
-    sample_of: list[int] = []
-    mismatches = compared = clipped = 0
-    for lay, targets, rows, old, adv, who in _loss_rows_on_device(policy, mbs):
-        lp_all, ent_all = policy.token_logprobs(policy.hidden(lay), targets, temperature)
-        ref_lp = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_lp = ref.token_logprobs(ref.hidden(lay), targets, temperature)[0][rows]
-        lp, ent = lp_all[rows], ent_all[rows]
-        differs = lp.detach().view(torch.int32) != old.view(torch.int32)
-        mismatches += int(differs.sum().item())
-        compared += differs.numel()
-        total, pg, kl, cut = token_losses(lp, old, ref_lp, ent, adv, coefs, exp)
-        torch.autograd.backward(total, grad_tensors=w32[who])
-        clipped += int(cut.sum().item())
-        for key, t in (("total", total), ("pg", pg), ("kl", kl), ("ent", ent)):
-            if t is not None:
-                vals[key].extend(t.detach().double().tolist())
-        sample_of.extend(who.tolist())
+    # First with late activation flags (no host sync per attention backward); in the rare
+    # mini-batch where a kernel counted one, again with every flag resolved on the spot
+    # (GradSink "Late activation flags"): the gradients are those of the second pass only.
+    for late in (True, False):
+        policy.ops.begin_grads(policy, direct=direct, late=late)
+        vals, sample_of, mismatches, compared, clipped = _backward_passes(
+            policy, ref, mbs, w32, temperature, coefs, exp)
+        if not policy.ops.late_flagged(policy):
+            break
     policy.ops.sync_grads(policy)
     # Every CP rank and DP replica holds part of the tokens (TP ranks hold copies): gather,
     # then exact sums.
@@ -266,12 +287,13 @@ def rollout_mismatches(policy: Qwen3ForCausalLM, samples: list[TrainSample], *,
     share = list(dp_share(len(samples), policy.pc.dp))
     mbs = microbatches([samples[i] for i in share], micro_batch_tokens, pad_id, policy.pc,
                        leaf=stream_leaf(torch.device(policy.device).type))
-    n = compared = 0
-    for lay, targets, rows, old, _, _ in _loss_rows_on_device(policy, mbs):
+    counts = []
+    compared = 0
+    for (lay, targets, rows, old, _, _), _ in _loss_rows_on_device(policy, mbs):
         lp, _ = policy.token_logprobs(policy.hidden(lay), targets, temperature)
-        differs = lp[rows].view(torch.int32) != old.view(torch.int32)
-        n += int(differs.sum().item())
-        compared += differs.numel()
+        counts.append((lp[rows].view(torch.int32) != old.view(torch.int32)).sum())
+        compared += rows.numel()
+    n = int(torch.stack(counts).sum()) if counts else 0     # one host read, after the last
     everyone = _everyone(policy.pc, (n, compared), "mismatch-count")
     return sum(e[0] for e in everyone), sum(e[1] for e in everyone)
 
