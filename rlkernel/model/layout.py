@@ -95,9 +95,13 @@ class StreamLayout:
         if self.tokens.device == torch.device(device):
             return self
         def mv(t):
-            return None if t is None else t.to(device)
+            return None if t is None else upload(t, device)
+        # The positions' bound, known here on the host, spares the RoPE lookup its device read.
+        bound = self.pos_bound
+        if bound is None and self.positions.device.type == "cpu":
+            bound = int(self.positions.max().clamp(min=0)) + 1 if self.positions.numel() else 1
         moved = StreamLayout(mv(self.tokens), mv(self.positions), mv(self.q_idx), mv(self.q_pos),
-                             mv(self.kv_len), mv(self.kv_idx), self.pos_bound, self.dense_causal)
+                             mv(self.kv_len), mv(self.kv_idx), bound, self.dense_causal)
         moved._moves["bounds"] = self.attention_bounds()   # read here, before the move
         rows = self.packed_rows()
         moved._moves["packed"] = None if rows is None else (mv(rows[0]), mv(rows[1]), rows[2])
@@ -148,6 +152,17 @@ class StreamLayout:
         if "segments" not in self._moves:
             self._moves["segments"] = _packed_segments(self)
         return self._moves["segments"]
+
+
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t on `device`. A CPU tensor bound for a GPU is copied from pinned memory without blocking
+    the host: a copy from pageable memory waits for the device's queue to drain first (a host
+    sync per tensor moved: 8 per microbatch layout, docs/BENCHMARKS.md). The caching host
+    allocator keeps the pinned block until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _run_starts(idx: torch.Tensor, count: torch.Tensor) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ from rlkernel.config import LOSS_AGGS
 from rlkernel.data.packing import pack_by_budget
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx, cp_local_rows, stream_multiple
-from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout
+from rlkernel.model.layout import StreamLayout, cp_local_layout, packed_layout, upload
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.exact import exact_sum
 from rlkernel.spec import TOKEN_LEAF, stream_leaf
@@ -186,7 +186,7 @@ def _loss_rows_on_device(policy: Qwen3ForCausalLM, mbs):
         targets, mask, old, adv, who = per_row
         rows = mask.nonzero(as_tuple=True)[0]
         dev = (targets, rows, old[rows], adv[rows], who[rows])
-        yield (lay, *(t.to(policy.device) for t in dev)), who[rows].tolist()
+        yield (lay, *(upload(t, policy.device) for t in dev)), who[rows].tolist()
 
 
 def _backward_passes(policy: Qwen3ForCausalLM, ref: Qwen3ForCausalLM | None, mbs,
