@@ -332,7 +332,7 @@ def _package(path: str) -> str:
     return "other" if path != "~" else "builtins"
 
 
-def _host_profile(step, dev: torch.device, top: int = 40) -> dict:
+def _host_profile(step, dev: torch.device, top: int = 150) -> dict:
     """The host's time in one step by Python function (cProfile, so every Python call costs a
     little more than unprofiled): wall, the top functions by own time and by cumulative time,
     own time summed by package (`_package`), and the costliest builtins (torch's C calls: where
