@@ -39,5 +39,9 @@ def f32_reciprocal(x: float) -> float:
 
 
 def device_ctx(t: torch.Tensor):
-    """Context that makes t's CUDA device current (a no-op for CPU tensors)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Context that makes t's CUDA device current (a no-op for CPU tensors and for a tensor
+    on the current device: the usual case, where the device switch cost host time on every
+    launch — ~7,300 of them a step at qwen3-1.7b in four microbatches)."""
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
