@@ -319,3 +319,48 @@ def test_untied_embedding_split_in_direct_mode_gives_the_chunked_bytes(monkeypat
     assert all(sp == {emb} and emb not in acc and not d for sp, acc, d in seen[2:]), seen
     for other in (chunked, two, four):
         assert _differing(one, other) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_late_dkv_flags_give_the_eager_bytes_and_a_flagged_pass_runs_again(monkeypatch, dtype):
+    """The tiny model on CUDA, one and two microbatches: the trainer's late first pass (the
+    attention dK/dV flags counted on the device, no host sync per layer: GradSink "Late
+    activation flags") == the eager pass (late_counter off: the flags read per chunk), every
+    gradient bytewise; with every dK/dV program forced to the third tier in the late pass only
+    (force_flag), compute_gradients counts them, runs the mini-batch again eagerly and ends
+    with the same bytes. Control: the forced late pass alone (its check skipped) leaves
+    gradients that differ — the words of a third-tier program are not its exact sum."""
+    from rlkernel.distributed import tokensum
+    from rlkernel.kernels import triton_attention_bwd as tb
+    from rlkernel.model.ops import InvariantOps
+
+    grads, seen, per = _tiny_sink_grads(monkeypatch, dtype, tied=True)
+    real_launch = tb._launch_dkv
+
+    def forced_when_late(args, out, flags, pids, kind, s0, j0, width, n_tiles_k, n_leaves,
+                         grid, tile, emit, force_flag, retry=False):
+        late = args[0].is_cuda and _late_now[0]
+        real_launch(args, out, flags, pids, kind, s0, j0, width, n_tiles_k, n_leaves, grid,
+                    tile, emit, force_flag or (late and not emit), retry)
+
+    _late_now = [False]
+    real_counter = tokensum.GradSink.late_counter
+
+    def counter(self, device):
+        c = real_counter(self, device)
+        _late_now[0] = c is not None
+        return c
+    for budget in (4 * per, 2 * per):
+        late = grads(budget)
+        with monkeypatch.context() as mp:
+            mp.setattr(tokensum.GradSink, "late_counter", lambda self, device: None)
+            eager = grads(budget)
+        assert _differing(late, eager) == []
+        with monkeypatch.context() as mp:
+            mp.setattr(tokensum.GradSink, "late_counter", counter)
+            mp.setattr(tb, "_launch_dkv", forced_when_late)
+            redone = grads(budget)
+            assert _differing(late, redone) == []
+            mp.setattr(InvariantOps, "late_flagged", staticmethod(lambda model: False))
+            wrong = grads(budget)
+        assert _differing(late, wrong), "control: the forced third tier changed nothing"
