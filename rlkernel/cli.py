@@ -1148,6 +1148,17 @@ def _check_checkpoint_is_the_runs(ck, cfg: RunConfig, evidence: dict[str, typing
         raise ResumeError(f"--resume {str(d)!r}: {e}") from None
 
 
+def _check_checkpoint_inputs(ck, manifest: typing.Any, d: pathlib.Path) -> None:
+    """The checkpoint `ck` was trained from the inputs the manifest records
+    (checkpointing.check_inputs). Raises ResumeError naming --resume."""
+    from rlkernel.runner.checkpointing import ResumeError, check_inputs
+
+    try:
+        check_inputs(ck, manifest.get("inputs") if isinstance(manifest, dict) else None)
+    except ResumeError as e:
+        raise ResumeError(f"--resume {str(d)!r}: {e}") from None
+
+
 def _check_rewritten_file(path: pathlib.Path, d: pathlib.Path) -> None:
     """metrics.jsonl / completions.jsonl: the loop rewrites them after the evidence, so one that
     cannot be read failed the resume there, half done (a FIFO; a link to nowhere, which
@@ -1262,6 +1273,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
         manifest = readfile.read_json(src / "manifest.json")
         check_unchanged(relocated(manifest.get("inputs"), cfg, where),
                         describe_inputs(where, _model_shape(where)), str(d))
+        _check_checkpoint_inputs(ck, manifest, d)     # the inputs on disk are the manifest's
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
         if not isinstance(manifest.get("resumes", []), list):

@@ -529,5 +529,6 @@ def test_a_full_disk_while_writing_a_run_checkpoint_names_it_and_keeps_nothing(t
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(checkpointing.os, "fsync", full)
     with pytest.raises(OSError, match=r"cannot write checkpoint .*step-000003 \(No space left"):
-        checkpointing.save_checkpoint(tmp_path, 3, 3, {"w": torch.zeros(4)}, "v", settings={})
+        checkpointing.save_checkpoint(tmp_path, 3, 3, {"w": torch.zeros(4)}, "v", settings={},
+                                      inputs=None)
     assert list((tmp_path / checkpointing.CKPT_DIR).iterdir()) == []

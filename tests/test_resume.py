@@ -665,7 +665,7 @@ os.makedirs(d / "checkpoints")
 os.mkfifo(d / "checkpoints" / "step-000001")
 try:
     save_checkpoint(d, 1, 1, {"x": init_weights(tiny(), 0)["model.norm.weight"]}, "v",
-                    settings={})
+                    settings={}, inputs=None)
 except NotADirectoryError as e:
     print(e)
 for kind in ("fifo", "nowhere"):

@@ -220,3 +220,47 @@ def test_resume_refuses_a_manifest_whose_resumes_is_not_a_list(runs, tmp_path, c
     assert main(["run", "--resume", str(a), "--steps", "3", "--allow-dirty"]) == 2
     assert "'resumes' is str" in capsys.readouterr().err
     assert (a / "evidence.json").read_bytes() == before
+
+
+def test_resume_refuses_another_runs_checkpoint_trained_from_other_contents(tmp_path, capsys):
+    """Runs A and B with the same flags and one model path, which held other weights when B
+    ran (init-model --seed 1, then --seed 2, then seed 1 again): a copy of A with B's
+    checkpoints/ and evidence.json (one run's, so their version chain holds) passes every
+    check of the flags and of the inputs on disk, and resumed B's weights under A's manifest.
+    Now refused: the checkpoint records the digest of the input contents it was trained from
+    (checkpointing.inputs_digest), B's is not A's manifest's. Control: A's copy with its own
+    parts resumes."""
+    model = tmp_path / "model"
+    args = [*ARGS, "--model", str(model)]
+    for name, seed in (("A", "1"), ("B", "2")):
+        if model.exists():
+            shutil.rmtree(model)
+        assert main(["init-model", "--preset", "tiny", "--seed", seed, "--out", str(model)]) == 0
+        assert main(["run", *args, "--run-dir", str(tmp_path / name)]) == 0
+    shutil.rmtree(model)
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
+    a, b = (json.loads((tmp_path / n / "manifest.json").read_text())["inputs"]["files"]
+            for n in "AB")
+    assert a.keys() == b.keys() and a != b      # one path, other contents
+    d = tmp_path / "C"
+    shutil.copytree(tmp_path / "A", d)
+    shutil.rmtree(d / "checkpoints")
+    shutil.copytree(tmp_path / "B" / "checkpoints", d / "checkpoints")
+    shutil.copy(tmp_path / "B" / "evidence.json", d / "evidence.json")
+    err = _refused(capsys, d, tmp_path / "B")
+    assert (f"{d / 'checkpoints' / 'step-000002'} was trained from other inputs") in err, err
+    own = tmp_path / "A2"
+    shutil.copytree(tmp_path / "A", own)
+    assert main(["run", "--resume", str(own), "--steps", "3", "--allow-dirty"]) == 0
+
+
+def test_resume_refuses_a_checkpoint_that_records_no_inputs(runs, tmp_path, capsys):
+    """A checkpoint whose meta.json has no inputs digest (or not a string: written before
+    checkpoints recorded it, or edited) is refused as one without settings is."""
+    for edit in (lambda m: m.pop("inputs_sha256"), lambda m: m.update(inputs_sha256=7)):
+        d = _copy(runs, tmp_path)
+        _edit_json(d / "checkpoints" / "step-000002" / "meta.json", edit)
+        err = _refused(capsys, d)
+        assert (f"{d / 'checkpoints' / 'step-000002' / 'meta.json'} records no digest of the "
+                "inputs it was trained from") in err, err
+        shutil.rmtree(d)

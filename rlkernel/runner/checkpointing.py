@@ -45,7 +45,8 @@ class Checkpoint:
     version: weight version after step next_step − 1 (checked on resume); path: its directory;
     skipped: newer checkpoints `latest_checkpoint` passed over, "NAME: why" each;
     settings: the run's RunConfig.resume_settings() when it was written (None: not recorded,
-    or not a dict), compared with the manifest's on resume."""
+    or not a dict), compared with the manifest's on resume; inputs: `inputs_digest` of the
+    manifest's inputs it was trained from (None: not recorded), compared likewise."""
 
     next_step: int
     opt_steps: int
@@ -54,6 +55,20 @@ class Checkpoint:
     path: pathlib.Path
     skipped: tuple[str, ...] = ()
     settings: dict | None = None
+    inputs: str | None = None
+
+
+def inputs_digest(inputs) -> str | None:
+    """SHA-256 of the content hashes of a manifest's `inputs` (its "files": path -> SHA-256 of
+    every file the run reads), sorted, paths left out (a project folder moved with its run, or
+    relative paths read from another directory, keep it); None when `inputs` holds no such
+    mapping. Ties a checkpoint to the weights, prompts, reward and tokenizer it was trained
+    from: a run's manifest hashes its inputs, but two runs with one set of flags can have read
+    other contents at one path."""
+    files = inputs.get("files") if isinstance(inputs, dict) else None
+    if not isinstance(files, dict):
+        return None
+    return hashlib.sha256(json.dumps(sorted(map(str, files.values()))).encode()).hexdigest()
 
 
 def fsync_dir(d: pathlib.Path) -> None:
@@ -131,6 +146,25 @@ def check_settings(ck: Checkpoint, cfg: RunConfig) -> None:
                           "another run's: restore them, or start a new run")
 
 
+def check_inputs(ck: Checkpoint, manifest_inputs) -> None:
+    """Refuse a checkpoint trained from other inputs than the manifest records
+    (`inputs_digest`): another run's checkpoint (and evidence, which check_continues ties to
+    it) copied in from a run of the same flags whose model or prompts file held other contents
+    at the same path — it resumed and continued the other run's weights under this manifest.
+    A checkpoint that records none (written before checkpoints recorded it) is refused as one
+    without settings is. Raises ResumeError."""
+    if ck.inputs is None:
+        raise ResumeError(f"{ck.path / _META} records no digest of the inputs it was trained "
+                          "from (a checkpoint of an older rl-kernel): nothing ties it to "
+                          "manifest.json's inputs; finish the run with the code that wrote it "
+                          "(its manifest's git commit), or start a new run")
+    if ck.inputs != inputs_digest(manifest_inputs):
+        raise ResumeError(f"{ck.path} was trained from other inputs (weights, prompts, reward or "
+                          "tokenizer contents) than manifest.json records: the checkpoint is "
+                          "another run's; restore the run's own checkpoints/ and evidence.json, "
+                          "or start a new run")
+
+
 def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
     """Refuse a checkpoint that does not continue the run's kept evidence (`evidence`, read from
     `path`; the caller has checked that it holds steps 0..next_step-1): the checkpoint's
@@ -162,10 +196,11 @@ def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
 
 def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
                     tensors: dict[str, torch.Tensor], version: str, *,
-                    settings: dict) -> pathlib.Path:
+                    settings: dict, inputs: str | None) -> pathlib.Path:
     """Atomically write checkpoint `next_step` under run_dir/checkpoints; returns its path.
     `settings` (the run's RunConfig.resume_settings()) ties it to the run's config: a resume
-    refuses a manifest whose config has other ones (check_settings)."""
+    refuses a manifest whose config has other ones (check_settings); `inputs` (the manifest's
+    `inputs_digest`) ties it to the run's input contents likewise (check_inputs)."""
     root = pathlib.Path(run_dir) / CKPT_DIR
     root.mkdir(exist_ok=True)
     for stale in root.glob("step-*.tmp-*"):           # left by a run killed mid-write
@@ -175,7 +210,8 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
     tmp.mkdir()
     blob = safetensors.torch.save({n: t.contiguous().cpu() for n, t in tensors.items()})
     meta = {"next_step": next_step, "opt_steps": opt_steps, "version": version,
-            "state_sha256": hashlib.sha256(blob).hexdigest(), "settings": settings}
+            "state_sha256": hashlib.sha256(blob).hexdigest(), "settings": settings,
+            "inputs_sha256": inputs}
     try:
         with open(tmp / _STATE, "wb") as f:
             f.write(blob)
@@ -206,7 +242,7 @@ def _load(path: pathlib.Path) -> Checkpoint:
     if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
         raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")
     tensors = {n: t.clone() for n, t in safetensors.torch.load(blob).items()}
-    settings = meta.get("settings")
+    settings, inputs = meta.get("settings"), meta.get("inputs_sha256")
     for key, most in (("next_step", SIZE_LIMITS["steps"]), ("opt_steps", None)):
         # range(next_step) is built on resume: an edited 10**30 overflowed, 10**10 filled memory
         n = meta[key]
@@ -216,7 +252,8 @@ def _load(path: pathlib.Path) -> Checkpoint:
                              f"in [0, {most if most is not None else 'inf'}]")
     return Checkpoint(int(meta["next_step"]), int(meta["opt_steps"]), tensors,
                       str(meta["version"]), path,
-                      settings=settings if isinstance(settings, dict) else None)
+                      settings=settings if isinstance(settings, dict) else None,
+                      inputs=inputs if isinstance(inputs, str) else None)
 
 
 def read_checkpoint(path: pathlib.Path) -> Checkpoint:

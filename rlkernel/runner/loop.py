@@ -39,8 +39,8 @@ from rlkernel.model.sharding import local_tensor, logical_tensor
 from rlkernel.numerics.exact import exact_sum, float_hex
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
 from rlkernel.runner import faults
-from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, latest_checkpoint,
-                                            save_checkpoint)
+from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, inputs_digest,
+                                            latest_checkpoint, save_checkpoint)
 from rlkernel.runner.evidence import EvidenceWriter, Progress
 from rlkernel.runner.watch import NullWatch, RunWatch, completion_rows
 from rlkernel.runner.export import save_final_weights
@@ -497,5 +497,6 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
         state = _opt_state(opt, policy)
         if topo.rank == 0:
             save_checkpoint(run_dir, step + 1, opt.steps, state, audit.version,
-                            settings=cfg.resume_settings())
+                            settings=cfg.resume_settings(),
+                            inputs=inputs_digest(writer.manifest.get("inputs")))
     return False
