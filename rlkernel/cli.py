@@ -120,8 +120,18 @@ def _is_float(text: str) -> bool:
     return True
 
 
+def _plain_digits(value: str, what: str) -> None:
+    """Refuse what Python's int()/float() read but no one means on a command line: digit
+    groups ('1_0' is 10) and non-ASCII digits ('١' is 1), which a config hash then records as
+    another number than the text shows. ArgumentTypeError."""
+    if "_" in value or not value.isascii():
+        raise argparse.ArgumentTypeError(f"{value!r} is not {what} (ASCII digits, no '_')")
+
+
 def _integer(value: str) -> int:
-    """An int flag value; ArgumentTypeError (argparse names the flag) for '1.5', 'x', ''."""
+    """An int flag value; ArgumentTypeError (argparse names the flag) for '1.5', 'x', '',
+    '1_0', non-ASCII digits."""
+    _plain_digits(value, "an integer")
     try:
         return int(value)
     except ValueError:
@@ -130,7 +140,9 @@ def _integer(value: str) -> int:
 
 def _number(value: str) -> float:
     """A float flag value ('nan'/'inf' parse here; RunConfig says what range is allowed); -0 is
-    +0.0. The one place every float flag is parsed."""
+    +0.0. The one place every float flag is parsed. ArgumentTypeError for text that is not
+    a number, digit groups ('1_0') and non-ASCII digits."""
+    _plain_digits(value, "a number")
     try:
         x = float(value)
     except ValueError:

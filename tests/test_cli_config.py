@@ -220,6 +220,12 @@ def test_bad_value_exits_2_names_flag_value_allowed_and_creates_nothing(
     (["run", "--steps"], "--steps", "expected one argument"),
     (["run", "--no-such-flag"], "--no-such-flag", "unknown flag"),
     (["init-model", "--preset", "tiny", "--out", "m", "--seed", "x"], "--seed", "not an integer"),
+    # int() and float() read digit groups and any Unicode digit: '1_0' is 10, '١' is 1
+    (["run", "--steps", "1_0"], "--steps", "'1_0' is not an integer (ASCII digits, no '_')"),
+    (["run", "--lr", "1_0e-6"], "--lr", "'1_0e-6' is not a number (ASCII digits, no '_')"),
+    (["run", "--seed", "\u0661"], "--seed", "is not an integer (ASCII digits"),
+    (["run", "--kl-coef", "0.\u0661"], "--kl-coef", "is not a number (ASCII digits"),
+    (["run", "--clip-grad", "0.000_1e-400"], "--clip-grad", "is not a number (ASCII digits"),
 ])
 def test_argparse_errors_are_one_line_naming_the_flag(capsys, cwd, loop, argv, flag, value):
     """Every argparse error (type, missing value, unknown flag) == exit 2 and one stderr line naming
@@ -1456,17 +1462,19 @@ def test_export_out_naming_a_file_says_it_is_a_file(capsys, cwd):
     (False, "of 'r' that kept weights"),
     (True, "of 'r' that kept weights; steps with weights: 1 (final)"),
 ])
+@pytest.mark.parametrize("text", ["x", "0_1", "\u0661"])
 def test_export_step_that_is_no_integer_names_the_flag_value_and_the_steps(capsys, cwd, weights,
-                                                                          tail):
+                                                                          tail, text):
     """rlk export --step x: one line naming --step, the value and what is allowed (argparse said
-    "invalid int value: 'x'"), with the run's steps that have weights when it has any."""
+    "invalid int value: 'x'"), with the run's steps that have weights when it has any; digit
+    groups and non-ASCII digits, which int() reads (0_1 as 1), are no integer either."""
     if weights:   # what available_steps reads: final/rlk_weights.json
         (cwd / "r" / "final").mkdir(parents=True)
         (cwd / "r" / "final" / "rlk_weights.json").write_text('{"step": 1, "version": "v"}')
-    code, out, err = rlk(capsys, "export", "r", "--step", "x", "--out", "o")
+    code, out, err = rlk(capsys, "export", "r", "--step", text, "--out", "o")
     assert (code, out) == (2, "")
     assert err.strip().splitlines() == [
-        "rlk export: error: --step 'x': must be a non-negative integer, an evidence step "
+        f"rlk export: error: --step {text!r}: must be a non-negative integer, an evidence step "
         f"(counted from 0) {tail}"]
     assert not (cwd / "o").exists()
 
@@ -1787,7 +1795,7 @@ def test_a_mount_point_run_dir_is_refused_before_any_work(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("flag", FLOAT_FLAGS)
-@pytest.mark.parametrize("text", ["1e-400", "-1e-400", "0.000_1e-400"])
+@pytest.mark.parametrize("text", ["1e-400", "-1e-400", "0.0001e-400"])
 def test_a_nonzero_literal_that_float_reads_as_0_is_refused(capsys, cwd, loop, flag, text):
     """`--clip-grad 1e-400` (float() underflows it to 0.0: no clipping) is refused like
     `--clip-grad 1e-45`: one line naming the flag, the value as typed and what is allowed,

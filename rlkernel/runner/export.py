@@ -259,10 +259,11 @@ def parse_step(text: str | None, run: str | os.PathLike) -> int | None:
     is no integer, naming the steps of `run` that have weights (when it has any)."""
     if text is None:
         return None
-    try:
-        return int(text)
-    except ValueError:
-        pass
+    if text.isascii() and "_" not in text:     # int() reads '1_0' as 10 and any Unicode digit
+        try:
+            return int(text)
+        except ValueError:
+            pass
     avail = available_steps(run)
     which = f"; {_steps_text(avail)}" if avail else ""
     raise ExportUsageError(f"--step {text!r}: must be a non-negative integer, an evidence step "
