@@ -1585,7 +1585,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         if _debug():
             raise
         return _error("export", e, 1)
-    print(f"rlk export: step {info.step} of {args.run} from {info.source.name}: "
+    # --step and the evidence count from 0, `rlk run`'s progress from 1: name both
+    print(f"rlk export: evidence step {info.step} (the run's step {info.step + 1}) of "
+          f"{args.run} from {info.source.name}: "
           f"{info.n_tensors} tensors match the run's recorded SHA-256 (version "
           f"{info.version[:12]}...); {info.seconds:.1f}s", file=sys.stderr)
     print(info.out)

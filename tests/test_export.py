@@ -70,7 +70,7 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(run, tmp_pat
     assert main(["export", str(run), "--out", str(out)]) == 0
     cap = capsys.readouterr()
     assert cap.out.strip() == str(out)
-    assert "step 1" in cap.err and "24 tensors match" in cap.err
+    assert "evidence step 1 (the run's step 2)" in cap.err and "24 tensors match" in cap.err
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "rlk_weights.json"} <= {p.name for p in out.iterdir()}
     assert (out / "model.safetensors").read_bytes() == \
