@@ -460,12 +460,18 @@ def _check_int(c: RunConfig, field: str, lo: int, hi: int | None = None) -> None
         raise _fail(field, v, f"must be {bound}")
 
 
-def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
+_FP32_TINY_WHY = ("the smallest normal fp32 number (the losses, the optimizer and the sampler "
+                  "compute in fp32, where a smaller value is 0 or subnormal)")
+
+
+def _check_float(c: RunConfig, field: str, rule: str, why: str = "",
+                 tiny_why: str = _FP32_TINY_WHY) -> None:
     """rule: 'pos' (> 0), 'nonneg' (>= 0), 'unit_open0' ((0, 1]), 'unit_open1' ([0, 1)),
     'unit_open' ((0, 1)), 'temperature' (>= MIN_TEMPERATURE); `why`, when given, follows the
     range in the message. The unbounded rules also stop at FP32_MAX, a limit with its own
     message; their other messages (NaN, Inf, below the range) name that whole interval too, so
-    every refusal says the real allowed range."""
+    every refusal says the real allowed range. A nonzero value below FP32_TINY is refused
+    with `tiny_why` saying why (the fp32 compute, unless the field says otherwise)."""
     v = getattr(c, field)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _fail(field, v, f"must be a number, not {type(v).__name__}")
@@ -490,9 +496,7 @@ def _check_float(c: RunConfig, field: str, rule: str, why: str = "") -> None:
         raise _fail(field, v, f"must be {allowed[0]}{why}{interval}")
     if 0 < abs(v) < FP32_TINY:   # would silently be 0 (or lose its precision) in fp32
         zero = "0 or " if allowed[1](0.0) else ""
-        raise _fail(field, v, f"must be {zero}at least {FP32_TINY!r}, the smallest normal fp32 "
-                              "number (the losses, the optimizer and the sampler compute in "
-                              "fp32, where a smaller value is 0 or subnormal)")
+        raise _fail(field, v, f"must be {zero}at least {FP32_TINY!r}, {tiny_why}")
     if abs(v) > FP32_MAX:   # the losses, the optimizer and the sampler compute in fp32
         # FP32_MAX in full (repr): rounded to fewer digits it would exceed itself, and a value
         # typed as shown would be refused.
@@ -547,7 +551,10 @@ def _validate(c: RunConfig) -> None:
     for f in ("kl_coef", "entropy_coef", "weight_decay", "clip_grad"):
         _check_float(c, f, "nonneg")
     _check_float(c, "top_p", "unit_open0")
-    _check_float(c, "gpu_memory_utilization", "unit_open0")
+    _check_float(c, "gpu_memory_utilization", "unit_open0",
+                 tiny_why="the smallest normal fp32 number, below which every float flag "
+                          "is refused (this one is a fraction of the free GPU memory, in "
+                          "(0, 1])")
     _check_float(c, "adam_beta1", "unit_open1")
     _check_float(c, "adam_beta2", "unit_open1")
     _validate_update_scale(c)

@@ -1200,6 +1200,19 @@ def test_values_that_fp32_would_make_0_are_refused_before_any_work(capsys, cwd, 
     assert RunConfig(lr=tiny, kl_coef=tiny, entropy_coef=tiny).kl_coef == tiny
 
 
+def test_a_tiny_gpu_memory_fraction_is_refused_without_an_fp32_reason(capsys, cwd):
+    """--gpu-memory-utilization 1e-400 / 1e-50: refused below the smallest normal fp32 like every
+    float flag, but the message says what the flag is (a fraction of the free GPU memory), not
+    that the losses compute it in fp32 (they never see it)."""
+    for value in ("1e-400", "1e-50"):
+        code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r",
+                           "--gpu-memory-utilization", value)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"--gpu-memory-utilization {value}: must be at least 1.1754943508222875e-38" in err
+        assert "fraction of the free GPU memory" in err and "losses" not in err, err
+    assert not (cwd / "r").exists()
+
+
 # Every float flag and the interval its messages must name (the fp32 limit closes the unbounded
 # ones; --clip-eps is (0, 1) while it is also the lower clip range).
 FLOAT_FLAG_RANGES = {
