@@ -153,6 +153,23 @@ def test_a_layout_difference_is_no_difference_of_configuration(tmp_path, capsys)
     assert code == 0 and "note" not in out and compare_runs(a, b).config_differences == []
 
 
+def test_an_input_path_typed_two_ways_is_no_difference_of_configuration(tmp_path, capsys):
+    """--model m in one run and --model /w/m in the other, both resolved to /w/m (the
+    manifests' input_paths), the same for --prompts and a --reward file: no note, no config
+    difference. Control: input_paths naming two places keep the --model difference."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    paths = {"model": "/w/m", "prompts": "/w/p.jsonl", "reward": "/w/rr.py:score"}
+    _set_config(a, model="m", prompts="p.jsonl", reward="rr.py:score")
+    _set_config(b, model="/w/m", prompts="/w/p.jsonl", reward="/w/rr.py:score")
+    _set_manifest(a, input_paths=paths)
+    _set_manifest(b, input_paths=paths)
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 0 and "note" not in out and compare_runs(a, b).config_differences == []
+    _set_manifest(b, input_paths={**paths, "model": "/elsewhere/m"})
+    assert compare_runs(a, b).config_differences == ["model"]
+
+
 def _set_manifest(run, **sections):
     path = run / "manifest.json"
     manifest = json.loads(path.read_text())

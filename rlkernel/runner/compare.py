@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlkernel import jsontext, readfile
-from rlkernel.config import SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
+from rlkernel.config import INPUT_FIELDS, SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
 from rlkernel.runner.evidence import EVIDENCE_FORMAT
 
 IGNORED_STEP_FIELDS = frozenset({"timings", "resources", "nonfinite_ranks"})
@@ -268,10 +268,18 @@ def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
 
 
 def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
-    """The config fields of A and B that differ and may change the evidence, in A's order."""
+    """The config fields of A and B that differ and may change the evidence, in A's order. An
+    input path typed two ways (`--model m` and `--model /abs/m`) that both manifests' resolved
+    "input_paths" name as one file is no difference (its content is `_input_differences`')."""
     ca, cb = (m.get("config") if isinstance(m.get("config"), dict) else {} for m in (ma, mb))
+    pa, pb = (m.get("input_paths") if isinstance(m.get("input_paths"), dict) else {}
+              for m in (ma, mb))
     keys = list(ca) + [k for k in cb if k not in ca]
-    return [k for k in keys if k not in SAME_EVIDENCE_SETTINGS
+
+    def same_place(k: str) -> bool:
+        return (k in INPUT_FIELDS and isinstance(pa.get(k), str)
+                and same_value(pa.get(k), pb.get(k)))
+    return [k for k in keys if k not in SAME_EVIDENCE_SETTINGS and not same_place(k)
             and not same_value(ca.get(k, "<absent>"), cb.get(k, "<absent>"))]
 
 
