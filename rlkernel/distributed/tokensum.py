@@ -111,6 +111,8 @@ class GradSink:
     (`late_flagged`, one host sync and a world gather of the counts) and, if any rank counted one,
     discards the mini-batch and runs it again with late=False (train/step.py). Nothing read
     before that check leaves the sink, so the bytes are those of a run that never deferred.
+    Third-tier programs need NaN/Inf, |sum| >= 2**150 or a spread past ~2**100 among one
+    element's leaf partials: a diverged run (NaN gradients) pays its backward twice a step.
     """
 
     def __init__(self, groups: dict[str, Comm]) -> None:
