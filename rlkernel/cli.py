@@ -679,6 +679,31 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
             "input_paths": input_paths(cfg)}
 
 
+def _resume_data(where: RunConfig, src: pathlib.Path) -> dict[str, typing.Any]:
+    """`_check_data` for --resume. A MODULE:FUNC reward is imported by Python's module search
+    from the current directory (it has no path to record); resumed from another directory it
+    failed with advice to give another --reward, which a resume does not take. That failure
+    names the run's module file as its manifest recorded it instead. Raises ConfigError."""
+    try:
+        return _check_data(where)
+    except ConfigError as e:
+        if "cannot import module" not in str(e) or not str(e).startswith("--reward"):
+            raise
+        try:
+            reward = readfile.read_json(src / "manifest.json").get("reward")
+            was = reward.get("source_file") if isinstance(reward, dict) else None
+        except (OSError, ValueError, AttributeError):
+            was = None
+        spec = where.reward
+        module = spec.rpartition(":")[0] if spec else spec
+        where_was = f"; when the run started it was {was}" if isinstance(was, str) else ""
+        raise ConfigError(f"--resume {str(where.resume)!r}: the run's --reward {spec!r} "
+                          f"cannot be imported from here ({os.getcwd()}): module {module!r} is "
+                          f"found by Python's module search, not by a recorded path{where_was}; "
+                          "resume from that module's directory or put it on PYTHONPATH") \
+            from None
+
+
 def _tokenizer_hashes(cfg: RunConfig) -> dict[str, str]:
     """The manifest's "tokenizer_files". Raises ConfigError naming --model and the file that is
     there but cannot be read (a FIFO, a directory, a link to nowhere)."""
@@ -1408,7 +1433,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         _check_inputs(where)
         _check_topology(where)
         _check_watch(cfg)
-        inputs = _check_data(where)
+        inputs = _check_data(where) if src is None else _resume_data(where, src)
     except ConfigError as e:
         return _error("run", e, 2)
 

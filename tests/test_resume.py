@@ -274,6 +274,38 @@ def test_a_run_of_relative_inputs_resumes_from_any_directory(tmp_path, capsys, m
     assert out.rstrip().endswith("IDENTICAL") and "differ in configuration" not in out, out
 
 
+def test_a_module_reward_resumed_from_elsewhere_names_the_runs_module(tmp_path, capsys,
+                                                                      monkeypatch):
+    """--reward rmod:score (MODULE:FUNC: imported by Python's module search from the current
+    directory, no path recorded) resumed from another directory: exit 2, one line naming the
+    run's reward, the directory it was looked up from and the module file the manifest recorded
+    (it said "give an importable module or a path to a .py file", a flag a resume does not
+    take); nothing written. From the run's directory it resumes (exit 0)."""
+    wd, elsewhere = tmp_path / "wd", tmp_path / "elsewhere"
+    wd.mkdir()
+    elsewhere.mkdir()
+    (wd / "rmod.py").write_text(_REWARD)
+    monkeypatch.chdir(wd)
+    monkeypatch.syspath_prepend(str(wd))
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), "--reward", "rmod:score",
+                 "--run-dir", "run"]) == 0
+    monkeypatch.undo()
+    sys.modules.pop("rmod", None)
+    monkeypatch.chdir(elsewhere)
+    before = _snapshot(wd / "run")
+    capsys.readouterr()
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rlk run: error: --resume '{wd / 'run'}': the run's --reward "
+                           f"'rmod:score' cannot be imported from here ({elsewhere})"), line
+    assert f"when the run started it was {wd / 'rmod.py'}" in line, line
+    assert _snapshot(wd / "run") == before
+    monkeypatch.chdir(wd)
+    monkeypatch.syspath_prepend(str(wd))     # teardown restores sys.path (the import adds cwd)
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty"]) == 0
+    sys.modules.pop("rmod", None)
+
+
 @pytest.mark.parametrize("name, what", [("m", "model directory"), ("pr.jsonl", "prompts file"),
                                         ("r.py", "reward file")])
 def test_a_resume_names_the_recorded_input_that_is_gone(tmp_path, capsys, monkeypatch, name,
