@@ -400,7 +400,8 @@ def test_sync_fault_stops_the_run_naming_tensor_and_step(capfd, env, tmp_path, m
     code, err = rlk_in_process(capfd, root / "r")
     assert code == 1
     line = error_line(err)
-    assert line.startswith("rlk run: error: step 1: weight sync audit failed: ") and says in line
+    assert line.startswith("rlk run: error: evidence step 1: weight sync audit failed: ")
+    assert says in line
     assert line.endswith(f"(evidence of 2 step(s) kept in {root / 'r'})")
     ev = evidence(root / "r")
     assert ev["complete"] is False and [s["step"] for s in ev["steps"]] == [0, 1]
@@ -422,7 +423,8 @@ def test_sync_fault_on_one_rank_is_caught_and_names_the_rank(capfd, env, tmp_pat
     assert time.monotonic() - t0 < TIMEOUT_S + 30
     assert code == 1
     line = error_line(err)
-    assert line.startswith("rlk run: error: rank 0: step 1: weight sync audit failed: tensor "
+    assert line.startswith("rlk run: error: rank 0: evidence step 1: weight sync audit failed: "
+                           "tensor "
                            f"{T!r} arrived as bfloat16 (8192,), expected bfloat16 (128, 64) "
                            "(rank 1); rollout engine rejected the weights: ")
     ev = evidence(root / "r")
@@ -465,7 +467,7 @@ def test_engine_fault_stops_the_run_naming_tensors_and_versions(capfd, env, tmp_
     v0, v1 = ev["steps"][0]["version"], ev["steps"][1]["version"]
     audit = ev["steps"][1]["weight_audit"]
     assert audit["ok"] is False and len(audit["problems"]) == 2
-    assert line == ("rlk run: error: step 1: weight sync audit failed: "
+    assert line == ("rlk run: error: evidence step 1: weight sync audit failed: "
                     f"{'; '.join(audit['problems'])} (evidence of 2 step(s) kept in {root / 'r'})")
     version_line, reload_line = audit["problems"]
     assert reload_line.startswith(f"rollout engine parameters differ from the weights sent to it "
@@ -527,7 +529,7 @@ def test_engine_fault_on_one_rank_names_the_rank(capfd, env, tmp_path, monkeypat
     v0, v1 = ev["steps"][0]["version"], ev["steps"][1]["version"]
     audit = ev["steps"][1]["weight_audit"]
     assert audit["ok"] is False and ev["steps"][0]["weight_audit"]["ok"] is True
-    assert line.startswith(f"rlk run: error: rank 0: step 1: weight sync audit failed: "
+    assert line.startswith(f"rlk run: error: rank 0: evidence step 1: weight sync audit failed: "
                            f"{audit['problems'][0]}")
     starts = {"version": "rollout engine computes with weight version ",
               "stale": f"rollout engine computes with weight version {v0[:16]}... (the version "
@@ -563,7 +565,7 @@ def test_nonfinite_gradient_stop_names_parameter_rank_and_step(capfd, env, tmp_p
     code, err = rlk_in_process(capfd, root / "r", "--tp", "2")
     assert code == 1
     assert error_line(err) == (
-        f"rlk run: error: rank 0: step 0: non-finite gradient in {T} (rank 1); update not "
+        f"rlk run: error: rank 0: evidence step 0: non-finite gradient in {T} (rank 1); update not "
         f"applied, run stopped (--on-nonfinite stop) (evidence of 1 step(s) kept in {root / 'r'})")
     ev = evidence(root / "r")
     assert ev["complete"] is False and len(ev["steps"]) == 1

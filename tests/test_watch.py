@@ -225,7 +225,7 @@ def test_run_prints_startup_lines_progress_warning_and_summary(run):
     assert lines.index(next(ln for ln in lines if ln.startswith("run dir: "))) < \
         lines.index(next(ln for ln in lines if ln.startswith("step 1/2")))
     warnings = [ln for ln in lines if ln.startswith("rlk run: warning: ")]
-    assert len(warnings) == 1 and "step 0: every GRPO advantage is 0" in warnings[0]
+    assert len(warnings) == 1 and "evidence step 0: every GRPO advantage is 0" in warnings[0]
     assert lines[-2].startswith("done: 2 steps in ") and "mismatches 0/" in lines[-2]
     assert lines[-1].startswith(f"files: {run.dir}/evidence.json")
 
@@ -458,5 +458,5 @@ def test_require_updates_with_a_zero_gradient_names_the_causes(tmp_path, capsys)
                  str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 1, err
-    assert "step 0: --require-updates" in err and "exactly 0" in err
+    assert "evidence step 0: --require-updates" in err and "exactly 0" in err
     assert "coefficients 0" in err and "--temperature" in err

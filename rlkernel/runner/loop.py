@@ -472,17 +472,17 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
         writer.record_step(rec)
     watch.record(rec, rows)
     if done.diverged:
-        _stop(topo, f"step {step}: the update made {_few(done.diverged)} non-finite; "
+        _stop(topo, f"evidence step {step}: the update made {_few(done.diverged)} non-finite; "
                     "the run diverged (lower --lr, or --clip-grad)")
         return True
     if skipped and cfg.on_nonfinite == "stop":
         where = _few([f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
                       for n, r in gstats.nonfinite_ranks.items()])
-        _stop(topo, f"step {step}: non-finite gradient in {where}; update not "
+        _stop(topo, f"evidence step {step}: non-finite gradient in {where}; update not "
                     "applied, run stopped (--on-nonfinite stop)")
         return True
     if not audit.ok:
-        _stop(topo, f"step {step}: weight sync audit failed: "
+        _stop(topo, f"evidence step {step}: weight sync audit failed: "
                     f"{'; '.join(audit.problems)}")
         return True
     if cfg.require_updates and not skipped and audit.version == version:
@@ -490,7 +490,7 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
                "equal) and the KL and entropy terms gave nothing (coefficients 0, or a "
                "saturated softmax: a tiny --temperature makes every sampled logprob 0)"
                if gstats.norm == 0.0 else "the update was below bf16 resolution (raise --lr?)")
-        _stop(topo, f"step {step}: --require-updates: the weight version did not "
+        _stop(topo, f"evidence step {step}: --require-updates: the weight version did not "
                     f"change after the update: {why}")
         return True
     if cfg.save_every and (step + 1) % cfg.save_every == 0:

@@ -224,9 +224,9 @@ class RunWatch(NullWatch):
         """Called at a step whose every advantage is 0 with no KL/entropy term: warn once."""
         if not self._warned_zero:
             self._warned_zero = True
-            self.warn(f"step {step}: every GRPO advantage is 0 (equal rewards within each group) "
-                      "and --kl-coef and --entropy-coef are 0: the gradient is 0 and the weights "
-                      "do not change (warned once)")
+            self.warn(f"evidence step {step}: every GRPO advantage is 0 (equal rewards within "
+                      "each group) and --kl-coef and --entropy-coef are 0: the gradient is 0 "
+                      "and the weights do not change (warned once)")
 
     def record(self, rec: dict[str, Any], completions: list[dict[str, Any]]) -> None:
         """Write the step's metrics and completions (after its evidence is on disk)."""
