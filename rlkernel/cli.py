@@ -1331,12 +1331,17 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
     old = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     new = cfg.to_dict()
     manifest["config"] = new
-    # A run written before input_paths: where its inputs were found now, hashes checked above.
-    manifest.setdefault("input_paths", inputs["input_paths"])
+    # Where the inputs were found now (hashes checked above) is where the run's later resumes
+    # and exports look first: after a project folder moved with its run, the recorded paths
+    # were gone and an export from elsewhere failed. The resume's entry keeps the paths the
+    # manifest named before, when they differ (and a run written before input_paths gets them).
+    before = manifest.get("input_paths")
+    manifest["input_paths"] = inputs["input_paths"]
+    moved = {"input_paths_before": before} if before not in (None, inputs["input_paths"]) else {}
     manifest.setdefault("resumes", []).append(
         {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()
                                                 if old.get(k) != v},
-         "git": git, "versions": versions(), "utc": utc_now(), **inputs})
+         "git": git, "versions": versions(), "utc": utc_now(), **inputs, **moved})
     for why in ck.skipped:   # a newer checkpoint that is half written or corrupt
         print(f"rlk run: skipped checkpoint {why}", file=sys.stderr)
     print(f"rlk run: resuming {d} from {ck.path.relative_to(src)} at step {ck.next_step + 1}/"

@@ -354,6 +354,15 @@ def test_a_project_folder_moved_with_its_run_resumes_and_exports(tmp_path, capsy
     capsys.readouterr()
     assert main(["compare", str(other / "run"), "run"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("IDENTICAL")
+    # The resume recorded where it found the inputs: an export from any other directory reads
+    # them there (it looked at the start's paths, gone, and failed with exit 1); the resume's
+    # entry keeps the start's paths.
+    m = json.loads((wd2 / "run" / "manifest.json").read_text())
+    assert m["input_paths"]["model"] == str(wd2 / "m")
+    assert m["resumes"][-1]["input_paths_before"]["model"] == str(wd / "m")
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(wd2 / "run"), "--out", "exported2"]) == 0, \
+        capsys.readouterr().err
 
 
 def test_a_run_without_input_paths_resolves_its_inputs_as_before(tmp_path, capsys, monkeypatch):
