@@ -166,6 +166,19 @@ def test_an_input_path_typed_two_ways_is_no_difference_of_configuration(tmp_path
     _set_manifest(b, input_paths=paths)
     code, out, _ = rlk_compare(capsys, a, b)
     assert code == 0 and "note" not in out and compare_runs(a, b).config_differences == []
+    # Their files, keyed by the typed paths ("m/config.json", "/w/m/config.json"), are one file
+    # each: no info line says a run lacks one (it said "<absent>" for every file of either).
+    files = {"config.json": "c" * 64, "model.safetensors": "a" * 64}
+    for run, model, prompts in ((a, "m", "p.jsonl"), (b, "/w/m", "/w/p.jsonl")):
+        _set_manifest(run, inputs={"files": {**{f"{model}/{n}": h for n, h in files.items()},
+                                             prompts: "p" * 64}})
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 0 and "inputs:" not in out and "<absent>" not in out, out
+    _set_manifest(b, inputs={"files": {"/w/m/config.json": "c" * 64,
+                                       "/w/m/model.safetensors": "b" * 64,
+                                       "/w/p.jsonl": "p" * 64}})
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert "info  inputs: files./w/m/model.safetensors" in out, out   # control: other weights
     _set_manifest(b, input_paths={**paths, "model": "/elsewhere/m"})
     assert compare_runs(a, b).config_differences == ["model"]
 

@@ -33,6 +33,7 @@ from typing import Any
 from rlkernel import jsontext, readfile
 from rlkernel.config import INPUT_FIELDS, SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
 from rlkernel.runner.evidence import EVIDENCE_FORMAT
+from rlkernel.runner.inputs import rekeyed
 
 IGNORED_STEP_FIELDS = frozenset({"timings", "resources", "nonfinite_ranks"})
 """Step fields that are allowed to differ: wall-clock measurements, and where in the world a
@@ -253,11 +254,24 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _inputs_by_place(m: dict[str, Any]) -> Any:
+    """m's "inputs" with its files keyed by the absolute paths of its "input_paths" instead of
+    the typed ones: one file typed two ways (`--model m`, `--model /w/m`) is one key, not a file
+    each run lacks."""
+    config, paths = _section(m, "config"), _section(m, "input_paths")
+    if config is None or paths is None:
+        return m.get("inputs")
+    return rekeyed(m.get("inputs"), config, paths)
+
+
 def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     info = []
     for section in ("config", "canonical_spec", "inputs", "reward", "tokenizer_files",
                     "versions", "git"):
-        fa, fb = _flatten(ma.get(section) or {}), _flatten(mb.get(section) or {})
+        if section == "inputs":
+            fa, fb = (_flatten(_inputs_by_place(m) or {}) for m in (ma, mb))
+        else:
+            fa, fb = _flatten(ma.get(section) or {}), _flatten(mb.get(section) or {})
         for k in list(fa) + [k for k in fb if k not in fa]:
             if k == "dirty_files":
                 continue

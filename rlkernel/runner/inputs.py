@@ -157,16 +157,32 @@ def relocated(recorded: Any, cfg: RunConfig, where: RunConfig) -> Any:
     """A manifest's "inputs" (recorded for `cfg`, its files keyed by the typed paths) with its
     files keyed as `describe_inputs(where)` keys them, `where` being `located(cfg, ...)`: so
     `check_unchanged` compares a file with itself. Anything else is returned as it is."""
-    files = recorded.get("files") if isinstance(recorded, dict) else None
-    if where is cfg or not isinstance(files, dict):
+    if where is cfg:
         return recorded
+    return rekeyed(recorded, {"model": cfg.model, "prompts": cfg.prompts},
+                   {"model": where.model, "prompts": where.prompts})
+
+
+def rekeyed(recorded: Any, typed: dict[str, Any], now: dict[str, Any]) -> Any:
+    """A manifest's "inputs" with its files, keyed by the paths `typed` ("model", "prompts":
+    the config's), keyed by the paths `now` gives those fields instead (a model file by its
+    name inside `now`'s model directory); keys of a field either lacks as a string stay.
+    Anything but a dict of files is returned as it is."""
+    files = recorded.get("files") if isinstance(recorded, dict) else None
+    if not isinstance(files, dict):
+        return recorded
+
+    def moved(field: str) -> tuple[str, str] | None:
+        a, b = typed.get(field), now.get(field)
+        return (a, b) if isinstance(a, str) and isinstance(b, str) else None
 
     def key(k: str) -> str:
         p = pathlib.PurePath(k)
-        if cfg.prompts is not None and p == pathlib.PurePath(cfg.prompts):
-            return str(pathlib.Path(where.prompts))
-        if cfg.model is not None and p.parent == pathlib.PurePath(cfg.model):
-            return str(pathlib.Path(where.model) / p.name)
+        prompts, model = moved("prompts"), moved("model")
+        if prompts is not None and p == pathlib.PurePath(prompts[0]):
+            return str(pathlib.Path(prompts[1]))
+        if model is not None and p.parent == pathlib.PurePath(model[0]):
+            return str(pathlib.Path(model[1]) / p.name)
         return k
     return {**recorded, "files": {key(k): v for k, v in files.items()}}
 
