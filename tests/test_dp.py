@@ -211,15 +211,15 @@ def test_microbatch_size_does_not_change_a_gradient_bit_in_one_process():
 
 
 def _sink_spy(monkeypatch) -> list[tuple[bool, set, set]]:
-    """Record (direct, names with a persistent accumulator, names finished in the backward) at
-    every GradSink.finish."""
+    """Record (direct, names with a persistent accumulator or kept leaf partials — a norm
+    weight's, GradSink.add_later —, names finished in the backward) at every GradSink.finish."""
     from rlkernel.distributed import tokensum
 
     seen: list[tuple[bool, set, set]] = []
     orig = tokensum.GradSink.finish
 
     def finish(self):
-        seen.append((self.direct, set(self._acc), set(self._done)))
+        seen.append((self.direct, set(self._acc) | set(self._later), set(self._done)))
         return orig(self)
 
     monkeypatch.setattr(tokensum.GradSink, "finish", finish)

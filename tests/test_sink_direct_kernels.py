@@ -49,8 +49,10 @@ def _grads(w: dict[str, torch.Tensor], ids: torch.Tensor, coef: torch.Tensor, of
     if gs is None:
         return {n: p.grad for n, p in params.items()}
     assert all(p.grad is None for p in params.values())
-    assert (set(gs._done), set(gs._acc)) == ((set(params), set()) if sink == "direct"
-                                             else (set(), set(params)))
+    # persistent: the norm weight's leaf partials are kept for one pass at finish (add_later)
+    assert (set(gs._done), set(gs._acc), set(gs._later)) == (
+        (set(params), set(), set()) if sink == "direct"
+        else (set(), set(params) - {"norm"}, {"norm"}))
     return gs.finish()
 
 
@@ -834,3 +836,44 @@ def test_union_rows_is_the_sorted_union_without_the_padding():
     rows = {0: torch.tensor([3, 11]), 1: torch.tensor([0, 1, 5, 11])}
     got = run_ranks(2, lambda r, comm: tokensum._union_rows(comm, rows[r], "u"))
     assert all(u.tolist() == [0, 1, 3, 5, 11] for u in got)
+
+
+@pytest.mark.parametrize("later_bytes", [1, 96, 1 << 30])
+def test_kept_leaf_partials_give_the_bytes_of_adding_them_at_once(monkeypatch, later_bytes):
+    """GradSink.add_later (a norm weight's partials in persistent mode, kept and added in one
+    pass): five microbatches' partials [k_i, H] of wide range, added as they come (the
+    accumulator per call) == kept and added when they pass LATER_BYTES (1: every call; 96: every
+    few; 2**30: at finish) == kept with an `accumulator` request in between (which adds them
+    there), bitwise; the kept ones are really held until then. add_later refuses (False) a
+    closed or direct sink. Control: the fp32 sum of the same partials in two orders differs."""
+    monkeypatch.setattr(tokensum, "LATER_BYTES", later_bytes)
+    g = torch.Generator().manual_seed(11)
+    parts = [torch.randn(k, H, generator=g) * 2.0 ** torch.randint(-30, 30, (k, 1), generator=g)
+             for k in (3, 1, 4, 2, 5)]
+    w = torch.nn.Parameter(torch.ones(H))
+
+    def run(mode: str) -> torch.Tensor:
+        gs = tokensum.GradSink.single()
+        gs.begin({"norm": w})
+        for i, p in enumerate(parts):
+            if mode == "now":
+                fx.accumulate_(gs.accumulator(w, "dp_cp"), p)
+                continue
+            assert gs.add_later(w, p.clone(), "dp_cp")
+            if later_bytes == 1 << 30 and (mode == "later" or i < 2):
+                assert "norm" in gs._later and "norm" not in gs._acc     # kept, not added
+            if mode == "asked" and i == 2:
+                gs.accumulator(w, "dp_cp")
+                assert "norm" not in gs._later
+        return gs.finish()["norm"]
+
+    now = run("now")
+    for mode in ("later", "asked"):
+        assert _same(run(mode), now), mode
+    gs = tokensum.GradSink.single()
+    assert not gs.add_later(w, parts[0], "dp_cp")               # closed
+    gs.begin({"norm": w}, direct=True)
+    assert not gs.add_later(w, parts[0], "dp_cp")               # direct: the kernel finishes
+    flat = torch.cat(parts)
+    fwd, bwd = flat.sum(0), flat.flip(0).sum(0)
+    assert not _same(fwd, bwd), "control: the fp32 order does not matter here"

@@ -140,6 +140,8 @@ class GradSink:
         self._slot_host: dict[int, torch.Tensor] = {}   # id(handed-out counter) -> its host mirror
         self.late = False
         self._late_count: torch.Tensor | None = None   # int64 [] on the device (late flags)
+        self._later: dict[str, list[torch.Tensor]] = {}   # name -> leaf partials not yet added
+        self._later_bytes: dict[str, int] = {}
 
     @classmethod
     def single(cls) -> "GradSink":
@@ -168,6 +170,7 @@ class GradSink:
         self._copies = {}
         self._next_slot, self._slot_host = 0, {}
         self.late, self._late_count = late, None
+        self._later, self._later_bytes = {}, {}
         self.open = True
 
     def late_counter(self, device: torch.device) -> torch.Tensor | None:
@@ -467,13 +470,41 @@ class GradSink:
         new accumulator, the words dropped). A weight must be reduced over one scope throughout
         (RuntimeError otherwise, or for a foreign tensor)."""
         name = self._name(w)
-        if not self._claim(name, scope):
-            self._acc[name] = fx.zeros(w.shape, w.device)
-            self._scope[name] = scope
-        elif name in self._words:
+        claimed = self._claim(name, scope)
+        if name in self._words:
             self._acc[name] = _digits_of(self._words.pop(name).view(2, -1)).view(
                 *w.shape, fx.N_COLS)
+        elif not claimed or name not in self._acc:   # new, or only partials held (add_later)
+            self._acc[name] = fx.zeros(w.shape, w.device)
+            self._scope[name] = scope
+        later = self._later.pop(name, None)
+        if later:       # the partials add_later kept, in one exact pass (integers: any order)
+            self._later_bytes.pop(name, None)
+            fx.accumulate_(self._acc[name].view(-1, fx.N_COLS),
+                           torch.cat([p.reshape(p.shape[0], -1) for p in later]))
         return self._acc[name]
+
+    def add_later(self, w: torch.Tensor, part: torch.Tensor, scope: str) -> bool:
+        """Persistent mode: keep the leaf partials `part` [k, *w.shape] fp32 of parameter w (a
+        fresh tensor the caller no longer writes) to be added exactly with the next ones in one
+        pass — when w's accumulator is asked for, when its kept partials pass LATER_BYTES, at
+        the latest in `finish` — instead of one accumulate pass per microbatch; returns True.
+        False (nothing kept: the caller adds now) when the sink is closed or direct. The exact
+        sum is the same whenever its partials are added, so are the bytes. Why: a norm weight's
+        pass is four launches for a few KiB (RMSNorm and Q/K-norm weights: ~450 passes, ~1,800
+        launches a step at qwen3-1.7b in four microbatches, a host-bound step). Errors as
+        `accumulator`."""
+        if not self.open or self.direct:
+            return False
+        name = self._name(w)
+        self._claim(name, scope)         # a weight finished directly, or another scope: raises
+        self._scope[name] = scope
+        self._later.setdefault(name, []).append(part)
+        held = self._later_bytes.get(name, 0) + part.numel() * part.element_size()
+        self._later_bytes[name] = held
+        if held >= LATER_BYTES:
+            self.accumulator(w, scope)
+        return True
 
     def words(self, w: torch.Tensor, scope: str) -> torch.Tensor | None:
         """The mini-batch double words of parameter w: float64 [2, *w.shape] (created at zero
@@ -497,6 +528,8 @@ class GradSink:
         Memory: accumulators are all-reduced in place and freed as they are rounded, in buckets
         of at most _BUCKET_ROWS elements (small tensors share one, large ones are cut), so the
         transient beyond the accumulators themselves is a few bucket copies, not a second set."""
+        for n in list(self._later):     # kept partials into their accumulators (add_later)
+            self.accumulator(self._params[n], self._scope[n])
         self.open = False
         self._copies = {}
         self._resolve(0)    # every deferred chunk exact before any gradient leaves the sink
@@ -679,6 +712,9 @@ DIRECT_CHUNK_ELEMS = 1 << 23
 SPLIT_MAX_FRACTION = 0.5
 """Persistent mode: a split weight whose noted rows pass this fraction of its rows takes its whole
 accumulator instead (a growing row accumulator would then cost as much, and its growth copies)."""
+LATER_BYTES = 8 << 20
+"""Leaf partials GradSink.add_later keeps per weight before adding them (8 MiB: four microbatches
+of a 2,048-wide norm's 16-token leaves at 4,096 tokens; ~1 GiB over qwen3-1.7b's 113 norms)."""
 PENDING_LAG = 8
 """Deferred direct chunks (GradSink._defer) queued at most before the oldest is waited for."""
 SLOT_CHUNK = 1024
@@ -757,6 +793,11 @@ class TokenSum:
         if self.sink is not None and self.sink.open:
             return self.sink.words(w, self._scope_for(heads))
         return None
+
+    def add_later(self, w: torch.Tensor, part: torch.Tensor, heads: Comm | None = None) -> bool:
+        """GradSink.add_later of the sink over this TokenSum's scope (False without one: the
+        caller adds its partials now)."""
+        return self.sink is not None and self.sink.add_later(w, part, self._scope_for(heads))
 
     def late_counter(self, device: torch.device) -> torch.Tensor | None:
         """GradSink.late_counter of the sink (None without one: finish flagged programs now)."""

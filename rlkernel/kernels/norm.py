@@ -85,7 +85,11 @@ class _RMSNorm(torch.autograd.Function):
                 if part is not None:
                     fx.accumulate_(acc, part[:, a:b])
 
-            if not tok.finish_now(ctx.param, add, "token-sum-norm", heads):
+            if tok.finish_now(ctx.param, add, "token-sum-norm", heads):
+                pass
+            elif part is not None and tok.add_later(ctx.param, part, heads):
+                pass    # persistent mode: added with the next microbatches' partials, at once
+            else:
                 acc = tok.accumulator(ctx.param, heads)
                 add(0, h, acc)
                 dw = tok.result(ctx.param, acc, "token-sum-norm", heads)
