@@ -639,6 +639,33 @@ def late_sink_counts_third_tier_programs_instead_of_syncing():
 
 
 @check
+def late_sink_counts_every_third_tier_program_of_both_kinds_over_the_chunks():
+    """force_flag sends every dK and dV program to the third tier: under a late sink the
+    counter ends at the number of programs the eager run redoes on the host — both kinds, every
+    program of a chunk (not one per kind), added over the chunks (words_elems 4096: several) —
+    and the late run redoes none. Control: the eager run redoes programs of both kinds, several
+    per call, in more than one chunk, so a count of one kind, of one program per kind or of
+    the last chunk only would differ."""
+    from rlkernel.distributed.comm import Comm
+    from rlkernel.distributed.tokensum import GradSink
+    (q, k, v, q_pos, kv_len, *_), out, lse, d_out, _ = small()
+    args = (q, k, v, out, lse, d_out, q_pos, kv_len)
+    kw = {"force_flag": True, "words_elems": 4096}
+    seen, _ = _bwd_seeing_flags(args, **kw)
+    kinds = [kind for kind, _ in seen]
+    assert kinds.count(0) > 1 and kinds.count(1) > 1, kinds      # both kinds, several chunks
+    assert all(len(ids) > 1 for _, ids in seen), seen
+    sink = GradSink.single()
+    sink.begin({}, late=True)
+    tok = TokenSum(Comm.single("tokens"), sink=sink)
+    seen_late, _ = _bwd_seeing_flags(args, tok=tok, **kw)
+    assert seen_late == [], seen_late
+    counted = int(sink.late_counter(torch.device("cpu")))
+    assert counted == sum(len(ids) for _, ids in seen), (counted, seen)
+    assert sink.late_flagged()
+
+
+@check
 def dkv_sums_at_the_double_word_bound_are_flagged():
     """|hi| >= triton_fixedpoint.TOP_F64_BITS flags a dK/dV program (the digits are exact only
     below it). Sums of 2**150 need 2**22 leaves of fp32 maxima, so the bound is lowered to 2**128:

@@ -121,6 +121,12 @@ def test_late_sink_counts_third_tier_programs_instead_of_syncing(results):
     _ok(results, "late_sink_counts_third_tier_programs_instead_of_syncing")
 
 
+def test_late_sink_counts_every_third_tier_program_of_both_kinds_over_the_chunks(results):
+    """Every program forced to the third tier is counted under a late sink: both kinds, every
+    program, over every chunk — the number the eager run redoes on the host."""
+    _ok(results, "late_sink_counts_every_third_tier_program_of_both_kinds_over_the_chunks")
+
+
 def test_dkv_sums_at_the_double_word_bound_are_flagged(results):
     """With TOP_F64_BITS lowered to 2**128, a dV sum of 1.5·2**128 flags its program (and only
     it); the bytes (+Inf) equal the unflagged run's under the real bound."""
