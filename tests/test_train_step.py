@@ -469,3 +469,42 @@ def test_a_late_flag_on_one_cp_rank_makes_every_rank_run_again(tmp_path):
         assert half and passes == [True] * half + [False] * half, (r, passes)
         assert st == st0, f"CP rank {r}"
         assert all(torch.equal(g[n], g0[n]) for n in g0), f"CP rank {r}"
+
+
+def _uneven(samples: list[TrainSample]) -> list[TrainSample]:
+    """The samples with their responses cut to 8, 5 and 3 tokens (rollout logprobs cut alike:
+    a token's logprob depends only on the tokens before it): unequal lengths, so
+    seq-mean-token-mean weighs each sample's terms by its own 1/R_s."""
+    return [dataclasses.replace(s, response_ids=s.response_ids[:r],
+                                rollout_logprobs=s.rollout_logprobs[:r])
+            for s, r in zip(samples, (8, 5, 3))]
+
+
+def test_counts_and_loss_terms_of_every_microbatch_reach_the_stats(monkeypatch):
+    """Several microbatches (micro_batch_tokens 32) of samples with changed rollout logprobs
+    (`_changed`: n mismatches, f of them clipped, N tokens): the step's mismatch, compared and
+    clipped counts are n, N and f — every microbatch's, read once at the end — and loss,
+    pg_loss and entropy under seq-mean-token-mean (unequal responses) have the bytes of the
+    one-microbatch step, so each microbatch's per-token terms stay paired with its own
+    samples; rollout_mismatches over the same microbatches counts n of N. Control: the same
+    terms paired with the samples in reverse order give another loss."""
+    changed, n, f = _changed(_uneven(_samples()))
+    n_tok = sum(len(s.response_ids) for s in changed)
+
+    def run(mbt):
+        return compute_gradients(_model(), None, changed, temperature=SP.temperature,
+                                 coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=mbt,
+                                 pad_id=257, exp=invariant_exp, agg="seq-mean-token-mean")
+    one, several = run(512), run(32)
+    assert (one.n_microbatches, several.n_microbatches) == (1, 2)
+    for st in (one, several):
+        assert (st.logprob_mismatches, st.logprob_compared, st.n_clipped, st.n_tokens) == \
+            (n, n_tok, f, n_tok)
+    assert dataclasses.replace(several, n_microbatches=1) == one
+    for mbt in (32, 512):
+        assert step_mod.rollout_mismatches(_model(), changed, temperature=SP.temperature,
+                                           micro_batch_tokens=mbt, pad_id=257) == (n, n_tok)
+    real = step_mod.aggregate
+    monkeypatch.setattr(step_mod, "aggregate",
+                        lambda values, sample_of, *a: real(values, sample_of[::-1], *a))
+    assert run(32).loss != several.loss, "control: the pairing of terms and samples is unseen"
