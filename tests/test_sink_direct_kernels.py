@@ -10,6 +10,9 @@ bytes those of the digit-only and persistent paths; with two ranks it is never c
 is driven here by a CPU model of the CUDA dW kernel's double words (TwoSum of the leaf
 partials); tests/grad_weight_triton_checks.py drives it with the kernel under the interpreter,
 tests/test_cuda_grad_weight.py through kernels/matmul.py on a GPU.
+Late activation flags: the counter starts at 0 in each mini-batch on one device, and a count on
+one rank is seen by every rank. Double words at finish (filled by hand): a one-rank group's are
+rounded once per weight, a two-rank group's summed first.
 Run: .venv/bin/python -m pytest -q tests/test_sink_direct_kernels.py
 """
 
@@ -877,3 +880,110 @@ def test_kept_leaf_partials_give_the_bytes_of_adding_them_at_once(monkeypatch, l
     flat = torch.cat(parts)
     fwd, bwd = flat.sum(0), flat.flip(0).sum(0)
     assert not _same(fwd, bwd), "control: the fp32 order does not matter here"
+
+
+# ---------------------------------------------------------------------------------------------
+# late activation flags (GradSink.begin(late=True)) and double words at finish
+
+
+def test_late_counter_starts_at_zero_each_mini_batch_on_one_device():
+    """A late sink's counter (GradSink.late_counter): int64 0 when first asked for, the same
+    tensor for every kernel of the mini-batch, refused on another device in that mini-batch;
+    the next begin starts from no count, so a flagged mini-batch does not make the next one run
+    again. A sink opened without late hands out no counter and is never flagged."""
+    sink = tokensum.GradSink.single()
+    sink.begin({}, late=True)
+    assert not sink.late_flagged()                 # no kernel asked for a counter
+    c = sink.late_counter(torch.device("cpu"))
+    assert c.dtype == torch.int64 and c.shape == () and int(c) == 0 and not sink.late_flagged()
+    c.add_(3)
+    assert sink.late_counter(torch.device("cpu")) is c and sink.late_flagged()
+    with pytest.raises(RuntimeError, match="late flags on meta and cpu"):
+        sink.late_counter(torch.device("meta"))
+    sink.begin({}, late=True)
+    assert not sink.late_flagged()
+    assert int(sink.late_counter(torch.device("cpu"))) == 0 and not sink.late_flagged()
+    sink.begin({})
+    assert sink.late_counter(torch.device("cpu")) is None and not sink.late_flagged()
+    sink.finish()
+    assert sink.late_counter(torch.device("cpu")) is None and not sink.late_flagged()
+
+
+def test_a_late_flag_on_one_rank_is_seen_by_every_rank():
+    """late_flagged sums the counts over the world group (2 thread ranks): a count on rank 1
+    only makes both answer True — a rank answering False would skip the second pass and leave
+    the other alone in its collectives — and no count anywhere makes both answer False."""
+    from kernel_helpers import run_ranks
+
+    def rank(r, comm, flagged):
+        sink = tokensum.GradSink({"dp_cp": Comm.single("dp_cp"), "world": comm})
+        sink.begin({}, late=True)
+        if r in flagged:
+            sink.late_counter(torch.device("cpu")).add_(1)
+        return sink.late_flagged()
+    assert run_ranks(2, lambda r, comm: rank(r, comm, {1})) == [True, True]
+    assert run_ranks(2, lambda r, comm: rank(r, comm, set())) == [False, False]
+
+
+def _words(*pairs: tuple[float, float]) -> torch.Tensor:
+    """float64 [2, n]: double words (hi, lo) per element, as the CUDA dW kernel carries them."""
+    return torch.tensor(pairs, dtype=torch.float64).T.contiguous()
+
+
+def test_finish_rounds_each_one_rank_weights_double_words_once(monkeypatch):
+    """Two weights held in double words (GradSink.words, filled by hand as the CUDA dW kernel
+    would), one per scope, both groups this rank alone: finish rounds each weight's hi + lo
+    once — [1 + 2**-23, -3, +0.0]: hi + 2**-24 + 2**-60 rounds up, which rounding hi alone or
+    hi + lo in float64 first (a tie, to even) would miss — the bytes of
+    fixedpoint.round_double_words and of the bucket path it replaced (_round_own_words
+    disabled). Controls: those two wrong roundings give 1.0."""
+    words = {"a": _words((1.0, 2.0**-24 + 2.0**-60), (-3.0, 0.0), (0.0, 0.0)),
+             "b": _words((2.0**-20, -2.0**-50), (5.0, 2.0**-30))}
+
+    def finish():
+        params = {n: torch.nn.Parameter(torch.zeros(w.shape[1])) for n, w in words.items()}
+        sink = tokensum.GradSink.single()
+        sink.begin(params)
+        for (n, w), scope in zip(words.items(), tokensum.SCOPES):
+            sink.words(params[n], scope).copy_(w)
+        return sink.finish()
+    got = finish()
+    assert list(got) == ["a", "b"]
+    assert got["a"].tolist() == [1.0 + 2.0**-23, -3.0, 0.0]
+    assert _same(got["a"], torch.tensor([1.0 + 2.0**-23, -3.0, 0.0]))
+    for n, w in words.items():
+        assert _same(got[n], fx.round_double_words(w))
+    assert words["a"][0, 0].float().item() == 1.0 == words["a"].sum(0)[0].float().item()
+    monkeypatch.setattr(tokensum.GradSink, "_round_own_words", lambda self, scope, out: None)
+    buckets = finish()
+    assert all(_same(buckets[n], got[n]) for n in words)
+
+
+def test_double_words_over_two_ranks_are_summed_before_rounding(monkeypatch):
+    """Double words over the world group of 2 thread ranks while the dp_cp group is each rank
+    alone (as TP2 at DP1/CP1): finish sums the world weight's words over the ranks as integers
+    and rounds once — 1 + 2**-24 (rank 0) and 2**-30 (rank 1) give 1 + 2**-23 on both, not
+    each rank's own words rounded (1.0, 2**-30) — while the dp_cp weight is each rank's own
+    words rounded. `_digits_of` (a Triton pass) is replaced by the digits of the words' fp32
+    values (exact: every word here is an fp32 value)."""
+    from kernel_helpers import run_ranks
+
+    def digits_of(words):
+        assert torch.equal(words.float().double(), words)
+        return fx.accumulate_(fx.zeros((words.shape[1],)), words.float())
+    monkeypatch.setattr(tokensum, "_digits_of", digits_of)
+    mine = {0: _words((1.0, 2.0**-24), (2.0, 0.0)), 1: _words((2.0**-30, 0.0), (0.0, -0.5))}
+    own = {0: _words((1.0, 2.0**-24)), 1: _words((4.0, 2.0**-21))}
+
+    def rank(r, comm):
+        params = {"v": torch.nn.Parameter(torch.zeros(1)), "w": torch.nn.Parameter(torch.zeros(2))}
+        sink = tokensum.GradSink({"dp_cp": Comm.single("dp_cp"), "world": comm})
+        sink.begin(params)
+        sink.words(params["v"], "dp_cp").copy_(own[r])
+        sink.words(params["w"], "world").copy_(mine[r])
+        return sink.finish()
+    got = run_ranks(2, rank)
+    for r in (0, 1):
+        assert got[r]["w"].tolist() == [1.0 + 2.0**-23, 1.5], (r, got[r])
+        assert _same(got[r]["v"], fx.round_double_words(own[r]))
+    assert got[0]["v"].item() == 1.0 and got[1]["v"].item() == 4.0 + 2.0**-21
