@@ -508,3 +508,30 @@ def test_counts_and_loss_terms_of_every_microbatch_reach_the_stats(monkeypatch):
     monkeypatch.setattr(step_mod, "aggregate",
                         lambda values, sample_of, *a: real(values, sample_of[::-1], *a))
     assert run(32).loss != several.loss, "control: the pairing of terms and samples is unseen"
+
+
+def test_a_native_step_runs_its_mini_batch_once(monkeypatch):
+    """NativeOps (stock kernels, nothing checked) never asks for a second pass: one run of the
+    mini-batch's forwards and backwards per compute_gradients. Control: an InvariantOps step
+    whose late check answers True runs it twice (the count sees a second pass)."""
+    from rlkernel.model.ops import NativeOps
+
+    calls: list[bool] = []
+    real = step_mod._backward_passes
+
+    def counted(*args):
+        calls.append(True)
+        return real(*args)
+    monkeypatch.setattr(step_mod, "_backward_passes", counted)
+    samples = _samples()
+
+    def run(pol):
+        pol.load_tensors(W)
+        calls.clear()
+        compute_gradients(pol, None, samples, temperature=SP.temperature,
+                          coefs=LossCoefs(0.2, 0.0, 0.01, "k1"), micro_batch_tokens=32,
+                          pad_id=257, exp=invariant_exp)
+        return len(calls)
+    assert run(Qwen3ForCausalLM(CFG, NativeOps, torch.float32)) == 1
+    monkeypatch.setattr(InvariantOps, "late_flagged", staticmethod(lambda model: True))
+    assert run(Qwen3ForCausalLM(CFG, InvariantOps, torch.bfloat16)) == 2, "control"
