@@ -234,6 +234,24 @@ def test_to_carries_the_packed_rows_values_to_the_moved_copy():
     assert q_rows.tolist() == [0, 0] and k_rows.tolist() == [0, 32] and tk == 32
 
 
+def test_to_hands_the_moved_copy_a_bound_one_past_its_last_position():
+    """`to` gives the moved layout pos_bound = the largest position + 1, read on the host (the
+    RoPE lookup then gathers from a device copy of the table without a host read): a fresh
+    RopeTable looked up with that bound returns the rows of the unbounded lookup, bitwise, up to
+    the last position (299, past the table's first 256 rows). A bound one short would leave the
+    last position outside the table. A layout already carrying a bound keeps it."""
+    from rlkernel.kernels.rope import RopeTable
+    lay = packed_layout(_seqs([300, 17]), 257)
+    moved = lay.to(torch.device("cpu", 0))
+    assert moved.pos_bound == int(lay.positions.max()) + 1 == 300
+    got = RopeTable(8, 1e6).lookup(moved.positions, moved.pos_bound)
+    want = RopeTable(8, 1e6).lookup(lay.positions)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32))
+    again = moved.to(torch.device("cpu"))
+    assert again.pos_bound == 300
+
+
 def test_slots_are_views_only_when_query_and_key_slots_are_both_the_prefix():
     """slots_are_views (the model's choice of the views over the packed attention): True when
     the query slots and the key slots are both the streams' first rows in order (kv_idx None:
