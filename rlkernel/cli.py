@@ -46,13 +46,14 @@ import unicodedata
 
 import rlkernel
 from rlkernel import readfile
-from rlkernel.config import (RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError, RunConfig, field_docs,
-                             flag_name, model_flag_error)
+from rlkernel.config import (INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError, RunConfig,
+                             field_docs, flag_name, model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inputs, input_paths,
-                                    located, recorded_paths, relocated, startup_notes)
+                                    located, recorded_paths, relocated, same_input,
+                                    startup_notes)
 from rlkernel.runner.watch import TMP_SUFFIX, config_warnings, summary_lines
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
@@ -1075,6 +1076,14 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
                           f"(saved --device {was!r}); bitwise identity is promised within one "
                           f"backend only, so its evidence would mix {was} and {given['device']} "
                           f"steps; resume with --device {was}, or start a new run")
+    try:
+        recorded = recorded_paths(manifest) or {}
+    except ValueError:   # refused with its own message by _resume_inputs
+        recorded = {}
+    # An input typed another way (an absolute path for the relative one the run started with)
+    # is the same input: the saved value stays, so the config and checkpoints still match.
+    given = {k: v for k, v in given.items()
+             if k not in INPUT_PATHS or not same_input(k, v, saved.get(k), recorded.get(k))}
     changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and given[k] != saved.get(k))
     if changed:
         what = ", ".join(f"{flag_name(k)} (saved {saved.get(k)!r})" for k in changed)

@@ -274,6 +274,41 @@ def test_a_run_of_relative_inputs_resumes_from_any_directory(tmp_path, capsys, m
     assert out.rstrip().endswith("IDENTICAL") and "differ in configuration" not in out, out
 
 
+def test_a_resume_may_name_the_runs_inputs_by_another_path(tmp_path, capsys, monkeypatch):
+    """Inputs typed relative to WD (m, pr.jsonl, r.py:score) and given again to the resume as
+    absolute paths, or through a symlink, are the same inputs: the resume runs (exit 0) and the
+    saved config keeps the typed values (no change recorded). A copy of the model elsewhere
+    (same bytes, another directory), another reward function in the same file, or a model
+    directory that does not exist is a change and is refused (exit 2, naming --model or
+    --reward), as before."""
+    wd = tmp_path / "wd"
+    inputs = _relative_inputs(wd)
+    monkeypatch.chdir(wd)
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), *inputs, "--run-dir", "run"]) == 0
+    shutil.copytree(wd / "m", tmp_path / "copy")
+    (tmp_path / "link").symlink_to(wd / "m")
+    (wd / "r.py").write_text(_REWARD + "other = score\n")   # content change: refused later
+    capsys.readouterr()
+    for flags in (["--model", str(tmp_path / "copy")], ["--reward", "r.py:other"],
+                  ["--model", str(tmp_path / "nowhere")]):
+        assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{flags[0]} (saved" in err and "cannot change when resuming" in err, err
+    (wd / "r.py").write_text(_REWARD)
+    monkeypatch.chdir(tmp_path)
+    same = ["--model", str(wd / "m"), "--prompts", str(wd / "pr.jsonl"),
+            "--reward", f"{wd / 'r.py'}:score"]
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "2", "--allow-dirty",
+                 *same]) == 0
+    assert main(["run", "--resume", str(wd / "run"), "--steps", "3", "--allow-dirty",
+                 "--model", str(tmp_path / "link")]) == 0
+    m = json.loads((wd / "run" / "manifest.json").read_text())
+    assert (m["config"]["model"], m["config"]["prompts"], m["config"]["reward"]) == \
+        ("m", "pr.jsonl", "r.py:score")
+    assert [r["changed"]["steps"] for r in m["resumes"]] == [[1, 2], [2, 3]]
+    assert not {"model", "prompts", "reward"} & {k for r in m["resumes"] for k in r["changed"]}
+
+
 def test_a_module_reward_resumed_from_elsewhere_names_the_runs_module(tmp_path, capsys,
                                                                       monkeypatch):
     """--reward rmod:score (MODULE:FUNC: imported by Python's module search from the current

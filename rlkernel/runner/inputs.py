@@ -113,6 +113,28 @@ def input_on_disk(field: str, value: str | None) -> str | None:
     return reward_file(value) if field == "reward" else value
 
 
+def same_input(field: str, given: Any, saved: Any, recorded: str | None) -> bool:
+    """Whether an INPUT_PATHS flag given to a resume (`given`) names the input the run was
+    saved with (`saved`, as typed then): the same value, or a path to the same file or directory
+    as the run's recorded path (`recorded`, input_paths) or its typed path from the current
+    directory — e.g. "/proj/m" for a run started in /proj with "m". A reward spec must name the
+    same function too; a "MODULE:FUNC" spec matches only itself."""
+    if given == saved:
+        return True
+    if not (isinstance(given, str) and isinstance(saved, str)):
+        return False
+    if field == "reward" and given.rpartition(":")[2] != saved.rpartition(":")[2]:
+        return False
+    here = input_on_disk(field, given)
+    for there in (input_on_disk(field, recorded), input_on_disk(field, saved)):
+        try:
+            if here is not None and there is not None and os.path.samefile(here, there):
+                return True
+        except OSError:   # either is gone: not shown to be the same input
+            continue
+    return False
+
+
 def located(cfg: RunConfig, paths: dict[str, str | None] | None) -> RunConfig:
     """`cfg` with its inputs where the run recorded them (`paths`: recorded_paths), for a resume
     to read them; `cfg` itself when nothing was recorded. An input gone from its recorded path
