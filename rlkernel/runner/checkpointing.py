@@ -133,7 +133,7 @@ def check_settings(ck: Checkpoint, cfg: RunConfig) -> None:
     nothing shows it belongs to this config. Raises ResumeError naming the settings."""
     if ck.settings is None:
         raise ResumeError(f"{ck.path / _META} records no settings of the run that wrote it (a "
-                          "checkpoint of an older rl-kernel): nothing ties it to manifest.json's "
+                          "checkpoint of an older rl-kernel, or its meta.json was edited): nothing ties it to manifest.json's "
                           "config; finish the run with the code that wrote it (its manifest's git "
                           "commit), or start a new run")
     diff = cfg.resume_differences(ck.settings)
@@ -155,7 +155,8 @@ def check_inputs(ck: Checkpoint, manifest_inputs) -> None:
     without settings is. Raises ResumeError."""
     if ck.inputs is None:
         raise ResumeError(f"{ck.path / _META} records no digest of the inputs it was trained "
-                          "from (a checkpoint of an older rl-kernel): nothing ties it to "
+                          "from (a checkpoint of an older rl-kernel, or its meta.json was "
+                          "edited): nothing ties it to "
                           "manifest.json's inputs; finish the run with the code that wrote it "
                           "(its manifest's git commit), or start a new run")
     if ck.inputs != inputs_digest(manifest_inputs):
