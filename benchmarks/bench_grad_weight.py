@@ -97,9 +97,11 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
 
     every = torch.arange(4 * n_tiles, dtype=torch.int32, device="cuda")
 
-    def launch(leaf, tile, retry=False):
+    def launch(leaf, tile, retry=False, carry=False):
         # retry=True: every tile in RETRY mode, i.e. every error through the checked lo word
         # (the scheme of the first pass before add_word; the cost of the retry tier).
+        # carry=True: the words continue what they hold (the persistent mode's microbatches,
+        # carry_grad_weight_deferred's first pass).
         bn_, bk_, warps, stages = tile
         grid = (triton.cdiv(n, bn_) * triton.cdiv(k, bk_),)
         # TMA descriptors (the model's path) at the kernel's own leaf; pointer loads otherwise.
@@ -108,13 +110,16 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
                              dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                              words.stride(0), BLOCK_N=bn_, BLOCK_K=bk_, LEAF=leaf,
                              PREC="tf32", EMIT=False, RETRY=retry, FORCE_FLAG=0,
-                             RETRY_ALL=False, TMA=tma, CARRY=False, COUNTED=False,
+                             RETRY_ALL=False, TMA=tma, CARRY=carry, COUNTED=False,
                              num_warps=warps,
                              num_stages=stages, enable_fp_fusion=False)
 
     for leaf in leaves:
         row[f"words_leaf{leaf}_ms"] = median_ms(lambda leaf=leaf: launch(leaf, tgw.TILE))
         row[f"flagged_leaf{leaf}"] = int(flags[:n_tiles].sum())
+        words.zero_()    # carried from zeros: the same sums, the carried pass's loads and stores
+        row[f"words_carry_leaf{leaf}_ms"] = median_ms(
+            lambda leaf=leaf: launch(leaf, tgw.TILE, carry=True))
         row[f"words_checked_leaf{leaf}_ms"] = median_ms(
             lambda leaf=leaf: launch(leaf, tgw.TILE, retry=True))
         row[f"flagged_checked_leaf{leaf}"] = int(flags[:n_tiles].sum())

@@ -140,8 +140,8 @@ def _retried_alone_and_exact(values):
 def one_inexact_add_is_retried_and_exact():
     """Element (3, 5) gets leaf partials 1, 2**-24, 2**-80 (exact sum 1 + 2**-24 + 2**-80 rounds
     up to 1 + 2**-23; in float64 the 2**-80 is lost and the tie rounds to 1.0): one inexact add,
-    which the first pass (tfx.add_exact, no error word) flags, so its tile alone is retried with
-    the checked lo word — no EMIT — and the bytes are the reference's; the naive float64 sum
+    which the first pass (tfx.add_exact_or_nan, no error word) flags, so its tile alone is
+    retried with the checked lo word — no EMIT — and the bytes are the reference's; the naive float64 sum
     gives other bytes there (the control: a kernel that kept the first pass's words would fail
     this check). Other elements span up to ~2**20 (no inexact add)."""
     _retried_alone_and_exact([1.0, 2.0**-24, 2.0**-80])
@@ -150,7 +150,7 @@ def one_inexact_add_is_retried_and_exact():
 @check
 def small_then_large_inexact_add_is_retried_and_exact():
     """Element (3, 5) gets leaf partials 2**-80, then 1, then 2**-24: the running sum is small
-    when the large partial arrives, so fl(2**-80 + 1) = 1 passes add_exact's first comparison
+    when the large partial arrives, so fl(2**-80 + 1) = 1 passes add_exact_or_nan's first comparison
     (s − hi == p) and only its second (s − p == hi) sees that 2**-80 was lost (Dekker: the
     larger operand, here p, gives the exact difference). The tile must be flagged and retried
     with the checked lo word (tile 0 alone, no EMIT); the exact sum 1 + 2**-24 + 2**-80 rounds

@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -350,6 +351,25 @@ def sm90_ptx(kernel, types, constexprs: dict, num_warps: int, fusion: bool) -> s
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "enable_fp_fusion": fusion})
     return k.asm["ptx"]
+
+
+def sm90_registers(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill store bytes) that Triton's bundled ptxas reports for `ptx`
+    (sm_90a, as Triton assembles it for an H100/H200), on the CPU."""
+    import tempfile
+
+    import triton
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        p = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", str(src), "-o",
+                            str(Path(d) / "k.cubin")], capture_output=True, text=True,
+                           timeout=300, check=True)
+    regs = re.search(r"Used (\d+) registers", p.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", p.stderr)
+    assert regs and spill, p.stderr
+    return int(regs.group(1)), int(spill.group(1))
 
 
 def ptx_double(x: float) -> str:

@@ -194,8 +194,9 @@ def test_two_sum_sorted_gives_two_sums_words_negative_control_unordered(results)
 
 
 def test_add_exact_flags_exactly_the_inexact_adds_negative_control_one_difference(results):
-    """add_exact (the dW pass's add): the rounded sum, flagged exactly where it is inexact
-    (Fraction), NaN/inf flagged; checking only s − hi == p misses 1 + 2**-52 plus 2**53."""
+    """add_exact_or_nan (the dW first pass's and dK/dV's add): the rounded sum, NaN exactly
+    where it is inexact (Fraction), NaN/inf operands flagged; checking only s − hi == p misses
+    1 + 2**-52 plus 2**53."""
     _ok(results, "add_exact_flags_exactly_the_inexact_adds")
     _ok(results, "add_exact_negative_control_one_difference_misses_an_inexact_add")
 

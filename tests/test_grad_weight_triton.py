@@ -1,7 +1,7 @@
 """The fused dW kernel (rlkernel/kernels/triton_grad_weight.py) under TRITON_INTERPRET=1 (Triton
 on the CPU): its accumulator == the reference path's (token-leaf partials + the torch exact
 accumulator), bytewise, for narrow, wide (through the lo word) and extreme (flagged, redone)
-ranges of leaf partials, an inexact add onto a small running sum (seen only by add_exact's
+ranges of leaf partials, an inexact add onto a small running sum (seen only by add_exact_or_nan's
 second comparison), non-finite partials, sums past the fp32 range, forced recomputes, edge
 tiles, strided operands, a non-zero starting accumulator, other tiles, several launches and
 EMIT batches, sums at the double-word bound (lowered to 2**129); with the control that the wide
@@ -23,7 +23,7 @@ import re
 import pytest
 import torch
 
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx, sm90_registers
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("grad_weight_triton_checks.py")
@@ -43,8 +43,8 @@ def test_one_inexact_add_is_retried_and_exact(results):
 
 def test_small_then_large_inexact_add_is_retried_and_exact(results):
     """Partials 2**-80, 1, 2**-24 in one element: the add of 1 onto 2**-80 is inexact, seen only
-    by add_exact's second comparison (s - p == hi); retried (tile 0 alone, no EMIT), the exact
-    sum's bytes (1 + 2**-23) in the accumulator and rounded_grad_weight; control: the naive
+    by add_exact_or_nan's second comparison (s - p == hi); retried (tile 0 alone, no EMIT),
+    the exact sum's bytes (1 + 2**-23) in the accumulator and rounded_grad_weight; control: the naive
     float64 sum gives 1.0."""
     _ok(results, "small_then_large_inexact_add_is_retried_and_exact")
 
@@ -254,3 +254,19 @@ def test_compiled_ptx_of_the_dw_pass(tma, carry, retry, retry_all):
     assert bool(re.search(r"ld\.global(\.v\d)?\.b64", ptx)) == carry
     assert "fma.rn.f64" not in ptx
     assert "wgmma.mma_async" in ptx
+
+
+@NEEDS_TRITON
+def test_the_first_dw_pass_keeps_its_tile_in_registers():
+    """ptxas (sm_90a) of the first pass with TMA tiles, the one every dW call runs: no spills,
+    carried or not (the carried lo, which the first pass never changes, was loaded and kept
+    live through the leaf loop: 255 registers and 432 bytes of spill stores a thread, in the
+    loop). Its carried words load hi only; the checked retry, which changes lo, loads both
+    (control: the retry's PTX has twice the first pass's float64 loads)."""
+    for carry in (True, False):
+        regs, spill = sm90_registers(_dw_ptx(True, carry, False))
+        assert spill == 0 and regs <= 255, (carry, regs, spill)
+    loads = [len(re.findall(r"ld\.global(?:\.\w+)*\.b64", _dw_ptx(True, True, retry,
+                                                                  retry_all=retry)))
+             for retry in (False, True)]
+    assert loads[0] > 0 and loads[1] == 2 * loads[0], loads

@@ -15,8 +15,8 @@ there (docs/BENCHMARKS.md), and the traffic grows with tokens × parameters.
 
 Algorithm, per output tile [BLOCK_N, BLOCK_K] (one program): walk the leaves in order; for each,
 p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then hi += p in float64 with the
-add checked exact (numerics/triton_fixedpoint.py `add_exact`: s − hi == p and s − p == hi,
-Dekker's Fast2Sum lemma; no error word). Every value here is a multiple of 2**-149 (an fp32
+add checked exact (numerics/triton_fixedpoint.py `add_exact_or_nan`: s − hi == p and
+s − p == hi, Dekker's Fast2Sum lemma; no error word; an inexact add leaves NaN in hi). Every value here is a multiple of 2**-149 (an fp32
 partial is), so hi is the exact sum unless a check fails: an inexact add (p below ulp(hi),
 i.e. a leaf partial ~2**-29 of the running sum or smaller — a whole leaf of tiny gradients: on
 the CPU, one sample of four at 2**-20 of the others' scale gives 8 % of 64×64 tiles one such
@@ -105,11 +105,17 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
     b_ptr = X + rt[:, None] * s_xl + rk[None, :] * s_xk           # x tile [LEAF, BLOCK_K]
     o = OUT + rn[:, None] * K + rk[None, :]
     m = n_ok[:, None] & k_ok[None, :]
+    # The first pass never changes lo: under CARRY it is neither loaded nor stored (a [tile]
+    # float64 live through the loop was 64 registers a thread, and ptxas spilled at 255), and
+    # its inexact adds mark hi NaN instead of an int32 flag tile.
+    FIRST: tl.constexpr = not (EMIT or RETRY)
     if CARRY:
         hi = tl.load(o, mask=m, other=0.0)
-        lo = tl.load(o + s_ow, mask=m, other=0.0)
     else:
         hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
+    if CARRY and RETRY:
+        lo = tl.load(o + s_ow, mask=m, other=0.0)
+    else:
         lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     n_inexact = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     # EMIT scratch (OUT): [leaves, flagged tiles, BLOCK_N, BLOCK_K] fp32, a leaf's rows contiguous.
@@ -134,13 +140,17 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
         elif RETRY:
             hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, p.to(tl.float64))
         else:
-            hi, n_inexact = tfx.add_exact(hi, n_inexact, p.to(tl.float64))
+            hi = tfx.add_exact_or_nan(hi, p.to(tl.float64))
     if not EMIT:
-        bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
+        if FIRST:
+            bad = (tfx.word_in_range(hi) == 0).to(tl.int32)
+        else:
+            bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
         if CARRY:
             tl.store(o, hi, mask=m & good)
-            tl.store(o + s_ow, lo, mask=m & good)
+            if RETRY:
+                tl.store(o + s_ow, lo, mask=m & good)
         else:
             tl.store(o, tl.where(good, hi, 0.0), mask=m)
             tl.store(o + s_ow, tl.where(good, lo, 0.0), mask=m)

@@ -265,33 +265,22 @@ def add_word(hi, lo, n_inexact, p):
 
 
 @triton.jit
-def add_exact(hi, n_inexact, p):
-    """(hi, n_inexact) after hi += p (float64 tiles) where the add must be exact: s = fl(hi + p)
-    is exact iff s − hi == p and s − p == hi, and n_inexact (int32) becomes 2 — past what
-    `words_exact` accepts — at an element where it was not. No error word is kept.
+def add_exact_or_nan(hi, p):
+    """hi += p (float64 tiles) where the add must be exact: s = fl(hi + p) is exact iff
+    s − hi == p and s − p == hi; an element whose add is inexact becomes NaN, and stays NaN
+    (NaN + p is NaN, and fails the check again), so `word_in_range` refuses it at the end. No
+    error word is kept.
 
     Why both differences: of hi and p, the one larger in magnitude gives an exact difference
     (Dekker's Fast2Sum lemma, round to nearest), so an inexact add fails that comparison
     whichever operand is larger; one comparison alone can pass an inexact add (hi = 1 + 2**-52,
     p = 2**53: s − hi rounds back to p). A NaN or infinite p fails one of them (NaN compares
-    unequal; inf − inf is NaN). Against `add_word`: no magnitude ordering, no selects, no
-    error slot (lo stays zero) — on an H200 the float64 work of the dW pass halves
-    (docs/BENCHMARKS.md), and an element with one inexact add now flags its tile for the
-    checked retry, which gives the same words `add_word` did (its hi is the same fl(hi + p),
-    its lo the same single error). Launch with enable_fp_fusion=False."""
-    s = hi + p
-    inexact = ((s - hi) != p) | ((s - p) != hi)
-    return s, n_inexact | (inexact.to(tl.int32) * 2)
-
-
-@triton.jit
-def add_exact_or_nan(hi, p):
-    """hi += p (float64 tiles) where the add must be exact, as `add_exact`, with the flag kept in
-    hi itself: an element whose add is inexact becomes NaN, and stays NaN (NaN + p is NaN, and
-    fails the check again), so `word_in_range` refuses it at the end. No int32 flag tile is
-    carried through the loop: one select per add instead of the flag's or/convert/multiply, and
-    a [tile] int32 fewer registers (the attention dK/dV pass, whose double-word tile is large).
-    Launch with enable_fp_fusion=False."""
+    unequal; inf − inf is NaN). Against `add_word`: no magnitude ordering and no error slot —
+    on an H200 the float64 work of the dW pass halves (docs/BENCHMARKS.md) — and an element
+    with one inexact add flags its tile for the checked retry (`add_word_checked`), which
+    gives the same words `add_word` did. The flag in hi rather than an int32 tile saves a
+    [tile] int32 of registers (the dW first pass and the attention dK/dV pass, whose
+    double-word tiles are large). Launch with enable_fp_fusion=False."""
     s = hi + p
     inexact = ((s - hi) != p) | ((s - p) != hi)
     return tl.where(inexact, float("nan"), s)
