@@ -819,8 +819,10 @@ def _one_setting_per_field(cmd: argparse.ArgumentParser, argv: list[str]) -> Non
                      if isinstance(action, argparse.BooleanOptionalAction) else action.const)
         first_flag, first_text, first_value = seen.setdefault(action.dest, (flag, text, value))
         if first_flag != flag:
-            raise ConfigError(f"{' and '.join(sorted({first_flag, flag}))} set the same value "
-                              f"({flag_name(action.dest)}); give only one of them")
+            both = sorted({(first_flag, first_text), (flag, text)})
+            named = " and ".join(f if t is None else f"{f} {_shown(t)}" for f, t in both)
+            raise ConfigError(f"{named} set the same value ({flag_name(action.dest)}); give "
+                              "only one of them")
         if first_text != text and first_value != value:
             raise ConfigError(f"{flag} given twice, {_shown(first_text)} and {_shown(text)}: the "
                               "last would silently win; give it once")
@@ -843,10 +845,12 @@ def _warn(lines: list[str]) -> None:
         print(f"rlk run: warning: {line}", file=sys.stderr)
 
 
-def _summary(writer: EvidenceWriter | None, run_dir: pathlib.Path) -> None:
-    """The closing lines of a finished run (stderr; stdout keeps only the run directory)."""
+def _summary(writer: EvidenceWriter | None, run_dir: pathlib.Path,
+             resumed_at: int | None = None) -> None:
+    """The closing lines of a finished run (stderr; stdout keeps only the run directory);
+    `resumed_at`: a resume's first evidence step."""
     if writer is not None:
-        for line in summary_lines(writer.steps, run_dir):
+        for line in summary_lines(writer.steps, run_dir, resumed_at):
             print(line, file=sys.stderr)
 
 
@@ -1375,7 +1379,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
     finally:
         _restore_sigterm(previous_sigterm)
         progress.close()
-    _summary(writer, d)
+    _summary(writer, d, ck.next_step)
     print(d)
     return 0
 

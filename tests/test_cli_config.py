@@ -1315,16 +1315,18 @@ def test_signals_wait_for_the_end_of_a_step_record(sig):
 # from a breaker pass: two spellings of one flag, the local world, huge microbatches
 
 
-@pytest.mark.parametrize("argv", [["--token-budget", "64", "--micro-batch-tokens", "128"],
-                                  ["--micro-batch-tokens=128", "--token-budget=128"]])
-def test_a_flag_and_its_alias_together_are_refused(capsys, cwd, loop, argv):
+@pytest.mark.parametrize("argv, values", [
+    (["--token-budget", "64", "--micro-batch-tokens", "128"], ("'128'", "'64'")),
+    (["--micro-batch-tokens=128", "--token-budget=128"], ("'128'", "'128'"))])
+def test_a_flag_and_its_alias_together_are_refused(capsys, cwd, loop, argv, values):
     """--token-budget is --micro-batch-tokens' old name: both given (even with equal values) is
-    one line, exit 2, before any work (the last would silently win)."""
+    one line naming both with their values, exit 2, before any work (the last would silently
+    win)."""
     code, out, err = rlk(capsys, "run", *argv)
     assert code == 2 and out == ""
     assert err.strip().splitlines() == [
-        "rlk run: error: --micro-batch-tokens and --token-budget set the same value "
-        "(--micro-batch-tokens); give only one of them"]
+        f"rlk run: error: --micro-batch-tokens {values[0]} and --token-budget {values[1]} set "
+        "the same value (--micro-batch-tokens); give only one of them"]
     assert loop.calls == [] and list(cwd.iterdir()) == []
 
 
@@ -1553,7 +1555,7 @@ def _parquet_bytes(columns: dict) -> bytes:
     ("p.jsonl", GOOD_LINE + '{"prompt": 5, "label": "1"}\n',
      f'--prompts p.jsonl:2: "prompt" must be a string, got int; {FORMAT}'),
     ("p.jsonl", GOOD_LINE * 3 + '{"prompt": "x"}\n',
-     f'--prompts p.jsonl:4: missing "label" (or "answer"); {FORMAT}'),
+     f'--prompts p.jsonl:4: missing "label" (or "answer") (its keys: "prompt"); {FORMAT}'),
     ("p.jsonl", GOOD_LINE + "[1]\n", "--prompts p.jsonl:2: expected a JSON object, got list"),
     ("p.jsonl", GOOD_LINE.encode() + b"\xff\n", "--prompts p.jsonl:2: invalid UTF-8"),
     # item 3: a name claiming the other format is said to be the mismatch

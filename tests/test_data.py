@@ -320,7 +320,8 @@ def test_jsonl_with_input_and_label_keys(tmp_path):
                             '{"question": "q2", "solution": "x"}\n', name="k.jsonl")
     got = load_jsonl(path, input_key="question", label_key="solution")
     assert got == [Prompt(0, "q1", "5"), Prompt(1, "q2", "x")]
-    with pytest.raises(PromptFileError, match=r'k.jsonl:1: missing "solution"; each non-blank '
+    with pytest.raises(PromptFileError, match=r'k.jsonl:1: missing "solution" \(its keys: '
+                                              r'"question", "answer"\); each non-blank '
                                               r'line must be one JSON object like \{"question"'):
         load_jsonl(_write(tmp_path, '{"question": "q", "answer": "a"}\n', name="k.jsonl"),
                    input_key="question", label_key="solution")

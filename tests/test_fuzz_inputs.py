@@ -252,6 +252,25 @@ def test_bad_prompt_file_through_rlk_run(tmp_path, content, where):
     assert not (tmp_path / "runs").exists()  # the parent it created is removed too
 
 
+def test_a_built_in_prompt_too_long_names_its_step_and_the_length_that_fits(tmp_path):
+    """The built-in task's prompts have no file line: the error names the prompt's index and
+    evidence step, and gives the longest prompt of the run as the --max-prompt-len that fits;
+    given that value, the run goes past the check (exit 0)."""
+    run_dir = tmp_path / "r"
+    rc, err = rlk("run", *SMALL, "--max-prompt-len", "2", "--allow-dirty", "--run-dir",
+                  str(run_dir))
+    assert rc == 2, err
+    line = error_line(err)
+    assert line.startswith("prompt 0 (evidence step 0) has "), line
+    longest = int(line.rsplit("give --max-prompt-len ", 1)[1].split()[0])
+    assert longest > 2 and line.endswith(f"has {longest}: give --max-prompt-len {longest} or "
+                                         "more"), line
+    assert_nothing_left(run_dir)
+    rc, err = rlk("run", *SMALL, "--max-prompt-len", str(longest), "--allow-dirty",
+                  "--run-dir", str(run_dir))
+    assert rc == 0, err
+
+
 def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
     """The token-length limit is checked before any step and points at the prompt's line: a
     usage error (exit 2) prefixed --prompts as the file's other content errors are, with one
@@ -264,7 +283,8 @@ def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
                       "--prompts", str(path), "--allow-dirty", "--run-dir", str(run_dir), *layout)
         assert rc == 2, err
         assert error_line(err).endswith(
-            f"--prompts {path}:3: prompt has 40 tokens, more than --max-prompt-len 16"), err
+            f"--prompts {path}:3: prompt has 40 tokens, more than --max-prompt-len 16; the "
+            "longest prompt of the run's 1 step(s) has 40: give --max-prompt-len 40 or more"), err
         assert_nothing_left(run_dir)
 
 

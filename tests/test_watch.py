@@ -135,6 +135,18 @@ def test_summary_lines_tolerate_missing_keys():
     assert summary_lines([], "runs/r") == ["done: no steps recorded; run directory runs/r"]
 
 
+def test_summary_lines_of_a_resume_say_what_this_invocation_ran():
+    """A run resumed at evidence step 1 of 3 (each step 4 s): the totals stay the run's, and the
+    first line says 2 of the steps, 8.0 s, were this resume's; without resumed_at, or at 0, no
+    such clause."""
+    recs = [_rec(0), _rec(1), _rec(2)]
+    (first, _) = summary_lines(recs, "runs/r", resumed_at=1)
+    assert first.startswith("done: 3 steps (2 of them in this resume, 8.0 s) in 12.0 s"), first
+    assert "in this resume" not in summary_lines(recs, "runs/r")[0]
+    assert summary_lines(recs, "runs/r", resumed_at=0)[0].startswith(
+        "done: 3 steps (3 of them in this resume, 12.0 s) in 12.0 s")
+
+
 # ---------------------------------------------------------------------------------------------
 # the phases on a terminal
 

@@ -71,11 +71,19 @@ def _label_keys(label_key: str) -> tuple[str, ...]:
     return ("label", "answer") if label_key == "label" else (label_key,)
 
 
+def _key_list(obj: dict, most: int = 8) -> str:
+    """A record's keys for a message: the first `most`, each cut to 40 characters."""
+    keys = [json.dumps(str(k)[:40]) for k in list(obj)[:most]]
+    more = f", and {len(obj) - most} more" if len(obj) > most else ""
+    return (", ".join(keys) + more) if keys else "none"
+
+
 def _record(obj: dict, where: str, index: int, input_key: str, label_key: str,
             fmt: str) -> Prompt:
     """One validated Prompt from a record (a JSON object or a Parquet row as a dict)."""
     if input_key not in obj:
-        raise PromptFileError(f'{where}: missing "{input_key}"; {fmt}')
+        raise PromptFileError(f'{where}: missing "{input_key}" (its keys: {_key_list(obj)}); '
+                              f"{fmt}")
     text = obj[input_key]
     if not isinstance(text, str):
         raise PromptFileError(f'{where}: "{input_key}" must be a string, got '
@@ -87,7 +95,7 @@ def _record(obj: dict, where: str, index: int, input_key: str, label_key: str,
     key = next((k for k in keys if k in obj), None)
     if key is None:
         named = f'"{keys[0]}" (or "{keys[1]}")' if len(keys) > 1 else f'"{keys[0]}"'
-        raise PromptFileError(f"{where}: missing {named}; {fmt}")
+        raise PromptFileError(f"{where}: missing {named} (its keys: {_key_list(obj)}); {fmt}")
     label = obj[key]
     if isinstance(label, bool) or not isinstance(label, (str, int, float)):
         raise PromptFileError(f'{where}: "{key}" must be a string or a number, '

@@ -88,19 +88,24 @@ def _load_tokenizer(cfg: RunConfig, mcfg):
 def _encode_all(cfg: RunConfig, source, tok, chat=None) -> list[list[list[int]]]:
     """Token ids of every prompt of every step, through the chat template `chat` when given;
     InputError naming the prompt (`--prompts FILE:LINE` for a file's) if one is unusable."""
-    out = []
+    out, too_long = [], None
     for step in range(cfg.steps):
         batch = []
         for p in source.batch(step):
-            name = f"--prompts {p.where}: prompt" if p.where else f"prompt {p.index}"
+            name = (f"--prompts {p.where}: prompt" if p.where
+                    else f"prompt {p.index} (evidence step {step})")
             ids = tok.encode(p.text if chat is None else chat.render(p.text))
             if not ids:
                 raise InputError(f"{name} encodes to no tokens")
-            if len(ids) > cfg.max_prompt_len:
-                raise InputError(f"{name} has {len(ids)} tokens, more than "
-                                 f"--max-prompt-len {cfg.max_prompt_len}")
+            if len(ids) > cfg.max_prompt_len and too_long is None:
+                too_long = (name, len(ids))
             batch.append(ids)
         out.append(batch)
+    if too_long is not None:   # named after every prompt is read: the hint is the run's longest
+        longest = max(len(ids) for batch in out for ids in batch)
+        raise InputError(f"{too_long[0]} has {too_long[1]} tokens, more than --max-prompt-len "
+                         f"{cfg.max_prompt_len}; the longest prompt of the run's {cfg.steps} "
+                         f"step(s) has {longest}: give --max-prompt-len {longest} or more")
     return out
 
 

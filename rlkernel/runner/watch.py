@@ -88,8 +88,11 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
-def summary_lines(steps: list[dict[str, Any]], run_dir: str | os.PathLike) -> list[str]:
-    """The closing lines of a run from its evidence step records (tolerates missing keys)."""
+def summary_lines(steps: list[dict[str, Any]], run_dir: str | os.PathLike,
+                  resumed_at: int | None = None) -> list[str]:
+    """The closing lines of a run from its evidence step records (tolerates missing keys).
+    `resumed_at`: the evidence step a resume started at (the totals are the whole run's, so the
+    first line also says how many steps, and how long, this invocation ran)."""
     d = str(run_dir)
     if not steps:
         return [f"done: no steps recorded; run directory {d}"]
@@ -110,8 +113,13 @@ def summary_lines(steps: list[dict[str, Any]], run_dir: str | os.PathLike) -> li
     skipped = sum(1 for s in steps if s.get("update_skipped"))
     unchanged = sum(1 for s in steps if s.get("version_changed") is False
                     and not s.get("update_skipped"))
+    this = ""
+    if resumed_at is not None and 0 <= resumed_at < n:
+        mine = math.fsum((s.get("timings") or {}).get("step_s", 0.0) or 0.0
+                         for s in steps[resumed_at:])
+        this = f" ({n - resumed_at} of them in this resume, {mine:.1f} s)"
     lines = [
-        f"done: {n} step{'s' if n != 1 else ''} in {total:.1f} s ({total / n:.2f} s/step: "
+        f"done: {n} step{'s' if n != 1 else ''}{this} in {total:.1f} s ({total / n:.2f} s/step: "
         f"rollout {timing('rollout_s') / n:.2f}, train {timing('train_s') / n:.2f}, "
         f"sync {timing('export_audit_s') / n:.2f}); {reward}; train/rollout logprob "
         f"mismatches {mism}/{toks}"
