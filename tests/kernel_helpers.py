@@ -353,9 +353,10 @@ def sm90_ptx(kernel, types, constexprs: dict, num_warps: int, fusion: bool) -> s
     return k.asm["ptx"]
 
 
-def sm90_registers(ptx: str) -> tuple[int, int]:
+def sm90_registers(ptx: str, fusion: bool) -> tuple[int, int]:
     """(registers per thread, spill store bytes) that Triton's bundled ptxas reports for `ptx`
-    (sm_90a, as Triton assembles it for an H100/H200), on the CPU."""
+    assembled as Triton assembles it for an H100/H200 (sm_90a, -lineinfo, --fmad=false unless
+    `fusion`, the launch's enable_fp_fusion), on the CPU."""
     import tempfile
 
     import triton
@@ -363,13 +364,51 @@ def sm90_registers(ptx: str) -> tuple[int, int]:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        p = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", str(src), "-o",
-                            str(Path(d) / "k.cubin")], capture_output=True, text=True,
+        fmad = [] if fusion else ["--fmad=false"]
+        p = subprocess.run([str(ptxas), "-lineinfo", *fmad, "-v", "--gpu-name=sm_90a", str(src),
+                            "-o", str(Path(d) / "k.cubin")], capture_output=True, text=True,
                            timeout=300, check=True)
     regs = re.search(r"Used (\d+) registers", p.stderr)
     spill = re.search(r"(\d+) bytes spill stores", p.stderr)
     assert regs and spill, p.stderr
     return int(regs.group(1)), int(spill.group(1))
+
+
+class FakeTensor:
+    """A tensor argument for `sm90_as_launched`: its dtype and address (the alignment Triton
+    specialises on), with no storage."""
+
+    def __init__(self, dtype: torch.dtype, address: int = 0) -> None:
+        self.dtype, self._address = dtype, address
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def fake_descriptor(dtype: torch.dtype, shape: list[int], block: list[int]):
+    """A TMA descriptor argument of a contiguous [rows, cols] tensor for `sm90_as_launched`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(FakeTensor(dtype), list(shape), [shape[1], 1], list(block))
+
+
+def sm90_as_launched(kernel, args: list, kwargs: dict) -> str:
+    """PTX of `kernel` for sm_90 specialised as `kernel[grid](*args, **kwargs)` would launch it
+    on a GPU: Triton's own argument binder sees the values (so a stride of 1 becomes a
+    constant and sizes divisible by 16 are marked, as on the device; `sm90_ptx` takes
+    unspecialised types instead and can report other registers and spills). Tensors are
+    FakeTensor / fake_descriptor stand-ins."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options=options.__dict__).asm["ptx"]
 
 
 def ptx_double(x: float) -> str:

@@ -258,15 +258,31 @@ def test_compiled_ptx_of_the_dw_pass(tma, carry, retry, retry_all):
 
 @NEEDS_TRITON
 def test_the_first_dw_pass_keeps_its_tile_in_registers():
-    """ptxas (sm_90a) of the first pass with TMA tiles, the one every dW call runs: no spills,
-    carried or not (the carried lo, which the first pass never changes, was loaded and kept
-    live through the leaf loop: 255 registers and 432 bytes of spill stores a thread, in the
-    loop). Its carried words load hi only; the checked retry, which changes lo, loads both
-    (control: the retry's PTX has twice the first pass's float64 loads)."""
+    """ptxas (sm_90a) of the first pass as `carry_grad_weight_deferred` and
+    `rounded_grad_weight_deferred` launch it at a qwen3-1.7b down_proj (16,384 tokens, dy
+    [L, 6144], x [L, 2048] bf16 by TMA): no spills, carried or not. (The carried lo, which the
+    first pass never changes, was loaded and kept live through the leaf loop, with an int32
+    flag tile beside hi: 255 registers and 160 bytes of spill stores a thread, carried; 172
+    registers direct.) Its carried words load hi only; the checked retry, which changes lo,
+    loads both (the retry's PTX has twice the first pass's float64 loads)."""
+    from kernel_helpers import FakeTensor, fake_descriptor, sm90_as_launched
+
+    from rlkernel.kernels import triton_grad_weight as tgw
+    n_tok, n, k = 16384, 6144, 2048
+    bf, f64, i32 = torch.bfloat16, torch.float64, torch.int32
+
+    def ptx(carry: bool, retry_all: bool) -> str:
+        args = [FakeTensor(bf), FakeTensor(bf), fake_descriptor(bf, [n_tok, n], [128, 64]),
+                fake_descriptor(bf, [n_tok, k], [128, 64]), FakeTensor(f64), FakeTensor(i32),
+                FakeTensor(i32), FakeTensor(i32), n_tok, n, k, n, 1, k, 1, n * k]
+        kw = dict(BLOCK_N=64, BLOCK_K=64, LEAF=128, PREC="tf32", EMIT=False, RETRY=retry_all,
+                  FORCE_FLAG=0, RETRY_ALL=retry_all, TMA=True, CARRY=carry, COUNTED=retry_all,
+                  num_warps=4, num_stages=3, enable_fp_fusion=False)
+        return sm90_as_launched(tgw._dw_kernel, args, kw)
+
     for carry in (True, False):
-        regs, spill = sm90_registers(_dw_ptx(True, carry, False))
-        assert spill == 0 and regs <= 255, (carry, regs, spill)
-    loads = [len(re.findall(r"ld\.global(?:\.\w+)*\.b64", _dw_ptx(True, True, retry,
-                                                                  retry_all=retry)))
+        regs, spill = sm90_registers(ptx(carry, False), fusion=False)
+        assert spill == 0 and regs < 255, (carry, regs, spill)
+    loads = [len(re.findall(r"ld\.global(?:\.\w+)*\.b64", ptx(True, retry)))
              for retry in (False, True)]
     assert loads[0] > 0 and loads[1] == 2 * loads[0], loads

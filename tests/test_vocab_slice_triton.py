@@ -34,3 +34,27 @@ def test_negative_control_global_targets_on_a_slice_differ(results):
     """Global targets on a slice (offset forgotten), or a slice's columns all live past a padded
     vocabulary's end: the bytes differ."""
     _ok(results, "negative_control_global_targets_on_a_slice_differ")
+
+
+def test_fused_stats_kernel_does_not_spill_as_launched():
+    """ptxas (sm_90a) of `_linear_stats_kernel` as `linear_shard_stats` launches it for a
+    qwen3-1.7b LM head in bf16 (16,384 tokens, hidden 2048, vocab 151,936 in 8 shards, tile
+    LINEAR_STATS_TILES[bf16]): no spills. (With the target's z picked after the chunk's
+    statistics, z's tile lived on past them: 56 bytes of spill stores a thread at 255
+    registers.)"""
+    import torch
+    from kernel_helpers import FakeTensor, sm90_as_launched, sm90_registers
+
+    from rlkernel.kernels import triton_logprobs as tlp
+    from rlkernel.kernels.triton_matmul import BLOCK_K
+
+    n, k, v, shards, live = 16384, 2048, 151936, 8, 151669
+    br, warps, stages = tlp.LINEAR_STATS_TILES[torch.bfloat16]
+    f32 = torch.float32
+    args = [FakeTensor(torch.bfloat16), FakeTensor(torch.bfloat16), FakeTensor(torch.int64),
+            *[FakeTensor(f32) for _ in range(4)], n, k, v // shards, live, k, 1, k, 1, 1.0]
+    kw = dict(BR=br, C=tlp.VOCAB_CHUNK, LOG_C=tlp._LOG_CHUNK, BLOCK_K=BLOCK_K[torch.bfloat16],
+              PREC="tf32", num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    regs, spill = sm90_registers(sm90_as_launched(tlp._linear_stats_kernel, args, kw),
+                                 fusion=False)
+    assert spill == 0, (regs, spill)

@@ -133,8 +133,10 @@ def _linear_stats_kernel(X, W, TGT, M_OUT, S_OUT, T_OUT, ZT_OUT, n_rows, K, shar
         # ids >= n_live (a padded vocabulary's rows past the tokenizer) are -inf, as in _div_t
         ok = r_ok[:, None] & (c_ok & (cols < n_live))[None, :]
         z = tl.where(ok, tl.math.div_rn(acc, temp), float("-inf"))
-        m, s, t = _chunk_update(z, m, s, t, BR, C, LOG_C)
+        # The target's z first: z's tile then dies inside _chunk_update (ptxas sm_90a: 56 bytes
+        # of spill stores a thread at 255 registers the other way round, none this way).
         zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == tgt[:, None], z, float("-inf")), 1))
+        m, s, t = _chunk_update(z, m, s, t, BR, C, LOG_C)
     out = rows.to(tl.int64) * tl.num_programs(0) + shard
     tl.store(M_OUT + out, m, mask=r_ok)
     tl.store(S_OUT + out, s, mask=r_ok)
