@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 from kernel_helpers import fifo_in_place_of
@@ -104,6 +105,26 @@ def test_a_run_compared_with_itself_is_refused(tmp_path, capsys):
     usage = " ".join(capsys.readouterr().out.split())
     assert ("exit status: 0 identical, 1 different (an incomplete run included), 2 a usage "
             "error: a run that cannot be read, or RUN_A and RUN_B the same run") in usage, usage
+
+
+def test_a_copied_run_is_said_to_be_a_copy(tmp_path, capsys):
+    """B a copy of A (cp -r): IDENTICAL (exit 0, the evidence is the same) with an info line
+    that one is a copy of the other — their wall-clock timings are the same too, which two runs
+    never share. Control: the same evidence with another step time (a second run) gets no such
+    line; nor does evidence without timings."""
+    a = write_run(tmp_path / "a", [_step(0), _step(1)])
+    shutil.copytree(a, tmp_path / "copy")
+    code, out, _ = rlk_compare(capsys, a, tmp_path / "copy")
+    assert code == 0 and out.splitlines()[-1] == "IDENTICAL"
+    assert "one is a copy of the other, not a second run" in out, out
+    second = [_step(0), _step(1)]
+    second[0]["timings"]["step_s"] = 0.41
+    b = write_run(tmp_path / "b", second)
+    code, out, _ = rlk_compare(capsys, a, b)
+    assert code == 0 and "copy" not in out, out
+    untimed = [{k: v for k, v in _step(0).items() if k != "timings"}]
+    c, d = write_run(tmp_path / "c", untimed), write_run(tmp_path / "d", untimed)
+    assert not any("copy" in line for line in compare_runs(c, d).info)
 
 
 def _set_config(run, **settings):

@@ -389,6 +389,12 @@ def _config_note(keys: list[str], inputs: list[str] | None = None) -> str:
 # public API
 
 
+def _timed(evidence: dict) -> bool:
+    """Whether the evidence records a step's wall-clock time (a run's, never another run's)."""
+    return any(isinstance(s, dict) and isinstance(s.get("timings"), dict)
+               and s["timings"].get("step_s") for s in evidence.get("steps", []))
+
+
 def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> CompareReport:
     """Compare the evidence of two runs (an incomplete run counts as a difference).
 
@@ -404,6 +410,11 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
         report.same_run = same
         report.info.insert(0, f"A and B are the same run ({same}): this compares a run with "
                               "itself, not two runs")
+    elif ea == eb and _timed(ea):
+        # Two runs never share their wall-clock timings: B is a copy of A (cp -r), and its
+        # IDENTICAL says nothing about reproducibility.
+        report.info.insert(0, "A and B hold the same evidence.json down to its wall-clock "
+                              "timings: one is a copy of the other, not a second run")
 
     ia, ib = ea.get("init"), eb.get("init")
     if ia is None and ib is None:
