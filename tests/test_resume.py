@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -309,6 +310,65 @@ def test_a_resume_may_name_the_runs_inputs_by_another_path(tmp_path, capsys, mon
     assert not {"model", "prompts", "reward"} & {k for r in m["resumes"] for k in r["changed"]}
 
 
+
+def test_a_moved_project_may_name_its_inputs_by_their_new_absolute_paths(tmp_path, capsys,
+                                                                          monkeypatch):
+    """WD (a run of inputs typed m, pr.jsonl, r.py:score) moved to WD2: the recorded absolute
+    paths are gone, so `--model WD2/m --prompts WD2/pr.jsonl --reward WD2/r.py:score` from WD2
+    match the inputs only as typed from the current directory (m is WD2/m): the same inputs,
+    the resume runs (exit 0) and the config keeps the typed values. Control: a copy of m in
+    another directory is still a change (exit 2). Found by mutation testing: comparing with the
+    recorded path only passed every test."""
+    wd, wd2 = tmp_path / "wd", tmp_path / "wd2"
+    inputs = _relative_inputs(wd)
+    monkeypatch.chdir(wd)
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), *inputs, "--run-dir", "run"]) == 0
+    shutil.copytree(wd / "m", tmp_path / "copy")
+    monkeypatch.chdir(tmp_path)
+    wd.rename(wd2)
+    monkeypatch.chdir(wd2)
+    capsys.readouterr()
+    assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
+                 "--model", str(tmp_path / "copy")]) == 2
+    err = capsys.readouterr().err
+    assert "--model (saved 'm')" in err and "cannot change when resuming" in err, err
+    assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
+                 "--model", str(wd2 / "m"), "--prompts", str(wd2 / "pr.jsonl"),
+                 "--reward", f"{wd2 / 'r.py'}:score"]) == 0, capsys.readouterr().err
+    m = json.loads((wd2 / "run" / "manifest.json").read_text())
+    assert (m["config"]["model"], m["config"]["prompts"], m["config"]["reward"]) == \
+        ("m", "pr.jsonl", "r.py:score")
+    assert [r["changed"]["steps"] for r in m["resumes"]] == [[1, 2]]
+    assert not {"model", "prompts", "reward"} & set(m["resumes"][0]["changed"])
+
+
+def test_a_resume_may_not_swap_a_module_reward_for_another_module(tmp_path, capsys,
+                                                                   monkeypatch):
+    """--reward rmod:score (MODULE:FUNC, no file) resumed with --reward rmod2:score, a module of
+    the same function name and bytes: another input, refused (exit 2, naming --reward and the
+    saved 'rmod:score'); a MODULE:FUNC spec matches only itself. Control: --reward rmod:score
+    given again resumes (exit 0). Found by mutation testing: taking two specs that name no file
+    for the same input passed every test."""
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "rmod.py").write_text(_REWARD)
+    (wd / "rmod2.py").write_text(_REWARD)
+    monkeypatch.chdir(wd)
+    monkeypatch.syspath_prepend(str(wd))
+    try:
+        assert main(["run", *with_flags(ARGS, "--steps", "1"), "--reward", "rmod:score",
+                     "--run-dir", "run"]) == 0
+        capsys.readouterr()
+        assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
+                     "--reward", "rmod2:score"]) == 2
+        err = capsys.readouterr().err
+        assert "--reward (saved 'rmod:score') cannot change when resuming" in err, err
+        assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
+                     "--reward", "rmod:score"]) == 0, capsys.readouterr().err
+    finally:
+        sys.modules.pop("rmod", None)
+        sys.modules.pop("rmod2", None)
+
 def test_a_module_reward_resumed_from_elsewhere_names_the_runs_module(tmp_path, capsys,
                                                                       monkeypatch):
     """--reward rmod:score (MODULE:FUNC: imported by Python's module search from the current
@@ -569,6 +629,12 @@ def test_resume_says_where_it_resumes_and_counts_on(tmp_path, capsys, uninterrup
     # Then the start-up lines and the closing summary (runner/watch.py); the progress lines:
     assert [ln.split("  ")[0] for ln in err[1:] if ln.startswith("step ")] == ["step 2/3",
                                                                              "step 3/3"]
+    # The closing line counts the run's 3 steps and says 2 of them, and their seconds (evidence
+    # steps 1 and 2), were this resume's (found by mutation testing: no resumed_at passed to the
+    # summary, or the checkpoint's step + 1, passed every test).
+    mine = math.fsum(s["timings"]["step_s"] for s in _steps(d)[1:])
+    assert [ln for ln in err if ln.startswith("done: ")][0].startswith(
+        f"done: 3 steps (2 of them in this resume, {mine:.1f} s) in "), err
     for f in ("model.safetensors", "rlk_weights.json"):
         assert (d / "final" / f).read_bytes() == (uninterrupted / "final" / f).read_bytes()
     assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no staging left
