@@ -288,6 +288,29 @@ def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
         assert_nothing_left(run_dir)
 
 
+def test_too_long_prompts_name_the_first_and_the_longest_of_every_step(tmp_path):
+    """Three steps of one prompt each (20, 40 and 30 tokens, the longest in the middle step):
+    --max-prompt-len 16 names the first too long (line 1, 20 tokens) and the run's longest, 40
+    (not step 0's 20 nor the last step's 30); --max-prompt-len 39 (control) names line 2, 40
+    tokens, with the same longest. Found by mutation testing: the longest taken from the first
+    step or the last step only, and the first prompt's count given as the longest's, passed
+    every test (the other tests' runs have one step, or the first too long is the longest)."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join([_good_line("x" * 20, "1"), _good_line("x" * 40, "2"),
+                                 _good_line("x" * 30, "3")]))
+    for limit, line, n in (("16", 1, 20), ("39", 2, 40)):
+        run_dir = tmp_path / f"r{limit}"
+        rc, err = rlk("run", *with_flags(SMALL, "--n-prompts", "1", "--steps", "3"),
+                      "--max-prompt-len", limit, "--prompts", str(path), "--allow-dirty",
+                      "--run-dir", str(run_dir))
+        assert rc == 2, err
+        assert error_line(err) == (
+            f"--prompts {path}:{line}: prompt has {n} tokens, more than --max-prompt-len "
+            f"{limit}; the longest prompt of the run's 3 step(s) has 40: give --max-prompt-len "
+            "40 or more"), err
+        assert_nothing_left(run_dir)
+
+
 # ---------------------------------------------------------------------------------------------
 # configs: RunConfig and `rlk run` flags
 
