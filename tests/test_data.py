@@ -327,6 +327,29 @@ def test_jsonl_with_input_and_label_keys(tmp_path):
                    input_key="question", label_key="solution")
 
 
+
+@pytest.mark.parametrize("record, missing, keys", [
+    ({"prompt": "q", **{f"k{i}": 0 for i in range(1, 10)}}, '"label" (or "answer")',
+     '"prompt", "k1", "k2", "k3", "k4", "k5", "k6", "k7", and 2 more'),
+    ({"prompt": "q", **{f"k{i}": 0 for i in range(1, 9)}}, '"label" (or "answer")',
+     '"prompt", "k1", "k2", "k3", "k4", "k5", "k6", "k7", and 1 more'),
+    ({"prompt": "q", **{f"k{i}": 0 for i in range(1, 8)}}, '"label" (or "answer")',
+     '"prompt", "k1", "k2", "k3", "k4", "k5", "k6", "k7"'),
+    ({"x" * 50: 1, "label": "1"}, '"prompt"', f'"{"x" * 40}", "label"'),
+    ({"text": "q", "label": "1"}, '"prompt"', '"text", "label"'),
+    ({}, '"prompt"', "none"),
+], ids=["10 keys", "9 keys", "8 keys", "a long key", "no prompt key", "no keys"])
+def test_a_missing_key_message_lists_the_records_keys(tmp_path, record, missing, keys):
+    """A record without the prompt or label key: the message lists the record's keys in order,
+    the first 8, each cut to 40 characters, then ", and N more" for the rest (8 keys: no such
+    tail); an empty record's keys are "none". Found by mutation testing: dropping "and N more",
+    miscounting it, listing 9 keys, not cutting a key, an empty list for {} and a missing
+    prompt key without its list all passed every test."""
+    path = _write(tmp_path, json.dumps(record) + "\n")
+    with pytest.raises(PromptFileError) as e:
+        load_jsonl(path)
+    assert str(e.value).split("; ")[0] == f"{path}:1: missing {missing} (its keys: {keys})"
+
 def test_parquet_prompts_equal_jsonl_prompts(tmp_path):
     """The same records as Parquet and as JSONL give the same Prompts (text, label, index) and
     prompt_source hashes the Parquet file's bytes."""
