@@ -147,6 +147,18 @@ def test_summary_lines_of_a_resume_say_what_this_invocation_ran():
         "done: 3 steps (3 of them in this resume, 12.0 s) in 12.0 s")
 
 
+@pytest.mark.parametrize("resumed_at", [3, 4, -1])
+def test_summary_lines_of_a_resume_past_its_steps_add_no_clause(resumed_at):
+    """resumed_at outside [0, n) (3 of 3 records: nothing of this invocation's; 4; -1): the lines
+    are exactly those without resumed_at — no "(0 of them in this resume, 0.0 s)" (control:
+    resumed_at 2 adds "(1 of them in this resume, 4.0 s)"). Found by mutation testing: a bound
+    of `resumed_at <= n` passed every test."""
+    recs = [_rec(0), _rec(1), _rec(2)]
+    assert summary_lines(recs, "runs/r", resumed_at=resumed_at) == summary_lines(recs, "runs/r")
+    assert summary_lines(recs, "runs/r", resumed_at=2)[0].startswith(
+        "done: 3 steps (1 of them in this resume, 4.0 s) in 12.0 s")
+
+
 # ---------------------------------------------------------------------------------------------
 # the phases on a terminal
 
