@@ -169,7 +169,8 @@ def test_resume_refuses_a_checkpoint_that_records_no_settings(runs, tmp_path, ca
     _edit_json(d / "checkpoints" / "step-000002" / "meta.json", edit)
     err = _refused(capsys, d)
     assert (f"{d / 'checkpoints' / 'step-000002' / 'meta.json'} records no settings of the run "
-            "that wrote it") in err, err
+            "that wrote it (a checkpoint of an older rl-kernel, or its meta.json was edited)"
+            ) in err, err
 
 
 def test_resume_settings_are_what_a_resume_may_not_change():
@@ -262,5 +263,6 @@ def test_resume_refuses_a_checkpoint_that_records_no_inputs(runs, tmp_path, caps
         _edit_json(d / "checkpoints" / "step-000002" / "meta.json", edit)
         err = _refused(capsys, d)
         assert (f"{d / 'checkpoints' / 'step-000002' / 'meta.json'} records no digest of the "
-                "inputs it was trained from") in err, err
+                "inputs it was trained from (a checkpoint of an older rl-kernel, or its "
+                "meta.json was edited)") in err, err
         shutil.rmtree(d)
