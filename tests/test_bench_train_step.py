@@ -14,6 +14,7 @@ Run: `.venv/bin/python -m pytest -q tests/test_bench_train_step.py` (about 15 s)
 from __future__ import annotations
 
 import json
+import pathlib
 
 import torch
 
@@ -264,3 +265,33 @@ def test_ratio_says_when_the_arms_ran_different_microbatches(tmp_path, monkeypat
         line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("ratio")][0]
         assert json.loads(out.read_text())["ratio_same_packing"] is same
         assert ("NOT the cost of invariance" in line) is (not same), line
+
+
+def test_ab_runs_both_builds_alternately_and_checks_the_first_grad_norm(tmp_path, capsys):
+    """benchmarks/ab_train_step.py on CPU with this tree as both builds (tiny model, 2 steps, 2
+    rounds): four processes, old and new alternating; each build's warm steps pooled (one per
+    run: the steps after the first), mean/min and new/old ratios, and the first gradient norm
+    the same float in every run. Control: summarize() of runs whose norms differ in one bit
+    says they are not the same."""
+    import math
+
+    from benchmarks import ab_train_step as ab
+    out = tmp_path / "ab.json"
+    root = pathlib.Path(ab.__file__).resolve().parent.parent
+    ab.main(["--old", str(root), "--rounds", "2", "--out", str(out), "--",
+             "--model", "tiny", "--samples", "2", "--prompt-len", "8", "--response-len", "24",
+             "--steps", "2", "--device", "cpu", "--arms", "invariant", "--no-kl"])
+    res = json.loads(out.read_text())
+    assert res["rounds_done"] == 2 and [len(res["runs"][b]) for b in ("old", "new")] == [2, 2]
+    row = res["arms"]["invariant"]
+    for b in ("old", "new"):
+        assert len(row[b]["warm"]) == 2 and row[b]["min"] == min(row[b]["warm"])
+    assert math.isclose(row["ratio_mean"], row["new"]["mean"] / row["old"]["mean"])
+    assert res["same_first_grad_norm"] is True
+    assert "first grad norm the same in every invariant run: True" in capsys.readouterr().out
+    one = json.loads(json.dumps(res["runs"]["old"][0]))
+    other = json.loads(json.dumps(one))
+    g = other["arms"]["invariant"]["first_grad_norm"]
+    other["arms"]["invariant"]["first_grad_norm"] = math.nextafter(g, math.inf)
+    assert ab.summarize({"old": [one], "new": [other]})["same_first_grad_norm"] is False
+    assert ab.summarize({"old": [one], "new": [one]})["same_first_grad_norm"] is True
