@@ -353,27 +353,6 @@ def sm90_ptx(kernel, types, constexprs: dict, num_warps: int, fusion: bool) -> s
     return k.asm["ptx"]
 
 
-def sm90_registers(ptx: str, fusion: bool) -> tuple[int, int]:
-    """(registers per thread, spill store bytes) that Triton's bundled ptxas reports for `ptx`
-    assembled as Triton assembles it for an H100/H200 (sm_90a, -lineinfo, --fmad=false unless
-    `fusion`, the launch's enable_fp_fusion), on the CPU."""
-    import tempfile
-
-    import triton
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "k.ptx"
-        src.write_text(ptx)
-        fmad = [] if fusion else ["--fmad=false"]
-        p = subprocess.run([str(ptxas), "-lineinfo", *fmad, "-v", "--gpu-name=sm_90a", str(src),
-                            "-o", str(Path(d) / "k.cubin")], capture_output=True, text=True,
-                           timeout=300, check=True)
-    regs = re.search(r"Used (\d+) registers", p.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", p.stderr)
-    assert regs and spill, p.stderr
-    return int(regs.group(1)), int(spill.group(1))
-
-
 class FakeTensor:
     """A tensor argument for `sm90_as_launched`: its dtype and address (the alignment Triton
     specialises on), with no storage."""
@@ -391,12 +370,12 @@ def fake_descriptor(dtype: torch.dtype, shape: list[int], block: list[int]):
     return TensorDescriptor(FakeTensor(dtype), list(shape), [shape[1], 1], list(block))
 
 
-def sm90_as_launched(kernel, args: list, kwargs: dict) -> str:
-    """PTX of `kernel` for sm_90 specialised as `kernel[grid](*args, **kwargs)` would launch it
-    on a GPU: Triton's own argument binder sees the values (so a stride of 1 becomes a
-    constant and sizes divisible by 16 are marked, as on the device; `sm90_ptx` takes
-    unspecialised types instead and can report other registers and spills). Tensors are
-    FakeTensor / fake_descriptor stand-ins."""
+def _sm90_compiled(kernel, args: list, kwargs: dict):
+    """`kernel` compiled for sm_90 as `kernel[grid](*args, **kwargs)` would be on a GPU: Triton's
+    own argument binder sees the values, so a stride of 1 becomes a constant and sizes divisible
+    by 16 are marked, as on the device (`sm90_ptx` takes unspecialised types instead and can
+    report other registers and spills). Tensors are FakeTensor / fake_descriptor stand-ins.
+    Returns (Triton's compiled kernel, its options)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -408,7 +387,36 @@ def sm90_as_launched(kernel, args: list, kwargs: dict) -> str:
     bound, spec, opts = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=target, options=options.__dict__).asm["ptx"]
+    return triton.compile(src, target=target, options=options.__dict__), options
+
+
+def sm90_as_launched(kernel, args: list, kwargs: dict) -> str:
+    """PTX of `kernel` for sm_90 specialised as its launch with `args`, `kwargs` would be
+    (`_sm90_compiled`)."""
+    return _sm90_compiled(kernel, args, kwargs)[0].asm["ptx"]
+
+
+def sm90_registers(kernel, args: list, kwargs: dict) -> tuple[int, int]:
+    """(registers per thread, spill store bytes) of `kernel` launched with `args`, `kwargs`
+    (`_sm90_compiled`), as Triton's bundled ptxas reports them when it assembles the PTX the
+    way Triton does for an H100/H200 (sm_90a, -lineinfo, --fmad=false unless the launch's
+    enable_fp_fusion), on the CPU."""
+    import tempfile
+
+    import triton
+    compiled, options = _sm90_compiled(kernel, args, kwargs)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(compiled.asm["ptx"])
+        fmad = [] if options.enable_fp_fusion else ["--fmad=false"]
+        p = subprocess.run([str(ptxas), "-lineinfo", *fmad, "-v", "--gpu-name=sm_90a", str(src),
+                            "-o", str(Path(d) / "k.cubin")], capture_output=True, text=True,
+                           timeout=300, check=True)
+    regs = re.search(r"Used (\d+) registers", p.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", p.stderr)
+    assert regs and spill, p.stderr
+    return int(regs.group(1)), int(spill.group(1))
 
 
 def ptx_double(x: float) -> str:

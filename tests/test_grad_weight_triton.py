@@ -1,8 +1,8 @@
 """The fused dW kernel (rlkernel/kernels/triton_grad_weight.py) under TRITON_INTERPRET=1 (Triton
 on the CPU): its accumulator == the reference path's (token-leaf partials + the torch exact
 accumulator), bytewise, for narrow, wide (through the lo word) and extreme (flagged, redone)
-ranges of leaf partials, an inexact add onto a small running sum (seen only by add_exact_or_nan's
-second comparison), non-finite partials, sums past the fp32 range, forced recomputes, edge
+ranges of leaf partials, an inexact add onto a small running sum (seen only by
+add_exact_or_nan's second comparison), non-finite partials, sums past the fp32 range, forced recomputes, edge
 tiles, strided operands, a non-zero starting accumulator, other tiles, several launches and
 EMIT batches, sums at the double-word bound (lowered to 2**129); with the control that the wide
 case's naive float64 sum is wrong; and the launch arguments the interpreter cannot show (fp
@@ -23,7 +23,7 @@ import re
 import pytest
 import torch
 
-from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx, sm90_registers
+from kernel_helpers import NEEDS_TRITON, check_ok as _ok, checks_fixture, sm90_ptx
 
 pytestmark = NEEDS_TRITON
 results = checks_fixture("grad_weight_triton_checks.py")
@@ -44,8 +44,8 @@ def test_one_inexact_add_is_retried_and_exact(results):
 def test_small_then_large_inexact_add_is_retried_and_exact(results):
     """Partials 2**-80, 1, 2**-24 in one element: the add of 1 onto 2**-80 is inexact, seen only
     by add_exact_or_nan's second comparison (s - p == hi); retried (tile 0 alone, no EMIT),
-    the exact sum's bytes (1 + 2**-23) in the accumulator and rounded_grad_weight; control: the naive
-    float64 sum gives 1.0."""
+    the exact sum's bytes (1 + 2**-23) in the accumulator and rounded_grad_weight; control: the
+    naive float64 sum gives 1.0."""
     _ok(results, "small_then_large_inexact_add_is_retried_and_exact")
 
 
@@ -265,24 +265,25 @@ def test_the_first_dw_pass_keeps_its_tile_in_registers():
     flag tile beside hi: 255 registers and 160 bytes of spill stores a thread, carried; 172
     registers direct.) Its carried words load hi only; the checked retry, which changes lo,
     loads both (the retry's PTX has twice the first pass's float64 loads)."""
-    from kernel_helpers import FakeTensor, fake_descriptor, sm90_as_launched
+    from kernel_helpers import FakeTensor, fake_descriptor, sm90_as_launched, sm90_registers
 
     from rlkernel.kernels import triton_grad_weight as tgw
     n_tok, n, k = 16384, 6144, 2048
     bf, f64, i32 = torch.bfloat16, torch.float64, torch.int32
 
-    def ptx(carry: bool, retry_all: bool) -> str:
+    def launch(carry: bool, retry_all: bool) -> tuple[list, dict]:
         args = [FakeTensor(bf), FakeTensor(bf), fake_descriptor(bf, [n_tok, n], [128, 64]),
                 fake_descriptor(bf, [n_tok, k], [128, 64]), FakeTensor(f64), FakeTensor(i32),
                 FakeTensor(i32), FakeTensor(i32), n_tok, n, k, n, 1, k, 1, n * k]
         kw = dict(BLOCK_N=64, BLOCK_K=64, LEAF=128, PREC="tf32", EMIT=False, RETRY=retry_all,
                   FORCE_FLAG=0, RETRY_ALL=retry_all, TMA=True, CARRY=carry, COUNTED=retry_all,
                   num_warps=4, num_stages=3, enable_fp_fusion=False)
-        return sm90_as_launched(tgw._dw_kernel, args, kw)
+        return args, kw
 
     for carry in (True, False):
-        regs, spill = sm90_registers(ptx(carry, False), fusion=False)
+        regs, spill = sm90_registers(tgw._dw_kernel, *launch(carry, False))
         assert spill == 0 and regs < 255, (carry, regs, spill)
-    loads = [len(re.findall(r"ld\.global(?:\.\w+)*\.b64", ptx(True, retry)))
+    loads = [len(re.findall(r"ld\.global(?:\.\w+)*\.b64",
+                            sm90_as_launched(tgw._dw_kernel, *launch(True, retry))))
              for retry in (False, True)]
     assert loads[0] > 0 and loads[1] == 2 * loads[0], loads

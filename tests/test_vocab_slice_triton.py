@@ -43,7 +43,7 @@ def test_fused_stats_kernel_does_not_spill_as_launched():
     statistics, z's tile lived on past them: 56 bytes of spill stores a thread at 255
     registers.)"""
     import torch
-    from kernel_helpers import FakeTensor, sm90_as_launched, sm90_registers
+    from kernel_helpers import FakeTensor, sm90_registers
 
     from rlkernel.kernels import triton_logprobs as tlp
     from rlkernel.kernels.triton_matmul import BLOCK_K
@@ -55,6 +55,5 @@ def test_fused_stats_kernel_does_not_spill_as_launched():
             *[FakeTensor(f32) for _ in range(4)], n, k, v // shards, live, k, 1, k, 1, 1.0]
     kw = dict(BR=br, C=tlp.VOCAB_CHUNK, LOG_C=tlp._LOG_CHUNK, BLOCK_K=BLOCK_K[torch.bfloat16],
               PREC="tf32", num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-    regs, spill = sm90_registers(sm90_as_launched(tlp._linear_stats_kernel, args, kw),
-                                 fusion=False)
+    regs, spill = sm90_registers(tlp._linear_stats_kernel, args, kw)
     assert spill == 0, (regs, spill)
