@@ -125,6 +125,14 @@ def check_checkpoint_dirs(run_dir: pathlib.Path) -> None:
             raise ResumeError(f"{why}; the run replaces it with a checkpoint: move it away")
 
 
+def _unrecorded(ck: Checkpoint, what: str, part: str) -> str:
+    """The refusal of a checkpoint whose meta.json lacks `what` (or holds it malformed), which
+    ties it to manifest.json's `part`."""
+    return (f"{ck.path / _META} records no {what} (a checkpoint of an older rl-kernel, or its "
+            f"meta.json was edited): nothing ties it to manifest.json's {part}; finish the run "
+            "with the code that wrote it (its manifest's git commit), or start a new run")
+
+
 def check_settings(ck: Checkpoint, cfg: RunConfig) -> None:
     """Refuse a checkpoint written under other settings than the run's config `cfg` (its
     manifest's, with a resume's flags): a manifest edited since (--lr, --seed: resumed
@@ -132,10 +140,7 @@ def check_settings(ck: Checkpoint, cfg: RunConfig) -> None:
     checkpoints recorded them) is refused too, as a manifest without its canonical spec is:
     nothing shows it belongs to this config. Raises ResumeError naming the settings."""
     if ck.settings is None:
-        raise ResumeError(f"{ck.path / _META} records no settings of the run that wrote it (a "
-                          "checkpoint of an older rl-kernel, or its meta.json was edited): nothing ties it to manifest.json's "
-                          "config; finish the run with the code that wrote it (its manifest's git "
-                          "commit), or start a new run")
+        raise ResumeError(_unrecorded(ck, "settings of the run that wrote it", "config"))
     diff = cfg.resume_differences(ck.settings)
     if diff:
         now = cfg.to_dict()
@@ -154,11 +159,7 @@ def check_inputs(ck: Checkpoint, manifest_inputs) -> None:
     A checkpoint that records none (written before checkpoints recorded it) is refused as one
     without settings is. Raises ResumeError."""
     if ck.inputs is None:
-        raise ResumeError(f"{ck.path / _META} records no digest of the inputs it was trained "
-                          "from (a checkpoint of an older rl-kernel, or its meta.json was "
-                          "edited): nothing ties it to "
-                          "manifest.json's inputs; finish the run with the code that wrote it "
-                          "(its manifest's git commit), or start a new run")
+        raise ResumeError(_unrecorded(ck, "digest of the inputs it was trained from", "inputs"))
     if ck.inputs != inputs_digest(manifest_inputs):
         raise ResumeError(f"{ck.path} was trained from other inputs (weights, prompts, reward or "
                           "tokenizer contents) than manifest.json records: the checkpoint is "

@@ -101,8 +101,8 @@ def summary_lines(steps: list[dict[str, Any]], run_dir: str | os.PathLike,
         return [s[key] for s in steps
                 if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool)]
 
-    def timing(key: str) -> float:
-        return math.fsum((s.get("timings") or {}).get(key, 0.0) or 0.0 for s in steps)
+    def timing(key: str, records: list[dict[str, Any]] = steps) -> float:
+        return math.fsum((s.get("timings") or {}).get(key, 0.0) or 0.0 for s in records)
 
     total = timing("step_s")
     n = len(steps)
@@ -115,8 +115,7 @@ def summary_lines(steps: list[dict[str, Any]], run_dir: str | os.PathLike,
                     and not s.get("update_skipped"))
     this = ""
     if resumed_at is not None and 0 <= resumed_at < n:
-        mine = math.fsum((s.get("timings") or {}).get("step_s", 0.0) or 0.0
-                         for s in steps[resumed_at:])
+        mine = timing("step_s", steps[resumed_at:])
         this = f" ({n - resumed_at} of them in this resume, {mine:.1f} s)"
     lines = [
         f"done: {n} step{'s' if n != 1 else ''}{this} in {total:.1f} s ({total / n:.2f} s/step: "
