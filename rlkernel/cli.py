@@ -1362,6 +1362,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
           "are kept)", file=sys.stderr)
     progress = Progress(total=cfg.steps)
     writer: EvidenceWriter | None = None
+    before = _rewritten_files(d)
     previous_sigterm = _exit_on_sigterm()
     try:
         writer = EvidenceWriter.resume(d, manifest, ck.next_step, progress)
@@ -1371,6 +1372,10 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
     except (ValueError, OSError) as e:
         if _debug():
             raise
+        if writer is not None:
+            writer.adopt()          # the steps a launched run's rank 0 recorded
+        if writer is None or writer.n_steps <= ck.next_step:
+            return _resume_failed_before_its_steps(e, d, before)
         return _error("run", e, 1)
     except (KeyboardInterrupt, SystemExit) as e:
         if _debug():
@@ -1382,6 +1387,37 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
     _summary(writer, d, ck.next_step)
     print(d)
     return 0
+
+
+def _rewritten_files(d: pathlib.Path) -> dict[pathlib.Path, bytes | None]:
+    """The files of run `d` that a resume rewrites before its first step (the manifest, the
+    evidence cut to the checkpoint's steps, the metrics and completions lines past it), as
+    they are now (None: absent)."""
+    from rlkernel.runner.metrics import COMPLETIONS, METRICS
+
+    return {d / name: (d / name).read_bytes() if (d / name).is_file() else None
+            for name in ("manifest.json", "evidence.json", METRICS, COMPLETIONS)}
+
+
+def _resume_failed_before_its_steps(e: BaseException, d: pathlib.Path,
+                                    before: dict[pathlib.Path, bytes | None]) -> int:
+    """A resume that failed before recording a step: put back the files it rewrote
+    (`_rewritten_files`), so the run is as it was — a finished run stays complete — and say so.
+    A bad input (a prompt longer than the run's --max-prompt-len among the steps an extended
+    --steps added) is a usage error, exit 2; anything else exit 1."""
+    from rlkernel.runner.evidence import write_bytes_atomic
+
+    for path, data in before.items():
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            write_bytes_atomic(path, data)
+    bad_input = _input_error(e)
+    kept = (f"{d} is left as it was" if bad_input is None else
+            f"{d} is left as it was; a resume cannot change the flags that decide what the run "
+            "computes: start a new run to change them")
+    return _error("run", f"{e if bad_input is None else bad_input} ({kept})",
+                  1 if bad_input is None else 2)
 
 
 def _input_error(e: BaseException) -> str | None:

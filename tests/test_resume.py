@@ -871,3 +871,28 @@ def test_resume_refuses_an_unreadable_model_file_before_rewriting_the_run(tmp_pa
         f"rlk run: error: --model '{model}': cannot read {index} ({why}); inputs are hashed "
         "into the manifest"]
     assert _snapshot(d) == before
+
+
+def test_a_resume_that_meets_a_too_long_prompt_leaves_the_run_as_it_was(tmp_path, capsys):
+    """A finished 1-step run (--max-prompt-len 8) extended by a resume to 2 steps whose second
+    step takes a prompts-file line longer than that: exit 2 (a bad input, as at a run's start),
+    one line naming the line and saying the run is left as it was; every file of the run is
+    byte-identical to before (it had rewritten manifest.json with the extended --steps, cut
+    the evidence to complete: false and could then be neither resumed nor put back), and the
+    run still compares IDENTICAL with a copy taken before."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+3=", "label": "5"}\n'
+                       + json.dumps({"prompt": "9" * 40, "label": "1"}) + "\n")
+    d, copy = tmp_path / "run", tmp_path / "copy"
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), "--prompts", str(prompts),
+                 "--max-prompt-len", "8", "--run-dir", str(d)]) == 0
+    shutil.copytree(d, copy)
+    before = _snapshot(d)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 1 and f"--prompts {prompts}:3: prompt has" in err[0], err
+    assert f"{d} is left as it was" in err[0], err
+    assert _snapshot(d) == before
+    assert json.loads((d / "evidence.json").read_text())["complete"] is True
+    _identical(capsys, copy, d)

@@ -62,22 +62,28 @@ def to_json_safe(obj: Any) -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write `obj` as JSON (indent=1) to `path` so readers see the old file or the new, never a mix.
+    """Write `obj` as JSON (indent=1) to `path` so readers see the old file or the new, never a mix
+    (`write_bytes_atomic`). Raises TypeError for values JSON cannot hold, OSError on I/O
+    failure."""
+    text = json.dumps(to_json_safe(obj), indent=1, allow_nan=False) + "\n"
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so readers see the old file or the new, never a mix.
 
     Writes a temp file in the same directory, fsyncs it, `os.replace`s it over `path`, then fsyncs
-    the directory. Raises TypeError for values JSON cannot hold, OSError on I/O failure (the temp
-    file is removed).
+    the directory. Raises OSError on I/O failure (the temp file is removed).
     """
     path = pathlib.Path(path)
-    text = json.dumps(to_json_safe(obj), indent=1, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp creates 0600; evidence is meant to be shared, so use the umask's usual mode.
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
