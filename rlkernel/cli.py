@@ -1086,11 +1086,16 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
         recorded = {}
     # An input typed another way (an absolute path for the relative one the run started with)
     # is the same input: the saved value stays, so the config and checkpoints still match.
+    # An input flag left in `given` names another input than the run's, even typed as saved (a
+    # file of that name in this directory that is not the run's).
     given = {k: v for k, v in given.items()
              if k not in INPUT_PATHS or not same_input(k, v, saved.get(k), recorded.get(k))}
-    changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and given[k] != saved.get(k))
+    changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE
+                     and (k in INPUT_PATHS or given[k] != saved.get(k)))
     if changed:
-        what = ", ".join(f"{flag_name(k)} (saved {saved.get(k)!r})" for k in changed)
+        what = ", ".join(f"{flag_name(k)} {given[k]!r} (saved {saved.get(k)!r}"
+                         + (", but here it names another input than the run's"
+                            if given[k] == saved.get(k) else "") + ")" for k in changed)
         may = sorted(flag_name(k) for k in RESUME_MAY_CHANGE if k != "resume")
         raise ConfigError(f"--resume: {what} cannot change when resuming; only "
                           f"{', '.join(may)} may")

@@ -294,7 +294,8 @@ def test_a_resume_may_name_the_runs_inputs_by_another_path(tmp_path, capsys, mon
                   ["--model", str(tmp_path / "nowhere")]):
         assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty", *flags]) == 2
         err = capsys.readouterr().err
-        assert f"{flags[0]} (saved" in err and "cannot change when resuming" in err, err
+        assert f"{flags[0]} {flags[1]!r} (saved" in err, err
+        assert "cannot change when resuming" in err, err
     (wd / "r.py").write_text(_REWARD)
     monkeypatch.chdir(tmp_path)
     same = ["--model", str(wd / "m"), "--prompts", str(wd / "pr.jsonl"),
@@ -331,7 +332,8 @@ def test_a_moved_project_may_name_its_inputs_by_their_new_absolute_paths(tmp_pat
     assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
                  "--model", str(tmp_path / "copy")]) == 2
     err = capsys.readouterr().err
-    assert "--model (saved 'm')" in err and "cannot change when resuming" in err, err
+    assert f"--model {str(tmp_path / 'copy')!r} (saved 'm')" in err, err
+    assert "cannot change when resuming" in err, err
     assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
                  "--model", str(wd2 / "m"), "--prompts", str(wd2 / "pr.jsonl"),
                  "--reward", f"{wd2 / 'r.py'}:score"]) == 0, capsys.readouterr().err
@@ -362,7 +364,7 @@ def test_a_resume_may_not_swap_a_module_reward_for_another_module(tmp_path, caps
         assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
                      "--reward", "rmod2:score"]) == 2
         err = capsys.readouterr().err
-        assert "--reward (saved 'rmod:score') cannot change when resuming" in err, err
+        assert "--reward 'rmod2:score' (saved 'rmod:score') cannot change" in err, err
         assert main(["run", "--resume", "run", "--steps", "2", "--allow-dirty",
                      "--reward", "rmod:score"]) == 0, capsys.readouterr().err
     finally:
@@ -896,3 +898,31 @@ def test_a_resume_that_meets_a_too_long_prompt_leaves_the_run_as_it_was(tmp_path
     assert _snapshot(d) == before
     assert json.loads((d / "evidence.json").read_text())["complete"] is True
     _identical(capsys, copy, d)
+
+
+def test_the_typed_value_given_again_elsewhere_names_what_is_there(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A run started in WD with --prompts pr.jsonl --model m, resumed from WD/sub with the same
+    typed values: where sub/pr.jsonl (or sub/m) is another file with other contents, the flag
+    names that file, not the run's, and is refused (exit 2, naming it; it was accepted as the
+    same string and the run read WD's file); where nothing of that name is in sub/, the typed
+    value is the run's own (exit 0)."""
+    wd = tmp_path / "wd"
+    inputs = _relative_inputs(wd)
+    monkeypatch.chdir(wd)
+    assert main(["run", *with_flags(ARGS, "--steps", "1", "--save-every", "1"), *inputs,
+                 "--run-dir", "run"]) == 0
+    (wd / "sub").mkdir()
+    (wd / "sub" / "pr.jsonl").write_text('{"prompt": "7+7=", "label": "14"}\n')
+    shutil.copytree(wd / "m", wd / "sub" / "m")
+    monkeypatch.chdir(wd / "sub")
+    capsys.readouterr()
+    for flag, value in (("--prompts", "pr.jsonl"), ("--model", "m")):
+        assert main(["run", "--resume", "../run", "--steps", "2", "--allow-dirty",
+                     flag, value]) == 2
+        err = capsys.readouterr().err
+        assert (f"{flag} {value!r} (saved {value!r}, but here it names another input than the "
+                "run's) cannot change") in err, err
+    (wd / "sub" / "pr.jsonl").unlink()
+    assert main(["run", "--resume", "../run", "--steps", "2", "--allow-dirty",
+                 "--prompts", "pr.jsonl"]) == 0, capsys.readouterr().err

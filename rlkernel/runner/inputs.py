@@ -114,25 +114,27 @@ def input_on_disk(field: str, value: str | None) -> str | None:
 
 
 def same_input(field: str, given: Any, saved: Any, recorded: str | None) -> bool:
-    """Whether an INPUT_PATHS flag given to a resume (`given`) names the input the run was
-    saved with (`saved`, as typed then): the same value, or a path to the same file or directory
-    as the run's recorded path (`recorded`, input_paths) or its typed path from the current
-    directory — e.g. "/proj/m" for a run started in /proj with "m". A reward spec must name the
-    same function too; a "MODULE:FUNC" spec matches only itself."""
-    if given == saved:
-        return True
+    """Whether an INPUT_PATHS flag given to a resume (`given`) names the input the run reads:
+    the file or directory the resume reads (`where_now` of the run's recorded path `recorded`,
+    input_paths, and its typed value `saved`; the typed value from the current directory for a
+    run without input_paths) — e.g. "/proj/m" for a run started in /proj with "m". The value
+    typed at the start names it too when nothing is there from the current directory (a
+    resume from elsewhere); a file of that name here that is another file does not. A reward
+    spec must name the same function too; a "MODULE:FUNC" spec matches only itself."""
     if not (isinstance(given, str) and isinstance(saved, str)):
-        return False
+        return given == saved
     if field == "reward" and given.rpartition(":")[2] != saved.rpartition(":")[2]:
         return False
     here = input_on_disk(field, given)
-    for there in (input_on_disk(field, recorded), input_on_disk(field, saved)):
-        try:
-            if here is not None and there is not None and os.path.samefile(here, there):
-                return True
-        except OSError:   # either is gone: not shown to be the same input
-            continue
-    return False
+    if here is None:                      # a MODULE:FUNC reward: imported by name
+        return given == saved
+    read = input_on_disk(field, saved if recorded is None else where_now(field, recorded, saved))
+    if not os.path.lexists(here):
+        return given == saved
+    try:
+        return read is not None and os.path.samefile(here, read)
+    except OSError:   # what the run reads is gone: refused later, naming it
+        return False
 
 
 def located(cfg: RunConfig, paths: dict[str, str | None] | None) -> RunConfig:
