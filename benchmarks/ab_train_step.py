@@ -39,9 +39,12 @@ def _run(tree: pathlib.Path, bench_args: list[str], timeout: float) -> dict:
         out = pathlib.Path(d) / "r.json"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
-        p = subprocess.run([sys.executable, str(tree / "benchmarks" / "bench_train_step.py"),
-                            *bench_args, "--out", str(out)], env=env, cwd=tree,
-                           capture_output=True, text=True, timeout=timeout, check=False)
+        try:
+            p = subprocess.run([sys.executable, str(tree / "benchmarks" / "bench_train_step.py"),
+                                *bench_args, "--out", str(out)], env=env, cwd=tree,
+                               capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"ab_train_step: {tree} ran past --timeout {timeout} s") from None
         if p.returncode != 0 or not out.is_file():
             raise SystemExit(f"ab_train_step: {tree} exited {p.returncode}:\n{p.stderr[-3000:]}")
         return json.loads(out.read_text())
@@ -82,8 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv[:cut])
     bench_args = argv[cut + 1:]
-    if "--out" in bench_args:
+    if any(x == "--out" or x.startswith("--out=") for x in bench_args):
         ap.error("give --out before --, not to bench_train_step.py")
+    if a.timeout <= 0:
+        ap.error(f"--timeout {a.timeout}: must be > 0 seconds")
+    out_dir = pathlib.Path(a.out).absolute().parent
+    if pathlib.Path(a.out).is_dir() or not out_dir.is_dir():
+        ap.error(f"--out {a.out}: needs a file name in an existing directory")
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: must be at least 1")
     for tree in (a.old, a.new):
