@@ -231,6 +231,12 @@ def _child(rank: int, world_size: int, backend: str, timeout_s: float, port: int
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
+        # Every rank through its init (gloo: its full mesh of connections) before any rank's
+        # function runs: a rank whose function returns at once and exits closed its sockets
+        # while a slower peer was still connecting, which then failed with gloo's "Connection
+        # closed by peer" instead of running (seen on a loaded 2-core machine).
+        store.set(f"rlk/initialised/{rank}", "1")
+        store.wait([f"rlk/initialised/{r}" for r in range(world_size)], timeout)
         fn(rank, *args)
         dist.destroy_process_group()
     except SystemExit as e:
