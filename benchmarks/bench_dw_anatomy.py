@@ -24,9 +24,11 @@ Only the exact variants (`full`, `pipelined`, `tma`, `check`, `check_tma`, `pair
 production words (where no add is inexact: the benchmark's operands); they are checked bytewise equal
 to `full` before timing (so a faster variant is a candidate, not a different sum). cuBLAS's
 `dy.t() @ x` is the scale. Speed only; nothing here is used by the model.
+`--leaf 256`: the same variants with 256-token leaf partials (a speed study of a longer leaf;
+not the spec's sum).
 Run (repository root, one GPU, < 1 min):
     PYTHONPATH=. python3 benchmarks/bench_dw_anatomy.py [--modes full,tma] [--tiles 64x64x4x3]
-        [--out FILE.json]
+        [--leaf 256] [--out FILE.json]
 Does not: run without CUDA.
 """
 
@@ -92,20 +94,21 @@ def _leaf(a_ptr, b_ptr, ad, bd, t0, n0, k0, n_ok, k_ok, TMA: tl.constexpr):
 
 @triton.jit
 def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
+                    LEAF_T: tl.constexpr = 128):
     tile = tl.program_id(0)
     num_k = tl.cdiv(K, BLOCK_K)
     pn = tile // num_k
     pk = tile % num_k
     rn = (pn * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = (pk * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    rt = tl.arange(0, 128).to(tl.int64)
+    rt = tl.arange(0, LEAF_T).to(tl.int64)
     n_ok = rn < N
     k_ok = rk < K
     a_ptr = DY + rn[:, None] * s_dn + rt[None, :] * s_dl
     b_ptr = X + rt[:, None] * s_xl + rk[None, :] * s_xk
-    a_step = (tl.zeros([], dtype=tl.int64) + s_dl) * 128
-    b_step = (tl.zeros([], dtype=tl.int64) + s_xl) * 128
+    a_step = (tl.zeros([], dtype=tl.int64) + s_dl) * LEAF_T
+    b_step = (tl.zeros([], dtype=tl.int64) + s_xl) * LEAF_T
     hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     n_inexact = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
@@ -115,7 +118,7 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
     if MODE == 3 or MODE == 8:
         base = tl.load(X + rn[:, None] * 0 + rk[None, :] * s_xk, mask=k_ok[None, :], other=1.0).to(tl.float32)
         f = base * 0.0 + 1.0
-        for _ in range(0, L, 128):
+        for _ in range(0, L, LEAF_T):
             f = f * 1.0009765625
             if MODE == 3:
                 hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, (base * f).to(tl.float64))
@@ -124,7 +127,7 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
     elif MODE == 9:
         h32 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         l32 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for t0 in range(0, L, 128):
+        for t0 in range(0, L, LEAF_T):
             p = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok, True)
             h32, l32 = _pair32_add(h32, l32, p)
         hi = _pair32_word(h32, l32)
@@ -132,7 +135,7 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
         p = _leaf(a_ptr, b_ptr, AD, BD, 0, n0, k0, n_ok, k_ok, False)
         a_ptr += a_step
         b_ptr += b_step
-        for t0 in range(128, L, 128):
+        for t0 in range(LEAF_T, L, LEAF_T):
             q = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok, False)
             a_ptr += a_step
             b_ptr += b_step
@@ -140,7 +143,7 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
             p = q
         hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
     else:
-        for t0 in range(0, L, 128):
+        for t0 in range(0, L, LEAF_T):
             p = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok, (MODE == 5) | (MODE == 7))
             a_ptr += a_step
             b_ptr += b_step
@@ -166,19 +169,21 @@ def _alloc(size: int, align: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def run_variant(mode: str, dy: torch.Tensor, x: torch.Tensor, tile) -> torch.Tensor:
-    """The words [2, N, K] float64 of one variant (only full/pipelined/tma are the sum)."""
+def run_variant(mode: str, dy: torch.Tensor, x: torch.Tensor, tile, leaf: int = LEAF
+                ) -> torch.Tensor:
+    """The words [2, N, K] float64 of one variant (only full/pipelined/tma are the sum), with
+    leaf partials of `leaf` tokens (LEAF, the spec's, or another for a speed study)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     bn, bk, warps, stages = tile
     n, k = dy.shape[1], x.shape[1]
     out = torch.empty(2, n, k, dtype=torch.float64, device="cuda")
-    ad = TensorDescriptor.from_tensor(dy, [LEAF, bn])
-    bd = TensorDescriptor.from_tensor(x, [LEAF, bk])
+    ad = TensorDescriptor.from_tensor(dy, [leaf, bn])
+    bd = TensorDescriptor.from_tensor(x, [leaf, bk])
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
     _anatomy_kernel[grid](dy, x, ad, bd, out, dy.shape[0], n, k, dy.stride(0), dy.stride(1),
                           x.stride(0), x.stride(1), out.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-                          MODE=MODES[mode], num_warps=warps, num_stages=stages,
-                          enable_fp_fusion=False)
+                          MODE=MODES[mode], LEAF_T=leaf, num_warps=warps,
+                          num_stages=stages, enable_fp_fusion=False)
     return out
 
 
@@ -193,8 +198,13 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated variants")
     ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES),
                     help="comma-separated BLOCK_NxBLOCK_KxWARPSxSTAGES")
+    ap.add_argument("--leaf", type=int, default=LEAF,
+                    help="tokens per leaf partial (128, the spec's; e.g. 256 for a speed study: "
+                         "then the exact variants are compared with `check_tma` at that leaf)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.leaf not in (16, 32, 64, 128, 256):
+        ap.error(f"--leaf {args.leaf}: one of 16, 32, 64, 128, 256")
     modes = args.modes.split(",")
     try:
         tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
@@ -211,17 +221,20 @@ def main() -> None:
     rows = []
     for t, n, k in SHAPES:
         dy, x = _operands(t, n, k)
-        ref, _ = tgw._double_words(dy, x, tgw.TILE, False)
+        ref = (tgw._double_words(dy, x, tgw.TILE, False)[0] if args.leaf == LEAF else
+               run_variant("check_tma", dy, x, tgw.TILE, args.leaf))
         cublas = median_ms(lambda: dy.t() @ x)
         for tile in tiles:
-            row = {"tokens": t, "n": n, "k": k, "tile": list(tile), "cublas_ms": cublas}
+            row = {"tokens": t, "n": n, "k": k, "tile": list(tile), "leaf": args.leaf,
+                   "cublas_ms": cublas}
             for mode in modes:
                 try:
-                    out = run_variant(mode, dy, x, tile)
+                    out = run_variant(mode, dy, x, tile, args.leaf)
                     if mode in EXACT:
                         row[f"{mode}_same_bytes"] = bool(torch.equal(
                             out.view(torch.int64), ref.view(torch.int64)))
-                    row[f"{mode}_ms"] = median_ms(lambda m=mode: run_variant(m, dy, x, tile))
+                    row[f"{mode}_ms"] = median_ms(
+                        lambda m=mode: run_variant(m, dy, x, tile, args.leaf))
                 except Exception as exc:  # a tile a variant cannot compile is a row entry
                     row[f"{mode}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             print(row, flush=True)

@@ -9,6 +9,7 @@ Shapes (tokens, N, K): qwen3-0.6b / 1.7b projections and MLP weights at 4,096 to
 ours (1.0 = as fast as what users run). Also the tiles of the fused kernel (speed only).
 Run (repository root, one GPU, < 2 min):
     PYTHONPATH=. python3 benchmarks/bench_grad_weight.py [--out FILE.json] [--quick]
+`--carry-sweep`: the persistent mode's carried pass at qwen3-1.7b shapes for several tiles.
 Does not: run without CUDA, time the rounding or the cross-rank sums (same for both paths).
 """
 
@@ -140,6 +141,55 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
     return row
 
 
+# qwen3-1.7b's weights as the dW kernel sees them, per microbatch of 4,096 tokens: (N, K,
+# launches) — q, k, v, o, gate, up, down per layer (28 layers), and the tied LM head / embedding.
+CARRY_SHAPES = ((2048, 2048, 56), (1024, 2048, 56), (6144, 2048, 56), (2048, 6144, 28),
+                (151936, 2048, 1))
+CARRY_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 8, 3), (64, 64, 8, 2),
+               (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2, 128), (64, 64, 4, 1, 128))
+
+
+def _carry_sweep(t: int = 4096) -> dict:
+    """`carry_grad_weight_deferred` (first pass + the retry launch over every tile: what the
+    persistent sink runs per linear per microbatch) at qwen3-1.7b's dW shapes for each tile of
+    CARRY_TILES: ms per call, ms per microbatch weighted by the launches, the words bytewise
+    equal across tiles (the tile is speed only), and cuBLAS's bf16 dW for scale."""
+    from rlkernel.kernels import triton_grad_weight as tgw
+    out = {"tokens": t, "shapes": [], "per_microbatch_ms": {}}
+    totals = {str(tl): 0.0 for tl in CARRY_TILES}
+    cublas_total = 0.0
+    for n, k, count in CARRY_SHAPES:
+        dy, x = _operands(t, n, k, torch.bfloat16)
+        words = torch.zeros(2, n, k, dtype=torch.float64, device="cuda")
+        row = {"n": n, "k": k, "launches": count,
+               "cublas_ms": median_ms(lambda: torch.matmul(dy.t(), x))}
+        cublas_total += count * row["cublas_ms"]
+        ref = None
+        for tl in CARRY_TILES:
+            words.zero_()
+            try:
+                _, flagged = tgw.carry_grad_weight_deferred(words, dy, x, tile=tl)
+            except Exception as e:     # out of shared memory / registers
+                row[str(tl)] = repr(e)[:80]
+                totals[str(tl)] = float("nan")
+                continue
+            assert int(flagged) == 0, (n, k, tl)
+            if ref is None:
+                ref = words.clone()
+            assert torch.equal(words, ref), f"tile {tl} changed the words at {(n, k)}"
+            ms = median_ms(lambda tl=tl: tgw.carry_grad_weight_deferred(words, dy, x, tile=tl))
+            row[str(tl)] = ms
+            totals[str(tl)] += count * ms
+        del words, ref, dy, x
+        torch.cuda.empty_cache()
+        print(row, flush=True)
+        out["shapes"].append(row)
+    out["per_microbatch_ms"] = totals
+    out["cublas_per_microbatch_ms"] = cublas_total
+    print({"per_microbatch_ms": totals, "cublas": cublas_total}, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
@@ -147,8 +197,13 @@ def main() -> None:
     ap.add_argument("--leaf-sweep", action="store_true",
                     help="the double-word pass at leaf lengths --leaves (1.7b shapes, 16k tokens)")
     ap.add_argument("--leaves", default="16,32,64,128", help="leaf lengths for --leaf-sweep")
+    ap.add_argument("--carry-sweep", action="store_true",
+                    help="the persistent carried pass at qwen3-1.7b shapes for CARRY_TILES")
     a = ap.parse_args()
     require_cuda()
+    if a.carry_sweep:
+        dump(a.out, {"env": env(), "carry_sweep": _carry_sweep()})
+        return
     if a.leaf_sweep:
         leaves = tuple(int(v) for v in a.leaves.split(","))
         dump(a.out, {"env": env(), "leaf_rows": [_leaf_row(*s, leaves) for s in LEAF_SHAPES]})

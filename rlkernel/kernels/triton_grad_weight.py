@@ -16,8 +16,11 @@ there (docs/BENCHMARKS.md), and the traffic grows with tokens × parameters.
 Algorithm, per output tile [BLOCK_N, BLOCK_K] (one program): walk the leaves in order; for each,
 p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then hi += p in float64 with the
 add checked exact (numerics/triton_fixedpoint.py `add_exact_or_nan`: s − hi == p and
-s − p == hi, Dekker's Fast2Sum lemma; no error word; an inexact add leaves NaN in hi). Every value here is a multiple of 2**-149 (an fp32
-partial is), so hi is the exact sum unless a check fails: an inexact add (p below ulp(hi),
+s − p == hi, Dekker's Fast2Sum lemma; no error word; an inexact add leaves NaN in hi). (One
+difference from the operand of larger magnitude, ordered by an integer compare, was tried:
+a third fewer float64 ops, 22 more registers, and a 2-4 % slower training step on an H100 —
+the pass is bound by latency, not by its float64 throughput; docs/BENCHMARKS.md.) Every
+value here is a multiple of 2**-149 (an fp32 partial is), so hi is the exact sum unless a check fails: an inexact add (p below ulp(hi),
 i.e. a leaf partial ~2**-29 of the running sum or smaller — a whole leaf of tiny gradients: on
 the CPU, one sample of four at 2**-20 of the others' scale gives 8 % of 64×64 tiles one such
 add, at 2**-25 every tile several), a partial that is not finite, or a sum past 2**150 (the
@@ -65,7 +68,8 @@ from rlkernel.kernels.triton_util import check_cuda, device_ctx
 from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import CUDA_TOKEN_LEAF
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): speed only (the sum is exact whatever the tile).
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]): speed only (the sum is exact whatever
+# the tile).
 TILE = (64, 64, 4, 3)      # the fastest of the H200 sweeps (docs/BENCHMARKS.md)
 EMIT_TILES = 64            # flagged tiles recomputed per EMIT launch (bounds the scratch)
 OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] double words (1 GiB)
@@ -181,7 +185,7 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, 
             use_tma=True, carry=False, count=None, desc=None):
     # desc: `_descriptors(a, b, tile, use_tma)` made by the caller for several launches on the
     # same operands (a pass and its retry: one pair of TMA descriptors made on the host, not two)
-    bn, bk, warps, stages = tile
+    bn, bk, warps, stages, *cap = tile      # cap: an optional register cap a thread (maxnreg)
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     ad, bd, tma = desc if desc is not None else _descriptors(a, b, tile, use_tma)
     with device_ctx(a):
@@ -193,7 +197,8 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, 
                          RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
                          RETRY_ALL=retry_all, TMA=tma, CARRY=carry,
                          COUNTED=retry_all and count is not None, num_warps=warps,
-                         num_stages=stages, enable_fp_fusion=False)
+                         num_stages=stages, enable_fp_fusion=False,
+                         **({"maxnreg": cap[0]} if cap else {}))
 
 
 def _retry_flagged(a, b, words, flags, tile, force_flag, use_tma) -> torch.Tensor:
