@@ -1,4 +1,5 @@
-"""JSON text to Python values, with every failure a `json.JSONDecodeError` (a ValueError).
+"""JSON text to Python values, with every failure a `json.JSONDecodeError` (a ValueError); and
+JSON strings for messages (`quoted`) that print no control or format character raw.
 
 `json.loads` raises RecursionError, not a ValueError, for deeply nested input (about 1,000
 levels in CPython), which callers that catch ValueError for a corrupt file turned into a
@@ -9,14 +10,61 @@ corrupt file (naming the file) applies. Does not: read files or validate the str
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Any
 
+UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
+"""Unicode categories a message must not print raw: controls (an escape sequence would reach
+the terminal), format characters (bidi overrides) and line/paragraph separators."""
 
-def loads(text: str | bytes) -> Any:
+
+def unprintable(text: str) -> bool:
+    """Whether text holds a character of an UNPRINTABLE category."""
+    return any(unicodedata.category(c) in UNPRINTABLE for c in text)
+
+
+def quoted(text: str) -> str:
+    """text as a JSON string for a message: non-ASCII as typed, UNPRINTABLE characters as
+    \\uXXXX (JSON escapes only the C0 ones)."""
+    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in UNPRINTABLE else c
+                   for c in json.dumps(text, ensure_ascii=False))
+
+
+MAX_DEPTH = 64
+"""Nesting for a caller that walks a document recursively (readfile.read_json's manifests and
+evidence, rlk compare) to refuse: rl-kernel's files nest a few levels, and such a walk must not
+run out of stack on a forged or corrupt document the parser still accepted (~1,000 levels)."""
+
+
+def loads(text: str | bytes, max_depth: int | None = None) -> Any:
     """json.loads(text); json.JSONDecodeError for invalid JSON, nesting past the interpreter's
-    recursion limit included ("nested too deeply", line 1 column 1)."""
+    recursion limit included ("nested too deeply", line 1 column 1), and an integer past
+    Python's digit limit for int conversion (4,300 digits; a ValueError of its own).
+    `max_depth`: also refuse containers nested deeper than that (one pass over the document,
+    so only where a recursive walk follows)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise
     except RecursionError:
         # no copy of the document in the error: it can be large
         raise json.JSONDecodeError("nested too deeply", "", 0) from None
+    except ValueError as e:     # e.g. "Exceeds the limit (4300 digits) for integer string ..."
+        raise json.JSONDecodeError(f"a number too long ({str(e).split(';')[0]})", "",
+                                   0) from None
+    if max_depth is not None and _depth(value) > max_depth:
+        raise json.JSONDecodeError(f"nested too deeply (more than {max_depth} levels)", "", 0)
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Containers nested in value (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        deepest = max(deepest, d)
+        stack.extend((x, d + 1) for x in items)
+    return deepest

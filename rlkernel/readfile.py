@@ -118,5 +118,7 @@ def read_text(path: str | os.PathLike) -> str:
 
 def read_json(path: str | os.PathLike) -> Any:
     """The JSON document in the regular file `path`. Raises as `read_text`, and
-    json.JSONDecodeError (jsontext.loads: nesting too deep included)."""
-    return jsontext.loads(read_text(path))
+    json.JSONDecodeError (jsontext.loads), nesting past jsontext.MAX_DEPTH included: the
+    manifests, evidence and metadata read here are walked recursively afterwards (a resume
+    re-serialises the manifest, compare compares it)."""
+    return jsontext.loads(read_text(path), max_depth=jsontext.MAX_DEPTH)

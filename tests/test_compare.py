@@ -56,8 +56,8 @@ def write_run(d, steps, *, tp=1, init=None, complete=True):
     return d
 
 
-def rlk_compare(capsys, a, b):
-    code = cli.main(["compare", str(a), str(b)])
+def rlk_compare(capsys, a, b, *flags):
+    code = cli.main(["compare", str(a), str(b), *flags])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -83,7 +83,7 @@ def test_a_run_compared_with_itself_is_refused(tmp_path, capsys):
     """rlk compare A A (or A and A/evidence.json, or A by another path), with or without
     --quiet: exit 2 and one line on stderr saying A and B are one run, nothing on stdout, so a
     script with a typo does not pass on a run's identity with itself (its IDENTICAL, exit 0,
-    hid the info line under --quiet). The API still compares and says so in an info line; two
+    hid the info line under --quiet). The API still compares and says so in a caveat; two
     separate runs get neither. `rlk compare --help` lists the exit codes."""
     a = write_run(tmp_path / "a", [_step(0)])
     for other in (a, a / "evidence.json", tmp_path / "." / "a"):
@@ -96,7 +96,7 @@ def test_a_run_compared_with_itself_is_refused(tmp_path, capsys):
                                    f"({a.resolve()})"), line
         report = compare_runs(a, other)
         assert report.identical and report.same_run == a.resolve()
-        assert report.info[0].startswith("A and B are the same run")
+        assert report.caveats[0].startswith("A and B are the same run")
     b = write_run(tmp_path / "b", [_step(0)])
     assert compare_runs(a, b).same_run is None
     code, out, err = rlk_compare(capsys, a, b)
@@ -110,13 +110,17 @@ def test_a_run_compared_with_itself_is_refused(tmp_path, capsys):
 def test_a_copied_run_is_said_to_be_a_copy(tmp_path, capsys):
     """B a copy of A (cp -r): IDENTICAL (exit 0, the evidence is the same) with an info line
     that one is a copy of the other — their wall-clock timings are the same too, which two runs
-    never share. Control: the same evidence with another step time (a second run) gets no such
+    never share — kept under --quiet (only it and the verdict). Control: the same evidence with another step time (a second run) gets no such
     line; nor does evidence without timings."""
     a = write_run(tmp_path / "a", [_step(0), _step(1)])
     shutil.copytree(a, tmp_path / "copy")
     code, out, _ = rlk_compare(capsys, a, tmp_path / "copy")
     assert code == 0 and out.splitlines()[-1] == "IDENTICAL"
     assert "one is a copy of the other, not a second run" in out, out
+    code, out, _ = rlk_compare(capsys, a, tmp_path / "copy", "--quiet")
+    assert code == 0 and out.splitlines() == [
+        "info  A and B hold the same evidence.json down to its wall-clock timings: one is a "
+        "copy of the other, not a second run", "IDENTICAL"], out
     second = [_step(0), _step(1)]
     second[0]["timings"]["step_s"] = 0.41
     b = write_run(tmp_path / "b", second)
@@ -124,7 +128,40 @@ def test_a_copied_run_is_said_to_be_a_copy(tmp_path, capsys):
     assert code == 0 and "copy" not in out, out
     untimed = [{k: v for k, v in _step(0).items() if k != "timings"}]
     c, d = write_run(tmp_path / "c", untimed), write_run(tmp_path / "d", untimed)
-    assert not any("copy" in line for line in compare_runs(c, d).info)
+    assert not any("copy" in line for line in compare_runs(c, d).caveats)
+
+
+def test_a_copy_is_said_once_even_with_an_edited_manifest(tmp_path, capsys):
+    """The copy caveat is printed once, as the first info line, by `rlk compare` of a cp -r copy
+    (and once under --quiet); the same run compared with itself (the API) gets only its own
+    caveat, not the copy's too; the same evidence and timings with an edited manifest
+    (created_utc, or relabelled tp 4) is still a copy, with or without --quiet: the timings
+    are what two runs never share, and a relabelled copy must not pass for a TP4 run (found
+    by a breaker; a manifest check made it read IDENTICAL alone). Found by mutation testing:
+    the caveats printed twice without --quiet (once as caveats, once among the info lines),
+    and a run compared with itself also called a copy, passed every test."""
+    copy_line = ("info  A and B hold the same evidence.json down to its wall-clock timings: one "
+                 "is a copy of the other, not a second run")
+    a = write_run(tmp_path / "a", [_step(0), _step(1)])
+    shutil.copytree(a, tmp_path / "copy")
+    code, out, _ = rlk_compare(capsys, a, tmp_path / "copy")
+    lines = out.splitlines()
+    assert code == 0 and lines.count(copy_line) == 1, out
+    assert [ln for ln in lines if ln.startswith("info  ")][0] == copy_line, out
+    code, out, _ = rlk_compare(capsys, a, tmp_path / "copy", "--quiet")
+    assert code == 0 and out.splitlines().count(copy_line) == 1, out
+    report = compare_runs(a, a)
+    assert len(report.caveats) == 1 and report.caveats[0].startswith("A and B are the same run")
+    other = tmp_path / "other"
+    shutil.copytree(a, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["created_utc"] = "2026-01-02T00:00:00Z"
+    manifest["config"]["tp"] = 4
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    assert compare_runs(a, other).caveats == [copy_line[len("info  "):]]
+    for flags in ((), ("--quiet",)):
+        code, out, _ = rlk_compare(capsys, a, other, *flags)
+        assert code == 0 and out.splitlines().count(copy_line) == 1, out
 
 
 def _set_config(run, **settings):
@@ -366,6 +403,51 @@ def test_json_nested_past_the_recursion_limit_is_a_usage_error(tmp_path, capsys,
     assert len(lines) == 1 and name in lines[0] and "nested too deeply" in lines[0], lines
 
 
+@pytest.mark.parametrize("where", ["step", "config"])
+def test_json_the_parser_takes_but_nested_too_deep_to_compare_is_a_usage_error(tmp_path, capsys,
+                                                                             where):
+    """A step field (evidence) or a config entry (manifest) nested 400 lists deep in both runs:
+    json parses it, but the comparison walks it recursively and ran out of stack (a
+    RecursionError traceback, exit 1 — "different" to a script; found by a breaker). Now exit
+    2, one line naming the file. Control: 30 levels compare (exit 0)."""
+    for depth, code_wanted in ((400, 2), (30, 0)):
+        runs = []
+        for side in ("a", "b"):
+            step = _step(0)
+            deep = [0]
+            for _ in range(depth - 1):
+                deep = [deep]
+            if where == "step":
+                step["deep"] = deep
+            run = write_run(tmp_path / f"{side}{depth}", [step])
+            if where == "config":
+                manifest = json.loads((run / "manifest.json").read_text())
+                manifest["config"]["deep"] = deep
+                (run / "manifest.json").write_text(json.dumps(manifest))
+            runs.append(run)
+        code, out, err = rlk_compare(capsys, *runs)
+        assert code == code_wanted, (depth, out, err)
+        if code_wanted == 2:
+            name = "evidence.json" if where == "step" else "manifest.json"
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and name in lines[0] and "nested too deeply" in lines[0], lines
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_usage_error(tmp_path, capsys):
+    """A 5,000-digit integer in B's evidence: exit 2, one line naming the file and saying the
+    number is too long (was a ValueError traceback and exit 1; found by a breaker)."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    text = (b / "evidence.json").read_text()
+    (b / "evidence.json").write_text(text.replace('"loss": ', '"loss": ' + "9" * 5000 + ", "
+                                                  '"was_loss": ', 1))
+    code, _, err = rlk_compare(capsys, a, b)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "evidence.json" in lines[0] and "number too long" in lines[0], \
+        lines
+
+
 @pytest.mark.parametrize("fmt", ["something-else/99", 2, None])
 def test_evidence_of_another_format_is_a_usage_error(tmp_path, capsys, fmt):
     """B's evidence says another format (or none): exit 2 naming the format, not a comparison
@@ -512,7 +594,9 @@ def test_quiet_prints_only_differences_and_the_verdict(tmp_path, capsys):
 
 def test_quiet_identical_prints_the_verdict_only(tmp_path, capsys):
     a = write_run(tmp_path / "a", [_step(0)], tp=2)
-    b = write_run(tmp_path / "b", [_step(0)], tp=4)
+    second = _step(0)
+    second["timings"]["step_s"] = 0.43       # a second run: its own wall-clock timings
+    b = write_run(tmp_path / "b", [second], tp=4)
     assert cli.main(["compare", "--quiet", str(a), str(b)]) == 0
     assert capsys.readouterr().out == "IDENTICAL\n"
 

@@ -19,7 +19,7 @@ Does not: read tensors or checkpoints (only evidence.json / manifest.json), or t
 
 Run: `rlk compare runs/A runs/B` (exit 0 identical, 1 different, 2 unreadable run, or A and B
 one run: the CLI refuses that, `compare_runs` reports it in `same_run`; `--quiet` prints only the
-differing fields and the verdict);
+differing fields, the verdict, and whether B is a copy of A);
 tests: `.venv/bin/python -m pytest -q tests/test_compare.py`.
 """
 
@@ -65,7 +65,8 @@ class CompareReport:
     `config_differences` (the config fields, outside SAME_EVIDENCE_SETTINGS, whose values differ)
     and `input_differences` (the inputs whose recorded content differs, described) do not.
     `same_run`: the run's resolved directory when A and B are one run (compared with itself:
-    IDENTICAL proves nothing), else None."""
+    IDENTICAL proves nothing), else None. `caveats`: what says an IDENTICAL proves nothing (one
+    run, or a copy of one): printed first among the info lines, and under --quiet too."""
 
     a: str
     b: str
@@ -74,6 +75,7 @@ class CompareReport:
     config_differences: list[str] = field(default_factory=list)
     input_differences: list[str] = field(default_factory=list)
     same_run: pathlib.Path | None = None
+    caveats: list[str] = field(default_factory=list)
 
     @property
     def n_differences(self) -> int:
@@ -106,7 +108,7 @@ def _load_json(path: pathlib.Path) -> Any:
         raise CompareError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); not a file "
                            "rlk run writes") from None
     try:
-        return jsontext.loads(text)
+        return jsontext.loads(text, max_depth=jsontext.MAX_DEPTH)   # the comparison recurses
     except json.JSONDecodeError as e:
         raise CompareError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
 
@@ -408,12 +410,13 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     same = _run_path(a_dir).resolve()
     if same == _run_path(b_dir).resolve():
         report.same_run = same
-        report.info.insert(0, f"A and B are the same run ({same}): this compares a run with "
+        report.caveats.append(f"A and B are the same run ({same}): this compares a run with "
                               "itself, not two runs")
     elif ea == eb and _timed(ea):
         # Two runs never share their wall-clock timings: B is a copy of A (cp -r), and its
-        # IDENTICAL says nothing about reproducibility.
-        report.info.insert(0, "A and B hold the same evidence.json down to its wall-clock "
+        # IDENTICAL says nothing about reproducibility — whatever its manifest says (a copy
+        # relabelled `tp 4` in its manifest is still the one run).
+        report.caveats.append("A and B hold the same evidence.json down to its wall-clock "
                               "timings: one is a copy of the other, not a second run")
 
     ia, ib = ea.get("init"), eb.get("init")
@@ -450,13 +453,14 @@ def format_report(report: CompareReport, quiet: bool = False) -> str:
     differ in configuration or inputs (report.config_differences, report.input_differences),
     one line per field, the verdict.
 
-    quiet: only the note (if any), the fields that differ and the verdict (no paths or
-    information lines): a DIFFERENT of two configurations still says so.
+    quiet: only the caveats (a run compared with itself or with its copy), the note (if any),
+    the fields that differ and the verdict (no paths or other information lines): a DIFFERENT
+    of two configurations still says so, and an IDENTICAL of a copy too.
     The last line is "IDENTICAL" or "DIFFERENT: N fields differ".
     """
     shown = [r for r in report.results if not (quiet and r.same)]
     lines = [] if quiet else [f"A: {report.a}", f"B: {report.b}"]
-    lines += [] if quiet else [f"info  {s}" for s in report.info]
+    lines += [f"info  {s}" for s in report.caveats + ([] if quiet else report.info)]
     if report.config_differences or report.input_differences:
         lines.append(f"note  {_config_note(report.config_differences, report.input_differences)}")
     width = max((len(r.where) for r in shown), default=0)
