@@ -720,29 +720,63 @@ def _tokenizer_hashes(cfg: RunConfig) -> dict[str, str]:
                           ) from None
 
 
-def _model_shape(cfg: RunConfig) -> Qwen3Config | None:
-    """The model's architecture for the topology check; None when --model's config.json cannot
-    be read (the checkpoint loader then reports it, with its own message, before any step).
-    Raises ConfigError for a readable config whose shape the kernels cannot run exactly
-    (model/config.validate_model_config), before any process starts."""
-    if cfg.model is None:
+def _model_shape(model: str | None) -> Qwen3Config | None:
+    """The architecture of --model (`model`; None: the embedded tiny model) for the topology
+    check; None when its config.json cannot be read (the checkpoint loader then reports it,
+    with its own message, before any step). Raises ConfigError for a readable config whose
+    shape the kernels cannot run exactly (model/config.validate_model_config), before any
+    process starts."""
+    if model is None:
         return tiny()
-    path = pathlib.Path(cfg.model) / "config.json"
+    path = pathlib.Path(model) / "config.json"
     try:
         d = readfile.read_json(path)
         return Qwen3Config.from_hf_dict(d, source=str(path)) if isinstance(d, dict) else None
     except ConfigError as e:   # a shape the kernels cannot run (its message names the file)
-        raise ConfigError(model_flag_error(cfg.model, str(e))) from None
+        raise ConfigError(model_flag_error(model, str(e))) from None
     except (OSError, ValueError):
         return None
+
+
+def _model_where(model: str | None) -> str:
+    return f"{model}/config.json" if model is not None else "the embedded tiny model"
+
+
+def _check_positions(m: Qwen3Config | None, model: str | None, prompt_len: int,
+                     response_len: int) -> None:
+    """One whole sample must fit the model's max_position_embeddings: RoPE tables grow on
+    demand, so nothing downstream refuses positions past it, and a too-long sample would
+    silently run out of the trained range. Raises ConfigError."""
+    if m is not None and prompt_len + response_len > m.max_position_embeddings:
+        raise ConfigError(f"--max-prompt-len {prompt_len} + --max-response-len {response_len} "
+                          f"= {prompt_len + response_len}: must be <= max_position_embeddings="
+                          f"{m.max_position_embeddings} of {_model_where(model)}")
+
+
+def _new_config(given: dict) -> RunConfig:
+    """RunConfig(**given); where its sample-fit check fails (a sample longer than
+    --micro-batch-tokens), the model's positions are checked first (`_check_positions`): the
+    fit check's offer to raise --micro-batch-tokens would be refused there next (found by a
+    new-user trial). Raises ConfigError."""
+    try:
+        return RunConfig(**given)
+    except ConfigError as e:
+        if not hasattr(e, "sample_tokens"):
+            raise
+        try:
+            m = _model_shape(given.get("model"))
+        except ConfigError:      # the model's own error comes later, in its place
+            m = None
+        _check_positions(m, given.get("model"), *e.sample_tokens)
+        raise
 
 
 def _check_topology(cfg: RunConfig) -> None:
     """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE, the
     longest sample against the model's positions, and --device cuda against the head_dim the
     CUDA kernels take. Runs before any process starts or directory is made. Raises ConfigError."""
-    m = _model_shape(cfg)
-    where = f"{cfg.model}/config.json" if cfg.model is not None else "the embedded tiny model"
+    m = _model_shape(cfg.model)
+    where = _model_where(cfg.model)
     # The Triton attention kernel tiles a head as tl.arange(0, head_dim): a power of two. Refused
     # here, not at step 0 after every rank has loaded the model.
     if m is not None and cfg.device == "cuda" and (m.head_dim & (m.head_dim - 1)
@@ -750,13 +784,7 @@ def _check_topology(cfg: RunConfig) -> None:
         raise ConfigError(f"--device cuda: head_dim={m.head_dim} of {where} must be a power of "
                           "two in [16, 256] for the CUDA attention kernel; allowed for this "
                           "model: --device cpu")
-    # RoPE tables grow on demand, so nothing downstream refuses positions past the model's
-    # max_position_embeddings: a too-long sample would silently run out of the trained range.
-    if m is not None and cfg.max_prompt_len + cfg.max_response_len > m.max_position_embeddings:
-        raise ConfigError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len "
-                          f"{cfg.max_response_len} = {cfg.max_prompt_len + cfg.max_response_len}: "
-                          f"must be <= max_position_embeddings={m.max_position_embeddings} of "
-                          f"{where}")
+    _check_positions(m, cfg.model, cfg.max_prompt_len, cfg.max_response_len)
     heads = {} if m is None else dict(
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
@@ -1112,6 +1140,12 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     try:
         cfg = RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
     except ConfigError as e:   # a flag given now clashes with one the run was saved with
+        if hasattr(e, "sample_tokens"):   # the lengths are the run's: only the budget may move
+            p, r = e.sample_tokens
+            mbt = given.get("micro_batch_tokens", saved.get("micro_batch_tokens"))
+            raise ConfigError(f"--micro-batch-tokens {mbt}: must be >= {p + r}, the run's "
+                              f"--max-prompt-len {p} + --max-response-len {r}, which a resume "
+                              "keeps (one whole sample must fit in one microbatch)") from None
         inherited = sorted(flag_name(k) for k in RESUME_MAY_CHANGE - set(given)
                            if k in saved and flag_name(k) in str(e))
         if not inherited:
@@ -1327,7 +1361,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
             _check_rewritten_file(src / name, d)
         manifest = readfile.read_json(src / "manifest.json")
         check_unchanged(relocated(manifest.get("inputs"), cfg, where),
-                        describe_inputs(where, _model_shape(where)), str(d))
+                        describe_inputs(where, _model_shape(where.model)), str(d))
         _check_checkpoint_inputs(ck, manifest, d)     # the inputs on disk are the manifest's
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
@@ -1483,7 +1517,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         if given.get("resume"):
             name, src = _resume_target(pathlib.Path(given["resume"]))
             given["resume"] = str(name)
-        cfg = _resume_config(given, src) if src is not None else RunConfig(**given)
+        cfg = _resume_config(given, src) if src is not None else _new_config(given)
         where = cfg if src is None else _resume_inputs(cfg, src)
         # An occupied --run-dir is refused first, before the slower checks (a resume writes into
         # its own directory).
@@ -1516,7 +1550,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     if _follower_rank():
         return _run_follower_rank(cfg, manifest)
     try:  # every input's SHA-256 (for --resume), the vocab rule, the weights' stored dtypes
-        manifest["inputs"] = describe_inputs(cfg, _model_shape(cfg))
+        manifest["inputs"] = describe_inputs(cfg, _model_shape(cfg.model))
     except ConfigError as e:
         return _error("run", e, 2)
     for note in startup_notes(cfg, manifest["inputs"]):

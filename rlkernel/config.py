@@ -28,6 +28,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from rlkernel import jsontext
 from rlkernel.spec import (ATTN_KV_BLOCK, CUDA_ATTN_KV_BLOCK, CUDA_BLOCK_K, CUDA_DKV_LEAF,
                            CUDA_TOKEN_LEAF, CUDA_VOCAB_CHUNK, MATMUL_ORDER, NUMERICS_VERSION,
                            ROUNDING_POINTS, TOKEN_LEAF, VIRTUAL_CP, VIRTUAL_DP, VIRTUAL_TP)
@@ -603,27 +604,37 @@ def _validate_sample_fits(c: RunConfig) -> None:
     """One whole sample (--max-prompt-len + --max-response-len tokens) must fit in one
     microbatch (--micro-batch-tokens). The message leads with the flag the user most likely
     moved: --micro-batch-tokens when it is off its default (set too small), else the length(s)
-    off theirs (--max-response-len 100000 must not read as an error of a flag never given)."""
+    off theirs (--max-response-len 100000 must not read as an error of a flag never given).
+    The error carries `sample_tokens` ((--max-prompt-len, --max-response-len)), so a caller
+    that knows the model's max_position_embeddings can say that limit instead where the sample
+    passes it too (raising --micro-batch-tokens would then be refused next: cli._new_config)."""
     need = c.max_prompt_len + c.max_response_len
     if c.micro_batch_tokens >= need:
         return
+    e = _sample_fit_error(c, need)
+    e.sample_tokens = (c.max_prompt_len, c.max_response_len)
+    raise e
+
+
+def _sample_fit_error(c: RunConfig, need: int) -> ConfigError:
     fits = "one whole sample must fit in one microbatch"
     if c.micro_batch_tokens != _default("micro_batch_tokens"):
-        raise _fail("micro_batch_tokens", c.micro_batch_tokens,
-                    f"must be >= --max-prompt-len + --max-response-len = {need} ({fits})")
+        return _fail("micro_batch_tokens", c.micro_batch_tokens,
+                     f"must be >= --max-prompt-len + --max-response-len = {need} ({fits})")
     moved = [f for f in ("max_response_len", "max_prompt_len") if getattr(c, f) != _default(f)]
     if len(moved) != 1:
-        raise ConfigError(f"--max-prompt-len {c.max_prompt_len} + --max-response-len "
-                          f"{c.max_response_len} = {need}: must be at most --micro-batch-tokens "
-                          f"{c.micro_batch_tokens}, its default ({fits}){_raise_budget_hint(need)}")
+        return ConfigError(f"--max-prompt-len {c.max_prompt_len} + --max-response-len "
+                           f"{c.max_response_len} = {need}: must be at most --micro-batch-tokens "
+                           f"{c.micro_batch_tokens}, its default ({fits})"
+                           f"{_raise_budget_hint(need)}")
     # One length moved, the other at its default: the defaults fit the default budget, so the
     # moved one's limit is at least 1.
     field, = moved
     other = "max_prompt_len" if field == "max_response_len" else "max_response_len"
-    raise _fail(field, getattr(c, field),
-                f"must be at most {c.micro_batch_tokens - getattr(c, other)} (--micro-batch-tokens "
-                f"{c.micro_batch_tokens}, its default, minus {flag_name(other)} "
-                f"{getattr(c, other)}: {fits}){_raise_budget_hint(need)}")
+    return _fail(field, getattr(c, field),
+                 f"must be at most {c.micro_batch_tokens - getattr(c, other)} (--micro-batch-tokens "
+                 f"{c.micro_batch_tokens}, its default, minus {flag_name(other)} "
+                 f"{getattr(c, other)}: {fits}){_raise_budget_hint(need)}")
 
 
 def _raise_budget_hint(need: int) -> str:
@@ -739,6 +750,9 @@ def _validate_data(c: RunConfig) -> None:
         v = getattr(c, f)
         if not isinstance(v, str) or not v:
             raise _fail(f, v, "must be a non-empty key name")
+        if jsontext.unprintable(v):
+            # messages quote the key as typed: an escape sequence would reach the terminal
+            raise _fail(f, v, "must be a key name without control or format characters")
         if c.prompts is None and v != _DEFAULT_KEYS[f]:
             raise _fail(f, v, "only applies to a --prompts file; give --prompts FILE or leave "
                               f"out {flag_name(f)}")

@@ -112,8 +112,8 @@ def test_run_encodes_the_rendered_prompt(tmp_path, monkeypatch):
     seen = {}
     real = loop._encode_all
 
-    def spy(cfg, source, tok, chat=None):
-        out = real(cfg, source, tok, chat)
+    def spy(cfg, source, tok, chat=None, max_positions=None):
+        out = real(cfg, source, tok, chat, max_positions)
         seen["ids"], seen["texts"] = out[0][0], [p.text for p in source.batch(0)]
         seen["tok"] = tok
         return out

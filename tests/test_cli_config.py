@@ -1514,15 +1514,57 @@ def test_export_step_that_is_no_integer_names_the_flag_value_and_the_steps(capsy
     (["--max-response-len", "100000", "--micro-batch-tokens", "5000"],
      "--micro-batch-tokens 5000: must be >= --max-prompt-len + --max-response-len = 100256"),
 ])
-def test_sample_longer_than_the_microbatch_names_the_flag_that_was_moved(capsys, cwd, loop, argv,
-                                                                         want):
+def test_sample_longer_than_the_microbatch_names_the_flag_that_was_moved(argv, want):
+    """The config's own message (RunConfig): on the command line the embedded tiny model's
+    4,096 positions refuse these samples first (next test)."""
+    kwargs = {argv[i][2:].replace("-", "_"): int(argv[i + 1]) for i in range(0, len(argv), 2)}
+    with pytest.raises(ConfigError) as e:
+        RunConfig(**kwargs)
+    line = str(e.value)
+    assert want in line, line
+    if want.endswith("microbatch)"):
+        assert line.endswith(want), line
+    assert e.value.sample_tokens == (kwargs.get("max_prompt_len", 256),
+                                     kwargs.get("max_response_len", 64))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--max-response-len", "3900"],
+    ["--max-response-len", "3900", "--micro-batch-tokens", "4156"],
+    ["--max-response-len", "3900", "--micro-batch-tokens", "100"],
+    ["--max-prompt-len", "4000", "--max-response-len", "200"],
+])
+def test_a_sample_past_the_models_positions_says_so_before_the_microbatch(capsys, cwd, loop,
+                                                                          argv):
+    """A sample longer than --micro-batch-tokens and than the model's max_position_embeddings
+    (4,096, the embedded tiny model): the model's limit is the error, since raising
+    --micro-batch-tokens as the budget's message offered was refused next (found by a
+    new-user trial). Exit 2, nothing made, no run."""
     code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", *argv)
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
-    assert line.startswith("rlk run: error: ") and want in line, line
-    if want.endswith("microbatch)"):
-        assert line.endswith(want), line
+    p = int(argv[argv.index("--max-prompt-len") + 1]) if "--max-prompt-len" in argv else 256
+    r = int(argv[argv.index("--max-response-len") + 1])
+    assert line == (f"rlk run: error: --max-prompt-len {p} + --max-response-len {r} = {p + r}: "
+                    "must be <= max_position_embeddings=4096 of the embedded tiny model"), line
     assert list(cwd.iterdir()) == [] and loop.calls == []
+
+
+def test_a_sample_within_the_models_positions_keeps_the_budget_message(capsys, cwd, loop):
+    """Control: 256 + 3,900 tokens fit a model of 8,192 positions, so the budget's own message
+    (and its offer to raise --micro-batch-tokens) stands."""
+    model = cwd / "m"
+    assert cli.main(["init-model", "--preset", "tiny", "--out", str(model)]) == 0
+    conf = json.loads((model / "config.json").read_text())
+    conf["max_position_embeddings"] = 8192
+    (model / "config.json").write_text(json.dumps(conf))
+    capsys.readouterr()
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--model", str(model),
+                         "--max-response-len", "3900")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.endswith("or raise --micro-batch-tokens to 4156 or more"), line
+    assert not (cwd / "r").exists() and loop.calls == []
 
 
 # ---------------------------------------------------------------------------------------------

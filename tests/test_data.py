@@ -335,16 +335,33 @@ def test_jsonl_with_input_and_label_keys(tmp_path):
      '"prompt", "k1", "k2", "k3", "k4", "k5", "k6", "k7", and 1 more'),
     ({"prompt": "q", **{f"k{i}": 0 for i in range(1, 8)}}, '"label" (or "answer")',
      '"prompt", "k1", "k2", "k3", "k4", "k5", "k6", "k7"'),
-    ({"x" * 50: 1, "label": "1"}, '"prompt"', f'"{"x" * 40}", "label"'),
+    ({"x" * 50: 1, "label": "1"}, '"prompt"', f'"{"x" * 39}…", "label"'),
+    ({"y" * 40: 1, "label": "1"}, '"prompt"', f'"{"y" * 40}", "label"'),
+    ({"z" * 41: 1, "label": "1"}, '"prompt"', f'"{"z" * 39}…", "label"'),
+    ({"abcdefghij" * 5: 1, "label": "1"}, '"prompt"', f'"{"abcdefghij" * 3}abcdefghi…", "label"'),
+    ({"réponse": 1, "label": "1"}, '"prompt"', '"réponse", "label"'),
+    ({"é" * 40: 1, "label": "1"}, '"prompt"', f'"{"é" * 40}", "label"'),
+    ({"é" * 41: 1, "label": "1"}, '"prompt"', f'"{"é" * 39}…", "label"'),
+    ({"a\u202eb": 1, "c\u009bd\u2028": 2, "e\x1b[31m": 3}, '"prompt"',
+     '"a\\u202eb", "c\\u009bd\\u2028", "e\\u001b[31m"'),
     ({"text": "q", "label": "1"}, '"prompt"', '"text", "label"'),
     ({}, '"prompt"', "none"),
-], ids=["10 keys", "9 keys", "8 keys", "a long key", "no prompt key", "no keys"])
+], ids=["10 keys", "9 keys", "8 keys", "a long key", "a 40-character key", "a 41-character key",
+        "a long key's head", "non-ASCII", "a 40-character non-ASCII key",
+        "a 41-character non-ASCII key", "control and format characters", "no prompt key",
+        "no keys"])
 def test_a_missing_key_message_lists_the_records_keys(tmp_path, record, missing, keys):
     """A record without the prompt or label key: the message lists the record's keys in order,
-    the first 8, each cut to 40 characters, then ", and N more" for the rest (8 keys: no such
-    tail); an empty record's keys are "none". Found by mutation testing: dropping "and N more",
+    the first 8, each cut to 40 characters (39 and "…" where it was longer; non-ASCII as
+    typed, but control and format characters — a bidi override, a C1 CSI, a line separator,
+    ESC — escaped, so none reaches the terminal: found by a breaker), then ", and N more" for
+    the rest (8 keys: no such tail); an empty record's keys
+    are "none". Found by mutation testing: dropping "and N more",
     miscounting it, listing 9 keys, not cutting a key, an empty list for {} and a missing
-    prompt key without its list all passed every test."""
+    prompt key without its list all passed every test; and (a second round, once keys were cut
+    to 39 and "…") cutting only keys over 41 or 45 characters, keeping a cut key's tail instead
+    of its head, and counting a key's length in UTF-8 bytes (a 40-character "é" key cut) too:
+    the 41-character, distinct-character and 40/41-character non-ASCII keys catch them."""
     path = _write(tmp_path, json.dumps(record) + "\n")
     with pytest.raises(PromptFileError) as e:
         load_jsonl(path)
@@ -368,7 +385,9 @@ def test_parquet_prompts_equal_jsonl_prompts(tmp_path):
     ({"prompt": ["a", None], "label": ["1", "2"]}, {}, 'row 1: "prompt" must be a string, got NoneType'),
     ({"prompt": ["a", "b"], "label": [1.5, float("inf")]}, {}, 'row 1: "label" is the number inf'),
     ({"prompt": ["a"], "label": [[1]]}, {}, 'row 0: "label" must be a string or a number, got list'),
-    ({"text": ["a"], "label": ["1"]}, {}, "no column \"prompt\"; the file has columns ['text', 'label']"),
+    ({"text": ["a"], "label": ["1"]}, {}, 'no column "prompt"; the file has columns "text", "label"'),
+    ({f"c{i}": ["a"] for i in range(20)}, {}, 'no column "prompt"; the file has columns "c0", "c1", '
+                                          '"c2", "c3", "c4", "c5", "c6", "c7", and 12 more;'),
     ({"prompt": ["a"], "sol": ["1"]}, {}, 'no column "label" or "answer"'),
     ({"prompt": ["a"], "answer": ["1"]}, {"label_key": "gold"}, 'no column "gold"'),
     ("empty", {}, "no rows"),
@@ -427,6 +446,24 @@ def test_a_name_claiming_the_other_format_is_refused_by_the_loader(tmp_path, nam
     assert str(e.value).startswith(str(tmp_path)) and words in str(e.value)
 
 
+def test_a_parquet_column_named_twice_is_said_to_be(tmp_path):
+    """Two columns named "prompt": the message names the column and its count (pyarrow's own
+    error, "Multiple matches for FieldRef.Name(prompt) ...", was shown as an unreadable file;
+    found by a breaker). Control: a duplicate of a column not read is no error."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    for names, ok in ((["prompt", "prompt", "label"], False), (["prompt", "x", "x", "label"], True)):
+        path = tmp_path / f"d{len(names)}.parquet"
+        pq.write_table(pa.Table.from_arrays([pa.array(["1+1="])] * len(names), names=names), path)
+        if ok:
+            assert prompt_source(path, n_prompts_per_step=1, steps=1, seed=0).batch(0)
+            continue
+        with pytest.raises(PromptFileError) as e:
+            prompt_source(path, n_prompts_per_step=1, steps=1, seed=0)
+        assert str(e.value) == (f'{path}: column "prompt" appears 2 times; the columns read '
+                                "must each have one name of their own"), str(e.value)
+
+
 def test_run_on_a_parquet_file_with_keys(tmp_path, capsys):
     """rlk run --prompts x.parquet --input-key question --label-key gold: a complete run; a
     missing column is exit 2 naming it, before any work."""
@@ -445,7 +482,7 @@ def test_run_on_a_parquet_file_with_keys(tmp_path, capsys):
                  str(tmp_path / "r2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f'rlk run: error: --prompts {path}: no column "q"')
-    assert "'question'" in err[0]
+    assert '"question"' in err[0]
     assert not (tmp_path / "r2").exists()
 
 
@@ -456,6 +493,21 @@ def test_keys_without_a_prompts_file_are_refused():
         RunConfig(input_key="q")
     with pytest.raises(ConfigError, match="--label-key 'prompt': must differ from --input-key"):
         RunConfig(prompts="p.jsonl", label_key="prompt")
+
+
+@pytest.mark.parametrize("key", ["a\x1b[31mb", "a\u202eb", "a\u009bb", "a\nb", "a\u2028b"])
+def test_keys_with_control_or_format_characters_are_refused(key):
+    """--input-key / --label-key with an escape sequence, a bidi override, a C1 control, a
+    newline or a line separator: refused up front, the value shown escaped (messages quote the
+    key as typed, so it reached the terminal raw; found by a breaker). Control: a non-ASCII
+    key with none of them is accepted."""
+    from rlkernel.config import ConfigError, RunConfig
+
+    for field, flag in (("input_key", "--input-key"), ("label_key", "--label-key")):
+        with pytest.raises(ConfigError, match=f"^{flag} .*: must be a key name without control "
+                                              "or format characters$"):
+            RunConfig(prompts="p.jsonl", **{field: key})
+    assert RunConfig(prompts="p.jsonl", input_key="énoncé").input_key == "énoncé"
 
 
 # ---------------------------------------------------------------- issue 13: stand-in tokenizer

@@ -288,6 +288,55 @@ def test_prompt_longer_than_max_prompt_len_names_file_and_line(tmp_path):
         assert_nothing_left(run_dir)
 
 
+def test_a_too_long_prompt_hint_names_the_micro_batch_tokens_the_longest_needs(tmp_path):
+    """A 40-token prompt with --max-response-len 8 and --micro-batch-tokens 32 (--max-prompt-len
+    16 + 8 fit it): --max-prompt-len 40 alone would be refused next (40 + 8 > 32), so the hint
+    also asks for --micro-batch-tokens 48; given both, the run passes the check (exit 0).
+    Control: with --micro-batch-tokens 48 already, the hint is the plain one."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(_good_line("x" * 40, "1"))
+    base = (*with_flags(SMALL, "--n-prompts", "1"), "--prompts", str(path), "--allow-dirty")
+    for budget, tail in (("32", ", and --micro-batch-tokens 48 or more (now 32: 40 + "
+                                "--max-response-len 8 tokens must fit one microbatch)"),
+                         ("48", "")):
+        run_dir = tmp_path / f"r{budget}"
+        rc, err = rlk("run", *base, "--max-prompt-len", "16", "--micro-batch-tokens", budget,
+                      "--run-dir", str(run_dir))
+        assert rc == 2, err
+        assert error_line(err) == (
+            f"--prompts {path}:1: prompt has 40 tokens, more than --max-prompt-len 16; the "
+            f"longest prompt of the run's 1 step(s) has 40: give --max-prompt-len 40 or more"
+            f"{tail}"), err
+        assert_nothing_left(run_dir)
+    rc, err = rlk("run", *base, "--max-prompt-len", "40", "--micro-batch-tokens", "48",
+                  "--run-dir", str(tmp_path / "ok"))
+    assert rc == 0, err
+
+
+def test_a_prompt_too_long_for_the_model_is_said_to_be_so(tmp_path):
+    """A 4,100-token prompt on the embedded tiny model (max_position_embeddings 4096) with
+    --max-response-len 8: no --max-prompt-len can take it (4,108 positions), so the hint says
+    so and gives the prompt length that fits (4,088), not flags the next check refuses (found
+    by a mutation-testing helper). Control: a 4,088-token prompt gets the usual hint."""
+    for n, tail in ((4100, ", and 4100 + --max-response-len 8 = 4108 passes the model's "
+                           "max_position_embeddings 4096: with this --max-response-len a prompt "
+                           "fits in 4088 tokens at most"),
+                    (4088, ": give --max-prompt-len 4088 or more, and --micro-batch-tokens 4096 "
+                           "or more (now 32: 4088 + --max-response-len 8 tokens must fit one "
+                           "microbatch)")):
+        path = tmp_path / f"p{n}.jsonl"
+        path.write_bytes(_good_line("x" * n, "1"))
+        run_dir = tmp_path / f"r{n}"
+        rc, err = rlk("run", *with_flags(SMALL, "--n-prompts", "1"), "--prompts", str(path),
+                      "--max-prompt-len", "16", "--micro-batch-tokens", "32", "--allow-dirty",
+                      "--run-dir", str(run_dir))
+        assert rc == 2, err
+        assert error_line(err) == (
+            f"--prompts {path}:1: prompt has {n} tokens, more than --max-prompt-len 16; the "
+            f"longest prompt of the run's 1 step(s) has {n}{tail}"), err
+        assert_nothing_left(run_dir)
+
+
 def test_too_long_prompts_name_the_first_and_the_longest_of_every_step(tmp_path):
     """Three steps of one prompt each (20, 40 and 30 tokens, the longest in the middle step):
     --max-prompt-len 16 names the first too long (line 1, 20 tokens) and the run's longest, 40
@@ -309,6 +358,29 @@ def test_too_long_prompts_name_the_first_and_the_longest_of_every_step(tmp_path)
             f"{limit}; the longest prompt of the run's 3 step(s) has 40: give --max-prompt-len "
             "40 or more"), err
         assert_nothing_left(run_dir)
+
+
+def test_the_micro_batch_tokens_hint_is_the_longests_not_the_first_too_longs(tmp_path):
+    """Three steps of one prompt each (20, 40 and 30 tokens) with --max-prompt-len 16,
+    --max-response-len 8 and --micro-batch-tokens 32: the first too long (line 1, 20 tokens)
+    would fit (20 + 8 <= 32), the run's longest does not (40 + 8 > 32), so the hint asks for
+    --micro-batch-tokens 48 and explains it by the longest, 40. Found by mutation testing: the
+    budget computed, or explained, from the first too-long prompt instead of the longest passed
+    every test (the other test's one prompt is both)."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join([_good_line("x" * 20, "1"), _good_line("x" * 40, "2"),
+                                 _good_line("x" * 30, "3")]))
+    run_dir = tmp_path / "r"
+    rc, err = rlk("run", *with_flags(SMALL, "--n-prompts", "1", "--steps", "3"),
+                  "--max-prompt-len", "16", "--micro-batch-tokens", "32", "--prompts", str(path),
+                  "--allow-dirty", "--run-dir", str(run_dir))
+    assert rc == 2, err
+    assert error_line(err) == (
+        f"--prompts {path}:1: prompt has 20 tokens, more than --max-prompt-len 16; the longest "
+        "prompt of the run's 3 step(s) has 40: give --max-prompt-len 40 or more, and "
+        "--micro-batch-tokens 48 or more (now 32: 40 + --max-response-len 8 tokens must fit one "
+        "microbatch)"), err
+    assert_nothing_left(run_dir)
 
 
 # ---------------------------------------------------------------------------------------------

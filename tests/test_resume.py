@@ -875,10 +875,60 @@ def test_resume_refuses_an_unreadable_model_file_before_rewriting_the_run(tmp_pa
     assert _snapshot(d) == before
 
 
+def test_a_resume_budget_too_small_names_only_the_budget(tmp_path, capsys):
+    """A run with --max-prompt-len 4100 --micro-batch-tokens 5000 on a model of 8,192
+    positions, resumed with --micro-batch-tokens 4096 (its default value): exit 2, one line
+    naming --micro-batch-tokens and the run's lengths, which a resume keeps (the fit check's
+    own message asked for --max-prompt-len 4032, which the resume then refused; found by a
+    breaker); following it (--micro-batch-tokens 4116) resumes, exit 0."""
+    model = tmp_path / "model"
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
+    conf = json.loads((model / "config.json").read_text())
+    conf["max_position_embeddings"] = 8192
+    (model / "config.json").write_text(json.dumps(conf))
+    d = tmp_path / "run"
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), "--model", str(model),
+                 "--max-prompt-len", "4100", "--micro-batch-tokens", "5000",
+                 "--run-dir", str(d)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--micro-batch-tokens", "4096",
+                 "--allow-dirty"]) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert line == ("rlk run: error: --micro-batch-tokens 4096: must be >= 4116, the run's "
+                    "--max-prompt-len 4100 + --max-response-len 16, which a resume keeps (one "
+                    "whole sample must fit in one microbatch)"), line
+    assert main(["run", "--resume", str(d), "--steps", "2", "--micro-batch-tokens", "4116",
+                 "--allow-dirty"]) == 0
+
+
+def test_a_manifest_nested_too_deep_is_refused_by_resume_not_a_traceback(tmp_path, capsys):
+    """A finished run whose manifest.json's "git" value is a list nested 900 deep (valid JSON,
+    under the parser's limit) resumed with more --steps: exit 2, one line saying the run has no
+    readable manifest.json, nothing rewritten. Was a RecursionError traceback, exit 1, once the
+    depth check was left to rlk compare alone (re-serialising the manifest recurses; found by a
+    breaker)."""
+    d = tmp_path / "run"
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), "--run-dir", str(d)]) == 0
+    manifest = json.loads((d / "manifest.json").read_text())
+    deep = [0]
+    for _ in range(899):
+        deep = [deep]
+    manifest["git"] = deep
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    before = _snapshot(d)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 1 and err[0].endswith("no readable manifest.json; give a run directory "
+                                             "written by rlk run"), err
+    assert _snapshot(d) == before
+
+
 def test_a_resume_that_meets_a_too_long_prompt_leaves_the_run_as_it_was(tmp_path, capsys):
     """A finished 1-step run (--max-prompt-len 8) extended by a resume to 2 steps whose second
     step takes a prompts-file line longer than that: exit 2 (a bad input, as at a run's start),
-    one line naming the line and saying the run is left as it was; every file of the run is
+    one line naming the line, the --max-prompt-len a new run needs and saying the run is left
+    as it was; every file of the run is
     byte-identical to before (it had rewritten manifest.json with the extended --steps, cut
     the evidence to complete: false and could then be neither resumed nor put back), and the
     run still compares IDENTICAL with a copy taken before."""
@@ -895,6 +945,10 @@ def test_a_resume_that_meets_a_too_long_prompt_leaves_the_run_as_it_was(tmp_path
     err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
     assert len(err) == 1 and f"--prompts {prompts}:3: prompt has" in err[0], err
     assert f"{d} is left as it was" in err[0], err
+    # the hint is for a new run: a resume refuses --max-prompt-len (found by a breaker: "give
+    # --max-prompt-len 40 or more" was then refused as a flag a resume cannot change)
+    assert ": a new run needs --max-prompt-len 40 or more" in err[0], err
+    assert "give --max-prompt-len" not in err[0], err
     assert _snapshot(d) == before
     assert json.loads((d / "evidence.json").read_text())["complete"] is True
     _identical(capsys, copy, d)

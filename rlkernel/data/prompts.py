@@ -27,7 +27,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from rlkernel import readfile
+from rlkernel import jsontext, readfile
 
 PARQUET_MAGIC = b"PAR1"
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -71,9 +71,12 @@ def _label_keys(label_key: str) -> tuple[str, ...]:
     return ("label", "answer") if label_key == "label" else (label_key,)
 
 
-def _key_list(obj: dict, most: int = 8) -> str:
-    """A record's keys for a message: the first `most`, each cut to 40 characters."""
-    keys = [json.dumps(str(k)[:40]) for k in list(obj)[:most]]
+def _key_list(obj: dict | list, most: int = 8) -> str:
+    """A record's keys (or a table's columns) for a message: the first `most`, each cut to 40
+    characters (a cut key ends in "…"), as `jsontext.quoted` writes them (non-ASCII as typed,
+    control and format characters escaped: they would reach the terminal raw)."""
+    keys = [jsontext.quoted(str(k) if len(str(k)) <= 40 else str(k)[:39] + "…")
+            for k in list(obj)[:most]]
     more = f", and {len(obj) - most} more" if len(obj) > most else ""
     return (", ".join(keys) + more) if keys else "none"
 
@@ -197,7 +200,11 @@ def parse_parquet(data: bytes, name: str, *, input_key: str = "prompt",
                        (label_col, " or ".join(f'"{k}"' for k in keys))):
         if col is None or col not in columns:
             raise PromptFileError(f"{name}: no column {shown}; the file has columns "
-                                  f"{columns}; name them with --input-key/--label-key")
+                                  f"{_key_list(columns)}; name them with "
+                                  "--input-key/--label-key")
+        if columns.count(col) > 1:      # pyarrow cannot pick one: name the cause, not its error
+            raise PromptFileError(f'{name}: column "{col}" appears {columns.count(col)} times; '
+                                  "the columns read must each have one name of their own")
     try:
         table = pq.read_table(pa.BufferReader(data), columns=[input_key, label_col])
     except (pa.ArrowException, OSError, ValueError) as e:

@@ -85,9 +85,12 @@ def _load_tokenizer(cfg: RunConfig, mcfg):
         raise InputError(model_flag_error(cfg.model, str(e))) from None
 
 
-def _encode_all(cfg: RunConfig, source, tok, chat=None) -> list[list[list[int]]]:
+def _encode_all(cfg: RunConfig, source, tok, chat=None,
+                max_positions: int | None = None) -> list[list[list[int]]]:
     """Token ids of every prompt of every step, through the chat template `chat` when given;
-    InputError naming the prompt (`--prompts FILE:LINE` for a file's) if one is unusable."""
+    InputError naming the prompt (`--prompts FILE:LINE` for a file's) if one is unusable. A
+    too-long prompt's hint names the flags that fit the run's longest prompt, or says it cannot
+    fit the model's `max_positions` (max_position_embeddings) with this --max-response-len."""
     out, too_long = [], None
     for step in range(cfg.steps):
         batch = []
@@ -103,9 +106,21 @@ def _encode_all(cfg: RunConfig, source, tok, chat=None) -> list[list[list[int]]]
         out.append(batch)
     if too_long is not None:   # named after every prompt is read: the hint is the run's longest
         longest = max(len(ids) for batch in out for ids in batch)
-        raise InputError(f"{too_long[0]} has {too_long[1]} tokens, more than --max-prompt-len "
-                         f"{cfg.max_prompt_len}; the longest prompt of the run's {cfg.steps} "
-                         f"step(s) has {longest}: give --max-prompt-len {longest} or more")
+        need = longest + cfg.max_response_len    # one whole sample fits one microbatch
+        head = (f"{too_long[0]} has {too_long[1]} tokens, more than --max-prompt-len "
+                f"{cfg.max_prompt_len}; the longest prompt of the run's {cfg.steps} step(s) has "
+                f"{longest}")
+        if max_positions is not None and need > max_positions:
+            raise InputError(f"{head}, and {longest} + --max-response-len {cfg.max_response_len}"
+                             f" = {need} passes the model's max_position_embeddings "
+                             f"{max_positions}: with this --max-response-len a prompt fits in "
+                             f"{max_positions - cfg.max_response_len} tokens at most")
+        budget = ("" if need <= cfg.micro_batch_tokens else
+                  f", and --micro-batch-tokens {need} or more (now {cfg.micro_batch_tokens}: "
+                  f"{longest} + --max-response-len {cfg.max_response_len} tokens must fit one "
+                  "microbatch)")
+        give = "a new run needs" if cfg.resume else "give"    # a resume keeps its flags
+        raise InputError(f"{head}: {give} --max-prompt-len {longest} or more{budget}")
     return out
 
 
@@ -300,7 +315,7 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     source = prompt_source(cfg.prompts, n_prompts_per_step=cfg.n_prompts, steps=cfg.steps,
                            seed=cfg.seed, input_key=cfg.input_key, label_key=cfg.label_key)
     chat = load_chat_template(cfg.model) if cfg.apply_chat_template else None
-    encoded = _encode_all(cfg, source, tok, chat)
+    encoded = _encode_all(cfg, source, tok, chat, mcfg.max_position_embeddings)
     reward_fn = load_reward(cfg.reward)
     if topo.world > 1:
         train_pc, roll_pc = build_contexts(topo, comms, mcfg)
