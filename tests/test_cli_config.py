@@ -1567,6 +1567,25 @@ def test_a_sample_within_the_models_positions_keeps_the_budget_message(capsys, c
     assert not (cwd / "r").exists() and loop.calls == []
 
 
+def test_a_sample_of_exactly_the_models_positions_is_accepted(capsys, cwd, loop):
+    """--max-prompt-len 256 + --max-response-len 3840 = 4,096, exactly the embedded tiny
+    model's max_position_embeddings (and the default --micro-batch-tokens): the run starts
+    (exit 0); one token more (3,841, with --micro-batch-tokens 4097 so the budget fits) is exit
+    2 naming the model's limit, nothing made. Found by mutation testing: refusing a sample that
+    fills the model's positions exactly (`>=` for `>`) passed every test."""
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "ok", "--steps", "1",
+                         "--max-response-len", "3840")
+    assert code == 0, err
+    assert len(loop.calls) == 1 and loop.calls[0][0].max_response_len == 3840
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--steps", "1",
+                         "--max-response-len", "3841", "--micro-batch-tokens", "4097")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line == ("rlk run: error: --max-prompt-len 256 + --max-response-len 3841 = 4097: "
+                    "must be <= max_position_embeddings=4096 of the embedded tiny model"), line
+    assert not (cwd / "r").exists() and len(loop.calls) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # --prompts: every problem with the file's content is one usage error, before any work
 

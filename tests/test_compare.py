@@ -164,6 +164,29 @@ def test_a_copy_is_said_once_even_with_an_edited_manifest(tmp_path, capsys):
         assert code == 0 and out.splitlines().count(copy_line) == 1, out
 
 
+def test_the_copy_caveat_comes_before_the_other_info_lines(tmp_path, capsys):
+    """A cp -r copy whose manifest was relabelled (tp 4, another torch version) has info lines
+    of its own: `rlk compare` prints the copy caveat first, then them, in that order; --quiet
+    prints the caveat alone with the verdict. Found by mutation testing: the caveats printed
+    after the other info lines passed every test (the other tests' copies had no other info
+    line, so "first" held either way)."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    other = tmp_path / "other"
+    shutil.copytree(a, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["config"]["tp"] = 4
+    manifest["versions"]["torch"] = "2.14.0"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    copy_line = ("info  A and B hold the same evidence.json down to its wall-clock timings: one "
+                 "is a copy of the other, not a second run")
+    code, out, _ = rlk_compare(capsys, a, other)
+    assert code == 0 and out.splitlines()[-1] == "IDENTICAL", out
+    assert [ln for ln in out.splitlines() if ln.startswith("info  ")] == [
+        copy_line, "info  config: tp 1 vs 4", 'info  versions: torch "2.13.0" vs "2.14.0"'], out
+    code, out, _ = rlk_compare(capsys, a, other, "--quiet")
+    assert code == 0 and out.splitlines() == [copy_line, "IDENTICAL"], out
+
+
 def _set_config(run, **settings):
     path = run / "manifest.json"
     manifest = json.loads(path.read_text())

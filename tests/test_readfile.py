@@ -82,6 +82,42 @@ def test_text_and_json_errors_are_the_usual_ones(tmp_path):
             readfile.read_json(p)
 
 
+def test_read_json_refuses_nesting_past_max_depth_not_at_it(tmp_path):
+    """A document of exactly jsontext.MAX_DEPTH (64) nested lists around a number reads back;
+    one list more is json.JSONDecodeError "nested too deeply (more than 64 levels)", the limit
+    its message names. Found by mutation testing: refusing at the limit itself (`>=` for `>`),
+    and counting the number inside as a level, both passed every test (the other tests nest
+    30 or 400 deep)."""
+    from rlkernel import jsontext
+
+    assert jsontext.MAX_DEPTH == 64
+    p = tmp_path / "f.json"
+    p.write_text("[" * 64 + "0" + "]" * 64)
+    value = readfile.read_json(p)
+    for _ in range(64):
+        (value,) = value
+    assert value == 0
+    p.write_text("[" * 65 + "0" + "]" * 65)
+    with pytest.raises(json.JSONDecodeError) as e:
+        readfile.read_json(p)
+    assert e.value.msg == "nested too deeply (more than 64 levels)", e.value.msg
+
+
+def test_read_json_refuses_an_integer_past_the_digit_limit_in_its_own_words(tmp_path):
+    """A 4,300-digit integer (Python's limit for int conversion) reads back; 4,301 digits is
+    json.JSONDecodeError saying the number is too long and how long, without Python's advice
+    to call sys.set_int_max_str_digits(), which a user of rlk cannot follow. Found by mutation
+    testing: keeping that advice in the message passed every test."""
+    p = tmp_path / "f.json"
+    p.write_text('{"n": ' + "9" * 4300 + "}")
+    assert readfile.read_json(p) == {"n": int("9" * 4300)}
+    p.write_text('{"n": ' + "9" * 4301 + "}")
+    with pytest.raises(json.JSONDecodeError) as e:
+        readfile.read_json(p)
+    assert e.value.msg == ("a number too long (Exceeds the limit (4300 digits) for integer "
+                           "string conversion: value has 4301 digits)"), e.value.msg
+
+
 def test_no_descriptor_is_left_open(tmp_path):
     """A refused path and a read file both close what they opened."""
     fifo_in_place_of(tmp_path / "p")
