@@ -10,6 +10,7 @@ corrupt file (naming the file) applies. Does not: read files or validate the str
 from __future__ import annotations
 
 import json
+import sys
 import unicodedata
 from typing import Any
 
@@ -38,8 +39,9 @@ run out of stack on a forged or corrupt document the parser still accepted (~1,0
 
 def loads(text: str | bytes, max_depth: int | None = None) -> Any:
     """json.loads(text); json.JSONDecodeError for invalid JSON, nesting past the interpreter's
-    recursion limit included ("nested too deeply", line 1 column 1), and an integer past
-    Python's digit limit for int conversion (4,300 digits; a ValueError of its own).
+    recursion limit included ("nested too deeply", line 1 column 1), an integer past
+    Python's digit limit for int conversion (sys.get_int_max_str_digits(), 4,300 by default; a
+    ValueError of its own) and bytes that are not UTF-8/16/32 (a UnicodeDecodeError).
     `max_depth`: also refuse containers nested deeper than that (one pass over the document,
     so only where a recursive walk follows)."""
     try:
@@ -49,9 +51,12 @@ def loads(text: str | bytes, max_depth: int | None = None) -> Any:
     except RecursionError:
         # no copy of the document in the error: it can be large
         raise json.JSONDecodeError("nested too deeply", "", 0) from None
-    except ValueError as e:     # e.g. "Exceeds the limit (4300 digits) for integer string ..."
-        raise json.JSONDecodeError(f"a number too long ({str(e).split(';')[0]})", "",
-                                   0) from None
+    except UnicodeDecodeError as e:     # bytes given: json decodes them first
+        raise json.JSONDecodeError(f"not UTF-8/16/32 text ({e.reason} at byte {e.start})",
+                                   "", 0) from None
+    except ValueError:      # the one left: an integer past int()'s digit limit
+        raise json.JSONDecodeError("an integer of more than "
+                                   f"{sys.get_int_max_str_digits()} digits", "", 0) from None
     if max_depth is not None and _depth(value) > max_depth:
         raise json.JSONDecodeError(f"nested too deeply (more than {max_depth} levels)", "", 0)
     return value

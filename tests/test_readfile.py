@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 
 import pytest
 from cli_helpers import with_flags
@@ -104,18 +105,32 @@ def test_read_json_refuses_nesting_past_max_depth_not_at_it(tmp_path):
 
 
 def test_read_json_refuses_an_integer_past_the_digit_limit_in_its_own_words(tmp_path):
-    """A 4,300-digit integer (Python's limit for int conversion) reads back; 4,301 digits is
-    json.JSONDecodeError saying the number is too long and how long, without Python's advice
+    """An integer of exactly Python's digit limit for int conversion (4,300 by default) reads
+    back; one digit more is json.JSONDecodeError in rl-kernel's words, without Python's advice
     to call sys.set_int_max_str_digits(), which a user of rlk cannot follow. Found by mutation
     testing: keeping that advice in the message passed every test."""
+    limit = sys.get_int_max_str_digits()
     p = tmp_path / "f.json"
-    p.write_text('{"n": ' + "9" * 4300 + "}")
-    assert readfile.read_json(p) == {"n": int("9" * 4300)}
-    p.write_text('{"n": ' + "9" * 4301 + "}")
+    p.write_text('{"n": ' + "9" * limit + "}")
+    assert readfile.read_json(p) == {"n": int("9" * limit)}
+    p.write_text('{"n": ' + "9" * (limit + 1) + "}")
     with pytest.raises(json.JSONDecodeError) as e:
         readfile.read_json(p)
-    assert e.value.msg == ("a number too long (Exceeds the limit (4300 digits) for integer "
-                           "string conversion: value has 4301 digits)"), e.value.msg
+    assert e.value.msg == f"an integer of more than {limit} digits", e.value.msg
+
+
+def test_json_bytes_that_are_not_text_are_said_to_be_so():
+    """jsontext.loads of bytes that no JSON encoding decodes (a safetensors header is read as
+    bytes) is json.JSONDecodeError naming the decoding failure; it was reported as "a number
+    too long", the message of the only other ValueError json raises."""
+    from rlkernel import jsontext
+
+    for raw, byte in [(b'"\xff"', 1), (b'{"a": "\xc3"}', 7)]:
+        with pytest.raises(json.JSONDecodeError) as e:
+            jsontext.loads(raw)
+        assert e.value.msg.startswith("not UTF-8/16/32 text (") and f"at byte {byte})" in \
+            e.value.msg, e.value.msg
+    assert jsontext.loads('{"a": "\xff"}'.encode()) == {"a": "\xff"}
 
 
 def test_no_descriptor_is_left_open(tmp_path):
