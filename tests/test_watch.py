@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pathlib
 import types
 
@@ -460,6 +461,66 @@ def test_report_that_cannot_write_a_png_says_which(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     assert err.splitlines() == [f"rlk report: error: {tmp_path / 'o' / 'reward.png'}: cannot be "
                                 "written (Is a directory)"], err
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo"])
+def test_report_that_cannot_write_a_later_png_writes_none(tmp_path, capsys, kind):
+    """--out holding a directory or a FIFO named kl.png (a panel drawn after reward.png and
+    response_len.png): refused before any PNG is drawn, one line naming it, exit 2, and --out
+    left as it was (reward.png and response_len.png were written first, then the error: a
+    half-written report)."""
+    run = _metrics_run(tmp_path / "r")
+    out_dir = tmp_path / "o"
+    out_dir.mkdir()
+    (out_dir / "kl.png").mkdir() if kind == "dir" else os.mkfifo(out_dir / "kl.png")
+    code = main(["report", str(run), "--out", str(out_dir)])
+    out, err = capsys.readouterr()
+    why = "Is a directory" if kind == "dir" else "not a regular file"
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [f"rlk report: error: {out_dir / 'kl.png'}: cannot be written "
+                                f"({why})"], err
+    assert sorted(p.name for p in out_dir.iterdir()) == ["kl.png"]
+
+
+def test_report_never_writes_through_a_png_that_is_a_link(tmp_path, capsys):
+    """--out/reward.png a symbolic link to another run's evidence.json: savefig wrote the PNG
+    through it, replacing that evidence (exit 0). Now refused before any PNG is drawn, one line
+    naming the link, exit 2; the link's target and --out are unchanged."""
+    run = _metrics_run(tmp_path / "r")
+    victim = tmp_path / "evidence.json"
+    victim.write_text('{"steps": []}\n')
+    out_dir = tmp_path / "o"
+    out_dir.mkdir()
+    (out_dir / "reward.png").symlink_to(victim)
+    code = main(["report", str(run), "--out", str(out_dir)])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [f"rlk report: error: {out_dir / 'reward.png'}: is a symbolic "
+                                f"link to {str(victim)!r}; remove it (rlk report writes its "
+                                "PNGs as files, never through a link)"], err
+    assert victim.read_text() == '{"steps": []}\n'
+    assert [p.name for p in out_dir.iterdir()] == ["reward.png"]
+
+
+def test_report_removes_an_earlier_reports_png_of_a_metric_it_has_not(tmp_path, capsys):
+    """A report of runs with no KL (--kl-coef 0: kl null) into an --out where an earlier
+    report of a run with KL left kl.png: that kl.png is removed (kept, it showed the earlier
+    run's KL as this report's, with no legend to tell), the PNGs drawn are listed, exit 0."""
+    with_kl = _metrics_run(tmp_path / "kl")
+    no_kl = tmp_path / "nokl"
+    no_kl.mkdir()
+    (no_kl / "metrics.jsonl").write_text("".join(json.dumps(metrics_row(_rec(i, kl=None))) + "\n"
+                                                 for i in range(2)))
+    out_dir = tmp_path / "o"
+    assert main(["report", str(with_kl), "--out", str(out_dir)]) == 0
+    assert (out_dir / "kl.png").is_file()
+    capsys.readouterr()
+    assert main(["report", str(no_kl), "--out", str(out_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and str(out_dir / "kl.png") not in out.split()
+    assert not (out_dir / "kl.png").exists()
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(pathlib.Path(p).name
+                                                               for p in out.split())
 
 
 def test_report_refuses_an_unreadable_run(tmp_path, capsys):

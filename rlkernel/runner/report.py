@@ -11,10 +11,12 @@ a run directory copied without it), the rows derived from its evidence.json by t
   mismatches.png train/rollout logprob byte mismatches (0 is the contract in --mode invariant)
   throughput.png response tokens per second of the whole step
   step_time.png  rollout (solid), train (dashed), sync (dotted) seconds per step
-A panel with no value in any run is left out. NaN/Inf values are gaps in a curve, and so are
-values past ±PLOT_LIMIT (an axis cannot span them: matplotlib's tick arithmetic overflowed near
-1e308, a traceback), each named in a warning (`warn`). Should matplotlib still fail on a panel,
-that panel is left out of its PNG and of overview.png, with a warning, and the rest is drawn.
+A panel with no value in any run is left out (and its PNG from an earlier report in --out
+removed). A PNG name in --out taken by a directory, a FIFO or a symbolic link is refused before
+any PNG is drawn. NaN/Inf values are gaps in a curve, and so are values past ±PLOT_LIMIT (an
+axis cannot span them: matplotlib's tick arithmetic overflowed near 1e308, a traceback), each
+named in a warning (`warn`). Should matplotlib still fail on a panel, that panel is left out of
+its PNG and of overview.png, with a warning, and the rest is drawn.
 
 Matplotlib is driven through its object API with the Agg canvas: no pyplot, no global backend
 switch, no display needed.
@@ -234,6 +236,9 @@ def write_report(run_dirs: list[str], out_dir: str | os.PathLike,
             from None
     import numpy
 
+    bad = _unwritable_png(out)
+    if bad:
+        raise ReportError(bad)
     cmap = colormaps["tab10"]
     colors = [cmap(i % 10) for i in range(len(runs))]
     for line in _out_of_range(runs):
@@ -243,6 +248,22 @@ def write_report(run_dirs: list[str], out_dir: str | os.PathLike,
     # so that noise is silenced while drawing.
     with numpy.errstate(over="ignore", invalid="ignore"):
         return _draw_all(runs, out, colors, warn)
+
+
+def _unwritable_png(out: pathlib.Path) -> str | None:
+    """Why one of the PNGs this report may write cannot be written, checked before any is drawn
+    (found at its turn, the PNGs before it were already replaced: a half-written --out), or
+    None. A name taken by a directory or a FIFO, or a symbolic link (savefig wrote through it:
+    a link to a run's evidence.json replaced that file with a PNG)."""
+    for stem in ["overview"] + [panel[0] for panel in PANELS]:
+        path = out / f"{stem}.png"
+        if path.is_symlink():
+            return (f"{path}: is a symbolic link to {os.readlink(path)!r}; remove it (rlk report "
+                    "writes its PNGs as files, never through a link)")
+        if path.exists() and not path.is_file():
+            why = "Is a directory" if path.is_dir() else "not a regular file"
+            return f"{path}: cannot be written ({why})"
+    return None
 
 
 def _draw_all(runs: list[RunMetrics], out: pathlib.Path, colors,
@@ -264,6 +285,8 @@ def _draw_all(runs: list[RunMetrics], out: pathlib.Path, colors,
                 continue
             written.append(path)
             shown.append(panel)
+        else:   # no run has this metric: an earlier report's PNG would pass for this one's
+            (out / f"{panel[0]}.png").unlink(missing_ok=True)
     cols = 3
     n_rows = max(1, -(-len(shown) // cols))
     fig = _figure(5 * cols, 3.2 * n_rows)
