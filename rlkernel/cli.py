@@ -55,6 +55,7 @@ from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inp
                                     located, recorded_paths, relocated, same_input,
                                     startup_notes)
 from rlkernel.runner.watch import TMP_SUFFIX, config_warnings, summary_lines
+from rlkernel.termination import Terminated
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
 """The directory that holds the rlkernel package: the checkout whose git state is recorded."""
@@ -335,10 +336,19 @@ def main(argv: list[str] | None = None) -> int:
                                sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         return _error(args.command, e, 2)
+    # SIGTERM/SIGHUP unwind the other commands too (rlk run installs its own handler): killed
+    # silently by the default action, init-model and export left their staging directory
+    # (.OUT.tmp-*, up to the model's size) behind; unwinding removes it.
+    previous = None if args.command == "run" else _exit_on_sigterm()
     try:
         code = args.func(args)
         sys.stdout.flush()   # a closed pipe is seen here, not in the interpreter's exit
         return code
+    except Terminated as e:
+        if _debug():
+            raise
+        print(f"rlk {args.command}: terminated", file=sys.stderr)
+        return e.code
     except BrokenPipeError:  # `rlk compare A B | head`: the reader left; not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())   # so the interpreter's final flush stays quiet
@@ -348,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rlk {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _restore_sigterm(previous)
 
 
 # ---------------------------------------------------------------------------------------------

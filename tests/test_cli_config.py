@@ -535,6 +535,40 @@ def test_a_signal_while_the_run_validates_releases_the_lock_and_says_so(capsys, 
     assert list(cwd.iterdir()) == [] and loop.calls == []
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_while_init_model_writes_leaves_nothing(capsys, cwd, monkeypatch, sig):
+    """SIGTERM/SIGHUP while `rlk init-model` writes model.safetensors: exit 128 + signum, one
+    line, no staging directory left (the default action killed it there silently and left
+    .OUT.tmp-PID-*, 487 MB for qwen3-0.6b, the model's size for qwen3-8b), handlers restored.
+    rlk export writes through the same staging (save_checkpoint) under the same handler."""
+    import os
+    import signal
+
+    from rlkernel.model import checkpoint
+
+    num = getattr(signal, sig)
+    real_save = checkpoint.save_file
+
+    def signalled(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)   # the weights are on disk, staged
+        assert list(cwd.glob(".m.tmp-*/model.safetensors"))
+        os.kill(os.getpid(), num)          # the handler raises here, as a signal would
+
+    def unhandled(signum, frame):   # what the old code left to the default action
+        raise AssertionError(f"{sig} reached the test's handler: rlk init-model installed none")
+
+    monkeypatch.setattr(checkpoint, "save_file", signalled)
+    before = signal.signal(num, unhandled)
+    try:
+        code, out, err = rlk(capsys, "init-model", "--preset", "tiny", "--out", "m")
+        assert signal.getsignal(num) is unhandled    # restored on the way out
+    finally:
+        signal.signal(num, before)
+    assert (code, out) == (128 + num, ""), (code, err)
+    assert err.splitlines() == ["rlk init-model: terminated"], err
+    assert list(cwd.iterdir()) == []
+
+
 def test_out_of_memory_before_the_first_step_is_one_line_naming_the_sizes(capsys, cwd, loop):
     """MemoryError inside the run (a batch the validators accept but the host cannot hold):
     exit 1, one line naming the flags that size a step, nothing left (was a traceback and a
