@@ -45,6 +45,20 @@ def non_directory(path: str | os.PathLike) -> str | None:
     return next((k for test, k in _ENTRY_KINDS if test(mode)), "a file of another kind")
 
 
+def missing_directory(path: str | os.PathLike) -> str:
+    """Why `path`, not a directory and not an existing file, is no directory, for a message:
+    "no such run directory" of a missing path; "a symbolic link that cannot be followed (Too
+    many levels of symbolic links)" of a link loop or a link to nothing — the link is there,
+    so "no such" read as a typo."""
+    if not os.path.islink(path):
+        return "no such run directory"
+    try:
+        os.stat(path)
+    except OSError as e:
+        return f"a symbolic link that cannot be followed ({e.strerror})"
+    return "not a run directory"
+
+
 class NotRegularFileError(OSError):
     """A path that must be a regular file is a FIFO, device, socket or directory.
     str(): "PATH: not a regular file but a FIFO (named pipe)"; strerror: the part after PATH."""

@@ -588,6 +588,21 @@ def test_a_file_given_as_a_run_is_named_as_a_file(tmp_path, capsys):
     assert code == 2 and "no such run directory" in err
 
 
+def test_a_link_that_leads_nowhere_is_named_as_a_link(tmp_path, capsys):
+    """rlk compare LINK B, LINK a symbolic link loop or a link to a missing directory: exit 2,
+    the link named as one that cannot be followed, with the system's reason (it said "no
+    such run directory" of a path that is there)."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone")
+    for link, why in [(loop, "Too many levels of symbolic links"),
+                      (dangling, "No such file or directory")]:
+        code, out, err = rlk_compare(capsys, link, a)
+        assert (code, out) == (2, ""), (code, out)
+        assert f"{link}: a symbolic link that cannot be followed ({why})" in err, err
+
+
 def test_evidence_file_is_valid_strict_json(tmp_path):
     s = _step(0)
     s["grad_norm"] = math.inf

@@ -545,3 +545,20 @@ def test_require_updates_with_a_zero_gradient_names_the_causes(tmp_path, capsys)
     assert code == 1, err
     assert "evidence step 0: --require-updates" in err and "exactly 0" in err
     assert "coefficients 0" in err and "--temperature" in err
+
+
+def test_report_of_a_link_loop_says_it_is_a_link(tmp_path):
+    """rlk report LOOP, LOOP a symbolic link to itself: the link is named as one that cannot be
+    followed (it said "no such run directory" of a path that is there, which read as a typo);
+    a missing path still says no such run directory."""
+    from rlkernel.runner.report import ReportError, load_metrics
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ReportError) as e:
+        load_metrics(loop)
+    assert str(e.value) == (f"{loop}: a symbolic link that cannot be followed (Too many levels "
+                            "of symbolic links)"), str(e.value)
+    with pytest.raises(ReportError) as e:
+        load_metrics(tmp_path / "gone")
+    assert str(e.value) == f"{tmp_path / 'gone'}: no such run directory"

@@ -130,7 +130,7 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
         raise CompareError(f"{d}: is a file, not a run directory (give the directory a run "
                            "wrote, or its evidence.json)")
     if not d.is_dir():
-        raise CompareError(f"{d}: no such run directory")
+        raise CompareError(f"{d}: {readfile.missing_directory(d)}")
     evidence = _load_json(d / "evidence.json")
     manifest = _load_json(d / "manifest.json")
     ev_path = d / "evidence.json"

@@ -65,7 +65,7 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     if d.exists() and not d.is_dir():
         raise ReportError(f"{d}: is a file, not a run directory")
     if not d.is_dir():
-        raise ReportError(f"{d}: no such run directory")
+        raise ReportError(f"{d}: {readfile.missing_directory(d)}")
     path = d / METRICS
     rows: list[dict[str, Any]] = []
     source = str(path)
