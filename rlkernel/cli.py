@@ -47,7 +47,7 @@ import unicodedata
 import rlkernel
 from rlkernel import readfile
 from rlkernel.config import (INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError, RunConfig,
-                             field_docs, flag_name, model_flag_error)
+                             SampleFitError, field_docs, flag_name, model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
@@ -336,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                                sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         return _error(args.command, e, 2)
-    # SIGTERM/SIGHUP unwind the other commands too (rlk run installs its own handler): killed
-    # silently by the default action, init-model and export left their staging directory
-    # (.OUT.tmp-*, up to the model's size) behind; unwinding removes it.
-    previous = None if args.command == "run" else _exit_on_sigterm()
+    # SIGTERM/SIGHUP unwind every command from its first moment: killed silently by the default
+    # action, a run validating its flags left RUN.lock, and init-model and export their staging
+    # directory (.OUT.tmp-*, up to the model's size); unwinding releases and removes them.
+    previous = _exit_on_sigterm()
     try:
         code = args.func(args)
         sys.stdout.flush()   # a closed pipe is seen here, not in the interpreter's exit
@@ -772,9 +772,7 @@ def _new_config(given: dict) -> RunConfig:
     new-user trial). Raises ConfigError."""
     try:
         return RunConfig(**given)
-    except ConfigError as e:
-        if not hasattr(e, "sample_tokens"):
-            raise
+    except SampleFitError as e:
         try:
             m = _model_shape(given.get("model"))
         except ConfigError:      # the model's own error comes later, in its place
@@ -1002,8 +1000,6 @@ def _exit_on_sigterm():
     import signal
     import threading
 
-    from rlkernel.termination import Terminated
-
     def handler(signum, frame):
         raise Terminated(128 + signum)   # not a plain SystemExit: the reward's sys.exit is one
 
@@ -1152,7 +1148,7 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     try:
         cfg = RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
     except ConfigError as e:   # a flag given now clashes with one the run was saved with
-        if hasattr(e, "sample_tokens"):   # the lengths are the run's: only the budget may move
+        if isinstance(e, SampleFitError):   # the lengths are the run's: only the budget moves
             p, r = e.sample_tokens
             mbt = given.get("micro_batch_tokens", saved.get("micro_batch_tokens"))
             raise ConfigError(f"--micro-batch-tokens {mbt}: must be >= {p + r}, the run's "
@@ -1501,9 +1497,8 @@ def _out_of_memory(e: BaseException) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    # SIGTERM/SIGHUP unwind from the first moment (they killed the run silently while it
-    # validated and imported torch, leaving RUN.lock): the lock is released on the way out.
-    previous = _exit_on_sigterm()
+    # SIGTERM/SIGHUP (main's handler) unwind from the first moment: the lock is released on the
+    # way out.
     try:
         with contextlib.ExitStack() as held:   # the run directory's lock, on every way out
             return _cmd_run(args, held)
@@ -1512,8 +1507,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise
         print("rlk run: interrupted before the first step; nothing kept", file=sys.stderr)
         return e.code if isinstance(e.code, int) else 1
-    finally:
-        _restore_sigterm(previous)
 
 
 def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:

@@ -88,6 +88,21 @@ class ConfigError(ValueError):
     """An invalid run setting; the message names the flag, the value and what is allowed."""
 
 
+class SampleFitError(ConfigError):
+    """One whole sample (--max-prompt-len + --max-response-len tokens) does not fit one
+    microbatch (--micro-batch-tokens). `sample_tokens`: (max_prompt_len, max_response_len), for
+    a caller that knows more than the config: the model's max_position_embeddings, which the
+    sample may pass too (cli._new_config), or a resume, where only the budget may move
+    (cli._resume_config)."""
+
+    def __init__(self, message: str, sample_tokens: tuple[int, int]) -> None:
+        super().__init__(message)
+        self.sample_tokens = sample_tokens
+
+    def __reduce__(self):   # pickled with both arguments (Exception's default passes args)
+        return type(self), (str(self), self.sample_tokens)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Every setting of one RL run. Raises ConfigError on any invalid value (see module doc)."""
@@ -605,15 +620,11 @@ def _validate_sample_fits(c: RunConfig) -> None:
     microbatch (--micro-batch-tokens). The message leads with the flag the user most likely
     moved: --micro-batch-tokens when it is off its default (set too small), else the length(s)
     off theirs (--max-response-len 100000 must not read as an error of a flag never given).
-    The error carries `sample_tokens` ((--max-prompt-len, --max-response-len)), so a caller
-    that knows the model's max_position_embeddings can say that limit instead where the sample
-    passes it too (raising --micro-batch-tokens would then be refused next: cli._new_config)."""
+    Raises SampleFitError."""
     need = c.max_prompt_len + c.max_response_len
     if c.micro_batch_tokens >= need:
         return
-    e = _sample_fit_error(c, need)
-    e.sample_tokens = (c.max_prompt_len, c.max_response_len)
-    raise e
+    raise SampleFitError(str(_sample_fit_error(c, need)), (c.max_prompt_len, c.max_response_len))
 
 
 def _sample_fit_error(c: RunConfig, need: int) -> ConfigError:

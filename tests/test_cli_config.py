@@ -505,6 +505,25 @@ def test_every_command_refuses_an_empty_path(capsys, cwd, argv, name):
     assert sorted(cwd.rglob("*")) == before
 
 
+def _rlk_under_a_test_handler(capsys, num: int, *argv: str) -> tuple[int, str, str]:
+    """rlk(*argv) with a handler of the test's own for signal `num`, which fails the test if the
+    signal reaches it (what the default action got before rlk installed one); asserts rlk put
+    it back on the way out."""
+    import signal
+
+    def unhandled(signum, frame):
+        raise AssertionError(f"signal {signum} reached the test's handler: rlk {argv[0]} "
+                             "installed none")
+
+    before = signal.signal(num, unhandled)
+    try:
+        got = rlk(capsys, *argv)
+        assert signal.getsignal(num) is unhandled    # restored on the way out
+    finally:
+        signal.signal(num, before)
+    return got
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_signal_while_the_run_validates_releases_the_lock_and_says_so(capsys, cwd, loop,
                                                                        monkeypatch, sig):
@@ -520,16 +539,9 @@ def test_a_signal_while_the_run_validates_releases_the_lock_and_says_so(capsys, 
         assert (cwd / "r.lock").exists()   # the lock is held at this point
         os.kill(os.getpid(), num)          # the handler raises here, as a signal would
 
-    def unhandled(signum, frame):   # what the old code left to the default action
-        raise AssertionError(f"{sig} reached the test's handler: rlk run installed none")
-
     monkeypatch.setattr(cli, "_check_inputs", signalled)
-    before = signal.signal(num, unhandled)
-    try:
-        code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r")
-        assert signal.getsignal(num) is unhandled    # restored on the way out
-    finally:
-        signal.signal(num, before)
+    code, out, err = _rlk_under_a_test_handler(capsys, num, "run", "--allow-dirty", "--run-dir",
+                                               "r")
     assert code == 128 + num and out == "", (code, err)
     assert err.strip() == "rlk run: interrupted before the first step; nothing kept", err
     assert list(cwd.iterdir()) == [] and loop.calls == []
@@ -554,16 +566,9 @@ def test_a_signal_while_init_model_writes_leaves_nothing(capsys, cwd, monkeypatc
         assert list(cwd.glob(".m.tmp-*/model.safetensors"))
         os.kill(os.getpid(), num)          # the handler raises here, as a signal would
 
-    def unhandled(signum, frame):   # what the old code left to the default action
-        raise AssertionError(f"{sig} reached the test's handler: rlk init-model installed none")
-
     monkeypatch.setattr(checkpoint, "save_file", signalled)
-    before = signal.signal(num, unhandled)
-    try:
-        code, out, err = rlk(capsys, "init-model", "--preset", "tiny", "--out", "m")
-        assert signal.getsignal(num) is unhandled    # restored on the way out
-    finally:
-        signal.signal(num, before)
+    code, out, err = _rlk_under_a_test_handler(capsys, num, "init-model", "--preset", "tiny",
+                                               "--out", "m")
     assert (code, out) == (128 + num, ""), (code, err)
     assert err.splitlines() == ["rlk init-model: terminated"], err
     assert list(cwd.iterdir()) == []

@@ -14,34 +14,34 @@ the exact accumulator — on an H200, a qwen3-0.6b step of 4,096 tokens spent 70
 there (docs/BENCHMARKS.md), and the traffic grows with tokens × parameters.
 
 Algorithm, per output tile [BLOCK_N, BLOCK_K] (one program): walk the leaves in order; for each,
-p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then hi += p in float64 with the
-add checked exact (numerics/triton_fixedpoint.py `add_exact_or_nan`: s − hi == p and
-s − p == hi, Dekker's Fast2Sum lemma; no error word; an inexact add leaves NaN in hi). (One
-difference from the operand of larger magnitude, ordered by an integer compare, was tried:
-a third fewer float64 ops, 22 more registers, and a 2-4 % slower training step on an H100 —
-the pass is bound by latency, not by its float64 throughput; docs/BENCHMARKS.md.) Every
-value here is a multiple of 2**-149 (an fp32 partial is), so hi is the exact sum unless a check fails: an inexact add (p below ulp(hi),
-i.e. a leaf partial ~2**-29 of the running sum or smaller — a whole leaf of tiny gradients: on
-the CPU, one sample of four at 2**-20 of the others' scale gives 8 % of 64×64 tiles one such
-add, at 2**-25 every tile several), a partial that is not finite, or a sum past 2**150 (the
-digit conversion's range). (Until the ninth session the first pass was `add_word`: Knuth's
-TwoSum with one nonzero error kept in lo, the same words whenever it did not flag, twice the
-float64 work — docs/BENCHMARKS.md; before that, every error through a second checked TwoSum:
+p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then hi += p in float64 with the add
+checked exact (numerics/triton_fixedpoint.py `add_exact_or_nan`: s − hi == p and s − p == hi,
+Dekker's Fast2Sum lemma; no error word; an inexact add leaves NaN in hi). (One difference from
+the operand of larger magnitude, ordered by an integer compare, was tried: a third fewer float64
+ops, 22 more registers, and a 2-4 % slower training step on an H100 — the pass is bound by
+latency, not by its float64 throughput; docs/BENCHMARKS.md.) Every value here is a multiple of
+2**-149 (an fp32 partial is), so hi is the exact sum unless a check fails: an inexact add (p
+below ulp(hi), i.e. a leaf partial ~2**-29 of the running sum or smaller — a whole leaf of tiny
+gradients: on the CPU, one sample of four at 2**-20 of the others' scale gives 8 % of 64×64
+tiles one such add, at 2**-25 every tile several), a partial that is not finite, or a sum past
+2**150 (the digit conversion's range). (Until the ninth session the first pass was `add_word`:
+Knuth's TwoSum with one nonzero error kept in lo, the same words whenever it did not flag, twice
+the float64 work — docs/BENCHMARKS.md; before that, every error through a second checked TwoSum:
 now the retry tier below.) Operand tiles come by TMA descriptors where the operands allow
 (16-bit, 16-byte aligned rows), else by pointer loads: the same tiles either way. The double
 words are written out ([2, N, K] float64: 16 bytes per element, against 4 per element and leaf
-before) and a second pass (numerics/triton_fixedpoint.py `add_double_words_`) adds both words' exact integers to
-the digits. (Adding them in this kernel's epilogue was tried: on the H200 it gave wrong bytes for
-bf16 tiles and ran 2.7x slower, register pressure of ten int64 digits per element of a 2-D tile;
-not pursued.) A tile where any check failed writes zeros and is flagged: the same kernel runs it
-again in RETRY mode, every error added into lo by a checked TwoSum (`add_word_checked`: exact
-over a spread of ~2**100, so a sample whose gradients are 2**-30 of the others' costs a retry,
-not the bins); a tile still flagged is recomputed in EMIT mode, which stores its per-leaf
-partials (the same dot of the same operands) for the bin accumulator (`accumulate_`) to add.
-Either way the accumulator receives the exact sum of the same partials, so the result never
-depends on which tiles took which path (and so not on the tile, the call's other leaves,
-CP/DP/microbatch layout), and is bytewise the reference path's whenever the dot gives the bits of
-the reference's `bmm` (tests/test_cuda_grad_weight.py).
+before) and a second pass (numerics/triton_fixedpoint.py `add_double_words_`) adds both words'
+exact integers to the digits. (Adding them in this kernel's epilogue was tried: on the H200 it
+gave wrong bytes for bf16 tiles and ran 2.7x slower, register pressure of ten int64 digits per
+element of a 2-D tile; not pursued.) A tile where any check failed writes zeros and is flagged:
+the same kernel runs it again in RETRY mode, every error added into lo by a checked TwoSum
+(`add_word_checked`: exact over a spread of ~2**100, so a sample whose gradients are 2**-30 of
+the others' costs a retry, not the bins); a tile still flagged is recomputed in EMIT mode, which
+stores its per-leaf partials (the same dot of the same operands) for the bin accumulator
+(`accumulate_`) to add. Either way the accumulator receives the exact sum of the same partials,
+so the result never depends on which tiles took which path (and so not on the tile, the call's
+other leaves, CP/DP/microbatch layout), and is bytewise the reference path's whenever the dot
+gives the bits of the reference's `bmm` (tests/test_cuda_grad_weight.py).
 Launched with enable_fp_fusion=False: a contracted mul+add would break the exact adds' checks.
 Direct rounding (`rounded_grad_weight`): where no other rank's integers are to be added (direct
 mode with a scope group of one rank, distributed/tokensum.py), the double words are rounded to
