@@ -562,3 +562,43 @@ def test_report_of_a_link_loop_says_it_is_a_link(tmp_path):
     with pytest.raises(ReportError) as e:
         load_metrics(tmp_path / "gone")
     assert str(e.value) == f"{tmp_path / 'gone'}: no such run directory"
+
+
+def test_report_draws_a_run_named_twice_once(tmp_path, capsys):
+    """rlk report R R/ LINK (LINK -> R): one run, drawn once, each repeat named in a warning
+    (two curves of one run, the second over the first, read as two runs that agree); two
+    distinct runs are both drawn, with no warning."""
+    run = _metrics_run(tmp_path / "r")
+    other = _metrics_run(tmp_path / "s")
+    (tmp_path / "link").symlink_to(run)
+    names = [str(run), str(run) + "/", str(tmp_path / "link")]
+    warned: list[str] = []
+    write_report(names, tmp_path / "o", warn=warned.append)
+    real = os.path.realpath(run)
+    assert warned == [f"{n}: the same run as {run} ({real}); drawn once" for n in names[1:]]
+    code = main(["report", *names, str(other), "--out", str(tmp_path / "p")])
+    out, err = capsys.readouterr()
+    assert code == 0 and (tmp_path / "p" / "overview.png").is_file()
+    assert err.splitlines() == [f"rlk report: warning: {w}" for w in warned]
+    warned.clear()
+    write_report([str(run), str(other)], tmp_path / "q", warn=warned.append)
+    assert warned == []
+
+
+def test_report_of_a_metrics_file_with_no_complete_line_says_so(tmp_path):
+    """A run killed in its first step: metrics.jsonl holds a torn line and there is no
+    evidence.json. The message says that (it said "neither metrics.jsonl nor evidence.json" of a
+    directory holding metrics.jsonl)."""
+    from rlkernel.runner.report import ReportError, load_metrics
+
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 0, "rew')
+    with pytest.raises(ReportError) as e:
+        load_metrics(d)
+    assert str(e.value) == (f"{d}: no step recorded yet (metrics.jsonl holds no complete line, "
+                            "and there is no evidence.json)")
+    (d / "metrics.jsonl").unlink()
+    with pytest.raises(ReportError) as e:
+        load_metrics(d)
+    assert str(e.value).startswith(f"{d}: neither metrics.jsonl nor evidence.json")

@@ -11,7 +11,8 @@ a run directory copied without it), the rows derived from its evidence.json by t
   mismatches.png train/rollout logprob byte mismatches (0 is the contract in --mode invariant)
   throughput.png response tokens per second of the whole step
   step_time.png  rollout (solid), train (dashed), sync (dotted) seconds per step
-A panel with no value in any run is left out (and its PNG from an earlier report in --out
+A run named twice (the same directory by another path or through a link) is drawn once, with a
+warning. A panel with no value in any run is left out (and its PNG from an earlier report in --out
 removed). A PNG name in --out taken by a directory, a FIFO or a symbolic link is refused before
 any PNG is drawn. NaN/Inf values are gaps in a curve, and so are values past ±PLOT_LIMIT (an
 axis cannot span them: matplotlib's tick arithmetic overflowed near 1e308, a traceback), each
@@ -78,6 +79,9 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
             steps = ev.get("steps") if isinstance(ev, dict) else None
             rows = [metrics_row(s) for s in steps or [] if isinstance(s, dict)]
     except FileNotFoundError:
+        if path.exists():   # a run killed in its first step: its lines are torn or absent
+            raise ReportError(f"{d}: no step recorded yet ({METRICS} holds no complete line, "
+                              "and there is no evidence.json)") from None
         raise ReportError(f"{d}: neither {METRICS} nor evidence.json; give a directory written "
                           "by rlk run") from None
     except (OSError, ValueError) as e:   # strerror: the OSError's text without the path again
@@ -220,6 +224,7 @@ def write_report(run_dirs: list[str], out_dir: str | os.PathLike,
     files written. `warn` gets one line per value left out of a plot (past ±PLOT_LIMIT) and per
     panel matplotlib could not draw. Raises ReportError for an unreadable run, an unwritable
     out_dir or a PNG that cannot be written there."""
+    run_dirs = _distinct_runs(run_dirs, warn)
     runs = [load_metrics(d) for d in run_dirs]
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):  # same directory name in different places: use paths
@@ -248,6 +253,20 @@ def write_report(run_dirs: list[str], out_dir: str | os.PathLike,
     # so that noise is silenced while drawing.
     with numpy.errstate(over="ignore", invalid="ignore"):
         return _draw_all(runs, out, colors, warn)
+
+
+def _distinct_runs(run_dirs: list[str], warn: Callable[[str], None]) -> list[str]:
+    """run_dirs less each one that names a run given before it (the same directory through
+    another path or a link: two curves of one run, one hiding the other, read as two runs that
+    agree), each named in a warning."""
+    kept: dict[str, str] = {}
+    for d in run_dirs:
+        real = os.path.realpath(d)
+        if real in kept:
+            warn(f"{d}: the same run as {kept[real]} ({real}); drawn once")
+        else:
+            kept[real] = d
+    return list(kept.values())
 
 
 def _unwritable_png(out: pathlib.Path) -> str | None:
