@@ -54,7 +54,7 @@ from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, g
 from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inputs, input_paths,
                                     located, recorded_paths, relocated, same_input,
                                     startup_notes)
-from rlkernel.runner.watch import TMP_SUFFIX, config_warnings, summary_lines
+from rlkernel.runner.watch import CKPT_DIR, TMP_SUFFIX, config_warnings, summary_lines
 from rlkernel.termination import Terminated
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
@@ -509,6 +509,20 @@ def _occupied(flag: str, value: str) -> str | None:
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
 
 
+def _in_run_checkpoints(flag: str, value: str) -> str | None:
+    """The usage error for an output directory at or under a run's checkpoints/ (a directory
+    named so beside a manifest.json). That run's saves replace a step-N entry there and remove
+    step-*.tmp-* ones (an export to checkpoints/step-000009 was removed by the save of step 9),
+    so the whole folder is left to the run. None elsewhere."""
+    real = pathlib.Path(os.path.realpath(value))
+    for q in (real, *real.parents):
+        if q.name == CKPT_DIR and (q.parent / "manifest.json").is_file():
+            return (f"{flag} {value!r}: lies in {str(q)!r}, the checkpoints directory of the "
+                    f"run {str(q.parent)!r}, which that run's saves and resumes rewrite; give "
+                    "a directory outside it")
+    return None
+
+
 def _uncreatable(flag: str, value: str) -> str | None:
     """The usage error for a new-directory flag whose directory cannot be made where it is
     (export and init-model found out only when writing, after all the work: exit 1): an
@@ -557,7 +571,8 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: a name ending in .tmp-<digits> is "
                               "what an unfinished run lies under (a later --resume or run "
                               "would take it for a killed one); give another name")
-        taken = _occupied("--run-dir", cfg.run_dir)
+        taken = _occupied("--run-dir", cfg.run_dir) or _in_run_checkpoints("--run-dir",
+                                                                            cfg.run_dir)
         if taken:
             raise ConfigError(taken)
         return d
@@ -1669,7 +1684,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
     taken = (_bad_paths(("--out", args.out)) or _line_breaking(("--out", args.out))
-             or _occupied("--out", args.out)
+             or _occupied("--out", args.out) or _in_run_checkpoints("--out", args.out)
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("init-model", taken, 2)
@@ -1694,7 +1709,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # its own check for callers of the API.
     named = (("RUN", args.run), ("--out", args.out))
     taken = (_bad_paths(*named) or _line_breaking(("--out", args.out))
-             or _occupied("--out", args.out)
+             or _occupied("--out", args.out) or _in_run_checkpoints("--out", args.out)
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("export", taken, 2)

@@ -334,3 +334,31 @@ def test_export_of_a_padded_byte_tokenizer_model_keeps_the_padded_ids_masked(tmp
     assert main(["run", *small, "--model", str(out), "--run-dir", str(again)]) == 0
     vocab = json.loads((again / "manifest.json").read_text())["inputs"]["vocab"]
     assert vocab["tokenizer_ids"] == 264 and vocab["masked_ids"] == 512 - 264
+
+
+def test_out_in_a_runs_checkpoints_is_refused(run, tmp_path, capsys):
+    """--out (export, init-model) or --run-dir (run) at or under a run's checkpoints/: that run's
+    saves replace a step-N entry there (a step-000009 export would be removed by the save of
+    step 9). Exit 2, nothing written; a checkpoints/ that is not
+    beside a manifest.json (not a run's) is taken, and a directory beside the run's checkpoints
+    too."""
+    ck = run / "checkpoints"
+    before = sorted(str(p) for p in ck.rglob("*"))
+    where = f"lies in {str(ck)!r}, the checkpoints directory of the run {str(run)!r}"
+    for argv, flag, target in (
+            (["export", str(run), "--out"], "--out", ck / "step-000009"),
+            (["export", str(run), "--out"], "--out", ck / "mine" / "deeper"),
+            (["init-model", "--preset", "tiny", "--out"], "--out", ck / "model"),
+            (["run", "--steps", "1", "--allow-dirty", "--run-dir"], "--run-dir", ck / "r")):
+        assert main([*argv, str(target)]) == 2, target
+        err = capsys.readouterr().err
+        assert f"{flag} {str(target)!r}: {where}" in err, err
+    assert sorted(str(p) for p in ck.rglob("*")) == before
+    elsewhere = tmp_path / "not_a_run" / "checkpoints" / "out"
+    assert main(["export", str(run), "--out", str(elsewhere)]) == 0
+    assert (elsewhere / "model.safetensors").is_file()
+    beside = run / "exported"
+    try:
+        assert main(["export", str(run), "--out", str(beside)]) == 0
+    finally:
+        shutil.rmtree(beside, ignore_errors=True)

@@ -28,8 +28,8 @@ from safetensors import SafetensorError
 
 from rlkernel import readfile
 from rlkernel.config import SIZE_LIMITS, RunConfig, flag_name
+from rlkernel.runner.watch import CKPT_DIR
 
-CKPT_DIR = "checkpoints"
 _STATE = "state.safetensors"
 _META = "meta.json"
 

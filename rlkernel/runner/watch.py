@@ -30,6 +30,9 @@ from rlkernel.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
 TMP_SUFFIX = re.compile(r"\.tmp-\d+$")
 """cli.py writes a fresh run into `<final>.tmp-<pid>` and renames it at the end."""
+CKPT_DIR = "checkpoints"
+"""A run directory's folder of checkpoints (runner/checkpointing.py); here, beside TMP_SUFFIX, so
+that the CLI's checks of output paths name it without importing torch."""
 
 
 def display_run_dir(path: str | os.PathLike) -> str:
