@@ -516,7 +516,11 @@ def _in_run_checkpoints(flag: str, value: str) -> str | None:
     so the whole folder is left to the run. None elsewhere."""
     real = pathlib.Path(os.path.realpath(value))
     for q in (real, *real.parents):
-        if q.name == CKPT_DIR and (q.parent / "manifest.json").is_file():
+        try:
+            ours = q.name == CKPT_DIR and (q.parent / "manifest.json").is_file()
+        except OSError:   # a folder we may not look into is not known to be a run's
+            ours = False
+        if ours:
             return (f"{flag} {value!r}: lies in {str(q)!r}, the checkpoints directory of the "
                     f"run {str(q.parent)!r}, which that run's saves and resumes rewrite; give "
                     "a directory outside it")
