@@ -52,6 +52,15 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _host_share(r: dict) -> str:
+    """The warm step's host issue time and its share of the step. Near 100 % on a GPU the host,
+    not the device, sets the step (the same code gave 0.966 s on one H100 and 1.383 s on
+    another whose host issued the ~14,000 launches slower: docs/BENCHMARKS.md, twenty-seventh
+    session), so a ratio between arms is the hosts' as much as the kernels'."""
+    h, t = r["warm_host_issue_s"], r["warm_step_s"]
+    return f"host issue {h:.3f} s ({100 * h / t:.0f} % of it)"
+
+
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
          dev: torch.device, micro_samples: int = 0, kl: bool = True, trace: bool = False,
          sync_sites: bool = False, kernel_sites: int = 0, host_profile: bool = False):
@@ -93,8 +102,9 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         _sync(dev)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-    out = {"step_s": times, "warm_step_s": min(times[1:] or times), "peak_gib": peak,
-           "host_issue_s": host, "first_grad_norm": norms[0]}
+    warm = min(range(1, len(times)), key=times.__getitem__) if len(times) > 1 else 0
+    out = {"step_s": times, "warm_step_s": times[warm], "peak_gib": peak,
+           "host_issue_s": host, "warm_host_issue_s": host[warm], "first_grad_norm": norms[0]}
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
         with prof(activities=[ProfilerActivity.CUDA]) as pr:
@@ -485,6 +495,7 @@ def main() -> None:
         res["arms"][mode] = r
         dump(a.out, res)          # after each arm: a later arm's failure keeps this one
         print(f"{mode}: warm step {r['warm_step_s']:.3f} s ({tokens / r['warm_step_s']:.0f} tok/s), "
+              f"{_host_share(r)}, "
               f"peak {r['peak_gib']:.2f} GiB ({r['peak_bytes_per_param']:.1f} B/param), steps "
               f"{[round(t, 3) for t in r['step_s']]}, first grad norm {r['first_grad_norm']!r}",
               flush=True)
