@@ -532,3 +532,34 @@ def test_a_full_disk_while_writing_a_run_checkpoint_names_it_and_keeps_nothing(t
         checkpointing.save_checkpoint(tmp_path, 3, 3, {"w": torch.zeros(4)}, "v", settings={},
                                       inputs=None)
     assert list((tmp_path / checkpointing.CKPT_DIR).iterdir()) == []
+
+
+def test_a_config_json_that_sets_few_keys_reads_as_transformers_reads_it():
+    """A config.json with only the required keys: head_dim, num_key_value_heads,
+    max_position_embeddings and rope_theta take transformers' Qwen3Config defaults (the
+    reference reads the same file so), and a null num_key_value_heads means the query heads. It
+    took hidden/heads, the query heads, 40960 and 1e6 before: a file without rope_theta gave
+    other RoPE angles, so other logits, than transformers'. Control: keys that are set win."""
+    from transformers import Qwen3Config as HFQwen3Config
+
+    from rlkernel.model.config import HF_DEFAULTS, Qwen3Config
+
+    base = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 8}
+    hf = HFQwen3Config.from_dict(base)
+    assert HF_DEFAULTS == {"head_dim": hf.head_dim, "num_key_value_heads": hf.num_key_value_heads,
+                           "max_position_embeddings": hf.max_position_embeddings,
+                           "rope_theta": hf.rope_parameters["rope_theta"]}
+    ours = Qwen3Config.from_hf_dict({**base, "num_key_value_heads": 8})
+    assert (ours.head_dim, ours.max_position_embeddings, ours.rope_theta) == (
+        hf.head_dim, hf.max_position_embeddings, hf.rope_parameters["rope_theta"])
+    null_kv = {**base, "num_key_value_heads": None}
+    assert Qwen3Config.from_hf_dict(null_kv).num_key_value_heads == \
+        HFQwen3Config.from_dict(null_kv).num_key_value_heads == 8
+    with pytest.raises(ValueError, match="num_key_value_heads"):   # 32 KV heads for 8 query heads
+        Qwen3Config.from_hf_dict(base)
+    set_ = {**base, "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 4096,
+            "rope_theta": 1e6}
+    c = Qwen3Config.from_hf_dict(set_)
+    assert (c.num_key_value_heads, c.head_dim, c.max_position_embeddings, c.rope_theta) == (
+        4, 16, 4096, 1e6)

@@ -16,6 +16,14 @@ from rlkernel.config import ConfigError
 from rlkernel.spec import VIRTUAL_CP, VIRTUAL_TP  # noqa: F401  (re-exported)
 
 
+HF_DEFAULTS: dict[str, Any] = {"head_dim": 128, "num_key_value_heads": 32,
+                               "max_position_embeddings": 32768, "rope_theta": 10_000.0}
+"""What transformers' Qwen3Config takes for these keys when a config.json does not set them
+(tests/test_checkpoint.py compares them with transformers'): `from_hf_dict` reads a file as the
+reference reads it. (It took hidden/heads, the query heads, 40960 and 1e6 — the Qwen3
+checkpoints' values —, so a file without rope_theta gave other logits than transformers'.)"""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Qwen3Config:
     """Architecture of a dense Qwen3 causal LM (Qwen3 technical report, arXiv 2505.09388 §2)."""
@@ -108,7 +116,7 @@ class Qwen3Config:
             rp = d.get("rope_parameters") or {}
             if not isinstance(rp, dict):
                 raise ValueError(f"{source}: rope_parameters must be an object, got {rp!r}")
-            rope_theta = rp.get("rope_theta", 1_000_000.0)
+            rope_theta = rp.get("rope_theta", HF_DEFAULTS["rope_theta"])
         scaling = d.get("rope_scaling") or {}
         if not isinstance(scaling, dict):
             raise ValueError(f"{source}: rope_scaling must be an object or null, got {scaling!r}")
@@ -145,7 +153,7 @@ class Qwen3Config:
 
         heads = integer("num_attention_heads")
         hidden = integer("hidden_size")
-        if heads <= 0 or hidden <= 0:  # checked here because head_dim defaults to hidden // heads
+        if heads <= 0 or hidden <= 0:
             bad = "num_attention_heads" if heads <= 0 else "hidden_size"
             raise ValueError(f"{source}: {bad}={d[bad]!r} must be a positive integer")
         tie = d.get("tie_word_embeddings", False)
@@ -158,11 +166,14 @@ class Qwen3Config:
                 intermediate_size=integer("intermediate_size"),
                 num_hidden_layers=integer("num_hidden_layers"),
                 num_attention_heads=heads,
-                num_key_value_heads=integer("num_key_value_heads", heads),
-                head_dim=integer("head_dim", hidden // heads),
+                # null: as many as the query heads (transformers' __post_init__)
+                num_key_value_heads=heads if d.get("num_key_value_heads", 0) is None
+                else integer("num_key_value_heads", HF_DEFAULTS["num_key_value_heads"]),
+                head_dim=integer("head_dim", HF_DEFAULTS["head_dim"]),
                 rope_theta=number("rope_theta", rope_theta),
                 rms_norm_eps=number("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=integer("max_position_embeddings", 40960),
+                max_position_embeddings=integer("max_position_embeddings",
+                                                HF_DEFAULTS["max_position_embeddings"]),
                 tie_word_embeddings=tie,
                 initializer_range=number("initializer_range", d.get("initializer_range", 0.02)),
                 bos_token_id=token_id("bos_token_id"),
