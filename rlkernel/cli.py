@@ -800,10 +800,11 @@ def _new_config(given: dict) -> RunConfig:
         raise
 
 
-def _check_topology(cfg: RunConfig) -> None:
+def _check_topology(cfg: RunConfig) -> Qwen3Config | None:
     """--tp/--cp/--sp/--rollout-* against the model's heads and, under torchrun, WORLD_SIZE, the
     longest sample against the model's positions, and --device cuda against the head_dim the
-    CUDA kernels take. Runs before any process starts or directory is made. Raises ConfigError."""
+    CUDA kernels take. Runs before any process starts or directory is made. Returns the model's
+    shape it checked (`_model_shape`; the manifest's inputs describe it). Raises ConfigError."""
     m = _model_shape(cfg.model)
     where = _model_where(cfg.model)
     # The Triton attention kernel tiles a head as tl.arange(0, head_dim): a power of two. Refused
@@ -822,6 +823,7 @@ def _check_topology(cfg: RunConfig) -> None:
                       world=world, dp=cfg.dp, **heads)
     if world is None:
         _check_local_world(cfg)
+    return m
 
 
 def max_local_ranks(device: str) -> int:
@@ -1166,13 +1168,13 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
                           f"over the saved --steps {saved.get('steps')}); start a new run")
     try:
         cfg = RunConfig.from_dict({**saved, **given, "run_dir": str(d)})
+    except SampleFitError as e:   # the lengths are the run's: only the budget moves
+        p, r = e.sample_tokens
+        mbt = given.get("micro_batch_tokens", saved.get("micro_batch_tokens"))
+        raise ConfigError(f"--micro-batch-tokens {mbt}: must be >= {p + r}, the run's "
+                          f"--max-prompt-len {p} + --max-response-len {r}, which a resume "
+                          "keeps (one whole sample must fit in one microbatch)") from None
     except ConfigError as e:   # a flag given now clashes with one the run was saved with
-        if isinstance(e, SampleFitError):   # the lengths are the run's: only the budget moves
-            p, r = e.sample_tokens
-            mbt = given.get("micro_batch_tokens", saved.get("micro_batch_tokens"))
-            raise ConfigError(f"--micro-batch-tokens {mbt}: must be >= {p + r}, the run's "
-                              f"--max-prompt-len {p} + --max-response-len {r}, which a resume "
-                              "keeps (one whole sample must fit in one microbatch)") from None
         inherited = sorted(flag_name(k) for k in RESUME_MAY_CHANGE - set(given)
                            if k in saved and flag_name(k) in str(e))
         if not inherited:
@@ -1369,9 +1371,11 @@ def _check_tokenizer_unchanged(saved: dict[str, typing.Any], now: dict[str, str]
 
 
 def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
-                src: pathlib.Path, inputs: dict[str, typing.Any]) -> int:
+                src: pathlib.Path, inputs: dict[str, typing.Any],
+                shape: Qwen3Config | None) -> int:
     """Continue --resume's run. `cfg` is its config as recorded (paths as typed); `where` the
-    same with the inputs where the run recorded them (_resume_inputs), which the run reads."""
+    same with the inputs where the run recorded them (_resume_inputs), which the run reads;
+    `shape` the model's, as `_check_topology` read it."""
     from rlkernel.runner.checkpointing import ResumeError, latest_checkpoint
     from rlkernel.runner.evidence import utc_now, versions
     from rlkernel.runner.loop import run_loop
@@ -1388,7 +1392,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
             _check_rewritten_file(src / name, d)
         manifest = readfile.read_json(src / "manifest.json")
         check_unchanged(relocated(manifest.get("inputs"), cfg, where),
-                        describe_inputs(where, _model_shape(where.model)), str(d))
+                        describe_inputs(where, shape), str(d))
         _check_checkpoint_inputs(ck, manifest, d)     # the inputs on disk are the manifest's
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
@@ -1548,7 +1552,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         final = _choose_run_dir(cfg) if src is None else None
         final = _lock_run_dir(cfg, final, held)
         _check_inputs(where)
-        _check_topology(where)
+        shape = _check_topology(where)
         _check_watch(cfg)
         inputs = _check_data(where) if src is None else _resume_data(where, src)
     except ConfigError as e:
@@ -1564,7 +1568,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
                              "in the manifest)", 2)
     _warn(config_warnings(cfg))
     if src is not None:
-        return _cmd_resume(cfg, where, git, src, inputs)
+        return _cmd_resume(cfg, where, git, src, inputs, shape)
     if not _follower_rank():
         _warn_stale_temporaries(final)
 
@@ -1574,7 +1578,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     if _follower_rank():
         return _run_follower_rank(cfg, manifest)
     try:  # every input's SHA-256 (for --resume), the vocab rule, the weights' stored dtypes
-        manifest["inputs"] = describe_inputs(cfg, _model_shape(cfg.model))
+        manifest["inputs"] = describe_inputs(cfg, shape)
     except ConfigError as e:
         return _error("run", e, 2)
     for note in startup_notes(cfg, manifest["inputs"]):

@@ -19,15 +19,19 @@ UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
 the terminal), format characters (bidi overrides) and line/paragraph separators."""
 
 
+def _hidden(c: str) -> bool:
+    return unicodedata.category(c) in UNPRINTABLE
+
+
 def unprintable(text: str) -> bool:
     """Whether text holds a character of an UNPRINTABLE category."""
-    return any(unicodedata.category(c) in UNPRINTABLE for c in text)
+    return any(map(_hidden, text))
 
 
 def quoted(text: str) -> str:
     """text as a JSON string for a message: non-ASCII as typed, UNPRINTABLE characters as
     \\uXXXX (JSON escapes only the C0 ones)."""
-    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in UNPRINTABLE else c
+    return "".join(f"\\u{ord(c):04x}" if _hidden(c) else c
                    for c in json.dumps(text, ensure_ascii=False))
 
 
