@@ -1672,6 +1672,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     # theirs when it is a file, lies under one, or is a symbolic link.
     bad = (_bad_paths(*named) or _line_breaking(("--out", args.out))
            or _not_a_directory("--out", args.out, "a directory", pathlib.Path.is_dir)
+           or _in_run_checkpoints("--out", args.out)
            or (None if os.path.isdir(args.out) else _uncreatable("--out", args.out)))
     if bad:
         return _error("report", bad, 2)

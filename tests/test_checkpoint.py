@@ -556,8 +556,12 @@ def test_a_config_json_that_sets_few_keys_reads_as_transformers_reads_it():
     null_kv = {**base, "num_key_value_heads": None}
     assert Qwen3Config.from_hf_dict(null_kv).num_key_value_heads == \
         HFQwen3Config.from_dict(null_kv).num_key_value_heads == 8
-    with pytest.raises(ValueError, match="num_key_value_heads"):   # 32 KV heads for 8 query heads
-        Qwen3Config.from_hf_dict(base)
+    with pytest.raises(ValueError) as e:   # 32 KV heads for 8 query heads: named as the default
+        Qwen3Config.from_hf_dict({**base, "head_dim": 16}, source="m/config.json")
+    assert str(e.value) == (
+        "m/config.json: model config: num_key_value_heads=32 must divide num_attention_heads=8 "
+        "(not set in m/config.json, so transformers' default: num_key_value_heads=32, "
+        "max_position_embeddings=32768)"), str(e.value)
     set_ = {**base, "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 4096,
             "rope_theta": 1e6}
     c = Qwen3Config.from_hf_dict(set_)

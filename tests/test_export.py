@@ -337,7 +337,7 @@ def test_export_of_a_padded_byte_tokenizer_model_keeps_the_padded_ids_masked(tmp
 
 
 def test_out_in_a_runs_checkpoints_is_refused(run, tmp_path, capsys):
-    """--out (export, init-model) or --run-dir (run) at or under a run's checkpoints/: that run's
+    """--out (export, init-model, report) or --run-dir (run) at or under a run's checkpoints/: that run's
     saves replace a step-N entry there (a step-000009 export would be removed by the save of
     step 9). Exit 2, nothing written; a checkpoints/ that is not
     beside a manifest.json (not a run's) is taken, and a directory beside the run's checkpoints
@@ -349,6 +349,7 @@ def test_out_in_a_runs_checkpoints_is_refused(run, tmp_path, capsys):
             (["export", str(run), "--out"], "--out", ck / "step-000009"),
             (["export", str(run), "--out"], "--out", ck / "mine" / "deeper"),
             (["init-model", "--preset", "tiny", "--out"], "--out", ck / "model"),
+            (["report", str(run), "--out"], "--out", ck / "step-000003"),
             (["run", "--steps", "1", "--allow-dirty", "--run-dir"], "--run-dir", ck / "r")):
         assert main([*argv, str(target)]) == 2, target
         err = capsys.readouterr().err

@@ -181,7 +181,12 @@ class Qwen3Config:
             )
         except ValueError as e:   # a ConfigError (validate_model_config) stays one
             msg = str(e)
-            raise type(e)(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
+            msg = msg if msg.startswith(f"{source}:") else f"{source}: {msg}"
+            taken = [f"{k}={v!r}" for k, v in HF_DEFAULTS.items()
+                     if k not in d and k != "rope_theta"]   # rope_theta changes no shape
+            if taken:   # a value the file does not hold would read as the file's
+                msg += f" (not set in {source}, so transformers' default: {', '.join(taken)})"
+            raise type(e)(msg) from None
 
     def replace(self, **changes: Any) -> "Qwen3Config":
         return dataclasses.replace(self, **changes)
