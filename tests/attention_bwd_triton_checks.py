@@ -213,6 +213,144 @@ def cp_zigzag_ranks_give_single_process_bytes():
         assert n_diff(alone[0] + alone[1], ref[1]) > 0, "control: fp32 sum of rank results matched"
 
 
+def _dead_pairs_dense_visits(q_pos: torch.Tensor, kv_len: torch.Tensor, bn: int = 64) -> int:
+    """(sample, leaf, key tile) triples the dense leaf loop computes and the checked loop skips:
+    leaves up to the sample's last that no query of sees a key of the tile."""
+    n = 0
+    for pos, kvl in zip(q_pos.tolist(), kv_len.tolist()):
+        live = [p for p in pos if p >= 0]
+        if not live:
+            continue
+        for jt in range(0, kvl, bn):
+            for f in range(jt // LEAF, max(live) // LEAF + 1):
+                seen = [min(p, kvl - 1) for p in live if f * LEAF <= p < (f + 1) * LEAF]
+                n += not (seen and max(seen) >= jt)
+    return n
+
+
+@check
+def dense_and_checked_leaf_loops_give_the_same_bytes():
+    """`_dkv_kernel`'s two leaf loops — DENSE (every leaf up to the sample's last, no branch:
+    one rank's default) and the checked one (dead (leaf, tile) pairs skipped: a CP rank's) —
+    give the same dQ/dK/dV bytes on: 3 packed samples of unequal lengths, CP ranks' zig-zag
+    halves (of a 4-leaf sample: leaves 1 and 2 absent) on one rank and on the CP group, every
+    program through the per-leaf fallback, and a tile of 32 keys × 8 columns.
+    Control: the CP half has pairs the dense loop computes and the checked loop skips (so the
+    loops do different work there; contiguous samples have none), and the default picks DENSE
+    on one rank only."""
+    picked = []
+    real = tb._leaf_ends
+    tb._leaf_ends = lambda q_pos, dense, tok: picked.append(dense is not False and (
+        dense or tok.comm.size == 1)) or real(q_pos, dense, tok)
+    try:
+        with sequential_dot():
+            (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, ref = small()
+            cp_pos = [torch.where(_cp_rank_sel(q_idx, sl, 2, r), q_pos, -1) for r in range(2)]
+            pq, pk, pv, ppos, plen, *_ = packed()[0]
+            p_out, p_lse, p_dout = packed()[1:4]
+            lq, lk, lv, lpos, llen, *_ = _pack([200, 90], seed=96)
+            l_dout = randn(*lq.shape, seed=97)
+            l_out, l_lse = _fwd(lq, lk, lv, lpos, llen)
+            # A CP2 rank's zig-zag share of a 4-leaf sample: leaves 0 and 3 (1 and 2 elsewhere).
+            l_half = torch.where((lpos >= 0) & (lpos // LEAF % 3 == 0), lpos, -1)
+            layouts = [((pq, pk, pv, p_out, p_lse, p_dout, ppos, plen), {}),
+                       ((lq, lk, lv, l_out, l_lse, l_dout, l_half, llen), {}),
+                       ((q, k, v, out, lse, d_out, cp_pos[0], kv_len), {}),
+                       ((q, k, v, out, lse, d_out, q_pos, kv_len), {"force_flag": True}),
+                       ((q, k, v, out, lse, d_out, q_pos, kv_len), {"kv_tile": (32, 8, 4, 1)})]
+            dead = []
+            for args, kw in layouts:
+                dense = _bwd(*args, kv_dense=True, **kw)
+                for a, b in zip(dense, _bwd(*args, kv_dense=False, **kw)):
+                    assert_bitwise(a, b)
+                dead.append(_dead_pairs_dense_visits(args[6], args[7]))
+            # Contiguous samples have none (the dense loop wastes nothing there); a CP half has.
+            assert dead[0] == 0 and dead[1] > 0, dead
+            for a, b in zip(_bwd(*layouts[0][0]), packed()[4]):   # the default: DENSE
+                assert_bitwise(a, b)
+            # The CP group itself, DENSE forced: each rank's dK/dV are the single-process bytes.
+            res = run_ranks_sequentially(2, lambda r, c: _bwd(
+                q, k, v, out, lse, d_out, cp_pos[r], kv_len, tok=TokenSum(c), kv_dense=True))
+            for dq, dk, dv in res:
+                assert_bitwise(dk, ref[1])
+                assert_bitwise(dv, ref[2])
+            picked.clear()
+            run_ranks_sequentially(2, lambda r, c: _bwd(
+                q, k, v, out, lse, d_out, cp_pos[r], kv_len, tok=TokenSum(c)))
+            _bwd(q, k, v, out, lse, d_out, q_pos, kv_len)
+            assert len(picked) >= 3 and not any(picked[:-1]) and picked[-1], picked
+    finally:
+        tb._leaf_ends = real
+
+
+@check
+def pair_kernel_gives_the_per_kind_bytes():
+    """`_dkv_pair_kernel` (dK's and dV's first pass in one program: one score and p per leaf
+    for both) gives the per-kind programs' dQ/dK/dV bytes: fp32 and bf16 packed samples of
+    unequal lengths, every program flagged (force_flag: its per-kind retry and EMIT follow the
+    pair's flags), the planted dV partials whose first pass is inexact (the retry tier takes
+    the pair's flag: exact result 1 + 2**-23), and packed streams. Controls: the pair kernel
+    ran (and no per-kind first pass did) in each pair call, the planted case was flagged by
+    it, and the default on bf16 is the pair kernel."""
+    launches = {"pair": 0, "first": 0}
+    real_pair, real_dkv = tb._launch_pair, tb._launch_dkv
+
+    def spy_pair(*a, **kw):
+        launches["pair"] += 1
+        return real_pair(*a, **kw)
+
+    def spy_dkv(*a, **kw):
+        launches["first"] += not a[12] and not (a[14] if len(a) > 14 else kw.get("retry"))
+        return real_dkv(*a, **kw)
+
+    def both(*args, **kw):
+        launches.update(pair=0, first=0)
+        paired = _bwd(*args, kv_pair=True, **kw)
+        assert launches["pair"] > 0 and launches["first"] == 0, launches
+        per_kind = _bwd(*args, kv_pair=False, **kw)
+        for a, b in zip(paired, per_kind):
+            assert_bitwise(a, b)
+        return paired
+
+    tb._launch_pair, tb._launch_dkv = spy_pair, spy_dkv
+    try:
+        with sequential_dot():
+            (q, k, v, q_pos, kv_len, *_), out, lse, d_out, ref = packed()
+            for a, b in zip(both(q, k, v, out, lse, d_out, q_pos, kv_len), ref):
+                assert_bitwise(a, b)
+            both(q, k, v, out, lse, d_out, q_pos, kv_len, force_flag=True)
+            qb, kb, vb, gb = (t.bfloat16() for t in (q, k, v, d_out))
+            ob, lb = _fwd(qb, kb, vb, q_pos, kv_len)
+            launches.update(pair=0, first=0)
+            _bwd(qb, kb, vb, ob, lb, gb, q_pos, kv_len)
+            assert launches["pair"] > 0 and launches["first"] == 0, launches
+            both(qb, kb, vb, ob, lb, gb, q_pos, kv_len)
+            args = _planted_dv([[1.0, 2.0**-24, 2.0**-80]], 3, seed=321)
+            flagged = []
+            real_retry_launch = tb._launch_dkv
+
+            def spy_flags(a, out_, flags, *rest, **kw):
+                if rest[11] if len(rest) > 11 else kw.get("retry", False):
+                    flagged.append(int(flags.sum()))     # before the retry rewrites them
+                return real_retry_launch(a, out_, flags, *rest, **kw)
+
+            tb._launch_dkv = spy_flags
+            _bwd(*args, kv_pair=True)
+            tb._launch_dkv = spy_dkv
+            assert sum(flagged) > 0, flagged          # the pair's first pass flagged dV
+            got = both(*args)[2][0, 0, 0, 0].item()
+            assert got == 1.0 + 2.0**-23, got
+            q3, k3, v3, pos3, len3, idx3, sl3, _ = _pack([128, 64, 100], seed=120)
+            g3 = randn(*q3.shape, seed=121)
+            idx3 = _reversed_rows(idx3)
+            res = [_packed_run(q3, k3, v3, g3, pos3, len3, idx3, idx3, sl3, sl3, kv_pair=flag)
+                   for flag in (True, False)]
+            for a, b in zip(*res):
+                assert_bitwise(a, b)
+    finally:
+        tb._launch_pair, tb._launch_dkv = real_pair, real_dkv
+
+
 @check
 def tq_split_into_two_calls_gives_the_full_bytes():
     """Queries [0, 64) in one call (Tq 64: one whole leaf) and [64, 70) in another (slot t =
