@@ -14,10 +14,8 @@ tiles); the time of the dQ and delta kernels alone. Rows
 FLOPs (FlashAttention-2's count: 5 matmuls to the forward's 2) for both.
 --fp32-sweep: only the model's fp32 forward at qwen3-0.6b heads (rollout prefill pieces, a
 training batch, a decode step) for every tile of _FP32_SWEEP: time and bytes against the table's.
---loop-sweep: only the dK/dV kernel's variants (checked / dense leaf loop, per-kind / paired
-first pass) at 4k and 8k bf16 (`loop_sweep`).
 Run: PYTHONPATH=. python3 benchmarks/bench_attention.py [--out FILE.json] [--only-backward]
-     [--fp32-sweep] [--loop-sweep]
+     [--fp32-sweep]
 """
 
 from __future__ import annotations
@@ -180,45 +178,6 @@ def backward_rows(dtypes=("fp32", "bf16"), sweep: bool = True) -> list[dict]:
     return rows
 
 
-_LOOP_CASES = ([{"kv_dense": False, "kv_pair": False}]
-               + [{"kv_dense": True, "kv_pair": False, "kv_tile": t}
-                  for t in ((64, 128, 4, 1), (64, 128, 4, 2), (128, 128, 8, 2))]
-               + [{"kv_pair": p} for p in ((8, 1), (8, 2), (8, 3))])
-
-
-def loop_sweep(lengths=(4096, 8192)) -> list[dict]:
-    """The dK/dV kernel's variants, bf16 at Qwen3-8B heads, one causal sequence: the checked
-    leaf loop (kv_dense False: dead (leaf, tile) pairs skipped by a branch, which keeps Triton
-    from pipelining the loop's loads), the branch-free one at three tiles, and both kinds'
-    first pass in one program (kv_pair: its warps, stages) — backward ms, ratio to SDPA
-    flash's backward, and whether the bytes equal the default call's (they must)."""
-    from rlkernel.kernels import triton_attention_bwd as tb
-    sc = 1 / math.sqrt(D)
-    rows = []
-    for t in lengths:
-        q, k, v, pos, lens, out, lse, dout = _bwd_case(HQ, HKV, t, torch.bfloat16)
-        t_ref = _timed(_sdpa_bwd(q, k, v, dout)[0])
-        ref = tb.attention_backward(q, k, v, out, lse, dout, pos, lens, sc)
-        print(f"backward {t}: SDPA flash {t_ref:.3f} ms", flush=True)
-        for kw in _LOOP_CASES:
-            try:
-                got = tb.attention_backward(q, k, v, out, lse, dout, pos, lens, sc, **kw)
-                same = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                           for a, b in zip(got, ref))
-                ms = _timed(lambda: tb.attention_backward(q, k, v, out, lse, dout, pos, lens,
-                                                          sc, **kw), rep_ms=100)
-            except Exception as e:  # noqa: BLE001  (a tile that does not compile or fit)
-                rows.append({"case": f"loop sweep {t}", **kw, "error": repr(e)[:200]})
-                continue
-            rows.append({"case": f"loop sweep {t}", **kw, "ours_bf16_ms": ms,
-                         "sdpa_bf16_ms": t_ref, "ratio": t_ref / ms if ms and t_ref else None,
-                         "same_bytes": same})
-            print(f"   {kw}: {ms} ms ratio {rows[-1]['ratio']} same bytes {same}", flush=True)
-        del q, k, v, out, lse, dout, ref
-        torch.cuda.empty_cache()
-    return rows
-
-
 _FP32_SWEEP = [(bm, w, st) for bm in (16, 32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]
 
 
@@ -273,17 +232,12 @@ def main() -> None:
                     help="only the fp32 forward tile sweep at the model's shapes")
     ap.add_argument("--dtypes", default="fp32,bf16", help="backward: which of ours to time")
     ap.add_argument("--no-sweep", action="store_true", help="backward: skip the tile sweep")
-    ap.add_argument("--loop-sweep", action="store_true",
-                    help="only the dK/dV kernel's variants at 4k and 8k bf16 (loop_sweep)")
     args = ap.parse_args()
     require_cuda()
     from rlkernel.kernels.triton_attention import attention_forward
     torch.manual_seed(0)
     if args.fp32_sweep:
         dump(args.out, {"env": env(), "rows": fp32_tile_sweep()})
-        return
-    if args.loop_sweep:
-        dump(args.out, {"env": env(), "rows": loop_sweep()})
         return
     if args.only_backward:
         dump(args.out, {"env": env(), "rows": backward_rows(args.dtypes.split(","),

@@ -4,7 +4,7 @@ built from the production module's source text (one substitution each, imported 
 temporary file so Triton can read the kernel's source) and timed in one process on the same
 operands (bf16, Qwen3-8B heads 32/8, D = 128, one causal sequence):
 
-- `full`: the production module (the dense leaf loop at the table's tile);
+- `full`: the production module (its table's tile);
 - `cvt_add`: each leaf partial converted to float64 and added plainly (no exactness check);
 - `mma`: the leaf partials summed in fp32 (no float64 in the loop: loads, dots, exp only);
 - `leaf128`: the production kernel with 128-query leaf partials (CUDA_DKV_LEAF = 128: half the

@@ -47,20 +47,6 @@ def test_cp_zigzag_ranks_give_single_process_bytes(results):
     _ok(results, "cp_zigzag_ranks_give_single_process_bytes")
 
 
-def test_dense_and_checked_leaf_loops_give_the_same_bytes(results):
-    """The dK/dV kernel's branch-free leaf loop (one rank) and its checked loop (CP ranks) give
-    the same bytes on unequal lengths, CP halves, the fallback and another tile; each layout has
-    pairs only the dense loop computes."""
-    _ok(results, "dense_and_checked_leaf_loops_give_the_same_bytes")
-
-
-def test_pair_kernel_gives_the_per_kind_bytes(results):
-    """dK's and dV's first pass in one program (one score and p per leaf) give the per-kind
-    programs' bytes: fp32/bf16, every program flagged, a retry taken on the pair's flag, packed
-    streams; bf16 takes it by default."""
-    _ok(results, "pair_kernel_gives_the_per_kind_bytes")
-
-
 def test_tq_split_into_two_calls_gives_the_full_bytes(results):
     """Queries split over two calls of other Tq (chunked-prefill layout): the full call's bytes."""
     _ok(results, "tq_split_into_two_calls_gives_the_full_bytes")

@@ -237,11 +237,8 @@ def _tile_variants(dtype) -> list[tuple[str, object]]:
     cases += [("dq_tile", cfg) for cfg in _EXTRA_DQ_TILES[dtype]]
     cases += [("kv_tile", cfg) for cfg in _EXTRA_KV_TILES[dtype]]
     # Chunks of one 64-key block of one sample, then of one block of every sample.
-    # The dK/dV kernel's checked leaf loop (a CP rank's) against the default dense one, and
-    # both kinds' first pass in one program (bf16's default) against the per-kind programs.
     return cases + [("words_elems", HQ * D * 64), ("words_elems", HQ * D * 64 * len(LENGTHS)),
-                    ("force_flag", True), ("kv_dense", False), ("kv_pair", False),
-                    ("kv_pair", True), ("kv_pair", (8, 3))]
+                    ("force_flag", True)]
 
 
 _TILE_CASES = [(dt, name, value) for dt in DTYPES for name, value in _tile_variants(dt)]

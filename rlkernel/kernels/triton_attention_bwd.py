@@ -135,10 +135,6 @@ _DQ_TILES = {
 # H200: 4.55 ms against 6.47 at 8 warps; 128-key tiles at 8 warps 4.56 against 3.92,
 # docs/BENCHMARKS.md); every tile gives the same bytes.
 _KV_TILES = {torch.float32: (64, 128, 8, 1), torch.bfloat16: (64, 128, 4, 1)}
-# dtype -> (num_warps, num_stages) of `_dkv_pair_kernel` (both kinds' first pass in one
-# program, BLOCK_N the dK/dV tile's), or None: per-kind programs. Two [BN, D] float64 words
-# per program: 8 warps (at 4, ptxas spills ~2 KB a thread at D = 128).
-_PAIR_TILES = {torch.float32: None, torch.bfloat16: (8, 2)}
 _DELTA_TILE = (32, 4)   # (BLOCK_M rows, num_warps)
 
 
@@ -223,59 +219,14 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KVLEN, QROWS, KROWS,
 
 
 @triton.jit
-def _leaf_add(Q, DO, LSE, DELTA, qs0, gs0, s, head, tq, here, p_abs, kb, vb, jn, k_ok, dd, do_,
-              hi, lo, n_inexact, e_ptr, e_step, f, scale,
-              s_qh, s_qt, s_qd, s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et,
-              D: tl.constexpr, DT: tl.constexpr, KIND: tl.constexpr, PREC: tl.constexpr,
-              BF16: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr):
-    # One leaf's partial [BN, DT] of the kind (its queries are the dot's K dim, in position
-    # order; absent ones are zeros and add nothing), added to the words or stored (EMIT).
-    q = tl.load(Q + qs0 + head * s_qh + tq[:, None] * s_qt + dd[None, :] * s_qd,
-                mask=here[:, None], other=0.0)                                 # [LEAF, D]
-    lse = tl.load(LSE + s * s_ls + head * s_lh + tq * s_lt, mask=here, other=0.0)
-    st = tl.dot(kb, tl.trans(q), input_precision=PREC)                         # [BN, LEAF]
-    vis = here[None, :] & (jn[:, None] <= p_abs[None, :]) & k_ok[:, None]
-    pt = tl.where(vis, tl.exp(st * scale - lse[None, :]), 0.0)
-    if KIND == 1:
-        dov = tl.load(DO + gs0 + head * s_gh + tq[:, None] * s_gt + do_[None, :] * s_gd,
-                      mask=here[:, None], other=0.0).to(Q.dtype.element_ty)   # [LEAF, DT]
-        if BF16:
-            part = tl.dot(pt.to(tl.bfloat16), dov)
-        else:
-            part = tl.dot(pt, dov, input_precision="ieee")
-    else:
-        do = tl.load(DO + gs0 + head * s_gh + tq[:, None] * s_gt + dd[None, :] * s_gd,
-                     mask=here[:, None], other=0.0).to(Q.dtype.element_ty)    # [LEAF, D]
-        delta = tl.load(DELTA + s * s_es + head * s_eh + tq * s_et, mask=here, other=0.0)
-        dpt = tl.dot(vb, tl.trans(do), input_precision=PREC)                   # [BN, LEAF]
-        dst = tl.where(vis, pt * (dpt - delta[None, :]), 0.0)
-        if DT == D:
-            qo = q
-        else:
-            qo = tl.load(Q + qs0 + head * s_qh + tq[:, None] * s_qt + do_[None, :] * s_qd,
-                         mask=here[:, None], other=0.0)
-        if BF16:
-            part = tl.dot(dst.to(tl.bfloat16), qo)
-        else:
-            part = tl.dot(dst, qo, input_precision="ieee")
-    if EMIT:
-        tl.store(e_ptr + f * e_step, part)
-    elif RETRY:
-        hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, part.to(tl.float64))
-    else:
-        hi = tfx.add_exact_or_nan(hi, part.to(tl.float64))
-    return hi, lo, n_inexact
-
-
-@triton.jit
-def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, LEND, OUT, FLAGS, PIDS, QROWS, KROWS,
+def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS, QROWS, KROWS,
                 s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd, s_vs, s_vh, s_vt, s_vd,
                 s_gs, s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et, s_ms, s_mp,
                 s_ow, s0, j0, width, n_tiles_k, n_leaves, HQ, scale,
                 G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, LEAF: tl.constexpr,
                 BLOCK_N: tl.constexpr, KIND: tl.constexpr, PREC: tl.constexpr,
                 BF16: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
-                FORCE_FLAG: tl.constexpr, PACKED: tl.constexpr, DENSE: tl.constexpr):
+                FORCE_FLAG: tl.constexpr, PACKED: tl.constexpr):
     # One program: BLOCK_N keys [jt, jt + BLOCK_N) x output columns [d0, d0 + DT) of one query
     # head h of sample s; KIND 0 = dK (Σ_t ds·q), 1 = dV (Σ_t p·dO), over every leaf that sees
     # the keys. First pass (neither EMIT nor RETRY): the leaf partials are added into a float64
@@ -285,12 +236,6 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, LEND, OUT, FLAGS, PIDS, QR
     # again, into the double word (hi, lo) by checked TwoSums (tfx.add_word_checked, exact over
     # a spread of ~2**100), rewriting their words and flags. EMIT (programs PIDS[i] still
     # flagged): OUT [n_leaves, n, BLOCK_N, DT] fp32 gets each leaf's partial at row f.
-    # DENSE: every leaf from the tile's to the sample's last (LEND[s], its largest position) is
-    # added without asking whether a query of it sees the tile — a leaf that sees none adds a
-    # partial of +0.0, which changes no word (the sum starts at +0.0), so the bytes are those
-    # of the checked loop; the loop body has no branch, so Triton can pipeline its loads (the
-    # layouts of one rank, where nearly every leaf is live). Otherwise (CP ranks' layouts, where
-    # half the leaves are absent) a dead (leaf, tile) pair is skipped.
     i = tl.program_id(0)
     if EMIT:
         pid = tl.load(PIDS + i)
@@ -324,42 +269,60 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, LEND, OUT, FLAGS, PIDS, QR
     if KIND == 0:
         vb = tl.load(V + sample_base(KROWS, s, s_vs, PACKED) + hk * s_vh + jj[:, None] * s_vt
                      + dd[None, :] * s_vd, mask=k_ok[:, None], other=0.0)      # [BN, D]
-    else:
-        vb = kb                                    # unread by dV
     hi = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
     if RETRY:
         lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)
         n_inexact = tl.zeros((BLOCK_N, DT), dtype=tl.int32)
-    else:
-        lo = hi                                    # unused outside the retry
-        n_inexact = tl.zeros((BLOCK_N, DT), dtype=tl.int32)
     e_ptr = OUT + i * (BLOCK_N * DT) + tl.arange(0, BLOCK_N)[:, None] * DT \
         + tl.arange(0, DT)[None, :]
     e_step = tl.zeros([], dtype=tl.int64) + s_ow          # int64: n_leaves·stride may pass 2**31
-    if DENSE:
-        f_end = tl.load(LEND + s).to(tl.int32) // LEAF + 1
-    else:
-        f_end = n_leaves
     # Leaves below jt // LEAF hold positions < jt only: they see no key of the tile.
-    for f in range(jt // LEAF, f_end):
+    for f in range(jt // LEAF, n_leaves):
         p_abs = f * LEAF + ii                                                  # positions
         slot = tl.load(SLOT + s * s_ms + p_abs.to(tl.int64) * s_mp)
         here = slot >= 0
         tq = tl.where(here, slot, 0).to(tl.int64)
-        if DENSE:
-            hi, lo, n_inexact = _leaf_add(
-                Q, DO, LSE, DELTA, qs0, gs0, s, head, tq, here, p_abs, kb, vb, jn, k_ok, dd,
-                do_, hi, lo, n_inexact, e_ptr, e_step, f, scale, s_qh, s_qt, s_qd, s_gh, s_gt,
-                s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et, D, DT, KIND, PREC, BF16, EMIT, RETRY)
-        else:
-            # The pair is live iff some query of the leaf sees a key of the tile.
-            seen = tl.max(tl.where(here, tl.minimum(p_abs, kvl - 1), -1), 0)
-            if jt <= seen:
-                hi, lo, n_inexact = _leaf_add(
-                    Q, DO, LSE, DELTA, qs0, gs0, s, head, tq, here, p_abs, kb, vb, jn, k_ok,
-                    dd, do_, hi, lo, n_inexact, e_ptr, e_step, f, scale, s_qh, s_qt, s_qd,
-                    s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et, D, DT, KIND, PREC,
-                    BF16, EMIT, RETRY)
+        # The pair is live iff some query of the leaf sees a key of the tile.
+        seen = tl.max(tl.where(here, tl.minimum(p_abs, kvl - 1), -1), 0)
+        if jt <= seen:
+            q = tl.load(Q + qs0 + head * s_qh + tq[:, None] * s_qt + dd[None, :] * s_qd,
+                        mask=here[:, None], other=0.0)                         # [LEAF, D]
+            lse = tl.load(LSE + s * s_ls + head * s_lh + tq * s_lt, mask=here, other=0.0)
+            st = tl.dot(kb, tl.trans(q), input_precision=PREC)                 # [BN, LEAF]
+            vis = here[None, :] & (jn[:, None] <= p_abs[None, :]) & k_ok[:, None]
+            pt = tl.where(vis, tl.exp(st * scale - lse[None, :]), 0.0)
+            if KIND == 1:
+                dov = tl.load(DO + gs0 + head * s_gh + tq[:, None] * s_gt
+                              + do_[None, :] * s_gd, mask=here[:, None],
+                              other=0.0).to(Q.dtype.element_ty)                # [LEAF, DT]
+                # Leaf sums: the LEAF queries are the dot's K dim, in position order.
+                if BF16:
+                    part = tl.dot(pt.to(tl.bfloat16), dov)
+                else:
+                    part = tl.dot(pt, dov, input_precision="ieee")
+            else:
+                do = tl.load(DO + gs0 + head * s_gh + tq[:, None] * s_gt
+                             + dd[None, :] * s_gd, mask=here[:, None],
+                             other=0.0).to(Q.dtype.element_ty)                 # [LEAF, D]
+                delta = tl.load(DELTA + s * s_es + head * s_eh + tq * s_et, mask=here,
+                                other=0.0)
+                dpt = tl.dot(vb, tl.trans(do), input_precision=PREC)           # [BN, LEAF]
+                dst = tl.where(vis, pt * (dpt - delta[None, :]), 0.0)
+                if DT == D:
+                    qo = q
+                else:
+                    qo = tl.load(Q + qs0 + head * s_qh + tq[:, None] * s_qt
+                                 + do_[None, :] * s_qd, mask=here[:, None], other=0.0)
+                if BF16:
+                    part = tl.dot(dst.to(tl.bfloat16), qo)
+                else:
+                    part = tl.dot(dst, qo, input_precision="ieee")
+            if EMIT:
+                tl.store(e_ptr + f * e_step, part)
+            elif RETRY:
+                hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, part.to(tl.float64))
+            else:
+                hi = tfx.add_exact_or_nan(hi, part.to(tl.float64))
     if not EMIT:
         if RETRY:
             bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
@@ -375,79 +338,6 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, LEND, OUT, FLAGS, PIDS, QR
         else:
             tl.store(o + s_ow, tl.zeros((BLOCK_N, DT), dtype=tl.float64), mask=m)
         tl.store(FLAGS + pid, (good == 0).to(tl.int32))
-
-
-@triton.jit
-def _dkv_pair_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, LEND, OUT_K, OUT_V, FLAGS, QROWS,
-                     KROWS, s_qs, s_qh, s_qt, s_qd, s_ks, s_kh, s_kt, s_kd, s_vs, s_vh, s_vt,
-                     s_vd, s_gs, s_gh, s_gt, s_gd, s_ls, s_lh, s_lt, s_es, s_eh, s_et, s_ms,
-                     s_mp, s_ow, s_fk, s0, j0, width, n_tiles_k, HQ, scale,
-                     G: tl.constexpr, D: tl.constexpr, LEAF: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PREC: tl.constexpr, BF16: tl.constexpr,
-                     FORCE_FLAG: tl.constexpr, PACKED: tl.constexpr):
-    # `_dkv_kernel`'s first pass for both kinds at once (DENSE loop, DT == D): per leaf the
-    # scores and p are formed once and feed both partials — dV's Σ_t p·dO and dK's Σ_t ds·q,
-    # the same dots on the same operands as the one-kind programs, so the same partials and
-    # words —; dK's words go to OUT_K, dV's to OUT_V ([2, S_c, Hq, width, D] each), their
-    # flags to FLAGS[0, pid] and FLAGS[0 + s_fk, pid]. The retry and EMIT tiers stay per kind.
-    pid = tl.program_id(0)
-    tile = pid % n_tiles_k
-    sh = pid // n_tiles_k
-    h = sh % HQ
-    s = (s0 + sh // HQ).to(tl.int64)
-    head = h.to(tl.int64)
-    hk = (h // G).to(tl.int64)
-    jt = j0 + tile * BLOCK_N
-    jn = jt + tl.arange(0, BLOCK_N)
-    dd = tl.arange(0, D)
-    ii = tl.arange(0, LEAF)
-    kvl = tl.load(KVLEN + s).to(tl.int32)
-    k_ok = jn < kvl
-    jj = jn.to(tl.int64)
-    qs0 = sample_base(QROWS, s, s_qs, PACKED)
-    gs0 = sample_base(QROWS, s, s_gs, PACKED)
-    kb = tl.load(K + sample_base(KROWS, s, s_ks, PACKED) + hk * s_kh + jj[:, None] * s_kt
-                 + dd[None, :] * s_kd, mask=k_ok[:, None], other=0.0)          # [BN, D]
-    vb = tl.load(V + sample_base(KROWS, s, s_vs, PACKED) + hk * s_vh + jj[:, None] * s_vt
-                 + dd[None, :] * s_vd, mask=k_ok[:, None], other=0.0)          # [BN, D]
-    hi_k = tl.zeros((BLOCK_N, D), dtype=tl.float64)
-    hi_v = tl.zeros((BLOCK_N, D), dtype=tl.float64)
-    f_end = tl.load(LEND + s).to(tl.int32) // LEAF + 1
-    for f in range(jt // LEAF, f_end):
-        p_abs = f * LEAF + ii
-        slot = tl.load(SLOT + s * s_ms + p_abs.to(tl.int64) * s_mp)
-        here = slot >= 0
-        tq = tl.where(here, slot, 0).to(tl.int64)
-        q = tl.load(Q + qs0 + head * s_qh + tq[:, None] * s_qt + dd[None, :] * s_qd,
-                    mask=here[:, None], other=0.0)                             # [LEAF, D]
-        do = tl.load(DO + gs0 + head * s_gh + tq[:, None] * s_gt + dd[None, :] * s_gd,
-                     mask=here[:, None], other=0.0).to(Q.dtype.element_ty)    # [LEAF, D]
-        lse = tl.load(LSE + s * s_ls + head * s_lh + tq * s_lt, mask=here, other=0.0)
-        delta = tl.load(DELTA + s * s_es + head * s_eh + tq * s_et, mask=here, other=0.0)
-        st = tl.dot(kb, tl.trans(q), input_precision=PREC)                     # [BN, LEAF]
-        vis = here[None, :] & (jn[:, None] <= p_abs[None, :]) & k_ok[:, None]
-        pt = tl.where(vis, tl.exp(st * scale - lse[None, :]), 0.0)
-        dpt = tl.dot(vb, tl.trans(do), input_precision=PREC)                   # [BN, LEAF]
-        dst = tl.where(vis, pt * (dpt - delta[None, :]), 0.0)
-        if BF16:
-            part_v = tl.dot(pt.to(tl.bfloat16), do)
-            part_k = tl.dot(dst.to(tl.bfloat16), q)
-        else:
-            part_v = tl.dot(pt, do, input_precision="ieee")
-            part_k = tl.dot(dst, q, input_precision="ieee")
-        hi_v = tfx.add_exact_or_nan(hi_v, part_v.to(tl.float64))
-        hi_k = tfx.add_exact_or_nan(hi_k, part_k.to(tl.float64))
-    o = (sh.to(tl.int64) * width + (jn - j0).to(tl.int64))[:, None] * D + dd[None, :].to(tl.int64)
-    m = ((jn - j0) < width)[:, None] & (dd[None, :] < D)
-    zero = tl.zeros((BLOCK_N, D), dtype=tl.float64)
-    good_k = (tl.max((tfx.word_in_range(hi_k) == 0).to(tl.int32)) == 0) & (FORCE_FLAG == 0)
-    good_v = (tl.max((tfx.word_in_range(hi_v) == 0).to(tl.int32)) == 0) & (FORCE_FLAG == 0)
-    tl.store(OUT_K + o, tl.where(good_k, hi_k, 0.0), mask=m)
-    tl.store(OUT_K + o + s_ow, zero, mask=m)
-    tl.store(OUT_V + o, tl.where(good_v, hi_v, 0.0), mask=m)
-    tl.store(OUT_V + o + s_ow, zero, mask=m)
-    tl.store(FLAGS + pid, (good_k == 0).to(tl.int32))
-    tl.store(FLAGS + s_fk + pid, (good_v == 0).to(tl.int32))
 
 
 def _pick(table, rows):
@@ -584,19 +474,6 @@ def peak_bytes(s_: int, hq: int, hkv: int, tq: int, tk: int, d: int, n_leaves: i
             + 32 * c + 4 * c + 6 * 104 * min(c, DIGIT_ELEMS) + EMIT_BYTES)
 
 
-def _leaf_ends(q_pos: torch.Tensor, dense: bool | None, tok: TokenSum) -> torch.Tensor | None:
-    """[S] long, each sample's largest query position (−1: none), for `_dkv_kernel`'s DENSE
-    loop — or None for the checked loop. dense None: DENSE on one rank (the training layouts,
-    where nearly every leaf below a sample's last is live), the checked loop where other ranks
-    hold some of the leaves (a CP rank's zig-zag halves: DENSE would compute the absent ones as
-    zeros). The same bytes either way (`_dkv_kernel`); speed only."""
-    if dense is None:
-        dense = tok.comm.size == 1
-    if not dense or q_pos.shape[1] == 0:
-        return None
-    return q_pos.amax(1)
-
-
 def _kv_tile(dtype: torch.dtype, d: int, tile) -> tuple[int, int, int, int]:
     bn, dt, warps, stages = tile or _KV_TILES[dtype]
     return bn, min(dt, d), warps, stages
@@ -607,52 +484,20 @@ def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int,
                 retry: bool = False) -> None:
     """One `_dkv_kernel` launch of `grid` programs (module doc): the first pass, its `retry`
     (over the same grid, flags and words) or `emit`; args = (q, k, v, d_out, lse_h, delta,
-    slot, kv_len, lend, scale, rows) (rows: `_dq`'s; lend: `_leaf_ends`, None = the checked
-    loop)."""
-    q, k, v, d_out, lse_h, delta, slot, kv_len, lend, scale, rows = args
+    slot, kv_len, scale, rows) (rows: `_dq`'s)."""
+    q, k, v, d_out, lse_h, delta, slot, kv_len, scale, rows = args
     hq, d = lse_h.shape[1], q.shape[-1]
     bn, dt, warps, stages = tile
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
     s_ow = out.stride(0)
     _dkv_kernel[(grid,)](
-        q, k, v, d_out, lse_h, delta, slot, kv_len, kv_len if lend is None else lend, out,
-        flags, pids, *_rows_args(rows, slot),
+        q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids, *_rows_args(rows, slot),
         *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
         *lse_h.stride(), *delta.stride(), *slot.stride(), s_ow, s0, j0, width, n_tiles_k,
         n_leaves, hq, float(scale), G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_DKV_LEAF,
         BLOCK_N=bn, KIND=kind, PREC=prec, BF16=q.dtype == torch.bfloat16, EMIT=emit,
-        RETRY=retry, FORCE_FLAG=int(force_flag), PACKED=rows is not None,
-        DENSE=lend is not None, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-
-
-def _launch_pair(args, w, flags, s0: int, j0: int, width: int, n_tiles_k: int, grid: int,
-                 bn: int, pair: tuple[int, int], force_flag: bool) -> None:
-    """One `_dkv_pair_kernel` launch: both kinds' first pass over `grid` programs (one per key
-    tile × sample·head: D_TILE = D), dK's words into w[0], dV's into w[1] ([2, m] each), their
-    flags into flags[0] / flags[1]; args as `_launch_dkv`'s (lend given)."""
-    q, k, v, d_out, lse_h, delta, slot, kv_len, lend, scale, rows = args
-    hq, d = lse_h.shape[1], q.shape[-1]
-    warps, stages = pair
-    _dkv_pair_kernel[(grid,)](
-        q, k, v, d_out, lse_h, delta, slot, kv_len, lend, w[0], w[1], flags,
-        *_rows_args(rows, slot), *_strides(q, rows), *_strides(k, rows), *_strides(v, rows),
-        *_strides(d_out, rows), *lse_h.stride(), *delta.stride(), *slot.stride(), w.stride(1),
-        flags.stride(0), s0, j0, width, n_tiles_k, hq, float(scale), G=hq // k.shape[1], D=d,
-        LEAF=CUDA_DKV_LEAF, BLOCK_N=bn, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        BF16=q.dtype == torch.bfloat16, FORCE_FLAG=int(force_flag), PACKED=rows is not None,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-
-
-def _pair_tile(dtype: torch.dtype, d: int, dt: int, lend, pair):
-    """(warps, stages) of `_dkv_pair_kernel` for this call, or None (per-kind first passes):
-    it needs the dense loop (lend) and whole rows (D_TILE = D); pair None takes the table's
-    choice, True the table's tile or (8, 2) where the table says None, a (warps, stages)
-    tuple that tile, False none."""
-    if pair is False or lend is None or dt != d:
-        return None
-    if isinstance(pair, tuple):
-        return pair
-    return _PAIR_TILES[dtype] or ((8, 2) if pair else None)
+        RETRY=retry, FORCE_FLAG=int(force_flag), PACKED=rows is not None, num_warps=warps,
+        num_stages=stages, enable_fp_fusion=False)
 
 
 def _program_rows(pids: torch.Tensor, n_tiles_k: int, n_dt: int, bn: int, dt: int, width: int,
@@ -722,20 +567,16 @@ def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str,
 
 
 def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leaves, tk_eff,
-                  words_elems, tile, force_flag=False, rows=None, tk: int = 0,
-                  dense: bool | None = None, pair: bool | None = None) -> torch.Tensor:
+                  words_elems, tile, force_flag=False, rows=None, tk: int = 0) -> torch.Tensor:
     """[2, S, Hq, Tk, D] fp32: per query head, Σ over queries of ds·q (0) and p·dO (1) by the
     token reduction (leaf partials added exactly inside `_dkv_kernel`, summed over `tok.comm`,
-    rounded once). rows, tk: `_dq`'s (packed streams in, the per-sample result out); dense:
-    `_leaf_ends`'; pair: `_pair_tile`'s.)"""
+    rounded once). rows, tk: `_dq`'s (packed streams in, the per-sample result out)."""
     s_, hq, _, d, _, tk = _dims(q, k, q_pos, rows, tk)
     if tk_eff == 0:
         return torch.zeros(2, s_, hq, tk, d, dtype=torch.float32, device=q.device)
     tile = _kv_tile(q.dtype, d, tile)
     bn, dt = tile[0], tile[1]
-    lend = _leaf_ends(q_pos, dense, tok)
-    args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, lend, scale, rows)
-    pair_tile = _pair_tile(q.dtype, d, dt, lend, pair)
+    args = (q, k, v, d_out, lse, delta, slot_map(q_pos, n_leaves), kv_len, scale, rows)
     sc, kc = chunk_shape(s_, hq, d, tk_eff, words_elems)
     # Chunks of whole samples whose keys cover every slot (tk_eff rounded up to a block reaches
     # Tk: the usual training case) round straight into their rows of out — no zero fill, no
@@ -758,15 +599,10 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
             grid = n_tiles_k * (d // dt) * (s1 - s0) * hq
             w = words[:, :, :(s1 - s0) * hq * width * d]
             flags = torch.empty(2, grid, dtype=torch.int32, device=q.device)
-            if pair_tile is not None:
-                _launch_pair(args, w, flags, s0, j0, width, n_tiles_k, grid, bn, pair_tile,
-                             force_flag)
             for kind in (0, 1):
                 for retry in (False, True):   # the checked tier for what the first pass flagged
-                    if pair_tile is None or retry:
-                        _launch_dkv(args, w[kind], flags[kind], flags[kind], kind, s0, j0,
-                                    width, n_tiles_k, n_leaves, grid, tile, False, force_flag,
-                                    retry)
+                    _launch_dkv(args, w[kind], flags[kind], flags[kind], kind, s0, j0, width,
+                                n_tiles_k, n_leaves, grid, tile, False, force_flag, retry)
             if late is not None:
                 late.add_(torch.count_nonzero(flags))
                 flagged = None
@@ -787,7 +623,7 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
 
 
 def leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, scale,
-                  kv_tile=None, dense: bool = True) -> torch.Tensor:
+                  kv_tile=None) -> torch.Tensor:
     """[n_leaves, 2, S, Hq, Tk, D] fp32: every leaf partial the backward adds for dK (0, before
     the head tree and ·scale) and dV (1) — the kernel in EMIT mode (tests: their exact sum is the
     backward's, a plain fp32 sum depends on the order)."""
@@ -799,7 +635,7 @@ def leaf_partials(q, k, v, out, lse, d_out, q_pos, kv_len, scale,
     tile = _kv_tile(q.dtype, d, kv_tile)
     bn, dt = tile[0], tile[1]
     args = (q, k, v, d_out, lse_h, _delta(out, d_out, q_pos), slot_map(q_pos, n_leaves),
-            kv_len, _leaf_ends(q_pos, dense, TokenSum.single()), scale, None)
+            kv_len, scale, None)
     n_tiles_k = triton.cdiv(tk, bn)
     grid = n_tiles_k * (d // dt) * s_ * hq
     res = torch.zeros(n_leaves, 2, s_ * hq * tk * d, device=q.device)
@@ -820,8 +656,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                        kv_comm: Comm | None = None, *, words_elems: int = WORDS_ELEMS,
                        dq_tile: tuple[int, int, int] | None = None,
                        kv_tile: tuple[int, int, int, int] | None = None,
-                       force_flag: bool = False, bounds: tuple[int, int] | None = None,
-                       kv_dense: bool | None = None, kv_pair: bool | None = None):
+                       force_flag: bool = False, bounds: tuple[int, int] | None = None):
     """(dQ, dK, dV) of invariant causal GQA attention on CUDA (module doc; FlashAttention-2 §3.1).
 
     q [S, Hq, Tq, D], k/v [S, Hkv, Tk, D]: one dtype, float32 or bfloat16, any strides; D a power
@@ -831,10 +666,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     forward's. tok: the token reduction's group (CP ranks holding the other queries; default one
     rank); kv_comm: the TP ranks replicating this KV head (kernels/attention.attention).
     words_elems: the dK / dV chunk size (module doc); dq_tile / kv_tile override the tile tables;
-    force_flag sends every dK/dV program through the per-leaf fallback (tests); kv_dense picks
-    the dK/dV kernel's leaf loop (None: by `tok`, `_leaf_ends`), kv_pair whether both kinds'
-    first pass runs in one program (None: by dtype; or its (warps, stages): `_pair_tile`) —
-    none of these changes a bit. bounds: (q_pos.max(), kv_len.max()) as host ints, if the caller knows them
+    force_flag sends every dK/dV program through the per-leaf fallback (tests) — none of these
+    changes a bit. bounds: (q_pos.max(), kv_len.max()) as host ints, if the caller knows them
     (they must be those values); None reads them, a host sync. Returns dQ like q, dK and dV like
     k, in q's dtype and each in its input's memory order.
     ValueError on bad input. Syncs the host once per dK/dV chunk (which programs of its two
@@ -846,8 +679,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     if q.shape[0] == 0 or q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq, dk, dv = _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm,
-                           words_elems, dq_tile, kv_tile, force_flag, bounds, None, k.shape[2],
-                           kv_dense, kv_pair)
+                           words_elems, dq_tile, kv_tile, force_flag, bounds, None, k.shape[2])
     return dq, _like(dk, k), _like(dv, v)
 
 
@@ -859,8 +691,7 @@ def attention_backward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               words_elems: int = WORDS_ELEMS,
                               dq_tile: tuple[int, int, int] | None = None,
                               kv_tile: tuple[int, int, int, int] | None = None,
-                              force_flag: bool = False, bounds: tuple[int, int] | None = None,
-                              kv_dense: bool | None = None, kv_pair: bool | None = None):
+                              force_flag: bool = False, bounds: tuple[int, int] | None = None):
     """`attention_backward` on packed token streams, the backward of
     triton_attention.attention_forward_packed (its q, k, v, q_rows, k_rows, q_pos, kv_len, tk,
     scale; out [Lq, Hq, D] and lse from it; d_out like out): each sample's rows are read in
@@ -881,13 +712,12 @@ def attention_backward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     rows = (q_rows.contiguous(), k_rows.contiguous())    # sample_base reads ROWS[s]: stride 1
     dq, dk, dv = _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm,
-                           words_elems, dq_tile, kv_tile, force_flag, bounds, rows, tk, kv_dense,
-                           kv_pair)
+                           words_elems, dq_tile, kv_tile, force_flag, bounds, rows, tk)
     return dq, _to_rows(dk, k, k_rows, kv_len), _to_rows(dv, v, k_rows, kv_len)
 
 
 def _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm, words_elems,
-              dq_tile, kv_tile, force_flag, bounds, rows, tk, kv_dense=None, kv_pair=None):
+              dq_tile, kv_tile, force_flag, bounds, rows, tk):
     """(dQ in q's dtype and layout, dK·scale and dV [S, Hkv, Tk, D] fp32): the module doc's
     three kernels, then the G heads of each group by the halving tree."""
     tok = tok or TokenSum.single()
@@ -908,8 +738,7 @@ def _backward(q, k, v, out, lse, d_out, q_pos, kv_len, scale, tok, kv_comm, word
         dq = _dq(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, dq_tile, q.dtype, rows,
                  tk) if tq else torch.zeros_like(q)
         dkv = _dkv_per_head(q, k, v, d_out, lse_h, delta, q_pos, kv_len, scale, tok, n_leaves,
-                            tk_eff, words_elems, kv_tile, force_flag, rows, tk, kv_dense,
-                            kv_pair)
+                            tk_eff, words_elems, kv_tile, force_flag, rows, tk)
     # The G heads of each group by the halving tree, as kernels/attention.py does: this rank's
     # equal part locally, then across the TP ranks replicating the KV head.
     dkv = tree_sum_halving(dkv.view(2, s_, hkv, g, tk, d), 3)
