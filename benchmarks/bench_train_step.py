@@ -53,12 +53,12 @@ def _sync(dev: torch.device) -> None:
 
 
 def _host_share(r: dict) -> str:
-    """The warm step's host issue time and its share of the step. Near 100 % on a GPU the host,
-    not the device, sets the step (the same code gave 0.966 s on one H100 and 1.383 s on
-    another whose host issued the ~14,000 launches slower: docs/BENCHMARKS.md, twenty-seventh
-    session), so a ratio between arms is the hosts' as much as the kernels'."""
+    """When the host returned from the warm step, and its share of the step. Not a host-bound
+    test: the step reads the clipped gradient norm on the host before the optimizer, a sync, so
+    the host returns near the step's end (~98 % on an H100 in both arms, twenty-eighth session)
+    whichever side set the pace; `--trace`'s idle attribution and `--host-profile` tell that."""
     h, t = r["warm_host_issue_s"], r["warm_step_s"]
-    return f"host issue {h:.3f} s ({100 * h / t:.0f} % of it)"
+    return f"host returned after {h:.3f} s ({100 * h / t:.0f} % of it)"
 
 
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
@@ -98,7 +98,7 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         _sync(dev)
         t0 = time.perf_counter()
         step()
-        host.append(time.perf_counter() - t0)   # until the host has issued the step's work
+        host.append(time.perf_counter() - t0)   # the host back (after any sync inside)
         _sync(dev)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
