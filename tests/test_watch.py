@@ -602,3 +602,56 @@ def test_report_of_a_metrics_file_with_no_complete_line_says_so(tmp_path):
     with pytest.raises(ReportError) as e:
         load_metrics(d)
     assert str(e.value).startswith(f"{d}: neither metrics.jsonl nor evidence.json")
+
+
+def test_report_of_complete_lines_that_are_not_objects_says_so(tmp_path):
+    """metrics.jsonl whose complete lines are damaged (not JSON objects): the message counts
+    them instead of saying the file holds no complete line."""
+    from rlkernel.runner.report import NoStepError, load_metrics
+
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 0, "rew\n[1, 2]\n\n{"st')
+    with pytest.raises(NoStepError) as e:
+        load_metrics(d)
+    assert str(e.value) == (f"{d}: no step recorded yet (metrics.jsonl holds 2 complete lines, "
+                            "none of them a JSON object, and there is no evidence.json)")
+    (d / "metrics.jsonl").write_text('{"step": 0, "rew\n')
+    with pytest.raises(NoStepError) as e:
+        load_metrics(d)
+    assert "holds 1 complete line, none of them a JSON object" in str(e.value)
+
+
+def test_report_leaves_out_a_run_with_no_step_while_another_has_steps(tmp_path, capsys):
+    """Several runs, one just started (no step in metrics.jsonl, no evidence.json): the others
+    are drawn and the empty one is named in a warning (it aborted the whole report). Alone, or
+    with only other empty runs, it is still an error; an unreadable run still aborts."""
+    from rlkernel.cli import main
+    from rlkernel.runner.report import NoStepError, write_report
+
+    run = _metrics_run(tmp_path / "a")
+    fresh = tmp_path / "b"
+    fresh.mkdir()
+    (fresh / "metrics.jsonl").write_text('{"step": 0, "rew')
+    warned: list[str] = []
+    paths = write_report([str(fresh), str(run)], tmp_path / "o", warn=warned.append)
+    assert (tmp_path / "o" / "overview.png") in paths
+    assert warned == [f"{fresh}: no step recorded yet (metrics.jsonl holds no complete line, "
+                      "and there is no evidence.json); left out of the plots"]
+    code = main(["report", str(run), str(fresh), "--out", str(tmp_path / "p")])
+    out, err = capsys.readouterr()
+    assert code == 0 and (tmp_path / "p" / "overview.png").is_file()
+    assert err.splitlines() == [f"rlk report: warning: {warned[0]}"]
+    other = tmp_path / "c"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("")
+    with pytest.raises(NoStepError) as e:
+        write_report([str(fresh), str(other)], tmp_path / "q")
+    assert str(e.value).startswith(f"{fresh}: no step recorded yet")
+    with pytest.raises(NoStepError):
+        write_report([str(fresh)], tmp_path / "q")
+    assert not (tmp_path / "q").exists()
+    code = main(["report", str(run), str(fresh), str(tmp_path / "missing"),
+                 "--out", str(tmp_path / "s")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "missing" in err and not (tmp_path / "s").exists()

@@ -12,7 +12,8 @@ a run directory copied without it), the rows derived from its evidence.json by t
   throughput.png response tokens per second of the whole step
   step_time.png  rollout (solid), train (dashed), sync (dotted) seconds per step
 A run named twice (the same directory by another path or through a link) is drawn once, with a
-warning. A panel with no value in any run is left out (and its PNG from an earlier report in --out
+warning; so is left out a run with no step yet (just started, or killed in its first step) while
+another run has steps. A panel with no value in any run is left out (and its PNG from an earlier report in --out
 removed). A PNG name in --out taken by a directory, a FIFO or a symbolic link is refused before
 any PNG is drawn. NaN/Inf values are gaps in a curve, and so are values past ±PLOT_LIMIT (an
 axis cannot span them: matplotlib's tick arithmetic overflowed near 1e308, a traceback), each
@@ -48,6 +49,11 @@ class ReportError(ValueError):
     """A run cannot be plotted, or the output directory cannot be written."""
 
 
+class NoStepError(ReportError):
+    """A readable run directory that holds no step yet (a run in its first step, or killed
+    there): left out, with a warning, when other runs are drawn."""
+
+
 @dataclass(frozen=True)
 class RunMetrics:
     """One run's rows (sorted by step) and the label of its curves."""
@@ -60,7 +66,8 @@ class RunMetrics:
 def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     """A run's metrics rows: metrics.jsonl, else derived from evidence.json.
 
-    Raises ReportError naming the directory when neither holds a step.
+    Raises NoStepError naming the directory when neither holds a step, ReportError when the
+    directory or a file in it cannot be read.
     """
     d = pathlib.Path(run_dir)
     if d.exists() and not d.is_dir():
@@ -80,8 +87,8 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
             rows = [metrics_row(s) for s in steps or [] if isinstance(s, dict)]
     except FileNotFoundError:
         if path.exists():   # a run killed in its first step: its lines are torn or absent
-            raise ReportError(f"{d}: no step recorded yet ({METRICS} holds no complete line, "
-                              "and there is no evidence.json)") from None
+            raise NoStepError(f"{d}: no step recorded yet ({METRICS} {_no_rows(path)}, and "
+                              "there is no evidence.json)") from None
         raise ReportError(f"{d}: neither {METRICS} nor evidence.json; give a directory written "
                           "by rlk run") from None
     except (OSError, ValueError) as e:   # strerror: the OSError's text without the path again
@@ -89,8 +96,38 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
             from None
     rows = sorted((r for r in rows if _is_step(r.get("step"))), key=lambda r: r["step"])
     if not rows:
-        raise ReportError(f"{d}: no step recorded yet (in {source})")
+        raise NoStepError(f"{d}: no step recorded yet (in {source})")
     return RunMetrics(d.name or str(d), rows, source)
+
+
+def _no_rows(path: pathlib.Path) -> str:
+    """Why a metrics.jsonl gave no row: it holds no complete line (a write cut in the first
+    step), or its complete lines are not JSON objects (an edited or damaged file)."""
+    try:
+        n = sum(1 for line in readfile.read_text(path).split("\n")[:-1] if line.strip())
+    except (OSError, ValueError):
+        n = 0
+    if not n:
+        return "holds no complete line"
+    return f"holds {n} complete line{'s' * (n > 1)}, none of them a JSON object"
+
+
+def load_runs(run_dirs: list[str],
+              warn: Callable[[str], None]) -> tuple[list[str], list[RunMetrics]]:
+    """(run_dirs, their metrics) less the runs with no step yet, each named in a warning — unless
+    none has a step, which raises the first one's NoStepError; any other ReportError raises."""
+    kept, runs, empty = [], [], []
+    for d in run_dirs:
+        try:
+            runs.append(load_metrics(d))
+            kept.append(d)
+        except NoStepError as e:
+            empty.append(e)
+    if not runs:
+        raise empty[0]
+    for e in empty:
+        warn(f"{e}; left out of the plots")
+    return kept, runs
 
 
 def _is_step(v: object) -> bool:
@@ -221,11 +258,11 @@ def _figure(w: float, h: float):
 def write_report(run_dirs: list[str], out_dir: str | os.PathLike,
                  warn: Callable[[str], None] = lambda line: None) -> list[pathlib.Path]:
     """Draw the PNGs (module doc) of `run_dirs` into `out_dir` (created if missing); returns the
-    files written. `warn` gets one line per value left out of a plot (past ±PLOT_LIMIT) and per
-    panel matplotlib could not draw. Raises ReportError for an unreadable run, an unwritable
-    out_dir or a PNG that cannot be written there."""
-    run_dirs = _distinct_runs(run_dirs, warn)
-    runs = [load_metrics(d) for d in run_dirs]
+    files written. `warn` gets one line per value left out of a plot (past ±PLOT_LIMIT), per
+    panel matplotlib could not draw and per run with no step yet (`load_runs`: left out while
+    another run has steps). Raises ReportError for an unreadable run, runs none of which has a
+    step, an unwritable out_dir or a PNG that cannot be written there."""
+    run_dirs, runs = load_runs(_distinct_runs(run_dirs, warn), warn)
     labels = [r.label for r in runs]
     if len(set(labels)) < len(labels):  # same directory name in different places: use paths
         runs = [RunMetrics(str(d), r.rows, r.source) for d, r in zip(run_dirs, runs)]
