@@ -567,3 +567,28 @@ def test_a_config_json_that_sets_few_keys_reads_as_transformers_reads_it():
     c = Qwen3Config.from_hf_dict(set_)
     assert (c.num_key_value_heads, c.head_dim, c.max_position_embeddings, c.rope_theta) == (
         4, 16, 4096, 1e6)
+
+
+def test_weights_that_do_not_match_a_defaulted_head_dim_name_the_default(tmp_path):
+    """A checkpoint whose config.json drops head_dim (weights made with head_dim 8): the shape
+    mismatch ends by naming the keys the file does not set and the transformers defaults taken
+    (head_dim=128 read as if it were the file's). Control: with head_dim set, the same weights
+    load; a shape mismatch of a file that sets every such key adds no such note."""
+    cfg = tiny()
+    save_checkpoint(tmp_path / "ck", cfg, init_weights(cfg, seed=0))
+    path = tmp_path / "ck" / "config.json"
+    full = json.loads(path.read_text())
+    assert full["head_dim"] != 128 and "max_position_embeddings" in full
+    path.write_text(json.dumps({k: v for k, v in full.items() if k != "head_dim"}))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / "ck")
+    msg = str(e.value)
+    assert " has shape " in msg, msg
+    assert msg.endswith("(config.json does not set head_dim; transformers' defaults were taken: "
+                        "head_dim=128)"), msg
+    path.write_text(json.dumps(full))
+    assert load_checkpoint(tmp_path / "ck")[0] == cfg
+    path.write_text(json.dumps({**full, "hidden_size": full["hidden_size"] * 2}))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / "ck")
+    assert " has shape " in str(e.value) and "defaults were taken" not in str(e.value)

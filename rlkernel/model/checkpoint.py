@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlkernel import readfile
-from rlkernel.model.config import Qwen3Config, param_shapes, preset
+from rlkernel.model.config import Qwen3Config, defaulted_shape_keys, param_shapes, preset
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -178,7 +178,7 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
     if not d.is_dir():
         raise CheckpointError(f"{d}: is not a directory; expected a Hugging Face checkpoint "
                               f"directory with {CONFIG_NAME} and *.safetensors")
-    cfg = _read_config(d / CONFIG_NAME)
+    cfg, taken = _config_and_defaults(d / CONFIG_NAME)
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}  # tensor name -> file name, for messages
@@ -204,8 +204,12 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
 
     problems = _check_tensors(cfg, tensors, origin)
     if problems:
+        hint = ""
+        if taken and any(" has shape " in p for p in problems):   # the shape may be the default's
+            hint = (f" ({CONFIG_NAME} does not set {', '.join(t.split('=')[0] for t in taken)}; "
+                    f"transformers' defaults were taken: {', '.join(taken)})")
         raise CheckpointError(f"{d}: checkpoint does not match its {CONFIG_NAME}: "
-                              + "; ".join(problems))
+                              + "; ".join(problems) + hint)
     # A NaN/Inf weight would otherwise surface only mid-rollout as "logprobs contain NaN", with
     # no tensor named; a read-only scan is cheap next to the clone below.
     nonfinite = [f"{n!r} (in {origin[n]}, {k} value(s), first at index {i})"
@@ -241,6 +245,11 @@ def _read_json(path: Path):
 
 
 def _read_config(path: Path) -> Qwen3Config:
+    return _config_and_defaults(path)[0]
+
+
+def _config_and_defaults(path: Path) -> tuple[Qwen3Config, list[str]]:
+    """(the config, `defaulted_shape_keys` of the file): CheckpointError as `_read_config`."""
     if not path.exists():   # anything else there (a FIFO, a directory): _read_json says what
         raise CheckpointError(f"{path}: missing; a checkpoint directory needs a Hugging Face "
                               f"{CONFIG_NAME}")
@@ -249,7 +258,7 @@ def _read_config(path: Path) -> Qwen3Config:
         raise CheckpointError(f"{path}: top level is a JSON {type(d).__name__}; expected an object")
     _check_hf_fields(d, path)
     try:
-        return Qwen3Config.from_hf_dict(d, source=str(path))
+        return Qwen3Config.from_hf_dict(d, source=str(path)), defaulted_shape_keys(d)
     except (ValueError, TypeError) as e:
         msg = str(e)
         raise CheckpointError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None

@@ -182,14 +182,21 @@ class Qwen3Config:
         except ValueError as e:   # a ConfigError (validate_model_config) stays one
             msg = str(e)
             msg = msg if msg.startswith(f"{source}:") else f"{source}: {msg}"
-            taken = [f"{k}={v!r}" for k, v in HF_DEFAULTS.items()
-                     if k not in d and k != "rope_theta"]   # rope_theta changes no shape
+            taken = defaulted_shape_keys(d)
             if taken:   # a value the file does not hold would read as the file's
                 msg += f" (not set in {source}, so transformers' default: {', '.join(taken)})"
             raise type(e)(msg) from None
 
     def replace(self, **changes: Any) -> "Qwen3Config":
         return dataclasses.replace(self, **changes)
+
+
+def defaulted_shape_keys(d: dict[str, Any]) -> list[str]:
+    """"key=value" of each HF_DEFAULTS key that changes a weight's shape and that the config
+    dict `d` does not set (so transformers' default was taken): for messages, where a value the
+    file does not hold would otherwise read as the file's."""
+    return [f"{k}={v!r}" for k, v in HF_DEFAULTS.items()
+            if k not in d and k != "rope_theta"]   # rope_theta changes no shape
 
 
 def validate_model_config(c: Qwen3Config) -> None:
