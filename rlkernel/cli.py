@@ -52,7 +52,7 @@ from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inputs, input_paths,
-                                    located, recorded_paths, relocated, same_input,
+                                    located, recorded_paths, relocated, same_input, sha256_file,
                                     startup_notes)
 from rlkernel.runner.watch import CKPT_DIR, TMP_SUFFIX, config_warnings, summary_lines
 from rlkernel.termination import Terminated
@@ -1370,6 +1370,25 @@ def _check_tokenizer_unchanged(saved: dict[str, typing.Any], now: dict[str, str]
                       f"start: {what}; restore them to resume, or start a new run")
 
 
+def _check_model_config_unchanged(cfg: RunConfig, where: RunConfig, src: pathlib.Path) -> None:
+    """ConfigError when --resume's model config.json differs from the one its manifest hashed:
+    run when the model's shape was refused (a head count or a length that no longer fits), so
+    the cause — the file changed since the run started — is named rather than its symptom.
+    Nothing when it is unchanged, unrecorded or unreadable (the full check follows later)."""
+    if where.model is None:
+        return
+    path = str(pathlib.Path(where.model) / "config.json")
+    try:
+        recorded = relocated(readfile.read_json(src / "manifest.json").get("inputs"), cfg,
+                             where).get("files")
+        now = sha256_file(path) if isinstance(recorded, dict) and path in recorded else None
+    except (OSError, ValueError, AttributeError):   # damaged or odd: the full check says so
+        return
+    if now is not None:
+        check_unchanged({"files": {path: recorded[path]}}, {"files": {path: now}},
+                        str(cfg.resume))
+
+
 def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
                 src: pathlib.Path, inputs: dict[str, typing.Any],
                 shape: Qwen3Config | None) -> int:
@@ -1552,7 +1571,12 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         final = _choose_run_dir(cfg) if src is None else None
         final = _lock_run_dir(cfg, final, held)
         _check_inputs(where)
-        shape = _check_topology(where)
+        try:
+            shape = _check_topology(where)
+        except ConfigError:
+            if src is not None:   # an edited model explains a resume's refusal first
+                _check_model_config_unchanged(cfg, where, src)
+            raise
         _check_watch(cfg)
         inputs = _check_data(where) if src is None else _resume_data(where, src)
     except ConfigError as e:

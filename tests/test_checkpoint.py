@@ -567,6 +567,14 @@ def test_a_config_json_that_sets_few_keys_reads_as_transformers_reads_it():
     c = Qwen3Config.from_hf_dict(set_)
     assert (c.num_key_value_heads, c.head_dim, c.max_position_embeddings, c.rope_theta) == (
         4, 16, 4096, 1e6)
+    # transformers 5 writes rope_theta under rope_parameters: read there, and named there.
+    nested = {**base, "num_key_value_heads": 4, "rope_parameters": {"rope_theta": 5e5}}
+    assert Qwen3Config.from_hf_dict(nested).rope_theta == 5e5
+    for where, bad in (("rope_parameters.rope_theta", {"rope_parameters": {"rope_theta": "x"}}),
+                       ("rope_theta", {"rope_theta": "x"})):
+        with pytest.raises(ValueError) as e:
+            Qwen3Config.from_hf_dict({**base, **bad}, source="m/config.json")
+        assert str(e.value).startswith(f"m/config.json: {where}='x' must be a number"), e.value
 
 
 def test_weights_that_do_not_match_a_defaulted_head_dim_name_the_default(tmp_path):

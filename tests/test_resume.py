@@ -225,6 +225,31 @@ def test_resume_refuses_inputs_that_changed_naming_the_file(tmp_path, capsys):
     assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 0
 
 
+def test_resume_names_an_edited_model_config_before_the_shape_it_no_longer_fits(tmp_path,
+                                                                               capsys):
+    """The model's config.json edited after the run started so that its own shape no longer
+    fits the run (max_position_embeddings below the run's prompt + response length, or a head
+    count --tp cannot divide): the refusal names the changed file (it named the symptom — the
+    length or the heads — as if the run's flags were wrong). Control: a new run on the edited
+    model is still refused for the shape itself; restored, the resume runs."""
+    d, model, _ = _run_with_inputs(tmp_path)
+    path = model / "config.json"
+    good = path.read_bytes()
+    cfg = json.loads(good)
+    for edit in ({"max_position_embeddings": 8}, {"num_attention_heads": 3}):
+        path.write_text(json.dumps({**cfg, **edit}))
+        capsys.readouterr()
+        assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"input {path} changed since the run started" in err[0], err
+        assert main(["run", *with_flags(ARGS, "--steps", "1"), "--model", str(model),
+                     "--run-dir", str(tmp_path / "new")]) == 2
+        err = capsys.readouterr().err
+        assert "changed since" not in err and str(model) in err and "config.json" in err, err
+    path.write_bytes(good)
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 0
+
+
 _REWARD = "def score(prompt, completion, label):\n    return float(label in completion)\n"
 
 

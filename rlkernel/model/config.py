@@ -111,8 +111,9 @@ class Qwen3Config:
         if d.get("attention_bias") not in (None, False):
             raise ValueError(f"{source}: attention_bias={d['attention_bias']!r} is not supported; "
                              "only false (Qwen3 has none)")
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:
+        rope_theta, theta_key = d.get("rope_theta"), "rope_theta"
+        if rope_theta is None:   # transformers 5 keeps it under rope_parameters
+            theta_key = "rope_parameters.rope_theta"
             rp = d.get("rope_parameters") or {}
             if not isinstance(rp, dict):
                 raise ValueError(f"{source}: rope_parameters must be an object, got {rp!r}")
@@ -170,7 +171,7 @@ class Qwen3Config:
                 num_key_value_heads=heads if d.get("num_key_value_heads", 0) is None
                 else integer("num_key_value_heads", HF_DEFAULTS["num_key_value_heads"]),
                 head_dim=integer("head_dim", HF_DEFAULTS["head_dim"]),
-                rope_theta=number("rope_theta", rope_theta),
+                rope_theta=number(theta_key, rope_theta),
                 rms_norm_eps=number("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=integer("max_position_embeddings",
                                                 HF_DEFAULTS["max_position_embeddings"]),
