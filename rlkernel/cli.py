@@ -38,6 +38,7 @@ import itertools
 import math
 import os
 import pathlib
+import shlex
 import shutil
 import sys
 import tempfile
@@ -630,10 +631,11 @@ def _warn_stale_temporaries(final: pathlib.Path) -> None:
         what = ("it has no checkpoint to resume from; delete it, or rename it to keep its "
                 "partial evidence")
         if ckpt.is_dir() and any(ckpt.glob("step-*")):
-            what = (f"resume it with: rlk run --resume {p}"
+            what = (f"resume it with: rlk run --resume {_sh(p)}"
                     if not (name / "manifest.json").exists() else
                     f"its name is the published run {name}'s: to resume it, move it to a free "
-                    f"name (e.g. mv {p} {name}-resumed) and rlk run --resume that")
+                    f"name (e.g. mv {_sh(p)} {_sh(f'{name}-resumed')}) and rlk run --resume "
+                    "that")
         lines.append(f"{p} was left by an rlk run that was killed (pid {_pid_of(p)} is not "
                      f"running); {what}")
     if len(stale) > _STALE_LISTED:
@@ -1277,6 +1279,17 @@ def _check_checkpoint_inputs(ck, manifest: typing.Any, d: pathlib.Path) -> None:
         raise ResumeError(f"--resume {str(d)!r}: {e}") from None
 
 
+def _check_checkpoint_state(ck, shape: Qwen3Config, d: pathlib.Path) -> None:
+    """The checkpoint `ck` holds the model's fp32 masters and moments at their shapes
+    (checkpointing.check_state). Raises ResumeError naming --resume."""
+    from rlkernel.runner.checkpointing import ResumeError, check_state
+
+    try:
+        check_state(ck, shape)
+    except ResumeError as e:
+        raise ResumeError(f"--resume {str(d)!r}: {e}") from None
+
+
 def _check_rewritten_file(path: pathlib.Path, d: pathlib.Path) -> None:
     """metrics.jsonl / completions.jsonl: the loop rewrites them after the evidence, so one that
     cannot be read failed the resume there, half done (a FIFO; a link to nowhere, which
@@ -1318,12 +1331,18 @@ def _span(steps: list) -> str:
     return f"[{steps[0]}, {steps[1]}, ..., {steps[-1]}] ({len(steps)})"
 
 
+def _sh(path: str | os.PathLike) -> str:
+    """`path` as one shell word, for a command line a user pastes (a run directory with spaces
+    or quotes broke the printed command into several words)."""
+    return shlex.quote(str(path))
+
+
 def _resume_hint(d: pathlib.Path) -> str:
     """How to continue the run in `d`, or why it cannot be continued."""
     from rlkernel.runner.checkpointing import checkpoint_dirs
 
     if checkpoint_dirs(d):
-        return f"resume with: rlk run --resume {d}"
+        return f"resume with: rlk run --resume {_sh(d)}"
     try:
         every = readfile.read_json(d / "manifest.json")["config"].get("save_every")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -1413,6 +1432,8 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
         check_unchanged(relocated(manifest.get("inputs"), cfg, where),
                         describe_inputs(where, shape), str(d))
         _check_checkpoint_inputs(ck, manifest, d)     # the inputs on disk are the manifest's
+        if shape is not None:   # its tensors are the model's: refused now, not after "resuming"
+            _check_checkpoint_state(ck, shape, d)
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
         if not isinstance(manifest.get("resumes", []), list):

@@ -266,3 +266,78 @@ def test_resume_refuses_a_checkpoint_that_records_no_inputs(runs, tmp_path, caps
                 "inputs it was trained from (a checkpoint of an older rl-kernel, or its "
                 "meta.json was edited)") in err, err
         shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("count", [7, 0, 1])
+def test_resume_refuses_a_checkpoint_whose_update_count_was_edited(runs, tmp_path, capsys, count):
+    """meta.json's opt_steps (AdamW's step count: its bias correction and the LR schedule read
+    it) edited to another number: refused naming both counts — it resumed, exit 0, into other
+    weights than a genuine resume's (found by a breaker). The unedited copy still resumes
+    (test_a_copied_run_still_resumes_to_the_same_weights)."""
+    d = _copy(runs, tmp_path)
+    meta = d / "checkpoints" / "step-000002" / "meta.json"
+    assert json.loads(meta.read_text())["opt_steps"] == 2
+    _edit_json(meta, lambda m: m.update(opt_steps=count))
+    err = _refused(capsys, d)
+    assert (f"{meta} records {count} optimizer update(s), but {d / 'evidence.json'} records 2 "
+            "applied in steps 0..1: meta.json was edited") in err, err
+
+
+def test_applied_updates_count_what_the_evidence_says_was_applied():
+    """The evidence's count of applied updates: one per step whose single update was not
+    skipped, the `applied` entries of a multi-update step (a skipped one ends the step's list),
+    None when a record does not say."""
+    from rlkernel.runner.checkpointing import _applied_updates
+
+    one = {"update_skipped": False}
+    assert _applied_updates([]) == 0
+    assert _applied_updates([one, {"update_skipped": True}, one]) == 2
+    multi = {"update_skipped": True, "updates": [{"applied": True}, {"applied": False}]}
+    assert _applied_updates([multi, {"updates": [{"applied": True}] * 4}]) == 5
+    for bad in ({}, {"update_skipped": "no"}, {"updates": None}, None, []):
+        assert _applied_updates([one, bad]) is None
+    assert _applied_updates([{"updates": [{"applied": 1}, "x", {"applied": True}]}]) == 1
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"[]", "meta.json holds a JSON list, not the object rlk run writes"),
+    (b"\xff{}", "meta.json is not UTF-8 text (byte 0)"),
+    (b"{", "meta.json is not valid JSON (line 1: "),
+    (b'{"next_step": 2}', "meta.json lacks opt_steps, version, state_sha256")])
+def test_a_checkpoint_whose_meta_is_not_an_object_is_skipped_saying_so(runs, tmp_path, capsys,
+                                                                       content, why):
+    """meta.json replaced by a list, non-UTF-8 bytes, broken JSON or an object without its keys:
+    the resume skips that checkpoint with a sentence saying what the file is (it printed "list
+    indices must be integers or slices, not str" or a raw codec error) and resumes from the one
+    before, exit 0."""
+    a = _copy(runs, tmp_path)
+    (a / "checkpoints" / "step-000002" / "meta.json").write_bytes(content)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(a), "--steps", "2", "--allow-dirty"]) == 0
+    assert f"skipped checkpoint step-000002: {why}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit", ["drop", "fp16", "shape"])
+def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_path, capsys, edit):
+    """A checkpoint whose state file lost a tensor, holds one in fp16 or at another shape, with
+    meta.json's SHA-256 made to match: exit 2, one line naming the tensor, before any work (exit
+    1 after the "resuming ... from" line before, as a failed run rather than a refused resume)."""
+    import hashlib
+
+    import safetensors.torch
+
+    d = _copy(runs, tmp_path)
+    ck = d / "checkpoints" / "step-000002"
+    state = safetensors.torch.load((ck / "state.safetensors").read_bytes())
+    name = "exp_avg/model.norm.weight"
+    if edit == "drop":
+        del state[name]
+    else:
+        t = state[name]
+        state[name] = t.half() if edit == "fp16" else t[:-1].contiguous()
+    blob = safetensors.torch.save(state)
+    (ck / "state.safetensors").write_bytes(blob)
+    _edit_json(ck / "meta.json", lambda m: m.update(state_sha256=hashlib.sha256(blob).hexdigest()))
+    err = _refused(capsys, d)
+    want = "checkpoint lacks tensor" if edit == "drop" else f"tensor {name} is torch."
+    assert f"{ck}: {want}" in err and name in err, err

@@ -108,6 +108,21 @@ def test_jsonl_whole_lines_torn_tail_dropped_and_resume_truncation(tmp_path):
     sink.close()
 
 
+def test_resume_truncation_keeps_lines_byte_for_byte_and_drops_undecodable_ones(tmp_path):
+    """Lines an editor changed — NaN, 1e999, a key order or spacing of its own — are kept as they
+    are (the rows were dumped again: NaN raised "Out of range float values are not JSON
+    compliant" and the resume stopped); a line that is not UTF-8 is dropped as readers drop it
+    (read_jsonl raised a codec error for the whole file)."""
+    path = tmp_path / "metrics.jsonl"
+    kept = [b'{"step": 0, "x": NaN}', b'{"x": 1e999,   "step": 1}', b'{"step":0}']
+    path.write_bytes(b"\n".join([kept[0], b'\xff\xfe{"step": 1}', kept[1], b'{"step": 2}',
+                                 b'{"step": true}', b"[1]", kept[2], b'{"step": 0, "cut']))
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2, True, 0]
+    truncate_jsonl(path, 2)
+    assert path.read_bytes() == b"".join(line + b"\n" for line in kept)
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 0]
+
+
 def test_display_run_dir_and_warnings():
     assert display_run_dir("runs/x.tmp-123") == "runs/x" and display_run_dir("runs/y") == "runs/y"
     assert config_warnings(RunConfig()) == []
@@ -134,6 +149,25 @@ def test_summary_lines_tolerate_missing_keys():
     assert "reward 0.5000 -> 0.7500" in lines[0] and "mismatches 0/80" in lines[0]
     assert "rlk report runs/r --out runs/r/plots" in lines[1]
     assert summary_lines([], "runs/r") == ["done: no steps recorded; run directory runs/r"]
+
+
+def test_printed_commands_quote_a_run_directory_as_one_shell_word(tmp_path):
+    """The closing line's `rlk report` command and the resume hint, for a run directory with a
+    space, unicode and a quote: pasted into a shell, each path is one word (it split into
+    several); a plain path is printed as it is."""
+    import shlex
+
+    from rlkernel.cli import _resume_hint
+
+    d = tmp_path / "with space" / "é ü 日本'x"
+    line = summary_lines([_rec(0)], str(d))[1]
+    cmd = line.split("; plots: ")[1]
+    assert shlex.split(cmd) == ["rlk", "report", str(d), "--out", f"{d}/plots"], cmd
+    (d / "checkpoints" / "step-000001").mkdir(parents=True)
+    hint = _resume_hint(d)
+    assert shlex.split(hint.removeprefix("resume with: ")) == ["rlk", "run", "--resume", str(d)]
+    assert summary_lines([_rec(0)], "runs/r")[1].endswith("plots: rlk report runs/r --out "
+                                                           "runs/r/plots")
 
 
 def test_summary_lines_of_a_resume_say_what_this_invocation_ran():
@@ -615,11 +649,11 @@ def test_report_of_complete_lines_that_are_not_objects_says_so(tmp_path):
     with pytest.raises(NoStepError) as e:
         load_metrics(d)
     assert str(e.value) == (f"{d}: no step recorded yet (metrics.jsonl holds 2 complete lines, "
-                            "none of them a JSON object, and there is no evidence.json)")
+                            "none of them a step's row, and there is no evidence.json)")
     (d / "metrics.jsonl").write_text('{"step": 0, "rew\n')
     with pytest.raises(NoStepError) as e:
         load_metrics(d)
-    assert "holds 1 complete line, none of them a JSON object" in str(e.value)
+    assert "holds 1 complete line, none of them a step's row" in str(e.value)
 
 
 def test_report_leaves_out_a_run_with_no_step_while_another_has_steps(tmp_path, capsys):
@@ -655,3 +689,28 @@ def test_report_leaves_out_a_run_with_no_step_while_another_has_steps(tmp_path, 
                  "--out", str(tmp_path / "s")])
     out, err = capsys.readouterr()
     assert code == 2 and "missing" in err and not (tmp_path / "s").exists()
+
+
+def test_report_takes_the_evidence_when_no_metrics_line_is_a_step_and_names_bad_utf8(run,
+                                                                                      tmp_path):
+    """metrics.jsonl whose lines carry no usable step ("0", -5, 0.5, true, none) beside an intact
+    evidence.json: the evidence's steps are drawn (the run was called "no step recorded yet").
+    An evidence.json that is not UTF-8 is named so (a raw codec message before)."""
+    from rlkernel.runner.report import ReportError, load_metrics
+
+    d = tmp_path / "r"
+    d.mkdir()
+    for name in ("evidence.json", "manifest.json"):
+        (d / name).write_bytes((run.dir / name).read_bytes())
+    steps = len(json.loads((run.dir / "evidence.json").read_text())["steps"])
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 1.0}) + "\n"
+                                             for s in ("0", -5, 0.5, True, None)))
+    m = load_metrics(d)
+    assert m.source == str(d / "evidence.json") and [r["step"] for r in m.rows] == \
+        list(range(steps))
+    (d / "metrics.jsonl").unlink()
+    (d / "evidence.json").write_bytes(b"\xff" + (run.dir / "evidence.json").read_bytes())
+    with pytest.raises(ReportError) as e:
+        load_metrics(d)
+    assert str(e.value) == (f"{d / 'evidence.json'}: not UTF-8 text (byte 0: invalid start "
+                            "byte); not a file rlk run writes"), str(e.value)

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 
 from rlkernel import readfile
 from rlkernel.config import SIZE_LIMITS, RunConfig, flag_name
+from rlkernel.model.config import Qwen3Config, param_shapes
 from rlkernel.runner.watch import CKPT_DIR
 
 _STATE = "state.safetensors"
@@ -175,7 +176,8 @@ def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
     is the one the evidence records after step next_step - 1 (the init's, before step 0). The
     checkpoint's own version is checked against its weights only after they are restored
     (loop.py); a checkpoint and evidence of two runs (one copied over the other) resumed into a
-    broken chain of versions and was marked complete. Raises ResumeError."""
+    broken chain of versions and was marked complete. Its optimizer update count must be the
+    updates the evidence records as applied (`_applied_updates`). Raises ResumeError."""
     named = ck.path.name.removeprefix("step-")
     if not named.isdigit() or int(named) != ck.next_step:
         raise ResumeError(f"{ck.path}: its meta.json continues at step {ck.next_step}, its name "
@@ -194,6 +196,43 @@ def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
                           f"{str(recorded)[:12]} {after}: the checkpoint and the evidence are not "
                           "of one run (one copied over the other?); restore the run's own, or "
                           "start a new run")
+    applied = _applied_updates(evidence["steps"][:n])
+    if applied is not None and applied != ck.opt_steps:
+        # AdamW's bias correction and the LR schedule count these: an edited count resumed into
+        # other weights with nothing said (the version above is checked before the update).
+        raise ResumeError(f"{ck.path / _META} records {ck.opt_steps} optimizer update(s), but "
+                          f"{path} records {applied} applied in steps 0..{n - 1}: meta.json was "
+                          "edited or is another run's; restore the run's own")
+
+
+def check_state(ck: Checkpoint, model: Qwen3Config) -> None:
+    """Refuse a checkpoint that does not hold the fp32 master, exp_avg and exp_avg_sq of every
+    parameter of `model` at its logical shape (a matching SHA-256 says the file is the one its
+    meta.json names, not that the run wrote it). Raises ResumeError naming the tensor."""
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        for n, shape in param_shapes(model).items():
+            t = ck.tensors.get(f"{kind}/{n}")
+            if t is None:
+                raise ResumeError(f"{ck.path}: checkpoint lacks tensor {kind}/{n}")
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(shape):
+                raise ResumeError(f"{ck.path}: tensor {kind}/{n} is {t.dtype} {tuple(t.shape)}, "
+                                  f"expected torch.float32 {tuple(shape)}")
+
+
+def _applied_updates(steps: list) -> int | None:
+    """The optimizer updates the evidence's step records say were applied (a step's "updates"
+    entries with applied true, or 1 per step whose single update was not skipped); None when a
+    record does not say (an edited or older evidence: the version check stands alone)."""
+    total = 0
+    for rec in steps:
+        ups = rec.get("updates") if isinstance(rec, dict) else None
+        if isinstance(ups, list):
+            total += sum(1 for u in ups if isinstance(u, dict) and u.get("applied") is True)
+        elif isinstance(rec, dict) and isinstance(rec.get("update_skipped"), bool):
+            total += not rec["update_skipped"]
+        else:
+            return None
+    return total
 
 
 def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
@@ -238,8 +277,27 @@ def save_checkpoint(run_dir: pathlib.Path, next_step: int, opt_steps: int,
     return final
 
 
+def _meta(path: pathlib.Path) -> dict:
+    """The checkpoint's meta.json as the object rlk run writes; ValueError saying what it is
+    instead (a resume prints it beside the checkpoint it skips: a raw "list indices must be
+    integers" or codec message named nothing)."""
+    try:
+        meta = readfile.read_json(path / _META)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{_META} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_META} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{_META} holds a JSON {type(meta).__name__}, not the object rlk run "
+                         "writes")
+    missing = [k for k in ("next_step", "opt_steps", "version", "state_sha256") if k not in meta]
+    if missing:
+        raise ValueError(f"{_META} lacks {', '.join(missing)}")
+    return meta
+
+
 def _load(path: pathlib.Path) -> Checkpoint:
-    meta = readfile.read_json(path / _META)
+    meta = _meta(path)
     blob = readfile.read_bytes(path / _STATE)
     if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
         raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")

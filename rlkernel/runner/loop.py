@@ -32,14 +32,14 @@ from rlkernel.distributed.context import build_contexts
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.topology import launcher_world_size
 from rlkernel.model.checkpoint import CheckpointError, init_weights, load_checkpoint
-from rlkernel.model.config import param_shapes, tiny
+from rlkernel.model.config import tiny
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.model.sharding import local_tensor, logical_tensor
 from rlkernel.numerics.exact import exact_sum, float_hex
 from rlkernel.rollout.engine import Request, RolloutEngine, SamplingParams
 from rlkernel.runner import faults
-from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, inputs_digest,
+from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, check_state, inputs_digest,
                                             latest_checkpoint, save_checkpoint)
 from rlkernel.runner.evidence import EvidenceWriter, Progress
 from rlkernel.runner.watch import NullWatch, RunWatch, completion_rows
@@ -262,15 +262,7 @@ def _opt_state(opt: ZeroAdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tens
 
 def _restore(opt: ZeroAdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None:
     """Load a checkpoint's logical state as this rank's shards and chunks (any topology)."""
-    shapes = param_shapes(policy.cfg)
-    for kind in ("master", "exp_avg", "exp_avg_sq"):
-        for n, shape in shapes.items():
-            t = ck.tensors.get(f"{kind}/{n}")
-            if t is None:
-                raise ResumeError(f"{ck.path}: checkpoint lacks tensor {kind}/{n}")
-            if t.dtype != torch.float32 or tuple(t.shape) != tuple(shape):
-                raise ResumeError(f"{ck.path}: tensor {kind}/{n} is {t.dtype} {tuple(t.shape)}, "
-                                  f"expected torch.float32 {tuple(shape)}")
+    check_state(ck, policy.cfg)   # the CLI checked it before any work; a library call here
 
     def shards(kind):
         return {n: local_tensor(n, ck.tensors[f"{kind}/{n}"], policy.cfg, topo.tp, topo.tp_rank)

@@ -144,15 +144,14 @@ def append_jsonl(path: pathlib.Path, rows: Iterable[dict[str, Any]]) -> None:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The objects of a JSON-lines file; a last line without its newline (a write cut by a crash)
-    and lines that are not JSON objects are dropped. Raises OSError if unreadable
+    and lines that are not UTF-8 JSON objects are dropped. Raises OSError if unreadable
     (readfile.NotRegularFileError for a FIFO, device or directory)."""
-    text = readfile.read_text(path)
-    lines = text.split("\n")[:-1]  # the piece after the last newline is incomplete (or empty)
+    lines = readfile.read_bytes(path).split(b"\n")[:-1]   # the last piece is incomplete or empty
     out = []
     for line in lines:
         try:
-            obj = jsontext.loads(line)
-        except ValueError:
+            obj = jsontext.loads(line.decode("utf-8"))
+        except ValueError:   # UnicodeDecodeError too: one bad line, not the whole file
             continue
         if isinstance(obj, dict):
             out.append(obj)
@@ -160,14 +159,24 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def truncate_jsonl(path: pathlib.Path, upto_step: int) -> None:
-    """Keep only the whole lines of steps < upto_step (atomic rewrite); no file: nothing."""
+    """Keep only the whole lines of steps < upto_step, each byte for byte as it was (atomic
+    rewrite); a line that is not UTF-8 or not a JSON object is dropped, as readers drop it; no
+    file: nothing. (Rows were dumped again: a line an editor gave NaN or 1e999 raised "Out of
+    range float values", a non-UTF-8 byte a codec error, and the resume stopped.)"""
     if not path.exists():
         return
-    keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] < upto_step]
-    text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in keep)
+    keep = []
+    for line in readfile.read_bytes(path).split(b"\n")[:-1]:   # the last piece: incomplete
+        try:
+            obj = jsontext.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            continue
+        step = obj.get("step") if isinstance(obj, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step < upto_step:
+            keep.append(line + b"\n")
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(b"".join(keep))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -1,8 +1,8 @@
 """`rlk report RUN [RUN ...] --out DIR`: PNG plots of the per-step metrics of one or several runs.
 
 Each run contributes its metrics.jsonl (runner/metrics.py) or, when it has none (older runs, or
-a run directory copied without it), the rows derived from its evidence.json by the same
-`metrics_row`. One curve per run (colour) on each panel, x = RL step:
+a run directory copied without it) or none of its lines is a step's row, the rows derived from
+its evidence.json by the same `metrics_row`. One curve per run (colour) on each panel, x = RL step:
   overview.png   every panel below on one page
   reward.png     reward mean, with a ±1 std band
   response_len.png, kl.png, entropy.png, loss.png, clip_frac.png, lr.png,
@@ -79,8 +79,8 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     source = str(path)
     try:
         if path.exists():   # a FIFO too: read_jsonl refuses it (skipping it hid the reason)
-            rows = read_jsonl(path)
-        if not rows:
+            rows = [r for r in read_jsonl(path) if _is_step(r.get("step"))]
+        if not rows:   # none, or none a step's: the evidence's steps, when it has them
             source = str(d / "evidence.json")
             ev = readfile.read_json(d / "evidence.json")
             steps = ev.get("steps") if isinstance(ev, dict) else None
@@ -91,6 +91,9 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
                               "there is no evidence.json)") from None
         raise ReportError(f"{d}: neither {METRICS} nor evidence.json; give a directory written "
                           "by rlk run") from None
+    except UnicodeDecodeError as e:
+        raise ReportError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason}); not a file "
+                          "rlk run writes") from None
     except (OSError, ValueError) as e:   # strerror: the OSError's text without the path again
         raise ReportError(f"{source}: cannot be read ({getattr(e, 'strerror', None) or e})") \
             from None
@@ -102,14 +105,15 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
 
 def _no_rows(path: pathlib.Path) -> str:
     """Why a metrics.jsonl gave no row: it holds no complete line (a write cut in the first
-    step), or its complete lines are not JSON objects (an edited or damaged file)."""
+    step), or its complete lines are not steps' rows (not UTF-8 JSON objects with a step
+    number: an edited or damaged file)."""
     try:
-        n = sum(1 for line in readfile.read_text(path).split("\n")[:-1] if line.strip())
-    except (OSError, ValueError):
+        n = sum(1 for line in readfile.read_bytes(path).split(b"\n")[:-1] if line.strip())
+    except OSError:
         n = 0
     if not n:
         return "holds no complete line"
-    return f"holds {n} complete line{'s' * (n > 1)}, none of them a JSON object"
+    return f"holds {n} complete line{'s' * (n > 1)}, none of them a step's row"
 
 
 def load_runs(run_dirs: list[str],

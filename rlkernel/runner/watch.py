@@ -24,6 +24,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 from typing import Any
 
 from rlkernel.config import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -129,7 +130,7 @@ def summary_lines(steps: list[dict[str, Any]], run_dir: str | os.PathLike,
         + (f"; {unchanged} step(s) left the weights unchanged" if unchanged else ""),
         f"files: {d}/evidence.json, manifest.json, metrics.jsonl, completions.jsonl"
         + (", final/ (weights)" if os.path.isdir(os.path.join(d, "final")) else "")
-        + f"; plots: rlk report {d} --out {d}/plots",
+        + f"; plots: rlk report {shlex.quote(str(d))} --out {shlex.quote(f'{d}/plots')}",
     ]
     return lines
 
