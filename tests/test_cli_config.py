@@ -1325,8 +1325,13 @@ def test_signals_wait_for_the_end_of_a_step_record(sig):
 
     from rlkernel.cli import _exit_on_sigterm, _restore_sigterm
     from rlkernel.runner.loop import _signals_deferred
-    # Ctrl-C's usual handler: a shell's background job may have left SIGINT ignored.
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Ctrl-C's usual handler: a shell's background job may have left SIGINT ignored; and the
+    # default for SIGTERM/SIGHUP, which `_exit_on_sigterm` leaves ignored when the process was
+    # started so (a suite run under nohup ignores SIGHUP: that case is
+    # tests/test_nohup.py's).
+    before = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+              signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+              signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_DFL)}
     previous = _exit_on_sigterm()
     num = getattr(signal, sig)
     raised = KeyboardInterrupt if sig == "SIGINT" else SystemExit
@@ -1347,7 +1352,8 @@ def test_signals_wait_for_the_end_of_a_step_record(sig):
         assert len(reached) < 10**6
     finally:
         _restore_sigterm(previous)
-        signal.signal(signal.SIGINT, before)
+        for n, handler in before.items():
+            signal.signal(n, handler)
 
 
 # ---------------------------------------------------------------------------------------------
