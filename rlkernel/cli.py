@@ -1268,24 +1268,19 @@ def _check_checkpoint_is_the_runs(ck, cfg: RunConfig, evidence: dict[str, typing
         raise ResumeError(f"--resume {str(d)!r}: {e}") from None
 
 
-def _check_checkpoint_inputs(ck, manifest: typing.Any, d: pathlib.Path) -> None:
+def _check_checkpoint_inputs(ck, manifest: typing.Any, shape: Qwen3Config | None,
+                             d: pathlib.Path) -> None:
     """The checkpoint `ck` was trained from the inputs the manifest records
-    (checkpointing.check_inputs). Raises ResumeError naming --resume."""
-    from rlkernel.runner.checkpointing import ResumeError, check_inputs
+    (checkpointing.check_inputs) and holds the fp32 masters and moments of the model `shape`
+    (checkpointing.check_state; None: unread, the loop's own check stands), so a file that is
+    not the run's is refused before any work, not after "resuming". Raises ResumeError naming
+    --resume."""
+    from rlkernel.runner.checkpointing import ResumeError, check_inputs, check_state
 
     try:
         check_inputs(ck, manifest.get("inputs") if isinstance(manifest, dict) else None)
-    except ResumeError as e:
-        raise ResumeError(f"--resume {str(d)!r}: {e}") from None
-
-
-def _check_checkpoint_state(ck, shape: Qwen3Config, d: pathlib.Path) -> None:
-    """The checkpoint `ck` holds the model's fp32 masters and moments at their shapes
-    (checkpointing.check_state). Raises ResumeError naming --resume."""
-    from rlkernel.runner.checkpointing import ResumeError, check_state
-
-    try:
-        check_state(ck, shape)
+        if shape is not None:
+            check_state(ck, shape)
     except ResumeError as e:
         raise ResumeError(f"--resume {str(d)!r}: {e}") from None
 
@@ -1431,9 +1426,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
         manifest = readfile.read_json(src / "manifest.json")
         check_unchanged(relocated(manifest.get("inputs"), cfg, where),
                         describe_inputs(where, shape), str(d))
-        _check_checkpoint_inputs(ck, manifest, d)     # the inputs on disk are the manifest's
-        if shape is not None:   # its tensors are the model's: refused now, not after "resuming"
-            _check_checkpoint_state(ck, shape, d)
+        _check_checkpoint_inputs(ck, manifest, shape, d)   # the inputs on disk: the manifest's
         _check_reward_unchanged(manifest, inputs["reward"])
         _check_tokenizer_unchanged(manifest, inputs["tokenizer_files"])
         if not isinstance(manifest.get("resumes", []), list):

@@ -619,41 +619,29 @@ def test_report_draws_a_run_named_twice_once(tmp_path, capsys):
     assert warned == []
 
 
-def test_report_of_a_metrics_file_with_no_complete_line_says_so(tmp_path):
-    """A run killed in its first step: metrics.jsonl holds a torn line and there is no
-    evidence.json. The message says that (it said "neither metrics.jsonl nor evidence.json" of a
-    directory holding metrics.jsonl)."""
-    from rlkernel.runner.report import ReportError, load_metrics
+@pytest.mark.parametrize("text, why", [
+    ('{"step": 0, "rew', "holds no complete line"),
+    ('{"step": 0, "rew\n[1, 2]\n\n{"st', "holds 2 complete lines, none of them a step's row"),
+    ('{"step": 0, "rew\n', "holds 1 complete line, none of them a step's row")])
+def test_report_of_a_metrics_file_with_no_step_says_why(tmp_path, text, why):
+    """A run killed in its first step (metrics.jsonl holds a torn line) or a damaged metrics.jsonl
+    (complete lines that are not steps' rows), with no evidence.json: the message says which,
+    counting the damaged lines (it said "neither metrics.jsonl nor evidence.json" of a directory
+    holding metrics.jsonl, then "no complete line" of complete ones). Without metrics.jsonl: the
+    directory is not a run's."""
+    from rlkernel.runner.report import NoStepError, ReportError, load_metrics
 
     d = tmp_path / "r"
     d.mkdir()
-    (d / "metrics.jsonl").write_text('{"step": 0, "rew')
-    with pytest.raises(ReportError) as e:
+    (d / "metrics.jsonl").write_text(text)
+    with pytest.raises(NoStepError) as e:
         load_metrics(d)
-    assert str(e.value) == (f"{d}: no step recorded yet (metrics.jsonl holds no complete line, "
-                            "and there is no evidence.json)")
+    assert str(e.value) == (f"{d}: no step recorded yet (metrics.jsonl {why}, and there is no "
+                            "evidence.json)")
     (d / "metrics.jsonl").unlink()
     with pytest.raises(ReportError) as e:
         load_metrics(d)
     assert str(e.value).startswith(f"{d}: neither metrics.jsonl nor evidence.json")
-
-
-def test_report_of_complete_lines_that_are_not_objects_says_so(tmp_path):
-    """metrics.jsonl whose complete lines are damaged (not JSON objects): the message counts
-    them instead of saying the file holds no complete line."""
-    from rlkernel.runner.report import NoStepError, load_metrics
-
-    d = tmp_path / "r"
-    d.mkdir()
-    (d / "metrics.jsonl").write_text('{"step": 0, "rew\n[1, 2]\n\n{"st')
-    with pytest.raises(NoStepError) as e:
-        load_metrics(d)
-    assert str(e.value) == (f"{d}: no step recorded yet (metrics.jsonl holds 2 complete lines, "
-                            "none of them a step's row, and there is no evidence.json)")
-    (d / "metrics.jsonl").write_text('{"step": 0, "rew\n')
-    with pytest.raises(NoStepError) as e:
-        load_metrics(d)
-    assert "holds 1 complete line, none of them a step's row" in str(e.value)
 
 
 def test_report_leaves_out_a_run_with_no_step_while_another_has_steps(tmp_path, capsys):

@@ -24,7 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlkernel import readfile
-from rlkernel.model.config import Qwen3Config, defaulted_shape_keys, param_shapes, preset
+from rlkernel.model.config import (Qwen3Config, assignments, defaulted_shape_keys, param_shapes,
+                                   preset)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -206,8 +207,8 @@ def load_checkpoint(model_dir: str | os.PathLike) -> tuple[Qwen3Config, dict[str
     if problems:
         hint = ""
         if taken and any(" has shape " in p for p in problems):   # the shape may be the default's
-            hint = (f" ({CONFIG_NAME} does not set {', '.join(t.split('=')[0] for t in taken)}; "
-                    f"transformers' defaults were taken: {', '.join(taken)})")
+            hint = (f" ({CONFIG_NAME} does not set {', '.join(taken)}; transformers' defaults "
+                    f"were taken: {assignments(taken)})")
         raise CheckpointError(f"{d}: checkpoint does not match its {CONFIG_NAME}: "
                               + "; ".join(problems) + hint)
     # A NaN/Inf weight would otherwise surface only mid-rollout as "logprobs contain NaN", with
@@ -248,7 +249,7 @@ def _read_config(path: Path) -> Qwen3Config:
     return _config_and_defaults(path)[0]
 
 
-def _config_and_defaults(path: Path) -> tuple[Qwen3Config, list[str]]:
+def _config_and_defaults(path: Path) -> tuple[Qwen3Config, dict[str, object]]:
     """(the config, `defaulted_shape_keys` of the file): CheckpointError as `_read_config`."""
     if not path.exists():   # anything else there (a FIFO, a directory): _read_json says what
         raise CheckpointError(f"{path}: missing; a checkpoint directory needs a Hugging Face "

@@ -185,19 +185,24 @@ class Qwen3Config:
             msg = msg if msg.startswith(f"{source}:") else f"{source}: {msg}"
             taken = defaulted_shape_keys(d)
             if taken:   # a value the file does not hold would read as the file's
-                msg += f" (not set in {source}, so transformers' default: {', '.join(taken)})"
+                msg += f" (not set in {source}, so transformers' default: {assignments(taken)})"
             raise type(e)(msg) from None
 
     def replace(self, **changes: Any) -> "Qwen3Config":
         return dataclasses.replace(self, **changes)
 
 
-def defaulted_shape_keys(d: dict[str, Any]) -> list[str]:
-    """"key=value" of each HF_DEFAULTS key that changes a weight's shape and that the config
-    dict `d` does not set (so transformers' default was taken): for messages, where a value the
-    file does not hold would otherwise read as the file's."""
-    return [f"{k}={v!r}" for k, v in HF_DEFAULTS.items()
-            if k not in d and k != "rope_theta"]   # rope_theta changes no shape
+def defaulted_shape_keys(d: dict[str, Any]) -> dict[str, Any]:
+    """{key: transformers' default} of each HF_DEFAULTS key that changes a weight's shape and
+    that the config dict `d` does not set: for messages, where a value the file does not hold
+    would otherwise read as the file's."""
+    return {k: v for k, v in HF_DEFAULTS.items()
+            if k not in d and k != "rope_theta"}   # rope_theta changes no shape
+
+
+def assignments(values: dict[str, Any]) -> str:
+    """values as "key=value, ..." (repr values), for messages."""
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
 
 
 def validate_model_config(c: Qwen3Config) -> None:

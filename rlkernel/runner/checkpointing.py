@@ -209,8 +209,9 @@ def check_state(ck: Checkpoint, model: Qwen3Config) -> None:
     """Refuse a checkpoint that does not hold the fp32 master, exp_avg and exp_avg_sq of every
     parameter of `model` at its logical shape (a matching SHA-256 says the file is the one its
     meta.json names, not that the run wrote it). Raises ResumeError naming the tensor."""
+    shapes = param_shapes(model)
     for kind in ("master", "exp_avg", "exp_avg_sq"):
-        for n, shape in param_shapes(model).items():
+        for n, shape in shapes.items():
             t = ck.tensors.get(f"{kind}/{n}")
             if t is None:
                 raise ResumeError(f"{ck.path}: checkpoint lacks tensor {kind}/{n}")

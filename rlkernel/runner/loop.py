@@ -262,7 +262,7 @@ def _opt_state(opt: ZeroAdamW, policy: Qwen3ForCausalLM) -> dict[str, torch.Tens
 
 def _restore(opt: ZeroAdamW, policy: Qwen3ForCausalLM, ck: Checkpoint, topo) -> None:
     """Load a checkpoint's logical state as this rank's shards and chunks (any topology)."""
-    check_state(ck, policy.cfg)   # the CLI checked it before any work; a library call here
+    check_state(ck, policy.cfg)   # rank 0's CLI checked it; the other ranks come straight here
 
     def shards(kind):
         return {n: local_tensor(n, ck.tensors[f"{kind}/{n}"], policy.cfg, topo.tp, topo.tp_rank)

@@ -35,7 +35,7 @@ import json
 import math
 import os
 import pathlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from rlkernel import jsontext, readfile
 from rlkernel.runner.evidence import to_json_safe
@@ -142,20 +142,24 @@ def append_jsonl(path: pathlib.Path, rows: Iterable[dict[str, Any]]) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The objects of a JSON-lines file; a last line without its newline (a write cut by a crash)
-    and lines that are not UTF-8 JSON objects are dropped. Raises OSError if unreadable
-    (readfile.NotRegularFileError for a FIFO, device or directory)."""
-    lines = readfile.read_bytes(path).split(b"\n")[:-1]   # the last piece is incomplete or empty
-    out = []
-    for line in lines:
+def _object_lines(path: str | os.PathLike) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """(line without its newline, its object) of each line of a JSON-lines file that is a UTF-8
+    JSON object; a last line without its newline (a write cut by a crash) and other lines are
+    skipped. Raises OSError if unreadable (readfile.NotRegularFileError for a FIFO, device or
+    directory)."""
+    for line in readfile.read_bytes(path).split(b"\n")[:-1]:   # the last piece: incomplete
         try:
             obj = jsontext.loads(line.decode("utf-8"))
         except ValueError:   # UnicodeDecodeError too: one bad line, not the whole file
             continue
         if isinstance(obj, dict):
-            out.append(obj)
-    return out
+            yield line, obj
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file (`_object_lines`: torn, non-UTF-8 and non-object lines
+    dropped). Raises OSError if unreadable."""
+    return [obj for _, obj in _object_lines(path)]
 
 
 def truncate_jsonl(path: pathlib.Path, upto_step: int) -> None:
@@ -165,15 +169,9 @@ def truncate_jsonl(path: pathlib.Path, upto_step: int) -> None:
     range float values", a non-UTF-8 byte a codec error, and the resume stopped.)"""
     if not path.exists():
         return
-    keep = []
-    for line in readfile.read_bytes(path).split(b"\n")[:-1]:   # the last piece: incomplete
-        try:
-            obj = jsontext.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            continue
-        step = obj.get("step") if isinstance(obj, dict) else None
-        if isinstance(step, int) and not isinstance(step, bool) and step < upto_step:
-            keep.append(line + b"\n")
+    keep = [line + b"\n" for line, obj in _object_lines(path)
+            if isinstance(obj.get("step"), int) and not isinstance(obj["step"], bool)
+            and obj["step"] < upto_step]
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(b"".join(keep))

@@ -12,9 +12,9 @@ its evidence.json by the same `metrics_row`. One curve per run (colour) on each 
   throughput.png response tokens per second of the whole step
   step_time.png  rollout (solid), train (dashed), sync (dotted) seconds per step
 A run named twice (the same directory by another path or through a link) is drawn once, with a
-warning; so is left out a run with no step yet (just started, or killed in its first step) while
-another run has steps. A panel with no value in any run is left out (and its PNG from an earlier report in --out
-removed). A PNG name in --out taken by a directory, a FIFO or a symbolic link is refused before
+warning; a run with no step yet (just started, or killed in its first step) is left out, with a
+warning, while another run has steps. A panel with no value in any run is left out (and its PNG
+from an earlier report in --out removed). A PNG name in --out taken by a directory, a FIFO or a symbolic link is refused before
 any PNG is drawn. NaN/Inf values are gaps in a curve, and so are values past ±PLOT_LIMIT (an
 axis cannot span them: matplotlib's tick arithmetic overflowed near 1e308, a traceback), each
 named in a warning (`warn`). Should matplotlib still fail on a panel, that panel is left out of
@@ -84,7 +84,8 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
             source = str(d / "evidence.json")
             ev = readfile.read_json(d / "evidence.json")
             steps = ev.get("steps") if isinstance(ev, dict) else None
-            rows = [metrics_row(s) for s in steps or [] if isinstance(s, dict)]
+            rows = [r for r in (metrics_row(s) for s in steps or [] if isinstance(s, dict))
+                    if _is_step(r.get("step"))]
     except FileNotFoundError:
         if path.exists():   # a run killed in its first step: its lines are torn or absent
             raise NoStepError(f"{d}: no step recorded yet ({METRICS} {_no_rows(path)}, and "
@@ -97,7 +98,7 @@ def load_metrics(run_dir: str | os.PathLike) -> RunMetrics:
     except (OSError, ValueError) as e:   # strerror: the OSError's text without the path again
         raise ReportError(f"{source}: cannot be read ({getattr(e, 'strerror', None) or e})") \
             from None
-    rows = sorted((r for r in rows if _is_step(r.get("step"))), key=lambda r: r["step"])
+    rows = sorted(rows, key=lambda r: r["step"])
     if not rows:
         raise NoStepError(f"{d}: no step recorded yet (in {source})")
     return RunMetrics(d.name or str(d), rows, source)
