@@ -8,7 +8,8 @@ the cost of invariance. `--profile` adds the top CUDA kernels of one invariant s
 profiler), grouped by kernel name, to find what dominates; `--kernel-sites` the device time of
 one step by the rlkernel code that launched it (each kernel tied to its launch call); `--trace`
 the host ops and where the device idled; `--sync-sites` the host syncs by call site;
-`--host-profile` the host's Python time of one step by function and by package (cProfile).
+`--host-profile` the host's Python time of one step by function and by package (cProfile);
+`--host-sample` the same by stack samples (no per-call cost: where a host-bound step's time goes).
 Run (repository root, CUDA machine):
     PYTHONPATH=. python3 benchmarks/bench_train_step.py --model qwen3-0.6b --samples 16 \
         --prompt-len 64 --response-len 448 --out train_step.json [--profile]
@@ -63,7 +64,8 @@ def _host_share(r: dict) -> str:
 
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
          dev: torch.device, micro_samples: int = 0, kl: bool = True, trace: bool = False,
-         sync_sites: bool = False, kernel_sites: int = 0, host_profile: bool = False):
+         sync_sites: bool = False, kernel_sites: int = 0, host_profile: bool = False,
+         host_sample: bool = False):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
     if mode == "invariant":   # as rlk run trains: weights held in bf16, fp32 main_grad beside
@@ -122,6 +124,8 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         out["kernel_sites"] = _kernel_sites(step, dev, kernel_sites)
     if host_profile:
         out["host_profile"] = _host_profile(step, dev)
+    if host_sample:
+        out["host_samples"] = _host_samples(step, dev)
     del policy, ref, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -383,6 +387,102 @@ def _host_profile(step, dev: torch.device, top: int = 150) -> dict:
                                  key=lambda r: -r["own_ms"])[:top]}
 
 
+# Frames where a thread waits in C for another (the main thread inside autograd's engine while
+# the device thread runs the backward; idle helper threads): not host work of their own.
+_WAITING = ("_engine_run_backward", "wait", "_wait_for_tstate_lock", "select", "sleep")
+
+
+def _stack_keys(frame, depth: int) -> tuple[str, str, str, str] | None:
+    """(site, line, own, op) of one sampled stack: site = the innermost `depth` rlkernel
+    functions as "module(fn)" joined by " < " (innermost first; "(outside rlkernel)" if none),
+    line = the innermost rlkernel frame as "module:line(fn)", own = the innermost frame of any
+    code, op = the innermost rlkernel `forward`/`backward` frame (a module's forward or an
+    autograd Function's) as "module(Class.fn)". None for a thread waiting (`_WAITING`)."""
+    if frame is None or frame.f_code.co_name in _WAITING:
+        return None
+
+    def name(f, line: bool = True) -> str:
+        file = f.f_code.co_filename
+        short = ("rlkernel/" + file.split("rlkernel/")[-1]) if "rlkernel/" in file \
+            else "/".join(file.split("/")[-2:])
+        return f"{short}:{f.f_lineno}({f.f_code.co_name})" if line \
+            else f"{short}({f.f_code.co_name})"
+    own, ours, f, line, op = name(frame), [], frame, None, None
+    while f is not None and op is None:
+        if "rlkernel/" in f.f_code.co_filename:
+            line = line or name(f)
+            if len(ours) < depth:
+                ours.append(name(f, line=False))
+            if f.f_code.co_name in ("forward", "backward"):
+                op = f"{name(f, line=False).split('(')[0]}" \
+                     f"({getattr(f.f_code, 'co_qualname', f.f_code.co_name)})"
+        f = f.f_back
+    outside = "(outside rlkernel)"
+    return " < ".join(ours) or outside, line or outside, own, op or outside
+
+
+def _host_samples(step, dev: torch.device, interval_s: float = 2e-4, depth: int = 2,
+                  top: int = 60) -> dict:
+    """The host's time in one step by the rlkernel code running, from stack samples: a thread
+    reads every other thread's Python stack each `interval_s` (the interpreter's switch interval
+    set to match, so the GIL comes back in time). Unlike cProfile (`_host_profile`) a Python call
+    costs nothing extra, so call-heavy code is not overcharged. Each running sample counts once
+    for its innermost `depth` rlkernel functions (`by_site`: our code and all it called into:
+    torch's ops, Triton's launcher), once for its innermost rlkernel line (`by_line`) and once
+    for its innermost frame (`by_own`), once for its innermost rlkernel forward/backward
+    (`by_op`: a module's or autograd Function's whole host time); a thread waiting in C for another (`_WAITING`) is not
+    counted. ms = samples × wall / sampling rounds; a sample taken while a thread is in C (a
+    kernel launch, a sync) is charged to the Python line that called it."""
+    import sys
+    import threading
+    from collections import Counter
+
+    tables = (Counter(), Counter(), Counter(), Counter())
+    rounds = [0]
+    stop = threading.Event()
+    me = []
+
+    def sample() -> None:
+        me.append(threading.get_ident())
+        while not stop.is_set():
+            rounds[0] += 1
+            for tid, frame in sys._current_frames().items():
+                keys = None if tid == me[0] else _stack_keys(frame, depth)
+                for table, key in zip(tables, keys or ()):
+                    table[key] += 1
+            time.sleep(interval_s)
+    old = sys.getswitchinterval()
+    _sync(dev)
+    sys.setswitchinterval(interval_s)
+    th = threading.Thread(target=sample, daemon=True)
+    t0 = time.perf_counter()
+    th.start()
+    try:
+        step()
+        _sync(dev)
+    finally:
+        wall = time.perf_counter() - t0
+        stop.set()
+        th.join()
+        sys.setswitchinterval(old)
+    per = wall * 1e3 / max(rounds[0], 1)
+
+    def rows(c: Counter, key: str) -> list[dict]:
+        return [{key: k, "samples": n, "ms": n * per} for k, n in c.most_common(top)]
+    return {"wall_s": wall, "rounds": rounds[0], "busy_ms": sum(tables[0].values()) * per,
+            "by_site": rows(tables[0], "site"), "by_line": rows(tables[1], "line"),
+            "by_own": rows(tables[2], "fn"), "by_op": rows(tables[3], "op")}
+
+
+def _print_host_samples(h: dict) -> None:
+    print(f"  host samples: wall {h['wall_s']:.3f} s, {h['rounds']} rounds, host running "
+          f"{h['busy_ms']:.0f} ms")
+    for key, col in (("by_op", "op"), ("by_site", "site"), ("by_line", "line"),
+                     ("by_own", "fn")):
+        for row in h[key][:40]:
+            print(f"    {key} {row['ms']:8.1f} ms  {row[col]}")
+
+
 def _print_host_profile(h: dict) -> None:
     print(f"  host profile: wall {h['wall_s']:.3f} s (under cProfile)")
     for key, col in (("by_package", "package"), ("by_own", "fn"), ("by_cum", "fn")):
@@ -442,6 +542,10 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true",
                     help="one more step under cProfile: the host's Python time by function and "
                          "by package")
+    ap.add_argument("--host-sample", action="store_true",
+                    help="one more step under a stack sampler: the host's time by the rlkernel "
+                         "line running (torch and Triton calls included), without cProfile's "
+                         "per-call cost")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--ragged", action="store_true",
                     help="responses of lengths drawn from [R/2, R] (samples ending at their "
@@ -488,7 +592,8 @@ def main() -> None:
                  a.native_micro_samples if mode == "native" else a.invariant_micro_samples,
                  not a.no_kl,
                  a.trace and mode == "invariant", a.sync_sites, a.kernel_sites,
-                 a.host_profile and mode == "invariant")
+                 a.host_profile and mode == "invariant",
+                 a.host_sample and mode == "invariant")
         # Peak bytes per parameter element: weights, grads, masters, moments and the step's
         # activations and workspace together (the arms keep the same model state).
         r["peak_bytes_per_param"] = r["peak_gib"] * 2**30 / n_params
@@ -505,6 +610,8 @@ def main() -> None:
             _print_trace(r["trace"])
         if "host_profile" in r:
             _print_host_profile(r["host_profile"])
+        if "host_samples" in r:
+            _print_host_samples(r["host_samples"])
         for row in r.get("sync_sites", []):
             print(f"    syncs {row['syncs']:5d}  {row['site']}")
         for row in r.get("kernel_sites", []):

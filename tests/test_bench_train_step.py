@@ -7,7 +7,8 @@ function or label around it; shorter gaps and overlapping kernels add nothing. T
 run of --trace reports the forward and backward phases; --sync-sites keys each synchronizing
 event by the rlkernel frames around it (on CPU, with aten::nonzero standing in for CUDA's
 synchronize calls, which a CPU run has none of); --host-profile names the step's functions,
-their packages and the callers of the costliest builtins.
+their packages and the callers of the costliest builtins; --host-sample keys stack samples
+by our frames and the op around them.
 Run: `.venv/bin/python -m pytest -q tests/test_bench_train_step.py` (about 15 s).
 """
 
@@ -162,6 +163,53 @@ def test_host_profile_smoke_cpu_profiles_the_invariant_step(tmp_path):
     h = _smoke(tmp_path, "--host-profile")["host_profile"]
     assert h["wall_s"] > 0 and any(r["fn"].endswith("(compute_gradients)") for r in h["by_cum"])
     assert any(r["package"].startswith("rlkernel/") for r in h["by_package"])
+
+
+_FAKE = """
+import sys
+class _Fn:
+    @staticmethod
+    def backward(keys):
+        return helper(keys)
+def helper(keys):
+    return outside(keys)
+"""
+
+
+def _outside(keys):
+    import sys
+    return keys(sys._getframe(), 2)
+
+
+def test_stack_keys_charge_a_sample_to_our_frames_and_the_op_around_them():
+    """A sampled stack is keyed by its innermost rlkernel functions (code outside rlkernel, here
+    this test's `outside`, is skipped but stays the sample's own frame), its innermost rlkernel
+    line, and the innermost rlkernel forward/backward by its qualified name; a thread waiting in
+    autograd's engine or a lock is not a sample."""
+    ns = {"outside": _outside}
+    exec(compile(_FAKE, "/x/rlkernel/kernels/fake.py", "exec"), ns)
+    site, line, own, op = ns["_Fn"].backward(bench_train_step._stack_keys)
+    assert site == "rlkernel/kernels/fake.py(helper) < rlkernel/kernels/fake.py(backward)"
+    assert line == "rlkernel/kernels/fake.py:8(helper)"
+    assert own.startswith("tests/test_bench_train_step.py:") and own.endswith("(_outside)")
+    assert op == "rlkernel/kernels/fake.py(_Fn.backward)"
+    import sys
+    assert bench_train_step._stack_keys(sys._getframe(), 2)[0] == "(outside rlkernel)"
+    waiting = compile("def _engine_run_backward(k):\n    import sys\n"
+                      "    return k(sys._getframe(), 2)\n", "/x/torch/autograd/graph.py", "exec")
+    ns2: dict = {}
+    exec(waiting, ns2)
+    assert ns2["_engine_run_backward"](bench_train_step._stack_keys) is None
+
+
+def test_host_sample_smoke_cpu_samples_the_invariant_step(tmp_path):
+    """--host-sample on the CPU step: the backward's autograd Functions appear by name, and the
+    host's running time is within the sampled wall (one thread runs the CPU step)."""
+    h = _smoke(tmp_path, "--host-sample")["host_samples"]
+    ops = {r["op"] for r in h["by_op"]}
+    assert "rlkernel/kernels/matmul.py(_ColumnParallelLinear.backward)" in ops
+    assert h["rounds"] > 10 and 0 < h["busy_ms"] <= h["wall_s"] * 1e3 * 1.05
+    assert all(r["ms"] > 0 for r in h["by_site"] + h["by_line"] + h["by_own"])
 
 
 def test_transformers_arm_smoke_cpu_times_the_step_and_its_forward_backward(tmp_path):
