@@ -431,25 +431,41 @@ def _host_samples(step, dev: torch.device, interval_s: float = 2e-4, depth: int 
     torch's ops, Triton's launcher), once for its innermost rlkernel line (`by_line`) and once
     for its innermost frame (`by_own`), once for its innermost rlkernel forward/backward
     (`by_op`: a module's or autograd Function's whole host time); a thread waiting in C for another (`_WAITING`) is not
-    counted. ms = samples × wall / sampling rounds; a sample taken while a thread is in C (a
-    kernel launch, a sync) is charged to the Python line that called it."""
+    counted. ms = samples × wall / sampling rounds: a sample taken while a thread is in C (a
+    kernel launch, a sync, a copy that waits) is charged to the Python line that called it;
+    cpu_ms = the thread's CPU time since its previous sample (its POSIX thread CPU clock), so a
+    line that waits on the device has ms but little cpu_ms — the host is bound where cpu_ms
+    adds up to about the wall."""
     import sys
     import threading
     from collections import Counter
 
     tables = (Counter(), Counter(), Counter(), Counter())
+    cpu_tables = (Counter(), Counter(), Counter(), Counter())
     rounds = [0]
     stop = threading.Event()
     me = []
+    last_cpu: dict = {}
+
+    def cpu_s(tid: int) -> float:
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(tid))
+        except (OSError, AttributeError, OverflowError):   # a thread gone, or no such clock
+            return 0.0
 
     def sample() -> None:
         me.append(threading.get_ident())
         while not stop.is_set():
             rounds[0] += 1
             for tid, frame in sys._current_frames().items():
-                keys = None if tid == me[0] else _stack_keys(frame, depth)
-                for table, key in zip(tables, keys or ()):
+                if tid == me[0]:
+                    continue
+                now = cpu_s(tid)
+                used, last_cpu[tid] = now - last_cpu.get(tid, now), now
+                keys = _stack_keys(frame, depth)
+                for table, cpu_table, key in zip(tables, cpu_tables, keys or ()):
                     table[key] += 1
+                    cpu_table[key] += used
             time.sleep(interval_s)
     old = sys.getswitchinterval()
     _sync(dev)
@@ -467,20 +483,24 @@ def _host_samples(step, dev: torch.device, interval_s: float = 2e-4, depth: int 
         sys.setswitchinterval(old)
     per = wall * 1e3 / max(rounds[0], 1)
 
-    def rows(c: Counter, key: str) -> list[dict]:
-        return [{key: k, "samples": n, "ms": n * per} for k, n in c.most_common(top)]
-    return {"wall_s": wall, "rounds": rounds[0], "busy_ms": sum(tables[0].values()) * per,
-            "by_site": rows(tables[0], "site"), "by_line": rows(tables[1], "line"),
-            "by_own": rows(tables[2], "fn"), "by_op": rows(tables[3], "op")}
+    def rows(c: Counter, cpu: Counter, key: str) -> list[dict]:
+        return [{key: k, "samples": n, "ms": n * per, "cpu_ms": cpu[k] * 1e3}
+                for k, n in c.most_common(top)]
+    names = ("by_site", "by_line", "by_own", "by_op")
+    cols = ("site", "line", "fn", "op")
+    out = {"wall_s": wall, "rounds": rounds[0], "busy_ms": sum(tables[0].values()) * per,
+           "cpu_ms": sum(cpu_tables[0].values()) * 1e3}
+    out.update({n: rows(t, c, col) for n, t, c, col in zip(names, tables, cpu_tables, cols)})
+    return out
 
 
 def _print_host_samples(h: dict) -> None:
-    print(f"  host samples: wall {h['wall_s']:.3f} s, {h['rounds']} rounds, host running "
-          f"{h['busy_ms']:.0f} ms")
+    print(f"  host samples: wall {h['wall_s']:.3f} s, {h['rounds']} rounds, host in our code "
+          f"{h['busy_ms']:.0f} ms, of it on a CPU {h['cpu_ms']:.0f} ms")
     for key, col in (("by_op", "op"), ("by_site", "site"), ("by_line", "line"),
                      ("by_own", "fn")):
         for row in h[key][:40]:
-            print(f"    {key} {row['ms']:8.1f} ms  {row[col]}")
+            print(f"    {key} {row['ms']:8.1f} ms (cpu {row['cpu_ms']:7.1f})  {row[col]}")
 
 
 def _print_host_profile(h: dict) -> None:

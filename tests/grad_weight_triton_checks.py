@@ -550,16 +550,18 @@ class _NotYet:
         pass
 
 
-def _carried(dy, x, cuts, *, force_flag=False, groups=None, late=False):
+def _carried(dy, x, cuts, *, force_flag=False, groups=None, late=False, late_sink=False):
     """w's gradient through a persistent GradSink (several microbatches: the stream cut at the
     token rows `cuts`), each call through kernels/matmul.py `_carry_words` (the kernel at the
     SMALL tile), the digit path once it says the weight is in digits; returns (gradient, names
     held in digits before finish, per call: launches with tiles left, or "digits"). late: every
-    flag count read only at the end (`_NotYet`), so later calls continue the words."""
+    flag count read only at the end (`_NotYet`), so later calls continue the words. late_sink:
+    the sink opened late (the trainer's first pass): returns (gradient, digits, lefts,
+    late_flagged), the gradient None when flagged (its caller runs the mini-batch again)."""
     n, k = dy.shape[1], x.shape[1]
     w = torch.nn.Parameter(torch.zeros(n, k))
     sink = tokensum.GradSink(groups or {s: Comm.single(s) for s in tokensum.SCOPES})
-    sink.begin({"w": w})
+    sink.begin({"w": w}, late=late_sink)
     if late:
         sink._defer = lambda flagged, redo: sink._pending.append((_NotYet(), flagged, redo))
     tok = tokensum.TokenSum(Comm.single("tokens"), sink=sink)
@@ -582,6 +584,10 @@ def _carried(dy, x, cuts, *, force_flag=False, groups=None, late=False):
     finally:
         tgw.carry_grad_weight_deferred, tgw.redo_into_digits_ = real_carry, real_redo
     digits = sorted(sink._acc)
+    if late_sink:
+        assert not sink._pending, "a late sink queued a deferred chunk"
+        flagged = sink.late_flagged()
+        return None if flagged else sink.finish()["w"], digits, lefts, flagged
     return sink.finish()["w"], digits, lefts
 
 
@@ -638,6 +644,24 @@ def carried_words_flags_read_late_give_the_same_bytes():
     assert digits == ["w"] and lefts[:2] == [0, 0] and lefts[2] >= 1, lefts
     assert "digits" not in lefts, lefts
     assert torch.equal(got.view(torch.int32), want)
+
+
+@check
+def carried_words_in_a_late_sink_count_the_tile_for_a_second_pass():
+    """The trainer's first pass (a late sink): the kernel counts the tile that cannot hold its
+    sum into the sink's late tile counter and nothing is deferred or moved to digits, so
+    late_flagged says to run the mini-batch again; the clean operands of the first check flag
+    nothing in a late sink and finish with the digit reference's bytes. Control: the same
+    unholdable operands in a sink that is not late move w to digits instead."""
+    dy, x, _ = _unholdable(6)
+    cuts = [TOKEN_LEAF, 2 * TOKEN_LEAF, 4 * TOKEN_LEAF]
+    _, digits, lefts, flagged = _carried(dy, x, cuts, late_sink=True)
+    assert flagged and digits == [] and lefts[2] >= 1 and "digits" not in lefts, lefts
+    assert _carried(dy, x, cuts)[1] == ["w"]                  # control: eager moves to digits
+    dy, x = _operands(8, 40, 24, 4, seed=1)
+    got, digits, lefts, flagged = _carried(dy, x, [3 * TOKEN_LEAF], late_sink=True)
+    assert not flagged and digits == [] and set(lefts) == {0}
+    assert torch.equal(got.view(torch.int32), fx.round_fp32(_reference(dy, x)).view(torch.int32))
 
 
 @check

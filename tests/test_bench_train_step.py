@@ -210,6 +210,9 @@ def test_host_sample_smoke_cpu_samples_the_invariant_step(tmp_path):
     assert "rlkernel/kernels/matmul.py(_ColumnParallelLinear.backward)" in ops
     assert h["rounds"] > 10 and 0 < h["busy_ms"] <= h["wall_s"] * 1e3 * 1.05
     assert all(r["ms"] > 0 for r in h["by_site"] + h["by_line"] + h["by_own"])
+    # the CPU step computes on the host: its CPU time is most of the sampled time, no more
+    assert 0.3 * h["busy_ms"] < h["cpu_ms"] <= h["wall_s"] * 1e3 * 1.05
+    assert all(0 <= r["cpu_ms"] <= h["cpu_ms"] + 1e-9 for r in h["by_op"])
 
 
 def test_transformers_arm_smoke_cpu_times_the_step_and_its_forward_backward(tmp_path):

@@ -177,6 +177,13 @@ def test_carried_words_flags_read_late_give_the_same_bytes(results):
     _ok(results, "carried_words_flags_read_late_give_the_same_bytes")
 
 
+
+def test_carried_words_in_a_late_sink_count_the_tile_for_a_second_pass(results):
+    """The trainer's late first pass: an unholdable tile is counted in the sink's late tile
+    counter (no deferred chunk, no digits) and late_flagged says run again; clean operands
+    flag nothing and round to the digit reference; control: an eager sink moves to digits."""
+    _ok(results, "carried_words_in_a_late_sink_count_the_tile_for_a_second_pass")
+
 def test_carried_words_count_the_flags_of_every_launch(results):
     """Four launches (OUT_ELEMS lowered), the tile that cannot hold its sum in the third: the
     deferred flag count adds every launch's flags, so the weight moves to digits with that

@@ -909,6 +909,37 @@ def test_late_counter_starts_at_zero_each_mini_batch_on_one_device():
     assert sink.late_counter(torch.device("cpu")) is None and not sink.late_flagged()
 
 
+def test_a_late_sink_counts_dw_tiles_instead_of_deferring_chunks():
+    """A late sink hands every dW call its one int32 tile counter (GradSink.flag_count, the same
+    tensor all mini-batch, 0 at begin) and `_defer` queues nothing: a count handed back is
+    already in it, another count is added to it, no redo runs (the caller runs the mini-batch
+    again instead), and late_flagged sees the tiles. Control: a sink not late hands out a new
+    counter per call and redoes a chunk whose count it reads nonzero."""
+    cpu = torch.device("cpu")
+    sink = tokensum.GradSink.single()
+    sink.begin({}, late=True)
+    c = sink.flag_count(cpu)
+    assert c.dtype == torch.int32 and c.shape == () and int(c) == 0
+    assert sink.flag_count(cpu) is c and not sink.late_flagged()
+    redone = []
+    sink._defer(c, lambda: redone.append(1))            # the kernel counted nothing
+    assert not sink._pending and not sink.late_flagged()
+    c.add_(2)                                           # a kernel counted 2 tiles into it
+    sink._defer(c, lambda: redone.append(2))
+    sink._defer(torch.tensor(3, dtype=torch.int32), lambda: redone.append(3))   # its own count
+    assert not sink._pending and int(c) == 5 and sink.late_flagged() and redone == []
+    with pytest.raises(RuntimeError, match="late dW tiles on meta and cpu"):
+        sink.flag_count(torch.device("meta"))
+    sink.begin({}, late=True)
+    assert not sink.late_flagged() and int(sink.flag_count(cpu)) == 0
+    sink.begin({})                                      # control: not late
+    a, b = sink.flag_count(cpu), sink.flag_count(cpu)
+    assert a is not b
+    a.add_(1)
+    sink._defer(a, lambda: redone.append(4))     # a CPU count is readable at once: redone now
+    assert redone == [4] and not sink.late_flagged()
+
+
 def test_a_late_flag_on_one_rank_is_seen_by_every_rank():
     """late_flagged sums the counts over the world group (2 thread ranks): a count on rank 1
     only makes both answer True — a rank answering False would skip the second pass and leave

@@ -107,7 +107,10 @@ class GradSink:
     dK/dV, kernels/triton_attention_bwd.py) failed its device-side check — a third-tier
     program, which needs the host — may, instead of syncing the host to fix it there, add the
     count of such programs to `late_counter` and go on with a value that is then not the exact
-    sum. The caller reads the count once, after the mini-batch's last backward
+    sum; so does the CUDA dW kernel for a tile whose double words could not take a call's
+    partials even through its checked retry (`flag_count` hands it the late tile counter, and
+    `_defer` keeps no chunk to redo: no copy, event or wait per dW call). The caller reads the
+    counts once, after the mini-batch's last backward
     (`late_flagged`, one host sync and a world gather of the counts) and, if any rank counted one,
     discards the mini-batch and runs it again with late=False (train/step.py). Nothing read
     before that check leaves the sink, so the bytes are those of a run that never deferred.
@@ -140,6 +143,7 @@ class GradSink:
         self._slot_host: dict[int, torch.Tensor] = {}   # id(handed-out counter) -> its host mirror
         self.late = False
         self._late_count: torch.Tensor | None = None   # int64 [] on the device (late flags)
+        self._late_tiles: torch.Tensor | None = None   # int32 [] on the device (late dW tiles)
         self._later: dict[str, list[torch.Tensor]] = {}   # name -> leaf partials not yet added
         self._later_bytes: dict[str, int] = {}
 
@@ -169,7 +173,7 @@ class GradSink:
         self._pending.clear()    # a backward that raised may have left some (and their operands)
         self._copies = {}
         self._next_slot, self._slot_host = 0, {}
-        self.late, self._late_count = late, None
+        self.late, self._late_count, self._late_tiles = late, None, None
         self._later, self._later_bytes = {}, {}
         self.open = True
 
@@ -179,21 +183,18 @@ class GradSink:
         host. None when the sink is closed or not late: the kernel must finish them now."""
         if not (self.open and self.late):
             return None
-        if self._late_count is None:
-            self._late_count = torch.zeros((), dtype=torch.int64, device=device)
-        elif self._late_count.device != device:
-            raise RuntimeError(f"GradSink: late flags on {device} and "
-                               f"{self._late_count.device} in one mini-batch")
-        return self._late_count
+        return self._counter("_late_count", torch.int64, device, "late flags")
 
     def late_flagged(self) -> bool:
-        """Whether any rank's kernels counted a late activation flag in this mini-batch (a host
-        read of the count, then its sum over the world group, so every rank answers the same).
-        Call after the last backward and before `finish`; collective over the world group when
-        the sink is late (every rank's is: `begin` takes the same `late` on all)."""
+        """Whether any rank's kernels counted a late activation flag or a late dW tile
+        (`flag_count`) in this mini-batch (one host read of the counts, then their sum over the
+        world group, so every rank answers the same). Call after the last backward and before
+        `finish`; collective over the world group when the sink is late (every rank's is:
+        `begin` takes the same `late` on all)."""
         if not (self.open and self.late):
             return False
-        n = 0 if self._late_count is None else int(self._late_count)
+        counts = [c.to(torch.int64) for c in (self._late_count, self._late_tiles) if c is not None]
+        n = int(sum(counts)) if counts else 0
         world = self.groups["world"]
         if world.size > 1:
             n = sum(world.all_gather_object(n, "grad-sink:late-flags"))
@@ -400,7 +401,11 @@ class GradSink:
         `carry_grad_weight_deferred`): on CUDA one slot of a buffer of SLOT_CHUNK counters
         zeroed once per mini-batch, mirrored in pinned host memory, so `_defer` copies one
         element behind its event instead of making and reducing tensors per chunk (~800 chunks
-        a step at qwen3-0.6b, four microbatches). Elsewhere a new zero tensor."""
+        a step at qwen3-0.6b, four microbatches). Elsewhere a new zero tensor. A late sink
+        (`begin(late=True)`) hands out its one late tile counter instead, which `late_flagged`
+        reads after the mini-batch (`_defer`): not zeroed per chunk, and never deferred."""
+        if self.open and self.late:
+            return self._late_tile_counter(device)
         if device.type != "cuda":
             return torch.zeros((), dtype=torch.int32, device=device)
         chunk, j = divmod(self._next_slot, SLOT_CHUNK)
@@ -417,12 +422,41 @@ class GradSink:
         self._slot_host[id(slot)] = host[j:j + 1]
         return slot
 
+    def _late_tile_counter(self, device: torch.device) -> torch.Tensor:
+        """The late sink's int32 [] count of dW tiles whose words could not take a call's
+        partials (created at 0 on first use; RuntimeError for a second device)."""
+        return self._counter("_late_tiles", torch.int32, device, "late dW tiles")
+
+    def _counter(self, attr: str, dtype: torch.dtype, device: torch.device,
+                 what: str) -> torch.Tensor:
+        """The mini-batch's [] counter held in `attr`, made at 0 on `device` on first use;
+        RuntimeError when asked for on another device in the same mini-batch."""
+        c = getattr(self, attr)
+        if c is None:
+            c = torch.zeros((), dtype=dtype, device=device)
+            setattr(self, attr, c)
+        elif c.device != device:
+            raise RuntimeError(f"GradSink: {what} on {device} and {c.device} in one mini-batch")
+        return c
+
     def _defer(self, flagged: torch.Tensor, redo) -> None:
         """Queue a deferred chunk: `redo()` runs if its flag count `flagged` ([] int, on the
         chunk's device) turns out nonzero. On CUDA the count is copied to pinned memory behind
         an event (no host sync now); then every chunk whose event has passed is resolved, and
         the oldest ones are waited for while more than PENDING_LAG are queued (their redo keeps
-        the kernel's operands alive)."""
+        the kernel's operands alive).
+        A late sink queues nothing: the count joins its late tile counter (`flag_count` handed
+        that counter itself to the kernel, so usually there is nothing to add) and redo is
+        dropped — if `late_flagged` finds any count, the caller runs the whole mini-batch again
+        with a sink that is not late (class doc, "Late activation flags"), so no partial of a
+        flagged chunk is needed. Why: a copy, an event and its queries per chunk (~800 a step
+        at qwen3-1.7b, four microbatches) were host time of a host-bound step, and a wait on
+        the oldest event drained the GPU queue behind it."""
+        if self.open and self.late:
+            counter = self._late_tile_counter(flagged.device)
+            if flagged is not counter:
+                counter.add_(flagged.to(counter.dtype))
+            return
         if flagged.is_cuda:
             host = self._slot_host.pop(id(flagged), None)
             if host is None:

@@ -9,6 +9,7 @@ without a GPU) CPU tensors are accepted. Does not: launch anything.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -34,7 +35,15 @@ def f32(x: float) -> float:
 def f32_reciprocal(x: float) -> float:
     """fp32(1) / fp32(x), an fp32 division, as a Python float: what PyTorch's CUDA division of
     an fp32 tensor by a Python scalar multiplies by (aten/src/ATen/native/cuda/
-    BinaryDivTrueKernel.cu), so a kernel that mirrors such a division passes this."""
+    BinaryDivTrueKernel.cu), so a kernel that mirrors such a division passes this. Cached by
+    x's exact bits (a norm's backward asks for the same width hundreds of times a step; -0.0
+    and 0.0 stay apart)."""
+    return _f32_reciprocal_of_bits(float(x).hex())
+
+
+@functools.lru_cache(maxsize=256)
+def _f32_reciprocal_of_bits(bits: str) -> float:
+    x = float.fromhex(bits)
     return (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(x, dtype=torch.float32)).item()
 
 
