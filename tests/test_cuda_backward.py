@@ -364,3 +364,53 @@ def test_late_dkv_flags_give_the_eager_bytes_and_a_flagged_pass_runs_again(monke
             mp.setattr(InvariantOps, "late_flagged", staticmethod(lambda model: False))
             wrong = grads(budget)
         assert _differing(late, wrong), "control: the forced third tier changed nothing"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_late_dw_tiles_give_the_eager_bytes_and_a_flagged_pass_runs_again(monkeypatch, dtype):
+    """The tiny model on CUDA, one and two microbatches: the trainer's late first pass (dW
+    tiles its double words could not hold counted in the sink's late tile counter: no copy,
+    event or wait per dW call, GradSink.flag_count/_defer) == the eager pass (the sink not
+    late: each call's count read behind its event), every gradient bytewise; with every dW
+    tile forced flagged in the late pass only (carried words and direct-mode rounded words),
+    compute_gradients sees the count, runs the mini-batch again eagerly and ends with the same
+    bytes. Control: the forced late pass alone (its check skipped) leaves gradients that
+    differ — a flagged tile's words miss that call's partials."""
+    from rlkernel.distributed import tokensum
+    from rlkernel.kernels import triton_grad_weight as tgw
+    from rlkernel.model.ops import InvariantOps
+
+    grads, _, per = _tiny_sink_grads(monkeypatch, dtype, tied=True)
+    real_carry, real_rounded = tgw.carry_grad_weight_deferred, tgw.rounded_grad_weight_deferred
+    real_count, real_begin = tokensum.GradSink.flag_count, tokensum.GradSink.begin
+    late_now = [False]
+
+    def begin(self, *a, **k):
+        late_now[0] = bool(k.get("late", False))
+        return real_begin(self, *a, **k)
+
+    def carry(words, dy, x, **kw):
+        return real_carry(words, dy, x, **{**kw, "force_flag": late_now[0]})
+
+    def rounded(dy, x, **kw):
+        return real_rounded(dy, x, **{**kw, "force_flag": late_now[0]})
+    for budget in (4 * per, 2 * per):
+        late = grads(budget)
+        with monkeypatch.context() as mp:     # eager: the sink never opened late
+            mp.setattr(tokensum.GradSink, "begin",
+                       lambda self, *a, **k: real_begin(self, *a, **{**k, "late": False}))
+            eager = grads(budget)
+        assert _differing(late, eager) == []
+        with monkeypatch.context() as mp:
+            counted = []
+            mp.setattr(tokensum.GradSink, "begin", begin)
+            mp.setattr(tokensum.GradSink, "flag_count",
+                       lambda self, d: counted.append(self.late) or real_count(self, d))
+            mp.setattr(tgw, "carry_grad_weight_deferred", carry)
+            mp.setattr(tgw, "rounded_grad_weight_deferred", rounded)
+            redone = grads(budget)
+            assert _differing(late, redone) == []
+            assert (True in counted) == (budget == 2 * per)   # carried words: persistent only
+            mp.setattr(InvariantOps, "late_flagged", staticmethod(lambda model: False))
+            wrong = grads(budget)
+        assert _differing(late, wrong), "control: the forced dW flags changed nothing"
