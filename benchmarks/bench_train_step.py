@@ -9,7 +9,8 @@ profiler), grouped by kernel name, to find what dominates; `--kernel-sites` the 
 one step by the rlkernel code that launched it (each kernel tied to its launch call); `--trace`
 the host ops and where the device idled; `--sync-sites` the host syncs by call site;
 `--host-profile` the host's Python time of one step by function and by package (cProfile);
-`--host-sample` the same by stack samples (no per-call cost: where a host-bound step's time goes).
+`--host-sample` the same by stack samples (no per-call cost: where a host-bound step's time goes);
+`--launch-stats` Triton's launches and the launcher's host time by kernel.
 Run (repository root, CUDA machine):
     PYTHONPATH=. python3 benchmarks/bench_train_step.py --model qwen3-0.6b --samples 16 \
         --prompt-len 64 --response-len 448 --out train_step.json [--profile]
@@ -65,7 +66,7 @@ def _host_share(r: dict) -> str:
 def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile: bool,
          dev: torch.device, micro_samples: int = 0, kl: bool = True, trace: bool = False,
          sync_sites: bool = False, kernel_sites: int = 0, host_profile: bool = False,
-         host_sample: bool = False):
+         host_sample: bool = False, launch_stats: bool = False):
     ops = ops_for(mode)
     policy = Qwen3ForCausalLM(cfg, ops, torch.bfloat16).to(dev)
     if mode == "invariant":   # as rlk run trains: weights held in bf16, fp32 main_grad beside
@@ -126,6 +127,8 @@ def _arm(mode: str, cfg, weights, samples, steps: int, recompute: bool, profile:
         out["host_profile"] = _host_profile(step, dev)
     if host_sample:
         out["host_samples"] = _host_samples(step, dev)
+    if launch_stats:
+        out["launch_stats"] = _launch_stats(step, dev)
     del policy, ref, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -422,7 +425,7 @@ def _stack_keys(frame, depth: int) -> tuple[str, str, str, str] | None:
 
 
 def _host_samples(step, dev: torch.device, interval_s: float = 2e-4, depth: int = 2,
-                  top: int = 60) -> dict:
+                  top: int = 200) -> dict:
     """The host's time in one step by the rlkernel code running, from stack samples: a thread
     reads every other thread's Python stack each `interval_s` (the interpreter's switch interval
     set to match, so the GIL comes back in time). Unlike cProfile (`_host_profile`) a Python call
@@ -492,6 +495,49 @@ def _host_samples(step, dev: torch.device, interval_s: float = 2e-4, depth: int 
            "cpu_ms": sum(cpu_tables[0].values()) * 1e3}
     out.update({n: rows(t, c, col) for n, t, c, col in zip(names, tables, cpu_tables, cols)})
     return out
+
+
+def _launch_stats(step, dev: torch.device, top: int = 40) -> dict:
+    """One step with Triton's launcher timed (every `JITFunction.run` call wrapped in
+    perf_counter: ~1 µs added per launch): per kernel the launches and their host ms (binding,
+    specialisation, the driver's launch call), their total against the step's wall, so the
+    launcher's share of a host-bound step is known apart from our Python and torch's ops."""
+    from collections import defaultdict
+
+    from triton.runtime.jit import JITFunction
+
+    real = JITFunction.run
+    per: dict = defaultdict(lambda: [0, 0.0])
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            row = per[getattr(self, "__name__", None) or str(self)]
+            row[0] += 1
+            row[1] += time.perf_counter() - t0
+    _sync(dev)
+    JITFunction.run = timed
+    t0 = time.perf_counter()
+    try:
+        step()
+        _sync(dev)
+    finally:
+        wall = time.perf_counter() - t0
+        JITFunction.run = real
+    rows = sorted(({"kernel": k, "launches": n, "host_ms": s * 1e3} for k, (n, s) in
+                   per.items()), key=lambda r: -r["host_ms"])
+    return {"wall_s": wall, "launches": sum(r["launches"] for r in rows),
+            "host_ms": sum(r["host_ms"] for r in rows), "by_kernel": rows[:top]}
+
+
+def _print_launch_stats(h: dict) -> None:
+    print(f"  triton launches: wall {h['wall_s']:.3f} s, {h['launches']} launches, "
+          f"{h['host_ms']:.0f} ms of host in the launcher "
+          f"({1e3 * h['host_ms'] / max(h['launches'], 1):.1f} us each)")
+    for r in h["by_kernel"][:25]:
+        print(f"    {r['host_ms']:8.1f} ms {r['launches']:6d}x  {r['kernel']}")
 
 
 def _print_host_samples(h: dict) -> None:
@@ -566,6 +612,9 @@ def main() -> None:
                     help="one more step under a stack sampler: the host's time by the rlkernel "
                          "line running (torch and Triton calls included), without cProfile's "
                          "per-call cost")
+    ap.add_argument("--launch-stats", action="store_true",
+                    help="one more step with Triton's launcher timed: launches and host ms by "
+                         "kernel")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--ragged", action="store_true",
                     help="responses of lengths drawn from [R/2, R] (samples ending at their "
@@ -613,7 +662,8 @@ def main() -> None:
                  not a.no_kl,
                  a.trace and mode == "invariant", a.sync_sites, a.kernel_sites,
                  a.host_profile and mode == "invariant",
-                 a.host_sample and mode == "invariant")
+                 a.host_sample and mode == "invariant",
+                 a.launch_stats and mode == "invariant")
         # Peak bytes per parameter element: weights, grads, masters, moments and the step's
         # activations and workspace together (the arms keep the same model state).
         r["peak_bytes_per_param"] = r["peak_gib"] * 2**30 / n_params
@@ -632,6 +682,8 @@ def main() -> None:
             _print_host_profile(r["host_profile"])
         if "host_samples" in r:
             _print_host_samples(r["host_samples"])
+        if "launch_stats" in r:
+            _print_launch_stats(r["launch_stats"])
         for row in r.get("sync_sites", []):
             print(f"    syncs {row['syncs']:5d}  {row['site']}")
         for row in r.get("kernel_sites", []):

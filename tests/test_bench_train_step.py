@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 
 import torch
 
@@ -366,3 +367,34 @@ def test_arm_line_gives_the_warm_steps_host_issue_time(tmp_path, monkeypatch, ca
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("invariant:")][0]
     share = round(100 * r["warm_host_issue_s"] / r["warm_step_s"])
     assert f"host returned after {r['warm_host_issue_s']:.3f} s ({share} % of it)" in line, line
+
+
+def test_launch_stats_count_each_triton_launch_of_a_step(monkeypatch):
+    """--launch-stats wraps Triton's launcher (JITFunction.run) for one step: a step of three
+    launches of one kernel and one of another is counted per kernel name, with host time inside
+    the wall, and the launcher is restored afterwards. The launcher itself is a stand-in here
+    (no GPU to launch on): it sleeps 1 ms a call."""
+    from triton.runtime.jit import JITFunction
+
+    def _one(x):
+        pass
+
+    def _two(x):
+        pass
+    calls = []
+
+    def fake_run(self, *args, grid=None, warmup=False, **kwargs):
+        calls.append(self.__name__)
+        time.sleep(1e-3)
+    monkeypatch.setattr(JITFunction, "run", fake_run)
+    one, two = JITFunction(_one), JITFunction(_two)
+
+    def step():
+        for _ in range(3):
+            one[(1,)](0)
+        two[(1,)](0)
+    h = bench_train_step._launch_stats(step, torch.device("cpu"))
+    assert JITFunction.run is fake_run and calls == ["_one"] * 3 + ["_two"]
+    assert h["launches"] == 4
+    assert [(r["kernel"], r["launches"]) for r in h["by_kernel"]] == [("_one", 3), ("_two", 1)]
+    assert 4.0 <= h["host_ms"] <= h["wall_s"] * 1e3
