@@ -3,7 +3,8 @@
 The invariant step issues ~14,000 launches; on a slow host it is host-bound (docs/BENCHMARKS.md,
 twenty-seventh and twenty-ninth sessions). This measures, per call, the host microseconds of:
 a 1k-element torch add, a trivial Triton launch, a TMA descriptor made on the host, a CUDA event
-recorded / queried, and a 4-byte device-to-host copy into pinned memory both ways the gradient
+recorded / queried, the dW kernel's launch with TMA descriptors and with pointer loads, a whole
+carried dW call (kernels/triton_grad_weight.py), and a 4-byte device-to-host copy into pinned memory both ways the gradient
 sink makes it (a fresh pinned tensor; a slice of a pinned buffer). Each op runs N times behind a
 long `torch.cuda._sleep`, so a call that waits for the device shows up twice: as host time near
 the sleep, and as `waited` (the sleep's end event had passed when the calls returned).
@@ -53,7 +54,20 @@ def _ops(dev: torch.device) -> dict:
     def descriptor():
         from triton.tools.tensor_descriptor import TensorDescriptor
         TensorDescriptor.from_tensor(bf, [128, 64])
+    from rlkernel.kernels import triton_grad_weight as tgw
+    dy, xw = (torch.randn(256, 256, device=dev).to(torch.bfloat16) for _ in range(2))
+    words = torch.zeros(2, 256, 256, dtype=torch.float64, device=dev)
+    count = torch.zeros((), dtype=torch.int32, device=dev)
+    flags = torch.empty(16, dtype=torch.int32, device=dev)
+
+    def dw_launch(use_tma: bool):
+        return lambda: tgw._launch(dy, xw, words, flags, flags, (16,), tgw.TILE, False, False,
+                                   use_tma=use_tma, carry=True)
     return {"torch add 1k": lambda: a + b,
+            "dW launch, TMA descriptors": dw_launch(True),
+            "dW launch, pointer loads": dw_launch(False),
+            "dW carry call (2 launches)": lambda: tgw.carry_grad_weight_deferred(
+                words, dy, xw, count=count),
             "triton launch (8 args)": lambda: _touch[(1,)](a, 1024, 1, 2, 3, 4, 5, 6, BLOCK=1024),
             "tma descriptor": descriptor,
             "event record": event_record,

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_matmul import operand_dtype
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import cast, check_cuda, device_ctx
 from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import CUDA_TOKEN_LEAF
 
@@ -245,7 +245,7 @@ def _operands(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         raise ValueError(f"grad weight: dy {tuple(dy.shape)} and x {tuple(x.shape)} need one "
                          f"token count, a multiple of CUDA_TOKEN_LEAF={CUDA_TOKEN_LEAF}")
     dt = operand_dtype(dy, x)
-    return dy.to(dt), x.to(dt)
+    return cast(dy, dt), cast(x, dt)
 
 
 def _double_words(a: torch.Tensor, b: torch.Tensor, tile, force_flag: bool, use_tma: bool = True,

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from rlkernel.kernels.matmul import operand_dtype  # noqa: F401  (re-exported: callers import it here)
 from rlkernel.kernels.triton_elementwise import tree_rows
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import cast, check_cuda, device_ctx
 from rlkernel.spec import CUDA_BLOCK_K
 
 # (dtype) -> BLOCK_K: fixed, part of the backend's numerical identity.
@@ -149,8 +149,8 @@ def seq_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"seq_matmul: K mismatch {tuple(a.shape)} @ {tuple(b.shape)}")
     dt = operand_dtype(a, b)
-    a = a.to(dt)
-    b = b.to(dt)
+    a = cast(a, dt)
+    b = cast(b, dt)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
@@ -182,8 +182,8 @@ def row_parallel_partials(x: torch.Tensor, w: torch.Tensor, shards: int) -> torc
     if k % shards:
         raise ValueError(f"row-parallel linear: K={k} is not a multiple of virtual_tp={shards}")
     dt = operand_dtype(x, w)
-    a = x.to(dt).unflatten(1, (shards, k // shards)).permute(1, 0, 2)   # [s, M, ks]
-    b = w.to(dt).unflatten(1, (shards, k // shards)).permute(1, 2, 0)   # [s, ks, N]
+    a = cast(x, dt).unflatten(1, (shards, k // shards)).permute(1, 0, 2)   # [s, M, ks]
+    b = cast(w, dt).unflatten(1, (shards, k // shards)).permute(1, 2, 0)   # [s, ks, N]
     return bmm(a, b)
 
 
@@ -196,8 +196,8 @@ def column_dx_partials(dy: torch.Tensor, w: torch.Tensor, shards: int) -> torch.
     if n % shards:
         raise ValueError(f"column-parallel linear: N={n} is not a multiple of virtual_tp={shards}")
     dt = operand_dtype(dy, w)
-    a = dy.to(dt).unflatten(1, (shards, n // shards)).permute(1, 0, 2)  # [s, M, ns]
-    b = w.to(dt).unflatten(0, (shards, n // shards))                    # [s, ns, K]
+    a = cast(dy, dt).unflatten(1, (shards, n // shards)).permute(1, 0, 2)  # [s, M, ns]
+    b = cast(w, dt).unflatten(0, (shards, n // shards))                    # [s, ns, K]
     return bmm(a, b)
 
 
@@ -210,8 +210,8 @@ def token_leaf_partials(dy: torch.Tensor, x: torch.Tensor, leaves: int) -> torch
     if n_tok % leaves:
         raise ValueError(f"token leaves: stream length {n_tok} is not a multiple of {leaves} leaves")
     dt = operand_dtype(dy, x)
-    a = dy.to(dt).unflatten(0, (leaves, n_tok // leaves)).transpose(1, 2)  # [l, N, m]
-    b = x.to(dt).unflatten(0, (leaves, n_tok // leaves))                    # [l, m, K]
+    a = cast(dy, dt).unflatten(0, (leaves, n_tok // leaves)).transpose(1, 2)  # [l, N, m]
+    b = cast(x, dt).unflatten(0, (leaves, n_tok // leaves))                    # [l, m, K]
     return bmm(a, b)
 
 
@@ -260,7 +260,7 @@ def tma_ok(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bflo
             and x.dim() == 2 and w.dim() == 2
             and x.stride(1) == 1 and w.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0
             and (w.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and (w.shape[0] * torch.empty(0, dtype=out_dtype).element_size()) % 16 == 0)
+            and (w.shape[0] * out_dtype.itemsize) % 16 == 0)
 
 
 def linear_nt_tma(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_matmul import BLOCK_K, operand_dtype
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import cast, check_cuda, device_ctx
 
 MAX_PROJECTIONS = 3
 SHARD_COUNTS = (1, 2, 4, 8)
@@ -325,8 +325,8 @@ def shard_tree_matmul(a: torch.Tensor, b: torch.Tensor,
                          f"shards of 1 to {MAX_PROJECTIONS} non-empty K ranges each")
     check_cuda("shard tree matmul", a, b)
     dt = operand_dtype(a, b)
-    a = a.to(dt)
-    b = b.to(dt)
+    a = cast(a, dt)
+    b = cast(b, dt)
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
     kb, n = (b.shape[1], b.shape[0]) if b_kmajor else (b.shape[0], b.shape[1])
@@ -417,8 +417,8 @@ def column_dx(dys: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
         # gathered straight into the flat kernel's order: shard by shard, projections in order
         dt = operand_dtype(dys[0], ws[0])
         order = [(i, r0, r1) for sb in per_shard for i, (r0, r1) in enumerate(sb)]
-        a, b = _end_to_end([dys[i][:, r0:r1].to(dt) for i, r0, r1 in order],
-                           [ws[i][r0:r1].to(dt) for i, r0, r1 in order], False)
+        a, b = _end_to_end([cast(dys[i][:, r0:r1], dt) for i, r0, r1 in order],
+                           [cast(ws[i][r0:r1], dt) for i, r0, r1 in order], False)
         y = _flat(a, b, period, len(per_shard), False, kw.get("tile"))
         if y is not None:
             return y

@@ -47,10 +47,18 @@ def _f32_reciprocal_of_bits(bits: str) -> float:
     return (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(x, dtype=torch.float32)).item()
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`: t itself when it already is (what Tensor.to returns then, without the
+    call's host cost: thousands of such calls a step), else a rounded copy."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def device_ctx(t: torch.Tensor):
     """Context that makes t's CUDA device current (a no-op for CPU tensors and for a tensor
     on the current device: the usual case, where the device switch cost host time on every
     launch — ~7,300 of them a step at qwen3-1.7b in four microbatches)."""
-    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+    # torch._C._cuda_getDevice: current_device() without its lazy-init checks (~3 µs a call on a
+    # slow host); a CUDA tensor exists, so CUDA is initialised.
+    if not t.is_cuda or t.device.index == torch._C._cuda_getDevice():
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
