@@ -63,7 +63,10 @@ def _ops(dev: torch.device) -> dict:
     def dw_launch(use_tma: bool):
         return lambda: tgw._launch(dy, xw, words, flags, flags, (16,), tgw.TILE, False, False,
                                    use_tma=use_tma, carry=True)
+    bound, direct = _direct_dw(tgw, dy, xw, words, flags, dev)
     return {"torch add 1k": lambda: a + b,
+            "dW launch, binder + compiled run": bound,
+            "dW launch, compiled run only": direct,
             "dW launch, TMA descriptors": dw_launch(True),
             "dW launch, pointer loads": dw_launch(False),
             "dW carry call (2 launches)": lambda: tgw.carry_grad_weight_deferred(
@@ -85,6 +88,41 @@ def _cycles_per_ms() -> float:
     end.record()
     end.synchronize()
     return 50_000_000 / start.elapsed_time(end)
+
+
+def _direct_dw(tgw, dy, xw, words, flags, dev):
+    """Two cheaper ways to launch the dW kernel's carried pass (pointer loads), for the cost of
+    Triton's per-call Python in JITFunction.run: (the binder's specialisation + the compiled
+    kernel looked up + its launcher called directly; the launcher alone with the arguments
+    bound once). Same kernel, same arguments as "dW launch, pointer loads"."""
+    from triton import knobs
+    from triton.runtime.jit import compute_cache_key
+    jf = tgw._dw_kernel
+    bn, bk, warps, stages = tgw.TILE[:4]
+    args = (dy, xw, dy, xw, words, flags, flags, flags, dy.shape[0], dy.shape[1], xw.shape[1],
+            dy.stride(0), dy.stride(1), xw.stride(0), xw.stride(1), words.stride(0))
+    kw = dict(BLOCK_N=bn, BLOCK_K=bk, LEAF=tgw.CUDA_TOKEN_LEAF, PREC="tf32", EMIT=False,
+              RETRY=False, FORCE_FLAG=0, RETRY_ALL=False, TMA=False, CARRY=True, COUNTED=False,
+              num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    jf[(16,)](*args, **kw)              # compiled and cached by the usual path
+    kw.update(debug=jf.debug or knobs.runtime.debug,
+              instrumentation_mode=knobs.compilation.instrumentation_mode)
+    device = torch.cuda.current_device()
+    kernel_cache, key_cache, _, _, binder = jf.device_caches[device]
+    stream = torch.cuda.current_stream().cuda_stream
+    bound_once, spec, opts = binder(*args, **kw)
+    k = kernel_cache[compute_cache_key(key_cache, spec, opts)]
+    values = tuple(bound_once.values())
+
+    def with_binder():
+        bound, spec, opts = binder(*args, **kw)
+        kern = kernel_cache[compute_cache_key(key_cache, spec, opts)]
+        kern.run(16, 1, 1, stream, kern.function, kern.packed_metadata, None, None, None,
+                 *bound.values())
+
+    def direct():
+        k.run(16, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *values)
+    return with_binder, direct
 
 
 def _timed(fn, calls: int, sleep_cycles: int) -> dict:

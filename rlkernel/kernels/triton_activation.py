@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_elementwise import exp64, neg64
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import check_cuda, device_ctx, launch
 
 BLOCK = 1024
 """Elements per program (any value gives the same bits: elements are independent)."""
@@ -129,7 +129,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK,
     n = g.numel()
     if n:
         with device_ctx(g):
-            _fwd_kernel[(triton.cdiv(n, block),)](g, u, out, g if sig is None else sig, n,
+            launch(_fwd_kernel, (triton.cdiv(n, block),), g, u, out, g if sig is None else sig, n,
                                                    BLOCK=block, STORE_SIG=keep_sig,
                                                    num_warps=num_warps, enable_fp_fusion=False)
     return out, sig
@@ -155,7 +155,7 @@ def swiglu_bwd(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     n = g.numel()
     if n:
         with device_ctx(g):
-            _bwd_kernel[(triton.cdiv(n, block),)](dh, g, u, s, d_gate, d_up, n, BLOCK=block,
+            launch(_bwd_kernel, (triton.cdiv(n, block),), dh, g, u, s, d_gate, d_up, n, BLOCK=block,
                                                    LOAD_SIG=sig is not None,
                                                    num_warps=num_warps, enable_fp_fusion=False)
     return d_gate, d_up

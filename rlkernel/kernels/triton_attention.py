@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.attention import check_packed
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import check_cuda, device_ctx, launch
 from rlkernel.spec import CUDA_ATTN_KV_BLOCK
 
 KV_BLOCK = CUDA_ATTN_KV_BLOCK
@@ -303,7 +303,7 @@ def _launch(q, k, v, q_pos, kv_len, scale, tile, dims, sq, sk, sv, out, so, tabl
     st = table.stride() if paged else (0, 0)
     q_rows, k_rows = rows if rows is not None else (kv_len, kv_len)   # unused unless packed
     with device_ctx(q):
-        _attn_fwd_kernel[(n_tiles, s_ * hkv)](
+        launch(_attn_fwd_kernel, (n_tiles, s_ * hkv), 
             q, k, v, out, lse, q_pos, kv_len, tb, q_rows, k_rows,
             *sq, *sk, *sv, *so, *lse.stride(), *q_pos.stride(), *st,
             tq, tk, hkv, n_tiles, float(scale),

@@ -105,7 +105,7 @@ from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels.attention import check_packed, key_slot_map
 from rlkernel.kernels.slots import scatter_slots, slot_moves
 from rlkernel.kernels.triton_attention import query_rows, sample_base, stream_strides
-from rlkernel.kernels.triton_util import INTERPRET, check_cuda, device_ctx
+from rlkernel.kernels.triton_util import INTERPRET, check_cuda, device_ctx, launch
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.numerics.trees import tree_sum_halving
@@ -390,7 +390,7 @@ def _delta(out, d_out, q_pos, rows=None) -> torch.Tensor:
     hq, d = out.shape[1], out.shape[-1]          # [S, Hq, Tq, D] or a stream [Lq, Hq, D]
     delta = torch.empty(s_, hq, tq, dtype=torch.float32, device=out.device)
     bm, warps = _DELTA_TILE
-    _delta_kernel[(triton.cdiv(tq, bm), s_ * hq)](
+    launch(_delta_kernel, (triton.cdiv(tq, bm), s_ * hq), 
         out, d_out, q_pos, delta, _rows_args(rows, q_pos)[0], *_strides(out, rows),
         *_strides(d_out, rows), *q_pos.stride(), *delta.stride(), tq, hq, D=d, BLOCK_M=bm,
         PACKED=rows is not None, num_warps=warps, enable_fp_fusion=False)
@@ -410,7 +410,7 @@ def _dq(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tile,
     bm, warps, stages = tile or _pick(_DQ_TILES[q.dtype], tq * g)
     n_tiles = triton.cdiv(tq * g, bm)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
-    _dq_kernel[(n_tiles, s_ * hkv)](
+    launch(_dq_kernel, (n_tiles, s_ * hkv), 
         q, k, v, d_out, lse, delta, dq, q_pos, kv_len, *_rows_args(rows, q_pos),
         *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
         *lse.stride(), *delta.stride(), *_strides(dq, rows), *q_pos.stride(), tq, tk, hkv,
@@ -490,7 +490,7 @@ def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int,
     bn, dt, warps, stages = tile
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
     s_ow = out.stride(0)
-    _dkv_kernel[(grid,)](
+    launch(_dkv_kernel, (grid,), 
         q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids, *_rows_args(rows, slot),
         *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
         *lse_h.stride(), *delta.stride(), *slot.stride(), s_ow, s0, j0, width, n_tiles_k,

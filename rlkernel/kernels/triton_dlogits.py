@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_elementwise import bf16_rtne, exp32, neg32
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import check_cuda, device_ctx, launch
 
 BLOCK_R, BLOCK_V, NUM_WARPS = 4, 512, 4
 """Rows × vocab ids per program (any tile gives the same bits: elements are independent)."""
@@ -127,7 +127,7 @@ def dlogits(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torc
     live = v if live_vocab is None else live_vocab
     grid = (triton.cdiv(n, block_r) * triton.cdiv(v, block_v),)
     with device_ctx(z):
-        _dlogits_kernel[grid](z, targets, lse, ent, g_lp, g_ent, out, n, v, live, z.stride(0),
+        launch(_dlogits_kernel, grid, z, targets, lse, ent, g_lp, g_ent, out, n, v, live, z.stride(0),
                               out.stride(0), float(temperature), BR=block_r, BV=block_v,
                               HAS_ENT=len(vecs) == 4, FROM_LOGITS=from_logits,
                               num_warps=num_warps, enable_fp_fusion=False)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import check_cuda, device_ctx, launch
 
 TILE = 4096
 FOLD_BITS = 40          # W: fold width; W + log2(TILE) <= 52 keeps every tile sum exact
@@ -136,7 +136,7 @@ def sum_squares_limbs(x: torch.Tensor, num_warps: int | None = None,
     limbs = torch.empty(progs, N_LIMBS, dtype=torch.int64, device=x.device)
     counts = torch.empty(progs, N_COUNTERS, dtype=torch.int64, device=x.device)
     with device_ctx(x):
-        _sumsq_kernel[(progs,)](flat, limbs, counts, n, TILE=TILE, W=FOLD_BITS,
+        launch(_sumsq_kernel, (progs,), flat, limbs, counts, n, TILE=TILE, W=FOLD_BITS,
                                 N_LIMBS=N_LIMBS, GUARD=GUARD_BITS, num_warps=num_warps)
     return limbs.sum(0), counts.sum(0)
 

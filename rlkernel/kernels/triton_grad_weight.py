@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_matmul import operand_dtype
-from rlkernel.kernels.triton_util import cast, check_cuda, device_ctx
+from rlkernel.kernels.triton_util import cast, check_cuda, device_ctx, launch
 from rlkernel.numerics import triton_fixedpoint as tfx
 from rlkernel.spec import CUDA_TOKEN_LEAF
 
@@ -189,7 +189,7 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, 
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     ad, bd, tma = desc if desc is not None else _descriptors(a, b, tile, use_tma)
     with device_ctx(a):
-        _dw_kernel[grid](a, b, ad, bd, out, flags, tiles, flags if count is None else count,
+        launch(_dw_kernel, grid, a, b, ad, bd, out, flags, tiles, flags if count is None else count,
                          a.shape[0], a.shape[1], b.shape[1],
                          a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                          0 if emit else out.stride(0),

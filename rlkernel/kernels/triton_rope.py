@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.kernels.triton_elementwise import neg32, rotate_half
-from rlkernel.kernels.triton_util import check_cuda, device_ctx
+from rlkernel.kernels.triton_util import check_cuda, device_ctx, launch
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     dp = triton.next_power_of_2(d)
     block_r = max(1, 4096 // dp)
     with device_ctx(x):
-        _rope_kernel[(triton.cdiv(n_rows, block_r),)](xc, cc, sc, y, n_rows, xc.shape[1], d,
+        launch(_rope_kernel, (triton.cdiv(n_rows, block_r),), xc, cc, sc, y, n_rows, xc.shape[1], d,
                                                       BLOCK_R=block_r, DP=dp, BACKWARD=backward,
                                                       num_warps=4, enable_fp_fusion=False)
     return y

@@ -1,9 +1,11 @@
 """Small helpers shared by the Triton wrappers (rlkernel/kernels/triton_*.py).
 
 `check_cuda` rejects tensors the kernels cannot read; `device_ctx` makes the tensor's GPU current
-for the launch; `f32` / `f32_reciprocal` are the host-side fp32 scalars PyTorch's CUDA ops use.
+for the launch; `launch` launches a compiled kernel with less host time than `fn[grid](...)`;
+`f32` / `f32_reciprocal` are the host-side fp32 scalars PyTorch's CUDA ops use.
 With TRITON_INTERPRET=1 (Triton's CPU interpreter, used to check kernel logic on a machine
-without a GPU) CPU tensors are accepted. Does not: launch anything.
+without a GPU) CPU tensors are accepted. Does not: compile anything itself (a first launch
+takes Triton's usual path).
 """
 
 from __future__ import annotations
@@ -51,6 +53,46 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in `dtype`: t itself when it already is (what Tensor.to returns then, without the
     call's host cost: thousands of such calls a step), else a rounded copy."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+_MISSING = object()
+
+
+def launch(fn, grid: tuple[int, ...], *args, **kwargs):
+    """fn[grid](*args, **kwargs) — a Triton JIT kernel launched on the current device and stream
+    — with less host time once fn is compiled for these arguments: Triton's own binder
+    specialises the arguments and its own cache key finds the compiled kernel, whose launcher is
+    called directly. What this skips of JITFunction.run is per-call Python that changes nothing
+    here: the launch hooks (empty chains, yet each launch built their metadata and called both),
+    the device lookup's lazy-init checks, the grid's canonical form. Anything else takes the
+    usual path: the interpreter, a kernel not compiled yet (or compiling), a grid function,
+    pre-run hooks, launch hooks that are set, or a global the kernel read that has changed
+    since it was compiled (the usual path raises then). Same kernel, same arguments, same
+    stream: the same launch. Why: a step of the invariant trainer makes ~6,700 Triton launches,
+    and on a slow host JITFunction.run's Python was ~40 µs of each (docs/BENCHMARKS.md,
+    twenty-ninth session). Returns what fn[grid](...) returns (the compiled kernel)."""
+    from triton import knobs
+    if INTERPRET or callable(grid) or getattr(fn, "pre_run_hooks", True) \
+            or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+        return fn[grid](*args, **kwargs)
+    device = torch._C._cuda_getDevice()
+    caches = fn.device_caches.get(device)
+    if caches is None:
+        return fn[grid](*args, **kwargs)
+    kernel_cache, key_cache, _, _, binder = caches
+    from triton.runtime.jit import compute_cache_key
+    # the options JITFunction.run adds before binding (so the same cache key)
+    opts = {**kwargs, "debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug,
+            "instrumentation_mode": knobs.compilation.instrumentation_mode}
+    bound, spec, options = binder(*args, **opts)
+    kernel = kernel_cache.get(compute_cache_key(key_cache, spec, options))
+    if kernel is None or hasattr(kernel, "result") or any(
+            g.get(name, _MISSING) != val for (name, _), (val, g) in fn.used_global_vals.items()):
+        return fn[grid](*args, **kwargs)
+    g0, g1, g2 = (*grid, 1, 1)[:3]
+    kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function,
+               kernel.packed_metadata, None, None, None, *bound.values())
+    return kernel
 
 
 def device_ctx(t: torch.Tensor):
