@@ -498,16 +498,24 @@ def _host_samples(step, dev: torch.device, interval_s: float = 2e-4, depth: int 
 
 
 def _launch_stats(step, dev: torch.device, top: int = 40) -> dict:
-    """One step with Triton's launcher timed (every `JITFunction.run` call wrapped in
-    perf_counter: ~1 µs added per launch): per kernel the launches and their host ms (binding,
-    specialisation, the driver's launch call), their total against the step's wall, so the
-    launcher's share of a host-bound step is known apart from our Python and torch's ops."""
+    """One step with Triton's launch path timed (perf_counter around each call: ~1 µs added
+    per launch): every launch reaches the driver's launcher (`CudaLauncher.__call__`: its count
+    and host ms), and a launch that takes Triton's usual path goes through `JITFunction.run`
+    first (per kernel: launches and host ms — binding, specialisation, the launcher). Launches
+    through kernels/triton_util.launch's direct path skip JITFunction.run, so `launches` minus
+    the usual path's count is how many went direct."""
     from collections import defaultdict
 
     from triton.runtime.jit import JITFunction
 
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:     # a Triton without the NVIDIA backend: the usual path only
+        CudaLauncher = None
     real = JITFunction.run
+    real_call = CudaLauncher.__call__ if CudaLauncher is not None else None
     per: dict = defaultdict(lambda: [0, 0.0])
+    driver = [0, 0.0]
 
     def timed(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -517,8 +525,18 @@ def _launch_stats(step, dev: torch.device, top: int = 40) -> dict:
             row = per[getattr(self, "__name__", None) or str(self)]
             row[0] += 1
             row[1] += time.perf_counter() - t0
+
+    def timed_call(self, *args):
+        t0 = time.perf_counter()
+        try:
+            return real_call(self, *args)
+        finally:
+            driver[0] += 1
+            driver[1] += time.perf_counter() - t0
     _sync(dev)
     JITFunction.run = timed
+    if CudaLauncher is not None:
+        CudaLauncher.__call__ = timed_call
     t0 = time.perf_counter()
     try:
         step()
@@ -526,18 +544,23 @@ def _launch_stats(step, dev: torch.device, top: int = 40) -> dict:
     finally:
         wall = time.perf_counter() - t0
         JITFunction.run = real
+        if CudaLauncher is not None:
+            CudaLauncher.__call__ = real_call
     rows = sorted(({"kernel": k, "launches": n, "host_ms": s * 1e3} for k, (n, s) in
                    per.items()), key=lambda r: -r["host_ms"])
-    return {"wall_s": wall, "launches": sum(r["launches"] for r in rows),
-            "host_ms": sum(r["host_ms"] for r in rows), "by_kernel": rows[:top]}
+    return {"wall_s": wall, "launches": driver[0], "driver_ms": driver[1] * 1e3,
+            "usual_launches": sum(r["launches"] for r in rows),
+            "usual_ms": sum(r["host_ms"] for r in rows), "by_kernel": rows[:top]}
 
 
 def _print_launch_stats(h: dict) -> None:
+    n = max(h["launches"], 1)
     print(f"  triton launches: wall {h['wall_s']:.3f} s, {h['launches']} launches, "
-          f"{h['host_ms']:.0f} ms of host in the launcher "
-          f"({1e3 * h['host_ms'] / max(h['launches'], 1):.1f} us each)")
+          f"{h['driver_ms']:.0f} ms of host in the driver's launcher ({1e3 * h['driver_ms'] / n:.1f}"
+          f" us each); {h['usual_launches']} by JITFunction.run ({h['usual_ms']:.0f} ms), the "
+          "rest direct")
     for r in h["by_kernel"][:25]:
-        print(f"    {r['host_ms']:8.1f} ms {r['launches']:6d}x  {r['kernel']}")
+        print(f"    {r['host_ms']:8.1f} ms {r['launches']:6d}x  {r['kernel']} (usual path)")
 
 
 def _print_host_samples(h: dict) -> None:

@@ -370,10 +370,11 @@ def test_arm_line_gives_the_warm_steps_host_issue_time(tmp_path, monkeypatch, ca
 
 
 def test_launch_stats_count_each_triton_launch_of_a_step(monkeypatch):
-    """--launch-stats wraps Triton's launcher (JITFunction.run) for one step: a step of three
-    launches of one kernel and one of another is counted per kernel name, with host time inside
-    the wall, and the launcher is restored afterwards. The launcher itself is a stand-in here
-    (no GPU to launch on): it sleeps 1 ms a call."""
+    """--launch-stats wraps Triton's launch path for one step: JITFunction.run (the usual path:
+    three launches of one kernel and one of another, counted per kernel name, host time inside
+    the wall) and the driver's launcher (every launch; here two direct ones, as
+    triton_util.launch makes); both are restored afterwards. Both are stand-ins here (no GPU to
+    launch on): run sleeps 1 ms a call."""
     from triton.runtime.jit import JITFunction
 
     def _one(x):
@@ -393,8 +394,22 @@ def test_launch_stats_count_each_triton_launch_of_a_step(monkeypatch):
         for _ in range(3):
             one[(1,)](0)
         two[(1,)](0)
-    h = bench_train_step._launch_stats(step, torch.device("cpu"))
+    from triton.backends.nvidia.driver import CudaLauncher
+    real_call = CudaLauncher.__call__
+    driven = []
+    monkeypatch.setattr(CudaLauncher, "__call__", lambda self, *a: driven.append(a))
+    fake_call = CudaLauncher.__call__
+
+    def direct():                   # as triton_util.launch's direct path: the launcher only
+        CudaLauncher.__call__(object.__new__(CudaLauncher), 1, 1, 1, 0, None)
+
+    def step_with_direct():
+        step()
+        direct()
+        direct()
+    h = bench_train_step._launch_stats(step_with_direct, torch.device("cpu"))
     assert JITFunction.run is fake_run and calls == ["_one"] * 3 + ["_two"]
-    assert h["launches"] == 4
+    assert CudaLauncher.__call__ is fake_call and len(driven) == 2 and real_call is not fake_call
+    assert (h["launches"], h["usual_launches"]) == (2, 4)   # the fake run launches nothing
     assert [(r["kernel"], r["launches"]) for r in h["by_kernel"]] == [("_one", 3), ("_two", 1)]
-    assert 4.0 <= h["host_ms"] <= h["wall_s"] * 1e3
+    assert 4.0 <= h["usual_ms"] <= h["wall_s"] * 1e3 and h["driver_ms"] >= 0
