@@ -203,6 +203,68 @@ def test_stack_keys_charge_a_sample_to_our_frames_and_the_op_around_them():
     assert ns2["_engine_run_backward"](bench_train_step._stack_keys) is None
 
 
+_DEEP = """
+class _Fn:
+    @staticmethod
+    def backward(keys):
+        return a(keys)
+def a(keys):
+    return b(keys)
+def b(keys):
+    return outside(keys)
+"""
+
+
+def test_stack_keys_keep_only_the_innermost_depth_of_our_frames():
+    """Three rlkernel frames under the op: the site keeps the innermost two, the op is still
+    found above them."""
+    ns = {"outside": _outside}
+    exec(compile(_DEEP, "/x/rlkernel/kernels/deep.py", "exec"), ns)
+    site, _, _, op = ns["_Fn"].backward(bench_train_step._stack_keys)
+    assert site == "rlkernel/kernels/deep.py(b) < rlkernel/kernels/deep.py(a)"
+    assert op == "rlkernel/kernels/deep.py(_Fn.backward)"
+
+
+def _busy(seconds: float) -> None:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+
+
+def test_host_samples_are_in_ms_of_the_wall_and_restore_the_switch_interval():
+    """A step that runs Python for 0.3 s: the running samples add up to most of the wall in ms
+    (not seconds), and the interpreter's switch interval is the caller's again afterwards."""
+    import sys
+    old = sys.getswitchinterval()
+    h = bench_train_step._host_samples(lambda: _busy(0.3), torch.device("cpu"))
+    assert sys.getswitchinterval() == old
+    wall_ms = h["wall_s"] * 1e3
+    assert 0.5 * wall_ms <= h["busy_ms"] <= 1.05 * wall_ms
+    assert 0.5 * wall_ms <= sum(r["ms"] for r in h["by_own"])
+
+
+def test_host_samples_charge_cpu_since_the_previous_sample(monkeypatch):
+    """A thread already running before sampling starts is charged only the CPU it used since
+    its first sample, not its lifetime (here every thread clock is 1,000 s ahead): at most two
+    running threads' worth of the wall."""
+    import threading
+    real = time.clock_gettime
+    monkeypatch.setattr(time, "clock_gettime", lambda c: real(c) + 1000.0)
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        h = bench_train_step._host_samples(lambda: _busy(0.2), torch.device("cpu"))
+    finally:
+        stop.set()
+        th.join()
+    assert h["cpu_ms"] <= 2.1 * h["wall_s"] * 1e3
+
+
 def test_host_sample_smoke_cpu_samples_the_invariant_step(tmp_path):
     """--host-sample on the CPU step: the backward's autograd Functions appear by name, and the
     host's running time is within the sampled wall (one thread runs the CPU step)."""

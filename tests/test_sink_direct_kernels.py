@@ -940,6 +940,25 @@ def test_a_late_sink_counts_dw_tiles_instead_of_deferring_chunks():
     assert redone == [4] and not sink.late_flagged()
 
 
+@pytest.mark.parametrize("flags_first", [True, False])
+def test_a_late_sink_keeps_its_two_counters_apart_and_reads_both(flags_first):
+    """The attention's late flag counter (int64) and the dW tile counter (int32) are two
+    tensors whichever is asked for first; a count in either one alone makes late_flagged say
+    run again (a sink reading only one would skip the second pass with the other counted)."""
+    cpu = torch.device("cpu")
+    for counted in ("flags", "tiles"):
+        sink = tokensum.GradSink.single()
+        sink.begin({}, late=True)
+        if flags_first:
+            flags, tiles = sink.late_counter(cpu), sink.flag_count(cpu)
+        else:
+            tiles, flags = sink.flag_count(cpu), sink.late_counter(cpu)
+        assert flags is not tiles and (flags.dtype, tiles.dtype) == (torch.int64, torch.int32)
+        assert not sink.late_flagged()
+        (flags if counted == "flags" else tiles).add_(1)
+        assert sink.late_flagged()
+
+
 def test_a_late_flag_on_one_rank_is_seen_by_every_rank():
     """late_flagged sums the counts over the world group (2 thread ranks): a count on rank 1
     only makes both answer True — a rank answering False would skip the second pass and leave

@@ -10,6 +10,8 @@ an object that is not a JIT function. The options JITFunction.run adds before bi
 instrumentation mode) reach the binder, so the cache key is the one the usual path stored. On
 the GPU every CUDA test launches through it (tests/test_cuda_*.py: the bytes), and
 tests/test_cuda_backward.py checks it against fn[grid] on a real kernel.
+Also triton_util.cast (the tensor itself when its dtype matches) and f32_reciprocal's cache
+(keyed by bits: -0.0 and 0.0 apart).
 Run: `.venv/bin/python -m pytest -q tests/test_triton_launch.py` (about 2 s).
 """
 
@@ -106,19 +108,57 @@ def test_anything_else_takes_the_usual_path(cuda_like, monkeypatch):
     assert triton_util.launch(fn, (5,), *args, BLOCK=64, num_warps=4) == "usual"
     fn.used_global_vals = {("GLOBAL_SEEN", 0): (3, globals())}
     assert triton_util.launch(fn, (5,), *args, BLOCK=64, num_warps=4) is not None
-    hook = knobs.runtime.launch_enter_hook
-    hook.add(print)
-    try:
-        assert triton_util.launch(fn, (5,), *args, BLOCK=64, num_warps=4) == "usual"
-    finally:
-        hook.remove(print)
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        hook.add(print)
+        try:
+            assert triton_util.launch(fn, (5,), *args, BLOCK=64, num_warps=4) == "usual"
+        finally:
+            hook.remove(print)
+    fn.used_global_vals = {("NOT_THERE_ANY_MORE", 0): (3, globals())}   # a global deleted
+    assert triton_util.launch(fn, (5,), *args, BLOCK=64, num_warps=4) == "usual"
+    fn.used_global_vals = {}
     assert triton_util.launch(object.__new__(_Plain), (5,), *args) == "plain"   # not a JIT fn
     monkeypatch.setattr(triton_util, "INTERPRET", True)
     assert triton_util.launch(fn, (5,), *args, BLOCK=64, num_warps=4) == "usual"
-    assert len(fn.usual) == 7
+    assert len(fn.usual) == 9
     assert fn.usual[0] == ((5,), args, {"BLOCK": 32, "num_warps": 4})   # the caller's kwargs
 
 
 class _Plain:
     def __getitem__(self, grid):
         return lambda *a, **k: "plain"
+
+
+def test_the_current_device_picks_the_caches_and_the_stream(cuda_like, monkeypatch):
+    """On device 1 the direct path reads device 1's compiled kernels and launches on device 1's
+    current stream (not device 0's)."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    fn = _Jit()
+    k = fn.compile_for(64)
+    fn.device_caches = {1: fn.device_caches[0]}
+    triton_util.launch(fn, (5,), "x-ptr", 7, BLOCK=64, num_warps=4)
+    assert k.calls[-1][3] == 1001
+
+
+def test_a_callers_debug_option_reaches_the_binder(cuda_like):
+    """A caller's debug=True is bound as given (its kernel is another compilation: the usual
+    path here), not replaced by the function's default."""
+    fn = _Jit()
+    fn.compile_for(64)
+    assert triton_util.launch(fn, (5,), "x-ptr", 7, BLOCK=64, num_warps=4, debug=True) == "usual"
+    assert fn.bound_options[-1]["debug"] is True
+
+
+def test_cast_returns_the_tensor_itself_when_its_dtype_matches():
+    t = torch.ones(3)
+    assert triton_util.cast(t, torch.float32) is t
+    b = triton_util.cast(t, torch.bfloat16)
+    assert b.dtype == torch.bfloat16 and b is not t and torch.equal(b.float(), t)
+
+
+def test_f32_reciprocal_cache_keeps_signed_zeros_apart():
+    import math
+    assert triton_util.f32_reciprocal(0.0) == math.inf
+    assert triton_util.f32_reciprocal(-0.0) == -math.inf
+    assert triton_util.f32_reciprocal(0.0) == math.inf
+    assert triton_util.f32_reciprocal(3.0) == torch.tensor(1 / 3, dtype=torch.float32).item()
