@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import shutil
 import sys
 
@@ -574,6 +575,36 @@ def test_unreadable_run_is_a_clear_error(tmp_path, capsys, breakage, expect):
     code, out, err = rlk_compare(capsys, a, b)
     assert code == 2 and out == ""
     assert err.startswith("rlk compare: error: ") and str(b) in err and expect in err
+
+
+@pytest.mark.parametrize("nums,expect", [
+    ([1, 0], "step record 1 has step 0 after [1, 0]"),           # reordered
+    ([0, 0], "step record 1 has step 0 after [0, 0]"),           # repeated
+    ([0, "1"], "step record 1 has step '1'"),                    # not an integer
+    ([None, 1], "step record 0 has step None"),                  # missing
+    ([0, True], "step record 1 has step True"),                  # a bool is no step number
+])
+def test_steps_out_of_order_or_repeated_are_a_clear_error(tmp_path, capsys, nums, expect):
+    """An evidence file whose step records are reordered, repeated or unnumbered was edited or
+    damaged: rlk compare refuses it naming the record (exit 2), instead of comparing records by
+    position and calling the runs DIFFERENT field by field. Control: the same records in
+    order (and a resumed run's list starting past 0) compare."""
+    a = write_run(tmp_path / "a", [_step(0), _step(1)])
+    steps = [_step(0), _step(1)]
+    for rec, n in zip(steps, nums):
+        if n is None:
+            del rec["step"]
+        else:
+            rec["step"] = n
+    b = write_run(tmp_path / "b", steps)
+    with pytest.raises(CompareError, match=re.escape(expect)):
+        compare_runs(a, b)
+    code, out, err = rlk_compare(capsys, a, b)
+    assert code == 2 and out == "" and "in increasing order" in err
+    c = write_run(tmp_path / "c", [_step(0), _step(1)])
+    assert compare_runs(a, c).identical
+    d = write_run(tmp_path / "d", [_step(3), _step(5)])
+    assert not compare_runs(a, d).identical          # compared, not refused
 
 
 def test_a_file_given_as_a_run_is_named_as_a_file(tmp_path, capsys):

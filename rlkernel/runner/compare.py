@@ -141,9 +141,25 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
                            f"reads format {EVIDENCE_FORMAT} only")
     if not all(isinstance(s, dict) for s in evidence["steps"]):
         raise CompareError(f"{ev_path}: every step record must be a JSON object")
+    _check_step_order(ev_path, evidence["steps"])
     if not isinstance(manifest, dict):
         raise CompareError(f"{d / 'manifest.json'}: not an rl-kernel manifest (not a JSON object)")
     return manifest, evidence
+
+
+def _check_step_order(ev_path: pathlib.Path, steps: list[dict[str, Any]]) -> None:
+    """CompareError unless the records' "step" numbers are integers ≥ 0 in increasing order, as
+    a run writes them (a resumed run continues the list): steps are compared by position, so a
+    reordered or repeated record would be reported as a mere difference of its fields."""
+    nums = [s.get("step") for s in steps]
+    bad = next((i for i, n in enumerate(nums)
+                if not isinstance(n, int) or isinstance(n, bool) or n < 0
+                or (i and isinstance(nums[i - 1], int) and n <= nums[i - 1])), None)
+    if bad is not None:
+        shown = ", ".join(map(repr, nums[max(0, bad - 2):bad + 1]))
+        raise CompareError(f"{ev_path}: step record {bad} has step {nums[bad]!r} after "
+                           f"[{shown}]: step numbers must be integers >= 0 in increasing order "
+                           "(the file was edited or damaged)")
 
 
 # ---------------------------------------------------------------------------------------------
