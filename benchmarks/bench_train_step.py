@@ -433,8 +433,8 @@ def _host_samples(step, dev: torch.device, interval_s: float = 2e-4, depth: int 
     for its innermost `depth` rlkernel functions (`by_site`: our code and all it called into:
     torch's ops, Triton's launcher), once for its innermost rlkernel line (`by_line`) and once
     for its innermost frame (`by_own`), once for its innermost rlkernel forward/backward
-    (`by_op`: a module's or autograd Function's whole host time); a thread waiting in C for another (`_WAITING`) is not
-    counted. ms = samples × wall / sampling rounds: a sample taken while a thread is in C (a
+    (`by_op`: a module's or autograd Function's whole host time); a thread waiting in C for
+    another (`_WAITING`) is not counted. ms = samples × wall / sampling rounds: a sample taken while a thread is in C (a
     kernel launch, a sync, a copy that waits) is charged to the Python line that called it;
     cpu_ms = the thread's CPU time since its previous sample (its POSIX thread CPU clock), so a
     line that waits on the device has ms but little cpu_ms — the host is bound where cpu_ms
@@ -555,10 +555,10 @@ def _launch_stats(step, dev: torch.device, top: int = 40) -> dict:
 
 def _print_launch_stats(h: dict) -> None:
     n = max(h["launches"], 1)
+    each = 1e3 * h["driver_ms"] / n
     print(f"  triton launches: wall {h['wall_s']:.3f} s, {h['launches']} launches, "
-          f"{h['driver_ms']:.0f} ms of host in the driver's launcher ({1e3 * h['driver_ms'] / n:.1f}"
-          f" us each); {h['usual_launches']} by JITFunction.run ({h['usual_ms']:.0f} ms), the "
-          "rest direct")
+          f"{h['driver_ms']:.0f} ms of host in the driver's launcher ({each:.1f} us each); "
+          f"{h['usual_launches']} by JITFunction.run ({h['usual_ms']:.0f} ms), the rest direct")
     for r in h["by_kernel"][:25]:
         print(f"    {r['host_ms']:8.1f} ms {r['launches']:6d}x  {r['kernel']} (usual path)")
 

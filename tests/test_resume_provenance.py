@@ -317,11 +317,13 @@ def test_a_checkpoint_whose_meta_is_not_an_object_is_skipped_saying_so(runs, tmp
     assert f"skipped checkpoint step-000002: {why}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("edit", ["drop", "fp16", "shape"])
+@pytest.mark.parametrize("edit", ["drop", "fp16", "shape", "nan", "negative"])
 def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_path, capsys, edit):
-    """A checkpoint whose state file lost a tensor, holds one in fp16 or at another shape, with
-    meta.json's SHA-256 made to match: exit 2, one line naming the tensor, before any work (exit
-    1 after the "resuming ... from" line before, as a failed run rather than a refused resume)."""
+    """A checkpoint whose state file lost a tensor, holds one in fp16 or at another shape, or
+    holds a NaN in exp_avg_sq or a negative second moment, with meta.json's SHA-256 made to
+    match: exit 2, one line naming the tensor, before any work (exit 1 after the "resuming ...
+    from" line before, as a failed run rather than a refused resume; a NaN moment was reported
+    after the first resumed update as "the update diverged (lower --lr)")."""
     import hashlib
 
     import safetensors.torch
@@ -329,9 +331,14 @@ def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_pat
     d = _copy(runs, tmp_path)
     ck = d / "checkpoints" / "step-000002"
     state = safetensors.torch.load((ck / "state.safetensors").read_bytes())
-    name = "exp_avg/model.norm.weight"
+    name = "exp_avg_sq/model.norm.weight" if edit in ("nan", "negative") \
+        else "exp_avg/model.norm.weight"
     if edit == "drop":
         del state[name]
+    elif edit in ("nan", "negative"):
+        t = state[name].clone()
+        t[3] = float("nan") if edit == "nan" else -1e-12
+        state[name] = t
     else:
         t = state[name]
         state[name] = t.half() if edit == "fp16" else t[:-1].contiguous()
@@ -339,5 +346,7 @@ def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_pat
     (ck / "state.safetensors").write_bytes(blob)
     _edit_json(ck / "meta.json", lambda m: m.update(state_sha256=hashlib.sha256(blob).hexdigest()))
     err = _refused(capsys, d)
-    want = "checkpoint lacks tensor" if edit == "drop" else f"tensor {name} is torch."
+    want = {"drop": "checkpoint lacks tensor", "nan": f"tensor {name} holds 1 NaN or Inf",
+            "negative": f"tensor {name} holds negative values"}.get(
+                edit, f"tensor {name} is torch.")
     assert f"{ck}: {want}" in err and name in err, err

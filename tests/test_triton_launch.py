@@ -55,8 +55,8 @@ class _Jit:
 
     def bind(self, x, n, BLOCK, **options):
         self.bound_options.append(dict(options))
-        return ({"x": x, "n": n, "BLOCK": BLOCK}, [("*fp32", "D"), ("i32", ""), ("constexpr", BLOCK)],
-                options)
+        spec = [("*fp32", "D"), ("i32", ""), ("constexpr", BLOCK)]
+        return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
 
     def compile_for(self, block: int) -> _Kernel:
         _, spec, opts = self.bind(None, 0, block, **_run_options())
