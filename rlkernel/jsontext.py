@@ -41,17 +41,37 @@ evidence, rlk compare) to refuse: rl-kernel's files nest a few levels, and such 
 run out of stack on a forged or corrupt document the parser still accepted (~1,000 levels)."""
 
 
-def loads(text: str | bytes, max_depth: int | None = None) -> Any:
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: the object, or _DuplicateKey for a key given twice (json.loads would
+    keep the last value silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def loads(text: str | bytes, max_depth: int | None = None, unique_keys: bool = False) -> Any:
     """json.loads(text); json.JSONDecodeError for invalid JSON, nesting past the interpreter's
     recursion limit included ("nested too deeply", line 1 column 1), an integer past
     Python's digit limit for int conversion (sys.get_int_max_str_digits(), 4,300 by default; a
     ValueError of its own) and bytes that are not UTF-8/16/32 (a UnicodeDecodeError).
     `max_depth`: also refuse containers nested deeper than that (one pass over the document,
-    so only where a recursive walk follows)."""
+    so only where a recursive walk follows). `unique_keys`: also refuse an object that gives a
+    key twice ("duplicate key"), which json.loads resolves silently to the last value — where
+    a document is evidence, two values for one field are an edit, not a choice."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_pairs if unique_keys else None)
     except json.JSONDecodeError:
         raise
+    except _DuplicateKey as e:
+        raise json.JSONDecodeError(f"duplicate key {quoted(str(e.args[0]))} in one object",
+                                   "", 0) from None
     except RecursionError:
         # no copy of the document in the error: it can be large
         raise json.JSONDecodeError("nested too deeply", "", 0) from None

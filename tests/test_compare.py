@@ -607,6 +607,40 @@ def test_steps_out_of_order_or_repeated_are_a_clear_error(tmp_path, capsys, nums
     assert not compare_runs(a, d).identical          # compared, not refused
 
 
+@pytest.mark.parametrize("name", ["evidence.json", "manifest.json"])
+def test_a_field_given_twice_is_a_clear_error(tmp_path, capsys, name):
+    """An evidence or manifest file with a key given twice in one object (JSON allows it; json
+    keeps the last value, so a forged grad_norm placed after the real one would be compared
+    instead of it): exit 2 naming the file and the key. Control: the file as written compares."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    assert compare_runs(a, b).identical
+    path = b / name
+    text = path.read_text()
+    key = '"grad_norm": ' if name == "evidence.json" else '"tp": '
+    at = text.index(key)
+    path.write_text(text[:at] + key + "0.5, " + text[at:])
+    with pytest.raises(CompareError, match=re.escape(f'{path}: duplicate key "{key[1:-3]}"')):
+        compare_runs(a, b)
+    code, out, err = rlk_compare(capsys, a, b)
+    assert code == 2 and out == "" and "duplicate key" in err
+
+
+def test_a_manifest_section_that_is_not_an_object_is_named_once(tmp_path):
+    """canonical_spec edited into a string in B's manifest: one info line naming the section
+    and the side (it printed an empty-key line, "canonical_spec:  ..."); the evidence is still
+    compared."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    m = json.loads((b / "manifest.json").read_text())
+    m["canonical_spec"] = "virtual_tp=8"
+    (b / "manifest.json").write_text(json.dumps(m))
+    rep = compare_runs(a, b)
+    lines = [i for i in rep.info if i.startswith("canonical_spec")]
+    assert lines == [lines[0]] and "not a JSON object in B's manifest" in lines[0], rep.info
+    assert "canonical_spec:  " not in " ".join(rep.info)
+
+
 def test_a_file_given_as_a_run_is_named_as_a_file(tmp_path, capsys):
     """rlk compare FILE B: says the path is a file, not a run directory (it said "no such run
     directory" of a path that exists); a missing path still says no such run directory."""

@@ -294,3 +294,19 @@ def test_non_directory_names_what_lies_in_a_directorys_place(tmp_path):
     assert {n: readfile.non_directory(tmp_path / n) for n in want} == want
     assert readfile.non_directory(tmp_path) is None
     assert readfile.non_directory("/dev/null") == "a character device"
+
+
+def test_jsontext_unique_keys_refuses_a_key_given_twice_at_any_depth():
+    """loads(unique_keys=True): a key given twice in one object, nested or not, is a
+    JSONDecodeError naming the key (quoted, so a control character in it prints escaped);
+    the same key in two different objects is fine; without the option json's last-wins stays."""
+    import json
+
+    from rlkernel import jsontext
+    for text, key in (('{"a": 1, "a": 2}', '"a"'), ('{"s": [{"x": 1, "y": 2, "x": 3}]}', '"x"'),
+                      ('{"\\u001b": 1, "\\u001b": 2}', '"\\u001b"')):
+        with pytest.raises(json.JSONDecodeError, match=re.escape(f"duplicate key {key}")):
+            jsontext.loads(text, unique_keys=True)
+    assert jsontext.loads('{"a": {"k": 1}, "b": {"k": 2}}', unique_keys=True) == {
+        "a": {"k": 1}, "b": {"k": 2}}
+    assert jsontext.loads('{"a": 1, "a": 2}') == {"a": 2}

@@ -108,8 +108,12 @@ def _load_json(path: pathlib.Path) -> Any:
         raise CompareError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); not a file "
                            "rlk run writes") from None
     try:
-        return jsontext.loads(text, max_depth=jsontext.MAX_DEPTH)   # the comparison recurses
+        # the comparison recurses; a field given twice would be compared by its last value
+        return jsontext.loads(text, max_depth=jsontext.MAX_DEPTH, unique_keys=True)
     except json.JSONDecodeError as e:
+        if e.msg.startswith("duplicate key"):
+            raise CompareError(f"{path}: {e.msg}; not a file rlk run writes (it was "
+                               "edited)") from None
         raise CompareError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
 
 
@@ -286,6 +290,13 @@ def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     info = []
     for section in ("config", "canonical_spec", "inputs", "reward", "tokenizer_files",
                     "versions", "git"):
+        odd = [side for side, m in (("A", ma), ("B", mb))
+               if m.get(section) is not None and not isinstance(m[section], dict)]
+        if odd:     # a scalar or list where a run writes an object: say so, not key by key
+            info.append(f"{section}: not a JSON object in {' and '.join(odd)}'s manifest "
+                        f"({_pair(ma.get(section, '<absent>'), mb.get(section, '<absent>'))}; "
+                        "the manifest was edited or damaged)")
+            continue
         if section == "inputs":
             fa, fb = (_flatten(_inputs_by_place(m) or {}) for m in (ma, mb))
         else:
