@@ -129,9 +129,9 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, block: int = BLOCK,
     n = g.numel()
     if n:
         with device_ctx(g):
-            launch(_fwd_kernel, (triton.cdiv(n, block),), g, u, out, g if sig is None else sig, n,
-                                                   BLOCK=block, STORE_SIG=keep_sig,
-                                                   num_warps=num_warps, enable_fp_fusion=False)
+            launch(_fwd_kernel, (triton.cdiv(n, block),),
+                   g, u, out, g if sig is None else sig, n, BLOCK=block, STORE_SIG=keep_sig,
+                   num_warps=num_warps, enable_fp_fusion=False)
     return out, sig
 
 
@@ -155,7 +155,7 @@ def swiglu_bwd(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     n = g.numel()
     if n:
         with device_ctx(g):
-            launch(_bwd_kernel, (triton.cdiv(n, block),), dh, g, u, s, d_gate, d_up, n, BLOCK=block,
-                                                   LOAD_SIG=sig is not None,
-                                                   num_warps=num_warps, enable_fp_fusion=False)
+            launch(_bwd_kernel, (triton.cdiv(n, block),),
+                   dh, g, u, s, d_gate, d_up, n, BLOCK=block, LOAD_SIG=sig is not None,
+                   num_warps=num_warps, enable_fp_fusion=False)
     return d_gate, d_up

@@ -92,7 +92,7 @@ def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
         return
     decay = s.decay is not None
     with device_ctx(p):
-        launch(_adamw_kernel, (triton.cdiv(n, BLOCK),), 
-            p, g, m, v, n, s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
-            s.inv_bc2_sqrt, s.eps, s.decay if decay else 1.0, s.step_size, DECAY=decay,
-            BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        launch(_adamw_kernel, (triton.cdiv(n, BLOCK),),
+               p, g, m, v, n, s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
+               s.inv_bc2_sqrt, s.eps, s.decay if decay else 1.0, s.step_size, DECAY=decay,
+               BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)

@@ -303,11 +303,9 @@ def _launch(q, k, v, q_pos, kv_len, scale, tile, dims, sq, sk, sv, out, so, tabl
     st = table.stride() if paged else (0, 0)
     q_rows, k_rows = rows if rows is not None else (kv_len, kv_len)   # unused unless packed
     with device_ctx(q):
-        launch(_attn_fwd_kernel, (n_tiles, s_ * hkv), 
-            q, k, v, out, lse, q_pos, kv_len, tb, q_rows, k_rows,
-            *sq, *sk, *sv, *so, *lse.stride(), *q_pos.stride(), *st,
-            tq, tk, hkv, n_tiles, float(scale),
-            G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec, PAGED=paged,
-            PACKED=rows is not None, num_warps=warps, num_stages=stages,
-            enable_fp_fusion=False)
+        launch(_attn_fwd_kernel, (n_tiles, s_ * hkv),
+               q, k, v, out, lse, q_pos, kv_len, tb, q_rows, k_rows, *sq, *sk, *sv, *so,
+               *lse.stride(), *q_pos.stride(), *st, tq, tk, hkv, n_tiles, float(scale), G=g, D=d,
+               BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec, PAGED=paged, PACKED=rows is not None,
+               num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out, lse

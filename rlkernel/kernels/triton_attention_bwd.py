@@ -390,10 +390,10 @@ def _delta(out, d_out, q_pos, rows=None) -> torch.Tensor:
     hq, d = out.shape[1], out.shape[-1]          # [S, Hq, Tq, D] or a stream [Lq, Hq, D]
     delta = torch.empty(s_, hq, tq, dtype=torch.float32, device=out.device)
     bm, warps = _DELTA_TILE
-    launch(_delta_kernel, (triton.cdiv(tq, bm), s_ * hq), 
-        out, d_out, q_pos, delta, _rows_args(rows, q_pos)[0], *_strides(out, rows),
-        *_strides(d_out, rows), *q_pos.stride(), *delta.stride(), tq, hq, D=d, BLOCK_M=bm,
-        PACKED=rows is not None, num_warps=warps, enable_fp_fusion=False)
+    launch(_delta_kernel, (triton.cdiv(tq, bm), s_ * hq),
+           out, d_out, q_pos, delta, _rows_args(rows, q_pos)[0], *_strides(out, rows),
+           *_strides(d_out, rows), *q_pos.stride(), *delta.stride(), tq, hq, D=d, BLOCK_M=bm,
+           PACKED=rows is not None, num_warps=warps, enable_fp_fusion=False)
     return delta
 
 
@@ -410,13 +410,13 @@ def _dq(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tile,
     bm, warps, stages = tile or _pick(_DQ_TILES[q.dtype], tq * g)
     n_tiles = triton.cdiv(tq * g, bm)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
-    launch(_dq_kernel, (n_tiles, s_ * hkv), 
-        q, k, v, d_out, lse, delta, dq, q_pos, kv_len, *_rows_args(rows, q_pos),
-        *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
-        *lse.stride(), *delta.stride(), *_strides(dq, rows), *q_pos.stride(), tq, tk, hkv,
-        n_tiles, float(scale), G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec,
-        BF16=q.dtype == torch.bfloat16, PACKED=rows is not None, num_warps=warps,
-        num_stages=stages, enable_fp_fusion=False)
+    launch(_dq_kernel, (n_tiles, s_ * hkv),
+           q, k, v, d_out, lse, delta, dq, q_pos, kv_len, *_rows_args(rows, q_pos),
+           *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
+           *lse.stride(), *delta.stride(), *_strides(dq, rows), *q_pos.stride(), tq, tk, hkv,
+           n_tiles, float(scale), G=g, D=d, BLOCK_M=bm, BLOCK_N=KV_BLOCK, PREC=prec,
+           BF16=q.dtype == torch.bfloat16, PACKED=rows is not None, num_warps=warps,
+           num_stages=stages, enable_fp_fusion=False)
     return dq
 
 
@@ -490,14 +490,14 @@ def _launch_dkv(args, out, flags, pids, kind: int, s0: int, j0: int, width: int,
     bn, dt, warps, stages = tile
     prec = "ieee" if q.dtype == torch.float32 else "tf32"   # precision applies to fp32 dots only
     s_ow = out.stride(0)
-    launch(_dkv_kernel, (grid,), 
-        q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids, *_rows_args(rows, slot),
-        *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
-        *lse_h.stride(), *delta.stride(), *slot.stride(), s_ow, s0, j0, width, n_tiles_k,
-        n_leaves, hq, float(scale), G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_DKV_LEAF,
-        BLOCK_N=bn, KIND=kind, PREC=prec, BF16=q.dtype == torch.bfloat16, EMIT=emit,
-        RETRY=retry, FORCE_FLAG=int(force_flag), PACKED=rows is not None, num_warps=warps,
-        num_stages=stages, enable_fp_fusion=False)
+    launch(_dkv_kernel, (grid,),
+           q, k, v, d_out, lse_h, delta, slot, kv_len, out, flags, pids, *_rows_args(rows, slot),
+           *_strides(q, rows), *_strides(k, rows), *_strides(v, rows), *_strides(d_out, rows),
+           *lse_h.stride(), *delta.stride(), *slot.stride(), s_ow, s0, j0, width, n_tiles_k,
+           n_leaves, hq, float(scale), G=hq // k.shape[1], D=d, DT=dt, LEAF=CUDA_DKV_LEAF,
+           BLOCK_N=bn, KIND=kind, PREC=prec, BF16=q.dtype == torch.bfloat16, EMIT=emit, RETRY=retry,
+           FORCE_FLAG=int(force_flag), PACKED=rows is not None, num_warps=warps, num_stages=stages,
+           enable_fp_fusion=False)
 
 
 def _program_rows(pids: torch.Tensor, n_tiles_k: int, n_dt: int, bn: int, dt: int, width: int,

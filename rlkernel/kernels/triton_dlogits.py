@@ -127,8 +127,8 @@ def dlogits(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torc
     live = v if live_vocab is None else live_vocab
     grid = (triton.cdiv(n, block_r) * triton.cdiv(v, block_v),)
     with device_ctx(z):
-        launch(_dlogits_kernel, grid, z, targets, lse, ent, g_lp, g_ent, out, n, v, live, z.stride(0),
-                              out.stride(0), float(temperature), BR=block_r, BV=block_v,
-                              HAS_ENT=len(vecs) == 4, FROM_LOGITS=from_logits,
-                              num_warps=num_warps, enable_fp_fusion=False)
+        launch(_dlogits_kernel, grid,
+               z, targets, lse, ent, g_lp, g_ent, out, n, v, live, z.stride(0), out.stride(0),
+               float(temperature), BR=block_r, BV=block_v, HAS_ENT=len(vecs) == 4,
+               FROM_LOGITS=from_logits, num_warps=num_warps, enable_fp_fusion=False)
     return out

@@ -136,8 +136,9 @@ def sum_squares_limbs(x: torch.Tensor, num_warps: int | None = None,
     limbs = torch.empty(progs, N_LIMBS, dtype=torch.int64, device=x.device)
     counts = torch.empty(progs, N_COUNTERS, dtype=torch.int64, device=x.device)
     with device_ctx(x):
-        launch(_sumsq_kernel, (progs,), flat, limbs, counts, n, TILE=TILE, W=FOLD_BITS,
-                                N_LIMBS=N_LIMBS, GUARD=GUARD_BITS, num_warps=num_warps)
+        launch(_sumsq_kernel, (progs,),
+               flat, limbs, counts, n, TILE=TILE, W=FOLD_BITS, N_LIMBS=N_LIMBS, GUARD=GUARD_BITS,
+               num_warps=num_warps)
     return limbs.sum(0), counts.sum(0)
 
 

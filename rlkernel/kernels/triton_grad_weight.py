@@ -189,16 +189,14 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, 
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     ad, bd, tma = desc if desc is not None else _descriptors(a, b, tile, use_tma)
     with device_ctx(a):
-        launch(_dw_kernel, grid, a, b, ad, bd, out, flags, tiles, flags if count is None else count,
-                         a.shape[0], a.shape[1], b.shape[1],
-                         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                         0 if emit else out.stride(0),
-                         BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF, PREC=prec, EMIT=emit,
-                         RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
-                         RETRY_ALL=retry_all, TMA=tma, CARRY=carry,
-                         COUNTED=retry_all and count is not None, num_warps=warps,
-                         num_stages=stages, enable_fp_fusion=False,
-                         **({"maxnreg": cap[0]} if cap else {}))
+        launch(_dw_kernel, grid,
+               a, b, ad, bd, out, flags, tiles, flags if count is None else count, a.shape[0],
+               a.shape[1], b.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+               0 if emit else out.stride(0), BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF,
+               PREC=prec, EMIT=emit, RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
+               RETRY_ALL=retry_all, TMA=tma, CARRY=carry, COUNTED=retry_all and count is not None,
+               num_warps=warps, num_stages=stages, enable_fp_fusion=False,
+               **({"maxnreg": cap[0]} if cap else {}))
 
 
 def _retry_flagged(a, b, words, flags, tile, force_flag, use_tma) -> torch.Tensor:

@@ -161,8 +161,8 @@ def div_scalar(x: torch.Tensor, temperature: float) -> torch.Tensor:
     n = xc.numel()
     if n:
         with device_ctx(x):
-            launch(_div_kernel, (triton.cdiv(n, 4096),), xc, y, n, float(temperature), BLOCK=4096,
-                                                 num_warps=8)
+            launch(_div_kernel, (triton.cdiv(n, 4096),),
+                   xc, y, n, float(temperature), BLOCK=4096, num_warps=8)
     return y
 
 
@@ -191,10 +191,10 @@ def shard_stats(logits: torch.Tensor, temperature: float, shards: int,
         br = 4
         tgt = targets if targets is not None else m   # dummy pointer when unused
         with device_ctx(logits):
-            launch(_stats_kernel, (shards, triton.cdiv(n, br)), 
-                logits, tgt, m, s, t, zt, n, v, v // shards, logits.stride(0), float(temperature),
-                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, HAS_TGT=targets is not None, num_warps=4,
-                enable_fp_fusion=False)
+            launch(_stats_kernel, (shards, triton.cdiv(n, br)),
+                   logits, tgt, m, s, t, zt, n, v, v // shards, logits.stride(0),
+                   float(temperature), BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK,
+                   HAS_TGT=targets is not None, num_warps=4, enable_fp_fusion=False)
     return m, s, t, (zt.amax(1) if targets is not None else None)
 
 
@@ -232,12 +232,12 @@ def linear_shard_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
     if n:
         br, warps, stages = tile or LINEAR_STATS_TILES[h.dtype]
         with device_ctx(h):
-            launch(_linear_stats_kernel, (shards, triton.cdiv(n, br)), 
-                h, w, targets, m, s, t, zt, n, k, v // shards, n_live,
-                h.stride(0), h.stride(1), w.stride(0), w.stride(1), float(temperature),
-                BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[h.dtype],
-                PREC="ieee" if h.dtype == torch.float32 else "tf32",   # ignored for bf16 dots
-                num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+            launch(_linear_stats_kernel, (shards, triton.cdiv(n, br)),
+                   h, w, targets, m, s, t, zt, n, k, v // shards, n_live,
+                   h.stride(0), h.stride(1), w.stride(0), w.stride(1), float(temperature),
+                   BR=br, C=VOCAB_CHUNK, LOG_C=_LOG_CHUNK, BLOCK_K=BLOCK_K[h.dtype],
+                   PREC="ieee" if h.dtype == torch.float32 else "tf32",   # ignored for bf16 dots
+                   num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return m, s, t, zt.amax(1)
 
 
@@ -311,7 +311,7 @@ def finish_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, *,
     if n:
         log_p = (shards - 1).bit_length()
         with device_ctx(m):
-            launch(_finish_kernel, (triton.cdiv(n, block_r),), 
-                m, s, t, lse, ent, n, BR=block_r, P=1 << log_p, LOG_P=log_p, SHARDS=shards,
-                num_warps=num_warps, enable_fp_fusion=False)
+            launch(_finish_kernel, (triton.cdiv(n, block_r),),
+                   m, s, t, lse, ent, n, BR=block_r, P=1 << log_p, LOG_P=log_p, SHARDS=shards,
+                   num_warps=num_warps, enable_fp_fusion=False)
     return lse, ent

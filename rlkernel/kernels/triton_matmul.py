@@ -124,12 +124,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype = torch.floa
     prec = "ieee" if a.dtype == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), bsz)
     with device_ctx(a):
-        launch(_bmm_kernel, grid, a, b, c, m, n, k,
-                          a.stride(0), a.stride(1), a.stride(2),
-                          b.stride(0), b.stride(1), b.stride(2),
-                          c.stride(0), c.stride(1), c.stride(2),
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K[a.dtype], GROUP_M=group_m,
-                          PREC=prec, num_warps=warps, num_stages=stages)
+        launch(_bmm_kernel, grid,
+               a, b, c, m, n, k, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1),
+               b.stride(2), c.stride(0), c.stride(1), c.stride(2), BLOCK_M=bm, BLOCK_N=bn,
+               BLOCK_K=BLOCK_K[a.dtype], GROUP_M=group_m, PREC=prec, num_warps=warps,
+               num_stages=stages)
     return c
 
 
@@ -287,10 +286,9 @@ def linear_nt_tma(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = 
     b_desc = TensorDescriptor.from_tensor(w, [bn, bk])
     c_desc = TensorDescriptor.from_tensor(c, [bm, bn])
     with device_ctx(x):
-        launch(_tma_kernel, (min(sms, tiles),), a_desc, b_desc, c_desc, m, n, k,
-                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
-                                       NUM_SMS=min(sms, tiles), FLATTEN=flatten,
-                                       num_warps=warps, num_stages=stages)
+        launch(_tma_kernel, (min(sms, tiles),),
+               a_desc, b_desc, c_desc, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+               NUM_SMS=min(sms, tiles), FLATTEN=flatten, num_warps=warps, num_stages=stages)
     return c
 
 
@@ -320,6 +318,6 @@ def shard_tree_sum(p: torch.Tensor) -> torch.Tensor:
         return pc[0].clone() if mn else y
     block = max(16, 2048 // n)
     with device_ctx(p):
-        launch(_shard_sum_kernel, (triton.cdiv(mn, block),), pc, y, mn, S=n, LOG_S=n.bit_length() - 1,
-                                                     BLOCK=block, num_warps=4)
+        launch(_shard_sum_kernel, (triton.cdiv(mn, block),),
+               pc, y, mn, S=n, LOG_S=n.bit_length() - 1, BLOCK=block, num_warps=4)
     return y

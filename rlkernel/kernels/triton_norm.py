@@ -156,10 +156,10 @@ def rms_backward(dy: torch.Tensor, xh: torch.Tensor, r: torch.Tensor, w: torch.T
     hp = triton.next_power_of_2(h)
     inv_h = f32_reciprocal(float(h))     # the torch ops' `/ H` on CUDA
     with device_ctx(xh):
-        launch(_bwd_kernel, (leaves, heads), dyc, xhc, rc, wc, dx, part if want_part else dx, n_tok,
-                                     heads, h, inv_h, HP=hp, LOG_HP=hp.bit_length() - 1,
-                                     LEAF=leaf, WANT_PART=want_part,
-                                     num_warps=4 if hp >= 1024 else 1, enable_fp_fusion=False)
+        launch(_bwd_kernel, (leaves, heads),
+               dyc, xhc, rc, wc, dx, part if want_part else dx, n_tok, heads, h, inv_h, HP=hp,
+               LOG_HP=hp.bit_length() - 1, LEAF=leaf, WANT_PART=want_part,
+               num_warps=4 if hp >= 1024 else 1, enable_fp_fusion=False)
     return dx, part
 
 
@@ -196,11 +196,10 @@ def _stats(x: torch.Tensor, w: torch.Tensor | None,
     hp, block_r, warps = _launch_shape(h)
     wc = xc if w is None else w.contiguous()     # a placeholder pointer when no weight
     with device_ctx(x):
-        launch(_rms_kernel, (triton.cdiv(n, block_r),), xc, wc, xh, xh if y is None else y, r, n, h,
-                                                float(h), float(eps),
-                                                HP=hp, LOG_HP=hp.bit_length() - 1,
-                                                BLOCK_R=block_r, APPLY=w is not None,
-                                                num_warps=warps, enable_fp_fusion=False)
+        launch(_rms_kernel, (triton.cdiv(n, block_r),),
+               xc, wc, xh, xh if y is None else y, r, n, h, float(h), float(eps), HP=hp,
+               LOG_HP=hp.bit_length() - 1, BLOCK_R=block_r, APPLY=w is not None, num_warps=warps,
+               enable_fp_fusion=False)
     return r, xh, y
 
 
@@ -255,8 +254,8 @@ def rms_norm_apply(x: torch.Tensor, w: torch.Tensor, eps: float,
         return y
     hp, block_r, warps = _launch_shape(h)
     with device_ctx(x):
-        launch(_apply_kernel, (triton.cdiv(n, block_r),), 
-            xc, wc, cos if rope else wc, sin if rope else wc, y, n, h, heads, float(h),
-            float(eps), HP=hp, LOG_HP=hp.bit_length() - 1, BLOCK_R=block_r, ROPE=rope,
-            OUT_BF16=out_dtype == torch.bfloat16, num_warps=warps, enable_fp_fusion=False)
+        launch(_apply_kernel, (triton.cdiv(n, block_r),),
+               xc, wc, cos if rope else wc, sin if rope else wc, y, n, h, heads, float(h),
+               float(eps), HP=hp, LOG_HP=hp.bit_length() - 1, BLOCK_R=block_r, ROPE=rope,
+               OUT_BF16=out_dtype == torch.bfloat16, num_warps=warps, enable_fp_fusion=False)
     return y

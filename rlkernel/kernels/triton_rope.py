@@ -81,7 +81,7 @@ def rope_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     dp = triton.next_power_of_2(d)
     block_r = max(1, 4096 // dp)
     with device_ctx(x):
-        launch(_rope_kernel, (triton.cdiv(n_rows, block_r),), xc, cc, sc, y, n_rows, xc.shape[1], d,
-                                                      BLOCK_R=block_r, DP=dp, BACKWARD=backward,
-                                                      num_warps=4, enable_fp_fusion=False)
+        launch(_rope_kernel, (triton.cdiv(n_rows, block_r),),
+               xc, cc, sc, y, n_rows, xc.shape[1], d, BLOCK_R=block_r, DP=dp, BACKWARD=backward,
+               num_warps=4, enable_fp_fusion=False)
     return y

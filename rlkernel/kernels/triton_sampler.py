@@ -162,10 +162,11 @@ def race(logprobs: torch.Tensor, seed_state: int, sample_ids: torch.Tensor,
     flags = torch.empty(s, pieces, dtype=torch.int32, device=dev)
     cut_p, cut_id = cut if cut is not None else (best, arg)     # unread without top-p
     with device_ctx(logprobs):
-        launch(_piece_kernel, (s, pieces), logprobs, logprobs.stride(0), sample_ids, positions, cut_p,
-                                   cut_id, best, arg, flags, v, pieces, seed_state,
-                                   SPLIT_=SPLIT, BLOCK=BLOCK_V, TOP_P=cut is not None,
-                                   num_warps=4, enable_fp_fusion=False)
-        launch(_rows_kernel, (s,), best, arg, flags, tok, bad, v, pieces,
-                           P2=triton.next_power_of_2(pieces), num_warps=1)
+        launch(_piece_kernel, (s, pieces),
+               logprobs, logprobs.stride(0), sample_ids, positions, cut_p, cut_id, best, arg, flags,
+               v, pieces, seed_state, SPLIT_=SPLIT, BLOCK=BLOCK_V, TOP_P=cut is not None,
+               num_warps=4, enable_fp_fusion=False)
+        launch(_rows_kernel, (s,),
+               best, arg, flags, tok, bad, v, pieces, P2=triton.next_power_of_2(pieces),
+               num_warps=1)
     return tok, bad.bool()

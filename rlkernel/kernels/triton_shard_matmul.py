@@ -250,9 +250,9 @@ def _flat(a: torch.Tensor, b: torch.Tensor, period: tuple[int, list[int]], shard
     bd = TensorDescriptor.from_tensor(b, [bn, bk] if b_kmajor else [bk, bn])
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     with device_ctx(a):
-        launch(_shard_tree_flat_kernel, grid, y, ad, bd, m, n, y.stride(0), lp * shards, lp, e0, e1,
-                                      B_KMAJOR=b_kmajor, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      GROUP_M=group_m, num_warps=warps, num_stages=stages)
+        launch(_shard_tree_flat_kernel, grid,
+               y, ad, bd, m, n, y.stride(0), lp * shards, lp, e0, e1, B_KMAJOR=b_kmajor, BLOCK_M=bm,
+               BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -364,10 +364,10 @@ def shard_tree_matmul(a: torch.Tensor, b: torch.Tensor,
     prec = "ieee" if dt == torch.float32 else "tf32"   # "tf32" is ignored for 16-bit dots
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     with device_ctx(a):
-        launch(_shard_tree_kernel, grid, y, bounds, aa, bb, a.stride(0), b.stride(0), m, n, y.stride(0),
-                                 s, p, TMA=tma, B_KMAJOR=b_kmajor, BLOCK_M=bm, BLOCK_N=bn,
-                                 BLOCK_K=bk, GROUP_M=group_m, PREC=prec, num_warps=warps,
-                                 num_stages=stages)
+        launch(_shard_tree_kernel, grid,
+               y, bounds, aa, bb, a.stride(0), b.stride(0), m, n, y.stride(0), s, p, TMA=tma,
+               B_KMAJOR=b_kmajor, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, PREC=prec,
+               num_warps=warps, num_stages=stages)
     return y
 
 

@@ -463,8 +463,8 @@ def add_double_words_(acc: torch.Tensor, words: torch.Tensor, block: int = BLOCK
                          f"expected, got {acc.dtype} {tuple(acc.shape)}")
     if m:
         with device_ctx(acc):
-            launch(_double_word_kernel, (triton.cdiv(m, block),), 
-                words, acc, m, words.stride(0), N_COLS=N_COLS, BLOCK=block, num_warps=num_warps)
+            launch(_double_word_kernel, (triton.cdiv(m, block),),
+                   words, acc, m, words.stride(0), N_COLS=N_COLS, BLOCK=block, num_warps=num_warps)
     return acc
 
 
@@ -493,9 +493,9 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, block: int = BLOCK,
     if parts > 1:
         return _add_parts(acc, x, parts, block, num_warps, seg, fast)
     with device_ctx(x):
-        launch(_accumulate_kernel, (blocks,), 
-            x, acc, k, m, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg, BLOCK=block,
-            UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
+        launch(_accumulate_kernel, (blocks,),
+               x, acc, k, m, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg, BLOCK=block,
+               UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
     return acc
 
 
@@ -551,12 +551,12 @@ def _add_parts(acc: torch.Tensor, x: torch.Tensor, parts: int, block: int, num_w
     rows = torch.zeros(parts, m, N_COLS, dtype=torch.int64, device=x.device)
     n_blocks = triton.cdiv(m, block)
     with device_ctx(x):
-        launch(_parts_kernel, (parts * n_blocks,), 
-            x, rows, k, k // parts, parts, m, n_blocks, x.stride(0), x.stride(1), N_COLS=N_COLS,
-            SEG=seg, BLOCK=block, UNROLL=UNROLL, FAST=fast, num_warps=num_warps,
-            enable_fp_fusion=False)
-        launch(_add_digits_kernel, (n_blocks,), rows.sum(0), acc, m, N_COLS=N_COLS, BLOCK=block,
-                                        num_warps=num_warps)
+        launch(_parts_kernel, (parts * n_blocks,),
+               x, rows, k, k // parts, parts, m, n_blocks, x.stride(0), x.stride(1), N_COLS=N_COLS,
+               SEG=seg, BLOCK=block, UNROLL=UNROLL, FAST=fast, num_warps=num_warps,
+               enable_fp_fusion=False)
+        launch(_add_digits_kernel, (n_blocks,),
+               rows.sum(0), acc, m, N_COLS=N_COLS, BLOCK=block, num_warps=num_warps)
     return acc
 
 
@@ -587,9 +587,9 @@ def accumulate_segments_(acc: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
         return acc
     n_blocks = triton.cdiv(m, block)
     with device_ctx(x):
-        launch(_segments_kernel, (g * n_blocks,), 
-            x, acc, offsets, dest, m, n_blocks, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg,
-            BLOCK=block, UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
+        launch(_segments_kernel, (g * n_blocks,),
+               x, acc, offsets, dest, m, n_blocks, x.stride(0), x.stride(1), N_COLS=N_COLS, SEG=seg,
+               BLOCK=block, UNROLL=UNROLL, FAST=fast, num_warps=num_warps, enable_fp_fusion=False)
     return acc
 
 
@@ -743,8 +743,8 @@ def round_fp32(acc: torch.Tensor, block: int = ROUND_BLOCK,
     if m == 0:
         return out
     with device_ctx(acc):
-        launch(_round_kernel, (triton.cdiv(m, block),), acc, out, m, acc.stride(0), acc.stride(1),
-                                                BLOCK=block, num_warps=num_warps)
+        launch(_round_kernel, (triton.cdiv(m, block),),
+               acc, out, m, acc.stride(0), acc.stride(1), BLOCK=block, num_warps=num_warps)
     return out
 
 
@@ -801,7 +801,7 @@ def round_double_words(words: torch.Tensor, block: int = WORDS_BLOCK,
                          f"{out.device}")
     if m:
         with device_ctx(words):
-            launch(_round_words_kernel, (triton.cdiv(m, block),), 
-                words, out, m, words.stride(0), BLOCK=block, num_warps=num_warps,
-                enable_fp_fusion=False)
+            launch(_round_words_kernel, (triton.cdiv(m, block),),
+                   words, out, m, words.stride(0), BLOCK=block, num_warps=num_warps,
+                   enable_fp_fusion=False)
     return out

@@ -14,10 +14,10 @@ its evidence.json by the same `metrics_row`. One curve per run (colour) on each 
 A run named twice (the same directory by another path or through a link) is drawn once, with a
 warning; a run with no step yet (just started, or killed in its first step) is left out, with a
 warning, while another run has steps. A panel with no value in any run is left out (and its PNG
-from an earlier report in --out removed). A PNG name in --out taken by a directory, a FIFO or a symbolic link is refused before
-any PNG is drawn. NaN/Inf values are gaps in a curve, and so are values past ±PLOT_LIMIT (an
-axis cannot span them: matplotlib's tick arithmetic overflowed near 1e308, a traceback), each
-named in a warning (`warn`). Should matplotlib still fail on a panel, that panel is left out of
+from an earlier report in --out removed). A PNG name in --out taken by a directory, a FIFO or a
+symbolic link is refused before any PNG is drawn. NaN/Inf values are gaps in a curve, and so
+are values past ±PLOT_LIMIT (an axis cannot span them: matplotlib's tick arithmetic overflowed
+near 1e308, a traceback), each named in a warning (`warn`). Should matplotlib still fail on a panel, that panel is left out of
 its PNG and of overview.png, with a warning, and the rest is drawn.
 
 Matplotlib is driven through its object API with the Agg canvas: no pyplot, no global backend
