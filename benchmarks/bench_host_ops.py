@@ -3,11 +3,13 @@
 The invariant step issues ~14,000 launches; on a slow host it is host-bound (docs/BENCHMARKS.md,
 twenty-seventh and twenty-ninth sessions). This measures, per call, the host microseconds of:
 a 1k-element torch add, a trivial Triton launch, a TMA descriptor made on the host, a CUDA event
-recorded / queried, the dW kernel's launch with TMA descriptors and with pointer loads, a whole
-carried dW call (kernels/triton_grad_weight.py), and a 4-byte device-to-host copy into pinned memory both ways the gradient
-sink makes it (a fresh pinned tensor; a slice of a pinned buffer). Each op runs N times behind a
-long `torch.cuda._sleep`, so a call that waits for the device shows up twice: as host time near
-the sleep, and as `waited` (the sleep's end event had passed when the calls returned).
+recorded / queried, the dW kernel launched by Triton's usual path, by triton_util.launch and by
+its compiled launcher alone, the production `_launch` wrapper (TMA descriptors, pointer loads),
+a whole carried dW call (kernels/triton_grad_weight.py), and a 4-byte device-to-host copy into
+pinned memory both ways the gradient sink makes it (a fresh pinned tensor; a slice of a pinned
+buffer). Each op runs N times behind a long `torch.cuda._sleep`, so a call that waits for the
+device shows up twice: as host time near the sleep, and as `waited` (the sleep's end event had
+passed when the calls returned).
 Run (repository root, CUDA machine):
     PYTHONPATH=. python3 benchmarks/bench_host_ops.py [--calls 200] [--out host_ops.json]
 Does not: time the device side of any op (bench_train_step.py --trace does that in a step).
@@ -63,12 +65,13 @@ def _ops(dev: torch.device) -> dict:
     def dw_launch(use_tma: bool):
         return lambda: tgw._launch(dy, xw, words, flags, flags, (16,), tgw.TILE, False, False,
                                    use_tma=use_tma, carry=True)
-    bound, direct = _direct_dw(tgw, dy, xw, words, flags, dev)
+    usual, direct, floor = _dw_launch_paths(tgw, dy, xw, words, flags)
     return {"torch add 1k": lambda: a + b,
-            "dW launch, binder + compiled run": bound,
-            "dW launch, compiled run only": direct,
-            "dW launch, TMA descriptors": dw_launch(True),
-            "dW launch, pointer loads": dw_launch(False),
+            "dW kernel, Triton's usual launch": usual,
+            "dW kernel, triton_util.launch": direct,
+            "dW kernel, compiled launcher alone": floor,
+            "dW _launch wrapper, TMA descriptors": dw_launch(True),
+            "dW _launch wrapper, pointer loads": dw_launch(False),
             "dW carry call (2 launches)": lambda: tgw.carry_grad_weight_deferred(
                 words, dy, xw, count=count),
             "triton launch (8 args)": lambda: _touch[(1,)](a, 1024, 1, 2, 3, 4, 5, 6, BLOCK=1024),
@@ -90,13 +93,12 @@ def _cycles_per_ms() -> float:
     return 50_000_000 / start.elapsed_time(end)
 
 
-def _direct_dw(tgw, dy, xw, words, flags, dev):
-    """Two cheaper ways to launch the dW kernel's carried pass (pointer loads), for the cost of
-    Triton's per-call Python in JITFunction.run: (the binder's specialisation + the compiled
-    kernel looked up + its launcher called directly; the launcher alone with the arguments
-    bound once). Same kernel, same arguments as "dW launch, pointer loads"."""
-    from triton import knobs
-    from triton.runtime.jit import compute_cache_key
+def _dw_launch_paths(tgw, dy, xw, words, flags):
+    """The dW kernel's carried pass (pointer loads) launched three ways on the same arguments,
+    the kernel compiled first: Triton's usual path (`fn[grid](...)`, JITFunction.run), the
+    project's (kernels/triton_util.launch: Triton's binder and cache key, then the compiled
+    kernel's launcher), and the launcher alone with the arguments bound once (the floor)."""
+    from rlkernel.kernels.triton_util import launch
     jf = tgw._dw_kernel
     bn, bk, warps, stages = tgw.TILE[:4]
     args = (dy, xw, dy, xw, words, flags, flags, flags, dy.shape[0], dy.shape[1], xw.shape[1],
@@ -104,25 +106,13 @@ def _direct_dw(tgw, dy, xw, words, flags, dev):
     kw = dict(BLOCK_N=bn, BLOCK_K=bk, LEAF=tgw.CUDA_TOKEN_LEAF, PREC="tf32", EMIT=False,
               RETRY=False, FORCE_FLAG=0, RETRY_ALL=False, TMA=False, CARRY=True, COUNTED=False,
               num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-    jf[(16,)](*args, **kw)              # compiled and cached by the usual path
-    kw.update(debug=jf.debug or knobs.runtime.debug,
-              instrumentation_mode=knobs.compilation.instrumentation_mode)
-    device = torch.cuda.current_device()
-    kernel_cache, key_cache, _, _, binder = jf.device_caches[device]
+    k = jf[(16,)](*args, **kw)           # compiled and cached by the usual path
+    binder = jf.device_caches[torch.cuda.current_device()][4]
+    values = tuple(binder(*args, **kw)[0].values())     # the arguments in the kernel's order
     stream = torch.cuda.current_stream().cuda_stream
-    bound_once, spec, opts = binder(*args, **kw)
-    k = kernel_cache[compute_cache_key(key_cache, spec, opts)]
-    values = tuple(bound_once.values())
-
-    def with_binder():
-        bound, spec, opts = binder(*args, **kw)
-        kern = kernel_cache[compute_cache_key(key_cache, spec, opts)]
-        kern.run(16, 1, 1, stream, kern.function, kern.packed_metadata, None, None, None,
-                 *bound.values())
-
-    def direct():
-        k.run(16, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *values)
-    return with_binder, direct
+    return (lambda: jf[(16,)](*args, **kw), lambda: launch(jf, (16,), *args, **kw),
+            lambda: k.run(16, 1, 1, stream, k.function, k.packed_metadata, None, None, None,
+                          *values))
 
 
 def _timed(fn, calls: int, sleep_cycles: int) -> dict:

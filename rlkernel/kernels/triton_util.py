@@ -68,9 +68,9 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs):
     usual path: the interpreter, a kernel not compiled yet (or compiling), a grid function,
     pre-run hooks, launch hooks that are set, or a global the kernel read that has changed
     since it was compiled (the usual path raises then). Same kernel, same arguments, same
-    stream: the same launch. Why: a step of the invariant trainer makes ~6,700 Triton launches;
-    on a slow host the dW kernel's took 40 µs of host through JITFunction.run and 28 µs here
-    (Triton's binder ~19 of them; docs/BENCHMARKS.md, twenty-ninth session). Returns what
+    stream: the same launch. Why: a step of the invariant trainer makes ~6,700 Triton launches,
+    and on a slow host the dW kernel's took 40-60 µs of host each, of which Triton's binder +
+    the compiled launcher are ~28 (docs/BENCHMARKS.md, twenty-ninth session). Returns what
     fn[grid](...) returns (the compiled kernel)."""
     from triton import knobs
     if INTERPRET or callable(grid) or getattr(fn, "pre_run_hooks", True) \
