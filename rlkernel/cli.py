@@ -1272,15 +1272,17 @@ def _check_checkpoint_inputs(ck, manifest: typing.Any, shape: Qwen3Config | None
                              d: pathlib.Path) -> None:
     """The checkpoint `ck` was trained from the inputs the manifest records
     (checkpointing.check_inputs) and holds the fp32 masters and moments of the model `shape`
-    (checkpointing.check_state; None: unread, the loop's own check stands), so a file that is
-    not the run's is refused before any work, not after "resuming". Raises ResumeError naming
-    --resume."""
-    from rlkernel.runner.checkpointing import ResumeError, check_inputs, check_state
+    (checkpointing.check_state; None: unread, the loop's own check stands), values a run saves
+    (check_values), so a file that is not the run's is refused before any work, not after
+    "resuming". Raises ResumeError naming --resume."""
+    from rlkernel.runner.checkpointing import (ResumeError, check_inputs, check_state,
+                                               check_values)
 
     try:
         check_inputs(ck, manifest.get("inputs") if isinstance(manifest, dict) else None)
         if shape is not None:
             check_state(ck, shape)
+        check_values(ck)
     except ResumeError as e:
         raise ResumeError(f"--resume {str(d)!r}: {e}") from None
 

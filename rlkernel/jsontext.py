@@ -45,6 +45,10 @@ class _DuplicateKey(ValueError):
     pass
 
 
+class DuplicateKeyError(json.JSONDecodeError):
+    """`loads(unique_keys=True)`: an object gave a key twice (msg names it)."""
+
+
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """object_pairs_hook: the object, or _DuplicateKey for a key given twice (json.loads would
     keep the last value silently)."""
@@ -63,15 +67,15 @@ def loads(text: str | bytes, max_depth: int | None = None, unique_keys: bool = F
     ValueError of its own) and bytes that are not UTF-8/16/32 (a UnicodeDecodeError).
     `max_depth`: also refuse containers nested deeper than that (one pass over the document,
     so only where a recursive walk follows). `unique_keys`: also refuse an object that gives a
-    key twice ("duplicate key"), which json.loads resolves silently to the last value — where
+    key twice (DuplicateKeyError, a JSONDecodeError), which json.loads resolves silently to the last value — where
     a document is evidence, two values for one field are an edit, not a choice."""
     try:
         value = json.loads(text, object_pairs_hook=_unique_pairs if unique_keys else None)
     except json.JSONDecodeError:
         raise
     except _DuplicateKey as e:
-        raise json.JSONDecodeError(f"duplicate key {quoted(str(e.args[0]))} in one object",
-                                   "", 0) from None
+        raise DuplicateKeyError(f"duplicate key {quoted(str(e.args[0]))} in one object",
+                                "", 0) from None
     except RecursionError:
         # no copy of the document in the error: it can be large
         raise json.JSONDecodeError("nested too deeply", "", 0) from None

@@ -167,43 +167,6 @@ def test_host_profile_smoke_cpu_profiles_the_invariant_step(tmp_path):
 
 
 _FAKE = """
-import sys
-class _Fn:
-    @staticmethod
-    def backward(keys):
-        return helper(keys)
-def helper(keys):
-    return outside(keys)
-"""
-
-
-def _outside(keys):
-    import sys
-    return keys(sys._getframe(), 2)
-
-
-def test_stack_keys_charge_a_sample_to_our_frames_and_the_op_around_them():
-    """A sampled stack is keyed by its innermost rlkernel functions (code outside rlkernel, here
-    this test's `outside`, is skipped but stays the sample's own frame), its innermost rlkernel
-    line, and the innermost rlkernel forward/backward by its qualified name; a thread waiting in
-    autograd's engine or a lock is not a sample."""
-    ns = {"outside": _outside}
-    exec(compile(_FAKE, "/x/rlkernel/kernels/fake.py", "exec"), ns)
-    site, line, own, op = ns["_Fn"].backward(bench_train_step._stack_keys)
-    assert site == "rlkernel/kernels/fake.py(helper) < rlkernel/kernels/fake.py(backward)"
-    assert line == "rlkernel/kernels/fake.py:8(helper)"
-    assert own.startswith("tests/test_bench_train_step.py:") and own.endswith("(_outside)")
-    assert op == "rlkernel/kernels/fake.py(_Fn.backward)"
-    import sys
-    assert bench_train_step._stack_keys(sys._getframe(), 2)[0] == "(outside rlkernel)"
-    waiting = compile("def _engine_run_backward(k):\n    import sys\n"
-                      "    return k(sys._getframe(), 2)\n", "/x/torch/autograd/graph.py", "exec")
-    ns2: dict = {}
-    exec(waiting, ns2)
-    assert ns2["_engine_run_backward"](bench_train_step._stack_keys) is None
-
-
-_DEEP = """
 class _Fn:
     @staticmethod
     def backward(keys):
@@ -215,14 +178,31 @@ def b(keys):
 """
 
 
-def test_stack_keys_keep_only_the_innermost_depth_of_our_frames():
-    """Three rlkernel frames under the op: the site keeps the innermost two, the op is still
-    found above them."""
+def _outside(keys):
+    import sys
+    return keys(sys._getframe(), 2)
+
+
+def test_stack_keys_charge_a_sample_to_our_frames_and_the_op_around_them():
+    """A sampled stack is keyed by its innermost `depth` (2) rlkernel functions — of three under
+    the op, the innermost two; code outside rlkernel, here this test's `outside`, is skipped but
+    stays the sample's own frame —, its innermost rlkernel line, and the innermost rlkernel
+    forward/backward by its qualified name, found above the frames the site keeps; a thread
+    waiting in autograd's engine or a lock is not a sample."""
     ns = {"outside": _outside}
-    exec(compile(_DEEP, "/x/rlkernel/kernels/deep.py", "exec"), ns)
-    site, _, _, op = ns["_Fn"].backward(bench_train_step._stack_keys)
-    assert site == "rlkernel/kernels/deep.py(b) < rlkernel/kernels/deep.py(a)"
-    assert op == "rlkernel/kernels/deep.py(_Fn.backward)"
+    exec(compile(_FAKE, "/x/rlkernel/kernels/fake.py", "exec"), ns)
+    site, line, own, op = ns["_Fn"].backward(bench_train_step._stack_keys)
+    assert site == "rlkernel/kernels/fake.py(b) < rlkernel/kernels/fake.py(a)"
+    assert line == "rlkernel/kernels/fake.py:9(b)"
+    assert own.startswith("tests/test_bench_train_step.py:") and own.endswith("(_outside)")
+    assert op == "rlkernel/kernels/fake.py(_Fn.backward)"
+    import sys
+    assert bench_train_step._stack_keys(sys._getframe(), 2)[0] == "(outside rlkernel)"
+    waiting = compile("def _engine_run_backward(k):\n    import sys\n"
+                      "    return k(sys._getframe(), 2)\n", "/x/torch/autograd/graph.py", "exec")
+    ns2: dict = {}
+    exec(waiting, ns2)
+    assert ns2["_engine_run_backward"](bench_train_step._stack_keys) is None
 
 
 def _busy(seconds: float) -> None:

@@ -47,6 +47,7 @@ import torch
 from typing import Sequence
 
 from rlkernel.distributed.tokensum import TokenSum, leaves_of
+from rlkernel.kernels.triton_util import cast
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics.trees import tree_combine, tree_sum
 from rlkernel.spec import VIRTUAL_TP
@@ -123,7 +124,7 @@ def rounding_point(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """x rounded to the linears' compute dtype (round-to-nearest-even; a no-op for fp32).
     ValueError for a dtype outside COMPUTE_DTYPES."""
     check_compute_dtype(compute_dtype)
-    return x if x.dtype == compute_dtype else x.to(compute_dtype)
+    return cast(x, compute_dtype)
 
 
 def weight_point(w: torch.Tensor, compute_dtype: torch.dtype, tok: TokenSum | None) -> torch.Tensor:

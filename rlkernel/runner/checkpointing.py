@@ -32,6 +32,7 @@ from rlkernel.model.config import Qwen3Config, param_shapes
 from rlkernel.runner.watch import CKPT_DIR
 
 _STATE = "state.safetensors"
+_KINDS = ("master", "exp_avg", "exp_avg_sq")    # the optimizer state a checkpoint holds
 _META = "meta.json"
 
 
@@ -207,13 +208,10 @@ def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
 
 def check_state(ck: Checkpoint, model: Qwen3Config) -> None:
     """Refuse a checkpoint that does not hold the fp32 master, exp_avg and exp_avg_sq of every
-    parameter of `model` at its logical shape, finite (and exp_avg_sq not negative): a run
-    never saves other values — a non-finite update stops it or is skipped — so they mean an
-    edited or damaged file (a matching SHA-256 says the file is the one its meta.json names,
-    not that the run wrote it), and resuming from them would be reported later as a diverged
-    update. Raises ResumeError naming the tensor."""
+    parameter of `model` at its logical shape (a matching SHA-256 says the file is the one its
+    meta.json names, not that the run wrote it). Raises ResumeError naming the tensor."""
     shapes = param_shapes(model)
-    for kind in ("master", "exp_avg", "exp_avg_sq"):
+    for kind in _KINDS:
         for n, shape in shapes.items():
             t = ck.tensors.get(f"{kind}/{n}")
             if t is None:
@@ -221,11 +219,27 @@ def check_state(ck: Checkpoint, model: Qwen3Config) -> None:
             if t.dtype != torch.float32 or tuple(t.shape) != tuple(shape):
                 raise ResumeError(f"{ck.path}: tensor {kind}/{n} is {t.dtype} {tuple(t.shape)}, "
                                   f"expected torch.float32 {tuple(shape)}")
-            bad = int((~torch.isfinite(t)).sum())
-            if bad or (kind == "exp_avg_sq" and bool((t < 0).any())):
-                what = f"{bad} NaN or Inf values" if bad else "negative values"
-                raise ResumeError(f"{ck.path}: tensor {kind}/{n} holds {what}, which a run never "
-                                  "saves (the checkpoint was edited or damaged)")
+
+
+def check_values(ck: Checkpoint) -> None:
+    """Refuse a checkpoint whose masters or moments hold NaN/Inf, or whose exp_avg_sq holds a
+    negative value: a run never saves them (a non-finite update stops it or is skipped), so
+    they mean an edited or damaged file, which a resume would report only after its first
+    update, as a diverged one. One pass over every value: the CLI runs it once, before any work
+    (the loop's `check_state` on each rank stays a shape check). Raises ResumeError naming the
+    tensor."""
+    for name, t in ck.tensors.items():
+        kind = name.split("/", 1)[0]
+        if kind not in _KINDS:
+            continue
+        if not bool(torch.isfinite(t).all()):
+            what = f"{int((~torch.isfinite(t)).sum())} NaN or Inf values"
+        elif kind == "exp_avg_sq" and bool((t < 0).any()):
+            what = "negative values"
+        else:
+            continue
+        raise ResumeError(f"{ck.path}: tensor {name} holds {what}, which a run never saves (the "
+                          "checkpoint was edited or damaged)")
 
 
 def _applied_updates(steps: list) -> int | None:

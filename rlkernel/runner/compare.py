@@ -110,10 +110,9 @@ def _load_json(path: pathlib.Path) -> Any:
     try:
         # the comparison recurses; a field given twice would be compared by its last value
         return jsontext.loads(text, max_depth=jsontext.MAX_DEPTH, unique_keys=True)
+    except jsontext.DuplicateKeyError as e:
+        raise CompareError(f"{path}: {e.msg}; not a file rlk run writes (it was edited)") from None
     except json.JSONDecodeError as e:
-        if e.msg.startswith("duplicate key"):
-            raise CompareError(f"{path}: {e.msg}; not a file rlk run writes (it was "
-                               "edited)") from None
         raise CompareError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
 
 
@@ -156,14 +155,14 @@ def _check_step_order(ev_path: pathlib.Path, steps: list[dict[str, Any]]) -> Non
     a run writes them (a resumed run continues the list): steps are compared by position, so a
     reordered or repeated record would be reported as a mere difference of its fields."""
     nums = [s.get("step") for s in steps]
-    bad = next((i for i, n in enumerate(nums)
-                if not isinstance(n, int) or isinstance(n, bool) or n < 0
-                or (i and isinstance(nums[i - 1], int) and n <= nums[i - 1])), None)
-    if bad is not None:
-        shown = ", ".join(map(repr, nums[max(0, bad - 2):bad + 1]))
-        raise CompareError(f"{ev_path}: step record {bad} has step {nums[bad]!r} after "
-                           f"[{shown}]: step numbers must be integers >= 0 in increasing order "
-                           "(the file was edited or damaged)")
+    prev = -1
+    for i, n in enumerate(nums):
+        if not isinstance(n, int) or isinstance(n, bool) or n <= prev:
+            shown = ", ".join(map(repr, nums[max(0, i - 2):i + 1]))
+            raise CompareError(f"{ev_path}: step record {i} has step {n!r} after [{shown}]: "
+                               "step numbers must be integers >= 0 in increasing order (the "
+                               "file was edited or damaged)")
+        prev = n
 
 
 # ---------------------------------------------------------------------------------------------
