@@ -14,9 +14,10 @@ import sys
 import unicodedata
 from typing import Any
 
-UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
+UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 """Unicode categories a message must not print raw: controls (an escape sequence would reach
-the terminal), format characters (bidi overrides) and line/paragraph separators."""
+the terminal), format characters (bidi overrides), line/paragraph separators, and lone
+surrogates (a JSON "\ud800" escape decodes to one; writing it to a UTF-8 stream raises)."""
 
 
 def _hidden(c: str) -> bool:
@@ -28,11 +29,16 @@ def unprintable(text: str) -> bool:
     return any(map(_hidden, text))
 
 
+def printable(text: str) -> str:
+    """text with each UNPRINTABLE character written as \\uXXXX (the rest as it is), for a line
+    a terminal shows."""
+    return "".join(f"\\u{ord(c):04x}" if _hidden(c) else c for c in text)
+
+
 def quoted(text: str) -> str:
     """text as a JSON string for a message: non-ASCII as typed, UNPRINTABLE characters as
     \\uXXXX (JSON escapes only the C0 ones)."""
-    return "".join(f"\\u{ord(c):04x}" if _hidden(c) else c
-                   for c in json.dumps(text, ensure_ascii=False))
+    return printable(json.dumps(text, ensure_ascii=False))
 
 
 MAX_DEPTH = 64

@@ -18,7 +18,7 @@ import sys
 import pytest
 from kernel_helpers import fifo_in_place_of
 
-from rlkernel import cli
+from rlkernel import cli, jsontext
 from rlkernel.config import SAME_EVIDENCE_SETTINGS, RunConfig
 from rlkernel.runner.compare import CompareError, compare_runs, format_report, same_value
 from rlkernel.runner.evidence import EvidenceWriter
@@ -639,6 +639,25 @@ def test_a_manifest_section_that_is_not_an_object_is_named_once(tmp_path):
     lines = [i for i in rep.info if i.startswith("canonical_spec")]
     assert lines == [lines[0]] and "not a JSON object in B's manifest" in lines[0], rep.info
     assert "canonical_spec:  " not in " ".join(rep.info)
+
+
+def test_unprintable_characters_from_an_edited_file_print_escaped(tmp_path, capsys):
+    """A step record given a key with an escape sequence and one with a lone surrogate (a JSON
+    "\\ud800" escape), and a value with a bidi override: rlk compare prints each escaped as
+    \\uXXXX, exit 1 — raw, the escape reached the terminal and the surrogate made the print
+    fail with a UnicodeEncodeError traceback. Control: the same keys are the differing fields."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    path = b / "evidence.json"
+    text = path.read_text()
+    at = text.index('"loss": ')
+    text = text[:at] + '"\\u001b[31mRED": 1, "lo\\ud800ss": 2, ' + text[at:]
+    path.write_text(text.replace('"tokens_hash": "abab', '"tokens_hash": "ab\\u202ecd', 1))
+    code, out, err = rlk_compare(capsys, a, b, "--quiet")
+    assert code == 1 and err == "", err
+    assert "\\u001b[31mRED" in out and "lo\\ud800ss" in out and "ab\\u202ecd" in out, out
+    assert not any(jsontext.unprintable(line) for line in out.splitlines())
+    out.encode("utf-8")                                   # printable as it is
 
 
 def test_a_file_given_as_a_run_is_named_as_a_file(tmp_path, capsys):

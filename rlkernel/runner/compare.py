@@ -482,7 +482,10 @@ def format_report(report: CompareReport, quiet: bool = False) -> str:
     quiet: only the caveats (a run compared with itself or with its copy), the note (if any),
     the fields that differ and the verdict (no paths or other information lines): a DIFFERENT
     of two configurations still says so, and an IDENTICAL of a copy too.
-    The last line is "IDENTICAL" or "DIFFERENT: N fields differ".
+    The last line is "IDENTICAL" or "DIFFERENT: N fields differ". Every line is
+    `jsontext.printable`: a key, value, tensor name or path from an edited file prints its
+    control, bidi and lone-surrogate characters escaped (raw, they reached the terminal, and a
+    lone surrogate made the print itself fail).
     """
     shown = [r for r in report.results if not (quiet and r.same)]
     lines = [] if quiet else [f"A: {report.a}", f"B: {report.b}"]
@@ -498,4 +501,4 @@ def format_report(report: CompareReport, quiet: bool = False) -> str:
         lines.append("IDENTICAL")
     else:
         lines.append(f"DIFFERENT: {n} fields differ" if n > 1 else "DIFFERENT: 1 field differs")
-    return "\n".join(lines)
+    return "\n".join(map(jsontext.printable, lines))
