@@ -35,6 +35,7 @@ import difflib
 import errno
 import glob
 import itertools
+import json
 import math
 import os
 import pathlib
@@ -1126,6 +1127,9 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     except readfile.NotRegularFileError as e:   # a FIFO would block, a device never end
         raise ConfigError(f"--resume {str(d)!r}: {e}; give a run directory written by rlk "
                           "run") from None
+    except json.JSONDecodeError as e:   # a key given twice included: which value resumes?
+        raise ConfigError(f"--resume {str(d)!r}: manifest.json is not valid JSON (line "
+                          f"{e.lineno}: {e.msg}); give a run directory written by rlk run") from None
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
                           "written by rlk run") from None

@@ -134,5 +134,8 @@ def read_json(path: str | os.PathLike) -> Any:
     """The JSON document in the regular file `path`. Raises as `read_text`, and
     json.JSONDecodeError (jsontext.loads), nesting past jsontext.MAX_DEPTH included: the
     manifests, evidence and metadata read here are walked recursively afterwards (a resume
-    re-serialises the manifest, compare compares it)."""
-    return jsontext.loads(read_text(path), max_depth=jsontext.MAX_DEPTH)
+    re-serialises the manifest, compare compares it); an object that gives a key twice
+    included (jsontext.DuplicateKeyError): json would keep its last value silently, and
+    `rlk compare` refuses such a file, so every reader does (the files read here are written
+    by rl-kernel or by transformers, one key each)."""
+    return jsontext.loads(read_text(path), max_depth=jsontext.MAX_DEPTH, unique_keys=True)

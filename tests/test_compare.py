@@ -474,10 +474,11 @@ def test_an_integer_past_pythons_digit_limit_is_a_usage_error(tmp_path, capsys):
     assert f"an integer of more than {limit} digits" in lines[0], lines
 
 
-@pytest.mark.parametrize("fmt", ["something-else/99", 2, None])
+@pytest.mark.parametrize("fmt", ["something-else/99", 2, None, True, 1.0])
 def test_evidence_of_another_format_is_a_usage_error(tmp_path, capsys, fmt):
     """B's evidence says another format (or none): exit 2 naming the format, not a comparison
-    of fields whose meaning may differ."""
+    of fields whose meaning may differ. `true` and `1.0` are not format 1 (`True == 1` in
+    Python: true passed)."""
     a = write_run(tmp_path / "a", [_step(0)])
     b = write_run(tmp_path / "b", [_step(0)])
     ev = json.loads((b / "evidence.json").read_text())

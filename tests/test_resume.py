@@ -944,8 +944,35 @@ def test_a_manifest_nested_too_deep_is_refused_by_resume_not_a_traceback(tmp_pat
     capsys.readouterr()
     assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
-    assert len(err) == 1 and err[0].endswith("no readable manifest.json; give a run directory "
-                                             "written by rlk run"), err
+    assert len(err) == 1 and err[0].endswith(
+        "manifest.json is not valid JSON (line 1: nested too deeply (more than 64 levels)); "
+        "give a run directory written by rlk run"), err
+    assert _snapshot(d) == before
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "evidence.json"])
+def test_a_key_given_twice_is_refused_by_resume_not_resolved_to_its_last_value(
+        tmp_path, capsys, name):
+    """A finished 1-step run whose manifest.json (or evidence.json) gives a key twice in one
+    object, resumed with more --steps: exit 2, one line naming the file and the key, nothing
+    rewritten. json kept the last value silently, so a forged value placed after the real one
+    resumed the run under it (rlk compare already refused such a file)."""
+    d = tmp_path / "run"
+    assert main(["run", *with_flags(ARGS, "--steps", "1"), "--run-dir", str(d)]) == 0
+    text = (d / name).read_text()
+    head = '"config": {' if name == "manifest.json" else '"steps": ['
+    assert text.count(head) == 1
+    text = text.replace(head, head + '"seed": 7, ') if name == "manifest.json" else \
+        text.replace(head, '"complete": false, ' + head)
+    (d / name).write_text(text)
+    # the control: the stock parser takes the file, keeping one of the two values
+    assert isinstance(json.loads(text), dict)
+    before = _snapshot(d)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    key = "seed" if name == "manifest.json" else "complete"
+    assert len(err) == 1 and name in err[0] and f'duplicate key "{key}"' in err[0], err
     assert _snapshot(d) == before
 
 

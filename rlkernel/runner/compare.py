@@ -139,7 +139,9 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     ev_path = d / "evidence.json"
     if not isinstance(evidence, dict) or not isinstance(evidence.get("steps"), list):
         raise CompareError(f"{ev_path}: not an rl-kernel evidence file (no 'steps' list)")
-    if evidence.get("format") != EVIDENCE_FORMAT:   # another meaning of the same fields
+    fmt = evidence.get("format")
+    # another meaning of the same fields; `true == 1` in Python, so the type is checked too
+    if type(fmt) is not int or fmt != EVIDENCE_FORMAT:
         raise CompareError(f"{ev_path}: evidence format {evidence.get('format')!r}; this rlk "
                            f"reads format {EVIDENCE_FORMAT} only")
     if not all(isinstance(s, dict) for s in evidence["steps"]):
