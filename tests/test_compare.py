@@ -41,15 +41,15 @@ def _step(i: int) -> dict:
             "timings": {"rollout_s": 0.1, "train_s": 0.2, "export_audit_s": 0.05, "step_s": 0.4}}
 
 
-def _manifest(tp: int = 1) -> dict:
-    return {"config": {"tp": tp, "steps": 2}, "canonical_spec": {"virtual_tp": 8},
+def _manifest(tp: int = 1, steps: int = 2) -> dict:
+    return {"config": {"tp": tp, "steps": steps}, "canonical_spec": {"virtual_tp": 8},
             "versions": {"torch": "2.13.0"}, "git": {"commit": "c" * 40, "dirty": False},
             "created_utc": "2026-01-01T00:00:00Z"}
 
 
 def write_run(d, steps, *, tp=1, init=None, complete=True):
     d.mkdir()
-    w = EvidenceWriter(d, _manifest(tp))
+    w = EvidenceWriter(d, _manifest(tp, len(steps)))
     w.record_init(init or {"version": "v0", "tensor_hashes": _hashes(0)})
     for s in steps:
         w.record_step(s)
@@ -276,7 +276,7 @@ def _set_manifest(run, **sections):
 def _inputs(weights="a", config="c", prompts="p", tokenizer="t", template="j"):
     """A manifest's inputs, reward and tokenizer_files for --model m --prompts p.jsonl
     --reward rr.py:score (each content as one repeated hex digit)."""
-    return {"config": {"tp": 1, "steps": 2, "model": "m", "prompts": "p.jsonl",
+    return {"config": {"tp": 1, "steps": 1, "model": "m", "prompts": "p.jsonl",
                        "reward": "rr.py:score"},
             "inputs": {"files": {"m/config.json": config * 64, "m/model.safetensors": weights * 64,
                                  "m/tokenizer.json": tokenizer * 64, "p.jsonl": prompts * 64},
@@ -606,6 +606,35 @@ def test_steps_out_of_order_or_repeated_are_a_clear_error(tmp_path, capsys, nums
     assert compare_runs(a, c).identical
     d = write_run(tmp_path / "d", [_step(3), _step(5)])
     assert not compare_runs(a, d).identical          # compared, not refused
+
+
+@pytest.mark.parametrize("kept", [1, 3])
+def test_complete_evidence_with_another_step_count_than_its_manifest_is_refused(
+        tmp_path, capsys, kept):
+    """A finished 2-step run whose evidence was cut to its first step (or padded with a third)
+    and left marked complete: exit 2 naming the file and both counts. Cut, it compared
+    IDENTICAL to a genuine 1-step run (only the config note told them apart). Controls: the
+    genuine 1-step run compares with itself; the 2-step run as written compares; an incomplete
+    (killed) run's fewer records are compared, reported INCOMPLETE, not refused."""
+    two = write_run(tmp_path / "two", [_step(0), _step(1)])
+    one = write_run(tmp_path / "one", [_step(0)])
+    edited = write_run(tmp_path / "edited", [_step(0), _step(1)])
+    ev = json.loads((edited / "evidence.json").read_text())
+    ev["steps"] = [_step(0)] if kept == 1 else [_step(0), _step(1), _step(2)]
+    (edited / "evidence.json").write_text(json.dumps(ev))
+    with pytest.raises(CompareError, match=re.escape(
+            f"marked complete with {kept} step record(s), but its manifest's --steps is 2")):
+        compare_runs(one, edited)
+    code, out, err = rlk_compare(capsys, one, edited)
+    assert code == 2 and out == "" and str(edited) in err, err
+    assert compare_runs(one, one).identical and compare_runs(two, two).identical
+    killed = write_run(tmp_path / "killed", [_step(0)], complete=False)
+    m = json.loads((killed / "manifest.json").read_text())
+    m["config"]["steps"] = 2
+    (killed / "manifest.json").write_text(json.dumps(m))
+    report = compare_runs(two, killed)
+    assert not report.identical
+    assert any("INCOMPLETE" in r.detail for r in report.results), report.results
 
 
 @pytest.mark.parametrize("name", ["evidence.json", "manifest.json"])

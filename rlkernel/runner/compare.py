@@ -149,6 +149,7 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     _check_step_order(ev_path, evidence["steps"])
     if not isinstance(manifest, dict):
         raise CompareError(f"{d / 'manifest.json'}: not an rl-kernel manifest (not a JSON object)")
+    _check_step_count(ev_path, evidence, manifest)
     return manifest, evidence
 
 
@@ -165,6 +166,20 @@ def _check_step_order(ev_path: pathlib.Path, steps: list[dict[str, Any]]) -> Non
                                "step numbers must be integers >= 0 in increasing order (the "
                                "file was edited or damaged)")
         prev = n
+
+
+def _check_step_count(ev_path: pathlib.Path, evidence: dict[str, Any],
+                      manifest: dict[str, Any]) -> None:
+    """CompareError when evidence marked complete holds another number of step records than
+    its manifest's --steps: a run finishes only after its last step (a stopped one stays
+    incomplete, a resume rewrites --steps first), so such a file was cut or padded — and a
+    complete run cut to k steps would otherwise compare IDENTICAL to a genuine k-step run."""
+    config = manifest.get("config")
+    want = config.get("steps") if isinstance(config, dict) else None
+    have = len(evidence["steps"])
+    if evidence.get("complete") is True and type(want) is int and want != have:
+        raise CompareError(f"{ev_path}: marked complete with {have} step record(s), but its "
+                           f"manifest's --steps is {want} (the file was edited or damaged)")
 
 
 # ---------------------------------------------------------------------------------------------
