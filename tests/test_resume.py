@@ -124,6 +124,26 @@ def test_half_written_and_corrupt_checkpoints_are_never_loaded(tmp_path, capsys,
     _identical(capsys, uninterrupted, d)
 
 
+def test_a_state_file_that_is_no_safetensors_is_named_when_its_checkpoint_is_skipped(
+        tmp_path, uninterrupted):
+    """The newest checkpoint's state.safetensors replaced by garbage with meta.json's SHA-256
+    edited to match (so the hash check passes): skipped, the reason naming state.safetensors
+    (it was safetensors' bare header message). Control: the same checkpoint unedited loads."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    assert latest_checkpoint(d).next_step == 3
+    ck = d / "checkpoints" / "step-000003"
+    garbage = b"\xff" * 64
+    (ck / "state.safetensors").write_bytes(garbage)
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["state_sha256"] = hashlib.sha256(garbage).hexdigest()
+    (ck / "meta.json").write_text(json.dumps(meta))
+    found = latest_checkpoint(d)
+    (why,) = found.skipped
+    assert found.next_step == 2 and why.startswith("step-000003:"), found.skipped
+    assert "state.safetensors is not a safetensors file" in why, why
+
+
 def test_resume_refuses_changed_numerics_and_missing_checkpoints(tmp_path, capsys, uninterrupted):
     """--lr on --resume, or a run without checkpoints: exit 2 with a message, nothing changed."""
     d = tmp_path / "run"

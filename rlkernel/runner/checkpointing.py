@@ -324,7 +324,10 @@ def _load(path: pathlib.Path) -> Checkpoint:
     blob = readfile.read_bytes(path / _STATE)
     if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
         raise ResumeError(f"{path / _STATE}: SHA-256 does not match meta.json (corrupted)")
-    tensors = {n: t.clone() for n, t in safetensors.torch.load(blob).items()}
+    try:
+        tensors = {n: t.clone() for n, t in safetensors.torch.load(blob).items()}
+    except SafetensorError as e:   # its hash matched: meta.json was edited along with it
+        raise ValueError(f"{_STATE} is not a safetensors file ({e})") from None
     settings, inputs = meta.get("settings"), meta.get("inputs_sha256")
     for key, most in (("next_step", SIZE_LIMITS["steps"]), ("opt_steps", None)):
         # range(next_step) is built on resume: an edited 10**30 overflowed, 10**10 filled memory
