@@ -317,16 +317,17 @@ def test_a_checkpoint_whose_meta_is_not_an_object_is_skipped_saying_so(runs, tmp
     assert f"skipped checkpoint step-000002: {why}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("edit", ["drop", "fp16", "shape", "nan", "negative"])
+@pytest.mark.parametrize("edit", ["drop", "fp16", "shape", "nan", "negative", "extra"])
 def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_path, capsys, edit):
     """A checkpoint whose state file lost a tensor, holds one in fp16 or at another shape, or
-    holds a NaN in exp_avg_sq or a negative second moment, with meta.json's SHA-256 made to
-    match: exit 2, one line naming the tensor, before any work (exit 1 after the "resuming ...
+    holds a NaN in exp_avg_sq or a negative second moment, or holds one tensor more (another
+    layer's: it was ignored), with meta.json's SHA-256 made to match: exit 2, one line naming the tensor, before any work (exit 1 after the "resuming ...
     from" line before, as a failed run rather than a refused resume; a NaN moment was reported
     after the first resumed update as "the update diverged (lower --lr)")."""
     import hashlib
 
     import safetensors.torch
+    import torch
 
     d = _copy(runs, tmp_path)
     ck = d / "checkpoints" / "step-000002"
@@ -335,6 +336,9 @@ def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_pat
         else "exp_avg/model.norm.weight"
     if edit == "drop":
         del state[name]
+    elif edit == "extra":
+        name = "exp_avg/model.layers.99.mlp.up_proj.weight"
+        state[name] = torch.zeros(4)
     elif edit in ("nan", "negative"):
         t = state[name].clone()
         t[3] = float("nan") if edit == "nan" else -1e-12
@@ -347,6 +351,7 @@ def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_pat
     _edit_json(ck / "meta.json", lambda m: m.update(state_sha256=hashlib.sha256(blob).hexdigest()))
     err = _refused(capsys, d)
     want = {"drop": "checkpoint lacks tensor", "nan": f"tensor {name} holds 1 NaN or Inf",
+            "extra": f"checkpoint holds tensor {name}, which this run's model",
             "negative": f"tensor {name} holds negative values"}.get(
                 edit, f"tensor {name} is torch.")
     assert f"{ck}: {want}" in err and name in err, err

@@ -209,8 +209,15 @@ def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
 def check_state(ck: Checkpoint, model: Qwen3Config) -> None:
     """Refuse a checkpoint that does not hold the fp32 master, exp_avg and exp_avg_sq of every
     parameter of `model` at its logical shape (a matching SHA-256 says the file is the one its
-    meta.json names, not that the run wrote it). Raises ResumeError naming the tensor."""
+    meta.json names, not that the run wrote it), or that holds any other tensor (a run saves
+    those three per parameter only, so one more means another model's or an edited file).
+    Raises ResumeError naming the tensor."""
     shapes = param_shapes(model)
+    extra = sorted(set(ck.tensors) - {f"{kind}/{n}" for kind in _KINDS for n in shapes})
+    if extra:
+        raise ResumeError(f"{ck.path}: checkpoint holds tensor {extra[0]}"
+                          f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which "
+                          "this run's model and optimizer have no place for")
     for kind in _KINDS:
         for n, shape in shapes.items():
             t = ck.tensors.get(f"{kind}/{n}")
