@@ -656,19 +656,28 @@ def test_a_field_given_twice_is_a_clear_error(tmp_path, capsys, name):
     assert code == 2 and out == "" and "duplicate key" in err
 
 
-def test_a_manifest_section_that_is_not_an_object_is_named_once(tmp_path):
-    """canonical_spec edited into a string in B's manifest: one info line naming the section
-    and the side (it printed an empty-key line, "canonical_spec:  ..."); the evidence is still
-    compared."""
+@pytest.mark.parametrize("section,value", [("canonical_spec", "virtual_tp=8"),
+                                           ("config", [["tp", 1], ["steps", 1]])])
+def test_a_manifest_section_that_is_not_an_object_is_named_once(tmp_path, capsys, section,
+                                                                 value):
+    """canonical_spec edited into a string (or config into a list) in B's manifest: one caveat
+    naming the section and the side, printed under --quiet too (it printed an empty-key line,
+    "canonical_spec:  ...", and was hidden by --quiet; a config list made the note call every
+    one of A's settings different); the evidence is still compared. Control: the manifest as
+    written gives no such line."""
     a = write_run(tmp_path / "a", [_step(0)])
     b = write_run(tmp_path / "b", [_step(0)])
+    assert not [c for c in compare_runs(a, b).caveats if "not a JSON object" in c]
     m = json.loads((b / "manifest.json").read_text())
-    m["canonical_spec"] = "virtual_tp=8"
+    m[section] = value
     (b / "manifest.json").write_text(json.dumps(m))
     rep = compare_runs(a, b)
-    lines = [i for i in rep.info if i.startswith("canonical_spec")]
-    assert lines == [lines[0]] and "not a JSON object in B's manifest" in lines[0], rep.info
-    assert "canonical_spec:  " not in " ".join(rep.info)
+    (line,) = [i for i in rep.caveats + rep.info if i.startswith(section)]
+    assert line in rep.caveats and "not a JSON object in B's manifest" in line, rep.caveats
+    assert f"{section}:  " not in " ".join(rep.info) and not rep.config_differences
+    assert rep.identical
+    code, out, _ = rlk_compare(capsys, a, b, "--quiet")
+    assert code == 0 and "not a JSON object in B's manifest" in out and "note" not in out, out
 
 
 def test_unprintable_characters_from_an_edited_file_print_escaped(tmp_path, capsys):

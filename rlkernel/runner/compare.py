@@ -302,17 +302,30 @@ def _inputs_by_place(m: dict[str, Any]) -> Any:
     return rekeyed(m.get("inputs"), config, paths)
 
 
-def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
-    info = []
-    for section in ("config", "canonical_spec", "inputs", "reward", "tokenizer_files",
-                    "versions", "git"):
+_SECTIONS = ("config", "canonical_spec", "inputs", "reward", "tokenizer_files", "versions", "git")
+
+
+def _odd_sections(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
+    """A line for each manifest section that is a scalar or list in A or B where a run writes an
+    object (an edited or damaged manifest): a caveat, shown under --quiet too, instead of a
+    comparison key by key (a `config` list made the note call every setting different)."""
+    out = []
+    for section in _SECTIONS:
         odd = [side for side, m in (("A", ma), ("B", mb))
                if m.get(section) is not None and not isinstance(m[section], dict)]
-        if odd:     # a scalar or list where a run writes an object: say so, not key by key
-            info.append(f"{section}: not a JSON object in {' and '.join(odd)}'s manifest "
-                        f"({_pair(ma.get(section, '<absent>'), mb.get(section, '<absent>'))}; "
-                        "the manifest was edited or damaged)")
-            continue
+        if odd:
+            out.append(f"{section}: not a JSON object in {' and '.join(odd)}'s manifest "
+                       f"({_pair(ma.get(section, '<absent>'), mb.get(section, '<absent>'))}; "
+                       "the manifest was edited or damaged)")
+    return out
+
+
+def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
+    info = []
+    for section in _SECTIONS:
+        if any(m.get(section) is not None and not isinstance(m[section], dict)
+               for m in (ma, mb)):
+            continue    # _odd_sections names it
         if section == "inputs":
             fa, fb = (_flatten(_inputs_by_place(m) or {}) for m in (ma, mb))
         else:
@@ -330,6 +343,8 @@ def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     """The config fields of A and B that differ and may change the evidence, in A's order. An
     input path typed two ways (`--model m` and `--model /abs/m`) that both manifests' resolved
     "input_paths" name as one file is no difference (its content is `_input_differences`')."""
+    if any(m.get("config") is not None and not isinstance(m["config"], dict) for m in (ma, mb)):
+        return []   # not settings to compare: _odd_sections names the section
     ca, cb = (m.get("config") if isinstance(m.get("config"), dict) else {} for m in (ma, mb))
     pa, pb = (m.get("input_paths") if isinstance(m.get("input_paths"), dict) else {}
               for m in (ma, mb))
@@ -450,6 +465,7 @@ def compare_runs(a_dir: str | pathlib.Path, b_dir: str | pathlib.Path) -> Compar
     report = CompareReport(a=str(a_dir), b=str(b_dir), info=_manifest_info(ma, mb),
                            config_differences=_config_differences(ma, mb),
                            input_differences=_input_differences(ma, mb))
+    report.caveats += _odd_sections(ma, mb)
     same = _run_path(a_dir).resolve()
     if same == _run_path(b_dir).resolve():
         report.same_run = same
