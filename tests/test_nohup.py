@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from rlkernel.cli import main
 
 ARGS = ["--steps", "3", "--max-response-len", "8", "--n-prompts", "1",
@@ -70,3 +72,45 @@ def test_nohup_run_survives_a_hangup_with_the_uninterrupted_bytes(tmp_path, caps
     assert main(["run", *ARGS, "--run-dir", str(u)]) == 0
     capsys.readouterr()
     assert main(["compare", "--quiet", str(u), str(d)]) == 0, capsys.readouterr().out
+
+
+# A signal sent to the process itself the moment torch starts importing numpy (in-process, so
+# the timing is exact rather than the breaker's ~0.3 s window of a real kill).
+_SIGNAL_AT_NUMPY = """
+import os, signal, sys
+class _Finder:
+    fired = False
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and not _Finder.fired:
+            _Finder.fired = True
+            os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        return None
+sys.meta_path.insert(0, _Finder())
+from rlkernel import cli
+{setup}
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("sig,code,word", [("SIGTERM", 143, "terminated"),
+                                            ("SIGHUP", 129, "terminated"),
+                                            ("SIGINT", 130, "interrupted")])
+def test_a_signal_while_torch_imports_numpy_ends_the_run_before_any_work(tmp_path, sig, code,
+                                                                         word):
+    """SIGTERM, SIGHUP or SIGINT arriving while `rlk run` imports torch (which imports numpy
+    inside a try that swallows any exception): exit 128 + signal, one line, no run directory.
+    It was swallowed with the handler's exception: the run went on to exit 0, or failed late on
+    a half-imported numpy (found by a breaker). Control: the same hook with the signals not
+    held during the imports (cli._import_with_signals_held a no-op) runs to the end, exit 0."""
+    d = tmp_path / "run"
+    run = ["run", "--steps", "1", *ARGS[2:], "--run-dir", str(d)]
+
+    def rlk(setup: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _SIGNAL_AT_NUMPY.format(setup=setup), sig,
+                               *run], capture_output=True, text=True, timeout=300)
+    p = rlk("")
+    assert p.returncode == code, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.strip().splitlines()[-1] == f"rlk run: {word}", p.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+    control = rlk("cli._import_with_signals_held = lambda names: None")
+    assert control.returncode == 0 and (d / "evidence.json").is_file(), control.stderr[-2000:]
