@@ -48,15 +48,17 @@ import unicodedata
 
 import rlkernel
 from rlkernel import readfile
-from rlkernel.config import (INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError, RunConfig,
-                             SampleFitError, field_docs, flag_name, model_flag_error)
+from rlkernel.config import (FP32_MAX, INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError,
+                             RunConfig, SampleFitError, field_docs, flag_name,
+                             model_flag_error)
 from rlkernel.distributed.topology import launcher_world_size, validate_topology
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inputs, input_paths,
                                     located, recorded_paths, relocated, same_input, sha256_file,
                                     startup_notes)
-from rlkernel.runner.watch import CKPT_DIR, TMP_SUFFIX, config_warnings, summary_lines
+from rlkernel.runner.watch import (CKPT_DIR, FINAL_DIR, TMP_SUFFIX, config_warnings,
+                                   summary_lines)
 from rlkernel.termination import Terminated
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
@@ -343,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
     # directory (.OUT.tmp-*, up to the model's size); unwinding releases and removes them.
     previous = _exit_on_sigterm()
     try:
-        _import_with_signals_held(_HEAVY_IMPORTS.get(args.command, ()))
         code = args.func(args)
         sys.stdout.flush()   # a closed pipe is seen here, not in the interpreter's exit
         return code
@@ -512,22 +513,26 @@ def _occupied(flag: str, value: str) -> str | None:
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
 
 
-def _in_run_checkpoints(flag: str, value: str) -> str | None:
-    """The usage error for an output directory at or under a run's checkpoints/ (a directory
-    named so beside a manifest.json). That run's saves replace a step-N entry there and remove
-    step-*.tmp-* ones (an export to checkpoints/step-000009 was removed by the save of step 9),
-    so the whole folder is left to the run. None elsewhere."""
+def _in_run_owned(flag: str, value: str) -> str | None:
+    """The usage error for an output directory at or under a run's checkpoints/ or final/ (a
+    directory named so beside a manifest.json). That run's saves replace a step-N entry in
+    checkpoints/ and remove step-*.tmp-* ones (an export to checkpoints/step-000009 was removed
+    by the save of step 9), and a resume replaces final/ whole (a report's PNGs written there
+    went with it), so both folders are left to the run. None elsewhere."""
     real = pathlib.Path(os.path.realpath(value))
     for q in (real, *real.parents):
         try:
-            ours = q.name == CKPT_DIR and (q.parent / "manifest.json").is_file()
+            ours = q.name in _RUN_OWNED and (q.parent / "manifest.json").is_file()
         except OSError:   # a folder we may not look into is not known to be a run's
             ours = False
         if ours:
-            return (f"{flag} {value!r}: lies in {str(q)!r}, the checkpoints directory of the "
+            return (f"{flag} {value!r}: lies in {str(q)!r}, the {_RUN_OWNED[q.name]} of the "
                     f"run {str(q.parent)!r}, which that run's saves and resumes rewrite; give "
                     "a directory outside it")
     return None
+
+
+_RUN_OWNED = {CKPT_DIR: "checkpoints directory", FINAL_DIR: "final weights directory"}
 
 
 def _uncreatable(flag: str, value: str) -> str | None:
@@ -578,12 +583,20 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: a name ending in .tmp-<digits> is "
                               "what an unfinished run lies under (a later --resume or run "
                               "would take it for a killed one); give another name")
-        taken = _occupied("--run-dir", cfg.run_dir) or _in_run_checkpoints("--run-dir",
+        taken = _occupied("--run-dir", cfg.run_dir) or _in_run_owned("--run-dir",
                                                                             cfg.run_dir)
         if taken:
             raise ConfigError(taken)
         return d
     return next(_default_run_dirs(cfg))
+
+
+def _cwd_shown() -> str:
+    """" '/the/cwd'", or "" when the current directory is gone (getcwd fails)."""
+    try:
+        return f" {os.getcwd()!r}"
+    except OSError:
+        return ""
 
 
 def _default_run_dirs(cfg: RunConfig) -> typing.Iterator[pathlib.Path]:
@@ -744,6 +757,7 @@ def _tokenizer_hashes(cfg: RunConfig) -> dict[str, str]:
     """The manifest's "tokenizer_files". Raises ConfigError naming --model and the file that is
     there but cannot be read (a FIFO, a directory, a link to nowhere)."""
     # Imported only now: it pulls in torch (seconds), which the checks before do not need.
+    _import_torch()
     from rlkernel.runner.export import tokenizer_file_hashes
 
     try:
@@ -819,6 +833,7 @@ def _check_topology(cfg: RunConfig) -> Qwen3Config | None:
                           "two in [16, 256] for the CUDA attention kernel; allowed for this "
                           "model: --device cpu")
     _check_positions(m, cfg.model, cfg.max_prompt_len, cfg.max_response_len)
+    _check_entropy_scale(m, cfg.model, cfg.entropy_coef)
     heads = {} if m is None else dict(
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
@@ -830,10 +845,27 @@ def _check_topology(cfg: RunConfig) -> Qwen3Config | None:
     return m
 
 
+def _check_entropy_scale(m: Qwen3Config | None, model: str | None, coef: float) -> None:
+    """--entropy-coef times the largest entropy a token can have, ln(vocab_size) nats, must be
+    an fp32 number: past it the loss is -inf in every step (the gradient stayed finite, so the
+    run finished exit 0 with a loss of -inf in its evidence; found by a breaker). Raises
+    ConfigError naming the bound."""
+    if m is None or not coef:
+        return
+    most = FP32_MAX / math.log(m.vocab_size) if m.vocab_size > 1 else math.inf
+    if coef > most:
+        raise ConfigError(f"--entropy-coef {coef!r}: must be at most {most:.6g} for "
+                          f"{_model_where(model)} (vocab_size {m.vocab_size}): the entropy term "
+                          f"reaches --entropy-coef x ln({m.vocab_size}) = "
+                          f"{coef * math.log(m.vocab_size):.6g}, past fp32's largest number "
+                          f"{FP32_MAX:.6g}")
+
+
 def max_local_ranks(device: str) -> int:
     """Most ranks `rlk run` starts on this machine itself (without torchrun): one per GPU on
     CUDA; on CPU max(8, 4 × cores) gloo processes (each holds a torch runtime and a model copy)."""
     if device == "cuda":
+        _import_torch()
         import torch
 
         return torch.cuda.device_count()
@@ -976,7 +1008,10 @@ def _lock_run_dir(cfg: RunConfig, final: pathlib.Path | None,
                                   f"holds {e.path}); wait for it to end, or give another "
                                   "directory") from None
             except OSError as e:
-                raise ConfigError(f"{flag} {str(d)!r}: cannot create its lock file beside it "
+                # a default name: the user gave no --run-dir, so say where it came from
+                given = (f"{flag} {str(d)!r} (the default, under the current directory"
+                         f"{_cwd_shown()})" if default else f"{flag} {str(d)!r}")
+                raise ConfigError(f"{given}: cannot create its lock file beside it "
                                   f"({e.strerror or e}); give a writable new directory") from None
             # A run that ended between _choose_run_dir's check and the lock has published there.
             taken = _occupied(flag, str(d)) if final is not None else None
@@ -1036,24 +1071,19 @@ def _exit_on_sigterm():
             if signal.getsignal(sig) is not signal.SIG_IGN}
 
 
-_HEAVY_IMPORTS = {"run": ("numpy", "torch", "safetensors.torch"),
-                  "init-model": ("numpy", "torch", "safetensors.torch"),
-                  "export": ("numpy", "torch", "safetensors.torch"), "report": ("numpy",)}
-"""The libraries a command imports (lazily, so `rlk compare` and `--help` stay quick), imported
-up front by `_import_with_signals_held`."""
-
-
-def _import_with_signals_held(names: typing.Iterable[str]) -> None:
-    """Import the modules `names` with SIGINT, SIGTERM and SIGHUP blocked on this thread (and on
-    the threads the imports start, which inherit the mask); one that arrives meanwhile is
-    delivered when the imports are done, to the handlers already installed. Why: torch imports
-    numpy inside a try that catches any exception, so the Terminated (or KeyboardInterrupt) a
-    handler raised there was swallowed — the run went on as if never signalled, or failed
-    later on a half-imported numpy (found by a breaker: a signal in the first ~0.3 s)."""
+def _import_torch() -> None:
+    """Import torch (with numpy and safetensors) with SIGINT, SIGTERM and SIGHUP blocked on this
+    thread (and on the threads the import starts, which inherit the mask); one that arrives
+    meanwhile is delivered when the import is done, to the handlers already installed. Called
+    where a command first needs torch, after its cheap checks (a usage error must not wait
+    seconds for it). Why: torch imports numpy inside a try that catches any exception, so the
+    Terminated (or KeyboardInterrupt) a handler raised there was swallowed — the run went on
+    as if never signalled, or failed later on a half-imported numpy (found by a breaker: a
+    signal in the first ~0.3 s)."""
     import importlib
     import signal
 
-    names = [n for n in names if n not in sys.modules]
+    names = [n for n in ("numpy", "torch", "safetensors.torch") if n not in sys.modules]
     if not names:
         return
     held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -1149,6 +1179,10 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     """The saved config of --resume's run (read from `src`, see _resume_source) with the allowed
     flags applied."""
     d = pathlib.Path(given["resume"])
+    if not src.is_dir():   # "no readable manifest.json" of a file or a typo named nothing
+        why = "a file, not a run directory" if src.exists() else readfile.missing_directory(src)
+        raise ConfigError(f"--resume {str(d)!r}: {why}; give a run directory written by rlk "
+                          "run")
     try:
         manifest = readfile.read_json(src / "manifest.json")
         saved = manifest["config"]
@@ -1646,6 +1680,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     if not _follower_rank():
         _warn_stale_temporaries(final)
 
+    _import_torch()   # where the resume's path did not need it yet
     from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
 
     manifest = {**build_manifest(cfg, git), **inputs}
@@ -1746,7 +1781,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     # theirs when it is a file, lies under one, or is a symbolic link.
     bad = (_bad_paths(*named) or _line_breaking(("--out", args.out))
            or _not_a_directory("--out", args.out, "a directory", pathlib.Path.is_dir)
-           or _in_run_checkpoints("--out", args.out)
+           or _in_run_owned("--out", args.out)
            or (None if os.path.isdir(args.out) else _uncreatable("--out", args.out)))
     if bad:
         return _error("report", bad, 2)
@@ -1767,11 +1802,12 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < SEED_LIMIT:
         return _error("init-model", f"--seed {args.seed}: must be an integer in [0, 2**63)", 2)
     taken = (_bad_paths(("--out", args.out)) or _line_breaking(("--out", args.out))
-             or _occupied("--out", args.out) or _in_run_checkpoints("--out", args.out)
+             or _occupied("--out", args.out) or _in_run_owned("--out", args.out)
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("init-model", taken, 2)
     out = pathlib.Path(args.out)
+    _import_torch()
     from rlkernel.model.checkpoint import init_model
 
     try:
@@ -1785,6 +1821,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    _import_torch()
     from rlkernel.model.checkpoint import CheckpointError
     from rlkernel.runner.export import ExportError, ExportUsageError, export_run, parse_step
 
@@ -1792,7 +1829,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # its own check for callers of the API.
     named = (("RUN", args.run), ("--out", args.out))
     taken = (_bad_paths(*named) or _line_breaking(("--out", args.out))
-             or _occupied("--out", args.out) or _in_run_checkpoints("--out", args.out)
+             or _occupied("--out", args.out) or _in_run_owned("--out", args.out)
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("export", taken, 2)

@@ -702,6 +702,15 @@ def _validate_updates(c: RunConfig) -> None:
                     f"must be < the run's optimizer updates (--steps {c.steps} x --ppo-epochs "
                     f"{c.ppo_epochs} x --mini-batches {c.mini_batches} = {c.total_updates}), "
                     "or the learning rate never reaches --lr")
+    if (c.require_updates and c.n_samples_per_prompt == 1 and not c.kl_coef
+            and not c.entropy_coef):
+        # runner.watch warns of this run without --require-updates; with it, its first step
+        # would fail, after the work of a rollout and an update
+        raise ConfigError("--require-updates with --n-samples-per-prompt 1 and --kl-coef and "
+                          "--entropy-coef 0: every GRPO advantage is 0 and no other term "
+                          "exists, so every gradient is 0 and the first step must fail; give "
+                          "--n-samples-per-prompt >= 2, a --kl-coef or --entropy-coef > 0, or "
+                          "leave out --require-updates")
 
 
 _LOWER_CLIP = "the ratio, always > 0, is clipped below at 1 - eps: a bound <= 0 never acts"

@@ -47,21 +47,17 @@ evidence, rlk compare) to refuse: rl-kernel's files nest a few levels, and such 
 run out of stack on a forged or corrupt document the parser still accepted (~1,000 levels)."""
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
 class DuplicateKeyError(json.JSONDecodeError):
-    """`loads(unique_keys=True)`: an object gave a key twice (msg names it)."""
+    """`loads(unique_keys=True)` or `unique_pairs`: an object gave a key twice (msg names it)."""
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """object_pairs_hook: the object, or _DuplicateKey for a key given twice (json.loads would
-    keep the last value silently)."""
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: the object, or DuplicateKeyError for a key given twice (json
+    keeps the last value silently)."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise _DuplicateKey(k)
+            raise DuplicateKeyError(f"duplicate key {quoted(k)} in one object", "", 0)
         out[k] = v
     return out
 
@@ -76,12 +72,9 @@ def loads(text: str | bytes, max_depth: int | None = None, unique_keys: bool = F
     key twice (DuplicateKeyError, a JSONDecodeError), which json.loads resolves silently to the last value — where
     a document is evidence, two values for one field are an edit, not a choice."""
     try:
-        value = json.loads(text, object_pairs_hook=_unique_pairs if unique_keys else None)
-    except json.JSONDecodeError:
+        value = json.loads(text, object_pairs_hook=unique_pairs if unique_keys else None)
+    except json.JSONDecodeError:   # DuplicateKeyError included
         raise
-    except _DuplicateKey as e:
-        raise DuplicateKeyError(f"duplicate key {quoted(str(e.args[0]))} in one object",
-                                "", 0) from None
     except RecursionError:
         # no copy of the document in the error: it can be large
         raise json.JSONDecodeError("nested too deeply", "", 0) from None

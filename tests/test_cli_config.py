@@ -2050,3 +2050,18 @@ def test_a_path_the_command_prints_with_a_control_character_is_refused(capsys, c
     assert line.startswith(f"rlk {argv[0]}: error: {flag} {'a' + char + 'b'!r}: has the "), line
     assert f" {char!r}; rlk prints this path as one line of its output" in line, line
     assert loop.calls == [] and list(cwd.iterdir()) == []
+
+
+def test_an_unwritable_default_run_dir_says_it_is_the_default(tmp_path, monkeypatch, capsys):
+    """`rlk run` without --run-dir from a directory where nothing can be made (/proc): the error
+    names --run-dir's default and the current directory (it named a --run-dir the user never
+    gave; found by a breaker). Control: a given --run-dir there is named plainly."""
+    monkeypatch.chdir("/proc")
+    assert cli.main(["run", "--steps", "1", "--allow-dirty"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rlk run: error: --run-dir 'runs/") and \
+        "(the default, under the current directory '/proc'): cannot create its lock file" \
+        in line, line
+    assert cli.main(["run", "--steps", "1", "--allow-dirty", "--run-dir", "given/r"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rlk run: error: --run-dir 'given/r'") and "default" not in line, line

@@ -336,6 +336,17 @@ def test_export_of_a_padded_byte_tokenizer_model_keeps_the_padded_ids_masked(tmp
     assert vocab["tokenizer_ids"] == 264 and vocab["masked_ids"] == 512 - 264
 
 
+def _refused_inside(capsys, folder, what, cases) -> None:
+    """Each (argv, flag, target) of `cases` exits 2 saying target lies in `folder`, `what`;
+    nothing under `folder` changes."""
+    before = sorted(str(p) for p in folder.rglob("*"))
+    for argv, flag, target in cases:
+        assert main([*argv, str(target)]) == 2, target
+        err = capsys.readouterr().err
+        assert f"{flag} {str(target)!r}: lies in {str(folder)!r}, {what}" in err, err
+    assert sorted(str(p) for p in folder.rglob("*")) == before
+
+
 def test_out_in_a_runs_checkpoints_is_refused(run, tmp_path, capsys):
     """--out (export, init-model, report) or --run-dir (run) at or under a run's checkpoints/: that run's
     saves replace a step-N entry there (a step-000009 export would be removed by the save of
@@ -343,18 +354,12 @@ def test_out_in_a_runs_checkpoints_is_refused(run, tmp_path, capsys):
     beside a manifest.json (not a run's) is taken, and a directory beside the run's checkpoints
     too."""
     ck = run / "checkpoints"
-    before = sorted(str(p) for p in ck.rglob("*"))
-    where = f"lies in {str(ck)!r}, the checkpoints directory of the run {str(run)!r}"
-    for argv, flag, target in (
-            (["export", str(run), "--out"], "--out", ck / "step-000009"),
-            (["export", str(run), "--out"], "--out", ck / "mine" / "deeper"),
-            (["init-model", "--preset", "tiny", "--out"], "--out", ck / "model"),
-            (["report", str(run), "--out"], "--out", ck / "step-000003"),
-            (["run", "--steps", "1", "--allow-dirty", "--run-dir"], "--run-dir", ck / "r")):
-        assert main([*argv, str(target)]) == 2, target
-        err = capsys.readouterr().err
-        assert f"{flag} {str(target)!r}: {where}" in err, err
-    assert sorted(str(p) for p in ck.rglob("*")) == before
+    _refused_inside(capsys, ck, f"the checkpoints directory of the run {str(run)!r}", (
+        (["export", str(run), "--out"], "--out", ck / "step-000009"),
+        (["export", str(run), "--out"], "--out", ck / "mine" / "deeper"),
+        (["init-model", "--preset", "tiny", "--out"], "--out", ck / "model"),
+        (["report", str(run), "--out"], "--out", ck / "step-000003"),
+        (["run", "--steps", "1", "--allow-dirty", "--run-dir"], "--run-dir", ck / "r")))
     elsewhere = tmp_path / "not_a_run" / "checkpoints" / "out"
     assert main(["export", str(run), "--out", str(elsewhere)]) == 0
     assert (elsewhere / "model.safetensors").is_file()
@@ -363,3 +368,23 @@ def test_out_in_a_runs_checkpoints_is_refused(run, tmp_path, capsys):
         assert main(["export", str(run), "--out", str(beside)]) == 0
     finally:
         shutil.rmtree(beside, ignore_errors=True)
+
+
+def test_out_in_a_runs_final_weights_is_refused(run, capsys):
+    """rlk report --out RUN/final (or under it, or export/run there): a resume replaces final/
+    whole, so the PNGs a report wrote beside model.safetensors were deleted by the next
+    resume (found by a breaker). Exit 2 naming the folder, nothing written. Control: the run's
+    own folder beside final/ takes a report."""
+    final = run / "final"
+    assert (final / "model.safetensors").is_file()
+    _refused_inside(capsys, final, f"the final weights directory of the run {str(run)!r}", (
+        (["report", str(run), "--out"], "--out", final),
+        (["report", str(run), "--out"], "--out", final / "plots"),
+        (["export", str(run), "--out"], "--out", final / "copy"),
+        (["run", "--steps", "1", "--allow-dirty", "--run-dir"], "--run-dir", final / "r")))
+    plots = run / "plots_here"
+    try:
+        assert main(["report", str(run), "--out", str(plots)]) == 0
+        assert list(plots.glob("*.png"))
+    finally:
+        shutil.rmtree(plots, ignore_errors=True)

@@ -841,6 +841,23 @@ def test_bad_resume_directory(tmp_path, config, meta, words):
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("kind, words", [("file", "a file, not a run directory"),
+                                         ("missing", "no such run directory"),
+                                         ("empty", "no readable manifest.json")])
+def test_resume_of_a_file_or_a_missing_path_says_which(tmp_path, kind, words):
+    """`rlk run --resume PATH` where PATH is a file or does not exist: exit 2, one line saying
+    so (both said "no readable manifest.json", which reads as a damaged run; found by a
+    breaker). Control: an empty directory still says its manifest is missing."""
+    target = tmp_path / "target"
+    if kind == "file":
+        target.write_text("x")
+    elif kind == "empty":
+        target.mkdir()
+    rc, err = rlk("run", "--resume", str(target), "--allow-dirty")
+    assert rc == 2 and error_line(err) == (f"--resume {str(target)!r}: {words}; "
+                                           "give a run directory written by rlk run"), err
+
+
 # ---------------------------------------------------------------------------------------------
 # odd but valid settings through real (tiny, one-step) runs
 
@@ -883,6 +900,48 @@ def test_one_sample_per_prompt_warns_once(tmp_path, capsys):
     warnings = [ln for ln in err.splitlines() if "warning:" in ln]
     assert len(warnings) == 1 and "--n-samples-per-prompt 1 makes every GRPO advantage 0" \
         in warnings[0], err
+
+
+def test_require_updates_on_a_run_that_cannot_learn_is_refused_before_any_work(tmp_path,
+                                                                              capsys):
+    """--require-updates with --n-samples-per-prompt 1 and no KL or entropy term: exit 2, one
+    error line saying why, no run directory (it warned, ran step 0's rollout and update, then
+    failed with exit 1 and a partial run kept; found by a breaker). Control: the same flags
+    with an entropy term validate."""
+    run_dir = tmp_path / "r"
+    flags = with_flags(SMALL, "--n-samples-per-prompt", "1", "--max-response-len", "1")
+    rc = main(["run", *flags, "--require-updates", "--allow-dirty", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("rlk run: error: --require-updates with --n-samples-per-prompt 1")
+    assert not list(tmp_path.iterdir())
+    RunConfig.from_dict({"n_samples_per_prompt": 1, "require_updates": True,
+                         "entropy_coef": 0.01})
+
+
+def test_an_entropy_coef_whose_term_overflows_fp32_is_refused_before_any_work(tmp_path,
+                                                                             capsys):
+    """--entropy-coef 3.4e38 (a finite fp32, so the flag's own check passes): coefficient x
+    ln(vocab) overflows fp32, so the loss is -inf every step; exit 2 naming the bound for the
+    model, no run directory (the run finished exit 0 with loss -inf in its evidence; found by a
+    breaker). Control: a coefficient at the bound passes the check."""
+    from rlkernel import cli
+    from rlkernel.model.config import tiny
+
+    run_dir = tmp_path / "r"
+    rc = main(["run", *with_flags(SMALL, "--entropy-coef", "3.4e38"), "--allow-dirty",
+               "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    bound = 3.4028234663852886e38 / math.log(tiny().vocab_size)
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("rlk run: error: --entropy-coef 3.4e+38: must be at most "
+                               f"{bound:.6g} for the embedded tiny model"), lines
+    assert not list(tmp_path.iterdir())
+    cli._check_entropy_scale(tiny(), None, bound)
+    with pytest.raises(ConfigError):
+        cli._check_entropy_scale(tiny(), None, math.nextafter(bound, math.inf) * 1.000001)
 
 
 def test_huge_temperature(tmp_path, capsys):

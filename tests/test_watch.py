@@ -132,14 +132,19 @@ def test_display_run_dir_and_warnings():
 
 
 def test_flags_made_inert_by_another_flag_warn():
-    """--model-seed with --model, --kl-estimator with --kl-coef 0: one warning each, naming both
-    flags; at their defaults, or where they act, nothing."""
+    """--model-seed with --model, --kl-estimator with --kl-coef 0, --clip-eps with both
+    --clip-eps-low and --clip-eps-high: one warning each, naming both flags; at their defaults,
+    or where they act, nothing."""
     (w,) = config_warnings(RunConfig(model="m", model_seed=5))
     assert w.startswith("--model-seed 5 is ignored with --model: it seeds only")
     (w,) = config_warnings(RunConfig(kl_estimator="k3"))
     assert w.startswith("--kl-estimator k3 is ignored with --kl-coef 0: no KL term is computed")
+    both = dict(ppo_epochs=2, clip_eps_low=0.1, clip_eps_high=0.2)
+    (w,) = config_warnings(RunConfig(clip_eps=0.5, **both))   # found by a breaker: silent
+    assert w.startswith("--clip-eps 0.5 is ignored with both --clip-eps-low and --clip-eps-high")
     for cfg in (RunConfig(model="m"), RunConfig(model_seed=5), RunConfig(kl_estimator="k1"),
-                RunConfig(kl_estimator="k3", kl_coef=0.01)):
+                RunConfig(kl_estimator="k3", kl_coef=0.01), RunConfig(**both),
+                RunConfig(clip_eps=0.5, ppo_epochs=2, clip_eps_high=0.3)):
         assert config_warnings(cfg) == [], cfg
 
 
@@ -579,6 +584,19 @@ def test_require_updates_with_a_zero_gradient_names_the_causes(tmp_path, capsys)
     assert code == 1, err
     assert "evidence step 0: --require-updates" in err and "exactly 0" in err
     assert "coefficients 0" in err and "--temperature" in err
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_require_updates_below_resolution_names_the_runs_dtype(tmp_path, capsys, dtype):
+    """--require-updates with --lr 1e-30 (a nonzero gradient through the KL term's first
+    update is too small to move any weight): the message names the run's --dtype (it said
+    bf16 under --dtype fp32; found by a breaker)."""
+    code = main(["run", *SMALL, "--steps", "1", "--require-updates", "--kl-coef", "0.01",
+                 "--entropy-coef", "0.01", "--lr", "1e-30", "--dtype", dtype, "--run-dir",
+                 str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"the update was below {dtype} resolution" in err, err
 
 
 def test_report_of_a_link_loop_says_it_is_a_link(tmp_path):

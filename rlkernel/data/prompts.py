@@ -141,7 +141,11 @@ def parse_jsonl(data: bytes, name: str, *, input_key: str = "prompt",
         if not line.strip():
             continue
         try:
-            obj = json.loads(line, parse_constant=_reject_constant)
+            # a key given twice: which prompt or label is meant? json would keep the last
+            obj = json.loads(line, parse_constant=_reject_constant,
+                             object_pairs_hook=jsontext.unique_pairs)
+        except jsontext.DuplicateKeyError as e:
+            raise PromptFileError(f"{where}: invalid JSON ({e.msg}); {fmt}") from None
         except (ValueError, RecursionError) as e:
             msg = str(e) if isinstance(e, ValueError) else "nested too deeply"
             raise PromptFileError(f"{where}: invalid JSON ({msg}); {fmt}") from None

@@ -68,10 +68,10 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs):
     usual path: the interpreter, a kernel not compiled yet (or compiling), a grid function,
     pre-run hooks, launch hooks that are set, or a global the kernel read that has changed
     since it was compiled (the usual path raises then). Same kernel, same arguments, same
-    stream: the same launch. Why: a step of the invariant trainer makes ~6,700 Triton launches,
-    and on a slow host the dW kernel's took 40-60 µs of host each, of which Triton's binder +
-    the compiled launcher are ~28 (docs/BENCHMARKS.md, twenty-ninth session). Returns what
-    fn[grid](...) returns (the compiled kernel)."""
+    stream: the same launch. Why: a step of the invariant trainer makes ~6,700 Triton launches.
+    Measured (docs/BENCHMARKS.md, thirtieth session, one H100 host): the dW kernel 26.1 µs by
+    the usual path, 25.7 µs by this one — Triton's binder, which both run, is the cost, so the
+    saving is small (~3 ms a step). Returns what fn[grid](...) returns (the compiled kernel)."""
     from triton import knobs
     if INTERPRET or callable(grid) or getattr(fn, "pre_run_hooks", True) \
             or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:

@@ -39,9 +39,9 @@ from rlkernel.model.config import Qwen3Config, param_shapes, tiny
 from rlkernel.runner.checkpointing import (ResumeError, checkpoint_dirs, fsync_dir,
                                           read_checkpoint, remove_entry)
 from rlkernel.runner.inputs import recorded_paths, where_now
+from rlkernel.runner.watch import FINAL_DIR
 from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
 
-FINAL_DIR = "final"
 WEIGHTS_META = "rlk_weights.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",

@@ -501,7 +501,8 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
         why = ("the gradient was exactly 0: every advantage was 0 (each group's rewards "
                "equal) and the KL and entropy terms gave nothing (coefficients 0, or a "
                "saturated softmax: a tiny --temperature makes every sampled logprob 0)"
-               if gstats.norm == 0.0 else "the update was below bf16 resolution (raise --lr?)")
+               if gstats.norm == 0.0
+               else f"the update was below {cfg.dtype} resolution (raise --lr?)")
         _stop(topo, f"evidence step {step}: --require-updates: the weight version did not "
                     f"change after the update: {why}")
         return True

@@ -34,6 +34,9 @@ TMP_SUFFIX = re.compile(r"\.tmp-\d+$")
 CKPT_DIR = "checkpoints"
 """A run directory's folder of checkpoints (runner/checkpointing.py); here, beside TMP_SUFFIX, so
 that the CLI's checks of output paths name it without importing torch."""
+FINAL_DIR = "final"
+"""A run directory's folder of final weights (runner/export.py writes it; a resume replaces it),
+here for the same reason."""
 
 
 def display_run_dir(path: str | os.PathLike) -> str:
@@ -73,6 +76,10 @@ def _ignored_flags(cfg) -> list[str]:
     if not cfg.kl_coef and _moved(cfg, "kl_estimator"):
         out.append(f"--kl-estimator {cfg.kl_estimator} is ignored with --kl-coef 0: no KL term "
                    "is computed; give --kl-coef > 0 for it to act")
+    if (cfg.clip_eps_low is not None and cfg.clip_eps_high is not None
+            and _moved(cfg, "clip_eps")):
+        out.append(f"--clip-eps {cfg.clip_eps} is ignored with both --clip-eps-low and "
+                   "--clip-eps-high given: they set the two clip ranges")
     return out
 
 
