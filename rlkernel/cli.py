@@ -1193,7 +1193,8 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
                           "run") from None
     except json.JSONDecodeError as e:   # a key given twice included: which value resumes?
         raise ConfigError(f"--resume {str(d)!r}: manifest.json is not valid JSON (line "
-                          f"{e.lineno}: {e.msg}); give a run directory written by rlk run") from None
+                          f"{e.lineno}: {e.msg}); give a run directory written by rlk "
+                          "run") from None
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
                           "written by rlk run") from None

@@ -321,9 +321,10 @@ def test_a_checkpoint_whose_meta_is_not_an_object_is_skipped_saying_so(runs, tmp
 def test_resume_refuses_checkpoint_tensors_that_are_not_the_models(runs, tmp_path, capsys, edit):
     """A checkpoint whose state file lost a tensor, holds one in fp16 or at another shape, or
     holds a NaN in exp_avg_sq or a negative second moment, or holds one tensor more (another
-    layer's: it was ignored), with meta.json's SHA-256 made to match: exit 2, one line naming the tensor, before any work (exit 1 after the "resuming ...
-    from" line before, as a failed run rather than a refused resume; a NaN moment was reported
-    after the first resumed update as "the update diverged (lower --lr)")."""
+    layer's: it was ignored), with meta.json's SHA-256 made to match: exit 2, one line naming
+    the tensor, before any work (exit 1 after the "resuming ... from" line before, as a failed
+    run rather than a refused resume; a NaN moment was reported after the first resumed update
+    as "the update diverged (lower --lr)")."""
     import hashlib
 
     import safetensors.torch
