@@ -691,6 +691,7 @@ def _check_inputs(cfg: RunConfig) -> None:
         raise ConfigError(f"--prompts {cfg.prompts!r}: {what}; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")
     if cfg.device == "cuda":
+        _import_torch()
         import torch
 
         if not torch.cuda.is_available():
@@ -1328,6 +1329,7 @@ def _check_checkpoint_is_the_runs(ck, cfg: RunConfig, evidence: dict[str, typing
     """The checkpoint `ck` was written under the manifest's config `cfg`
     (checkpointing.check_settings) and continues the evidence read from `path`
     (checkpointing.check_continues). Raises ResumeError naming --resume."""
+    _import_torch()
     from rlkernel.runner.checkpointing import ResumeError, check_continues, check_settings
 
     try:
@@ -1344,6 +1346,7 @@ def _check_checkpoint_inputs(ck, manifest: typing.Any, shape: Qwen3Config | None
     (checkpointing.check_state; None: unread, the loop's own check stands), values a run saves
     (check_values), so a file that is not the run's is refused before any work, not after
     "resuming". Raises ResumeError naming --resume."""
+    _import_torch()
     from rlkernel.runner.checkpointing import (ResumeError, check_inputs, check_state,
                                                check_values)
 
@@ -1377,9 +1380,9 @@ def _check_replaced_dirs(src: pathlib.Path, d: pathlib.Path) -> None:
     written (a link to another run's checkpoints/ continued from its weights and wrote into it;
     a FIFO hung the run with its signals held; a file or link failed it after the work).
     Raises ResumeError."""
+    _import_torch()
     from rlkernel.runner.checkpointing import (ResumeError, check_checkpoint_dirs,
                                                replaced_directory_problem)
-    from rlkernel.runner.export import FINAL_DIR
 
     try:
         check_checkpoint_dirs(src)
@@ -1405,6 +1408,7 @@ def _sh(path: str | os.PathLike) -> str:
 
 def _resume_hint(d: pathlib.Path) -> str:
     """How to continue the run in `d`, or why it cannot be continued."""
+    _import_torch()
     from rlkernel.runner.checkpointing import checkpoint_dirs
 
     if checkpoint_dirs(d):
@@ -1598,6 +1602,7 @@ def _input_error(e: BaseException) -> str | None:
     """The message of a bad input the run found after it started (runner/loop.InputError: the
     model checkpoint's contents, a prompt's length), raised here or by any rank of a launched
     run (its RankUserError carries the type's name); None for other errors."""
+    _import_torch()
     from rlkernel.runner.loop import InputError
 
     if isinstance(e, InputError):
@@ -1681,7 +1686,6 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     if not _follower_rank():
         _warn_stale_temporaries(final)
 
-    _import_torch()   # where the resume's path did not need it yet
     from rlkernel.runner.loop import run_loop  # the loop pulls in torch: import it only to run
 
     manifest = {**build_manifest(cfg, git), **inputs}

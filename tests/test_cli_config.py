@@ -2065,3 +2065,13 @@ def test_an_unwritable_default_run_dir_says_it_is_the_default(tmp_path, monkeypa
     assert cli.main(["run", "--steps", "1", "--allow-dirty", "--run-dir", "given/r"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("rlk run: error: --run-dir 'given/r'") and "default" not in line, line
+
+
+def test_the_current_directory_gone_is_left_out_of_the_default_run_dir_message(monkeypatch):
+    """A current directory that was removed (getcwd fails): the lock message leaves it out
+    instead of failing with a traceback."""
+    def gone():
+        raise FileNotFoundError(2, "No such file or directory")
+    assert cli._cwd_shown() == f" {os.getcwd()!r}"
+    monkeypatch.setattr(os, "getcwd", gone)
+    assert cli._cwd_shown() == ""

@@ -165,8 +165,10 @@ GOOD = '{"prompt": "p", "label": "l"}\n'
     (b'{"prompt": "\\ud800", "label": "x"}', "unpaired surrogate"),
     (b'{"prompt": "\xff\xfe", "label": "x"}', "invalid UTF-8"),
     # json keeps the last of two values: a line trained on "b" silently (found by a breaker)
-    (b'{"prompt": "a", "prompt": "b", "label": "x"}', 'invalid JSON (duplicate key "prompt"'),
-    (b'{"prompt": "a", "label": {"v": 1, "v": 2}}', 'invalid JSON (duplicate key "v"'),
+    (b'{"prompt": "a", "prompt": "b", "label": "x"}',
+     'invalid JSON (duplicate key "prompt" in one object); '),
+    (b'{"prompt": "a", "label": {"v": 1, "v": 2}}', 'invalid JSON (duplicate key "v" in one '
+                                                    'object); '),
 ])
 def test_load_jsonl_malformed_line(tmp_path, line, what):
     """A bad line 3 -> PromptFileError "FILE:3: <what is wrong>; <what is allowed>"."""

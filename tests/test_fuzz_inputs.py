@@ -858,6 +858,18 @@ def test_resume_of_a_file_or_a_missing_path_says_which(tmp_path, kind, words):
                                            "give a run directory written by rlk run"), err
 
 
+def test_resume_of_a_manifest_that_is_not_json_names_the_line(tmp_path):
+    """`rlk run --resume DIR` whose manifest.json breaks on its third line: exit 2, one line
+    naming the file and that line."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "manifest.json").write_text('{\n\n  "config": }')
+    rc, err = rlk("run", "--resume", str(d), "--allow-dirty")
+    assert rc == 2 and error_line(err) == (f"--resume {str(d)!r}: manifest.json is not valid "
+                                           "JSON (line 3: Expecting value); give a run "
+                                           "directory written by rlk run"), err
+
+
 # ---------------------------------------------------------------------------------------------
 # odd but valid settings through real (tiny, one-step) runs
 
@@ -907,7 +919,7 @@ def test_require_updates_on_a_run_that_cannot_learn_is_refused_before_any_work(t
     """--require-updates with --n-samples-per-prompt 1 and no KL or entropy term: exit 2, one
     error line saying why, no run directory (it warned, ran step 0's rollout and update, then
     failed with exit 1 and a partial run kept; found by a breaker). Control: the same flags
-    with an entropy term validate."""
+    with an entropy or a KL term validate."""
     run_dir = tmp_path / "r"
     flags = with_flags(SMALL, "--n-samples-per-prompt", "1", "--max-response-len", "1")
     rc = main(["run", *flags, "--require-updates", "--allow-dirty", "--run-dir", str(run_dir)])
@@ -916,8 +928,8 @@ def test_require_updates_on_a_run_that_cannot_learn_is_refused_before_any_work(t
     assert rc == 2 and len(lines) == 1, err
     assert lines[0].startswith("rlk run: error: --require-updates with --n-samples-per-prompt 1")
     assert not list(tmp_path.iterdir())
-    RunConfig.from_dict({"n_samples_per_prompt": 1, "require_updates": True,
-                         "entropy_coef": 0.01})
+    for term in ("entropy_coef", "kl_coef"):
+        RunConfig.from_dict({"n_samples_per_prompt": 1, "require_updates": True, term: 0.01})
 
 
 def test_an_entropy_coef_whose_term_overflows_fp32_is_refused_before_any_work(tmp_path,

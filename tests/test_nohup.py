@@ -116,3 +116,48 @@ def test_a_signal_while_torch_imports_numpy_ends_the_run_before_any_work(tmp_pat
     assert not list(tmp_path.iterdir())
     control = rlk("cli._import_torch = lambda: None")
     assert control.returncode == 0 and (d / "evidence.json").is_file(), control.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, last", [
+    (["init-model", "--preset", "tiny", "--out", "{out}"], "rlk init-model: terminated"),
+    (["export", "{missing}", "--out", "{out}"], "rlk export: terminated"),
+    (["run", "--device", "cuda", "--steps", "1", "--allow-dirty", "--run-dir", "{out}"],
+     "rlk run: interrupted before the first step; nothing kept")])
+def test_a_signal_while_torch_loads_ends_init_model_export_and_a_cuda_run(tmp_path, argv, last):
+    """The same signal at numpy's import for init-model, export and `run --device cuda` (whose
+    first torch import is the CUDA check, before the data checks): exit 143, one line, nothing
+    written — before the CUDA run's "no CUDA device" check on a machine without one. Control:
+    init-model with cli._import_torch a no-op runs to the end (the signal swallowed)."""
+    out, missing = tmp_path / "out", tmp_path / "missing"
+    argv = [a.format(out=out, missing=missing) for a in argv]
+
+    def rlk(setup: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _SIGNAL_AT_NUMPY.format(setup=setup),
+                               "SIGTERM", *argv], capture_output=True, text=True, timeout=300)
+    p = rlk("")
+    assert p.returncode == 143, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.strip().splitlines()[-1] == last and "Traceback" not in p.stderr, p.stderr
+    assert not out.exists()
+    if argv[0] == "init-model":
+        control = rlk("cli._import_torch = lambda: None")
+        assert control.returncode == 0 and (out / "config.json").is_file(), control.stderr
+
+
+def test_import_torch_holds_the_three_signals_and_restores_the_mask(monkeypatch):
+    """Every module `_import_torch` imports is imported with SIGINT, SIGTERM and SIGHUP blocked
+    (a signal meanwhile waits for the import to end), and the mask is as before afterwards."""
+    import importlib
+
+    from rlkernel import cli
+
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    seen = []
+    for name in ("numpy", "torch", "safetensors.torch"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda n: seen.append((n, signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+    cli._import_torch()
+    assert [n for n, _ in seen] == ["numpy", "torch", "safetensors.torch"], seen
+    assert all(held <= mask for _, mask in seen), seen
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

@@ -144,7 +144,8 @@ def test_flags_made_inert_by_another_flag_warn():
     assert w.startswith("--clip-eps 0.5 is ignored with both --clip-eps-low and --clip-eps-high")
     for cfg in (RunConfig(model="m"), RunConfig(model_seed=5), RunConfig(kl_estimator="k1"),
                 RunConfig(kl_estimator="k3", kl_coef=0.01), RunConfig(**both),
-                RunConfig(clip_eps=0.5, ppo_epochs=2, clip_eps_high=0.3)):
+                RunConfig(clip_eps=0.5, ppo_epochs=2, clip_eps_high=0.3),
+                RunConfig(clip_eps=0.5, ppo_epochs=2, clip_eps_low=0.1)):
         assert config_warnings(cfg) == [], cfg
 
 
