@@ -47,7 +47,7 @@ import typing
 import unicodedata
 
 import rlkernel
-from rlkernel import readfile
+from rlkernel import jsontext, readfile
 from rlkernel.config import (FP32_MAX, INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError,
                              RunConfig, SampleFitError, field_docs, flag_name,
                              model_flag_error)
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)
         sys.stdout.flush()   # a closed pipe is seen here, not in the interpreter's exit
-        return code
+        return _lost_signal(previous, args.command, code)
     except Terminated as e:
         if _debug():
             raise
@@ -834,7 +834,8 @@ def _check_topology(cfg: RunConfig) -> Qwen3Config | None:
                           "two in [16, 256] for the CUDA attention kernel; allowed for this "
                           "model: --device cpu")
     _check_positions(m, cfg.model, cfg.max_prompt_len, cfg.max_response_len)
-    _check_entropy_scale(m, cfg.model, cfg.entropy_coef)
+    _check_entropy_scale(m, cfg.model, cfg.entropy_coef,
+                         cfg.max_response_len if cfg.loss_agg == "seq-mean-token-sum" else 1)
     heads = {} if m is None else dict(
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         vocab_size=m.vocab_size, intermediate_size=m.intermediate_size)
@@ -846,20 +847,23 @@ def _check_topology(cfg: RunConfig) -> Qwen3Config | None:
     return m
 
 
-def _check_entropy_scale(m: Qwen3Config | None, model: str | None, coef: float) -> None:
-    """--entropy-coef times the largest entropy a token can have, ln(vocab_size) nats, must be
-    an fp32 number: past it the loss is -inf in every step (the gradient stayed finite, so the
-    run finished exit 0 with a loss of -inf in its evidence; found by a breaker). Raises
-    ConfigError naming the bound."""
+def _check_entropy_scale(m: Qwen3Config | None, model: str | None, coef: float,
+                         tokens: int = 1) -> None:
+    """--entropy-coef times the largest entropy term a sample can have — ln(vocab_size) nats a
+    token, times `tokens` (--max-response-len where --loss-agg seq-mean-token-sum sums a
+    sample's tokens, else 1) — must be an fp32 number: past it the loss leaves fp32 (a loss of
+    -inf in every step, and the run finished exit 0; found by a breaker). Raises ConfigError
+    naming the bound."""
     if m is None or not coef:
         return
-    most = FP32_MAX / math.log(m.vocab_size) if m.vocab_size > 1 else math.inf
+    term = math.log(m.vocab_size) * tokens
+    most = FP32_MAX / term if term > 0 else math.inf
     if coef > most:
+        per = f" x {tokens} tokens (--loss-agg seq-mean-token-sum)" if tokens > 1 else ""
         raise ConfigError(f"--entropy-coef {coef!r}: must be at most {most:.6g} for "
                           f"{_model_where(model)} (vocab_size {m.vocab_size}): the entropy term "
-                          f"reaches --entropy-coef x ln({m.vocab_size}) = "
-                          f"{coef * math.log(m.vocab_size):.6g}, past fp32's largest number "
-                          f"{FP32_MAX:.6g}")
+                          f"reaches --entropy-coef x ln({m.vocab_size}){per} = "
+                          f"{coef * term:.6g}, past fp32's largest number {FP32_MAX:.6g}")
 
 
 def max_local_ranks(device: str) -> int:
@@ -1061,15 +1065,46 @@ def _exit_on_sigterm():
     import signal
     import threading
 
-    def handler(signum, frame):
-        raise Terminated(128 + signum)   # not a plain SystemExit: the reward's sys.exit is one
-
     if threading.current_thread() is not threading.main_thread():
         return None
+    current = signal.getsignal(signal.SIGTERM)
+    # A nested install (a run's own) shares main's record of the signals that came.
+    handler = _Unwind(current.received if isinstance(current, _Unwind) else [])
     # An ignored signal stays ignored: nohup (or `trap '' HUP`) asked the run to outlive its
     # terminal, and a handler here would turn that hangup into the run's end.
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)
             if signal.getsignal(sig) is not signal.SIG_IGN}
+
+
+class _Unwind:
+    """The SIGTERM / SIGHUP handler: raise Terminated(128 + signum) (not a plain SystemExit: the
+    reward's sys.exit is one), and note the signal in `received` — an exception raised inside
+    a garbage-collection callback, a __del__ or a library's catch-all is lost, and main then
+    still ends the command with the signal's code (`_lost_signal`)."""
+
+    def __init__(self, received: list[int]) -> None:
+        self.received = received
+
+    def __call__(self, signum, frame):
+        self.received.append(signum)
+        raise Terminated(128 + signum)
+
+
+def _lost_signal(previous, command: str, code: int) -> int:
+    """`code`, or — when a SIGTERM / SIGHUP came during the command but its Terminated was lost
+    (the command returned another code) — one line and 128 + that signal's number. `previous`:
+    what `_exit_on_sigterm` returned in main (the handler installed then is read back)."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
+    if previous is None or not isinstance(handler, _Unwind) or not handler.received:
+        return code
+    expected = {128 + s for s in handler.received}
+    if code in expected:
+        return code
+    print(f"rlk {command}: terminated (the signal arrived while it finished its work)",
+          file=sys.stderr)
+    return 128 + handler.received[0]
 
 
 def _import_torch() -> None:
@@ -1193,8 +1228,8 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
         raise ConfigError(f"--resume {str(d)!r}: {e}; give a run directory written by rlk "
                           "run") from None
     except json.JSONDecodeError as e:   # a key given twice included: which value resumes?
-        raise ConfigError(f"--resume {str(d)!r}: manifest.json is not valid JSON (line "
-                          f"{e.lineno}: {e.msg}); give a run directory written by rlk "
+        raise ConfigError(f"--resume {str(d)!r}: manifest.json is not valid JSON "
+                          f"({jsontext.located(e)}); give a run directory written by rlk "
                           "run") from None
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
@@ -1297,8 +1332,10 @@ def _read_evidence(path: pathlib.Path, d: pathlib.Path) -> dict[str, typing.Any]
         evidence = readfile.read_json(path)
         steps = evidence.get("steps") if isinstance(evidence, dict) else None
     except (OSError, ValueError) as e:   # strerror: an OSError's text without the path again
+        why = (jsontext.located(e) if isinstance(e, json.JSONDecodeError)
+               else getattr(e, "strerror", None) or e)
         raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence "
-                         f"({getattr(e, 'strerror', None) or e})") from None
+                         f"({why})") from None
     if not isinstance(steps, list):
         raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
     return evidence
@@ -1428,11 +1465,30 @@ def _interrupted(e: BaseException, d: pathlib.Path, n_steps: int) -> int:
     _exit_on_sigterm) during a run whose directory `d` holds `n_steps` steps; returns the exit
     code."""
     what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "terminated"
-    print(f"rlk run: {what} after {n_steps} step(s); partial run kept in {d}; "
-          f"{_resume_hint(d)}", file=sys.stderr)
+    if _evidence_complete(d):   # the signal came while the ranks shut down, after the last step
+        print(f"rlk run: {what} after the run finished; its {n_steps} step(s) are complete in "
+              f"{d}", file=sys.stderr)
+    else:
+        print(f"rlk run: {what} after {n_steps} step(s); partial run kept in {d}; "
+              f"{_resume_hint(d)}", file=sys.stderr)
+    return _signal_code(e)
+
+
+def _signal_code(e: BaseException) -> int:
+    """The exit code of an interruption: 130 for Ctrl-C, 128 + the signal's number for
+    SIGTERM / SIGHUP (the Terminated code)."""
     if isinstance(e, SystemExit):
         return e.code if isinstance(e.code, int) else 1
     return 130
+
+
+def _evidence_complete(d: pathlib.Path) -> bool:
+    """Whether run `d`'s evidence.json says the run finished (False when it cannot be read)."""
+    try:
+        evidence = readfile.read_json(d / "evidence.json")
+    except (OSError, ValueError):
+        return False
+    return isinstance(evidence, dict) and evidence.get("complete") is True
 
 
 def _check_reward_unchanged(saved: dict[str, typing.Any], reward: dict[str, typing.Any]) -> None:
@@ -1558,13 +1614,33 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
     except (KeyboardInterrupt, SystemExit) as e:
         if _debug():
             raise
-        return _interrupted(e, d, writer.n_steps if writer is not None else ck.next_step)
+        if writer is not None:
+            writer.adopt()
+        if writer is None or writer.n_steps <= ck.next_step:   # no step of its own yet
+            _put_back(before)
+            print(f"rlk run: interrupted before the resume's first step; {d} is left as it "
+                  "was", file=sys.stderr)
+            return _signal_code(e)
+        return _interrupted(e, d, writer.n_steps)
     finally:
         _restore_sigterm(previous_sigterm)
         progress.close()
-    _summary(writer, d, ck.next_step)
-    print(d)
-    return 0
+    return _finished(writer, d, ck.next_step)
+
+
+def _finished(writer: EvidenceWriter | None, d: pathlib.Path,
+              resumed_at: int | None = None) -> int:
+    """The closing lines and the run directory on stdout, exit 0 — or, for a signal meanwhile
+    (the run is published and complete), one line saying so and the signal's code (it said
+    "interrupted before the first step; nothing kept")."""
+    try:
+        _summary(writer, d, resumed_at)
+        print(d)
+        return 0
+    except (KeyboardInterrupt, SystemExit) as e:
+        print(f"rlk run: interrupted after the run finished; it is complete in {d}",
+              file=sys.stderr)
+        return _signal_code(e)
 
 
 def _rewritten_files(d: pathlib.Path) -> dict[pathlib.Path, bytes | None]:
@@ -1583,6 +1659,17 @@ def _resume_failed_before_its_steps(e: BaseException, d: pathlib.Path,
     (`_rewritten_files`), so the run is as it was — a finished run stays complete — and say so.
     A bad input (a prompt longer than the run's --max-prompt-len among the steps an extended
     --steps added) is a usage error, exit 2; anything else exit 1."""
+    _put_back(before)
+    bad_input = _input_error(e)
+    kept = (f"{d} is left as it was" if bad_input is None else
+            f"{d} is left as it was; a resume cannot change the flags that decide what the run "
+            "computes: start a new run to change them")
+    return _error("run", f"{e if bad_input is None else bad_input} ({kept})",
+                  1 if bad_input is None else 2)
+
+
+def _put_back(before: dict[pathlib.Path, bytes | None]) -> None:
+    """Write back the files `_rewritten_files` saved (None: remove the file)."""
     from rlkernel.runner.evidence import write_bytes_atomic
 
     for path, data in before.items():
@@ -1590,12 +1677,6 @@ def _resume_failed_before_its_steps(e: BaseException, d: pathlib.Path,
             path.unlink(missing_ok=True)
         else:
             write_bytes_atomic(path, data)
-    bad_input = _input_error(e)
-    kept = (f"{d} is left as it was" if bad_input is None else
-            f"{d} is left as it was; a resume cannot change the flags that decide what the run "
-            "computes: start a new run to change them")
-    return _error("run", f"{e if bad_input is None else bad_input} ({kept})",
-                  1 if bad_input is None else 2)
 
 
 def _input_error(e: BaseException) -> str | None:
@@ -1637,7 +1718,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SystemExit as e:   # a signal before the run's own handling began: nothing was written
         if _debug():
             raise
-        print("rlk run: interrupted before the first step; nothing kept", file=sys.stderr)
+        kept = (f"{args.resume} is left as it was" if getattr(args, "resume", None)
+                else "nothing kept")
+        print(f"rlk run: interrupted before the first step; {kept}", file=sys.stderr)
         return e.code if isinstance(e.code, int) else 1
 
 
@@ -1734,8 +1817,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         if writer is None or writer.n_steps == 0:  # nothing worth keeping yet
             _discard(tmp, created)
             print("rlk run: interrupted before the first step; nothing kept", file=sys.stderr)
-            return 130 if isinstance(e, KeyboardInterrupt) else (
-                e.code if isinstance(e.code, int) else 1)
+            return _signal_code(e)
         return _interrupted(e, _publish_run(tmp, final) or tmp, writer.n_steps)
     except BaseException:  # a bug: keep whatever was written, under the final name, and raise
         if tmp.exists():
@@ -1747,9 +1829,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         progress.close()
     if _publish_run(tmp, final) is None:
         return 1
-    _summary(writer, final)
-    print(final)
-    return 0
+    return _finished(writer, final)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1826,10 +1906,6 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    _import_torch()
-    from rlkernel.model.checkpoint import CheckpointError
-    from rlkernel.runner.export import ExportError, ExportUsageError, export_run, parse_step
-
     # Worded as --run-dir and init-model's --out are (a file is named as one); export_run keeps
     # its own check for callers of the API.
     named = (("RUN", args.run), ("--out", args.out))
@@ -1838,6 +1914,9 @@ def cmd_export(args: argparse.Namespace) -> int:
              or _uncreatable("--out", args.out) or _name_too_long("--out", args.out))
     if taken:
         return _error("export", taken, 2)
+    _import_torch()   # after the cheap checks: a taken --out must not wait seconds for torch
+    from rlkernel.model.checkpoint import CheckpointError
+    from rlkernel.runner.export import ExportError, ExportUsageError, export_run, parse_step
     try:
         info = export_run(args.run, args.out, parse_step(args.step, args.run))
     except ExportUsageError as e:

@@ -62,6 +62,15 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def located(e: json.JSONDecodeError, column: bool = False) -> str:
+    """e's message with its place, "line L[, column C]: msg" — or the message alone for the
+    errors this module raises after parsing (a duplicate key, nesting, a long integer), which
+    carry no place (they said "line 1" of a duplicate on line 11)."""
+    if not e.doc:
+        return e.msg
+    return f"line {e.lineno}{f', column {e.colno}' if column else ''}: {e.msg}"
+
+
 def loads(text: str | bytes, max_depth: int | None = None, unique_keys: bool = False) -> Any:
     """json.loads(text); json.JSONDecodeError for invalid JSON, nesting past the interpreter's
     recursion limit included ("nested too deeply", line 1 column 1), an integer past

@@ -78,6 +78,21 @@ def test_jinja_file_wins_and_named_templates(tmp_path):
         load_chat_template(d)
 
 
+def test_a_tokenizer_config_giving_chat_template_twice_is_refused(tmp_path):
+    """tokenizer_config.json with two "chat_template" values: ChatTemplateError naming the file
+    and the key (json took the last one silently, and which one decided the prompts the run
+    trained on; found by a breaker). Control: the file with one value loads."""
+    d = _model_dir(tmp_path, "one {{ messages[0]['content'] }}")
+    text = (d / "tokenizer_config.json").read_text()
+    assert load_chat_template(d).render("x") == "one x"
+    i = text.index('"chat_template"')
+    (d / "tokenizer_config.json").write_text(text[:i] + '"chat_template": "two", ' + text[i:])
+    with pytest.raises(ChatTemplateError) as e:
+        load_chat_template(d)
+    assert "tokenizer_config.json: cannot be read as JSON (duplicate key \"chat_template\" in " \
+        "one object)" in str(e.value), str(e.value)
+
+
 def test_missing_and_broken_templates_name_the_place(tmp_path):
     with pytest.raises(ChatTemplateError, match="embedded tiny model has no chat template"):
         load_chat_template(None)

@@ -942,6 +942,34 @@ def test_ctrl_c_before_the_first_step_keeps_nothing(capsys, cwd, loop):
     assert list(cwd.iterdir()) == []
 
 
+def test_a_signal_after_the_last_step_says_the_run_is_complete(capsys, cwd, loop):
+    """SIGTERM once the evidence is complete (a launched run's ranks shutting down): exit 143,
+    one line saying the run finished and is complete — not "partial run kept" with a resume
+    command that would be refused (found by a breaker on a TP2 run). Control: the same signal
+    one step short of the end keeps a partial run."""
+    from rlkernel.termination import Terminated
+
+    def finished_then_signalled(cfg, run_dir, writer):
+        _fake_loop(cfg, run_dir, writer)
+        writer.finish({"steps": writer.n_steps})
+        raise Terminated(143)
+
+    loop.set(finished_then_signalled)
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r", "--steps", "2")
+    lines = [ln for ln in err.splitlines() if not ln.startswith("step ")]
+    assert (code, out) == (143, "") and lines == [
+        "rlk run: terminated after the run finished; its 2 step(s) are complete in r"], lines
+    assert json.loads((cwd / "r" / "evidence.json").read_text())["complete"] is True
+
+    def one_short(cfg, run_dir, writer):
+        _fake_loop(cfg.__class__(steps=1, allow_dirty=True), run_dir, writer)
+        raise Terminated(143)
+
+    loop.set(one_short)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "r2", "--steps", "2")
+    assert code == 143 and "terminated after 1 step(s); partial run kept in r2" in err, err
+
+
 def test_write_json_atomic_non_finite(tmp_path):
     write_json_atomic(tmp_path / "x.json", {"a": [math.inf, -math.inf, math.nan, 0.1], "b": (1, 2)})
     assert json.loads((tmp_path / "x.json").read_text()) == {"a": ["inf", "-inf", "nan", 0.1],

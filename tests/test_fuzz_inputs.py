@@ -954,6 +954,10 @@ def test_an_entropy_coef_whose_term_overflows_fp32_is_refused_before_any_work(tm
     cli._check_entropy_scale(tiny(), None, bound)
     with pytest.raises(ConfigError):
         cli._check_entropy_scale(tiny(), None, math.nextafter(bound, math.inf) * 1.000001)
+    # --loss-agg seq-mean-token-sum sums a sample's tokens: the bound is per response
+    cli._check_entropy_scale(tiny(), None, bound / 64, tokens=64)
+    with pytest.raises(ConfigError, match=r"x 64 tokens \(--loss-agg seq-mean-token-sum\)"):
+        cli._check_entropy_scale(tiny(), None, bound / 32, tokens=64)
 
 
 def test_huge_temperature(tmp_path, capsys):

@@ -92,6 +92,11 @@ sys.exit(cli.main(sys.argv[2:]))
 """
 
 
+# The control: torch imported without the signals held, and main's check for a lost signal
+# off (it would report the swallowed signal after the command: the test below).
+_NEITHER_GUARD = "cli._import_torch = lambda: None; cli._lost_signal = lambda p, c, code: code"
+
+
 @pytest.mark.parametrize("sig,code,last", [
     ("SIGTERM", 143, "rlk run: interrupted before the first step; nothing kept"),
     ("SIGHUP", 129, "rlk run: interrupted before the first step; nothing kept"),
@@ -114,7 +119,7 @@ def test_a_signal_while_torch_imports_numpy_ends_the_run_before_any_work(tmp_pat
     assert p.stderr.strip().splitlines()[-1] == last and "Traceback" not in p.stderr, \
         p.stderr[-2000:]
     assert not list(tmp_path.iterdir())
-    control = rlk("cli._import_torch = lambda: None")
+    control = rlk(_NEITHER_GUARD)
     assert control.returncode == 0 and (d / "evidence.json").is_file(), control.stderr[-2000:]
 
 
@@ -128,7 +133,8 @@ def test_a_signal_while_torch_loads_ends_init_model_export_and_a_cuda_run(tmp_pa
     first torch import is the CUDA check, before the data checks): exit 143, one line, nothing
     written — before the CUDA run's "no CUDA device" check on a machine without one. Control:
     init-model with cli._import_torch a no-op runs to the end (the signal swallowed)."""
-    out, missing = tmp_path / "out", tmp_path / "missing"
+    out, missing = tmp_path / "out", tmp_path / "not_a_run"
+    missing.mkdir()   # passes export's cheap path checks, so torch is imported after them
     argv = [a.format(out=out, missing=missing) for a in argv]
 
     def rlk(setup: str) -> subprocess.CompletedProcess:
@@ -139,7 +145,7 @@ def test_a_signal_while_torch_loads_ends_init_model_export_and_a_cuda_run(tmp_pa
     assert p.stderr.strip().splitlines()[-1] == last and "Traceback" not in p.stderr, p.stderr
     assert not out.exists()
     if argv[0] == "init-model":
-        control = rlk("cli._import_torch = lambda: None")
+        control = rlk(_NEITHER_GUARD)
         assert control.returncode == 0 and (out / "config.json").is_file(), control.stderr
 
 
@@ -161,3 +167,33 @@ def test_import_torch_holds_the_three_signals_and_restores_the_mask(monkeypatch)
     assert [n for n, _ in seen] == ["numpy", "torch", "safetensors.torch"], seen
     assert all(held <= mask for _, mask in seen), seen
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+def test_a_signal_whose_exception_is_lost_still_ends_the_command_with_its_code(
+        tmp_path, capsys, monkeypatch):
+    """SIGTERM whose Terminated is swallowed inside the command (as a garbage-collection
+    callback or a library's catch-all does: `rlk report` exited 0 after "Exception ignored ...
+    Terminated: 143"; found by a breaker): the command finishes, then exits 143 with one line.
+    Control: the same command without the signal exits 0 (a signal the command handles keeps
+    its own code and line: the tests above)."""
+    import os
+
+    from rlkernel.runner import report
+
+    run = tmp_path / "r"
+    assert main(["run", "--steps", "1", *ARGS[2:], "--run-dir", str(run)]) == 0
+    real = report.write_report
+
+    def swallowing(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)   # the handler runs here and its exception is caught below
+        except BaseException:
+            pass
+        return real(*args, **kwargs)
+    capsys.readouterr()
+    assert main(["report", str(run), "--out", str(tmp_path / "p0")]) == 0
+    monkeypatch.setattr(report, "write_report", swallowing)
+    assert main(["report", str(run), "--out", str(tmp_path / "p1")]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "rlk report: terminated (the signal arrived while it finished its work)"

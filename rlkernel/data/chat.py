@@ -89,7 +89,10 @@ def _read_text(path: Path) -> str:
 
 def _read_json(path: Path) -> dict:
     try:
-        d = jsontext.loads(_read_text(path))
+        # a key given twice (two chat_template values): json would take the last silently
+        d = jsontext.loads(_read_text(path), unique_keys=True)
+    except jsontext.DuplicateKeyError as e:
+        raise ChatTemplateError(f"{path}: cannot be read as JSON ({e.msg})") from None
     except json.JSONDecodeError as e:
         raise ChatTemplateError(f"{path}: cannot be read as JSON ({e})") from None
     if not isinstance(d, dict):

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from rlkernel import readfile
+from rlkernel import jsontext, readfile
 from rlkernel.model.config import (Qwen3Config, assignments, defaulted_shape_keys, param_shapes,
                                    preset)
 
@@ -239,8 +239,8 @@ def _read_json(path: Path):
     except readfile.NotRegularFileError as e:   # a FIFO would block, a device never end
         raise CheckpointError(f"{e}; expected a JSON file") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: "
-                              f"{e.msg})") from None
+        raise CheckpointError(f"{path}: not valid JSON ({jsontext.located(e, column=True)})"
+                              ) from None
     except (UnicodeDecodeError, OSError) as e:
         raise CheckpointError(f"{path}: cannot be read as UTF-8 JSON ({e})") from None
 

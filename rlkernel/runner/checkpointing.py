@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from rlkernel import readfile
+from rlkernel import jsontext, readfile
 from rlkernel.config import SIZE_LIMITS, RunConfig, flag_name
 from rlkernel.model.config import Qwen3Config, param_shapes
 from rlkernel.runner.watch import CKPT_DIR
@@ -316,7 +316,7 @@ def _meta(path: pathlib.Path) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"{_META} is not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{_META} is not valid JSON (line {e.lineno}: {e.msg})") from None
+        raise ValueError(f"{_META} is not valid JSON ({jsontext.located(e)})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{_META} holds a JSON {type(meta).__name__}, not the object rlk run "
                          "writes")

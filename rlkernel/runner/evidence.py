@@ -362,8 +362,11 @@ class EvidenceWriter:
             progress.done = upto
         w.complete = False
         w.summary = None
-        write_json_atomic(w.run_dir / "manifest.json", w.manifest)
+        # Evidence first: stopped between the two writes, the run is incomplete under its old
+        # manifest (resumable). The other order left complete evidence under the new --steps,
+        # which `rlk compare` rightly calls edited (found by a breaker).
         w._flush()
+        write_json_atomic(w.run_dir / "manifest.json", w.manifest)
         return w
 
     def adopt(self) -> None:
