@@ -870,7 +870,6 @@ def max_local_ranks(device: str) -> int:
     """Most ranks `rlk run` starts on this machine itself (without torchrun): one per GPU on
     CUDA; on CPU max(8, 4 × cores) gloo processes (each holds a torch runtime and a model copy)."""
     if device == "cuda":
-        _import_torch()
         import torch
 
         return torch.cuda.device_count()
@@ -1112,10 +1111,11 @@ def _import_torch() -> None:
     thread (and on the threads the import starts, which inherit the mask); one that arrives
     meanwhile is delivered when the import is done, to the handlers already installed. Called
     where a command first needs torch, after its cheap checks (a usage error must not wait
-    seconds for it). Why: torch imports numpy inside a try that catches any exception, so the
-    Terminated (or KeyboardInterrupt) a handler raised there was swallowed — the run went on
-    as if never signalled, or failed later on a half-imported numpy (found by a breaker: a
-    signal in the first ~0.3 s)."""
+    seconds for it): `rlk run`'s CUDA check and data check (a resume's too), init-model and
+    export; everything after those finds torch loaded. Why: torch imports numpy inside a try
+    that catches any exception, so the Terminated (or KeyboardInterrupt) a handler raised there
+    was swallowed — the run went on as if never signalled, or failed later on a half-imported
+    numpy (found by a breaker: a signal in the first ~0.3 s)."""
     import importlib
     import signal
 
@@ -1366,7 +1366,6 @@ def _check_checkpoint_is_the_runs(ck, cfg: RunConfig, evidence: dict[str, typing
     """The checkpoint `ck` was written under the manifest's config `cfg`
     (checkpointing.check_settings) and continues the evidence read from `path`
     (checkpointing.check_continues). Raises ResumeError naming --resume."""
-    _import_torch()
     from rlkernel.runner.checkpointing import ResumeError, check_continues, check_settings
 
     try:
@@ -1383,7 +1382,6 @@ def _check_checkpoint_inputs(ck, manifest: typing.Any, shape: Qwen3Config | None
     (checkpointing.check_state; None: unread, the loop's own check stands), values a run saves
     (check_values), so a file that is not the run's is refused before any work, not after
     "resuming". Raises ResumeError naming --resume."""
-    _import_torch()
     from rlkernel.runner.checkpointing import (ResumeError, check_inputs, check_state,
                                                check_values)
 
@@ -1417,7 +1415,6 @@ def _check_replaced_dirs(src: pathlib.Path, d: pathlib.Path) -> None:
     written (a link to another run's checkpoints/ continued from its weights and wrote into it;
     a FIFO hung the run with its signals held; a file or link failed it after the work).
     Raises ResumeError."""
-    _import_torch()
     from rlkernel.runner.checkpointing import (ResumeError, check_checkpoint_dirs,
                                                replaced_directory_problem)
 
@@ -1445,7 +1442,6 @@ def _sh(path: str | os.PathLike) -> str:
 
 def _resume_hint(d: pathlib.Path) -> str:
     """How to continue the run in `d`, or why it cannot be continued."""
-    _import_torch()
     from rlkernel.runner.checkpointing import checkpoint_dirs
 
     if checkpoint_dirs(d):
@@ -1683,7 +1679,6 @@ def _input_error(e: BaseException) -> str | None:
     """The message of a bad input the run found after it started (runner/loop.InputError: the
     model checkpoint's contents, a prompt's length), raised here or by any rank of a launched
     run (its RankUserError carries the type's name); None for other errors."""
-    _import_torch()
     from rlkernel.runner.loop import InputError
 
     if isinstance(e, InputError):
@@ -1718,8 +1713,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SystemExit as e:   # a signal before the run's own handling began: nothing was written
         if _debug():
             raise
-        kept = (f"{args.resume} is left as it was" if getattr(args, "resume", None)
-                else "nothing kept")
+        resume = getattr(args, "resume", None)   # flags left out are absent (SUPPRESS)
+        kept = f"{resume} is left as it was" if resume else "nothing kept"
         print(f"rlk run: interrupted before the first step; {kept}", file=sys.stderr)
         return e.code if isinstance(e.code, int) else 1
 

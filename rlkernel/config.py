@@ -336,6 +336,12 @@ class RunConfig:
         return self.steps * self.updates_per_step
 
     @property
+    def never_learns(self) -> bool:
+        """One sample per prompt (every GRPO advantage 0) and no KL or entropy term: every
+        gradient is 0 whatever the rewards, known before the run starts."""
+        return self.n_samples_per_prompt == 1 and not self.kl_coef and not self.entropy_coef
+
+    @property
     def train_world_size(self) -> int:
         """Trainer ranks: dp * tp * cp."""
         return self.dp * self.tp * self.cp
@@ -702,8 +708,7 @@ def _validate_updates(c: RunConfig) -> None:
                     f"must be < the run's optimizer updates (--steps {c.steps} x --ppo-epochs "
                     f"{c.ppo_epochs} x --mini-batches {c.mini_batches} = {c.total_updates}), "
                     "or the learning rate never reaches --lr")
-    if (c.require_updates and c.n_samples_per_prompt == 1 and not c.kl_coef
-            and not c.entropy_coef):
+    if c.require_updates and c.never_learns:
         # runner.watch warns of this run without --require-updates; with it, its first step
         # would fail, after the work of a rollout and an update
         raise ConfigError("--require-updates with --n-samples-per-prompt 1 and --kl-coef and "

@@ -113,7 +113,7 @@ def _load_json(path: pathlib.Path) -> Any:
     except jsontext.DuplicateKeyError as e:
         raise CompareError(f"{path}: {e.msg}; not a file rlk run writes (it was edited)") from None
     except json.JSONDecodeError as e:
-        raise CompareError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        raise CompareError(f"{path}: not valid JSON ({jsontext.located(e)})") from None
 
 
 def _run_path(run_dir: str | pathlib.Path) -> pathlib.Path:
@@ -142,7 +142,7 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     fmt = evidence.get("format")
     # another meaning of the same fields; `true == 1` in Python, so the type is checked too
     if type(fmt) is not int or fmt != EVIDENCE_FORMAT:
-        raise CompareError(f"{ev_path}: evidence format {evidence.get('format')!r}; this rlk "
+        raise CompareError(f"{ev_path}: evidence format {fmt!r}; this rlk "
                            f"reads format {EVIDENCE_FORMAT} only")
     if not all(isinstance(s, dict) for s in evidence["steps"]):
         raise CompareError(f"{ev_path}: every step record must be a JSON object")
@@ -305,14 +305,18 @@ def _inputs_by_place(m: dict[str, Any]) -> Any:
 _SECTIONS = ("config", "canonical_spec", "inputs", "reward", "tokenizer_files", "versions", "git")
 
 
+def _odd(m: dict[str, Any], section: str) -> bool:
+    """Whether manifest `m` holds `section` as a scalar or list where a run writes an object."""
+    return m.get(section) is not None and not isinstance(m[section], dict)
+
+
 def _odd_sections(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     """A line for each manifest section that is a scalar or list in A or B where a run writes an
     object (an edited or damaged manifest): a caveat, shown under --quiet too, instead of a
     comparison key by key (a `config` list made the note call every setting different)."""
     out = []
     for section in _SECTIONS:
-        odd = [side for side, m in (("A", ma), ("B", mb))
-               if m.get(section) is not None and not isinstance(m[section], dict)]
+        odd = [side for side, m in (("A", ma), ("B", mb)) if _odd(m, section)]
         if odd:
             out.append(f"{section}: not a JSON object in {' and '.join(odd)}'s manifest "
                        f"({_pair(ma.get(section, '<absent>'), mb.get(section, '<absent>'))}; "
@@ -323,8 +327,7 @@ def _odd_sections(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
 def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     info = []
     for section in _SECTIONS:
-        if any(m.get(section) is not None and not isinstance(m[section], dict)
-               for m in (ma, mb)):
+        if _odd(ma, section) or _odd(mb, section):
             continue    # _odd_sections names it
         if section == "inputs":
             fa, fb = (_flatten(_inputs_by_place(m) or {}) for m in (ma, mb))
@@ -343,7 +346,7 @@ def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     """The config fields of A and B that differ and may change the evidence, in A's order. An
     input path typed two ways (`--model m` and `--model /abs/m`) that both manifests' resolved
     "input_paths" name as one file is no difference (its content is `_input_differences`')."""
-    if any(m.get("config") is not None and not isinstance(m["config"], dict) for m in (ma, mb)):
+    if _odd(ma, "config") or _odd(mb, "config"):
         return []   # not settings to compare: _odd_sections names the section
     ca, cb = (m.get("config") if isinstance(m.get("config"), dict) else {} for m in (ma, mb))
     pa, pb = (m.get("input_paths") if isinstance(m.get("input_paths"), dict) else {}

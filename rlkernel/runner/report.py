@@ -17,8 +17,9 @@ warning, while another run has steps. A panel with no value in any run is left o
 from an earlier report in --out removed). A PNG name in --out taken by a directory, a FIFO or a
 symbolic link is refused before any PNG is drawn. NaN/Inf values are gaps in a curve, and so
 are values past ±PLOT_LIMIT (an axis cannot span them: matplotlib's tick arithmetic overflowed
-near 1e308, a traceback), each named in a warning (`warn`). Should matplotlib still fail on a panel, that panel is left out of
-its PNG and of overview.png, with a warning, and the rest is drawn.
+near 1e308, a traceback), each named in a warning (`warn`). Should matplotlib still fail on a
+panel, that panel is left out of its PNG and of overview.png, with a warning, and the rest is
+drawn.
 
 Matplotlib is driven through its object API with the Agg canvas: no pyplot, no global backend
 switch, no display needed.

@@ -50,7 +50,7 @@ def config_warnings(cfg) -> list[str]:
     if cfg.save_every > cfg.steps:
         out.append(f"--save-every {cfg.save_every} > --steps {cfg.steps}: no checkpoint will be "
                    "written, so this run cannot be resumed")
-    if _never_learns(cfg):
+    if cfg.never_learns:
         out.append("--n-samples-per-prompt 1 makes every GRPO advantage 0 and --kl-coef and "
                    "--entropy-coef are 0: every gradient is 0, the run cannot learn")
     custom_clip = (cfg.clip_eps_low is not None or cfg.clip_eps_high is not None
@@ -87,12 +87,6 @@ def _moved(cfg, name: str) -> bool:
     """True when field `name` of the RunConfig `cfg` is off its default."""
     default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
     return getattr(cfg, name) != default
-
-
-def _never_learns(cfg) -> bool:
-    """One sample per prompt (every GRPO advantage 0) and no KL or entropy term: every gradient
-    is 0 whatever the rewards, known before the run starts."""
-    return cfg.n_samples_per_prompt == 1 and not cfg.kl_coef and not cfg.entropy_coef
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -181,7 +175,7 @@ class RunWatch(NullWatch):
         self.sink = MetricsSink(self.run_dir, tensorboard=cfg.tensorboard, start=start)
         # config_warnings already said so before the run (the CLI prints it): saying it again
         # at step 0 would be the same warning twice.
-        self._warned_zero = _never_learns(cfg)
+        self._warned_zero = cfg.never_learns
         self._live = None
         self._task = None
         self._step = start
