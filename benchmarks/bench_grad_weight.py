@@ -149,14 +149,15 @@ CARRY_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 8, 3), (
                (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2, 128), (64, 64, 4, 1, 128))
 
 
-def _carry_sweep(t: int = 4096) -> dict:
+def _carry_sweep(t: int = 4096, tiles=CARRY_TILES) -> dict:
     """`carry_grad_weight_deferred` (first pass + the retry launch over every tile: what the
     persistent sink runs per linear per microbatch) at qwen3-1.7b's dW shapes for each tile of
-    CARRY_TILES: ms per call, ms per microbatch weighted by the launches, the words bytewise
-    equal across tiles (the tile is speed only), and cuBLAS's bf16 dW for scale."""
+    `tiles` (default CARRY_TILES): ms per call, ms per microbatch weighted by the launches, the
+    words bytewise equal across tiles (the tile is speed only), and cuBLAS's bf16 dW for
+    scale."""
     from rlkernel.kernels import triton_grad_weight as tgw
     out = {"tokens": t, "shapes": [], "per_microbatch_ms": {}}
-    totals = {str(tl): 0.0 for tl in CARRY_TILES}
+    totals = {str(tl): 0.0 for tl in tiles}
     cublas_total = 0.0
     for n, k, count in CARRY_SHAPES:
         dy, x = _operands(t, n, k, torch.bfloat16)
@@ -165,7 +166,7 @@ def _carry_sweep(t: int = 4096) -> dict:
                "cublas_ms": median_ms(lambda: torch.matmul(dy.t(), x))}
         cublas_total += count * row["cublas_ms"]
         ref = None
-        for tl in CARRY_TILES:
+        for tl in tiles:
             words.zero_()
             try:
                 _, flagged = tgw.carry_grad_weight_deferred(words, dy, x, tile=tl)
@@ -199,10 +200,14 @@ def main() -> None:
     ap.add_argument("--leaves", default="16,32,64,128", help="leaf lengths for --leaf-sweep")
     ap.add_argument("--carry-sweep", action="store_true",
                     help="the persistent carried pass at qwen3-1.7b shapes for CARRY_TILES")
+    ap.add_argument("--tiles", help="--carry-sweep's tiles instead of CARRY_TILES: "
+                    "BNxBKxWARPSxSTAGES[xMAXNREG],... (the first is the bytes' reference)")
     a = ap.parse_args()
     require_cuda()
     if a.carry_sweep:
-        dump(a.out, {"env": env(), "carry_sweep": _carry_sweep()})
+        tiles = CARRY_TILES if not a.tiles else tuple(
+            tuple(int(v) for v in tl.split("x")) for tl in a.tiles.split(","))
+        dump(a.out, {"env": env(), "carry_sweep": _carry_sweep(tiles=tiles)})
         return
     if a.leaf_sweep:
         leaves = tuple(int(v) for v in a.leaves.split(","))

@@ -337,11 +337,13 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ExportError(f"refusing to export {src}: {problems[0]}{more}; these are not the "
-                          f"weights the run recorded at step {step} (evidence.json)")
+                          f"weights the run recorded at evidence step {step} (the run's step "
+                          f"{step + 1}; evidence.json)")
     version = version_hash(hashes)
     if version != record.get("version"):
         raise ExportError(f"refusing to export {src}: version {version[:16]}... differs from "
-                          f"the recorded {str(record.get('version'))[:16]}... of step {step}")
+                          f"the recorded {str(record.get('version'))[:16]}... of evidence step {step} "
+                          f"(the run's step {step + 1})")
 
     files = _tokenizer_files(model, manifest, cfg)
     meta = {"run": str(run.resolve()), "step": step, "version": version,
