@@ -790,3 +790,19 @@ def test_long_values_are_cut_where_they_differ():
     assert "fp32 elsewhere" in a and "attention's q, k, v" in b, got
     assert a.startswith("...") and "\\u" not in got
     assert _pair("x·y", "x·z") == '"x·y" vs "x·z"'
+
+
+def test_steps_is_a_difference_of_configuration_only_under_a_decaying_schedule(tmp_path):
+    """--steps differing under the constant LR schedule (which does not read it; a resume may
+    extend such a run) is no difference of configuration: the step counts are compared on
+    their own. Under cosine (its horizon sets every step's LR) it is one — the control."""
+    a = write_run(tmp_path / "a", [_step(0), _step(1)], tp=2)
+    b = write_run(tmp_path / "b", [_step(0), _step(1), _step(2)], tp=2)
+    _set_config(a, steps=2, lr_schedule="constant")
+    _set_config(b, steps=3, lr_schedule="constant")
+    assert compare_runs(a, b).config_differences == []
+    for run in (a, b):
+        _set_config(run, lr_schedule="cosine")
+    assert compare_runs(a, b).config_differences == ["steps"]
+    _set_config(a, lr_schedule="constant")
+    assert compare_runs(a, b).config_differences == ["steps", "lr_schedule"]

@@ -345,7 +345,10 @@ def _manifest_info(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
 def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     """The config fields of A and B that differ and may change the evidence, in A's order. An
     input path typed two ways (`--model m` and `--model /abs/m`) that both manifests' resolved
-    "input_paths" name as one file is no difference (its content is `_input_differences`')."""
+    "input_paths" name as one file is no difference (its content is `_input_differences`');
+    nor is --steps where both runs use the constant LR schedule, the one that does not read
+    it (a resume may extend such a run: RunConfig.resume_settings) — the step counts are
+    compared on their own."""
     if _odd(ma, "config") or _odd(mb, "config"):
         return []   # not settings to compare: _odd_sections names the section
     ca, cb = (m.get("config") if isinstance(m.get("config"), dict) else {} for m in (ma, mb))
@@ -356,7 +359,9 @@ def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     def same_place(k: str) -> bool:
         return (k in INPUT_FIELDS and isinstance(pa.get(k), str)
                 and same_value(pa.get(k), pb.get(k)))
+    horizon_free = all(c.get("lr_schedule", "constant") == "constant" for c in (ca, cb))
     return [k for k in keys if k not in SAME_EVIDENCE_SETTINGS and not same_place(k)
+            and not (k == "steps" and horizon_free)
             and not same_value(ca.get(k, "<absent>"), cb.get(k, "<absent>"))]
 
 
