@@ -505,12 +505,22 @@ def _occupied(flag: str, value: str) -> str | None:
     wrong = _not_a_directory(flag, value, "a new or empty directory", _dir_is_free)
     if wrong is not None:
         return wrong
+    if _is_cwd(d):     # empty, but its rename-into-place fails (busy) after all the work
+        return (f"{flag} {value!r}: must name a new directory, not the current one (the "
+                "output is built beside it and renamed into place)")
     if d.is_dir() and os.path.ismount(d):   # its rmdir fails (busy) after all the work
         return (f"{flag} {value!r}: is a mount point, which the output (built beside it and "
                 f"renamed into place) cannot replace; give a new directory inside it")
     if _dir_is_free(d):
         return None
     return f"{flag} {value!r}: {_why_not_free(d)}; give a new or empty directory"
+
+
+def _is_cwd(d: pathlib.Path) -> bool:
+    try:
+        return os.path.realpath(d) == os.path.realpath(pathlib.Path.cwd())
+    except OSError:     # the current directory was removed: d cannot be it
+        return False
 
 
 def _in_run_owned(flag: str, value: str) -> str | None:
@@ -576,7 +586,7 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
         d = pathlib.Path(cfg.run_dir)
         # realpath, not Path.resolve: a symbolic link loop must reach the checks below (it
         # raised RuntimeError here, a traceback instead of a usage error).
-        if os.path.realpath(d) == os.path.realpath(pathlib.Path.cwd()):
+        if _is_cwd(d):
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
                               "current one")
         if TMP_SUFFIX.search(d.name):   # the name rlk run gives a run before it publishes it
@@ -1156,7 +1166,7 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
 
 def _pid_of(tmp: pathlib.Path) -> int | None:
     pid = tmp.name.rpartition(".tmp-")[2]
-    return int(pid) if pid.isdigit() else None
+    return int(pid) if pid.isascii() and pid.isdigit() else None   # not "²": int() refuses it
 
 
 def _alive(pid: int) -> bool:

@@ -657,14 +657,15 @@ def test_a_field_given_twice_is_a_clear_error(tmp_path, capsys, name):
 
 
 @pytest.mark.parametrize("section,value", [("canonical_spec", "virtual_tp=8"),
-                                           ("config", [["tp", 1], ["steps", 1]])])
+                                           ("inputs", [["files", 1]])])
 def test_a_manifest_section_that_is_not_an_object_is_named_once(tmp_path, capsys, section,
                                                                  value):
-    """canonical_spec edited into a string (or config into a list) in B's manifest: one caveat
+    """canonical_spec edited into a string (or inputs into a list) in B's manifest: one caveat
     naming the section and the side, printed under --quiet too (it printed an empty-key line,
-    "canonical_spec:  ...", and was hidden by --quiet; a config list made the note call every
-    one of A's settings different); the evidence is still compared. Control: the manifest as
-    written gives no such line."""
+    "canonical_spec:  ...", and was hidden by --quiet); the evidence is still compared. (A
+    config that is no object is refused when the evidence is complete: its step count cannot
+    be checked, test_complete_evidence_whose_manifest_has_no_step_count_is_refused.) Control:
+    the manifest as written gives no such line."""
     a = write_run(tmp_path / "a", [_step(0)])
     b = write_run(tmp_path / "b", [_step(0)])
     assert not [c for c in compare_runs(a, b).caveats if "not a JSON object" in c]
@@ -806,3 +807,42 @@ def test_steps_is_a_difference_of_configuration_only_under_a_decaying_schedule(t
     assert compare_runs(a, b).config_differences == ["steps"]
     _set_config(a, lr_schedule="constant")
     assert compare_runs(a, b).config_differences == ["steps", "lr_schedule"]
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m["config"].pop("steps"), "records no --steps"),
+    (lambda m: m["config"].update(steps="1"), 'records --steps as "1", not an integer'),
+    (lambda m: m.pop("config"), "has no config object"),
+    (lambda m: m.update(config=[["tp", 1], ["steps", 1]]), "has no config object"),
+])
+def test_complete_evidence_whose_manifest_has_no_step_count_is_refused(tmp_path, edit, words):
+    """A finished 2-step run cut to one step and left marked complete, its manifest's --steps
+    removed or made a string (or the whole config): the count check cannot run, so compare
+    refuses (it compared IDENTICAL to a genuine 1-step run). Control: an incomplete run whose
+    manifest lacks --steps is compared, not refused."""
+    one = write_run(tmp_path / "one", [_step(0)])
+    cut = write_run(tmp_path / "cut", [_step(0)])
+    m = json.loads((cut / "manifest.json").read_text())
+    edit(m)
+    (cut / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CompareError, match=re.escape(words)):
+        compare_runs(one, cut)
+    ev = json.loads((cut / "evidence.json").read_text())
+    ev["complete"] = False
+    (cut / "evidence.json").write_text(json.dumps(ev))
+    assert not compare_runs(one, cut).identical
+
+
+def test_a_setting_a_manifest_lacks_counts_at_its_default(tmp_path):
+    """A manifest written before --lr-schedule existed (no lr_schedule key) against one with the
+    default "constant": no configuration difference (a resume reads the absent field at its
+    default too). Control: against "cosine" it is one."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    m = json.loads((a / "manifest.json").read_text())
+    m["config"].pop("lr_schedule", None)
+    (a / "manifest.json").write_text(json.dumps(m))
+    _set_config(b, lr_schedule="constant")
+    assert compare_runs(a, b).config_differences == []
+    _set_config(b, lr_schedule="cosine")
+    assert compare_runs(a, b).config_differences == ["lr_schedule"]

@@ -141,6 +141,49 @@ def test_a_corrupt_config_json_is_one_line_naming_the_file(run, tmp_path, capsys
     assert not out.exists()
 
 
+def test_an_edited_architecture_in_final_config_json_is_refused(run, tmp_path, capsys):
+    """R/final/config.json still valid but describing another model (rms_norm_eps, rope_theta
+    changed): the tensors' hashes alone would pass, so the architecture is checked against the
+    embedded tiny model's — exit 1 naming the fields, no --out directory. Control: the copy
+    before the edit exports."""
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    assert main(["export", str(bad), "--out", str(tmp_path / "ok")]) == 0
+    path = bad / "final" / "config.json"
+    config = json.loads(path.read_text())
+    config["rms_norm_eps"] = 0.5
+    path.write_text(json.dumps(config))
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["export", str(bad), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "final/config.json: rms_norm_eps differ(s)" in err[0], err
+    assert not out.exists()
+
+
+def test_an_input_config_json_edited_after_the_run_is_refused(tmp_path, capsys):
+    """A --model run that kept checkpoints but no final/: export takes the architecture from the
+    input model's config.json, so after that file changes (its SHA-256 no longer the one the
+    manifest recorded) export refuses, exit 1; before the edit it exports (the control)."""
+    model = tmp_path / "model"
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
+    d = tmp_path / "run"
+    assert main(["run", "--model", str(model), "--steps", "2", "--save-every", "1",
+                 "--n-prompts", "1", "--n-samples-per-prompt", "2", "--max-response-len", "4",
+                 "--allow-dirty", "--run-dir", str(d)]) == 0
+    shutil.rmtree(d / "final")
+    assert main(["export", str(d), "--step", "0", "--out", str(tmp_path / "ok")]) == 0
+    config = json.loads((model / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (model / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["export", str(d), "--step", "0", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "config.json changed since the run started" in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("args,words", [
     (["--step", "7"], "--step 7: must be an evidence step of"),
     (["--step", "-1"], "--step -1: must be an evidence step of"),
@@ -255,7 +298,8 @@ def test_export_of_a_relative_model_works_from_any_directory(tmp_path, capsys, m
     m = json.loads(path.read_text())
     path.write_text(json.dumps({k: v for k, v in m.items() if k != "input_paths"}))
     assert main(["export", str(wd / "run"), "--out", str(tmp_path / "hf3")]) == 1
-    assert "directory 'm' (for its tokenizer files) no longer exists" in capsys.readouterr().err
+    assert "directory 'm' (for its config.json and tokenizer files) no longer exists" in \
+        capsys.readouterr().err
     monkeypatch.chdir(wd)
     assert main(["export", "run", "--out", str(tmp_path / "hf3")]) == 0
 
@@ -388,3 +432,59 @@ def test_out_in_a_runs_final_weights_is_refused(run, capsys):
         assert list(plots.glob("*.png"))
     finally:
         shutil.rmtree(plots, ignore_errors=True)
+
+
+@pytest.mark.parametrize("edit, code, words", [
+    (lambda m, e: m["config"].update(dtype=["bf16"]), 2, 'records config dtype as ["bf16"]'),
+    (lambda m, e: m["config"].update(model=5), 2, "records config model as 5, not a path"),
+    (lambda m, e: e["steps"][-1]["tensor_hashes"].update({"model.norm.weight": 5}), 1,
+     "records the hash of tensor 'model.norm.weight' as 5, not a SHA-256 string"),
+])
+def test_a_hand_edited_setting_or_hash_of_another_type_is_one_line(run, tmp_path, capsys, edit,
+                                                                   code, words):
+    """Manifest settings export reads (--dtype, --model) or a recorded tensor hash edited into
+    another JSON type: one line naming the file and the value (each was a TypeError traceback),
+    no --out directory."""
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    e = json.loads((bad / "evidence.json").read_text())
+    edit(m, e)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    (bad / "evidence.json").write_text(json.dumps(e))
+    out = tmp_path / "out"
+    assert main(["export", str(bad), "--out", str(out)]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
+def test_a_checkpoint_named_with_other_digits_is_not_a_step(run, tmp_path, capsys):
+    """checkpoints/step-² (str.isdigit is true, int() refuses it) and step-٠٠٠٠٠١ (Arabic-Indic
+    digits, which int() reads as 1): neither is a checkpoint — export works as before (the
+    first was a ValueError traceback, the second was taken for step 1's weights)."""
+    from rlkernel.runner.export import available_steps
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    before = available_steps(bad)
+    (bad / "checkpoints" / "step-²").mkdir()
+    (bad / "checkpoints" / "step-٠٠٠٠٠١").mkdir()
+    assert available_steps(bad) == before
+    assert main(["export", str(bad), "--out", str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize("command", ["export", "init-model"])
+def test_out_as_the_current_directory_is_refused_before_any_work(run, tmp_path, monkeypatch,
+                                                                 capsys, command):
+    """--out . in an empty current directory: a usage error, exit 2, before any work (it passed
+    the checks as an empty directory, then failed at the rename after the whole export, exit 1,
+    asking whether the directory "was filled meanwhile")."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    args = ([str(run), "--out", "."] if command == "export"
+            else ["--preset", "tiny", "--out", "."])
+    assert main([command, *args]) == 2
+    err = capsys.readouterr().err
+    assert "must name a new directory, not the current one" in err, err
+    assert list(here.iterdir()) == []

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ def check_checkpoint_dirs(run_dir: pathlib.Path) -> None:
                           "reads them and writes its next ones there): put the run's own "
                           "checkpoints/ there")
     for p in sorted(root.glob("step-*")) if root.is_dir() else []:
-        ours = p.name.removeprefix("step-").isdigit()
+        ours = step_number(p.name) is not None
         why = replaced_directory_problem(p) if ours else None
         if why is not None:
             raise ResumeError(f"{why}; the run replaces it with a checkpoint: move it away")
@@ -179,11 +180,11 @@ def check_continues(ck: Checkpoint, evidence: dict, path: pathlib.Path) -> None:
     (loop.py); a checkpoint and evidence of two runs (one copied over the other) resumed into a
     broken chain of versions and was marked complete. Its optimizer update count must be the
     updates the evidence records as applied (`_applied_updates`). Raises ResumeError."""
-    named = ck.path.name.removeprefix("step-")
-    if not named.isdigit() or int(named) != ck.next_step:
+    named = step_number(ck.path.name)
+    if named != ck.next_step:
+        shown = named if named is not None else repr(ck.path.name.removeprefix("step-"))
         raise ResumeError(f"{ck.path}: its meta.json continues at step {ck.next_step}, its name "
-                          f"at step {int(named) if named.isdigit() else named!r}: renamed or "
-                          "copied in from elsewhere; move it away")
+                          f"at step {shown}: renamed or copied in from elsewhere; move it away")
     init = evidence.get("init")
     if not isinstance(init, dict) or not isinstance(init.get("version"), str):
         raise ResumeError(f"{path} holds no init record (the initial weights' version, which "
@@ -368,10 +369,18 @@ def checkpoint_dirs(run_dir: pathlib.Path) -> dict[int, pathlib.Path]:
     root = pathlib.Path(run_dir) / CKPT_DIR
     out = {}
     for p in sorted(root.glob("step-*")) if root.is_dir() else []:
-        digits = p.name.removeprefix("step-")
-        if p.is_dir() and digits.isdigit():
-            out[int(digits)] = p
+        n = step_number(p.name)
+        if p.is_dir() and n is not None:
+            out[n] = p
     return out
+
+
+def step_number(name: str) -> int | None:
+    """The step a checkpoint directory's name `step-NNNNNN` holds, or None for any other name:
+    ASCII digits only (str.isdigit accepts '²' and other scripts' digits, which int() then
+    refuses or reads as another number)."""
+    m = re.fullmatch(r"step-([0-9]+)", name)
+    return int(m.group(1)) if m else None
 
 
 def latest_checkpoint(run_dir: pathlib.Path) -> Checkpoint:

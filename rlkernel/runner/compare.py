@@ -25,13 +25,15 @@ tests: `.venv/bin/python -m pytest -q tests/test_compare.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlkernel import jsontext, readfile
-from rlkernel.config import INPUT_FIELDS, SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, flag_name
+from rlkernel.config import (INPUT_FIELDS, SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, RunConfig,
+                             flag_name)
 from rlkernel.runner.evidence import EVIDENCE_FORMAT
 from rlkernel.runner.inputs import rekeyed
 
@@ -177,7 +179,15 @@ def _check_step_count(ev_path: pathlib.Path, evidence: dict[str, Any],
     config = manifest.get("config")
     want = config.get("steps") if isinstance(config, dict) else None
     have = len(evidence["steps"])
-    if evidence.get("complete") is True and type(want) is int and want != have:
+    if evidence.get("complete") is not True:
+        return
+    if type(want) is not int:   # without it a cut file would pass: refused, not skipped
+        where = ("has no config object" if not isinstance(config, dict) else
+                 "records no --steps" if "steps" not in config else
+                 f"records --steps as {json.dumps(want)[:40]}, not an integer")
+        raise CompareError(f"{ev_path}: marked complete, but its manifest {where} to check its "
+                           f"{have} step record(s) against (the manifest was edited or damaged)")
+    if want != have:
         raise CompareError(f"{ev_path}: marked complete with {have} step record(s), but its "
                            f"manifest's --steps is {want} (the file was edited or damaged)")
 
@@ -359,7 +369,11 @@ def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     def same_place(k: str) -> bool:
         return (k in INPUT_FIELDS and isinstance(pa.get(k), str)
                 and same_value(pa.get(k), pb.get(k)))
-    horizon_free = all(c.get("lr_schedule", "constant") == "constant" for c in (ca, cb))
+    # A field a manifest lacks (one added to RunConfig since it was written) counts at its
+    # default, as a resume reads it (RunConfig.resume_differences).
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    ca, cb = ({**defaults, **c} if c else c for c in (ca, cb))
+    horizon_free = all(c.get("lr_schedule") == "constant" for c in (ca, cb))
     return [k for k in keys if k not in SAME_EVIDENCE_SETTINGS and not same_place(k)
             and not (k == "steps" and horizon_free)
             and not same_value(ca.get(k, "<absent>"), cb.get(k, "<absent>"))]

@@ -38,7 +38,7 @@ from rlkernel.model.checkpoint import (CheckpointError, load_checkpoint, read_mo
 from rlkernel.model.config import Qwen3Config, param_shapes, tiny
 from rlkernel.runner.checkpointing import (ResumeError, checkpoint_dirs, fsync_dir,
                                           read_checkpoint, remove_entry)
-from rlkernel.runner.inputs import recorded_paths, where_now
+from rlkernel.runner.inputs import recorded_paths, sha256_file, where_now
 from rlkernel.runner.watch import FINAL_DIR
 from rlkernel.weights.hashing import compare_hashes, state_hashes, version_hash
 
@@ -132,11 +132,23 @@ def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
         doc, why = _read_json(run / name)
         if why is None and not (isinstance(doc, dict) and isinstance(doc.get(key), kind)):
             why = f"has no {key!r} {'object' if kind is dict else 'list'}"
+        if why is None and kind is dict:
+            why = _odd_setting(doc[key])
         if why is not None:
             raise ExportUsageError(f"RUN {str(run)!r}: {name} {why}; give a run directory "
                                    "written by rlk run")
         docs.append(doc)
     return docs[0], docs[1]
+
+
+def _odd_setting(config: dict) -> str | None:
+    """Why the settings export reads from a manifest's config cannot be used (--model a path
+    or null, --dtype a name), or None."""
+    for key, ok, want in (("model", lambda v: v is None or isinstance(v, str), "a path or null"),
+                          ("dtype", lambda v: isinstance(v, str), "a name")):
+        if key in config and not ok(config[key]):
+            return f"records config {key} as {json.dumps(config[key])[:40]}, not {want}"
+    return None
 
 
 def _final_meta(run: pathlib.Path) -> tuple[int | None, str | None]:
@@ -193,15 +205,42 @@ def _input_model(run: pathlib.Path, manifest: dict) -> str | None:
     return where_now("model", paths["model"], typed)
 
 
-def _model_config(run: pathlib.Path, model: str | None) -> Qwen3Config:
-    """The run's architecture: final/config.json, else the input model's, else the tiny model."""
-    for d in (run / FINAL_DIR, model):
-        if d is not None and (pathlib.Path(d) / "config.json").is_file():
-            return read_model_config(d)
+def _gone(model: str, why: str) -> str:
+    return (f"the run's input model directory {model!r} ({why}) no longer exists; restore it, "
+            "or export from a copy of the run whose manifest names a directory that exists")
+
+
+def _model_config(run: pathlib.Path, manifest: dict, model: str | None) -> Qwen3Config:
+    """The run's architecture, checked: the input model's config.json (its SHA-256 against the
+    one the manifest recorded, when it did) or the embedded tiny model's; final/config.json,
+    where present, must describe the same model. Raises ExportError naming the file otherwise
+    (an edited config.json would export the run's weights under another model)."""
     if model is None:
-        return tiny()
-    raise ExportError(f"cannot find the model's config.json (neither {run / FINAL_DIR} nor the "
-                      f"run's input model directory {model!r} has one)")
+        want, source = tiny(), "the embedded tiny model's"
+    else:
+        path = pathlib.Path(model) / "config.json"
+        if not pathlib.Path(model).is_dir():
+            raise ExportError(_gone(model, "for its config.json and tokenizer files"))
+        if not path.is_file():
+            raise ExportError(f"cannot find the model's config.json: the run's input model "
+                              f"directory {model!r} has none")
+        typed = manifest["config"].get("model")
+        files = (manifest.get("inputs") or {}).get("files") if isinstance(
+            manifest.get("inputs"), dict) else None
+        recorded = (files.get(str(pathlib.Path(typed) / "config.json"))
+                    if isinstance(files, dict) and isinstance(typed, str) else None)
+        if isinstance(recorded, str) and sha256_file(path) != recorded:
+            raise ExportError(f"{path} changed since the run started (manifest.json inputs); "
+                              "refusing to export under an architecture the run did not use")
+        want, source = read_model_config(model), f"{path}'s"
+    final = run / FINAL_DIR
+    if (final / "config.json").is_file():
+        got = read_model_config(final)
+        if got != want:
+            fields = [f for f in vars(want) if getattr(got, f, None) != getattr(want, f)]
+            raise ExportError(f"{final / 'config.json'}: {', '.join(fields)} differ(s) from "
+                              f"{source} (the model the run trained); refusing to export")
+    return want
 
 
 def _tokenizer_files(model: str | None, manifest: dict, cfg: Qwen3Config) -> dict[str, bytes]:
@@ -211,9 +250,7 @@ def _tokenizer_files(model: str | None, manifest: dict, cfg: Qwen3Config) -> dic
 
     if model is None or not (pathlib.Path(model) / "tokenizer.json").is_file():
         if model is not None and not pathlib.Path(model).is_dir():
-            raise ExportError(f"the run's input model directory {model!r} (for its tokenizer "
-                              "files) no longer exists; restore it, or export from a copy of the "
-                              "run whose manifest names a directory that exists")
+            raise ExportError(_gone(model, "for its tokenizer files"))
         # The run encoded with the byte tokenizer (no tokenizer.json): write its equivalent —
         # its ids only, so embedding rows past them stay masked (probability 0) in whatever
         # loads the export, as they were in the run (loop.run: live = min(tokenizer, vocab)).
@@ -320,7 +357,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
     src = avail[step]
     config = manifest["config"]
     model = _input_model(run, manifest)
-    cfg = _model_config(run, model)
+    cfg = _model_config(run, manifest, model)
     dtype = _DTYPES.get(config.get("dtype", "bf16"))
     if dtype is None:
         raise ExportError(f"{run / 'manifest.json'}: dtype {config.get('dtype')!r} is not one of "
@@ -332,6 +369,11 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
     if not isinstance(expected, dict) or not expected:
         raise ExportError(f"{run / 'evidence.json'}: step {step} records no tensor_hashes to "
                           "verify against")
+    odd = next((n for n, h in expected.items() if not isinstance(h, str)), None)
+    if odd is not None:
+        raise ExportError(f"{run / 'evidence.json'}: step {step} records the hash of tensor "
+                          f"{odd!r} as {json.dumps(expected[odd])[:40]}, not a SHA-256 string "
+                          "(the file was edited or damaged)")
     hashes = state_hashes({n: tensors[n] for n in param_shapes(cfg)})
     problems = compare_hashes(expected, hashes)
     if problems:
@@ -342,8 +384,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
     version = version_hash(hashes)
     if version != record.get("version"):
         raise ExportError(f"refusing to export {src}: version {version[:16]}... differs from "
-                          f"the recorded {str(record.get('version'))[:16]}... of evidence step {step} "
-                          f"(the run's step {step + 1})")
+                          f"the recorded {str(record.get('version'))[:16]}... of evidence step "
+                          f"{step} (the run's step {step + 1})")
 
     files = _tokenizer_files(model, manifest, cfg)
     meta = {"run": str(run.resolve()), "step": step, "version": version,

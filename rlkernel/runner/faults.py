@@ -120,7 +120,7 @@ def parse(spec: str) -> Fault:
     ints = {}
     for key in ("step", "rank", "index", "bit"):
         if key in fields:
-            if not fields[key].isdigit():
+            if not (fields[key].isascii() and fields[key].isdigit()):
                 raise _bad(spec, f"{key}={fields[key]!r} must be an integer >= 0")
             ints[key] = int(fields[key])
     where = fields.get("where", "step")
