@@ -488,3 +488,16 @@ def test_out_as_the_current_directory_is_refused_before_any_work(run, tmp_path, 
     err = capsys.readouterr().err
     assert "must name a new directory, not the current one" in err, err
     assert list(here.iterdir()) == []
+
+
+def test_a_run_whose_evidence_records_no_step_says_so(run, tmp_path, capsys):
+    """Evidence edited to no steps, final/ still there: exit 2 saying the evidence records no
+    step (it said final/ held step 1, "not the last step -1")."""
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    e = json.loads((bad / "evidence.json").read_text())
+    e["steps"] = []
+    (bad / "evidence.json").write_text(json.dumps(e))
+    assert main(["export", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "its evidence records no step" in err and "-1" not in err, err

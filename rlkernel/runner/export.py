@@ -262,8 +262,9 @@ def _tokenizer_files(model: str | None, manifest: dict, cfg: Qwen3Config) -> dic
         now = {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
         changed = sorted(n for n in set(recorded) | set(now) if recorded.get(n) != now.get(n))
         if changed:
-            raise ExportError(f"tokenizer file(s) {', '.join(changed)} in {d} changed since the "
-                              "run started (manifest.json tokenizer_files); refusing to export a "
+            raise ExportError(f"tokenizer file(s) {', '.join(changed)} in {d} changed, "
+                              "appeared or went since the run started (manifest.json "
+                              "tokenizer_files, which export copies); refusing to export a "
                               "tokenizer the run did not use")
     return files
 
@@ -341,7 +342,8 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
             held = _final_step(run)
             why = (f"it did not finish all its steps: {len(steps)} recorded"
                    if not done else "its final/ weights are missing"
-                   if held is None else f"final/ holds step {held}, not the last step {last}")
+                   if held is None else "its evidence records no step" if not steps
+                   else f"final/ holds step {held}, not the last step {last}")
             raise ExportUsageError(f"RUN {str(run)!r} has no final weights ({why}); "
                                    + (f"give --step N; {_steps_text(avail)}" if avail else
                                       f"nothing to export: {_steps_text(avail)}"))
