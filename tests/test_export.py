@@ -325,6 +325,13 @@ def test_a_damaged_final_record_is_named_not_called_an_unfinished_run(run, tmp_p
     assert f"{d / 'final' / 'rlk_weights.json'} {why}" in err, err
     assert "give --step N; steps with weights: 0 (checkpoint step-000001)" in err, err
     assert not out.exists()
+    # --step of the final step when only final/ held it: the broken record is named there
+    # too, exit 1 (it said the run "kept no weights for it", exit 2, hiding the damage)
+    shutil.rmtree(d / "checkpoints" / "step-000002")
+    assert main(["export", str(d), "--step", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"{d / 'final' / 'rlk_weights.json'} {why}" in err and "unknown" in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("name, text, words", [

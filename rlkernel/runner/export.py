@@ -354,6 +354,11 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike,
         raise ExportUsageError(f"--step {step!r}: must be an evidence step of {str(run)!r}, "
                                f"{where}; {_steps_text(avail)}")
     if step not in avail:
+        damaged = _final_meta(run)[1]    # final/ may hold it, but its record is broken
+        if damaged is not None:
+            raise ExportError(f"--step {step}: {str(run)!r} kept no checkpoint for it, and "
+                              f"{damaged}, so which step final/ holds is unknown; "
+                              f"{_steps_text(avail)}")
         raise ExportUsageError(f"--step {step}: {str(run)!r} kept no weights for it; "
                                f"{_steps_text(avail)}")
     src = avail[step]
