@@ -701,6 +701,9 @@ def test_a_run_warns_of_temporaries_that_killed_runs_left_and_deletes_nothing(
         d.mkdir(parents=True, exist_ok=True)
         (d / "manifest.json").write_text("{}")
     (runs / f"d.tmp-{dead}").mkdir()                 # no manifest.json: no rlk run's
+    for odd in ("e.tmp-²", "f.tmp-١٢", "g.tmp-abc"):   # no ASCII pid: no rlk run's ('²' was a
+        (runs / odd).mkdir()                          # ValueError, '١٢' read as pid 12)
+        (runs / odd / "manifest.json").write_text("{}")
     code, out, err = rlk(capsys, "run", "--allow-dirty")
     assert code == 0, err
     warnings = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: runs/")]
@@ -712,7 +715,7 @@ def test_a_run_warns_of_temporaries_that_killed_runs_left_and_deletes_nothing(
         "its partial evidence"]
     assert sorted(p.name for p in runs.iterdir()) == sorted(
         [f"a.tmp-{dead}", f"b.tmp-{dead}", f"c.tmp-{os.getpid()}", f"d.tmp-{dead}",
-         out.strip().removeprefix("runs/")])
+         "e.tmp-²", "f.tmp-١٢", "g.tmp-abc", out.strip().removeprefix("runs/")])
     # only the run directory's own parent is looked at
     code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "elsewhere/r")
     assert code == 0 and "warning: runs/" not in err

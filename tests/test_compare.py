@@ -814,6 +814,7 @@ def test_steps_is_a_difference_of_configuration_only_under_a_decaying_schedule(t
     (lambda m: m["config"].update(steps="1"), 'records --steps as "1", not an integer'),
     (lambda m: m.pop("config"), "has no config object"),
     (lambda m: m.update(config=[["tp", 1], ["steps", 1]]), "has no config object"),
+    (lambda m: m["config"].update(steps=True), "records --steps as true, not an integer"),
 ])
 def test_complete_evidence_whose_manifest_has_no_step_count_is_refused(tmp_path, edit, words):
     """A finished 2-step run cut to one step and left marked complete, its manifest's --steps
@@ -833,16 +834,22 @@ def test_complete_evidence_whose_manifest_has_no_step_count_is_refused(tmp_path,
     assert not compare_runs(one, cut).identical
 
 
-def test_a_setting_a_manifest_lacks_counts_at_its_default(tmp_path):
-    """A manifest written before --lr-schedule existed (no lr_schedule key) against one with the
-    default "constant": no configuration difference (a resume reads the absent field at its
-    default too). Control: against "cosine" it is one."""
-    a = write_run(tmp_path / "a", [_step(0)])
-    b = write_run(tmp_path / "b", [_step(0)])
-    m = json.loads((a / "manifest.json").read_text())
+@pytest.mark.parametrize("old_side", ["a", "b"])
+def test_a_setting_a_manifest_lacks_counts_at_its_default(tmp_path, old_side):
+    """A manifest written before --lr-schedule existed (no lr_schedule key; A's or B's) against
+    one with the default "constant": no configuration difference (a resume reads the absent
+    field at its default too), and --steps, which that schedule does not read, is none either.
+    Control: against "cosine" both are."""
+    runs = {"a": write_run(tmp_path / "a", [_step(0), _step(1)]),
+            "b": write_run(tmp_path / "b", [_step(0), _step(1), _step(2)])}
+    _set_config(runs["a"], steps=2)
+    _set_config(runs["b"], steps=3)
+    old, new = runs[old_side], runs["b" if old_side == "a" else "a"]
+    m = json.loads((old / "manifest.json").read_text())
     m["config"].pop("lr_schedule", None)
-    (a / "manifest.json").write_text(json.dumps(m))
-    _set_config(b, lr_schedule="constant")
-    assert compare_runs(a, b).config_differences == []
-    _set_config(b, lr_schedule="cosine")
-    assert compare_runs(a, b).config_differences == ["lr_schedule"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    _set_config(new, lr_schedule="constant")
+    assert compare_runs(runs["a"], runs["b"]).config_differences == []
+    _set_config(new, lr_schedule="cosine")
+    assert sorted(compare_runs(runs["a"], runs["b"]).config_differences) == [
+        "lr_schedule", "steps"]

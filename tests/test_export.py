@@ -16,6 +16,7 @@ Run: `.venv/bin/python -m pytest -q tests/test_export.py`.
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 
 import pytest
@@ -161,27 +162,39 @@ def test_an_edited_architecture_in_final_config_json_is_refused(run, tmp_path, c
     assert not out.exists()
 
 
-def test_an_input_config_json_edited_after_the_run_is_refused(tmp_path, capsys):
-    """A --model run that kept checkpoints but no final/: export takes the architecture from the
-    input model's config.json, so after that file changes (its SHA-256 no longer the one the
-    manifest recorded) export refuses, exit 1; before the edit it exports (the control)."""
-    model = tmp_path / "model"
-    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", str(model)]) == 0
+def test_an_input_config_json_edited_after_the_run_is_refused(tmp_path, capsys, monkeypatch):
+    """A --model run (the model given as a relative path, which the manifest keys its files by):
+    final/config.json edited to another model is refused against the input model's config
+    (exit 1 naming the field); with final/ gone, export takes the architecture from the input
+    model's config.json, so after that file changes (its SHA-256 no longer the recorded one)
+    export refuses, exit 1. Controls: each export before its edit works."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["init-model", "--preset", "tiny", "--seed", "1", "--out", "model"]) == 0
     d = tmp_path / "run"
-    assert main(["run", "--model", str(model), "--steps", "2", "--save-every", "1",
+    assert main(["run", "--model", "model", "--steps", "2", "--save-every", "1",
                  "--n-prompts", "1", "--n-samples-per-prompt", "2", "--max-response-len", "4",
                  "--allow-dirty", "--run-dir", str(d)]) == 0
+    assert main(["export", str(d), "--out", str(tmp_path / "ok")]) == 0
+
+    def edited(path: pathlib.Path) -> None:
+        config = json.loads(path.read_text())
+        config["rms_norm_eps"] = 0.5
+        path.write_text(json.dumps(config))
+
+    edited(d / "final" / "config.json")
+    capsys.readouterr()
+    assert main(["export", str(d), "--out", str(tmp_path / "out1")]) == 1
+    err = capsys.readouterr().err
+    assert "final/config.json: rms_norm_eps differ(s) from " in err and "model/config" in err, err
     shutil.rmtree(d / "final")
-    assert main(["export", str(d), "--step", "0", "--out", str(tmp_path / "ok")]) == 0
-    config = json.loads((model / "config.json").read_text())
-    config["rms_norm_eps"] = 0.5
-    (model / "config.json").write_text(json.dumps(config))
+    assert main(["export", str(d), "--step", "0", "--out", str(tmp_path / "ok2")]) == 0
+    edited(tmp_path / "model" / "config.json")
     capsys.readouterr()
     out = tmp_path / "out"
     assert main(["export", str(d), "--step", "0", "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "config.json changed since the run started" in err, err
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "out1").exists()
 
 
 @pytest.mark.parametrize("args,words", [
@@ -489,12 +502,13 @@ def test_out_as_the_current_directory_is_refused_before_any_work(run, tmp_path, 
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
-    args = ([str(run), "--out", "."] if command == "export"
-            else ["--preset", "tiny", "--out", "."])
-    assert main([command, *args]) == 2
-    err = capsys.readouterr().err
-    assert "must name a new directory, not the current one" in err, err
-    assert list(here.iterdir()) == []
+    for out in (".", "../here"):
+        args = ([str(run), "--out", out] if command == "export"
+                else ["--preset", "tiny", "--out", out])
+        assert main([command, *args]) == 2
+        err = capsys.readouterr().err
+        assert "must name a new directory, not the current one" in err, err
+        assert list(here.iterdir()) == []
 
 
 def test_a_run_whose_evidence_records_no_step_says_so(run, tmp_path, capsys):

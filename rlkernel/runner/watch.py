@@ -29,7 +29,7 @@ from typing import Any
 
 from rlkernel.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
-TMP_SUFFIX = re.compile(r"\.tmp-\d+$")
+TMP_SUFFIX = re.compile(r"\.tmp-[0-9]+$")   # ASCII: \d takes other scripts' digits too
 """cli.py writes a fresh run into `<final>.tmp-<pid>` and renames it at the end."""
 CKPT_DIR = "checkpoints"
 """A run directory's folder of checkpoints (runner/checkpointing.py); here, beside TMP_SUFFIX, so
