@@ -517,6 +517,8 @@ def _occupied(flag: str, value: str) -> str | None:
 
 
 def _is_cwd(d: pathlib.Path) -> bool:
+    # realpath, not Path.resolve: a symbolic link loop must reach the checks after this one
+    # (it raised RuntimeError, a traceback instead of a usage error)
     try:
         return os.path.realpath(d) == os.path.realpath(pathlib.Path.cwd())
     except OSError:     # the current directory was removed: d cannot be it
@@ -584,11 +586,6 @@ def _choose_run_dir(cfg: RunConfig) -> pathlib.Path:
     Raises ConfigError when --run-dir is occupied."""
     if cfg.run_dir is not None:
         d = pathlib.Path(cfg.run_dir)
-        # realpath, not Path.resolve: a symbolic link loop must reach the checks below (it
-        # raised RuntimeError here, a traceback instead of a usage error).
-        if _is_cwd(d):
-            raise ConfigError(f"--run-dir {cfg.run_dir!r}: must name a new directory, not the "
-                              "current one")
         if TMP_SUFFIX.search(d.name):   # the name rlk run gives a run before it publishes it
             raise ConfigError(f"--run-dir {cfg.run_dir!r}: a name ending in .tmp-<digits> is "
                               "what an unfinished run lies under (a later --resume or run "

@@ -384,7 +384,7 @@ class RunConfig:
         a decaying LR schedule, whose horizon sets every step's LR (a resume may not extend
         such a run)."""
         free = RESUME_MAY_CHANGE | {"run_dir"} | INPUT_FIELDS
-        if self.lr_schedule != "constant":
+        if reads_steps(self.lr_schedule):
             free = free - {"steps"}
         return {k: v for k, v in self.to_dict().items() if k not in free}
 
@@ -392,9 +392,8 @@ class RunConfig:
         """The fields of resume_settings() whose value in `recorded` (a checkpoint's) differs
         from this config's. A field `recorded` lacks (one added to RunConfig since) counts at
         its default, as a manifest's does (from_dict)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         now = self.resume_settings()
-        return [k for k in now if recorded.get(k, defaults[k]) != now[k]] + \
+        return [k for k in now if recorded.get(k, SETTING_DEFAULTS[k]) != now[k]] + \
             sorted(k for k in recorded if k not in now and k not in INPUT_FIELDS)
 
     def canonical_spec(self) -> dict[str, Any]:
@@ -419,6 +418,19 @@ class RunConfig:
                                     "attention_dkv": CUDA_DKV_LEAF,
                                     "norm_weights": TOKEN_LEAF, "embedding_rows": TOKEN_LEAF})
         return spec
+
+
+SETTING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+"""Each RunConfig field's default: the value of a field a manifest or checkpoint lacks (one
+added to RunConfig since it was written), wherever recorded settings are read."""
+
+
+def reads_steps(lr_schedule: Any) -> bool:
+    """Whether the LR schedule `lr_schedule` (a manifest's value) reads --steps: every one but
+    "constant" takes the run's length as its horizon, which sets every step's LR. Where it
+    does not, a resume may extend the run (RunConfig.resume_settings) and two runs that differ
+    only in --steps share their common steps' bytes (runner/compare.py)."""
+    return lr_schedule != "constant"
 
 
 def flag_name(field: str) -> str:

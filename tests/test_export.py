@@ -493,18 +493,20 @@ def test_a_checkpoint_named_with_other_digits_is_not_a_step(run, tmp_path, capsy
     assert main(["export", str(bad), "--out", str(tmp_path / "out")]) == 0
 
 
-@pytest.mark.parametrize("command", ["export", "init-model"])
+@pytest.mark.parametrize("command", ["export", "init-model", "run"])
 def test_out_as_the_current_directory_is_refused_before_any_work(run, tmp_path, monkeypatch,
                                                                  capsys, command):
-    """--out . in an empty current directory: a usage error, exit 2, before any work (it passed
-    the checks as an empty directory, then failed at the rename after the whole export, exit 1,
-    asking whether the directory "was filled meanwhile")."""
+    """--out . (rlk run: --run-dir .) in an empty current directory: a usage error, exit 2,
+    before any work, in one wording for every command (export and init-model passed the checks
+    as an empty directory, then failed at the rename after the whole export, exit 1, asking
+    whether the directory "was filled meanwhile")."""
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
     for out in (".", "../here"):
-        args = ([str(run), "--out", out] if command == "export"
-                else ["--preset", "tiny", "--out", out])
+        args = {"export": [str(run), "--out", out],
+                "init-model": ["--preset", "tiny", "--out", out],
+                "run": ["--steps", "1", "--allow-dirty", "--run-dir", out]}[command]
         assert main([command, *args]) == 2
         err = capsys.readouterr().err
         assert "must name a new directory, not the current one" in err, err

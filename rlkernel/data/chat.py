@@ -91,10 +91,9 @@ def _read_json(path: Path) -> dict:
     try:
         # a key given twice (two chat_template values): json would take the last silently
         d = jsontext.loads(_read_text(path), unique_keys=True)
-    except jsontext.DuplicateKeyError as e:
-        raise ChatTemplateError(f"{path}: cannot be read as JSON ({e.msg})") from None
-    except json.JSONDecodeError as e:
-        raise ChatTemplateError(f"{path}: cannot be read as JSON ({e})") from None
+    except json.JSONDecodeError as e:   # DuplicateKeyError included (it has no place)
+        raise ChatTemplateError(f"{path}: cannot be read as JSON "
+                                f"({jsontext.located(e, column=True)})") from None
     if not isinstance(d, dict):
         raise ChatTemplateError(f"{path}: top level is a JSON {type(d).__name__}; expected an "
                                 "object")

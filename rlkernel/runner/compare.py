@@ -25,15 +25,14 @@ tests: `.venv/bin/python -m pytest -q tests/test_compare.py`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlkernel import jsontext, readfile
-from rlkernel.config import (INPUT_FIELDS, SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS, RunConfig,
-                             flag_name)
+from rlkernel.config import (INPUT_FIELDS, SAME_EVIDENCE_SETTINGS, SAMPLING_SETTINGS,
+                             SETTING_DEFAULTS, flag_name, reads_steps)
 from rlkernel.runner.evidence import EVIDENCE_FORMAT
 from rlkernel.runner.inputs import rekeyed
 
@@ -356,9 +355,9 @@ def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     """The config fields of A and B that differ and may change the evidence, in A's order. An
     input path typed two ways (`--model m` and `--model /abs/m`) that both manifests' resolved
     "input_paths" name as one file is no difference (its content is `_input_differences`');
-    nor is --steps where both runs use the constant LR schedule, the one that does not read
-    it (a resume may extend such a run: RunConfig.resume_settings) — the step counts are
-    compared on their own."""
+    nor is --steps where neither run's LR schedule reads it (config.reads_steps) — the step
+    counts are compared on their own. A field a manifest lacks counts at its default
+    (config.SETTING_DEFAULTS)."""
     if _odd(ma, "config") or _odd(mb, "config"):
         return []   # not settings to compare: _odd_sections names the section
     ca, cb = (m.get("config") if isinstance(m.get("config"), dict) else {} for m in (ma, mb))
@@ -369,11 +368,8 @@ def _config_differences(ma: dict[str, Any], mb: dict[str, Any]) -> list[str]:
     def same_place(k: str) -> bool:
         return (k in INPUT_FIELDS and isinstance(pa.get(k), str)
                 and same_value(pa.get(k), pb.get(k)))
-    # A field a manifest lacks (one added to RunConfig since it was written) counts at its
-    # default, as a resume reads it (RunConfig.resume_differences).
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-    ca, cb = ({**defaults, **c} if c else c for c in (ca, cb))
-    horizon_free = all(c.get("lr_schedule") == "constant" for c in (ca, cb))
+    ca, cb = ({**SETTING_DEFAULTS, **c} if c else c for c in (ca, cb))
+    horizon_free = not any(reads_steps(c.get("lr_schedule")) for c in (ca, cb))
     return [k for k in keys if k not in SAME_EVIDENCE_SETTINGS and not same_place(k)
             and not (k == "steps" and horizon_free)
             and not same_value(ca.get(k, "<absent>"), cb.get(k, "<absent>"))]

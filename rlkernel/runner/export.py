@@ -225,8 +225,8 @@ def _model_config(run: pathlib.Path, manifest: dict, model: str | None) -> Qwen3
             raise ExportError(f"cannot find the model's config.json: the run's input model "
                               f"directory {model!r} has none")
         typed = manifest["config"].get("model")
-        files = (manifest.get("inputs") or {}).get("files") if isinstance(
-            manifest.get("inputs"), dict) else None
+        inputs = manifest.get("inputs")
+        files = inputs.get("files") if isinstance(inputs, dict) else None
         recorded = (files.get(str(pathlib.Path(typed) / "config.json"))
                     if isinstance(files, dict) and isinstance(typed, str) else None)
         if isinstance(recorded, str) and sha256_file(path) != recorded:
