@@ -102,7 +102,8 @@ def _dw_launch_paths(tgw, dy, xw, words, flags):
     jf = tgw._dw_kernel
     bn, bk, warps, stages = tgw.TILE[:4]
     args = (dy, xw, dy, xw, words, flags, flags, flags, dy.shape[0], dy.shape[1], xw.shape[1],
-            dy.stride(0), dy.stride(1), xw.stride(0), xw.stride(1), words.stride(0))
+            dy.stride(0), dy.stride(1), xw.stride(0), xw.stride(1), words.stride(0),
+            words.stride(1))
     kw = dict(BLOCK_N=bn, BLOCK_K=bk, LEAF=tgw.CUDA_TOKEN_LEAF, PREC="tf32", EMIT=False,
               RETRY=False, FORCE_FLAG=0, RETRY_ALL=False, TMA=False, CARRY=True, COUNTED=False,
               num_warps=warps, num_stages=stages, enable_fp_fusion=False)

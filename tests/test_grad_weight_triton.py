@@ -267,29 +267,33 @@ def test_compiled_ptx_of_the_dw_pass(tma, carry, retry, retry_all):
 def test_the_first_dw_pass_keeps_its_tile_in_registers():
     """ptxas (sm_90a) of the first pass as `carry_grad_weight_deferred` and
     `rounded_grad_weight_deferred` launch it at a qwen3-1.7b down_proj (16,384 tokens, dy
-    [L, 6144], x [L, 2048] bf16 by TMA): no spills, carried or not. (The carried lo, which the
-    first pass never changes, was loaded and kept live through the leaf loop, with an int32
-    flag tile beside hi: 255 registers and 160 bytes of spill stores a thread, carried; 172
-    registers direct.) Its carried words load hi only; the checked retry, which changes lo,
-    loads both (the retry's PTX has twice the first pass's float64 loads)."""
+    [L, 6144], x [L, 2048] bf16 by TMA): no spills, carried or not, at the table's tile and at
+    64 x 128 (one m64n128 wgmma a k-step). (The carried lo, which the first pass never changes,
+    was loaded and kept live through the leaf loop, with an int32 flag tile beside hi: 255
+    registers and 160 bytes of spill stores a thread, carried; 172 registers direct. The
+    carried hi's pointers, when they were the stores' too, stayed live through the loop: 80
+    bytes of spills at 64 x 128.) Its carried words load hi only; the checked retry, which
+    changes lo, loads both (the retry's PTX has twice the first pass's float64 loads)."""
     from kernel_helpers import FakeTensor, fake_descriptor, sm90_as_launched, sm90_registers
 
     from rlkernel.kernels import triton_grad_weight as tgw
     n_tok, n, k = 16384, 6144, 2048
     bf, f64, i32 = torch.bfloat16, torch.float64, torch.int32
 
-    def launch(carry: bool, retry_all: bool) -> tuple[list, dict]:
-        args = [FakeTensor(bf), FakeTensor(bf), fake_descriptor(bf, [n_tok, n], [128, 64]),
-                fake_descriptor(bf, [n_tok, k], [128, 64]), FakeTensor(f64), FakeTensor(i32),
-                FakeTensor(i32), FakeTensor(i32), n_tok, n, k, n, 1, k, 1, n * k]
-        kw = dict(BLOCK_N=64, BLOCK_K=64, LEAF=128, PREC="tf32", EMIT=False, RETRY=retry_all,
+    def launch(carry: bool, retry_all: bool, tile=(64, 64, 4, 3)) -> tuple[list, dict]:
+        bn, bk, warps, stages = tile
+        args = [FakeTensor(bf), FakeTensor(bf), fake_descriptor(bf, [n_tok, n], [128, bn]),
+                fake_descriptor(bf, [n_tok, k], [128, bk]), FakeTensor(f64), FakeTensor(i32),
+                FakeTensor(i32), FakeTensor(i32), n_tok, n, k, n, 1, k, 1, n * k, k]
+        kw = dict(BLOCK_N=bn, BLOCK_K=bk, LEAF=128, PREC="tf32", EMIT=False, RETRY=retry_all,
                   FORCE_FLAG=0, RETRY_ALL=retry_all, TMA=True, CARRY=carry, COUNTED=retry_all,
-                  num_warps=4, num_stages=3, enable_fp_fusion=False)
+                  num_warps=warps, num_stages=stages, enable_fp_fusion=False)
         return args, kw
 
-    for carry in (True, False):
-        regs, spill = sm90_registers(tgw._dw_kernel, *launch(carry, False))
-        assert spill == 0 and regs < 255, (carry, regs, spill)
+    for tile in ((64, 64, 4, 3), (64, 128, 4, 2)):
+        for carry in (True, False):
+            regs, spill = sm90_registers(tgw._dw_kernel, *launch(carry, False, tile))
+            assert spill == 0 and regs < 255, (tile, carry, regs, spill)
     loads = [len(re.findall(r"ld\.global(?:\.\w+)*\.b64",
                             sm90_as_launched(tgw._dw_kernel, *launch(True, retry))))
              for retry in (False, True)]

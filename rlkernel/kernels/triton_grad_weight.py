@@ -77,7 +77,7 @@ OUT_ELEMS = 1 << 26        # bound on the elements of one launch's [2, rows, K] 
 
 @triton.jit
 def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
-               s_dl, s_dn, s_xl, s_xk, s_ow,
+               s_dl, s_dn, s_xl, s_xk, s_ow, s_or,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEAF: tl.constexpr,
                PREC: tl.constexpr, EMIT: tl.constexpr, RETRY: tl.constexpr,
                FORCE_FLAG: tl.constexpr, RETRY_ALL: tl.constexpr, TMA: tl.constexpr,
@@ -88,6 +88,7 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
     # and a flagged tile leaves them untouched, so its retry starts from them again.
     # COUNTED (with RETRY_ALL): each retried tile also adds its final flag to COUNT (int32 []),
     # so the caller's flag count needs no reduction launch of its own.
+    # s_ow: OUT's stride from hi to lo; s_or: its row stride (K) for the carried words' loads.
     pid = tl.program_id(0)
     if RETRY_ALL:       # a retry launched over every tile (no host sync): the clean ones leave
         tile = pid
@@ -113,12 +114,17 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
     # float64 live through the loop was 64 registers a thread, and ptxas spilled at 255), and
     # its inexact adds mark hi NaN instead of an int32 flag tile.
     FIRST: tl.constexpr = not (EMIT or RETRY)
+    # The carried words are read through pointers of their own (row stride s_or, equal to K
+    # but not known to be): built from K they were the stores' pointers too, computed once and
+    # kept live through the leaf loop — 14 registers a thread at 64 x 64, and 80 bytes of
+    # spills at 64 x 128 (ptxas, sm_90a; tests/test_grad_weight_triton.py).
+    o_in = OUT + rn[:, None] * s_or + rk[None, :]
     if CARRY:
-        hi = tl.load(o, mask=m, other=0.0)
+        hi = tl.load(o_in, mask=m, other=0.0)
     else:
         hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     if CARRY and RETRY:
-        lo = tl.load(o + s_ow, mask=m, other=0.0)
+        lo = tl.load(o_in + s_ow, mask=m, other=0.0)
     else:
         lo = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     n_inexact = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
@@ -192,7 +198,7 @@ def _launch(a, b, out, flags, tiles, grid, tile, emit, force_flag, retry=False, 
         launch(_dw_kernel, grid,
                a, b, ad, bd, out, flags, tiles, flags if count is None else count, a.shape[0],
                a.shape[1], b.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-               0 if emit else out.stride(0), BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF,
+               0 if emit else out.stride(0), 0 if emit else out.stride(1), BLOCK_N=bn, BLOCK_K=bk, LEAF=CUDA_TOKEN_LEAF,
                PREC=prec, EMIT=emit, RETRY=retry or retry_all, FORCE_FLAG=int(force_flag),
                RETRY_ALL=retry_all, TMA=tma, CARRY=carry, COUNTED=retry_all and count is not None,
                num_warps=warps, num_stages=stages, enable_fp_fusion=False,
