@@ -109,7 +109,8 @@ def _leaf_row(t: int, n: int, k: int, leaves: tuple[int, ...]) -> dict:
         ad, bd, tma = tgw._descriptors(dy, x, tile, leaf == CUDA_TOKEN_LEAF)
         tgw._dw_kernel[grid](dy, x, ad, bd, words, flags, every, flags, t, n, k,
                              dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                             words.stride(0), words.stride(1), BLOCK_N=bn_, BLOCK_K=bk_, LEAF=leaf,
+                             words.stride(0), words.stride(1), BLOCK_N=bn_, BLOCK_K=bk_,
+                             LEAF=leaf,
                              PREC="tf32", EMIT=False, RETRY=retry, FORCE_FLAG=0,
                              RETRY_ALL=False, TMA=tma, CARRY=carry, COUNTED=False,
                              num_warps=warps,
