@@ -68,7 +68,10 @@ def located(e: json.JSONDecodeError, column: bool = False) -> str:
     carry no place (they said "line 1" of a duplicate on line 11)."""
     if not e.doc:
         return e.msg
-    return f"line {e.lineno}{f', column {e.colno}' if column else ''}: {e.msg}"
+    place = f"line {e.lineno}{f', column {e.colno}' if column else ''}"
+    if e.msg.endswith(" at"):   # json's "Unterminated string starting at": the place ends it
+        return f"{e.msg} {place}"
+    return f"{place}: {e.msg}"
 
 
 def loads(text: str | bytes, max_depth: int | None = None, unique_keys: bool = False) -> Any:

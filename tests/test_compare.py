@@ -853,3 +853,19 @@ def test_a_setting_a_manifest_lacks_counts_at_its_default(tmp_path, old_side):
     _set_config(new, lr_schedule="cosine")
     assert sorted(compare_runs(runs["a"], runs["b"]).config_differences) == [
         "lr_schedule", "steps"]
+
+
+def test_a_truncated_evidence_file_names_where_its_string_started(tmp_path, capsys):
+    """An evidence.json cut inside a string: json's message ("Unterminated string starting at")
+    ends with the place, not before it ("line 1: Unterminated string starting at" read as cut
+    off); other messages keep "line L: msg"."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    (b / "evidence.json").write_text('{"steps": [{"step": 0, "tokens_hash": "ab')
+    assert cli.main(["compare", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid JSON (Unterminated string starting at line 1)" in err, err
+    (b / "evidence.json").write_text('{"steps": [')
+    assert cli.main(["compare", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid JSON (line 1: Expecting value)" in err, err
