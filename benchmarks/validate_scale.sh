@@ -10,6 +10,9 @@
 #   head   benchmarks/bench_vocab_parallel_head.py at qwen3-1.7b and qwen3-8b hidden sizes.
 # Peak GPU memory per run: summarize_runs.py (evidence `resources.peak_gpu_mem_gib`, max over
 # ranks). Triton's cache is warm after the first run, so later runs compile less.
+# RLK_ARGS: more `rlk run` flags for every run. With one GPU, RLK_SHARE_GPUS=1 runs the two-rank
+# layouts with both ranks on it (validation only; rlkernel/distributed/launch.py) — then give
+# RLK_ARGS="--gpu-memory-utilization 0.2" so that the ranks' KV pools leave room for each other.
 # Usage (repository root): bash benchmarks/validate_scale.sh OUTDIR item7|item3|head
 set -uo pipefail
 out=${1:?usage: validate_scale.sh OUTDIR item7|item3|head}
@@ -18,7 +21,7 @@ mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 rlk() { python3 -m rlkernel.cli "$@"; }
 common=(--device cuda --allow-dirty --temperature 0.7 --top-p 0.95 --entropy-coef 0.001
-        --kl-coef 0.01 --require-updates)
+        --kl-coef 0.01 --require-updates ${RLK_ARGS:-})
 
 model_dir() {   # preset -> a seeded random checkpoint (cached under /tmp)
   local m=/tmp/rlk-$1-seed0

@@ -51,7 +51,8 @@ from rlkernel import jsontext, readfile
 from rlkernel.config import (FP32_MAX, INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError,
                              RunConfig, SampleFitError, field_docs, flag_name,
                              model_flag_error)
-from rlkernel.distributed.topology import launcher_world_size, validate_topology
+from rlkernel.distributed.topology import (RANKS_PER_SHARED_GPU, SHARE_GPUS_ENV, gpus_shared,
+                                          launcher_world_size, validate_topology)
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inputs, input_paths,
@@ -875,11 +876,14 @@ def _check_entropy_scale(m: Qwen3Config | None, model: str | None, coef: float,
 
 def max_local_ranks(device: str) -> int:
     """Most ranks `rlk run` starts on this machine itself (without torchrun): one per GPU on
-    CUDA; on CPU max(8, 4 × cores) gloo processes (each holds a torch runtime and a model copy)."""
+    CUDA (RANKS_PER_SHARED_GPU per GPU with RLK_SHARE_GPUS=1, the validation mode of
+    distributed/launch.py); on CPU max(8, 4 × cores) gloo processes (each holds a torch
+    runtime and a model copy). ConfigError for a malformed RLK_SHARE_GPUS."""
     if device == "cuda":
         import torch
 
-        return torch.cuda.device_count()
+        per_gpu = RANKS_PER_SHARED_GPU if gpus_shared() else 1
+        return per_gpu * torch.cuda.device_count()
     return max(8, 4 * (os.cpu_count() or 1))
 
 
@@ -889,11 +893,21 @@ def _check_local_world(cfg: RunConfig) -> None:
     if most == 0:   # --device cuda without a visible GPU: the device check names that
         return
     if world > most:
-        where = (f"{most} CUDA device(s) visible" if cfg.device == "cuda"
-                 else f"{os.cpu_count() or 1} CPU core(s): at most {most} local ranks")
         raise ConfigError(f"--dp {cfg.dp} × --tp {cfg.tp} × --cp {cfg.cp} = {world} ranks, but "
-                          f"this machine has {where}; allowed: a world of at most {most} here, "
-                          "or start the ranks with torchrun across machines")
+                          f"this machine has {_local_capacity(cfg.device, most)}; allowed: a "
+                          f"world of at most {most} here, or start the ranks with torchrun "
+                          "across machines")
+
+
+def _local_capacity(device: str, most: int) -> str:
+    """What bounds the local world, for _check_local_world's message."""
+    if device != "cuda":
+        return f"{os.cpu_count() or 1} CPU core(s): at most {most} local ranks"
+    if gpus_shared():
+        return (f"{most // RANKS_PER_SHARED_GPU} CUDA device(s) shared ({SHARE_GPUS_ENV}=1): "
+                f"at most {RANKS_PER_SHARED_GPU} ranks each")
+    return (f"{most} CUDA device(s) visible, one rank each ({SHARE_GPUS_ENV}=1 lets ranks share "
+            "them to check a layout bit for bit, not to train)")
 
 
 def _one_setting_per_field(cmd: argparse.ArgumentParser, argv: list[str]) -> None:

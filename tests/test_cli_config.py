@@ -1418,6 +1418,32 @@ def test_more_local_ranks_than_the_machine_takes_are_refused(capsys, cwd, loop, 
     assert len(loop.calls) == 1
 
 
+def test_cuda_ranks_past_the_gpus_need_rlk_share_gpus(monkeypatch):
+    """On CUDA one rank a GPU; RLK_SHARE_GPUS=1 (the validation mode) lets up to 8 ranks share
+    each; any other value of it is refused naming the value and what is allowed."""
+    import torch
+
+    from rlkernel.distributed import launch
+    from rlkernel.distributed.topology import SHARE_GPUS_ENV
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv(SHARE_GPUS_ENV, raising=False)
+    two = RunConfig(device="cuda", tp=2)
+    with pytest.raises(ConfigError) as e:
+        cli._check_local_world(two)
+    assert "2 ranks, but this machine has 1 CUDA device(s) visible, one rank each " \
+           "(RLK_SHARE_GPUS=1 lets ranks share them" in str(e.value)
+    assert launch.cuda_backend() == "cpu:gloo,cuda:nccl"
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    cli._check_local_world(two)
+    assert launch.cuda_backend() == "cpu:gloo,cuda:gloo"
+    with pytest.raises(ConfigError, match=r"16 ranks, but this machine has 1 CUDA device\(s\) "
+                       r"shared \(RLK_SHARE_GPUS=1\): at most 8 ranks each"):
+        cli._check_local_world(RunConfig(device="cuda", tp=4, cp=4))
+    monkeypatch.setenv(SHARE_GPUS_ENV, "yes")
+    with pytest.raises(ConfigError, match=r"RLK_SHARE_GPUS='yes': allowed are 1 .* or 0 / unset"):
+        cli._check_local_world(two)
+
+
 def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
     code, _, err = rlk(capsys, "run", "--micro-batch-tokens", str(2**31 + 1))
     assert code == 2 and "must be at most 2,147,483,648" in err and loop.calls == []

@@ -12,39 +12,67 @@ Two chains, each with a native-mode negative control:
    TP2+SP/rollout-TP1 and DP2 with smaller microbatches: `rlk compare` says IDENTICAL for each against TP1 (sampled tokens, grad
    norms, every tensor hash after every update) and every step has 0 train/rollout logprob
    mismatches over a non-zero number of compared tokens.
-Skipped without two CUDA devices (CPU CI). Run on a two-GPU machine:
+The probe runs with fp32 and with bf16 parameters (the bf16 path: bf16 weights into the
+tensor-core kernels, fp32 masters).
+Skipped without a CUDA device (CPU CI). Run on a two-GPU machine:
     PYTHONPATH=. python3 -m pytest -q tests/test_cuda_dist.py
+On a one-GPU machine the same tests run with the two ranks sharing the GPU (RLK_SHARE_GPUS=1:
+CUDA tensors over gloo, staged through host memory; rlkernel/distributed/launch.py): the
+kernels, shard trees and collectives' trees of every layout are checked, NCCL is not.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from rlkernel.cli import main
-from test_topology import JOB
+from rlkernel.distributed.topology import SHARE_GPUS_ENV
+from test_topology import JOB, JOB_BF16
 from topology_probe import assert_same_bytes, run_layout, single_process
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SHARED = torch.cuda.device_count() < 2
+"""One GPU: the ranks share it (gloo for CUDA tensors)."""
 
 LAYOUTS = [(1, 2, 1, False), (1, 1, 2, False), (1, 2, 1, True), (2, 1, 1, False)]
-"""(dp, tp, cp, sp) on two GPUs; DP2 runs ZeRO-1 and sums the exact gradient accumulators over
+"""(dp, tp, cp, sp) on two ranks; DP2 runs ZeRO-1 and sums the exact gradient accumulators over
 NCCL (int64)."""
+JOBS = {"fp32": JOB, "bf16": JOB_BF16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_share_one_gpu():
+    """RLK_SHARE_GPUS=1 for this module when there is one GPU (spawned ranks inherit it)."""
+    if not SHARED:
+        yield
+        return
+    before = os.environ.get(SHARE_GPUS_ENV)
+    os.environ[SHARE_GPUS_ENV] = "1"
+    yield
+    if before is None:
+        del os.environ[SHARE_GPUS_ENV]
+    else:
+        os.environ[SHARE_GPUS_ENV] = before
 
 
 @pytest.fixture(scope="module")
-def baseline():
-    return single_process(JOB, device="cuda")
+def baselines():
+    return {name: single_process(job, device="cuda") for name, job in JOBS.items()}
 
 
+@pytest.mark.parametrize("dtype", list(JOBS))
 @pytest.mark.parametrize("dp,tp,cp,sp", LAYOUTS)
-def test_cuda_layout_matches_tp1_on_two_gpus(tmp_path, baseline, dp, tp, cp, sp):
+def test_cuda_layout_matches_tp1_on_two_gpus(tmp_path, baselines, dp, tp, cp, sp, dtype):
     """On every rank: per-token logprobs, every gradient, grad norm, loss, entropy and the weights
-    after 2 AdamW steps at (dp, tp, cp, sp) on 2 GPUs over NCCL == the TP1 run on one GPU, bytes."""
-    got = run_layout(tmp_path, JOB, tp, cp, sp, device="cuda", dp=dp)
-    assert_same_bytes(got, baseline, f"cuda DP{dp}/TP{tp}/CP{cp}/SP{sp}")
+    after 2 AdamW steps at (dp, tp, cp, sp) on 2 GPUs over NCCL (or two ranks sharing one GPU)
+    == the TP1 run on one GPU, bytes, with fp32 and with bf16 parameters."""
+    got = run_layout(tmp_path, JOBS[dtype], tp, cp, sp, device="cuda", dp=dp)
+    assert_same_bytes(got, baselines[dtype], f"cuda {dtype} DP{dp}/TP{tp}/CP{cp}/SP{sp}")
 
 
 def test_cuda_control_native_tp2_differs(tmp_path):
@@ -60,7 +88,9 @@ def test_cuda_control_native_tp2_differs(tmp_path):
 
 
 RUN = ["--steps", "2", "--require-updates", "--device", "cuda", "--temperature", "0.7",
-       "--top-p", "0.95", "--max-response-len", "32", "--kl-coef", "0.01", "--allow-dirty"]
+       "--top-p", "0.95", "--max-response-len", "32", "--kl-coef", "0.01", "--allow-dirty",
+       # ranks sharing a GPU size their KV pools from the memory free when each starts
+       *(["--gpu-memory-utilization", "0.3"] if SHARED else [])]
 E2E = {"tp1-eager": ["--enforce-eager"],       # rollout decode without CUDA graphs
        "tp1-kept": ["--keep-rollout-state"],   # pool and graphs kept from step to step
        "tp2-rtp2": ["--tp", "2", "--rollout-tp", "2"],

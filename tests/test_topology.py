@@ -16,6 +16,8 @@ CI runs a representative subset, with KV-head replication at TP4; the full matri
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from topology_probe import Job, assert_same_bytes, run_layout, single_process
@@ -41,6 +43,9 @@ def _batch() -> list[TrainSample]:
 
 JOB = Job(mcfg=MODEL, policy_w=init_weights(MODEL, 0), ref_w=init_weights(MODEL, 1),
           samples=_batch(), steps=2, micro_batch_tokens=96, pad_id=257)
+JOB_BF16 = dataclasses.replace(JOB, param_dtype=torch.bfloat16)
+"""The same probe with bf16 parameters (fp32 masters and moments): the bf16 path's rounding
+points in every layout (tests/test_cuda_dist.py runs it on the GPU)."""
 
 
 def _run(tmp_path, tp: int, cp: int, sp: bool, mode: str = "invariant",
@@ -119,3 +124,28 @@ def test_control_native_layouts_differ(tmp_path):
     assert set(lp1) == set(lp4)
     assert max(abs(float(lp1[k]) - float(lp4[k])) for k in lp1) < 1e-5
     assert abs(one["steps"][0]["entropy"] - four[0]["steps"][0]["entropy"]) < 1e-5
+
+
+@pytest.mark.parametrize("tp,cp,sp", [(2, 1, True), (1, 2, False)])
+def test_bf16_layout_matches_bf16_tp1_cp1(tmp_path, tp, cp, sp):
+    """bf16 parameters: every rank's logprobs, gradients, norm, loss, entropy and bf16 weights
+    after 2 AdamW steps == the bf16 TP1/CP1 run, bytes. Control: the bf16 run is not the fp32
+    one (the rounding points act), so the comparison is of the bf16 path."""
+    base = single_process(JOB_BF16)
+    assert base["weights"]["model.embed_tokens.weight"].dtype == torch.bfloat16
+    fp32 = single_process(JOB)
+    assert any(not torch.equal(base["weights"][n].float(), fp32["weights"][n])
+               for n in base["weights"])
+    out = tmp_path / f"bf16-{tp}-{cp}-{int(sp)}"
+    out.mkdir()
+    assert_same_bytes(run_layout(out, JOB_BF16, tp, cp, sp), base, f"bf16 TP{tp}/CP{cp}/SP{sp}")
+
+
+def test_bf16_control_native_tp2_differs(tmp_path):
+    """negative control for the bf16 layouts: stock ops + SUM collectives at TP2 with bf16
+    parameters differ from stock TP1 by bytes."""
+    one = single_process(JOB_BF16, "native")
+    out = tmp_path / "bf16-native"
+    out.mkdir()
+    with pytest.raises(AssertionError):
+        assert_same_bytes(run_layout(out, JOB_BF16, 2, 1, False, "native"), one, "bf16 native")

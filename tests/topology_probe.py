@@ -25,7 +25,7 @@ import torch
 
 from rlkernel.config import RunConfig
 from rlkernel.distributed.comm import Comm
-from rlkernel.distributed.launch import launch
+from rlkernel.distributed.launch import cuda_backend, launch
 from rlkernel.model.config import Qwen3Config
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
@@ -51,6 +51,7 @@ class Job:
     steps: int = 2
     micro_batch_tokens: int = 96
     pad_id: int = 257
+    param_dtype: torch.dtype = torch.float32   # bf16: the bf16 path (bf16 weights, fp32 masters)
 
 
 def _logical_grads(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
@@ -92,10 +93,10 @@ def _steps(policy, ref, job: Job, exp, opt, counted, world_comm) -> dict:
 
 def _models(job: Job, mode: str, pc, recompute: bool, device: str = "cpu"):
     ops = ops_for(mode)
-    policy = Qwen3ForCausalLM(job.mcfg, ops, torch.float32, pc).to(device)
+    policy = Qwen3ForCausalLM(job.mcfg, ops, job.param_dtype, pc).to(device)
     policy.load_tensors(job.policy_w)
     policy.recompute = recompute
-    ref = Qwen3ForCausalLM(job.mcfg, ops, torch.float32, pc).to(device)
+    ref = Qwen3ForCausalLM(job.mcfg, ops, job.param_dtype, pc).to(device)
     ref.load_tensors(job.ref_w)
     ref.requires_grad_(False)
     return policy, ref
@@ -135,10 +136,12 @@ def probe(rank: int, cfg: RunConfig, job: Job, out_dir: str) -> None:
 def run_layout(out_dir, job: Job, tp: int, cp: int, sp: bool, mode: str = "invariant",
                recompute: bool = False, device: str = "cpu", dp: int = 1) -> list[dict]:
     """Every rank's record of `job` on dp·tp·cp real processes (rank order); on CUDA one GPU per
-    rank, the process group carrying CUDA tensors over NCCL and CPU tensors over gloo."""
-    cfg = RunConfig(dp=dp, tp=tp, cp=cp, sp=sp, mode=mode, dtype="fp32", recompute=recompute,
+    rank, the process group carrying CUDA tensors over NCCL and CPU tensors over gloo — or, with
+    RLK_SHARE_GPUS=1, ranks sharing the GPUs and everything over gloo (launch.cuda_backend)."""
+    dtype = "bf16" if job.param_dtype == torch.bfloat16 else "fp32"
+    cfg = RunConfig(dp=dp, tp=tp, cp=cp, sp=sp, mode=mode, dtype=dtype, recompute=recompute,
                     device=device, n_prompts=len(job.samples), n_samples_per_prompt=1)
-    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    backend = cuda_backend() if device == "cuda" else "gloo"
     world = dp * tp * cp
     launch(probe, (cfg, job, str(out_dir)), world_size=world, backend=backend, timeout_s=300)
     out = []

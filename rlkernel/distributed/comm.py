@@ -51,6 +51,7 @@ class Comm:
         self.size = len(self.ranks)
         self._calls = 0
         self._cpu_signatures: bool | None = None   # decided at the first checked call
+        self._gloo_cuda: bool | None = None        # decided at the first CUDA payload
 
     @classmethod
     def single(cls, name: str = "local") -> "Comm":
@@ -97,12 +98,26 @@ class Comm:
         if t is None or t.device.type == "cpu":
             return torch.device("cpu")
         if self._cpu_signatures is None:
-            config = getattr(dist, "get_backend_config", None)
-            try:
-                self._cpu_signatures = config is not None and "cpu:" in config(self.group)
-            except (RuntimeError, ValueError):
-                self._cpu_signatures = False
+            self._cpu_signatures = "cpu:" in self._backend_config()
         return torch.device("cpu") if self._cpu_signatures else t.device
+
+    def _backend_config(self) -> str:
+        config = getattr(dist, "get_backend_config", None)
+        try:
+            return config(self.group) if config is not None else ""
+        except (RuntimeError, ValueError):
+            return ""
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        """Whether CUDA payloads go through host memory: when the group carries CUDA tensors
+        over gloo ("cpu:gloo,cuda:gloo": ranks sharing a GPU, launch.cuda_backend), so that
+        every collective runs gloo's CPU path, the one the CPU topology matrix exercises.
+        Copies move bytes unchanged."""
+        if t.device.type != "cuda":
+            return False
+        if self._gloo_cuda is None:
+            self._gloo_cuda = "cuda:gloo" in self._backend_config()
+        return self._gloo_cuda
 
     # -- collectives ------------------------------------------------------------------------
     def all_gather(self, t: torch.Tensor, op: str) -> list[torch.Tensor]:
@@ -111,6 +126,11 @@ class Comm:
         t = t.contiguous()
         if self.size == 1:
             return [t]
+        if self._staged(t):
+            return [p.to(t.device) for p in self._all_gather(t.cpu())]
+        return self._all_gather(t)
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t, group=self.group)
         return out
@@ -138,6 +158,11 @@ class Comm:
         self._validate(op, chunks[0])
         if self.size == 1:
             return [chunks[0].contiguous()]
+        if self._staged(chunks[0]):
+            return [c.to(chunks[0].device) for c in self._all_to_all([c.cpu() for c in chunks])]
+        return self._all_to_all(chunks)
+
+    def _all_to_all(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in chunks]
         dist.all_to_all(out, [c.contiguous() for c in chunks], group=self.group)
         return out
@@ -199,6 +224,11 @@ class Comm:
         if self.size == 1:
             return t
         out = t if inplace else t.contiguous().clone()
+        if self._staged(out):
+            host = out.cpu()
+            dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.group)
+            out.copy_(host)
+            return out
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 

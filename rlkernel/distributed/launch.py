@@ -31,6 +31,13 @@ function of an importable module, and the main module must guard its script body
 `if __name__ == "__main__":` (spawn re-imports it). A one-rank job still starts one process; a
 caller that wants no process group at all uses rlkernel.distributed.topology.single_comms() instead.
 
+Ranks sharing GPUs (validation only): NCCL refuses two ranks on one GPU, so a machine with fewer
+GPUs than ranks cannot run a multi-rank CUDA job as it would in production. With RLK_SHARE_GPUS=1
+(`cuda_backend`) the group is "cpu:gloo,cuda:gloo": rank r uses GPU r mod the visible count and
+CUDA payloads go through gloo, staged through host memory by rlkernel/distributed/comm.py (the same
+bytes; slow). It exists so that one GPU can check the multi-rank code paths — the kernels, shard
+trees and collectives' trees of TP/CP/DP — against TP1 bit for bit; it is not a way to train.
+
 Does not: decide the topology (rlkernel/distributed/topology.py) or create subgroups (build_comms).
 Tests: `.venv/bin/python -m pytest -q tests/test_dist.py`.
 """
@@ -54,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from rlkernel.config import ConfigError
-from rlkernel.distributed.topology import launcher_world_size
+from rlkernel.distributed.topology import gpus_shared, launcher_world_size
 
 GRACE_S = 3.0
 """Seconds between SIGTERM and SIGKILL when the launcher stops ranks."""
@@ -102,12 +109,30 @@ class RankUserError(RankFailure, ValueError):
         return f"rank {self.rank}: {self.message or self.error_type}"
 
 
+def cuda_backend() -> str:
+    """The process-group backend of a CUDA job: "cpu:gloo,cuda:nccl" (one GPU per rank), or
+    "cpu:gloo,cuda:gloo" when `gpus_shared()`. ConfigError for a malformed RLK_SHARE_GPUS."""
+    return "cpu:gloo,cuda:gloo" if gpus_shared() else "cpu:gloo,cuda:nccl"
+
+
+def _on_cuda(backend: str) -> bool:
+    """Whether a backend string carries CUDA tensors ("nccl", "cpu:gloo,cuda:nccl/gloo")."""
+    return "nccl" in backend or "cuda:" in backend
+
+
+def _rank_gpu(local_rank: int) -> int:
+    """The GPU of a CUDA rank: its local rank, or round robin over the visible GPUs when they
+    are shared (with NCCL each rank has a GPU of its own: the launcher's world check)."""
+    return local_rank % max(torch.cuda.device_count(), 1)
+
+
 def launch(fn: Callable[..., Any], args: tuple = (), *, world_size: int, backend: str = "gloo",
            timeout_s: float = 120.0) -> None:
     """Run fn(rank, *args) on `world_size` ranks (see module doc). Returns when all succeeded.
 
     fn: a module-level function (pickled by name). backend: "gloo" (CPU), or a backend string
-    naming nccl (CUDA: rank r uses GPU LOCAL_RANK), normally "cpu:gloo,cuda:nccl".
+    naming a CUDA backend (`cuda_backend()`: "cpu:gloo,cuda:nccl", rank r on GPU LOCAL_RANK; or
+    "cpu:gloo,cuda:gloo", ranks sharing the GPUs round robin).
     timeout_s bounds every collective wait and the rendezvous.
     Raises RankFailure / RankUserError naming the failing rank; ConfigError when torchrun's
     WORLD_SIZE differs from world_size; TypeError when fn cannot be pickled by name.
@@ -146,8 +171,8 @@ def _run_this_rank(fn, args, world: int, world_size: int, backend: str, timeout_
                           f"needs {world_size} ranks")
     own = not dist.is_initialized()
     if own:
-        if "nccl" in backend:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if _on_cuda(backend):
+            torch.cuda.set_device(_rank_gpu(int(os.environ.get("LOCAL_RANK", "0"))))
         dist.init_process_group(backend, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -226,8 +251,8 @@ def _child(rank: int, world_size: int, backend: str, timeout_s: float, port: int
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        if "nccl" in backend:
-            torch.cuda.set_device(rank)
+        if _on_cuda(backend):
+            torch.cuda.set_device(_rank_gpu(rank))
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)

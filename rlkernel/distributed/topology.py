@@ -45,6 +45,23 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """The env:// variables that mark a process started by torchrun (or another env:// launcher)."""
 
 
+SHARE_GPUS_ENV = "RLK_SHARE_GPUS"
+"""Set to 1: CUDA ranks share the visible GPUs round robin, CUDA tensors over gloo — a
+validation mode (rlkernel/distributed/launch.py's module doc)."""
+RANKS_PER_SHARED_GPU = 8
+"""Most ranks `rlk run` starts on one GPU when they share it."""
+
+
+def gpus_shared() -> bool:
+    """Whether RLK_SHARE_GPUS asks CUDA ranks to share GPUs ("1"; unset, "" or "0": no).
+    Raises ConfigError for any other value."""
+    value = os.environ.get(SHARE_GPUS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{SHARE_GPUS_ENV}={value!r}: allowed are 1 (CUDA ranks share the "
+                          "visible GPUs, CUDA tensors over gloo; validation only) or 0 / unset")
+    return value == "1"
+
+
 def launcher_world_size() -> int | None:
     """WORLD_SIZE when this process was started by torchrun (all TORCHRUN_VARS set), else None.
 

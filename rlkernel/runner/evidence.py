@@ -30,6 +30,7 @@ import tempfile
 from typing import Any
 
 from rlkernel import readfile
+from rlkernel.distributed.topology import SHARE_GPUS_ENV
 
 EVIDENCE_FORMAT = 1
 
@@ -124,8 +125,9 @@ def versions() -> dict[str, Any]:
     """Software and device versions for the manifest.
 
     Keys: python, torch, triton (None when not installed), cuda (torch.version.cuda, None on CPU
-    builds), platform, devices {"cpu": name, "cuda": [names]}, rlkernel. Imports torch.
-    """
+    builds), platform, devices {"cpu": name, "cuda": [names], and "shared": true where
+    RLK_SHARE_GPUS=1 had CUDA ranks share the GPUs (launch.py's validation mode)}, rlkernel.
+    Imports torch."""
     import importlib.metadata
 
     import torch
@@ -145,9 +147,14 @@ def versions() -> dict[str, Any]:
         "triton": triton,
         "cuda": torch.version.cuda,
         "platform": platform.platform(),
-        "devices": {"cpu": _cpu_name(), "cuda": cuda_names},
+        "devices": {"cpu": _cpu_name(), "cuda": cuda_names, **_shared()},
         "rlkernel": rlkernel.__version__,
     }
+
+
+def _shared() -> dict:
+    """{"shared": True} when RLK_SHARE_GPUS=1 (malformed values are refused before a run)."""
+    return {"shared": True} if os.environ.get(SHARE_GPUS_ENV) == "1" else {}
 
 
 def _git(src_dir: pathlib.Path, *args: str) -> str | None:

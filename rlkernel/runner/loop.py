@@ -168,10 +168,10 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
         from rlkernel.distributed.topology import Topology, single_comms
         _run(cfg, Topology(world=1, rank=0), single_comms(), writer, pathlib.Path(run_dir))
         return
-    from rlkernel.distributed.launch import RankFailure, launch
+    from rlkernel.distributed.launch import RankFailure, cuda_backend, launch
     # On CUDA the group must carry CPU tensors too (collective signatures, audit problem lists,
     # exact-norm limbs): NCCL alone rejects them.
-    backend = "cpu:gloo,cuda:nccl" if cfg.device == "cuda" else "gloo"
+    backend = cuda_backend() if cfg.device == "cuda" else "gloo"
     try:
         launch(_rank_main, (cfg, str(run_dir), writer.manifest), world_size=world,
                backend=backend, timeout_s=float(os.environ.get("RLK_DIST_TIMEOUT_S", "300")))
