@@ -373,6 +373,23 @@ def test_an_unreadable_run_names_the_file_and_why(run, tmp_path, capsys, name, t
     assert not out.exists()
 
 
+@pytest.mark.parametrize("make, words", [
+    (lambda p: None, "no such run directory"),
+    (lambda p: p.write_text("{}"), "a file, not a run directory"),
+    (lambda p: p.symlink_to(p.parent / "gone"), "a symbolic link that cannot be followed"),
+])
+def test_a_run_that_is_no_directory_is_named_so(tmp_path, capsys, make, words):
+    """RUN missing, a file or a dangling link: one line saying what it is (a missing RUN read
+    "manifest.json is missing", as if the directory were there), exit 2, nothing written."""
+    d = tmp_path / "run"
+    make(d)
+    out = tmp_path / "out"
+    assert main(["export", str(d), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"RUN {str(d)!r}: {words}" in err, err
+    assert "manifest.json" not in err and not out.exists()
+
+
 def test_export_of_a_padded_byte_tokenizer_model_keeps_the_padded_ids_masked(tmp_path):
     """A model with more embedding rows (512) than the byte tokenizer's 264 ids and no
     tokenizer.json: the run masks ids 264..511. Its export's stand-in tokenizer has the byte
