@@ -850,6 +850,7 @@ def _check_topology(cfg: RunConfig) -> Qwen3Config | None:
     world = launcher_world_size()
     validate_topology(cfg.tp, cfg.cp, cfg.sp, cfg.rollout_tp, cfg.rollout_cp,
                       world=world, dp=cfg.dp, **heads)
+    gpus_shared()   # a malformed RLK_SHARE_GPUS is refused on every device
     if world is None:
         _check_local_world(cfg)
     return m

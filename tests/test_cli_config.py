@@ -1444,6 +1444,30 @@ def test_cuda_ranks_past_the_gpus_need_rlk_share_gpus(monkeypatch):
         cli._check_local_world(two)
 
 
+def test_rlk_share_gpus_on_cpu_is_checked_warned_and_not_recorded(capsys, cwd, loop,
+                                                                   monkeypatch):
+    """On --device cpu a malformed RLK_SHARE_GPUS is refused too (exit 2, nothing written), a 1
+    is one warning (CPU ranks are processes of their own) and the manifest does not say the
+    GPUs were shared; a CUDA config's manifest does (build_manifest)."""
+    from rlkernel.distributed.topology import SHARE_GPUS_ENV
+    from rlkernel.runner import evidence as ev
+    monkeypatch.setenv(SHARE_GPUS_ENV, "true")
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--tp", "2")
+    assert code == 2 and "RLK_SHARE_GPUS='true': allowed are 1" in err
+    assert loop.calls == [] and list(cwd.iterdir()) == []
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--tp", "2")
+    assert code == 0, err
+    (w,) = [ln for ln in err.splitlines() if ln.startswith("rlk run: warning: ")]
+    assert "RLK_SHARE_GPUS=1 has no effect with --device cpu" in w
+    manifest = json.loads((cwd / out.strip() / "manifest.json").read_text())
+    assert "shared" not in manifest["versions"]["devices"]
+    cuda = ev.build_manifest(RunConfig(device="cuda", tp=2), {})
+    assert cuda["versions"]["devices"]["shared"] is True
+    monkeypatch.setenv(SHARE_GPUS_ENV, "0")
+    assert "shared" not in ev.build_manifest(RunConfig(device="cuda"), {})["versions"]["devices"]
+
+
 def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
     code, _, err = rlk(capsys, "run", "--micro-batch-tokens", str(2**31 + 1))
     assert code == 2 and "must be at most 2,147,483,648" in err and loop.calls == []

@@ -577,6 +577,25 @@ def test_nonfinite_gradient_stop_names_parameter_rank_and_step(capfd, env, tmp_p
     assert_nothing_left(env, root, "r")
 
 
+def test_a_loss_that_overflows_fp32_stops_the_run_naming_its_terms(capfd, env, tmp_path):
+    """--kl-coef 3e38 (accepted: the KL has no bound to check it against) with --lr 0.5: step 1's
+    KL times the coefficient leaves fp32 and the loss is NaN while the gradients stay finite.
+    The step is recorded, then the run stops (exit 1) naming the loss, its terms and the
+    coefficients — it used to finish with exit 0 and "nan" losses in its evidence (breaker).
+    Control: step 0 (KL 0, policy == reference) passes the same check."""
+    root = tmp_path / "runs"
+    code, err = rlk_in_process(capfd, root / "r", "--kl-coef", "3e38", "--lr", "0.5")
+    assert code == 1, err
+    line = error_line(err)
+    assert line.startswith("rlk run: error: evidence step 1: the loss is nan (pg_loss ") and \
+        "; --kl-coef 3e+38, --entropy-coef 0.0): a term times its coefficient overflows fp32; " \
+        "lower that coefficient" in line, line
+    ev = evidence(root / "r")
+    assert ev["complete"] is False and [s["loss"] for s in ev["steps"]][1] == "nan"
+    assert ev["steps"][0]["loss"] == 0.0 and ev["steps"][0]["kl"] == 0.0
+    assert_nothing_left(env, root, "r")
+
+
 def test_nonfinite_gradient_skip_skips_on_every_rank_and_continues(capfd, env, tmp_path,
                                                                    monkeypatch):
     """Inf in rank 1's shard at step 0, --on-nonfinite skip --require-updates: exit 0; step 0 is

@@ -125,9 +125,7 @@ def versions() -> dict[str, Any]:
     """Software and device versions for the manifest.
 
     Keys: python, torch, triton (None when not installed), cuda (torch.version.cuda, None on CPU
-    builds), platform, devices {"cpu": name, "cuda": [names], and "shared": true where
-    RLK_SHARE_GPUS=1 had CUDA ranks share the GPUs (launch.py's validation mode)}, rlkernel.
-    Imports torch."""
+    builds), platform, devices {"cpu": name, "cuda": [names]}, rlkernel. Imports torch."""
     import importlib.metadata
 
     import torch
@@ -147,14 +145,9 @@ def versions() -> dict[str, Any]:
         "triton": triton,
         "cuda": torch.version.cuda,
         "platform": platform.platform(),
-        "devices": {"cpu": _cpu_name(), "cuda": cuda_names, **_shared()},
+        "devices": {"cpu": _cpu_name(), "cuda": cuda_names},
         "rlkernel": rlkernel.__version__,
     }
-
-
-def _shared() -> dict:
-    """{"shared": True} when RLK_SHARE_GPUS=1 (malformed values are refused before a run)."""
-    return {"shared": True} if os.environ.get(SHARE_GPUS_ENV) == "1" else {}
 
 
 def _git(src_dir: pathlib.Path, *args: str) -> str | None:
@@ -235,11 +228,16 @@ def utc_now() -> str:
 
 
 def build_manifest(cfg: Any, git: dict[str, Any]) -> dict[str, Any]:
-    """The manifest of a run of `cfg` (a RunConfig): config verbatim, canonical spec, versions, git."""
+    """The manifest of a run of `cfg` (a RunConfig): config verbatim, canonical spec, versions, git.
+    A CUDA run whose ranks share GPUs (RLK_SHARE_GPUS=1, launch.py's validation mode) has
+    "shared": true under versions' devices."""
+    found = versions()
+    if cfg.device == "cuda" and os.environ.get(SHARE_GPUS_ENV) == "1":
+        found["devices"]["shared"] = True
     return {
         "config": cfg.to_dict(),
         "canonical_spec": cfg.canonical_spec(),
-        "versions": versions(),
+        "versions": found,
         "git": git,
         "created_utc": utc_now(),
     }

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pathlib
 import signal
@@ -449,6 +450,21 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
         save_final_weights(run_dir, mcfg, final, step=cfg.steps - 1, version=version)
 
 
+def _nonfinite_loss(cfg, rec: dict) -> str | None:
+    """The stop message when step `rec`'s loss is not finite, else None. The loss is a metric
+    (the update comes from per-token gradients, which can stay finite), but a NaN or inf loss
+    means a coefficient times its term left fp32 — e.g. --kl-coef 3e38 with a KL of 4: the
+    step is recorded, then the run stops, as the run's numbers no longer mean anything."""
+    loss = rec["loss"]
+    if loss is None or math.isfinite(loss):
+        return None
+    terms = ", ".join(f"{k} {rec[k]!r}" for k in ("pg_loss", "kl", "entropy")
+                      if rec.get(k) is not None)
+    return (f"evidence step {rec['step']}: the loss is {loss!r} ({terms}; --kl-coef "
+            f"{cfg.kl_coef!r}, --entropy-coef {cfg.entropy_coef!r}): a term times its "
+            "coefficient overflows fp32; lower that coefficient")
+
+
 @contextlib.contextmanager
 def _signals_deferred():
     """Hold SIGINT/SIGTERM/SIGHUP (main thread only; `rlk run` unwinds on all three) until the
@@ -486,6 +502,10 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
     if done.diverged:
         _stop(topo, f"evidence step {step}: the update made {_few(done.diverged)} non-finite; "
                     "the run diverged (lower --lr, or --clip-grad)")
+        return True
+    overflow = _nonfinite_loss(cfg, rec)
+    if overflow is not None:
+        _stop(topo, overflow)
         return True
     if skipped and cfg.on_nonfinite == "stop":
         where = _few([f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
