@@ -17,8 +17,9 @@ from rlkernel import cli
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
-# Flags of other programs that the README quotes (`tensorboard --logdir RUN/tensorboard`).
-OTHER_TOOLS_FLAGS = {"--logdir"}
+# Flags of other programs that the README quotes (`tensorboard --logdir RUN/tensorboard`, pip's
+# `--extra-index-url`).
+OTHER_TOOLS_FLAGS = {"--logdir", "--extra-index-url"}
 
 
 def _all_flags() -> set[str]:
