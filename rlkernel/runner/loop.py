@@ -454,7 +454,8 @@ def _nonfinite_loss(cfg, rec: dict) -> str | None:
     """The stop message when step `rec`'s loss is not finite, else None. The loss is a metric
     (the update comes from per-token gradients, which can stay finite), but a NaN or inf loss
     means a coefficient times its term left fp32 — e.g. --kl-coef 3e38 with a KL of 4: the
-    step is recorded, then the run stops, as the run's numbers no longer mean anything."""
+    step is recorded, then the run stops, as the run's numbers no longer mean anything. Not
+    asked of a step whose update was skipped for a non-finite gradient (`--on-nonfinite`)."""
     loss = rec["loss"]
     if loss is None or math.isfinite(loss):
         return None
@@ -503,7 +504,8 @@ def _finish_step(cfg, topo, writer, watch, run_dir, opt, policy, rec, done, audi
         _stop(topo, f"evidence step {step}: the update made {_few(done.diverged)} non-finite; "
                     "the run diverged (lower --lr, or --clip-grad)")
         return True
-    overflow = _nonfinite_loss(cfg, rec)
+    # a skipped update's loss may be non-finite with its gradient: --on-nonfinite decides that
+    overflow = None if skipped else _nonfinite_loss(cfg, rec)
     if overflow is not None:
         _stop(topo, overflow)
         return True
