@@ -806,9 +806,13 @@ def _check_positions(m: Qwen3Config | None, model: str | None, prompt_len: int,
     demand, so nothing downstream refuses positions past it, and a too-long sample would
     silently run out of the trained range. Raises ConfigError."""
     if m is not None and prompt_len + response_len > m.max_position_embeddings:
+        room = m.max_position_embeddings - prompt_len
+        allowed = (f"--max-response-len {room} at most with --max-prompt-len {prompt_len}"
+                   if room >= 1 else f"--max-prompt-len below {m.max_position_embeddings}")
         raise ConfigError(f"--max-prompt-len {prompt_len} + --max-response-len {response_len} "
                           f"= {prompt_len + response_len}: must be <= max_position_embeddings="
-                          f"{m.max_position_embeddings} of {_model_where(model)}")
+                          f"{m.max_position_embeddings} of {_model_where(model)}; allowed: "
+                          f"{allowed}")
 
 
 def _new_config(given: dict) -> RunConfig:

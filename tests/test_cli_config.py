@@ -1671,8 +1671,11 @@ def test_a_sample_past_the_models_positions_says_so_before_the_microbatch(capsys
     (line,) = err.strip().splitlines()
     p = int(argv[argv.index("--max-prompt-len") + 1]) if "--max-prompt-len" in argv else 256
     r = int(argv[argv.index("--max-response-len") + 1])
+    allowed = f"--max-response-len {4096 - p} at most with --max-prompt-len {p}" if p < 4096 \
+        else "--max-prompt-len below 4096"
     assert line == (f"rlk run: error: --max-prompt-len {p} + --max-response-len {r} = {p + r}: "
-                    "must be <= max_position_embeddings=4096 of the embedded tiny model"), line
+                    "must be <= max_position_embeddings=4096 of the embedded tiny model; "
+                    f"allowed: {allowed}"), line
     assert list(cwd.iterdir()) == [] and loop.calls == []
 
 
@@ -1708,7 +1711,8 @@ def test_a_sample_of_exactly_the_models_positions_is_accepted(capsys, cwd, loop)
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
     assert line == ("rlk run: error: --max-prompt-len 256 + --max-response-len 3841 = 4097: "
-                    "must be <= max_position_embeddings=4096 of the embedded tiny model"), line
+                    "must be <= max_position_embeddings=4096 of the embedded tiny model; "
+                    "allowed: --max-response-len 3840 at most with --max-prompt-len 256"), line
     assert not (cwd / "r").exists() and len(loop.calls) == 1
 
 
