@@ -144,8 +144,10 @@ def test_load_from_file_and_module_records_the_source_hash(rewards_file, monkeyp
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
     ("math:floor", "cannot be called as"),
     ("{f}:CALLS", "is a NoneType, not callable"),
+    ("{d}/rubric.txt:f", "must be a .py file: path/to/file.py:FUNC"),   # an existing non-.py file
 ])
 def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
+    (rewards_file.parent / "rubric.txt").write_text("def f(p, c, l):\n    return 0.0\n")
     spec = spec.format(f=rewards_file, d=rewards_file.parent)
     with pytest.raises(RewardError) as e:
         load_reward(spec)

@@ -151,7 +151,8 @@ def _import_file(path: pathlib.Path, spec: str):
     mod_name = "rlk_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
     loader_spec = importlib.util.spec_from_file_location(mod_name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise RewardError(f"--reward {spec!r}: cannot import {path} as Python source")
+        raise RewardError(f"--reward {spec!r}: cannot import {path} as Python source (a file "
+                          "named by --reward must be a .py file: path/to/file.py:FUNC)")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[mod_name] = module
     try:
