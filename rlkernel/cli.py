@@ -1241,8 +1241,8 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     """The saved config of --resume's run (read from `src`, see _resume_source) with the allowed
     flags applied."""
     d = pathlib.Path(given["resume"])
-    if not src.is_dir():   # "no readable manifest.json" of a file or a typo named nothing
-        why = "a file, not a run directory" if src.exists() else readfile.missing_directory(src)
+    why = readfile.not_a_directory(src)   # "no readable manifest.json" named nothing
+    if why is not None:
         raise ConfigError(f"--resume {str(d)!r}: {why}; give a run directory written by rlk "
                           "run")
     try:

@@ -59,6 +59,14 @@ def missing_directory(path: str | os.PathLike) -> str:
     return "not a run directory"
 
 
+def not_a_directory(path: str | os.PathLike) -> str | None:
+    """Why `path` is no run directory, for a message, or None when it is a directory: "a file,
+    not a run directory" of anything else that exists, else `missing_directory`'s reason."""
+    if os.path.isdir(path):
+        return None
+    return "a file, not a run directory" if os.path.exists(path) else missing_directory(path)
+
+
 class NotRegularFileError(OSError):
     """A path that must be a regular file is a FIFO, device, socket or directory.
     str(): "PATH: not a regular file but a FIFO (named pipe)"; strerror: the part after PATH."""

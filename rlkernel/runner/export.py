@@ -127,12 +127,10 @@ def _read_json(path: pathlib.Path) -> tuple[object, str | None]:
 
 
 def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
-    if not run.exists() or os.path.islink(run) and not run.is_dir():
-        raise ExportUsageError(f"RUN {str(run)!r}: {readfile.missing_directory(run)}; give a "
-                               "run directory written by rlk run")
-    if not run.is_dir():
-        raise ExportUsageError(f"RUN {str(run)!r}: a file, not a run directory; give a run "
-                               "directory written by rlk run")
+    why = readfile.not_a_directory(run)
+    if why is not None:
+        raise ExportUsageError(f"RUN {str(run)!r}: {why}; give a run directory written by rlk "
+                               "run")
     docs = []
     for name, key, kind in (("manifest.json", "config", dict), ("evidence.json", "steps", list)):
         doc, why = _read_json(run / name)
