@@ -24,7 +24,6 @@ kernels, shard trees and collectives' trees of every layout are checked, NCCL is
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -48,16 +47,10 @@ JOBS = {"fp32": JOB, "bf16": JOB_BF16}
 @pytest.fixture(scope="module", autouse=True)
 def _ranks_share_one_gpu():
     """RLK_SHARE_GPUS=1 for this module when there is one GPU (spawned ranks inherit it)."""
-    if not SHARED:
+    with pytest.MonkeyPatch.context() as mp:
+        if SHARED:
+            mp.setenv(SHARE_GPUS_ENV, "1")
         yield
-        return
-    before = os.environ.get(SHARE_GPUS_ENV)
-    os.environ[SHARE_GPUS_ENV] = "1"
-    yield
-    if before is None:
-        del os.environ[SHARE_GPUS_ENV]
-    else:
-        os.environ[SHARE_GPUS_ENV] = before
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ import tempfile
 from typing import Any
 
 from rlkernel import readfile
-from rlkernel.distributed.topology import SHARE_GPUS_ENV
+from rlkernel.distributed.topology import gpus_shared
 
 EVIDENCE_FORMAT = 1
 
@@ -232,7 +232,7 @@ def build_manifest(cfg: Any, git: dict[str, Any]) -> dict[str, Any]:
     A CUDA run whose ranks share GPUs (RLK_SHARE_GPUS=1, launch.py's validation mode) has
     "shared": true under versions' devices."""
     found = versions()
-    if cfg.device == "cuda" and os.environ.get(SHARE_GPUS_ENV) == "1":
+    if cfg.device == "cuda" and gpus_shared():
         found["devices"]["shared"] = True
     return {
         "config": cfg.to_dict(),

@@ -28,7 +28,7 @@ import shlex
 from typing import Any
 
 from rlkernel.config import DEFAULT_GPU_MEMORY_UTILIZATION
-from rlkernel.distributed.topology import SHARE_GPUS_ENV
+from rlkernel.distributed.topology import SHARE_GPUS_ENV, gpus_shared
 
 TMP_SUFFIX = re.compile(r"\.tmp-[0-9]+$")   # ASCII: \d takes other scripts' digits too
 """cli.py writes a fresh run into `<final>.tmp-<pid>` and renames it at the end."""
@@ -60,7 +60,7 @@ def config_warnings(cfg) -> list[str]:
         out.append("--clip-eps/--clip-eps-low/--clip-eps-high cannot act with one update per "
                    "rollout batch (the importance ratio is 1, exactly in --mode invariant); give "
                    "--ppo-epochs or --mini-batches > 1")
-    if cfg.device == "cpu" and os.environ.get(SHARE_GPUS_ENV) == "1":
+    if cfg.device == "cpu" and gpus_shared():
         out.append(f"{SHARE_GPUS_ENV}=1 has no effect with --device cpu: CPU ranks are "
                    "processes of their own")
     if cfg.device == "cpu" and cfg.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
