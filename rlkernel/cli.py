@@ -806,12 +806,18 @@ def _check_positions(m: Qwen3Config | None, model: str | None, prompt_len: int,
     demand, so nothing downstream refuses positions past it, and a too-long sample would
     silently run out of the trained range. Raises ConfigError."""
     if m is not None and prompt_len + response_len > m.max_position_embeddings:
-        room = m.max_position_embeddings - prompt_len
-        allowed = (f"--max-response-len {room} at most with --max-prompt-len {prompt_len}"
-                   if room >= 1 else f"--max-prompt-len below {m.max_position_embeddings}")
+        most = m.max_position_embeddings
+        if most - prompt_len >= 1:
+            allowed = (f"--max-response-len {most - prompt_len} at most with --max-prompt-len "
+                       f"{prompt_len}")
+        elif most - response_len >= 1:
+            allowed = (f"--max-prompt-len {most - response_len} at most with "
+                       f"--max-response-len {response_len}")
+        else:
+            allowed = f"the two at most {most} together"
         raise ConfigError(f"--max-prompt-len {prompt_len} + --max-response-len {response_len} "
                           f"= {prompt_len + response_len}: must be <= max_position_embeddings="
-                          f"{m.max_position_embeddings} of {_model_where(model)}; allowed: "
+                          f"{most} of {_model_where(model)}; allowed: "
                           f"{allowed}")
 
 
@@ -873,10 +879,19 @@ def _check_entropy_scale(m: Qwen3Config | None, model: str | None, coef: float,
     most = FP32_MAX / term if term > 0 else math.inf
     if coef > most:
         per = f" x {tokens} tokens (--loss-agg seq-mean-token-sum)" if tokens > 1 else ""
-        raise ConfigError(f"--entropy-coef {coef!r}: must be at most {most:.6g} for "
+        raise ConfigError(f"--entropy-coef {coef!r}: must be at most {_at_most(most)} for "
                           f"{_model_where(model)} (vocab_size {m.vocab_size}): the entropy term "
                           f"reaches --entropy-coef x ln({m.vocab_size}){per} = "
                           f"{coef * term:.6g}, past fp32's largest number {FP32_MAX:.6g}")
+
+
+def _at_most(bound: float) -> str:
+    """`bound` to 6 significant digits, rounded down, so that the number a message prints is
+    itself allowed (2.0342267e37 printed as 2.03423e+37 was refused)."""
+    mant, exp = f"{bound:.5e}".split("e")
+    if float(f"{mant}e{exp}") > bound:
+        mant = f"{float(mant) - 1e-5:.5f}"
+    return f"{float(f'{mant}e{exp}'):.6g}"
 
 
 def max_local_ranks(device: str) -> int:

@@ -1659,6 +1659,7 @@ def test_sample_longer_than_the_microbatch_names_the_flag_that_was_moved(argv, w
     ["--max-response-len", "3900", "--micro-batch-tokens", "4156"],
     ["--max-response-len", "3900", "--micro-batch-tokens", "100"],
     ["--max-prompt-len", "4000", "--max-response-len", "200"],
+    ["--max-prompt-len", "4096", "--max-response-len", "8", "--micro-batch-tokens", "5000"],
 ])
 def test_a_sample_past_the_models_positions_says_so_before_the_microbatch(capsys, cwd, loop,
                                                                           argv):
@@ -1672,7 +1673,7 @@ def test_a_sample_past_the_models_positions_says_so_before_the_microbatch(capsys
     p = int(argv[argv.index("--max-prompt-len") + 1]) if "--max-prompt-len" in argv else 256
     r = int(argv[argv.index("--max-response-len") + 1])
     allowed = f"--max-response-len {4096 - p} at most with --max-prompt-len {p}" if p < 4096 \
-        else "--max-prompt-len below 4096"
+        else f"--max-prompt-len {4096 - r} at most with --max-response-len {r}"
     assert line == (f"rlk run: error: --max-prompt-len {p} + --max-response-len {r} = {p + r}: "
                     "must be <= max_position_embeddings=4096 of the embedded tiny model; "
                     f"allowed: {allowed}"), line

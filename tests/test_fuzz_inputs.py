@@ -948,9 +948,20 @@ def test_an_entropy_coef_whose_term_overflows_fp32_is_refused_before_any_work(tm
     lines = [ln for ln in err.splitlines() if ln.strip()]
     bound = 3.4028234663852886e38 / math.log(tiny().vocab_size)
     assert rc == 2 and len(lines) == 1, err
+    shown = lines[0].split("must be at most ")[1].split(" ")[0]
     assert lines[0].startswith("rlk run: error: --entropy-coef 3.4e+38: must be at most "
-                               f"{bound:.6g} for the embedded tiny model"), lines
+                               f"{shown} for the embedded tiny model"), lines
+    assert abs(float(shown) - bound) <= 1e-5 * bound, shown
     assert not list(tmp_path.iterdir())
+    # the printed bound is itself allowed (rounded down: 2.03423e+37 printed for 2.0342267e37
+    # was refused, found by a breaker), also where rounding to 6 digits would go up
+    cli._check_entropy_scale(tiny(), None, float(shown))
+    for tokens in (3, 5, 9, 12, 13, 14, 16):
+        with pytest.raises(ConfigError) as e:
+            cli._check_entropy_scale(tiny(), None, 1e38, tokens=tokens)
+        cli._check_entropy_scale(tiny(), None,
+                                 float(str(e.value).split("must be at most ")[1].split(" ")[0]),
+                                 tokens=tokens)
     cli._check_entropy_scale(tiny(), None, bound)
     with pytest.raises(ConfigError):
         cli._check_entropy_scale(tiny(), None, math.nextafter(bound, math.inf) * 1.000001)
