@@ -699,6 +699,7 @@ def _check_inputs(cfg: RunConfig) -> None:
         raise ConfigError(f"--prompts {cfg.prompts!r}: {what}; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")
     if cfg.device == "cuda":
+        gpus_shared()   # a malformed RLK_SHARE_GPUS first: the no-GPU error would hide it
         _import_torch()
         import torch
 
@@ -1256,25 +1257,17 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     """The saved config of --resume's run (read from `src`, see _resume_source) with the allowed
     flags applied."""
     d = pathlib.Path(given["resume"])
-    why = readfile.not_a_directory(src)   # "no readable manifest.json" named nothing
+    why = readfile.not_a_directory(src)
     if why is not None:
         raise ConfigError(f"--resume {str(d)!r}: {why}; give a run directory written by rlk "
                           "run")
-    try:
-        manifest = readfile.read_json(src / "manifest.json")
-        saved = manifest["config"]
-        if not isinstance(saved, dict):  # e.g. "config": [] would crash in saved.get below
-            raise TypeError(saved)
-    except readfile.NotRegularFileError as e:   # a FIFO would block, a device never end
-        raise ConfigError(f"--resume {str(d)!r}: {e}; give a run directory written by rlk "
-                          "run") from None
-    except json.JSONDecodeError as e:   # a key given twice included: which value resumes?
-        raise ConfigError(f"--resume {str(d)!r}: manifest.json is not valid JSON "
-                          f"({jsontext.located(e)}); give a run directory written by rlk "
-                          "run") from None
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"--resume {str(d)!r}: no readable manifest.json; give a run directory "
-                          "written by rlk run") from None
+    manifest, why = readfile.json_or_why(src / "manifest.json")
+    saved = manifest.get("config") if isinstance(manifest, dict) else None
+    if why is None and not isinstance(saved, dict):  # "config": [] would crash in saved.get
+        why = "has no 'config' object"
+    if why is not None:
+        raise ConfigError(f"--resume {str(d)!r}: manifest.json {why}; give a run directory "
+                          "written by rlk run")
     try:  # validate the saved config itself, before comparing its values with the flags
         RunConfig.from_dict(saved)
     except ConfigError as e:
@@ -1647,7 +1640,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
             writer.adopt()          # the steps a launched run's rank 0 recorded
         if writer is None or writer.n_steps <= ck.next_step:
             return _resume_failed_before_its_steps(e, d, before)
-        return _error("run", e, 1)
+        return _error("run", f"{e} (evidence of {writer.n_steps} step(s) kept in {d})", 1)
     except (KeyboardInterrupt, SystemExit) as e:
         if _debug():
             raise

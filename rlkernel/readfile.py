@@ -16,6 +16,7 @@ Does not: parse (beyond JSON text, via jsontext) or write.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from typing import IO, Any
@@ -147,3 +148,23 @@ def read_json(path: str | os.PathLike) -> Any:
     `rlk compare` refuses such a file, so every reader does (the files read here are written
     by rl-kernel or by transformers, one key each)."""
     return jsontext.loads(read_text(path), max_depth=jsontext.MAX_DEPTH, unique_keys=True)
+
+
+def json_or_why(path: str | os.PathLike) -> tuple[Any, str | None]:
+    """(document, None) as `read_json`, or (None, why it cannot be read) for a message that
+    names the file before it: "is missing", "is not a regular file", "is not UTF-8 text", "is
+    not valid JSON (line L: msg)", "cannot be read (strerror)". Raises nothing of its own."""
+    try:
+        return read_json(path), None
+    except FileNotFoundError:
+        return None, "is missing"
+    except NotRegularFileError:   # a FIFO would block, a device never end
+        return None, "is not a regular file"
+    except UnicodeDecodeError:
+        return None, "is not UTF-8 text"
+    except json.JSONDecodeError as e:   # a key given twice and nesting too deep included
+        return None, f"is not valid JSON ({jsontext.located(e)})"
+    except ValueError as e:
+        return None, f"is not valid JSON ({e})"
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"

@@ -1468,6 +1468,24 @@ def test_rlk_share_gpus_on_cpu_is_checked_warned_and_not_recorded(capsys, cwd, l
     assert "shared" not in ev.build_manifest(RunConfig(device="cuda"), {})["versions"]["devices"]
 
 
+def test_malformed_rlk_share_gpus_is_named_before_the_no_gpu_error(capsys, cwd, loop,
+                                                                   monkeypatch):
+    """--device cuda on a machine without a GPU and RLK_SHARE_GPUS='yes': the variable is named
+    (the no-GPU error hid it: fixing that would only meet the variable's error next).
+    Control: with the variable well formed, the no-GPU error is what is said."""
+    import torch
+
+    from rlkernel.distributed.topology import SHARE_GPUS_ENV
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(SHARE_GPUS_ENV, "yes")
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--device", "cuda")
+    assert code == 2 and "RLK_SHARE_GPUS='yes': allowed are 1" in err, err
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--device", "cuda")
+    assert code == 2 and "no CUDA device is available here" in err, err
+    assert loop.calls == [] and list(cwd.iterdir()) == []
+
+
 def test_micro_batch_tokens_has_an_upper_bound(capsys, cwd, loop):
     code, _, err = rlk(capsys, "run", "--micro-batch-tokens", str(2**31 + 1))
     assert code == 2 and "must be at most 2,147,483,648" in err and loop.calls == []

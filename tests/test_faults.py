@@ -577,6 +577,28 @@ def test_nonfinite_gradient_stop_names_parameter_rank_and_step(capfd, env, tmp_p
     assert_nothing_left(env, root, "r")
 
 
+def test_a_resumed_run_stopped_by_a_step_of_its_own_says_what_it_kept(capfd, env, tmp_path,
+                                                                       monkeypatch):
+    """A run of 2 steps saved at step 1, resumed to 3 steps with a NaN gradient planted at
+    evidence step 2 (the resume's first step of its own): exit 1, and the error line ends with
+    the evidence kept, as a run that was not resumed says it (a resume said only the error).
+    Control: the resume's step 1 is not touched (evidence has 3 steps, the last one skipped)."""
+    root = tmp_path / "runs"
+    code, err = rlk_in_process(capfd, root / "r", "--save-every", "1")
+    assert code == 0, err
+    monkeypatch.setenv(faults.ENV, f"grad:nan:step=2:tensor={T}")
+    code = main(["run", "--resume", str(root / "r"), "--steps", "3", "--allow-dirty"])
+    err = capfd.readouterr().err
+    assert code == 1, err
+    line = error_line(err)
+    assert f"non-finite gradient in {T}" in line, line
+    assert line.endswith(f"(evidence of 3 step(s) kept in {root / 'r'})"), line
+    ev = evidence(root / "r")
+    assert len(ev["steps"]) == 3 and ev["steps"][2]["update_skipped"] is True
+    assert ev["steps"][1].get("update_skipped") is not True
+    assert [q.name for q in root.iterdir()] == ["r"] and (root / "r" / "checkpoints").is_dir()
+
+
 def test_a_loss_that_overflows_fp32_stops_the_run_naming_its_terms(capfd, env, tmp_path):
     """--kl-coef 3e38 (accepted: the KL has no bound to check it against) with --lr 0.5: step 1's
     KL times the coefficient leaves fp32 and the loss is NaN while the gradients stay finite.

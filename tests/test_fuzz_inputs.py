@@ -822,8 +822,8 @@ _OK_META = {"next_step": 1, "opt_steps": 1, "version": "v",
 
 @pytest.mark.skipif("resume" not in RUN_FIELDS, reason="no --resume in this version")
 @pytest.mark.parametrize("config, meta, words", [
-    ([], None, "no readable manifest.json"),
-    ("cfg", None, "no readable manifest.json"),
+    ([], None, "manifest.json has no 'config' object"),
+    ("cfg", None, "manifest.json has no 'config' object"),
     ({"steps": "2"}, None, "manifest.json holds an invalid config: --steps '2'"),
     ({"lr": 10**400}, None, "manifest.json holds an invalid config: --lr"),
     ({}, None, "no complete checkpoint"),
@@ -843,11 +843,12 @@ def test_bad_resume_directory(tmp_path, config, meta, words):
 
 @pytest.mark.parametrize("kind, words", [("file", "a file, not a run directory"),
                                          ("missing", "no such run directory"),
-                                         ("empty", "no readable manifest.json")])
+                                         ("empty", "manifest.json is missing")])
 def test_resume_of_a_file_or_a_missing_path_says_which(tmp_path, kind, words):
     """`rlk run --resume PATH` where PATH is a file or does not exist: exit 2, one line saying
     so (both said "no readable manifest.json", which reads as a damaged run; found by a
-    breaker). Control: an empty directory still says its manifest is missing."""
+    breaker). Control: an empty directory says its manifest is missing (in the words `rlk
+    export` uses; it said "no readable manifest.json", export "manifest.json is missing")."""
     target = tmp_path / "target"
     if kind == "file":
         target.write_text("x")

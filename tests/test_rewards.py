@@ -37,6 +37,7 @@ REWARDS = textwrap.dedent('''
     import os
 
     CALLS = os.environ.get("RLK_TEST_REWARD_LOG")
+    LIMIT = 3
 
     def length(prompt, completion, label):
         """Reward = completion length / 10; logs the calling process id and the prompt."""
@@ -144,11 +145,15 @@ def test_load_from_file_and_module_records_the_source_hash(rewards_file, monkeyp
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
     ("math:floor", "cannot be called as"),
     ("{f}:CALLS", "is a NoneType, not callable"),
+    ("{f}:LIMIT", "'LIMIT' is an int, not callable"),     # said "is a int"
+    ("{d}/pkg.py:f", "'{d}/pkg.py' is a directory; give an existing .py file"),   # "no such file"
     ("{d}/rubric.txt:f", "must be a .py file: path/to/file.py:FUNC"),   # an existing non-.py file
 ])
 def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
     (rewards_file.parent / "rubric.txt").write_text("def f(p, c, l):\n    return 0.0\n")
+    (rewards_file.parent / "pkg.py").mkdir()
     spec = spec.format(f=rewards_file, d=rewards_file.parent)
+    words = words.format(d=rewards_file.parent)
     with pytest.raises(RewardError) as e:
         load_reward(spec)
     assert f"--reward {spec!r}" in str(e.value) and words in str(e.value)

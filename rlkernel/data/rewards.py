@@ -196,8 +196,10 @@ def load_reward(spec: str | None) -> RewardFn:
     try:
         if reward_file(spec) is not None:
             if not path.is_file():
-                raise RewardError(f"--reward {spec!r}: no such file {where!r}; give an existing "
-                                  ".py file or an importable module")
+                what = (f"{where!r} is a directory" if path.is_dir()
+                        else f"no such file {where!r}")
+                raise RewardError(f"--reward {spec!r}: {what}; give an existing .py file or an "
+                                  "importable module")
             module = _import_file(path.resolve(), spec)
         else:
             if os.getcwd() not in sys.path and "" not in sys.path:
@@ -221,7 +223,9 @@ def load_reward(spec: str | None) -> RewardFn:
                               f"there: {', '.join(names[:12]) or 'none'}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise RewardError(f"--reward {spec!r}: {func!r} is a {type(obj).__name__}, not callable")
+        kind = type(obj).__name__
+        raise RewardError(f"--reward {spec!r}: {func!r} is {'an' if kind[0] in 'aeiou' else 'a'} "
+                          f"{kind}, not callable")
     try:
         inspect.signature(obj).bind("prompt", "completion", "label")
     except TypeError:

@@ -109,23 +109,6 @@ class Exported:
     seconds: float
 
 
-def _read_json(path: pathlib.Path) -> tuple[object, str | None]:
-    """(document, None), or (None, why it cannot be read: missing, not a regular file, not
-    UTF-8, not JSON)."""
-    try:
-        return readfile.read_json(path), None
-    except FileNotFoundError:
-        return None, "is missing"
-    except readfile.NotRegularFileError:   # a FIFO would block, a device never end
-        return None, "is not a regular file"
-    except UnicodeDecodeError:
-        return None, "is not UTF-8 text"
-    except ValueError as e:   # JSONDecodeError, and jsontext's too-deep documents
-        return None, f"is not valid JSON ({e})"
-    except OSError as e:
-        return None, f"cannot be read ({e.strerror or e})"
-
-
 def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
     why = readfile.not_a_directory(run)
     if why is not None:
@@ -133,7 +116,7 @@ def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
                                "run")
     docs = []
     for name, key, kind in (("manifest.json", "config", dict), ("evidence.json", "steps", list)):
-        doc, why = _read_json(run / name)
+        doc, why = readfile.json_or_why(run / name)
         if why is None and not (isinstance(doc, dict) and isinstance(doc.get(key), kind)):
             why = f"has no {key!r} {'object' if kind is dict else 'list'}"
         if why is None and kind is dict:
@@ -159,7 +142,7 @@ def _final_meta(run: pathlib.Path) -> tuple[int | None, str | None]:
     """(the step final/ holds, None), (None, None) when there is no final/ record, or (None,
     why the record that is there cannot be used)."""
     path = run / FINAL_DIR / WEIGHTS_META
-    meta, why = _read_json(path)
+    meta, why = readfile.json_or_why(path)
     if why == "is missing":
         return None, None
     if why is None:
