@@ -402,6 +402,85 @@ def add_exact_flags_exactly_the_inexact_adds():
     assert int((f == 2).sum()) > 100 and int((f == 0).sum()) > 100
 
 
+@triton.jit
+def _f32_bits(P, Q, n, MOVE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    p = tl.load(P + i, mask=ok)
+    if MOVE:
+        q = tfx.f32_bits_in_f64(p)
+    else:               # the negative control: the bits moved without the non-finite OR
+        b = p.to(tl.int32, bitcast=True)
+        high = (b >> 3) & -1879048193
+        low = (b << 29).to(tl.uint32, bitcast=True).to(tl.int64)
+        q = ((high.to(tl.int64) << 32) | low).to(tl.float64, bitcast=True)
+    tl.store(Q + i, q, mask=ok)
+
+
+def _every_f32_exponent() -> torch.Tensor:
+    """fp32 values of every exponent field 0..255, both signs, mantissas 0, 1, a middle one and
+    all ones (subnormals, ±0.0, ±Inf and NaNs among them), as an fp32 tensor."""
+    bits = [sign | (f << 23) | m for sign in (0, 1 << 31) for f in range(256)
+            for m in (0, 1, 0x2AAAAA, 0x7FFFFF)]
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _moved(p: torch.Tensor, move: bool = True) -> torch.Tensor:
+    q = torch.empty(p.numel(), dtype=torch.float64)
+    _f32_bits[(triton.cdiv(p.numel(), 256),)](p, q, p.numel(), MOVE=move, BLOCK=256)
+    return q
+
+
+@check
+def f32_bits_in_f64_is_the_conversion_scaled():
+    """tfx.f32_bits_in_f64 (the dW first pass's conversion, integer operations only) == the
+    float64 conversion times 2**-896, bitwise, for every fp32 exponent field (subnormals and
+    ±0.0 included); ±Inf and NaNs give a value that is not finite. Control: the bits moved
+    without the non-finite OR make ±Inf and NaN finite (2**-768·1.m), so the check can fail."""
+    p = _every_f32_exponent()
+    want = p.double() * 2.0**-896
+    q = _moved(p)
+    fin = torch.isfinite(p)
+    assert int(fin.sum()) == 8 * 255 and int((~fin).sum()) == 8
+    assert torch.equal(q[fin].view(torch.int64), want[fin].view(torch.int64))
+    assert not bool(torch.isfinite(q[~fin]).any())   # which Inf or NaN: the device's NaN bits
+    bare = _moved(p, move=False)
+    assert bool(torch.isfinite(bare[~fin]).all()) and torch.equal(bare[fin], q[fin])
+
+
+@triton.jit
+def _scaled_add(H, P, S, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    hi = tfx.scale_words(tl.load(H + i, mask=ok), False)
+    s = tfx.scale_words(tfx.add_f32_exact_or_nan(hi, tl.load(P + i, mask=ok)), True)
+    tl.store(S + i, s, mask=ok)
+
+
+@check
+def scaled_add_is_the_unscaled_add():
+    """tfx.add_f32_exact_or_nan on words scaled by 2**-896 (scale_words down, add, up) == the
+    unscaled add_exact_or_nan(hi, p.to(float64)), bitwise, NaN in the same places: words that
+    are sums of fp32 values (multiples of 2**-149 up to 2**149, subnormal-range ones whose scaled
+    form is a float64 subnormal) against every fp32 exponent of p, exact and inexact adds both
+    ways round."""
+    p = _every_f32_exponent()
+    words = torch.tensor([0.0, -0.0, 2.0**-149, -3 * 2.0**-149, 2.0**-126 - 2.0**-149, 1.0,
+                          1.0 + 2.0**-52, -(2.0**60 + 2.0**8), 2.0**149, 1.5 * 2.0**-100],
+                         dtype=torch.float64)
+    hi = words.repeat_interleave(p.numel())
+    pp = p.repeat(words.numel())
+    got = torch.empty_like(hi)
+    _scaled_add[(triton.cdiv(hi.numel(), 256),)](hi, pp, got, hi.numel(), BLOCK=256)
+    a, b, want = hi, pp.double(), torch.empty_like(hi)
+    _exact_flags[(triton.cdiv(a.numel(), 256),)](a, b, want, torch.empty(a.numel(), dtype=torch.int32),
+                                                 a.numel(), ONE_SIDED=False, BLOCK=256)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int64), want[~nan].view(torch.int64))
+    assert int(nan.sum()) > 50 and int((~nan).sum()) > 1000, int(nan.sum())
+
+
 @check
 def add_exact_negative_control_one_difference_misses_an_inexact_add():
     """With only s − hi == p checked, 1 + 2**-52 plus 2**53 (inexact: the sum rounds to

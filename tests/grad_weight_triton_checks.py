@@ -276,6 +276,20 @@ def nonfinite_partials_take_the_emit_path():
 
 
 @check
+def opposite_infinities_in_two_leaves_are_nan():
+    """Row 0's partials are +Inf in leaf 0 and −Inf in leaf 1, every other partial 0: the sum is
+    NaN (the reference's flag counts), and the first pass must flag the tiles rather than add
+    the Infs' bit patterns as finite values (f32_bits_in_f64 without its non-finite OR makes
+    them ±2**128, which cancel to 0 exactly: no inexact add to catch it)."""
+    dy = torch.zeros(2 * TOKEN_LEAF, 9)
+    x = torch.ones(2 * TOKEN_LEAF, 11)
+    dy[0, 0] = dy[TOKEN_LEAF, 0] = float("inf")
+    x[TOKEN_LEAF] = -1.0
+    assert _same(dy, x) > 0
+    assert torch.isnan(fx.round_fp32(_reference(dy, x))[0]).all()
+
+
+@check
 def sums_past_the_fp32_range_stay_exact():
     """Partials near the fp32 maximum whose exact sum is 2**129: the double word and the digits
     hold it (no recompute); it rounds to +Inf as the reference does."""
