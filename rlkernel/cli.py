@@ -1362,16 +1362,13 @@ def _check_same_spec(saved: typing.Any, now: dict[str, typing.Any], d: pathlib.P
 def _read_evidence(path: pathlib.Path, d: pathlib.Path) -> dict[str, typing.Any]:
     """--resume's evidence.json at `path`: a dict with a list of steps. Raises ValueError naming
     the file when it cannot be read or has no such list."""
-    try:
-        evidence = readfile.read_json(path)
-        steps = evidence.get("steps") if isinstance(evidence, dict) else None
-    except (OSError, ValueError) as e:   # strerror: an OSError's text without the path again
-        why = (jsontext.located(e) if isinstance(e, json.JSONDecodeError)
-               else getattr(e, "strerror", None) or e)
-        raise ValueError(f"--resume {str(d)!r}: {path} cannot be read as evidence "
-                         f"({why})") from None
-    if not isinstance(steps, list):
-        raise ValueError(f"--resume {str(d)!r}: {path} holds no list of steps")
+    evidence, why = readfile.json_or_why(path)   # worded as the manifest's and export's
+    if why is None and not (isinstance(evidence, dict)
+                            and isinstance(evidence.get("steps"), list)):
+        why = "has no 'steps' list"
+    if why is not None:
+        raise ValueError(f"--resume {str(d)!r}: {path.name} {why}; give a run directory "
+                         "written by rlk run")
     return evidence
 
 
@@ -1652,6 +1649,17 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
                   "was", file=sys.stderr)
             return _signal_code(e)
         return _interrupted(e, d, writer.n_steps)
+    except Exception:   # a bug (or an injected fault): the run as it was, or what it recorded
+        if writer is not None:
+            writer.adopt()
+        if writer is None or writer.n_steps <= ck.next_step:
+            _put_back(before)   # a finished run stays complete, as after a ValueError
+            print(f"rlk run: the resume failed before its first step; {d} is left as it was",
+                  file=sys.stderr)
+        else:
+            print(f"rlk run: partial run kept in {d} (evidence of {writer.n_steps} step(s))",
+                  file=sys.stderr)
+        raise
     finally:
         _restore_sigterm(previous_sigterm)
         progress.close()

@@ -152,14 +152,16 @@ def read_json(path: str | os.PathLike) -> Any:
 
 def json_or_why(path: str | os.PathLike) -> tuple[Any, str | None]:
     """(document, None) as `read_json`, or (None, why it cannot be read) for a message that
-    names the file before it: "is missing", "is not a regular file", "is not UTF-8 text", "is
-    not valid JSON (line L: msg)", "cannot be read (strerror)". Raises nothing of its own."""
+    names the file before it: "is missing", "is a symbolic link to 'T', which does not exist",
+    "is not a regular file but a FIFO (named pipe)", "is not UTF-8 text", "is not valid JSON
+    (line L: msg)", "cannot be read (strerror)". Raises nothing of its own."""
     try:
         return read_json(path), None
-    except FileNotFoundError:
-        return None, "is missing"
-    except NotRegularFileError:   # a FIFO would block, a device never end
-        return None, "is not a regular file"
+    except FileNotFoundError as e:   # a dangling link is there for ls: not "missing"
+        return None, ("is missing" if not os.path.islink(path)
+                      else f"is {unreadable_reason(path, e)}")
+    except NotRegularFileError as e:   # a FIFO would block, a device never end
+        return None, f"is {e.strerror}"
     except UnicodeDecodeError:
         return None, "is not UTF-8 text"
     except json.JSONDecodeError as e:   # a key given twice and nesting too deep included

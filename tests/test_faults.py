@@ -599,6 +599,31 @@ def test_a_resumed_run_stopped_by_a_step_of_its_own_says_what_it_kept(capfd, env
     assert [q.name for q in root.iterdir()] == ["r"] and (root / "r" / "checkpoints").is_dir()
 
 
+def test_a_resume_that_raises_before_its_first_step_leaves_the_run_as_it_was(
+        capfd, env, tmp_path, monkeypatch):
+    """A finished 2-step run extended to 3 with an exception that is no ValueError raised at the
+    resume's first step (RLK_FAULT rank:raise, an InjectedFault: what a bug would raise): the
+    exception propagates, and the run's files are put back byte for byte — it stays complete
+    with no "resumes" entry (they were left rewritten: evidence incomplete, the manifest naming
+    a resume that recorded nothing; breaker). Control: the same resume without the fault adds a
+    step and its resume entry."""
+    root = tmp_path / "runs"
+    code, err = rlk_in_process(capfd, root / "r", "--save-every", "1")
+    assert code == 0, err
+    files = ("evidence.json", "manifest.json", "metrics.jsonl", "completions.jsonl")
+    before = {f: (root / "r" / f).read_bytes() for f in files}
+    monkeypatch.setenv(faults.ENV, "rank:raise:step=2:rank=0")
+    with pytest.raises(faults.InjectedFault):
+        main(["run", "--resume", str(root / "r"), "--steps", "3", "--allow-dirty"])
+    assert "the resume failed before its first step" in capfd.readouterr().err
+    assert {f: (root / "r" / f).read_bytes() for f in files} == before
+    monkeypatch.delenv(faults.ENV)
+    assert main(["run", "--resume", str(root / "r"), "--steps", "3", "--allow-dirty"]) == 0
+    ev = evidence(root / "r")
+    assert ev["complete"] is True and len(ev["steps"]) == 3
+    assert len(json.loads((root / "r" / "manifest.json").read_text())["resumes"]) == 1
+
+
 def test_a_loss_that_overflows_fp32_stops_the_run_naming_its_terms(capfd, env, tmp_path):
     """--kl-coef 3e38 (accepted: the KL has no bound to check it against) with --lr 0.5: step 1's
     KL times the coefficient leaves fp32 and the loss is NaN while the gradients stay finite.

@@ -859,6 +859,24 @@ def test_resume_of_a_file_or_a_missing_path_says_which(tmp_path, kind, words):
                                            "give a run directory written by rlk run"), err
 
 
+def test_resume_and_export_of_a_dangling_manifest_link_say_so(tmp_path):
+    """manifest.json a symbolic link to nothing: `rlk run --resume` and `rlk export` both say
+    it is a link whose target does not exist (both said "manifest.json is missing", of a file
+    ls shows; breaker). Control: a run directory without the link says "is missing"."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "manifest.json").symlink_to(tmp_path / "gone.json")
+    gone = str(tmp_path / "gone.json")
+    link = f"manifest.json is a symbolic link to {gone!r}, which does not exist"
+    rc, err = rlk("run", "--resume", str(d), "--allow-dirty")
+    assert rc == 2 and link in error_line(err), err
+    rc, err = rlk("export", str(d), "--out", str(tmp_path / "out"))
+    assert rc == 2 and link in err, err
+    (d / "manifest.json").unlink()
+    rc, err = rlk("run", "--resume", str(d), "--allow-dirty")
+    assert rc == 2 and "manifest.json is missing" in error_line(err), err
+
+
 def test_resume_of_a_manifest_that_is_not_json_names_the_line(tmp_path):
     """`rlk run --resume DIR` whose manifest.json breaks on its third line: exit 2, one line
     naming the file and that line."""

@@ -163,8 +163,8 @@ def run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, drop, argv, code, words", [
-    ("manifest.json", [], RESUME, 2, f"--resume '{{d}}': {{d}}/manifest.json: {FIFO}"),
-    ("evidence.json", [], RESUME, 2, f"{{d}}/evidence.json cannot be read as evidence ({FIFO})"),
+    ("manifest.json", [], RESUME, 2, f"--resume '{{d}}': manifest.json is {FIFO}; give a run "),
+    ("evidence.json", [], RESUME, 2, f"--resume '{{d}}': evidence.json is {FIFO}; give a run "),
     ("checkpoints/step-000002/state.safetensors", ["checkpoints/step-000001"], RESUME, 2,
      f"no complete checkpoint to resume from (skipped: step-000002: "
      f"{{d}}/checkpoints/step-000002/state.safetensors: {FIFO})"),

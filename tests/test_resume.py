@@ -171,7 +171,7 @@ def test_resume_refuses_a_finished_run_and_names_unreadable_evidence(tmp_path, c
     (d / "evidence.json").write_text("{")
     assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
     err = capsys.readouterr().err
-    assert f"{d / 'evidence.json'} cannot be read as evidence" in err
+    assert f"--resume {str(d)!r}: evidence.json is not valid JSON (line 1: " in err
 
 
 def test_resume_refuses_evidence_shorter_than_its_checkpoint(tmp_path, capsys, uninterrupted):

@@ -144,14 +144,22 @@ def test_load_from_file_and_module_records_the_source_hash(rewards_file, monkeyp
     ("{d}/nope:f", "no such file"),          # an absolute path names a file, .py or not
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
     ("math:floor", "cannot be called as"),
-    ("{f}:CALLS", "is a NoneType, not callable"),
-    ("{f}:LIMIT", "'LIMIT' is an int, not callable"),     # said "is a int"
-    ("{d}/pkg.py:f", "'{d}/pkg.py' is a directory; give an existing .py file"),   # "no such file"
+    ("{f}:CALLS", "'CALLS' is None, not callable; give a function called as "
+                  "CALLS(prompt, completion, label) -> float"),      # said "is a NoneType"
+    ("{f}:LIMIT", "'LIMIT' is of type int, not callable"),     # said "is a int"
+    ("{f}:Judge.nope.deeper", "'Judge' has no attribute 'nope'"),   # named the whole path
+    # each said "no such file":
+    ("{d}/pkg.py:f", "'{d}/pkg.py' is a directory; give an existing .py file"),
+    ("{d}/pipe.py:f", "'{d}/pipe.py' is a FIFO (named pipe), not a regular file; give an "),
+    ("{d}/dangling.py:f", "'{d}/dangling.py' is a symbolic link to '{d}/gone.py', which does "
+                          "not exist; give an existing"),
     ("{d}/rubric.txt:f", "must be a .py file: path/to/file.py:FUNC"),   # an existing non-.py file
 ])
 def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
     (rewards_file.parent / "rubric.txt").write_text("def f(p, c, l):\n    return 0.0\n")
     (rewards_file.parent / "pkg.py").mkdir()
+    os.mkfifo(rewards_file.parent / "pipe.py")
+    (rewards_file.parent / "dangling.py").symlink_to(rewards_file.parent / "gone.py")
     spec = spec.format(f=rewards_file, d=rewards_file.parent)
     words = words.format(d=rewards_file.parent)
     with pytest.raises(RewardError) as e:

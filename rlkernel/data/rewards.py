@@ -38,6 +38,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from rlkernel import readfile
 from rlkernel.data import tasks
 from rlkernel.termination import Terminated
 
@@ -174,6 +175,19 @@ def reward_file(spec: str) -> str | None:
     return None
 
 
+def _no_file(where: str) -> str:
+    """Why --reward's path `where` (not a regular file, or not one we may stat) names no file,
+    for a message: a directory, a link to nothing (ls shows it), a FIFO or device, or missing."""
+    if os.path.isdir(where):
+        return f"{where!r} is a directory"
+    if os.path.islink(where) and not os.path.exists(where):
+        return f"{where!r} is a symbolic link to {os.readlink(where)!r}, which does not exist"
+    if os.path.exists(where):
+        kind = readfile.non_directory(where) or "not a regular file"
+        return f"{where!r} is {kind}, not a regular file"
+    return f"no such file {where!r}"
+
+
 def load_reward(spec: str | None) -> RewardFn:
     """The reward function of `spec` ("MODULE:FUNC", "path/to/file.py:FUNC"), or the built-in
     exact match for None.
@@ -196,10 +210,8 @@ def load_reward(spec: str | None) -> RewardFn:
     try:
         if reward_file(spec) is not None:
             if not path.is_file():
-                what = (f"{where!r} is a directory" if path.is_dir()
-                        else f"no such file {where!r}")
-                raise RewardError(f"--reward {spec!r}: {what}; give an existing .py file or an "
-                                  "importable module")
+                raise RewardError(f"--reward {spec!r}: {_no_file(where)}; give an existing "
+                                  ".py file or an importable module")
             module = _import_file(path.resolve(), spec)
         else:
             if os.getcwd() not in sys.path and "" not in sys.path:
@@ -215,17 +227,21 @@ def load_reward(spec: str | None) -> RewardFn:
         raise RewardError(f"--reward {spec!r}: importing {where!r} raised {type(e).__name__}: "
                           f"{e}") from None
     obj: Any = module
-    for part in func.split("."):
+    parts = func.split(".")
+    for i, part in enumerate(parts):
         if not hasattr(obj, part):
+            if i:   # a dotted FUNC: name the part that is missing, and from what
+                raise RewardError(f"--reward {spec!r}: {'.'.join(parts[:i])!r} has no attribute "
+                                  f"{part!r}")
             names = sorted(n for n in vars(module) if not n.startswith("_")
                            and callable(getattr(module, n)))
             raise RewardError(f"--reward {spec!r}: {where!r} has no attribute {func!r}; callables "
                               f"there: {', '.join(names[:12]) or 'none'}")
         obj = getattr(obj, part)
     if not callable(obj):
-        kind = type(obj).__name__
-        raise RewardError(f"--reward {spec!r}: {func!r} is {'an' if kind[0] in 'aeiou' else 'a'} "
-                          f"{kind}, not callable")
+        what = "None" if obj is None else f"of type {type(obj).__name__}"
+        raise RewardError(f"--reward {spec!r}: {func!r} is {what}, not callable; give a "
+                          f"function called as {func}(prompt, completion, label) -> float")
     try:
         inspect.signature(obj).bind("prompt", "completion", "label")
     except TypeError:
