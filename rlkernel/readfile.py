@@ -62,10 +62,18 @@ def missing_directory(path: str | os.PathLike) -> str:
 
 def not_a_directory(path: str | os.PathLike) -> str | None:
     """Why `path` is no run directory, for a message, or None when it is a directory: "a file,
-    not a run directory" of anything else that exists, else `missing_directory`'s reason."""
+    not a run directory" of anything else that exists ("a FIFO (named pipe), not a run
+    directory" and so on for the other kinds), else `missing_directory`'s reason."""
     if os.path.isdir(path):
         return None
-    return "a file, not a run directory" if os.path.exists(path) else missing_directory(path)
+    if not os.path.exists(path):
+        return missing_directory(path)
+    try:   # a FIFO or a device is no "file" to a user; a symbolic link: what it points to
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    kind = next((k for test, k in _KINDS if test(mode)), "a file")
+    return f"{kind}, not a run directory"
 
 
 class NotRegularFileError(OSError):
@@ -165,6 +173,8 @@ def json_or_why(path: str | os.PathLike) -> tuple[Any, str | None]:
     except UnicodeDecodeError:
         return None, "is not UTF-8 text"
     except json.JSONDecodeError as e:   # a key given twice and nesting too deep included
+        if e.msg == "Expecting value" and not e.doc.strip():   # a file with nothing in it
+            return None, "is empty" if not e.doc else "holds only white space"
         return None, f"is not valid JSON ({jsontext.located(e)})"
     except ValueError as e:
         return None, f"is not valid JSON ({e})"

@@ -842,8 +842,12 @@ def test_bad_resume_directory(tmp_path, config, meta, words):
 
 
 @pytest.mark.parametrize("kind, words", [("file", "a file, not a run directory"),
+                                         ("fifo", "a FIFO (named pipe), not a run directory"),
                                          ("missing", "no such run directory"),
-                                         ("empty", "manifest.json is missing")])
+                                         ("empty", "manifest.json is missing"),
+                                         ("empty manifest", "manifest.json is empty"),
+                                         ("blank manifest", "manifest.json holds only white "
+                                                            "space")])
 def test_resume_of_a_file_or_a_missing_path_says_which(tmp_path, kind, words):
     """`rlk run --resume PATH` where PATH is a file or does not exist: exit 2, one line saying
     so (both said "no readable manifest.json", which reads as a damaged run; found by a
@@ -852,8 +856,13 @@ def test_resume_of_a_file_or_a_missing_path_says_which(tmp_path, kind, words):
     target = tmp_path / "target"
     if kind == "file":
         target.write_text("x")
+    elif kind == "fifo":   # was "a file" too
+        os.mkfifo(target)
     elif kind == "empty":
         target.mkdir()
+    elif kind.endswith("manifest"):   # were "is not valid JSON (Expecting value)"
+        target.mkdir()
+        (target / "manifest.json").write_text("" if kind == "empty manifest" else " \n\t")
     rc, err = rlk("run", "--resume", str(target), "--allow-dirty")
     assert rc == 2 and error_line(err) == (f"--resume {str(target)!r}: {words}; "
                                            "give a run directory written by rlk run"), err
