@@ -304,6 +304,12 @@ def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.Ar
     return parser
 
 
+# Other commands' (and tools') names for `rlk run`'s output directory: spelling distance
+# offered --tp for --out. (export, init-model and report require --out: argparse names it.)
+_MEANT = {("run", "--out"): "--run-dir", ("run", "--output-dir"): "--run-dir",
+          ("run", "--output"): "--run-dir"}
+
+
 def _unknown_args(parser: argparse.ArgumentParser, command: str | None,
                   extras: list[str]) -> int:
     """One line for the first argument nobody took, with the closest flag when there is one."""
@@ -314,7 +320,9 @@ def _unknown_args(parser: argparse.ArgumentParser, command: str | None,
         flag = arg.split("=", 1)[0]
         known = sorted({s for a in sub._actions for s in a.option_strings})
         longer = [k for k in known if flag.startswith("--") and k.startswith(flag)]
-        close = longer or difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        meant = _MEANT.get((command, flag))   # spelling distance finds no such flag
+        close = longer or ([meant] if meant in known else []) \
+            or difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
         hint = (f"did you mean {' or '.join(close)}? (flags are not abbreviated)" if longer
                 else f"did you mean {close[0]}?" if close else f"{where} --help lists every flag")
         msg = f"unknown flag {flag}; {hint}"

@@ -300,6 +300,10 @@ def test_aliases_are_exactly_the_reviewed_list_and_set_the_same_field(capsys, cw
     (["run", "--sp", "-nan"], "rlk run: error: unexpected argument '-nan'; see rlk run --help"),
     (["export", "r", "--out", "o", "--stp", "1"], "rlk export: error: unknown flag --stp; did "
                                                   "you mean --step?"),
+    # other commands' name for the directory (spelling distance offered --tp for --out)
+    (["run", "--out", "d"], "rlk run: error: unknown flag --out; did you mean --run-dir?"),
+    (["run", "--output-dir=d"], "rlk run: error: unknown flag --output-dir; did you mean "
+                                "--run-dir?"),
 ])
 def test_unknown_flag_is_one_line_with_a_suggestion_exit_2(capsys, cwd, loop, argv, line):
     """An unknown flag == exit 2, one stderr line naming it and the closest real flag; no run.
