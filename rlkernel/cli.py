@@ -35,7 +35,6 @@ import difflib
 import errno
 import glob
 import itertools
-import json
 import math
 import os
 import pathlib
@@ -47,7 +46,7 @@ import typing
 import unicodedata
 
 import rlkernel
-from rlkernel import jsontext, readfile
+from rlkernel import readfile
 from rlkernel.config import (FP32_MAX, INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError,
                              RunConfig, SampleFitError, field_docs, flag_name,
                              model_flag_error)
