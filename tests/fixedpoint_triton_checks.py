@@ -473,8 +473,9 @@ def scaled_add_is_the_unscaled_add():
     got = torch.empty_like(hi)
     _scaled_add[(triton.cdiv(hi.numel(), 256),)](hi, pp, got, hi.numel(), BLOCK=256)
     a, b, want = hi, pp.double(), torch.empty_like(hi)
-    _exact_flags[(triton.cdiv(a.numel(), 256),)](a, b, want, torch.empty(a.numel(), dtype=torch.int32),
-                                                 a.numel(), ONE_SIDED=False, BLOCK=256)
+    flags = torch.empty(a.numel(), dtype=torch.int32)
+    _exact_flags[(triton.cdiv(a.numel(), 256),)](a, b, want, flags, a.numel(), ONE_SIDED=False,
+                                                 BLOCK=256)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan].view(torch.int64), want[~nan].view(torch.int64))

@@ -270,9 +270,10 @@ def test_the_first_dw_pass_keeps_its_tile_in_registers():
     """ptxas (sm_90a) of the first pass as `carry_grad_weight_deferred` and
     `rounded_grad_weight_deferred` launch it at a qwen3-1.7b down_proj (16,384 tokens, dy
     [L, 6144], x [L, 2048] bf16 by TMA): no spills, carried or not, at the table's tile, and
-    carried at 64 x 128 (one m64n128 wgmma a k-step; direct there, 255 registers and 4 bytes of
-    spill stores since the conversion by integer operations). (The carried lo, which the first pass never changes,
-    was loaded and kept live through the leaf loop, with an int32 flag tile beside hi: 255
+    carried at 64 x 128 (one m64n128 wgmma a k-step; direct there, 255 registers and 4 bytes
+    of spill stores since the conversion by integer operations). (The carried lo, which the
+    first pass never changes, was loaded and kept live through the leaf loop, with an int32
+    flag tile beside hi: 255
     registers and 160 bytes of spill stores a thread, carried; 172 registers direct. The
     carried hi's pointers, when they were the stores' too, stayed live through the loop: 80
     bytes of spills at 64 x 128.) Its carried words load hi only; the checked retry, which
