@@ -687,6 +687,19 @@ def dkv_sums_at_the_double_word_bound_are_flagged():
 
 
 @check
+def opposite_infinite_dv_partials_in_two_leaves_are_nan():
+    """dV leaf partials +Inf and −Inf of key 0, column 0 in two leaves (p = 1, as `_planted_dv`):
+    the sum is NaN, and the first pass flags dV's key tile 0 rather than add the Infs' bit
+    patterns as the finite ±2**-768 (scaled), which cancel to 0 exactly
+    (triton_fixedpoint.f32_bits_in_f64's OR of p − p is what makes them non-finite)."""
+    args = _planted_dv([[float("inf"), float("-inf")]], 2, seed=351)
+    first = []
+    _, grads = _bwd_seeing_flags(args, first)
+    assert math.isnan(grads[2][0, 0, 0, 0].item()), grads[2][0, 0, 0, 0]
+    assert any(kind == 1 and 0 in ids for kind, ids in first), first
+
+
+@check
 def fp32_d_out_is_read_at_the_bf16_rounding_point():
     """bf16 q/k/v with an fp32 d_out = a bf16 value times (1 + 2**-10): its extra bits are below
     a quarter of a bf16 ulp, so truncation (the interpreter's fp32 -> bf16) and round-to-nearest-

@@ -632,6 +632,37 @@ def carried_words_over_microbatches_equal_the_digit_path():
 
 
 @check
+def carried_first_pass_flags_no_tile_where_every_add_is_exact():
+    """Narrow leaf scales (no inexact add), the words carried over two calls of 3 leaves: the
+    second call's first pass (CARRY, not RETRY) continues the nonzero words with no tile
+    flagged, its count is 0 and the words == one call over all 6 leaves. The carried words must
+    be scaled down by 2**-896 at load, as the partials are (f32_bits_in_f64): read unscaled,
+    every tile with a nonzero word fails word_in_range and the every-tile retry redoes it from
+    the unscaled words — the same bytes, so only the first pass's flags show it."""
+    dy, x = _operands(6, 40, 24, 4, seed=0)
+    a, b = tgw._operands(dy, x)
+    whole, whole_flags = tgw._double_words(a, b, SMALL, False)
+    cut = 3 * TOKEN_LEAF
+    words, flags = tgw._double_words(a[:cut], b[:cut], SMALL, False)
+    assert not bool(whole_flags.any()) and not bool(flags.any())
+    assert bool((words[0] != 0).all(-1).any())          # nonzero carried words in every tile row
+    first_flags = []
+    real = tgw._launch
+
+    def spy(*args, **kw):
+        real(*args, **kw)
+        if kw.get("carry") and not (kw.get("retry") or kw.get("retry_all")):
+            first_flags.append(args[3].clone())         # flags as the first pass left them
+    tgw._launch = spy
+    try:
+        _, left = tgw.carry_grad_weight_deferred(words, dy[cut:], x[cut:], tile=SMALL)
+    finally:
+        tgw._launch = real
+    assert len(first_flags) == 1 and first_flags[0].tolist() == [0] * flags.numel(), first_flags
+    assert int(left) == 0 and torch.equal(words, whole)
+
+
+@check
 def carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum():
     """Element (37, 21)'s partials 2**100, 1.5·2**46, 2**-100 in three calls: no double word
     holds their sum, so the third call leaves that tile (its words untouched), the weight moves

@@ -133,6 +133,12 @@ def test_dkv_sums_at_the_double_word_bound_are_flagged(results):
     _ok(results, "dkv_sums_at_the_double_word_bound_are_flagged")
 
 
+def test_opposite_infinite_dv_partials_in_two_leaves_are_nan(results):
+    """+Inf and −Inf dV partials of one element in two leaves: NaN, the first pass's program
+    flagged (not the 0 their moved bit patterns would cancel to)."""
+    _ok(results, "opposite_infinite_dv_partials_in_two_leaves_are_nan")
+
+
 def test_bad_arguments_are_refused(results):
     """fp16, heads not a multiple of the KV heads, a wrong lse shape: ValueError."""
     _ok(results, "bad_arguments_are_refused")

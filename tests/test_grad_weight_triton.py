@@ -166,6 +166,12 @@ def test_carried_words_over_microbatches_equal_the_digit_path(results):
     _ok(results, "carried_words_over_microbatches_equal_the_digit_path")
 
 
+def test_carried_first_pass_flags_no_tile_where_every_add_is_exact(results):
+    """Carried nonzero words and exact adds: the carried first pass flags no tile (the words
+    loaded scaled by 2**-896 like the partials), the words == one call's."""
+    _ok(results, "carried_first_pass_flags_no_tile_where_every_add_is_exact")
+
+
 def test_carried_words_move_to_digits_where_a_tile_cannot_hold_its_sum(results):
     """2**100, 1.5·2**46, 2**-100 over three calls: the third leaves its tile, the weight moves
     to digits with that call's partials added there; forced from the first call too: the
