@@ -705,8 +705,8 @@ def _check_inputs(cfg: RunConfig) -> None:
                 else "exists and is not a regular file" if p.exists() else "no such file")
         raise ConfigError(f"--prompts {cfg.prompts!r}: {what}; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")
+    gpus_shared()   # a malformed RLK_SHARE_GPUS, on every device; before the no-GPU error
     if cfg.device == "cuda":
-        gpus_shared()   # a malformed RLK_SHARE_GPUS first: the no-GPU error would hide it
         _import_torch()
         import torch
 
@@ -868,7 +868,6 @@ def _check_topology(cfg: RunConfig) -> Qwen3Config | None:
     world = launcher_world_size()
     validate_topology(cfg.tp, cfg.cp, cfg.sp, cfg.rollout_tp, cfg.rollout_cp,
                       world=world, dp=cfg.dp, **heads)
-    gpus_shared()   # a malformed RLK_SHARE_GPUS is refused on every device
     if world is None:
         _check_local_world(cfg)
     return m
@@ -1268,13 +1267,12 @@ def _resume_config(given: dict[str, typing.Any], src: pathlib.Path) -> RunConfig
     if why is not None:
         raise ConfigError(f"--resume {str(d)!r}: {why}; give a run directory written by rlk "
                           "run")
-    manifest, why = readfile.json_or_why(src / "manifest.json")
-    saved = manifest.get("config") if isinstance(manifest, dict) else None
-    if why is None and not isinstance(saved, dict):  # "config": [] would crash in saved.get
-        why = "has no 'config' object"
+    # worded as export's; "config": [] would crash in saved.get below
+    manifest, why = readfile.json_holding_or_why(src / "manifest.json", "config", dict)
     if why is not None:
         raise ConfigError(f"--resume {str(d)!r}: manifest.json {why}; give a run directory "
                           "written by rlk run")
+    saved = manifest["config"]
     try:  # validate the saved config itself, before comparing its values with the flags
         RunConfig.from_dict(saved)
     except ConfigError as e:
@@ -1369,10 +1367,7 @@ def _check_same_spec(saved: typing.Any, now: dict[str, typing.Any], d: pathlib.P
 def _read_evidence(path: pathlib.Path, d: pathlib.Path) -> dict[str, typing.Any]:
     """--resume's evidence.json at `path`: a dict with a list of steps. Raises ValueError naming
     the file when it cannot be read or has no such list."""
-    evidence, why = readfile.json_or_why(path)   # worded as the manifest's and export's
-    if why is None and not (isinstance(evidence, dict)
-                            and isinstance(evidence.get("steps"), list)):
-        why = "has no 'steps' list"
+    evidence, why = readfile.json_holding_or_why(path, "steps", list)   # worded as export's
     if why is not None:
         raise ValueError(f"--resume {str(d)!r}: {path.name} {why}; give a run directory "
                          "written by rlk run")

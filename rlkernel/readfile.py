@@ -180,3 +180,14 @@ def json_or_why(path: str | os.PathLike) -> tuple[Any, str | None]:
         return None, f"is not valid JSON ({e})"
     except OSError as e:
         return None, f"cannot be read ({e.strerror or e})"
+
+
+def json_holding_or_why(path: str | os.PathLike, key: str,
+                        kind: type[dict] | type[list]) -> tuple[Any, str | None]:
+    """`json_or_why` for a run file whose top-level object must hold `key` as a `kind` (dict or
+    list: manifest.json's "config", evidence.json's "steps"): (document, None), or (None, why),
+    "has no 'config' object" / "has no 'steps' list" among the reasons."""
+    doc, why = json_or_why(path)
+    if why is None and not (isinstance(doc, dict) and isinstance(doc.get(key), kind)):
+        return None, f"has no {key!r} {'object' if kind is dict else 'list'}"
+    return doc, why

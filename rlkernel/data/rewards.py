@@ -181,7 +181,7 @@ def _no_file(where: str) -> str:
     if os.path.isdir(where):
         return f"{where!r} is a directory"
     if os.path.islink(where) and not os.path.exists(where):
-        return f"{where!r} is a symbolic link to {os.readlink(where)!r}, which does not exist"
+        return f"{where!r} is {readfile.unreadable_reason(where, FileNotFoundError())}"
     if os.path.exists(where):
         kind = readfile.non_directory(where) or "not a regular file"
         return f"{where!r} is {kind}, not a regular file"

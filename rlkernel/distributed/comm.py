@@ -163,15 +163,15 @@ class Comm:
         return self._all_to_all(chunks)
 
     def _all_to_all(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        out = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in chunks]
         if chunks[0].device.type == "cpu":
             # gloo has only the single-tensor form in some torch builds (2.11: "Backend gloo
             # does not support alltoall"): the chunks travel as one flat tensor, split by size
             flat = torch.cat([c.reshape(-1) for c in chunks])
-            got = torch.empty(sum(o.numel() for o in out), dtype=flat.dtype)
-            dist.all_to_all_single(got, flat, [o.numel() for o in out],
-                                   [c.numel() for c in chunks], group=self.group)
-            return [g.view(o.shape) for g, o in zip(got.split([o.numel() for o in out]), out)]
+            sizes = [c.numel() for c in chunks]   # out[i] is shaped as chunks[i]
+            got = torch.empty(sum(sizes), dtype=flat.dtype)
+            dist.all_to_all_single(got, flat, sizes, sizes, group=self.group)
+            return [g.view(c.shape) for g, c in zip(got.split(sizes), chunks)]
+        out = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in chunks]
         dist.all_to_all(out, [c.contiguous() for c in chunks], group=self.group)
         return out
 

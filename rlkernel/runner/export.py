@@ -116,9 +116,7 @@ def _read_run(run: pathlib.Path) -> tuple[dict, dict]:
                                "run")
     docs = []
     for name, key, kind in (("manifest.json", "config", dict), ("evidence.json", "steps", list)):
-        doc, why = readfile.json_or_why(run / name)
-        if why is None and not (isinstance(doc, dict) and isinstance(doc.get(key), kind)):
-            why = f"has no {key!r} {'object' if kind is dict else 'list'}"
+        doc, why = readfile.json_holding_or_why(run / name, key, kind)
         if why is None and kind is dict:
             why = _odd_setting(doc[key])
         if why is not None:
