@@ -1383,7 +1383,12 @@ def _check_not_finished(evidence: dict[str, typing.Any], path: pathlib.Path, cfg
     steps = evidence["steps"]
     # A run records each step before its checkpoint: the checkpoint's steps are all there, in
     # order (an edited file resumed into a gap or a repeat and was marked complete).
-    kept = [s.get("step") if isinstance(s, dict) else None for s in steps[:next_step]]
+    for i, s in enumerate(steps[:next_step]):
+        if not isinstance(s, dict):
+            raise ValueError(f"--resume {str(d)!r}: {path.name}'s steps[{i}] is "
+                             f"{readfile.json_kind(s)}, not a step's object: the evidence was "
+                             "edited; give a run directory written by rlk run")
+    kept = [s.get("step") for s in steps[:next_step]]
     if kept != list(range(next_step)):
         raise ValueError(f"--resume {str(d)!r}: {path} holds steps {_span(kept)} but the "
                          f"checkpoint continues at step {next_step} after steps 0..{next_step - 1}"

@@ -186,8 +186,24 @@ def json_holding_or_why(path: str | os.PathLike, key: str,
                         kind: type[dict] | type[list]) -> tuple[Any, str | None]:
     """`json_or_why` for a run file whose top-level object must hold `key` as a `kind` (dict or
     list: manifest.json's "config", evidence.json's "steps"): (document, None), or (None, why),
-    "has no 'config' object" / "has no 'steps' list" among the reasons."""
+    "has no 'config' object", "has 'steps' as an object, not an array", "holds an array, not
+    an object with 'config'" among the reasons."""
     doc, why = json_or_why(path)
-    if why is None and not (isinstance(doc, dict) and isinstance(doc.get(key), kind)):
-        return None, f"has no {key!r} {'object' if kind is dict else 'list'}"
-    return doc, why
+    want = "an object" if kind is dict else "an array"
+    if why is not None:
+        return None, why
+    if not isinstance(doc, dict):
+        return None, f"holds {json_kind(doc)}, not an object with {key!r}"
+    if key not in doc:
+        return None, f"has no {key!r} {want.split()[1]}"
+    if not isinstance(doc[key], kind):
+        return None, f"has {key!r} as {json_kind(doc[key])}, not {want}"
+    return doc, None
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: "an array", "a string", "null", ..."""
+    for t, words in ((bool, "a boolean"), (dict, "an object"), (list, "an array"),
+                     (str, "a string"), (int, "a number"), (float, "a number")):
+        if isinstance(value, t):
+            return words
+    return "null"

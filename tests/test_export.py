@@ -349,8 +349,12 @@ def test_a_damaged_final_record_is_named_not_called_an_unfinished_run(run, tmp_p
 
 @pytest.mark.parametrize("name, text, words", [
     ("manifest.json", "[" * 100_000 + "]" * 100_000, "manifest.json is not valid JSON (nested"),
-    ("manifest.json", "[1]", "manifest.json has no 'config' object"),
-    ("evidence.json", '{"steps": {}}', "evidence.json has no 'steps' list"),
+    ("manifest.json", "[1]", "manifest.json holds an array, not an object with 'config'"),
+    ("manifest.json", '{"config": 5}', "manifest.json has 'config' as a number, not an object"),
+    ("manifest.json", '{"run": 1}', "manifest.json has no 'config' object"),
+    ("evidence.json", '{"steps": {}}', "evidence.json has 'steps' as an object, not an array"),
+    ("evidence.json", '{"steps": null}', "evidence.json has 'steps' as null, not an array"),
+    ("evidence.json", '{}', "evidence.json has no 'steps' array"),
     ("evidence.json", None, "evidence.json is missing"),
     ("manifest.json", "fifo", "manifest.json is not a regular file"),
 ])

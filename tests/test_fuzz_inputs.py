@@ -822,8 +822,8 @@ _OK_META = {"next_step": 1, "opt_steps": 1, "version": "v",
 
 @pytest.mark.skipif("resume" not in RUN_FIELDS, reason="no --resume in this version")
 @pytest.mark.parametrize("config, meta, words", [
-    ([], None, "manifest.json has no 'config' object"),
-    ("cfg", None, "manifest.json has no 'config' object"),
+    ([], None, "manifest.json has 'config' as an array, not an object"),
+    ("cfg", None, "manifest.json has 'config' as a string, not an object"),
     ({"steps": "2"}, None, "manifest.json holds an invalid config: --steps '2'"),
     ({"lr": 10**400}, None, "manifest.json holds an invalid config: --lr"),
     ({}, None, "no complete checkpoint"),

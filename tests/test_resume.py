@@ -195,6 +195,12 @@ def test_resume_refuses_evidence_shorter_than_its_checkpoint(tmp_path, capsys, u
     assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
     assert "holds steps [0, 0, 0] but the checkpoint continues at step 3" in \
         capsys.readouterr().err
+    ev["steps"] = [ev["steps"][0], 1, ev["steps"][0]]   # an entry that is not a step object
+    (d / "evidence.json").write_text(json.dumps(ev))
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    assert "evidence.json's steps[1] is a number, not a step's object" in \
+        capsys.readouterr().err
+    assert (d / "manifest.json").read_bytes() == before["manifest.json"]
 
 
 def _run_with_inputs(tmp_path):
