@@ -58,7 +58,7 @@ from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inp
                                     located, recorded_paths, relocated, same_input, sha256_file,
                                     startup_notes)
 from rlkernel.runner.watch import (CKPT_DIR, FINAL_DIR, TMP_SUFFIX, config_warnings,
-                                   summary_lines)
+                                   prompt_warnings, summary_lines)
 from rlkernel.termination import Terminated
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
@@ -699,10 +699,8 @@ def _check_inputs(cfg: RunConfig) -> None:
     """Cheap existence checks before any work. Raises ConfigError."""
     if cfg.model is not None:
         _check_model_dir(cfg.model)
-    if cfg.prompts is not None and not pathlib.Path(cfg.prompts).is_file():
-        p = pathlib.Path(cfg.prompts)
-        what = ("is a directory, not a file" if p.is_dir()
-                else "exists and is not a regular file" if p.exists() else "no such file")
+    what = None if cfg.prompts is None else readfile.not_a_file(cfg.prompts)
+    if what is not None:
         raise ConfigError(f"--prompts {cfg.prompts!r}: {what}; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")
     gpus_shared()   # a malformed RLK_SHARE_GPUS, on every device; before the no-GPU error
@@ -717,18 +715,20 @@ def _check_inputs(cfg: RunConfig) -> None:
 def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
     """Load what the run reads besides weights, before any work: the reward function, the
     whole prompts file, the chat template (rendered once). Returns the manifest's additions
-    {"reward": ..., "tokenizer_files": ..., "input_paths": ...} (runner/inputs.input_paths).
+    {"reward": ..., "prompts": {"source", "count", "sha256" of the bytes parsed | "seed"},
+    "tokenizer_files": ..., "input_paths": ...} (runner/inputs.input_paths).
     Raises ConfigError naming the flag and the value."""
     from rlkernel.data.chat import ChatTemplateError, load_chat_template
-    from rlkernel.data.prompts import PromptFileError, load_prompts
+    from rlkernel.data.prompts import PromptFileError
     from rlkernel.data.rewards import RewardError, load_reward
+    from rlkernel.data.tasks import prompt_source
 
     try:
         reward = load_reward(cfg.reward)
-        if cfg.prompts is not None:
-            # Parsed in full (the loop parses it again): a bad line 2,000 is then a usage error
-            # now, not a failure after the model has loaded.
-            load_prompts(cfg.prompts, input_key=cfg.input_key, label_key=cfg.label_key)
+        # Parsed in full (the loop parses it again, and checks it read these bytes): a bad line
+        # 2,000 is then a usage error now, not a failure after the model has loaded.
+        prompts = prompt_source(cfg.prompts, n_prompts_per_step=cfg.n_prompts, steps=cfg.steps,
+                                seed=cfg.seed, input_key=cfg.input_key, label_key=cfg.label_key)
         if cfg.apply_chat_template:
             load_chat_template(cfg.model).render("probe")
         tokenizer_files = _tokenizer_hashes(cfg)
@@ -741,8 +741,8 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
             from None
     except (RewardError, OSError) as e:
         raise ConfigError(str(e)) from None
-    return {"reward": reward.describe(), "tokenizer_files": tokenizer_files,
-            "input_paths": input_paths(cfg)}
+    return {"reward": reward.describe(), "prompts": prompts.describe(),
+            "tokenizer_files": tokenizer_files, "input_paths": input_paths(cfg)}
 
 
 def _resume_data(where: RunConfig, src: pathlib.Path) -> dict[str, typing.Any]:
@@ -1194,12 +1194,18 @@ def _run_follower_rank(cfg: RunConfig, manifest: dict) -> int:
 
     with tempfile.TemporaryDirectory(prefix="rlk-rank-") as d:
         try:
-            run_loop(cfg, pathlib.Path(d), EvidenceWriter(d, manifest))
+            run_loop(cfg, pathlib.Path(d), EvidenceWriter(d, manifest),
+                     read=_read_at_start(manifest))
         except (ValueError, OSError) as e:
             if _debug():
                 raise
             return _error("run", e, 1)
     return 0
+
+
+def _read_at_start(inputs: dict[str, typing.Any]) -> dict[str, typing.Any]:
+    """What `_check_data` read, which the loop's own reads must match (run_loop's `read`)."""
+    return {"prompts": inputs["prompts"], "reward": inputs["reward"]}
 
 
 def _pid_of(tmp: pathlib.Path) -> int | None:
@@ -1634,7 +1640,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
     previous_sigterm = _exit_on_sigterm()
     try:
         writer = EvidenceWriter.resume(d, manifest, ck.next_step, progress)
-        run_loop(where, d, writer)
+        run_loop(where, d, writer, read=_read_at_start(inputs))
         if not writer.complete:
             writer.finish({"steps": writer.n_steps})
     except (ValueError, OSError) as e:
@@ -1807,7 +1813,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
                              f"{files[0].strip()!r}); commit them so the run can be reproduced "
                              "from its commit, or pass --allow-dirty (the diff is then recorded "
                              "in the manifest)", 2)
-    _warn(config_warnings(cfg))
+    _warn(config_warnings(cfg) + prompt_warnings(cfg, inputs["prompts"]))
     if src is not None:
         return _cmd_resume(cfg, where, git, src, inputs, shape)
     if not _follower_rank():
@@ -1837,7 +1843,7 @@ def _cmd_run(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             return _error("run", f"--run-dir {str(final)!r}: cannot create {tmp} "
                                  f"({e.strerror or e}); give a writable new directory", 2)
         writer = EvidenceWriter(tmp, manifest, progress)
-        run_loop(cfg, tmp, writer)
+        run_loop(cfg, tmp, writer, read=_read_at_start(inputs))
         if not writer.complete:
             writer.finish({"steps": writer.n_steps})
     except (ValueError, OSError, MemoryError, _device_oom()) as e:

@@ -46,6 +46,28 @@ def non_directory(path: str | os.PathLike) -> str | None:
     return next((k for test, k in _ENTRY_KINDS if test(mode)), "a file of another kind")
 
 
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """Why `path` is no input file to read, for a message after "PATH: ", or None when it is a
+    regular file (or a link to one): "no such file"; "is a directory, not a file"; "is a FIFO
+    (named pipe), not a regular file" and the other kinds; "is a symbolic link to 'T', which
+    does not exist" / "is a symbolic link that cannot be followed (Too many levels of symbolic
+    links)" — the link is there, so "no such file" read as a typo."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if not os.path.islink(path):
+            return "no such file" if isinstance(e, FileNotFoundError) else e.strerror or str(e)
+        reason = unreadable_reason(path, e)
+        return (f"is {reason}" if reason.startswith("a symbolic link") else
+                f"is a symbolic link that cannot be followed ({reason})")
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    kind = next((k for test, k in _KINDS if test(mode)), "a file of another kind")
+    return f"is {kind}, not a regular file"
+
+
 def missing_directory(path: str | os.PathLike) -> str:
     """Why `path`, not a directory and not an existing file, is no directory, for a message:
     "no such run directory" of a missing path; "a symbolic link that cannot be followed (Too
@@ -201,9 +223,10 @@ def json_holding_or_why(path: str | os.PathLike, key: str,
     return doc, None
 
 def json_kind(value: Any) -> str:
-    """What a parsed JSON value is, in JSON's words: "an array", "a string", "null", ..."""
+    """What a parsed JSON value is, in JSON's words: "an array", "a string", "null", ...; a
+    value JSON has no word for (a Parquet cell's Decimal) by its Python type's name."""
     for t, words in ((bool, "a boolean"), (dict, "an object"), (list, "an array"),
                      (str, "a string"), (int, "a number"), (float, "a number")):
         if isinstance(value, t):
             return words
-    return "null"
+    return "null" if value is None else type(value).__name__

@@ -94,7 +94,7 @@ def loop(monkeypatch):
     calls = []
 
     def set_loop(fn):
-        def wrapped(cfg, run_dir, writer):
+        def wrapped(cfg, run_dir, writer, read=None):
             calls.append((cfg, run_dir))
             return fn(cfg, run_dir, writer)
         monkeypatch.setattr(mod, "run_loop", wrapped, raising=False)
@@ -1765,12 +1765,12 @@ def _parquet_bytes(columns: dict) -> bytes:
                     f"{FORMAT}"),
     ("p.jsonl", "\n  \n", "--prompts p.jsonl: no prompts"),
     ("p.jsonl", '{"prompt": 5, "label": "1"}\n',
-     f'--prompts p.jsonl:1: "prompt" must be a string, got int; {FORMAT}'),
+     f'--prompts p.jsonl:1: "prompt" must be a string, got a number; {FORMAT}'),
     ("p.jsonl", GOOD_LINE + '{"prompt": 5, "label": "1"}\n',
-     f'--prompts p.jsonl:2: "prompt" must be a string, got int; {FORMAT}'),
+     f'--prompts p.jsonl:2: "prompt" must be a string, got a number; {FORMAT}'),
     ("p.jsonl", GOOD_LINE * 3 + '{"prompt": "x"}\n',
      f'--prompts p.jsonl:4: missing "label" (or "answer") (its keys: "prompt"); {FORMAT}'),
-    ("p.jsonl", GOOD_LINE + "[1]\n", "--prompts p.jsonl:2: expected a JSON object, got list"),
+    ("p.jsonl", GOOD_LINE + "[1]\n", "--prompts p.jsonl:2: expected a JSON object, got an array"),
     ("p.jsonl", GOOD_LINE.encode() + b"\xff\n", "--prompts p.jsonl:2: invalid UTF-8"),
     # item 3: a name claiming the other format is said to be the mismatch
     ("fake.parquet", "hello\n", "--prompts fake.parquet: named .parquet but not a Parquet file "
@@ -1784,7 +1784,7 @@ def _parquet_bytes(columns: dict) -> bytes:
                            "both ends); name it .parquet, or give the JSONL file"),
     ("p.JSON", "parquet", "--prompts p.JSON: named .json but is a Parquet file"),
     ("bad.parquet", "parquet-bad-row", '--prompts bad.parquet: row 1: "prompt" must be a string, '
-                                       "got NoneType"),
+                                       "got null"),
 ])
 def test_prompts_file_content_errors_are_one_usage_line_before_any_work(
         capsys, cwd, loop, name, content, want):
@@ -1815,11 +1815,31 @@ def test_prompts_file_with_an_extension_of_neither_format_is_read_by_content(cap
     assert len(loop.calls) == 2
 
 
+def test_fewer_prompts_than_a_step_takes_is_warned(capsys, cwd, loop):
+    """A 1-prompt file with --n-prompts 3 repeats the prompt three times in every step: one
+    warning line says so (it ran without a word); 3 prompts for --n-prompts 3: no warning."""
+    (cwd / "one.jsonl").write_text(GOOD_LINE)
+    (cwd / "three.jsonl").write_text(GOOD_LINE * 3)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--prompts", "one.jsonl",
+                       "--n-prompts", "3")
+    assert code == 0, err
+    assert ("rlk run: warning: --prompts 'one.jsonl' holds 1 prompt(s), fewer than --n-prompts "
+            "3: every step repeats some of them (the file's prompts cycle in order)") in err
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--prompts", "three.jsonl",
+                       "--n-prompts", "3")
+    assert code == 0 and "warning" not in err, err
+
+
 @pytest.mark.parametrize("make,what", [
     (lambda p: p.mkdir(), "is a directory, not a file"),
     (lambda p: (p.mkdir(), (p / "prompts.jsonl").write_text(GOOD_LINE)),
      "is a directory, not a file"),
     (lambda p: None, "no such file"),
+    (lambda p: p.symlink_to("gone.jsonl"),        # these two said "no such file"
+     "is a symbolic link to 'gone.jsonl', which does not exist"),
+    (lambda p: p.symlink_to(p.name), "is a symbolic link that cannot be followed (Too many "
+                                     "levels of symbolic links)"),
+    (lambda p: os.mkfifo(p), "is a FIFO (named pipe), not a regular file"),
 ])
 def test_prompts_that_is_a_directory_is_named_as_one(capsys, cwd, loop, make, what):
     """--prompts DIR (which exists) said "no such file": now one line, exit 2, saying it is a

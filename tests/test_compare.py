@@ -488,7 +488,23 @@ def test_evidence_of_another_format_is_a_usage_error(tmp_path, capsys, fmt):
         ev["format"] = fmt
     (b / "evidence.json").write_text(json.dumps(ev))
     code, _, err = rlk_compare(capsys, a, b)
-    assert code == 2 and "evidence format" in err and "reads format 1" in err
+    assert code == 2 and "reads format 1" in err
+    assert ("no evidence 'format' number" if fmt is None else f"evidence format {fmt!r}") in err
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_complete_that_is_not_a_boolean_is_refused(tmp_path, capsys, value):
+    """'complete' of another JSON type is an edited file: exit 2 naming it (a string "yes" was
+    compared as INCOMPLETE and reported DIFFERENT, while a string step number was refused)."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    ev = json.loads((b / "evidence.json").read_text())
+    ev["complete"] = value
+    (b / "evidence.json").write_text(json.dumps(ev))
+    code, out, err = rlk_compare(capsys, a, b)
+    kind = {"yes": "a string", 1: "a number", None: "null"}[value]
+    assert (code, out) == (2, ""), err
+    assert f"'complete' is {kind}, not true or false" in err, err
 
 
 def test_differing_init_hash_is_named(tmp_path, capsys):
@@ -579,10 +595,11 @@ def test_unreadable_run_is_a_clear_error(tmp_path, capsys, breakage, expect):
 
 
 @pytest.mark.parametrize("nums,expect", [
-    ([1, 0], "step record 1 has step 0 after [1, 0]"),           # reordered
-    ([0, 0], "step record 1 has step 0 after [0, 0]"),           # repeated
+    ([1, 0], "step record 1 has step 0 after 1: step numbers"),   # reordered
+    ([0, 0], "step record 1 has step 0 after 0: step numbers"),   # repeated
     ([0, "1"], "step record 1 has step '1'"),                    # not an integer
-    ([None, 1], "step record 0 has step None"),                  # missing
+    ([None, 1], "step record 0 has step None: step numbers"),    # missing (it read
+    ([-1, 1], "step record 0 has step -1: step numbers"),        # "after [None]")
     ([0, True], "step record 1 has step True"),                  # a bool is no step number
 ])
 def test_steps_out_of_order_or_repeated_are_a_clear_error(tmp_path, capsys, nums, expect):
@@ -710,6 +727,8 @@ def test_a_file_given_as_a_run_is_named_as_a_file(tmp_path, capsys):
     assert (code, out) == (2, "") and f"{f}: is a file, not a run directory" in err
     code, _, err = rlk_compare(capsys, tmp_path / "gone", a)
     assert code == 2 and "no such run directory" in err
+    code, _, err = rlk_compare(capsys, "/dev/null", a)     # it said "is a file"
+    assert code == 2 and "/dev/null: is a character device, not a run directory" in err, err
 
 
 def test_a_link_that_leads_nowhere_is_named_as_a_link(tmp_path, capsys):

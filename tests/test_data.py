@@ -5,6 +5,7 @@ Fast and CPU-only. Run: .venv/bin/python -m pytest -q tests/test_data.py
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from rlkernel.data.prompts import Prompt, PromptFileError, load_jsonl
+from rlkernel.data.prompts import Prompt, PromptFileError, load_jsonl, load_prompts
 from rlkernel.data.tasks import arithmetic_prompts, prompt_source, reward
 from rlkernel.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -140,10 +141,15 @@ def test_load_jsonl_ok(tmp_path):
     """label/answer, numeric labels, blank lines, CRLF, BOM; index = position among prompts."""
     lines = ['\ufeff{"prompt": "1+1=", "label": "2"}', "", "   ",
              '{"prompt": "2+2=", "answer": 4, "extra": [1]}\r',
-             '{"prompt": "half", "label": 0.5}', '{"prompt": "both", "label": "L", "answer": "A"}', ""]
+             '{"prompt": "half", "label": 0.5}', '{"prompt": "both", "label": "L", "answer": "A"}',
+             '{"prompt": "float", "label": 2.0}', '{"prompt": "neg", "label": -0.0}',
+             '{"prompt": "big", "label": 9007199254740991.0}', ""]
     got = load_jsonl(_write(tmp_path, "\n".join(lines)))
     assert got == [Prompt(0, "1+1=", "2"), Prompt(1, "2+2=", "4"), Prompt(2, "half", "0.5"),
-                   Prompt(3, "both", "L")]
+                   Prompt(3, "both", "L"), Prompt(4, "float", "2"), Prompt(5, "neg", "0"),
+                   Prompt(6, "big", "9007199254740991")]
+    # an integral float label is the integer an answer states (it was "2.0": reward 0 for "2")
+    assert reward("2", got[4].label) == 1.0 and reward("2.0", "2.0") == 1.0
 
 
 GOOD = '{"prompt": "p", "label": "l"}\n'
@@ -152,16 +158,18 @@ GOOD = '{"prompt": "p", "label": "l"}\n'
 @pytest.mark.parametrize("line, what", [
     (b"{not json}", "invalid JSON"),
     (b'{"a": NaN, "prompt": "p", "label": "l"}', "invalid JSON"),
-    (b"[1, 2]", "expected a JSON object, got list"),
-    (b'"just a string"', "expected a JSON object, got str"),
+    (b"[1, 2]", "expected a JSON object, got an array"),
+    (b'"just a string"', "expected a JSON object, got a string"),
     (b'{"label": "x"}', 'missing "prompt"'),
     (b'{"prompt": "x"}', 'missing "label" (or "answer")'),
-    (b'{"prompt": 3, "label": "x"}', '"prompt" must be a string, got int'),
+    (b'{"prompt": 3, "label": "x"}', '"prompt" must be a string, got a number'),
     (b'{"prompt": "  ", "label": "x"}', '"prompt" is empty'),
-    (b'{"prompt": "x", "label": null}', '"label" must be a string or a number, got NoneType'),
-    (b'{"prompt": "x", "answer": true}', '"answer" must be a string or a number, got bool'),
+    (b'{"prompt": "x", "label": null}', '"label" must be a string or a number, got null'),
+    (b'{"prompt": "x", "answer": true}', '"answer" must be a string or a number, got a boolean'),
     (b'{"prompt": "x", "label": ""}', '"label" is empty'),
     (b'{"prompt": "x", "label": 1e400}', "not finite"),
+    (b'{"prompt": "x", "label": 1e20}', "a float at or past 2**53"),
+    (b'{"prompt": "x", "label": -9007199254740992.0}', "a float at or past 2**53"),
     (b'{"prompt": "\\ud800", "label": "x"}', "unpaired surrogate"),
     (b'{"prompt": "\xff\xfe", "label": "x"}', "invalid UTF-8"),
     # json keeps the last of two values: a line trained on "b" silently (found by a breaker)
@@ -178,6 +186,24 @@ def test_load_jsonl_malformed_line(tmp_path, line, what):
     msg = str(e.value)
     assert msg.startswith(f"{path}:3: ") and "bad.jsonl" in msg
     assert what in msg and "; " in msg
+
+
+@pytest.mark.parametrize("data, what", [
+    ('{"prompt": "x", "label": "1"}\n'.encode("utf-16"),
+     "is UTF-16 text (a little-endian byte-order mark), not JSONL or Parquet; save it as UTF-8"),
+    (gzip.compress(GOOD.encode()), "is gzip-compressed, not JSONL or Parquet; decompress it "
+                                 "(gunzip) first"),
+])
+def test_a_compressed_or_utf16_file_is_named_as_such(tmp_path, data, what):
+    """A gzip or UTF-16 prompts file: the error says what its first bytes show (it said "invalid
+    UTF-8 at byte 0 of the line"). Control: the same records as UTF-8 JSONL load."""
+    with pytest.raises(PromptFileError) as e:
+        load_prompts(_write(tmp_path, data, name="p.jsonl"))
+    assert str(e.value) == f"{tmp_path / 'p.jsonl'}: {what}", str(e.value)
+    plain = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data.decode("utf-16").encode()
+    assert len(load_prompts(_write(tmp_path, plain, name="q.jsonl"))) == 1
+
+
 
 
 @pytest.mark.parametrize("content, what", [(None, "file not found"), (b"", "no prompts"),
@@ -386,10 +412,20 @@ def test_parquet_prompts_equal_jsonl_prompts(tmp_path):
     assert src.describe()["sha256"] == hashlib.sha256(pq_path.read_bytes()).hexdigest()
 
 
+def test_parquet_float_label_column_is_matched_as_integers(tmp_path):
+    """A float label column (what pandas writes for an int column with a missing value) reads
+    as the integers an answer states: 2.0 -> "2", reward 1 for the answer "2" (it was "2.0",
+    reward 0 for every answer, with no warning); a non-integral 2.5 stays "2.5"."""
+    path = _parquet(tmp_path / "f.parquet", {"prompt": ["a", "b"], "label": [2.0, 2.5]})
+    got = prompt_source(path, n_prompts_per_step=2, steps=1, seed=0).batch(0)
+    assert [p.label for p in got] == ["2", "2.5"]
+    assert reward("2", got[0].label) == 1.0 and reward("2.5", got[1].label) == 1.0
+
+
 @pytest.mark.parametrize("columns,keys,words", [
-    ({"prompt": ["a", None], "label": ["1", "2"]}, {}, 'row 1: "prompt" must be a string, got NoneType'),
+    ({"prompt": ["a", None], "label": ["1", "2"]}, {}, 'row 1: "prompt" must be a string, got null'),
     ({"prompt": ["a", "b"], "label": [1.5, float("inf")]}, {}, 'row 1: "label" is the number inf'),
-    ({"prompt": ["a"], "label": [[1]]}, {}, 'row 0: "label" must be a string or a number, got list'),
+    ({"prompt": ["a"], "label": [[1]]}, {}, 'row 0: "label" must be a string or a number, got an array'),
     ({"text": ["a"], "label": ["1"]}, {}, 'no column "prompt"; the file has columns "text", "label"'),
     ({f"c{i}": ["a"] for i in range(20)}, {}, 'no column "prompt"; the file has columns "c0", "c1", '
                                           '"c2", "c3", "c4", "c5", "c6", "c7", and 12 more;'),
@@ -423,7 +459,7 @@ def test_load_prompts_parses_every_line_and_row(tmp_path):
     from rlkernel.data.prompts import load_prompts
 
     ok_then_bad = _write(tmp_path, '\ufeff\n{"q": "a", "a": "1"}\n{"q": 3, "a": "1"}\n')
-    with pytest.raises(PromptFileError, match=r'p.jsonl:3: "q" must be a string, got int'):
+    with pytest.raises(PromptFileError, match=r'p.jsonl:3: "q" must be a string, got a number'):
         load_prompts(ok_then_bad, input_key="q", label_key="a")
     with pytest.raises(PromptFileError, match=r':2: missing "prompt"'):
         load_prompts(ok_then_bad, input_key="prompt", label_key="a")

@@ -802,7 +802,7 @@ def test_rlk_run_prints_a_rank_user_error_in_one_line(capsys, cwd, monkeypatch):
     "rlk run: error: rank 3: boom", nothing left on disk (no step was recorded)."""
     import rlkernel.runner.loop as loop
 
-    def failing_loop(cfg, run_dir, writer):
+    def failing_loop(cfg, run_dir, writer, read=None):
         raise RankUserError(3, "ValueError", "boom", "Traceback ...")
 
     monkeypatch.setattr(loop, "run_loop", failing_loop)

@@ -103,7 +103,7 @@ def scratch():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def stub_run_loop(cfg, run_dir, writer):
+def stub_run_loop(cfg, run_dir, writer, read=None):
     """Stands in for the RL loop: writes a file into the run directory, then fails like a user
     error before the first step, so the CLI must discard the whole directory."""
     (pathlib.Path(run_dir) / "half-written").write_text("x")

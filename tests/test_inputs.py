@@ -24,7 +24,8 @@ from rlkernel.cli import main
 from rlkernel.config import ConfigError, RunConfig
 from rlkernel.model.checkpoint import init_weights, save_checkpoint
 from rlkernel.model.config import tiny
-from rlkernel.runner.inputs import (VOCAB_RULE, check_unchanged, describe_inputs, startup_notes)
+from rlkernel.runner.inputs import (VOCAB_RULE, check_unchanged, describe_inputs, read_twice_problem,
+                                     startup_notes)
 
 VOCAB, TOKENIZER_IDS = 512, 301
 SMALL = ["--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "12",
@@ -149,3 +150,59 @@ def test_input_paths_are_absolute_and_outside_the_config(tmp_path, monkeypatch):
             recorded_paths({"input_paths": bad})
     with pytest.raises(ValueError, match="records no prompts path"):
         located(cfg, {**paths, "prompts": None})
+
+
+def _reads(prompts_sha: str | None, reward_sha: str = "r") -> dict:
+    return {"prompts": {"source": "p.jsonl", "count": 1, "sha256": prompts_sha},
+            "reward": {"source_file": "/x/rw.py", "source_sha256": reward_sha}}
+
+
+def test_read_twice_problem_names_the_changed_file_and_the_rank():
+    """The loop's reads against rlk run's start read, every rank held to rank 0's record: the
+    same bytes -> None; prompts or reward changed -> the flag, file and both hashes; one rank
+    of two reading other bytes -> that rank, even when no rank has the start's record (a
+    torchrun follower without it)."""
+    cfg = RunConfig(prompts="p.jsonl")
+    a, b = "a" * 64, "b" * 64
+    assert read_twice_problem(cfg, [(_reads(a), _reads(a))]) is None
+    assert read_twice_problem(cfg, [(_reads(a), _reads(a)), (_reads(a), None)]) is None
+    why = read_twice_problem(cfg, [(_reads(b), _reads(a))])
+    assert why.startswith("--prompts 'p.jsonl': the file changed while the run was starting "
+                          f"(SHA-256 {a[:12]}… when rlk run checked it, {b[:12]}… when the loop "
+                          "read it)"), why
+    why = read_twice_problem(cfg, [(_reads(a), _reads(a)), (_reads(b), _reads(a))])
+    assert f"{b[:12]}… when the loop read it on rank 1)" in why, why
+    why = read_twice_problem(cfg, [(_reads(a), None), (_reads(b), None)])
+    assert why.startswith(f"--prompts 'p.jsonl': the file changed while the run was starting "
+                          f"({b[:12]}… when the loop read it on rank 1)"), why
+    why = read_twice_problem(cfg, [(_reads(a, "r2"), _reads(a))])
+    assert why.startswith("--reward '/x/rw.py': the file changed"), why
+
+
+def test_a_prompts_file_replaced_while_the_model_loads_is_refused(tmp_path, monkeypatch, capsys):
+    """The --prompts file swapped after rlk run checked and hashed it, while the loop loads the
+    model (seconds; minutes for a real checkpoint): exit 2 naming the file, nothing kept. It
+    trained on the new prompts with the old file's hash in the manifest, exit 0, and `rlk
+    compare` then reported differing tokens as if the run were not reproducible. Control: the
+    same run without the swap completes."""
+    from rlkernel.runner import loop
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    load = loop._load_model
+
+    def swap_then_load(cfg):
+        prompts.write_text('{"prompt": "0*7=", "label": "0"}\n')
+        return load(cfg)
+
+    args = ["run", "--steps", "1", "--max-response-len", "4", "--n-prompts", "1",
+            "--n-samples-per-prompt", "2", "--prompts", str(prompts), "--allow-dirty"]
+    monkeypatch.setattr(loop, "_load_model", swap_then_load)
+    assert main([*args, "--run-dir", str(tmp_path / "swapped")]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts {str(prompts)!r}: the file changed while the run was starting" in err, err
+    assert not (tmp_path / "swapped").exists()
+    monkeypatch.setattr(loop, "_load_model", load)
+    assert main([*args, "--run-dir", str(tmp_path / "kept")]) == 0
+    manifest = json.loads((tmp_path / "kept" / "manifest.json").read_text())
+    assert manifest["prompts"] == {"source": str(prompts), "count": 1,
+                                   "sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}

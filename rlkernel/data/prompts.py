@@ -90,7 +90,7 @@ def _record(obj: dict, where: str, index: int, input_key: str, label_key: str,
     text = obj[input_key]
     if not isinstance(text, str):
         raise PromptFileError(f'{where}: "{input_key}" must be a string, got '
-                              f"{type(text).__name__}; {fmt}")
+                              f"{readfile.json_kind(text)}; {fmt}")
     if not text.strip():
         raise PromptFileError(f'{where}: "{input_key}" is empty; prompts must contain '
                               "non-whitespace text")
@@ -102,11 +102,15 @@ def _record(obj: dict, where: str, index: int, input_key: str, label_key: str,
     label = obj[key]
     if isinstance(label, bool) or not isinstance(label, (str, int, float)):
         raise PromptFileError(f'{where}: "{key}" must be a string or a number, '
-                              f"got {type(label).__name__}; {fmt}")
+                              f"got {readfile.json_kind(label)}; {fmt}")
     if isinstance(label, float) and not math.isfinite(label):  # e.g. 1e400 parses as inf
         raise PromptFileError(f'{where}: "{key}" is the number {label}, which is not finite; '
                               f"labels must be strings or finite numbers")
-    label = label if isinstance(label, str) else str(label)
+    if isinstance(label, float) and abs(label) >= 2.0**53:
+        raise PromptFileError(f'{where}: "{key}" is the number {label!r}, a float at or past 2**53, '
+                              "which may not be the integer written; write the label as a string "
+                              "or an integer without a decimal point or exponent")
+    label = label if isinstance(label, str) else _number_text(label)
     if not label.strip():
         raise PromptFileError(f'{where}: "{key}" is empty; labels must contain non-whitespace text')
     for name, value in ((input_key, text), (key, label)):
@@ -118,13 +122,23 @@ def _record(obj: dict, where: str, index: int, input_key: str, label_key: str,
     return Prompt(index=index, text=text, label=label, where=where)
 
 
+def _number_text(x: int | float) -> str:
+    """A numeric label (a float below 2**53 in magnitude: `_record` refuses larger ones) as the
+    text an answer is matched against: an integral float as its integer ("2.0" and Parquet's
+    2.0 -> "2": pandas turns an int column with a missing value into floats, and "2.0" never
+    matched the answer "2"); otherwise str(x) ("0.5", "17")."""
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return str(x)
+
+
 def parse_jsonl(data: bytes, name: str, *, input_key: str = "prompt",
                 label_key: str = "label") -> list[Prompt]:
     """Parse JSONL `data` (a file's bytes); `name` is the file name used in error messages.
 
     Lines are split on b"\\n"; a trailing b"\\r" and a UTF-8 BOM on line 1 are accepted.
     The prompt is the string under `input_key`; the label is the string or number under
-    `label_key` (numbers become str(label)); with the default label_key "label", "answer" is
+    `label_key` (numbers become text: `_number_text`); with the default label_key "label", "answer" is
     accepted when "label" is absent ("label" wins when both are present). Raises PromptFileError.
     """
     fmt = _format(input_key, label_key)
@@ -150,8 +164,8 @@ def parse_jsonl(data: bytes, name: str, *, input_key: str = "prompt",
             msg = str(e) if isinstance(e, ValueError) else "nested too deeply"
             raise PromptFileError(f"{where}: invalid JSON ({msg}); {fmt}") from None
         if not isinstance(obj, dict):
-            raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}; "
-                                  f"{fmt}")
+            raise PromptFileError(f"{where}: expected a JSON object, got "
+                                  f"{readfile.json_kind(obj)}; {fmt}")
         prompts.append(_record(obj, where, len(prompts), input_key, label_key, fmt))
     if not prompts:
         raise PromptFileError(f"{name}: no prompts (the file is empty or only blank lines); {fmt}")
@@ -236,11 +250,27 @@ def check_name_matches(data: bytes, name: str) -> None:
                               "ends); name it .parquet, or give the JSONL file")
 
 
+_WRAPPINGS = ((b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip) first"),
+              (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (unzstd) first"),
+              (b"PK\x03\x04", "a zip archive", "extract the file from it first"),
+              (b"\xff\xfe", "UTF-16 text (a little-endian byte-order mark)", "save it as UTF-8"),
+              (b"\xfe\xff", "UTF-16 text (a big-endian byte-order mark)", "save it as UTF-8"))
+
+
+def _refuse_wrapped(data: bytes, name: str) -> None:
+    """A compressed or UTF-16 file, named by what its first bytes show (it read as "invalid
+    UTF-8 at byte 0 of the line"). Raises PromptFileError."""
+    for magic, what, fix in _WRAPPINGS:
+        if data.startswith(magic):
+            raise PromptFileError(f"{name}: is {what}, not JSONL or Parquet; {fix}")
+
+
 def parse_prompts(data: bytes, name: str, *, input_key: str = "prompt",
                   label_key: str = "label") -> list[Prompt]:
     """`parse_parquet` when `data` is Parquet (`is_parquet`), else `parse_jsonl`, after
-    `check_name_matches`."""
+    `check_name_matches` and `_refuse_wrapped`."""
     check_name_matches(data, name)
+    _refuse_wrapped(data, name)
     parse = parse_parquet if is_parquet(data) else parse_jsonl
     return parse(data, name, input_key=input_key, label_key=label_key)
 

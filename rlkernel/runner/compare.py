@@ -130,11 +130,10 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     evidence is malformed, of another format, or incomplete (the run did not finish).
     """
     d = _run_path(run_dir)
-    if d.exists() and not d.is_dir():
-        raise CompareError(f"{d}: is a file, not a run directory (give the directory a run "
-                           "wrote, or its evidence.json)")
-    if not d.is_dir():
-        raise CompareError(f"{d}: {readfile.missing_directory(d)}")
+    why = readfile.not_a_directory(d)   # "a character device, not a run directory", ...
+    if why is not None:
+        hint = " (give the directory a run wrote, or its evidence.json)" if d.exists() else ""
+        raise CompareError(f"{d}: {'is ' * d.exists()}{why}{hint}")
     evidence = _load_json(d / "evidence.json")
     manifest = _load_json(d / "manifest.json")
     ev_path = d / "evidence.json"
@@ -143,8 +142,12 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     fmt = evidence.get("format")
     # another meaning of the same fields; `true == 1` in Python, so the type is checked too
     if type(fmt) is not int or fmt != EVIDENCE_FORMAT:
-        raise CompareError(f"{ev_path}: evidence format {fmt!r}; this rlk "
-                           f"reads format {EVIDENCE_FORMAT} only")
+        what = (f"evidence format {fmt!r}" if "format" in evidence else
+                "no evidence 'format' number (every rlk run writes one)")
+        raise CompareError(f"{ev_path}: {what}; this rlk reads format {EVIDENCE_FORMAT} only")
+    if not isinstance(evidence.get("complete", False), bool):
+        raise CompareError(f"{ev_path}: 'complete' is {readfile.json_kind(evidence['complete'])}"
+                           ", not true or false as rlk run writes it (the file was edited)")
     if not all(isinstance(s, dict) for s in evidence["steps"]):
         raise CompareError(f"{ev_path}: every step record must be a JSON object")
     _check_step_order(ev_path, evidence["steps"])
@@ -162,10 +165,11 @@ def _check_step_order(ev_path: pathlib.Path, steps: list[dict[str, Any]]) -> Non
     prev = -1
     for i, n in enumerate(nums):
         if not isinstance(n, int) or isinstance(n, bool) or n <= prev:
-            shown = ", ".join(map(repr, nums[max(0, i - 2):i + 1]))
-            raise CompareError(f"{ev_path}: step record {i} has step {n!r} after [{shown}]: "
-                               "step numbers must be integers >= 0 in increasing order (the "
-                               "file was edited or damaged)")
+            before = nums[max(0, i - 2):i]
+            after = f" after {', '.join(map(repr, before))}" if before else ""
+            raise CompareError(f"{ev_path}: step record {i} has step {n!r}{after}: step "
+                               "numbers must be integers >= 0 in increasing order (the file "
+                               "was edited or damaged)")
         prev = n
 
 

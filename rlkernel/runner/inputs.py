@@ -325,3 +325,32 @@ def check_unchanged(recorded: Any, current: dict[str, Any], run_dir: str) -> Non
         raise ConfigError(f"--resume {run_dir!r}: {problems[0]}{more}; a resumed run must read "
                           "the inputs it started with (it reloads them, the KL reference "
                           "included)")
+
+
+def read_twice_problem(cfg: RunConfig, seen: list[tuple[dict[str, Any], Any]]) -> str | None:
+    """Why the prompts or reward source the loop read are not the bytes `rlk run` read and
+    recorded when it started, or None. `rlk run` parses the --prompts file and imports the
+    --reward before any work (manifest "prompts" and "reward"); the loop reads both again after
+    the model has loaded — seconds, or minutes for a real checkpoint — and, in a launched run,
+    on every rank. A file replaced in between trained on inputs the manifest does not describe
+    (and `rlk compare` then showed a reproducibility failure where an input had changed), and
+    ranks could read different files.
+
+    `seen`: every rank's (now, then) in rank order, now = {"prompts": prompt_source(...)
+    .describe(), "reward": RewardFn.describe()} as the loop read them, then = the same as the
+    start read them (None where a rank does not have it). Every rank passes the same list
+    (gathered), so every rank decides alike."""
+    for key, hash_key, flag in (("prompts", "sha256", "--prompts"),
+                                ("reward", "source_sha256", "--reward")):
+        start = next((then[key].get(hash_key) for _, then in seen if then is not None), None)
+        for rank, (now, _) in enumerate(seen):
+            got = now[key].get(hash_key)
+            if got != (start if start is not None else seen[0][0][key].get(hash_key)):
+                what = (f"SHA-256 {str(start)[:12]}… when rlk run checked it, "
+                        if start is not None else "")
+                where = f" on rank {rank}" if len(seen) > 1 else ""
+                path = cfg.prompts if key == "prompts" else now[key].get("source_file")
+                return (f"{flag} {str(path)!r}: the file changed while the run was starting "
+                        f"({what}{str(got)[:12]}… when the loop read it{where}); keep the "
+                        "inputs of a run unchanged until its first step, and start it again")
+    return None

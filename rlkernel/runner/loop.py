@@ -43,6 +43,7 @@ from rlkernel.runner import faults
 from rlkernel.runner.checkpointing import (Checkpoint, ResumeError, check_state, inputs_digest,
                                             latest_checkpoint, save_checkpoint)
 from rlkernel.runner.evidence import EvidenceWriter, Progress
+from rlkernel.runner.inputs import read_twice_problem
 from rlkernel.runner.watch import NullWatch, RunWatch, completion_rows
 from rlkernel.runner.export import save_final_weights
 from rlkernel.train.grpo import group_advantages
@@ -154,12 +155,17 @@ def _tokens_hash(completions) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
-def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> None:
+def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter,
+             read: dict | None = None) -> None:
     """Run cfg.steps RL steps, recording init and per-step evidence through `writer`.
 
     One process when dp·tp·cp == 1 (and not under torchrun), else dp·tp·cp ranks
-    (rlkernel/distributed/launch.py).
-    Raises ValueError (bad inputs, before any step), RunAborted (a failed check, after the failing
+    (rlkernel/distributed/launch.py). `read`: {"prompts": PromptSource.describe(), "reward":
+    RewardFn.describe()} as `rlk run` read them before any work; every rank's own reads must
+    give the same hashes (runner/inputs.read_twice_problem; None: only the ranks' reads are
+    held to each other).
+    Raises ValueError (bad inputs, before any step; InputError when an input changed since
+    `read`), RunAborted (a failed check, after the failing
     step's evidence is written; also a rank lost to a signal or a hang), or the launcher's
     RankFailure naming the rank that raised.
     """
@@ -167,14 +173,15 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
     faults.check(cfg.steps, world)  # test hook: reject a bad RLK_FAULT before anything starts
     if world == 1 and launcher_world_size() is None:
         from rlkernel.distributed.topology import Topology, single_comms
-        _run(cfg, Topology(world=1, rank=0), single_comms(), writer, pathlib.Path(run_dir))
+        _run(cfg, Topology(world=1, rank=0), single_comms(), writer, pathlib.Path(run_dir),
+             read)
         return
     from rlkernel.distributed.launch import RankFailure, cuda_backend, launch
     # On CUDA the group must carry CPU tensors too (collective signatures, audit problem lists,
     # exact-norm limbs): NCCL alone rejects them.
     backend = cuda_backend() if cfg.device == "cuda" else "gloo"
     try:
-        launch(_rank_main, (cfg, str(run_dir), writer.manifest), world_size=world,
+        launch(_rank_main, (cfg, str(run_dir), writer.manifest, read), world_size=world,
                backend=backend, timeout_s=float(os.environ.get("RLK_DIST_TIMEOUT_S", "300")))
     except RankFailure as e:
         if e.error_type:  # the rank raised: its error (and traceback) goes up unchanged
@@ -184,7 +191,8 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter) -> N
         writer.adopt()
 
 
-def _rank_main(rank: int, cfg: RunConfig, run_dir: str, manifest: dict) -> None:
+def _rank_main(rank: int, cfg: RunConfig, run_dir: str, manifest: dict,
+               read: dict | None) -> None:
     """One rank of a multi-process run (module-level: the launcher pickles it by name)."""
     import torch.distributed as dist
 
@@ -198,7 +206,7 @@ def _rank_main(rank: int, cfg: RunConfig, run_dir: str, manifest: dict) -> None:
             writer = EvidenceWriter.resume(run_dir, manifest, upto, Progress(total=cfg.steps))
         else:
             writer = EvidenceWriter(run_dir, manifest, Progress(total=cfg.steps))
-    _run(cfg, topo, comms, writer, pathlib.Path(run_dir))
+    _run(cfg, topo, comms, writer, pathlib.Path(run_dir), read)
     if writer is not None and not writer.complete:
         writer.finish({"steps": writer.n_steps})
 
@@ -289,16 +297,16 @@ def _watch(cfg: RunConfig, writer: EvidenceWriter | None, run_dir: pathlib.Path)
 
 
 def _run(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
-         run_dir: pathlib.Path) -> None:
+         run_dir: pathlib.Path, read: dict | None) -> None:
     watch = _watch(cfg, writer, run_dir)
     try:
-        _run_steps(cfg, topo, comms, writer, run_dir, watch)
+        _run_steps(cfg, topo, comms, writer, run_dir, watch, read)
     finally:
         watch.close()
 
 
 def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
-               run_dir: pathlib.Path, watch) -> None:
+               run_dir: pathlib.Path, watch, read: dict | None) -> None:
     ops = ops_for(cfg.mode)
     exp = invariant_exp if cfg.mode == "invariant" else torch.exp
     pdtype = _DTYPES[cfg.dtype]
@@ -310,6 +318,10 @@ def _run_steps(cfg: RunConfig, topo, comms, writer: EvidenceWriter | None,
     chat = load_chat_template(cfg.model) if cfg.apply_chat_template else None
     encoded = _encode_all(cfg, source, tok, chat, mcfg.max_position_embeddings)
     reward_fn = load_reward(cfg.reward)
+    changed = read_twice_problem(cfg, comms.world.all_gather_object(
+        ({"prompts": source.describe(), "reward": reward_fn.describe()}, read), "inputs-read"))
+    if changed is not None:
+        raise InputError(changed)
     if topo.world > 1:
         train_pc, roll_pc = build_contexts(topo, comms, mcfg)
     else:

@@ -70,6 +70,17 @@ def config_warnings(cfg) -> list[str]:
     return out + _ignored_flags(cfg)
 
 
+def prompt_warnings(cfg, prompts: dict) -> list[str]:
+    """A line when the --prompts file (`prompts`: PromptSource.describe()) holds fewer prompts
+    than a step takes: each step then repeats some of them (file prompts cycle in order)."""
+    count = prompts.get("count")
+    if cfg.prompts is None or not isinstance(count, int) or count >= cfg.n_prompts:
+        return []
+    return [f"--prompts {cfg.prompts!r} holds {count} prompt(s), fewer than --n-prompts "
+            f"{cfg.n_prompts}: every step repeats some of them (the file's prompts cycle in "
+            "order)"]
+
+
 def _ignored_flags(cfg) -> list[str]:
     """Flags another flag makes inert, given away from their defaults (a flag left at its
     default cannot be told from one given at it, and warning on defaults would be noise)."""
