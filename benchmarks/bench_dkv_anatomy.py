@@ -5,8 +5,7 @@ temporary file so Triton can read the kernel's source) and timed in one process 
 operands (bf16, Qwen3-8B heads 32/8, D = 128, one causal sequence):
 
 - `full`: the production module (its table's tile);
-- `cvt_add`: each leaf partial widened to float64 (by moving its bits, as the first pass does)
-  and added plainly (no exactness check);
+- `cvt_add`: each leaf partial converted to float64 and added plainly (no exactness check);
 - `mma`: the leaf partials summed in fp32 (no float64 in the loop: loads, dots, exp only);
 - `leaf128`: the production kernel with 128-query leaf partials (CUDA_DKV_LEAF = 128: half the
   float64 adds and conversions, dots of K = 128 — another sum than the spec's);
@@ -34,15 +33,13 @@ import torch
 from benchmarks.bench_attention import HKV, HQ, D, _bwd_case, _sdpa_bwd, _timed
 from benchmarks.common import dump, env, require_cuda
 
-_FIRST_PASS = "hi = tfx.add_f32_exact_or_nan(hi, part)"
-_UNSCALE = "hi = tfx.scale_words(hi, True)"
+_FIRST_PASS = "hi = tfx.add_exact_or_nan(hi, part.to(tl.float64))"
 _RETRY = "hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, part.to(tl.float64))"
 _LEAF_IMPORT = "from rlkernel.spec import CUDA_ATTN_KV_BLOCK, CUDA_DKV_LEAF"
 VARIANTS = {
     "full": ([], None),
-    "cvt_add": ([(_FIRST_PASS, "hi = hi + tfx.f32_bits_in_f64(part)")], None),
+    "cvt_add": ([(_FIRST_PASS, "hi = hi + part.to(tl.float64)")], None),
     "mma": ([(_FIRST_PASS, "hi = hi + part"), (_RETRY, "hi = hi + part"),
-             (_UNSCALE, "hi = hi.to(tl.float64)"),
              ("hi = tl.zeros((BLOCK_N, DT), dtype=tl.float64)",
               "hi = tl.zeros((BLOCK_N, DT), dtype=tl.float32)"),
              ("lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)",

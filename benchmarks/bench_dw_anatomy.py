@@ -18,9 +18,7 @@ drop or change one part, timed in one process on the same operands:
 - `check`, `check_tma`: the production first pass's exactness test
   (triton_fixedpoint.add_exact_or_nan: s = hi + p is exact iff s − hi == p and s − p == hi;
   an inexact add leaves NaN in hi, which flags its tile — no error word, no int32 flag tile;
-  until the thirty-second session this copy kept an int32 flag tile and spilled at 64 × 128;
-  since the thirty-fourth, as production, the words kept scaled by 2**-896 and each partial
-  widened by moving its bits, `add_f32_exact_or_nan`, not by a conversion instruction);
+  until the thirty-second session this copy kept an int32 flag tile and spilled at 64 × 128);
   `check_f64_only` its float64 work alone.
 
 Only the exact variants (`full`, `pipelined`, `tma`, `check`, `check_tma`, `pair32_tma`) compute the
@@ -117,7 +115,7 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
             if MODE == 3:
                 hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, (base * f).to(tl.float64))
             else:
-                hi = tfx.add_f32_exact_or_nan(hi, base * f)
+                hi = tfx.add_exact_or_nan(hi, (base * f).to(tl.float64))
     elif MODE == 9:
         h32 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         l32 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -146,7 +144,7 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
             elif MODE == 2:
                 hi += p.to(tl.float64)
             elif MODE == 6 or MODE == 7:
-                hi = tfx.add_f32_exact_or_nan(hi, p)
+                hi = tfx.add_exact_or_nan(hi, p.to(tl.float64))
             else:
                 hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
     o = OUT + rn[:, None] * K + rk[None, :]
@@ -155,7 +153,6 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
         tl.store(o, acc.to(tl.float64), mask=m)
     else:
         if MODE == 6 or MODE == 7 or MODE == 8:     # the production first pass's flag
-            hi = tfx.scale_words(hi, True)          # its words kept scaled by 2**-896
             good = tl.max((tfx.word_in_range(hi) == 0).to(tl.int32)) == 0
         else:
             good = tl.max((tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)) == 0

@@ -689,9 +689,9 @@ def dkv_sums_at_the_double_word_bound_are_flagged():
 @check
 def opposite_infinite_dv_partials_in_two_leaves_are_nan():
     """dV leaf partials +Inf and −Inf of key 0, column 0 in two leaves (p = 1, as `_planted_dv`):
-    the sum is NaN, and the first pass flags dV's key tile 0 rather than add the Infs' bit
-    patterns as the finite ±2**-768 (scaled), which cancel to 0 exactly
-    (triton_fixedpoint.f32_bits_in_f64's OR of p − p is what makes them non-finite)."""
+    the sum is NaN, and the first pass flags dV's key tile 0 (a widening that made the Infs
+    finite — the thirty-fourth session's bit move without its non-finite OR — cancelled them
+    to 0 exactly and passed every other check here)."""
     args = _planted_dv([[float("inf"), float("-inf")]], 2, seed=351)
     first = []
     _, grads = _bwd_seeing_flags(args, first)

@@ -278,9 +278,10 @@ def nonfinite_partials_take_the_emit_path():
 @check
 def opposite_infinities_in_two_leaves_are_nan():
     """Row 0's partials are +Inf in leaf 0 and −Inf in leaf 1, every other partial 0: the sum is
-    NaN (the reference's flag counts), and the first pass must flag the tiles rather than add
-    the Infs' bit patterns as finite values (f32_bits_in_f64 without its non-finite OR makes
-    them ±2**128, which cancel to 0 exactly: no inexact add to catch it)."""
+    NaN (the reference's flag counts), and the first pass flags the tiles (+Inf + −Inf is NaN
+    in its word). A widening that made the Infs finite (the thirty-fourth session's bit move
+    without its non-finite OR: ±2**128, which cancel to 0 exactly) would pass every other
+    check here."""
     dy = torch.zeros(2 * TOKEN_LEAF, 9)
     x = torch.ones(2 * TOKEN_LEAF, 11)
     dy[0, 0] = dy[TOKEN_LEAF, 0] = float("inf")
@@ -635,10 +636,10 @@ def carried_words_over_microbatches_equal_the_digit_path():
 def carried_first_pass_flags_no_tile_where_every_add_is_exact():
     """Narrow leaf scales (no inexact add), the words carried over two calls of 3 leaves: the
     second call's first pass (CARRY, not RETRY) continues the nonzero words with no tile
-    flagged, its count is 0 and the words == one call over all 6 leaves. The carried words must
-    be scaled down by 2**-896 at load, as the partials are (f32_bits_in_f64): read unscaled,
-    every tile with a nonzero word fails word_in_range and the every-tile retry redoes it from
-    the unscaled words — the same bytes, so only the first pass's flags show it."""
+    flagged, its count is 0 and the words == one call over all 6 leaves. A first pass that
+    misread its carried words (the thirty-fourth session's scaled words read unscaled) flags
+    every tile, and the every-tile retry redoes them from the stored words — the same bytes,
+    so only the first pass's flags show it."""
     dy, x = _operands(6, 40, 24, 4, seed=0)
     a, b = tgw._operands(dy, x)
     whole, whole_flags = tgw._double_words(a, b, SMALL, False)

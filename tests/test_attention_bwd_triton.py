@@ -135,7 +135,7 @@ def test_dkv_sums_at_the_double_word_bound_are_flagged(results):
 
 def test_opposite_infinite_dv_partials_in_two_leaves_are_nan(results):
     """+Inf and −Inf dV partials of one element in two leaves: NaN, the first pass's program
-    flagged (not the 0 their moved bit patterns would cancel to)."""
+    flagged."""
     _ok(results, "opposite_infinite_dv_partials_in_two_leaves_are_nan")
 
 

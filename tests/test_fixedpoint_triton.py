@@ -201,15 +201,6 @@ def test_add_exact_flags_exactly_the_inexact_adds_negative_control_one_differenc
     _ok(results, "add_exact_negative_control_one_difference_misses_an_inexact_add")
 
 
-def test_the_bit_moved_conversion_and_the_scaled_add(results):
-    """f32_bits_in_f64 (the dW first pass's fp32 → float64, by integer operations) == the
-    conversion times 2**-896 for every fp32 exponent, ±Inf/NaN kept non-finite (control: without
-    the OR of p − p they turn finite); the add in the scaled domain == the unscaled one, NaN in
-    the same places."""
-    _ok(results, "f32_bits_in_f64_is_the_conversion_scaled")
-    _ok(results, "scaled_add_is_the_unscaled_add")
-
-
 def test_fast_path_holds_what_a_float64_sum_loses(results):
     """The double-word path: columns needing the lo word (1, 2**-24, 2**-80 rounds up to
     1 + 2**-23) == torch and == the bins-only kernel (fast=False)."""

@@ -68,7 +68,7 @@ def test_extreme_range_takes_the_emit_path(results):
 
 def test_nonfinite_partials_take_the_emit_path(results):
     """Inf/NaN operands: flagged tiles, the reference's NaN/Inf counts; +Inf and −Inf partials
-    of one element in two leaves: NaN, not the 0 their bit patterns would cancel to."""
+    of one element in two leaves: NaN, the tiles flagged."""
     _ok(results, "nonfinite_partials_take_the_emit_path")
     _ok(results, "opposite_infinities_in_two_leaves_are_nan")
 
@@ -167,8 +167,8 @@ def test_carried_words_over_microbatches_equal_the_digit_path(results):
 
 
 def test_carried_first_pass_flags_no_tile_where_every_add_is_exact(results):
-    """Carried nonzero words and exact adds: the carried first pass flags no tile (the words
-    loaded scaled by 2**-896 like the partials), the words == one call's."""
+    """Carried nonzero words and exact adds: the carried first pass flags no tile, the words ==
+    one call's."""
     _ok(results, "carried_first_pass_flags_no_tile_where_every_add_is_exact")
 
 
@@ -275,11 +275,9 @@ def test_compiled_ptx_of_the_dw_pass(tma, carry, retry, retry_all):
 def test_the_first_dw_pass_keeps_its_tile_in_registers():
     """ptxas (sm_90a) of the first pass as `carry_grad_weight_deferred` and
     `rounded_grad_weight_deferred` launch it at a qwen3-1.7b down_proj (16,384 tokens, dy
-    [L, 6144], x [L, 2048] bf16 by TMA): no spills, carried or not, at the table's tile, and
-    carried at 64 x 128 (one m64n128 wgmma a k-step; direct there, 255 registers and 4 bytes
-    of spill stores since the conversion by integer operations). (The carried lo, which the
-    first pass never changes, was loaded and kept live through the leaf loop, with an int32
-    flag tile beside hi: 255
+    [L, 6144], x [L, 2048] bf16 by TMA): no spills, carried or not, at the table's tile and at
+    64 x 128 (one m64n128 wgmma a k-step). (The carried lo, which the first pass never changes,
+    was loaded and kept live through the leaf loop, with an int32 flag tile beside hi: 255
     registers and 160 bytes of spill stores a thread, carried; 172 registers direct. The
     carried hi's pointers, when they were the stores' too, stayed live through the loop: 80
     bytes of spills at 64 x 128.) Its carried words load hi only; the checked retry, which
@@ -300,10 +298,10 @@ def test_the_first_dw_pass_keeps_its_tile_in_registers():
                   num_warps=warps, num_stages=stages, enable_fp_fusion=False)
         return args, kw
 
-    for tile, carry in (((64, 64, 4, 3), True), ((64, 64, 4, 3), False),
-                        ((64, 128, 4, 2), True)):
-        regs, spill = sm90_registers(tgw._dw_kernel, *launch(carry, False, tile))
-        assert spill == 0 and regs < 255, (tile, carry, regs, spill)
+    for tile in ((64, 64, 4, 3), (64, 128, 4, 2)):
+        for carry in (True, False):
+            regs, spill = sm90_registers(tgw._dw_kernel, *launch(carry, False, tile))
+            assert spill == 0 and regs < 255, (tile, carry, regs, spill)
     loads = [len(re.findall(r"ld\.global(?:\.\w+)*\.b64",
                             sm90_as_launched(tgw._dw_kernel, *launch(True, retry))))
              for retry in (False, True)]

@@ -30,8 +30,7 @@ Three kernels:
   so each tier's words are the exact sum unless its check fails): (1) a first pass into one
   float64 word hi per element whose every add must be exact (numerics/triton_fixedpoint.py
   `add_exact_or_nan`: s − hi == p and s − p == hi, else NaN; half the float64 work of a TwoSum
-  pair, as in the dW pass; hi kept scaled by 2**-896 so that p widens by moving its bits,
-  `add_f32_exact_or_nan`); (2) the programs it flagged, again (a RETRY launch over the same
+  pair, as in the dW pass); (2) the programs it flagged, again (a RETRY launch over the same
   grid, the others return at once: no host sync), into a double word (hi, lo) by Knuth's TwoSum
   with every lo addition checked exact (`add_word_checked`: a span of ~2**100); (3) a program
   still flagged (NaN/Inf, |hi| >= 2**150, a wider span) is recomputed in EMIT mode, its
@@ -231,8 +230,7 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS, QROWS, K
     # One program: BLOCK_N keys [jt, jt + BLOCK_N) x output columns [d0, d0 + DT) of one query
     # head h of sample s; KIND 0 = dK (Σ_t ds·q), 1 = dV (Σ_t p·dO), over every leaf that sees
     # the keys. First pass (neither EMIT nor RETRY): the leaf partials are added into a float64
-    # word hi, kept scaled by 2**-896, that must stay exact (tfx.add_f32_exact_or_nan: an
-    # inexact add or a non-finite partial makes it NaN); OUT
+    # word hi that must stay exact (tfx.add_exact_or_nan: an inexact add makes it NaN); OUT
     # [2, S_c, Hq, width, D] gets (hi, 0), FLAGS[pid] whether it did not hold (then zeros).
     # RETRY (launched over every program; the unflagged return at once): the flagged programs
     # again, into the double word (hi, lo) by checked TwoSums (tfx.add_word_checked, exact over
@@ -323,13 +321,12 @@ def _dkv_kernel(Q, K, V, DO, LSE, DELTA, SLOT, KVLEN, OUT, FLAGS, PIDS, QROWS, K
                 tl.store(e_ptr + f * e_step, part)
             elif RETRY:
                 hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, part.to(tl.float64))
-            else:   # in the scaled domain: no fp32 -> float64 conversion instruction
-                hi = tfx.add_f32_exact_or_nan(hi, part)
+            else:
+                hi = tfx.add_exact_or_nan(hi, part.to(tl.float64))
     if not EMIT:
         if RETRY:
             bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)
         else:
-            hi = tfx.scale_words(hi, True)
             bad = (tfx.word_in_range(hi) == 0).to(tl.int32)
         good = (tl.max(bad) == 0) & (FORCE_FLAG == 0)
         o = OUT + (sh.to(tl.int64) * width + (jn - j0).to(tl.int64))[:, None] * D \

@@ -16,10 +16,7 @@ there (docs/BENCHMARKS.md), and the traffic grows with tokens × parameters.
 Algorithm, per output tile [BLOCK_N, BLOCK_K] (one program): walk the leaves in order; for each,
 p = dot(dyᵀ[tile rows, leaf], x[leaf, tile cols]) in fp32, then hi += p in float64 with the add
 checked exact (numerics/triton_fixedpoint.py `add_exact_or_nan`: s − hi == p and s − p == hi,
-Dekker's Fast2Sum lemma; no error word; an inexact add leaves NaN in hi). The first pass keeps
-hi scaled by 2**-896 and widens p by moving its bits (`add_f32_exact_or_nan`): the same words
-once scaled back, without the fp32 → float64 conversion instruction, which issues at a quarter
-of the float64 adds' rate on sm_90. (One difference from
+Dekker's Fast2Sum lemma; no error word; an inexact add leaves NaN in hi). (One difference from
 the operand of larger magnitude, ordered by an integer compare, was tried: a third fewer float64
 ops, 22 more registers, and a 2-4 % slower training step on an H100 — the pass is bound by
 latency, not by its float64 throughput; docs/BENCHMARKS.md.) Every value here is a multiple of
@@ -124,8 +121,6 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
     o_in = OUT + rn[:, None] * s_or + rk[None, :]
     if CARRY:
         hi = tl.load(o_in, mask=m, other=0.0)
-        if FIRST:   # the first pass adds in the scaled domain (tfx.add_f32_exact_or_nan)
-            hi = tfx.scale_words(hi, False)
     else:
         hi = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
     if CARRY and RETRY:
@@ -155,10 +150,9 @@ def _dw_kernel(DY, X, AD, BD, OUT, FLAGS, TILES, COUNT, L, N, K,
         elif RETRY:
             hi, lo, n_inexact = tfx.add_word_checked(hi, lo, n_inexact, p.to(tl.float64))
         else:
-            hi = tfx.add_f32_exact_or_nan(hi, p)
+            hi = tfx.add_exact_or_nan(hi, p.to(tl.float64))
     if not EMIT:
         if FIRST:
-            hi = tfx.scale_words(hi, True)
             bad = (tfx.word_in_range(hi) == 0).to(tl.int32)
         else:
             bad = (tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)

@@ -286,53 +286,6 @@ def add_exact_or_nan(hi, p):
     return tl.where(inexact, float("nan"), s)
 
 
-F32_BITS_SCALE = 896   # f32_bits_in_f64(p) is p·2**-F32_BITS_SCALE (127 − 1023 in exponent)
-SCALE_DOWN_BITS = tl.constexpr((1023 - F32_BITS_SCALE) << 52)   # 2**-896 as float64 bits
-SCALE_UP_BITS = tl.constexpr((1023 + F32_BITS_SCALE) << 52)     # 2**896 as float64 bits
-
-
-@triton.jit
-def f32_bits_in_f64(p):
-    """p (fp32 tile) times 2**-896 as a float64 tile, exact, made from p's bits by integer
-    operations: the high word is p's bits shifted right by 3 with the sign kept (the exponent
-    field's top three bits 0), the low word p's bits shifted left by 29. Why: the conversion
-    instruction (F2F.F64.F32) issues at a quarter of the float64 adds' rate on sm_90 and was
-    4 of the ~9 float64 lane-slots of each checked add of the dW first pass (docs/BENCHMARKS.md);
-    these are a shift and a logical op on the integer pipe, one on the FMA pipe. Exact for
-    every finite p, subnormals and −0.0 included: an exponent field f >= 1 reads as
-    2**(f − 1023)·1.m = p·2**-896, f = 0 as the float64 subnormal m·2**-1045 = p·2**-896.
-    ±Inf and NaN (field 255, which would read as the finite 2**-768·1.m) give a value that is
-    not finite: p − p (+0.0 for finite p, a NaN otherwise) is OR-ed into the high word, which
-    fills its exponent field (an Inf or a NaN, and its sign, by the device's NaN bits; any of
-    them fails the exact add's check). The same logical op: (x & mask) | y is one LOP3."""
-    b = p.to(tl.int32, bitcast=True)
-    nonfinite = (p - p).to(tl.int32, bitcast=True)      # +0.0's bits, or a NaN's
-    high = ((b >> 3) & -1879048193) | nonfinite         # 0x8FFFFFFF: the shift's sign copies off
-    low = (b << 29).to(tl.uint32, bitcast=True).to(tl.int64)
-    return ((high.to(tl.int64) << 32) | low).to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def scale_words(hi, UP: tl.constexpr):
-    """hi·2**896 (UP) or hi·2**-896: exact for the words here (multiples of 2**-149 below 2**150
-    in magnitude land on multiples of 2**-1045, which float64 holds, subnormal or not; NaN
-    stays NaN)."""
-    bits = SCALE_UP_BITS if UP else SCALE_DOWN_BITS
-    return hi * tl.full([], bits, tl.int64).to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def add_f32_exact_or_nan(hi, p):
-    """hi + p·2**-896 checked exact, for a word hi kept scaled by 2**-896 (`scale_words`) and
-    an fp32 tile p: `add_exact_or_nan(hi, f32_bits_in_f64(p))` — NaN where the add is inexact
-    or p is not finite (an Inf term fails the check: Inf − Inf is NaN). The words and the NaN
-    elements are those of `add_exact_or_nan(hi·2**896, p.to(float64))`, scaled: a power of two
-    keeps every sum of multiples of 2**-149 exactly representable or not (float64's subnormal
-    grid, 2**-1074, is finer than 2**-1045), and the Fast2Sum test holds with gradual
-    underflow."""
-    return add_exact_or_nan(hi, f32_bits_in_f64(p))
-
-
 @triton.jit
 def word_in_range(hi):
     """Per element: whether hi is finite and |hi| < 2**150 (TOP_F64_BITS), the words' bound —
