@@ -19,7 +19,11 @@ drop or change one part, timed in one process on the same operands:
   (triton_fixedpoint.add_exact_or_nan: s = hi + p is exact iff s − hi == p and s − p == hi;
   an inexact add leaves NaN in hi, which flags its tile — no error word, no int32 flag tile;
   until the thirty-second session this copy kept an int32 flag tile and spilled at 64 × 128);
-  `check_f64_only` its float64 work alone.
+  `check_f64_only` its float64 work alone; `check_asm_tma`: `check_tma` with that test
+  written as one PTX block (the two comparisons joined by `setp`'s `.or`, one 64-bit select:
+  Triton's `tl.where(a | b, nan, s)` compiles to two chained selects, four FSEL an element in
+  the loop's SASS, which issues ~13 instructions an element and leaf; this one ~11 with the same
+  132 registers — compiled on the CPU, thirty-fifth session; not yet timed).
 
 Only the exact variants (`full`, `pipelined`, `tma`, `check`, `check_tma`, `pair32_tma`) compute the
 production words (where no add is inexact: the benchmark's operands); they are checked bytewise equal
@@ -46,8 +50,8 @@ from rlkernel.numerics import triton_fixedpoint as tfx
 
 LEAF = 128
 MODES = {"full": 0, "mma": 1, "cvt_add": 2, "f64_only": 3, "pipelined": 4, "tma": 5,
-         "check": 6, "check_tma": 7, "check_f64_only": 8, "pair32_tma": 9}
-EXACT = ("full", "pipelined", "tma", "check", "check_tma", "pair32_tma")
+         "check": 6, "check_tma": 7, "check_f64_only": 8, "pair32_tma": 9, "check_asm_tma": 10}
+EXACT = ("full", "pipelined", "tma", "check", "check_tma", "pair32_tma", "check_asm_tma")
 SHAPES = ((16384, 6144, 2048), (16384, 2048, 2048))
 TILES = ((64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 4, 3),
          (128, 128, 8, 2))
@@ -71,6 +75,27 @@ def _pair32_word(h, l):
     l64 = l.to(tl.float64)
     w = h64 + l64
     return tl.where(((w - h64) != l64) | ((w - l64) != h64), float("nan"), w)
+
+
+@triton.jit
+def _add_exact_or_nan_asm(hi, p):
+    # triton_fixedpoint.add_exact_or_nan written as one PTX block: the two comparisons joined
+    # by setp's own .or and one selp.f64 (Triton's tl.where(a | b, nan, s) became two chained
+    # selp.b64: four FSEL an element in SASS; a 32-bit select of the high word alone was tried:
+    # one SEL but a register move and 144 registers); the same float64 operations, so the same
+    # words and the same flagged tiles
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .f64 s, d1, d2;
+        .reg .pred bad;
+        add.rn.f64 s, $1, $2;
+        sub.rn.f64 d1, s, $1;
+        sub.rn.f64 d2, s, $2;
+        setp.neu.f64 bad, d1, $2;
+        setp.neu.or.f64 bad, d2, $1, bad;
+        selp.f64 $0, 0d7FF8000000000000, s, bad;
+        }""",
+        constraints="=d,d,d", args=[hi, p], dtype=tl.float64, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -136,7 +161,8 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
         hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
     else:
         for t0 in range(0, L, LEAF_T):
-            p = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok, (MODE == 5) | (MODE == 7))
+            p = _leaf(a_ptr, b_ptr, AD, BD, t0, n0, k0, n_ok, k_ok,
+                      (MODE == 5) | (MODE == 7) | (MODE == 10))
             a_ptr += a_step
             b_ptr += b_step
             if MODE == 1:
@@ -145,6 +171,8 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
                 hi += p.to(tl.float64)
             elif MODE == 6 or MODE == 7:
                 hi = tfx.add_exact_or_nan(hi, p.to(tl.float64))
+            elif MODE == 10:
+                hi = _add_exact_or_nan_asm(hi, p.to(tl.float64))
             else:
                 hi, lo, n_inexact = tfx.add_word(hi, lo, n_inexact, p.to(tl.float64))
     o = OUT + rn[:, None] * K + rk[None, :]
@@ -152,7 +180,7 @@ def _anatomy_kernel(DY, X, AD, BD, OUT, L, N, K, s_dl, s_dn, s_xl, s_xk, s_ow,
     if MODE == 1:
         tl.store(o, acc.to(tl.float64), mask=m)
     else:
-        if MODE == 6 or MODE == 7 or MODE == 8:     # the production first pass's flag
+        if MODE >= 6 and MODE != 9:     # the production first pass's flag
             good = tl.max((tfx.word_in_range(hi) == 0).to(tl.int32)) == 0
         else:
             good = tl.max((tfx.words_exact(hi, n_inexact) == 0).to(tl.int32)) == 0
