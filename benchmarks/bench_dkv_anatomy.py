@@ -6,11 +6,14 @@ operands (bf16, Qwen3-8B heads 32/8, D = 128, one causal sequence):
 
 - `full`: the production module (its table's tile);
 - `cvt_add`: each leaf partial converted to float64 and added plainly (no exactness check);
+- `asm_check`: the first pass's exactness test as one PTX block (bench_dw_anatomy's
+  `check_asm_tma`: the comparisons joined by `setp`'s `.or`, one select; the same words);
 - `mma`: the leaf partials summed in fp32 (no float64 in the loop: loads, dots, exp only);
 - `leaf128`: the production kernel with 128-query leaf partials (CUDA_DKV_LEAF = 128: half the
   float64 adds and conversions, dots of K = 128 — another sum than the spec's);
 - `leaf128_w8`: `leaf128` at 8 warps (the [64, 128] score tiles take twice the registers).
-Only `full` and `leaf128*` compute exact sums (`leaf128` of other partials, so other bytes);
+Only `full`, `asm_check` and `leaf128*` compute exact sums (`leaf128` of other partials, so
+other bytes);
 the others are speed probes. SDPA flash's backward is the scale. The whole backward is timed
 (dQ and delta included: the same kernels in every variant); `dq_delta_ms` is theirs alone.
 Run (repository root, one GPU, ~2 min): PYTHONPATH=. python3 benchmarks/bench_dkv_anatomy.py
@@ -44,6 +47,9 @@ VARIANTS = {
               "hi = tl.zeros((BLOCK_N, DT), dtype=tl.float32)"),
              ("lo = tl.zeros((BLOCK_N, DT), dtype=tl.float64)",
               "lo = tl.zeros((BLOCK_N, DT), dtype=tl.float32)")], None),
+    "asm_check": ([(_LEAF_IMPORT, _LEAF_IMPORT + "\nfrom benchmarks.bench_dw_anatomy import "
+                                 "_add_exact_or_nan_asm"),
+                   (_FIRST_PASS, "hi = _add_exact_or_nan_asm(hi, part.to(tl.float64))")], None),
     "leaf128": ([(_LEAF_IMPORT, "from rlkernel.spec import CUDA_ATTN_KV_BLOCK\n"
                                 "CUDA_DKV_LEAF = 128")], None),
     "leaf128_w8": ([(_LEAF_IMPORT, "from rlkernel.spec import CUDA_ATTN_KV_BLOCK\n"

@@ -16,7 +16,7 @@ def test_every_variant_changes_exactly_its_lines_and_imports(tmp_path):
     from benchmarks import bench_dkv_anatomy as ba
     from rlkernel.kernels import triton_attention_bwd as tb
     src = inspect.getsource(tb)
-    assert set(ba.VARIANTS) == {"full", "cvt_add", "mma", "leaf128", "leaf128_w8"}
+    assert set(ba.VARIANTS) == {"full", "cvt_add", "mma", "leaf128", "leaf128_w8", "asm_check"}
     for name, (subs, _) in ba.VARIANTS.items():
         for old, _new in subs:
             assert src.count(old) == 1, (name, old)
