@@ -721,14 +721,17 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
     from rlkernel.data.chat import ChatTemplateError, load_chat_template
     from rlkernel.data.prompts import PromptFileError
     from rlkernel.data.rewards import RewardError, load_reward
-    from rlkernel.data.tasks import prompt_source
+    from rlkernel.data.tasks import prompt_source, task_description
 
     try:
         reward = load_reward(cfg.reward)
         # Parsed in full (the loop parses it again, and checks it read these bytes): a bad line
-        # 2,000 is then a usage error now, not a failure after the model has loaded.
-        prompts = prompt_source(cfg.prompts, n_prompts_per_step=cfg.n_prompts, steps=cfg.steps,
-                                seed=cfg.seed, input_key=cfg.input_key, label_key=cfg.label_key)
+        # 2,000 is then a usage error now, not a failure after the model has loaded. The task's
+        # prompts are the loop's to generate (steps x n of them).
+        prompts = (task_description(cfg.n_prompts, cfg.steps, cfg.seed) if cfg.prompts is None
+                   else prompt_source(cfg.prompts, n_prompts_per_step=cfg.n_prompts,
+                                      steps=cfg.steps, seed=cfg.seed, input_key=cfg.input_key,
+                                      label_key=cfg.label_key).describe())
         if cfg.apply_chat_template:
             load_chat_template(cfg.model).render("probe")
         tokenizer_files = _tokenizer_hashes(cfg)
@@ -741,7 +744,7 @@ def _check_data(cfg: RunConfig) -> dict[str, typing.Any]:
             from None
     except (RewardError, OSError) as e:
         raise ConfigError(str(e)) from None
-    return {"reward": reward.describe(), "prompts": prompts.describe(),
+    return {"reward": reward.describe(), "prompts": prompts,
             "tokenizer_files": tokenizer_files, "input_paths": input_paths(cfg)}
 
 

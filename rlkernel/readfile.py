@@ -222,6 +222,7 @@ def json_holding_or_why(path: str | os.PathLike, key: str,
         return None, f"has {key!r} as {json_kind(doc[key])}, not {want}"
     return doc, None
 
+
 def json_kind(value: Any) -> str:
     """What a parsed JSON value is, in JSON's words: "an array", "a string", "null", ...; a
     value JSON has no word for (a Parquet cell's Decimal) by its Python type's name."""

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from rlkernel.data.prompts import Prompt, PromptFileError, load_jsonl, load_prompts
-from rlkernel.data.tasks import arithmetic_prompts, prompt_source, reward
+from rlkernel.data.tasks import arithmetic_prompts, prompt_source, reward, task_description
 from rlkernel.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -324,6 +324,8 @@ def test_prompt_source_task():
     every = arithmetic_prompts(12, 5)
     assert [p for k in range(4) for p in src.batch(k)] == every
     assert src.describe() == {"source": "task:arithmetic", "count": 12, "seed": 5}
+    # what rlk run records at start without generating the prompts (the loop's read must match)
+    assert task_description(3, 4, 5) == src.describe()
 
 
 def test_prompt_source_errors(tmp_path):

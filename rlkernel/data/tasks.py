@@ -102,6 +102,12 @@ class PromptSource:
         return dict(self._description)
 
 
+def task_description(n_prompts_per_step: int, steps: int, seed: int) -> dict:
+    """`PromptSource.describe()` of the arithmetic task's prompts, without generating them:
+    {"source": "task:arithmetic", "count": n_prompts_per_step * steps, "seed": seed}."""
+    return {"source": "task:arithmetic", "count": n_prompts_per_step * steps, "seed": seed}
+
+
 def prompt_source(prompts_path: str | os.PathLike | None, *, n_prompts_per_step: int, steps: int,
                   seed: int, input_key: str = "prompt", label_key: str = "label") -> PromptSource:
     """Prompts from the JSONL or Parquet file `prompts_path` (read by `input_key`/`label_key`,
@@ -116,7 +122,7 @@ def prompt_source(prompts_path: str | os.PathLike | None, *, n_prompts_per_step:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if prompts_path is None:
         prompts = arithmetic_prompts(n_prompts_per_step * steps, seed)
-        desc = {"source": "task:arithmetic", "count": len(prompts), "seed": seed}
+        desc = task_description(n_prompts_per_step, steps, seed)
     else:
         data = read_prompt_file(prompts_path)
         prompts = parse_prompts(data, os.fspath(prompts_path), input_key=input_key,

@@ -343,9 +343,10 @@ def read_twice_problem(cfg: RunConfig, seen: list[tuple[dict[str, Any], Any]]) -
     for key, hash_key, flag in (("prompts", "sha256", "--prompts"),
                                 ("reward", "source_sha256", "--reward")):
         start = next((then[key].get(hash_key) for _, then in seen if then is not None), None)
+        want = start if start is not None else seen[0][0][key].get(hash_key)   # else rank 0's
         for rank, (now, _) in enumerate(seen):
             got = now[key].get(hash_key)
-            if got != (start if start is not None else seen[0][0][key].get(hash_key)):
+            if got != want:
                 what = (f"SHA-256 {str(start)[:12]}… when rlk run checked it, "
                         if start is not None else "")
                 where = f" on rank {rank}" if len(seen) > 1 else ""
