@@ -425,9 +425,11 @@ def test_parquet_float_label_column_is_matched_as_integers(tmp_path):
 
 
 @pytest.mark.parametrize("columns,keys,words", [
-    ({"prompt": ["a", None], "label": ["1", "2"]}, {}, 'row 1: "prompt" must be a string, got null'),
+    ({"prompt": ["a", None], "label": ["1", "2"]}, {},
+     'row 1: "prompt" must be a string, got null'),
     ({"prompt": ["a", "b"], "label": [1.5, float("inf")]}, {}, 'row 1: "label" is the number inf'),
-    ({"prompt": ["a"], "label": [[1]]}, {}, 'row 0: "label" must be a string or a number, got an array'),
+    ({"prompt": ["a"], "label": [[1]]}, {},
+     'row 0: "label" must be a string or a number, got an array'),
     ({"text": ["a"], "label": ["1"]}, {}, 'no column "prompt"; the file has columns "text", "label"'),
     ({f"c{i}": ["a"] for i in range(20)}, {}, 'no column "prompt"; the file has columns "c0", "c1", '
                                           '"c2", "c3", "c4", "c5", "c6", "c7", and 12 more;'),

@@ -24,8 +24,8 @@ from rlkernel.cli import main
 from rlkernel.config import ConfigError, RunConfig
 from rlkernel.model.checkpoint import init_weights, save_checkpoint
 from rlkernel.model.config import tiny
-from rlkernel.runner.inputs import (VOCAB_RULE, check_unchanged, describe_inputs, read_twice_problem,
-                                     startup_notes)
+from rlkernel.runner.inputs import (VOCAB_RULE, check_unchanged, describe_inputs,
+                                    read_twice_problem, startup_notes)
 
 VOCAB, TOKENIZER_IDS = 512, 301
 SMALL = ["--n-prompts", "2", "--n-samples-per-prompt", "2", "--max-response-len", "12",

@@ -107,9 +107,9 @@ def _record(obj: dict, where: str, index: int, input_key: str, label_key: str,
         raise PromptFileError(f'{where}: "{key}" is the number {label}, which is not finite; '
                               f"labels must be strings or finite numbers")
     if isinstance(label, float) and abs(label) >= 2.0**53:
-        raise PromptFileError(f'{where}: "{key}" is the number {label!r}, a float at or past 2**53, '
-                              "which may not be the integer written; write the label as a string "
-                              "or an integer without a decimal point or exponent")
+        raise PromptFileError(f'{where}: "{key}" is the number {label!r}, a float at or past '
+                              "2**53, which may not be the integer written; write the label as a "
+                              "string or an integer without a decimal point or exponent")
     label = label if isinstance(label, str) else _number_text(label)
     if not label.strip():
         raise PromptFileError(f'{where}: "{key}" is empty; labels must contain non-whitespace text')
@@ -138,8 +138,9 @@ def parse_jsonl(data: bytes, name: str, *, input_key: str = "prompt",
 
     Lines are split on b"\\n"; a trailing b"\\r" and a UTF-8 BOM on line 1 are accepted.
     The prompt is the string under `input_key`; the label is the string or number under
-    `label_key` (numbers become text: `_number_text`); with the default label_key "label", "answer" is
-    accepted when "label" is absent ("label" wins when both are present). Raises PromptFileError.
+    `label_key` (numbers become text: `_number_text`); with the default label_key "label",
+    "answer" is accepted when "label" is absent ("label" wins when both are present). Raises
+    PromptFileError.
     """
     fmt = _format(input_key, label_key)
     prompts: list[Prompt] = []

@@ -131,9 +131,11 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any
     """
     d = _run_path(run_dir)
     why = readfile.not_a_directory(d)   # "a character device, not a run directory", ...
-    if why is not None:
-        hint = " (give the directory a run wrote, or its evidence.json)" if d.exists() else ""
-        raise CompareError(f"{d}: {'is ' * d.exists()}{why}{hint}")
+    if why is not None and d.exists():
+        raise CompareError(f"{d}: is {why} (give the directory a run wrote, or its "
+                           "evidence.json)")
+    if why is not None:                  # missing, or a link that cannot be followed
+        raise CompareError(f"{d}: {why}")
     evidence = _load_json(d / "evidence.json")
     manifest = _load_json(d / "manifest.json")
     ev_path = d / "evidence.json"
