@@ -492,16 +492,32 @@ def test_evidence_of_another_format_is_a_usage_error(tmp_path, capsys, fmt):
     assert ("no evidence 'format' number" if fmt is None else f"evidence format {fmt!r}") in err
 
 
+def _against_edited(tmp_path, capsys, edit) -> tuple[int, str, str]:
+    """rlk compare of a one-step run A with a copy B whose evidence `edit(ev)` changed."""
+    a = write_run(tmp_path / "a", [_step(0)])
+    b = write_run(tmp_path / "b", [_step(0)])
+    ev = json.loads((b / "evidence.json").read_text())
+    edit(ev)
+    (b / "evidence.json").write_text(json.dumps(ev))
+    return rlk_compare(capsys, a, b)
+
+
+def test_step_order_error_shows_the_two_records_before(tmp_path, capsys):
+    code, _, err = _against_edited(tmp_path, capsys, lambda ev: ev.update(
+        steps=[dict(ev["steps"][0], step=n) for n in (0, 1, 2, 2)]))
+    assert code == 2 and "step record 3 has step 2 after 1, 2: step numbers" in err, err
+
+
+def test_format_null_is_named_as_null_not_as_missing(tmp_path, capsys):
+    code, _, err = _against_edited(tmp_path, capsys, lambda ev: ev.update(format=None))
+    assert code == 2 and "evidence format None; this rlk reads format 1 only" in err, err
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_complete_that_is_not_a_boolean_is_refused(tmp_path, capsys, value):
     """'complete' of another JSON type is an edited file: exit 2 naming it (a string "yes" was
     compared as INCOMPLETE and reported DIFFERENT, while a string step number was refused)."""
-    a = write_run(tmp_path / "a", [_step(0)])
-    b = write_run(tmp_path / "b", [_step(0)])
-    ev = json.loads((b / "evidence.json").read_text())
-    ev["complete"] = value
-    (b / "evidence.json").write_text(json.dumps(ev))
-    code, out, err = rlk_compare(capsys, a, b)
+    code, out, err = _against_edited(tmp_path, capsys, lambda ev: ev.update(complete=value))
     kind = {"yes": "a string", 1: "a number", None: "null"}[value]
     assert (code, out) == (2, ""), err
     assert f"'complete' is {kind}, not true or false" in err, err
@@ -726,7 +742,7 @@ def test_a_file_given_as_a_run_is_named_as_a_file(tmp_path, capsys):
     code, out, err = rlk_compare(capsys, f, a)
     assert (code, out) == (2, "") and f"{f}: is a file, not a run directory" in err
     code, _, err = rlk_compare(capsys, tmp_path / "gone", a)
-    assert code == 2 and "no such run directory" in err
+    assert code == 2 and "no such run directory" in err and "give the directory" not in err
     code, _, err = rlk_compare(capsys, "/dev/null", a)     # it said "is a file"
     assert code == 2 and "/dev/null: is a character device, not a run directory" in err, err
 

@@ -189,6 +189,28 @@ def test_load_jsonl_malformed_line(tmp_path, line, what):
 
 
 @pytest.mark.parametrize("data, what", [
+    (b"\xfe\xff" + GOOD.encode("utf-16-be"),
+     "is UTF-16 text (a big-endian byte-order mark), not JSONL or Parquet; save it as UTF-8"),
+    (b"\x28\xb5\x2f\xfd" + bytes(16),
+     "is zstd-compressed, not JSONL or Parquet; decompress it (unzstd) first"),
+    (b"PK\x03\x04" + bytes(26),
+     "is a zip archive, not JSONL or Parquet; extract the file from it first"),
+])
+def test_other_wrapped_prompts_files_are_named(tmp_path, data, what):
+    """Big-endian UTF-16, zstd and zip prompts files, each named by its first bytes."""
+    with pytest.raises(PromptFileError) as e:
+        load_prompts(_write(tmp_path, data, name="p.jsonl"))
+    assert str(e.value) == f"{tmp_path / 'p.jsonl'}: {what}"
+
+
+def test_integer_labels_past_2_53_are_kept_exactly(tmp_path):
+    """The 2**53 refusal is for floats only: JSON integers of any size are exact as written."""
+    got = load_jsonl(_write(tmp_path, '{"prompt": "p", "label": 9007199254740993}\n'
+                                      '{"prompt": "q", "label": -100000000000000000000}\n'))
+    assert [p.label for p in got] == ["9007199254740993", "-100000000000000000000"]
+
+
+@pytest.mark.parametrize("data, what", [
     ('{"prompt": "x", "label": "1"}\n'.encode("utf-16"),
      "is UTF-16 text (a little-endian byte-order mark), not JSONL or Parquet; save it as UTF-8"),
     (gzip.compress(GOOD.encode()), "is gzip-compressed, not JSONL or Parquet; decompress it "
@@ -412,6 +434,18 @@ def test_parquet_prompts_equal_jsonl_prompts(tmp_path):
     assert src.batch(0) == load_jsonl(jl, input_key="q", label_key="a")
     assert src.batch(0)[1].where == f"{pq_path}: row 1"
     assert src.describe()["sha256"] == hashlib.sha256(pq_path.read_bytes()).hexdigest()
+
+
+def test_parquet_decimal_label_is_named_by_its_type(tmp_path):
+    """A Parquet cell of a type JSON has no word for is named by its Python type (it read
+    "got null" when json_kind said null for anything it did not know)."""
+    import decimal
+    pa = pytest.importorskip("pyarrow")
+    path = _parquet(tmp_path / "d.parquet",
+                    {"prompt": ["a"], "label": pa.array([decimal.Decimal("2.5")])})
+    with pytest.raises(PromptFileError,
+                       match=r'row 0: "label" must be a string or a number, got Decimal'):
+        load_prompts(path)
 
 
 def test_parquet_float_label_column_is_matched_as_integers(tmp_path):

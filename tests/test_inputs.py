@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import pathlib
 
 import pytest
 import torch
@@ -206,3 +207,73 @@ def test_a_prompts_file_replaced_while_the_model_loads_is_refused(tmp_path, monk
     manifest = json.loads((tmp_path / "kept" / "manifest.json").read_text())
     assert manifest["prompts"] == {"source": str(prompts), "count": 1,
                                    "sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
+
+
+def _one_prompt_run(tmp_path, *extra: str) -> tuple[list[str], pathlib.Path]:
+    """`rlk run` arguments of a 1-step run on a 2-prompt file (written), and that file."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n')
+    return ["run", "--steps", "1", "--max-response-len", "4", "--n-prompts", "2",
+            "--n-samples-per-prompt", "2", "--prompts", str(prompts), "--allow-dirty",
+            "--run-dir", str(tmp_path / "r"), *extra], prompts
+
+
+def test_the_loop_refuses_another_ranks_different_read(tmp_path, monkeypatch, capsys):
+    """The reads are gathered over the ranks: a second rank (simulated in the gather) that read
+    other bytes than rank 0 is named, exit 2 — a loop that checked only its own read let each
+    rank train on its own file. (From a mutation helper: skipping the gather passed.)"""
+    from rlkernel.distributed import topology
+    real = topology.single_comms
+
+    def with_a_second_rank():
+        comms = real()
+        gather = comms.world.all_gather_object
+
+        def gather_plus_one(obj, op):
+            got = gather(obj, op)
+            if op == "inputs-read":
+                now, then = obj
+                got = [*got, ({**now, "prompts": {**now["prompts"], "sha256": "f" * 64}}, then)]
+            return got
+        comms.world.all_gather_object = gather_plus_one
+        return comms
+
+    monkeypatch.setattr(topology, "single_comms", with_a_second_rank)
+    args, _ = _one_prompt_run(tmp_path)
+    assert main(args) == 2
+    assert "f" * 12 + "… when the loop read it on rank 1)" in capsys.readouterr().err
+
+
+def test_spawned_ranks_hold_their_reads_to_the_start(tmp_path, monkeypatch, capsys):
+    """--dp 2: the prompts file replaced after rlk run read it and before the ranks start: the
+    ranks' reads differ from the start's and the run is refused (the read reached the spawned
+    ranks; without it they held each other only and ran, exit 0). Control: the same run with
+    the file left alone completes."""
+    import rlkernel.distributed.launch as launch_mod
+    args, prompts = _one_prompt_run(tmp_path, "--dp", "2")
+    real = launch_mod.launch
+
+    def swap_then_launch(*a, **k):
+        prompts.write_text('{"prompt": "0*7=", "label": "0"}\n{"prompt": "2+2=", "label": "4"}\n')
+        return real(*a, **k)
+
+    monkeypatch.setattr(launch_mod, "launch", swap_then_launch)
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and "the file changed while the run was starting" in err, (code, err)
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(launch_mod, "launch", real)
+    assert main(args) == 0
+
+
+def test_a_torchrun_follower_holds_its_reads_to_its_start(monkeypatch):
+    """A non-zero torchrun rank runs the loop with what its own rlk run read at start."""
+    from rlkernel import cli
+    from rlkernel.runner import loop
+    seen = {}
+    monkeypatch.setattr(loop, "run_loop",
+                        lambda cfg, run_dir, writer, read=None: seen.setdefault("read", read))
+    manifest = {"prompts": {"source": "p.jsonl", "count": 1, "sha256": "a" * 64},
+                "reward": {"source_file": None, "source_sha256": None}}
+    assert cli._run_follower_rank(RunConfig(), manifest) == 0
+    assert seen["read"] == {"prompts": manifest["prompts"], "reward": manifest["reward"]}

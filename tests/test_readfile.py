@@ -310,3 +310,15 @@ def test_jsontext_unique_keys_refuses_a_key_given_twice_at_any_depth():
     assert jsontext.loads('{"a": {"k": 1}, "b": {"k": 2}}', unique_keys=True) == {
         "a": {"k": 1}, "b": {"k": 2}}
     assert jsontext.loads('{"a": 1, "a": 2}') == {"a": 2}
+
+
+def test_not_a_file_names_each_kind(tmp_path):
+    """--prompts' check: a regular file (or a link to one) -> None; a missing path "no such
+    file"; a stat error other than a missing path by its own words (a path under a file)."""
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "to_f").symlink_to("f")
+    assert readfile.not_a_file(tmp_path / "f") is None
+    assert readfile.not_a_file(tmp_path / "to_f") is None
+    assert readfile.not_a_file(tmp_path / "gone.jsonl") == "no such file"
+    assert readfile.not_a_file(tmp_path / "f" / "p.jsonl") == "Not a directory"
+    assert readfile.not_a_file(tmp_path) == "is a directory, not a file"

@@ -195,6 +195,10 @@ def test_resume_refuses_evidence_shorter_than_its_checkpoint(tmp_path, capsys, u
     assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
     assert "holds steps [0, 0, 0] but the checkpoint continues at step 3" in \
         capsys.readouterr().err
+    ev["steps"] = [ev["steps"][0], ev["steps"][0], None]   # the checkpoint's last kept entry
+    (d / "evidence.json").write_text(json.dumps(ev))
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
+    assert "evidence.json's steps[2] is null, not a step's object" in capsys.readouterr().err
     ev["steps"] = [ev["steps"][0], 1, ev["steps"][0]]   # an entry that is not a step object
     (d / "evidence.json").write_text(json.dumps(ev))
     assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 2
@@ -212,6 +216,24 @@ def _run_with_inputs(tmp_path):
     assert main(["run", *with_flags(ARGS, "--steps", "1"), "--model", str(model),
                  "--prompts", str(prompts), "--run-dir", str(d)]) == 0
     return d, model, prompts
+
+
+def test_a_prompts_file_replaced_while_a_resume_loads_is_refused(tmp_path, capsys, monkeypatch):
+    """--resume checks the inputs against the manifest, then the loop reads them again after
+    the model loads: a prompts file replaced in between is refused, exit 2 (the resume handed
+    the loop no start read, and it trained on the new file)."""
+    from rlkernel.runner import loop
+    d, _, prompts = _run_with_inputs(tmp_path)
+    capsys.readouterr()
+    load = loop._load_model
+
+    def swap_then_load(cfg):
+        prompts.write_text('{"prompt": "0*7=", "label": "0"}\n')
+        return load(cfg)
+
+    monkeypatch.setattr(loop, "_load_model", swap_then_load)
+    assert main(["run", "--resume", str(d), "--steps", "2", "--allow-dirty"]) == 2
+    assert "the file changed while the run was starting" in capsys.readouterr().err
 
 
 def test_resume_refuses_inputs_that_changed_naming_the_file(tmp_path, capsys):
