@@ -1627,6 +1627,7 @@ def _cmd_resume(cfg: RunConfig, where: RunConfig, git: dict[str, typing.Any],
     # manifest named before, when they differ (and a run written before input_paths gets them).
     before = manifest.get("input_paths")
     manifest["input_paths"] = inputs["input_paths"]
+    manifest["prompts"] = inputs["prompts"]   # as the config: the task's count follows --steps
     moved = {"input_paths_before": before} if before not in (None, inputs["input_paths"]) else {}
     manifest.setdefault("resumes", []).append(
         {"from_step": ck.next_step, "changed": {k: [old.get(k), v] for k, v in new.items()

@@ -557,6 +557,21 @@ def test_a_run_without_input_paths_resolves_its_inputs_as_before(tmp_path, capsy
     assert m["input_paths"]["model"] == str(wd / "m")
 
 
+def test_an_extended_resume_records_the_prompts_it_follows(tmp_path, capsys, uninterrupted):
+    """The manifest's "prompts" follows the resumed config as "config" does: the task's 2 x 3
+    prompts become 2 x 4 when --steps 4 extends the run (it kept the first run's count, so a
+    resumed run's manifest differed from an uninterrupted 4-step run's; found by a new-user
+    helper); the resume's entry records the same."""
+    d = tmp_path / "run"
+    shutil.copytree(uninterrupted, d)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["prompts"] == {"source": "task:arithmetic", "count": 6, "seed": 0}
+    assert main(["run", "--resume", str(d), "--steps", "4", "--allow-dirty"]) == 0
+    m = json.loads((d / "manifest.json").read_text())
+    want = {"source": "task:arithmetic", "count": 8, "seed": 0}
+    assert m["prompts"] == want and m["resumes"][-1]["prompts"] == want
+
+
 def test_resume_refuses_a_run_written_under_another_numerical_spec(tmp_path, capsys, uninterrupted):
     """A manifest from code that computed other bits (an older numerics_version, or none at all:
     written before the field existed) or with no canonical_spec is refused with exit 2, one line
