@@ -209,7 +209,7 @@ def test_a_prompts_file_replaced_while_the_model_loads_is_refused(tmp_path, monk
                                    "sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
 
 
-def _one_prompt_run(tmp_path, *extra: str) -> tuple[list[str], pathlib.Path]:
+def _prompts_file_run(tmp_path, *extra: str) -> tuple[list[str], pathlib.Path]:
     """`rlk run` arguments of a 1-step run on a 2-prompt file (written), and that file."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n')
@@ -239,7 +239,7 @@ def test_the_loop_refuses_another_ranks_different_read(tmp_path, monkeypatch, ca
         return comms
 
     monkeypatch.setattr(topology, "single_comms", with_a_second_rank)
-    args, _ = _one_prompt_run(tmp_path)
+    args, _ = _prompts_file_run(tmp_path)
     assert main(args) == 2
     assert "f" * 12 + "… when the loop read it on rank 1)" in capsys.readouterr().err
 
@@ -250,7 +250,7 @@ def test_spawned_ranks_hold_their_reads_to_the_start(tmp_path, monkeypatch, caps
     ranks; without it they held each other only and ran, exit 0). Control: the same run with
     the file left alone completes."""
     import rlkernel.distributed.launch as launch_mod
-    args, prompts = _one_prompt_run(tmp_path, "--dp", "2")
+    args, prompts = _prompts_file_run(tmp_path, "--dp", "2")
     real = launch_mod.launch
 
     def swap_then_launch(*a, **k):
