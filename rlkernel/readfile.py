@@ -211,15 +211,15 @@ def json_holding_or_why(path: str | os.PathLike, key: str,
     "has no 'config' object", "has 'steps' as an object, not an array", "holds an array, not
     an object with 'config'" among the reasons."""
     doc, why = json_or_why(path)
-    want = "an object" if kind is dict else "an array"
+    noun = "object" if kind is dict else "array"
     if why is not None:
         return None, why
     if not isinstance(doc, dict):
         return None, f"holds {json_kind(doc)}, not an object with {key!r}"
     if key not in doc:
-        return None, f"has no {key!r} {want.split()[1]}"
+        return None, f"has no {key!r} {noun}"
     if not isinstance(doc[key], kind):
-        return None, f"has {key!r} as {json_kind(doc[key])}, not {want}"
+        return None, f"has {key!r} as {json_kind(doc[key])}, not an {noun}"
     return doc, None
 
 

@@ -149,10 +149,13 @@ def test_load_from_file_and_module_records_the_source_hash(rewards_file, monkeyp
     ("{f}:LIMIT", "'LIMIT' is of type int, not callable"),     # said "is a int"
     ("{f}:Judge.nope.deeper", "'Judge' has no attribute 'nope'"),   # named the whole path
     # each said "no such file":
-    ("{d}/pkg.py:f", "'{d}/pkg.py' is a directory; give an existing .py file"),
-    ("{d}/pipe.py:f", "'{d}/pipe.py' is a FIFO (named pipe), not a regular file; give an "),
-    ("{d}/dangling.py:f", "'{d}/dangling.py' is a symbolic link to '{d}/gone.py', which does "
+    ("{d}/pkg.py:f", "'{d}/pkg.py': is a directory, not a file; give an existing .py file"),
+    ("{d}/pipe.py:f", "'{d}/pipe.py': is a FIFO (named pipe), not a regular file; give an "),
+    ("{d}/dangling.py:f", "'{d}/dangling.py': is a symbolic link to '{d}/gone.py', which does "
                           "not exist; give an existing"),
+    # it said "a symbolic link to 'loop.py', which does not exist" of a link to itself
+    ("{d}/loop.py:f", "'{d}/loop.py': is a symbolic link that cannot be followed (Too many "
+                      "levels of symbolic links); give an existing"),
     ("{d}/rubric.txt:f", "must be a .py file: path/to/file.py:FUNC"),   # an existing non-.py file
 ])
 def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
@@ -160,6 +163,7 @@ def test_bad_spec_is_a_reward_error_naming_it(rewards_file, spec, words):
     (rewards_file.parent / "pkg.py").mkdir()
     os.mkfifo(rewards_file.parent / "pipe.py")
     (rewards_file.parent / "dangling.py").symlink_to(rewards_file.parent / "gone.py")
+    (rewards_file.parent / "loop.py").symlink_to(rewards_file.parent / "loop.py")
     spec = spec.format(f=rewards_file, d=rewards_file.parent)
     words = words.format(d=rewards_file.parent)
     with pytest.raises(RewardError) as e:

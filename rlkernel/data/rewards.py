@@ -177,15 +177,10 @@ def reward_file(spec: str) -> str | None:
 
 def _no_file(where: str) -> str:
     """Why --reward's path `where` (not a regular file, or not one we may stat) names no file,
-    for a message: a directory, a link to nothing (ls shows it), a FIFO or device, or missing."""
-    if os.path.isdir(where):
-        return f"{where!r} is a directory"
-    if os.path.islink(where) and not os.path.exists(where):
-        return f"{where!r} is {readfile.unreadable_reason(where, FileNotFoundError())}"
-    if os.path.exists(where):
-        kind = readfile.non_directory(where) or "not a regular file"
-        return f"{where!r} is {kind}, not a regular file"
-    return f"no such file {where!r}"
+    for a message: `readfile.not_a_file`'s words, as --prompts says them ("'r.py': is a
+    directory, not a file", a link to nothing or a link loop, a FIFO or device, "no such
+    file")."""
+    return f"{where!r}: {readfile.not_a_file(where) or 'is not a regular file'}"
 
 
 def load_reward(spec: str | None) -> RewardFn:

@@ -73,8 +73,8 @@ def config_warnings(cfg) -> list[str]:
 def prompt_warnings(cfg, prompts: dict) -> list[str]:
     """A line when the --prompts file (`prompts`: PromptSource.describe()) holds fewer prompts
     than a step takes: each step then repeats some of them (file prompts cycle in order)."""
-    count = prompts.get("count")
-    if cfg.prompts is None or not isinstance(count, int) or count >= cfg.n_prompts:
+    count = prompts.get("count")   # the task's is steps x --n-prompts: never fewer
+    if not isinstance(count, int) or count >= cfg.n_prompts:
         return []
     return [f"--prompts {cfg.prompts!r} holds {count} prompt(s), fewer than --n-prompts "
             f"{cfg.n_prompts}: every step repeats some of them (the file's prompts cycle in "
