@@ -11,6 +11,7 @@ Run: `.venv/bin/python -m pytest -q tests/test_dist.py`.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import signal
@@ -224,6 +225,74 @@ def test_sliced_tree_all_reduce_and_all_to_all_reduce_scatter_keep_the_tree_bits
             want = full.narrow(dim, r * n, n)
             assert got[("rs", dim)].view(torch.int32).equal(want.contiguous().view(torch.int32))
         assert "does not split into" in got["rs-bad"]
+
+
+INT_SHAPES = [(4096,), (4097,), (4095,), (65, 67), (3,), (0,)]
+"""Rows of an integer accumulator [*S, 13]: the threshold, one past it (no world size divides
+it: padded), one below (one all-reduce), 2-D, fewer rows than ranks, empty."""
+
+
+def _int_acc(world: int, shape: tuple[int, ...], rank: int) -> torch.Tensor:
+    """Rank `rank`'s int64 [*shape, 13] accumulator: values of either sign up to 2**40."""
+    g = torch.Generator().manual_seed(1000 * world + rank)
+    return torch.randint(-2**40, 2**40, (*shape, 13), generator=g, dtype=torch.int64)
+
+
+def _finish(rows: torch.Tensor) -> torch.Tensor:
+    """An elementwise finish [n, 13] -> [n] int64 that mixes every column (a stand-in for
+    fixedpoint.round_fp32: any column lost or moved changes it)."""
+    w = torch.arange(1, 14, dtype=torch.int64) * 1000003
+    return (rows * w).sum(-1) ^ rows[:, 0]
+
+
+def _positional(rows: torch.Tensor) -> torch.Tensor:
+    """Not elementwise: row i's value depends on i within the call (the control)."""
+    return _finish(rows) + torch.arange(rows.shape[0], dtype=torch.int64)
+
+
+def _ints_rank(rank: int, out: str) -> None:
+    from rlkernel.distributed import comm as comm_mod
+    world = dist.get_world_size()
+    comm = _world_comm(rank, world)
+    res = {}
+    for shape in INT_SHAPES:
+        acc = _int_acc(world, shape, rank)
+        res[shape] = comm.sum_ints_finished(acc.clone(), f"i{shape}", _finish)
+        assert torch.equal(acc, _int_acc(world, shape, rank)), "the caller's tensor changed"
+        res[("positional", shape)] = comm.sum_ints_finished(acc, f"p{shape}", _positional)
+    comm_mod.INT_SLICED_MIN_ELEMS = 1 << 62            # one all-reduce everywhere
+    res["all-reduce"] = comm.sum_ints_finished(_int_acc(world, (4097,), rank), "a", _positional)
+    try:
+        comm.sum_ints_finished(torch.zeros(4096, 13), "float", _finish)
+    except TypeError as e:
+        res["float"] = str(e)
+    torch.save(res, pathlib.Path(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sum_ints_finished_by_slices_equals_the_finished_all_reduce(tmp_path, world):
+    """On 2 and 3 gloo ranks: Comm.sum_ints_finished (from INT_SLICED_MIN_ELEMS rows: each rank
+    sums and finishes 1/size of the rows, all-gathered) == finish(Σ over ranks) computed in one
+    process, identical on every rank, for a row count at the threshold, past it (padded), below
+    it (one all-reduce), 2-D, below the world size and empty; the caller's accumulator is left
+    as it was; a float tensor is a TypeError naming it. Control: a finish that is not
+    elementwise (row i gets + i within the call) gives other values by slices than over all
+    rows at once — the slices really were finished apart — while below the threshold and with
+    the threshold lifted it matches the one-process value."""
+    launch(_ints_rank, (str(tmp_path),), world_size=world, timeout_s=60)
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for shape in INT_SHAPES:
+        total = sum(_int_acc(world, shape, r) for r in range(world))
+        want = _finish(total.reshape(-1, 13)).reshape(shape)
+        for r, got in enumerate(res):
+            assert got[shape].shape == want.shape and torch.equal(got[shape], want), (shape, r)
+        positional = res[0][("positional", shape)]
+        sliced = math.prod(shape) >= 4096
+        same = torch.equal(positional, _positional(total.reshape(-1, 13)).reshape(shape))
+        assert same != sliced, shape
+    total = sum(_int_acc(world, (4097,), r) for r in range(world))
+    assert all(torch.equal(got["all-reduce"], _positional(total)) for got in res)
+    assert "expects int64, got torch.float32" in res[0]["float"]
 
 
 def test_signatures_are_exchanged_on_the_cpu_when_the_group_has_a_cpu_backend(monkeypatch):

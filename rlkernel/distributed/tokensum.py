@@ -18,9 +18,11 @@ accumulator of weight w, adds its leaf partials with `fixedpoint.accumulate_`, a
 `result(w, acc)`: with an open sink the accumulator *is* the sink's (it keeps growing over every
 microbatch of the mini-batch) and the kernel returns no gradient to autograd; without one, the
 accumulator is summed over `comm` and rounded, and the kernel returns that fp32 gradient.
-`GradSink.finish` ends a mini-batch: per scope, one integer all-reduce of the accumulators over
-the ranks that hold the other tokens (DP × CP, or the whole world where TP ranks hold different
-tokens or heads: SP-sharded norm weights, Q/K-norm head sums), then one rounding per element.
+`GradSink.finish` ends a mini-batch: per scope, one integer sum of the accumulators over the
+ranks that hold the other tokens (DP × CP, or the whole world where TP ranks hold different
+tokens or heads: SP-sharded norm weights, Q/K-norm head sums) and one rounding per element —
+`Comm.sum_ints_finished`: each rank sums and rounds a slice of the elements, about half an
+integer all-reduce's bytes.
 Does not: move activations (rlkernel/distributed/parallel.py) or choose leaves (data/packing.py).
 Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_kernels_matmul.py`.
 """
@@ -393,7 +395,7 @@ class GradSink:
         over comm, rounded once."""
         acc = fx.zeros((b - a, *out.shape[1:]), out.device)
         add_rows(a, b, acc)
-        out[a:b] = fx.round_fp32(comm.sum_ints(acc, f"{op}:direct", inplace=True))
+        out[a:b] = comm.sum_ints_finished(acc, f"{op}:direct", fx.round_fp32)
 
     def flag_count(self, device: torch.device) -> torch.Tensor:
         """A zeroed int32 [] counter on `device` for a deferred chunk's flag count, which a
@@ -591,12 +593,11 @@ class GradSink:
             if n in self._split:
                 rows, acc = self._split[n]
                 comm = self.groups[self._rows[n][1]]
-                if comm.size > 1:
-                    acc = comm.sum_ints(acc, f"grad-sink:split:{n}", inplace=True)
                 if n not in self._done:   # lookup-only: rows no rank looked up get +0.0
                     w = self._params[n]
                     self._done[n] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                self._done[n][rows] = fx.round_fp32(acc)
+                self._done[n][rows] = comm.sum_ints_finished(acc, f"grad-sink:split:{n}",
+                                                             fx.round_fp32)
         for n, (rows, vals) in later.items():
             out[n][rows] = vals
         out.update(self._done)
@@ -658,9 +659,7 @@ class GradSink:
         has_dense = dense and (name in self._acc or name in self._words)
         if has_dense:
             held += self._held_rows(name, union)
-        if comm.size > 1:
-            held = comm.sum_ints(held, op, inplace=True)
-        vals = fx.round_fp32(held)
+        vals = comm.sum_ints_finished(held, op, fx.round_fp32)
         if has_dense:
             later[name] = (union, vals)
             return
@@ -705,7 +704,7 @@ class GradSink:
         vals = None
         if flats:
             flat = flats[0] if len(flats) == 1 else torch.cat(flats)
-            vals = fx.round_fp32(comm.sum_ints(flat, op, inplace=True))
+            vals = comm.sum_ints_finished(flat, op, fx.round_fp32)
         i = 0
         for n, a, b in bucket:
             shape, dev = self._held(n)
@@ -862,10 +861,9 @@ class TokenSum:
         acc summed over `comm` (and `heads`) and rounded: fp32 of w's shape, in w's dtype."""
         if self.sink is not None and self.sink.open:
             return None
-        acc = self.comm.sum_ints(acc, op)
         if heads is not None and heads.size > 1:
             acc = heads.sum_ints(acc, op + ":heads")
-        return fx.round_fp32(acc).to(w.dtype)
+        return self.comm.sum_ints_finished(acc, op, fx.round_fp32).to(w.dtype)
 
     def exact_sum(self, partials: torch.Tensor, op: str) -> torch.Tensor:
         """Exact sum over dim 0 of this rank's leaf partials and over every rank of `comm`,
@@ -879,4 +877,4 @@ class TokenSum:
         `fixedpoint.accumulate_` of its leaf partials) summed over every rank of `comm` and
         rounded once: fp32 [*S], identical on every rank. For kernels that accumulate in chunks
         (kernels/triton_attention_bwd.py); collective over `comm`."""
-        return fx.round_fp32(self.comm.sum_ints(acc, op))
+        return self.comm.sum_ints_finished(acc, op, fx.round_fp32)

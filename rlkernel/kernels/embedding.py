@@ -104,7 +104,7 @@ def embedding_grad(ids: torch.Tensor, dy: torch.Tensor, vocab: int, offset: int 
     across `tok.comm` (ids [L] long, dy [L, H] fp32: this rank's local stream)."""
     tok = tok or TokenSum.single()
     acc = accumulate_embedding_grad_(fx.zeros((vocab, dy.shape[1]), dy.device), ids, dy, offset)
-    return fx.round_fp32(tok.comm.sum_ints(acc, "token-sum-embedding"))
+    return tok.comm.sum_ints_finished(acc, "token-sum-embedding", fx.round_fp32)
 
 
 class _Embedding(torch.autograd.Function):
