@@ -553,6 +553,9 @@ class _PairComm:
     def sum_ints(self, t, op, *, inplace=False):
         return t
 
+    def sum_ints_finished(self, t, op, finish):
+        return finish(t.reshape(-1, t.shape[-1])).reshape(t.shape[:-1])
+
 
 class _NotYet:
     """A CUDA event that has not passed until waited for: GradSink._defer's flag counts then

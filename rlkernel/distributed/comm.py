@@ -260,7 +260,7 @@ class Comm:
         (size−1)/size of t's bytes plus the finished values', where a (ring) all-reduce sends
         2·(size−1)/size of t's bytes and every rank then finishes every row: at fp32 results of
         13-column accumulators, 54 % of the bytes and 1/size of the rounding, for a transient
-        of t's size (the received rows). Why: the DP/CP weight-gradient sums are the largest
+        of (size+1)/size of t's size (the received rows and their sum). Why: the DP/CP weight-gradient sums are the largest
         collective of an invariant step (104 bytes a parameter element against a bf16
         all-reduce's 2). TypeError for other dtypes."""
         if t.dtype != torch.int64:
@@ -274,8 +274,8 @@ class Comm:
         if per * self.size != n:    # the pad rows are summed, finished and dropped
             rows = torch.cat([rows, rows.new_zeros(per * self.size - n, cols)])
         parts = self.all_to_all(list(rows.split(per)), f"{op}:slices")
-        total = parts[0]    # a received buffer (never t's own memory): summed into in place
-        for part in parts[1:]:
+        total = parts[0] + parts[1]     # a new tensor: received buffers are left as they came
+        for part in parts[2:]:
             total += part
         mine = finish(total)
         return self.all_gather_cat(mine, f"{op}:finished")[:n].reshape(shape)
