@@ -257,9 +257,9 @@ def _ints_rank(rank: int, out: str) -> None:
     res = {}
     for shape in INT_SHAPES:
         acc = _int_acc(world, shape, rank)
-        res[shape] = comm.sum_ints_finished(acc.clone(), f"i{shape}", _finish)
-        assert torch.equal(acc, _int_acc(world, shape, rank)), "the caller's tensor changed"
+        res[shape] = comm.sum_ints_finished(acc, f"i{shape}", _finish)
         res[("positional", shape)] = comm.sum_ints_finished(acc, f"p{shape}", _positional)
+        assert torch.equal(acc, _int_acc(world, shape, rank)), "the caller's tensor changed"
     comm_mod.INT_SLICED_MIN_ELEMS = 1 << 62            # one all-reduce everywhere
     res["all-reduce"] = comm.sum_ints_finished(_int_acc(world, (4097,), rank), "a", _positional)
     try:
