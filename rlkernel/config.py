@@ -549,6 +549,8 @@ def _check_path(c: RunConfig, field: str) -> None:
     v = getattr(c, field)
     if v is not None and (not isinstance(v, str) or not v):
         raise _fail(field, v, "must be a non-empty path (or left out)")
+    if v is not None and not v.strip():   # a legal file name, but a quoting slip, not a choice
+        raise _fail(field, v, "must be a path, not only whitespace (or left out)")
     if v is not None:
         try:
             v.encode("utf-8")    # bytes the filesystem gave that are not UTF-8: surrogates

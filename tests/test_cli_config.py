@@ -509,6 +509,31 @@ def test_every_command_refuses_an_empty_path(capsys, cwd, argv, name):
     assert sorted(cwd.rglob("*")) == before
 
 
+@pytest.mark.parametrize("argv,name,value", [
+    (["run", "--allow-dirty", "--run-dir", " "], "--run-dir", " "),
+    (["run", "--allow-dirty", "--prompts", "\t"], "--prompts", "\t"),
+    (["run", "--allow-dirty", "--model", " \n"], "--model", " \n"),
+    (["export", "a", "--out", "  "], "--out", "  "),
+    (["report", "a", "--out", " "], "--out", " "),
+    (["compare", " ", "a"], "RUN_A", " "),
+    (["init-model", "--preset", "tiny", "--out", " "], "--out", " "),
+])
+def test_every_command_refuses_a_path_of_only_whitespace(capsys, cwd, loop, argv, name, value):
+    """A path of only whitespace (a legal file name, but a quoting slip: `--run-dir "$DIR "`
+    with DIR unset) is exit 2, one line naming the argument, before any work; `rlk run
+    --run-dir ' '` made a run directory named ' ' (exit 0). Control: ' a' (not only
+    whitespace) is a path these take."""
+    (cwd / "a").mkdir()
+    code, out, err = rlk(capsys, *argv)
+    assert code == 2 and out == "", err
+    want = (f"rlk {argv[0]}: error: {name} {value!r}: must be a path, not only whitespace"
+            + (" (or left out)" if argv[0] == "run" else ""))
+    assert err.strip().splitlines() == [" ".join(want.split())]   # one line, runs of blanks as one
+    assert sorted(p.name for p in cwd.iterdir()) == ["a"] and loop.calls == []
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", " a/r")
+    assert code == 0 and len(loop.calls) == 1, err
+
+
 def _rlk_under_a_test_handler(capsys, num: int, *argv: str) -> tuple[int, str, str]:
     """rlk(*argv) with a handler of the test's own for signal `num`, which fails the test if the
     signal reaches it (what the default action got before rlk installed one); asserts rlk put
