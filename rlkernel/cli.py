@@ -482,12 +482,11 @@ def _bad_paths(*named: tuple[str, str]) -> str | None:
     wrote its PNGs there, compare and export read the run there), only whitespace (a name the
     file system takes, from a quoting slip), not UTF-8 (_non_utf8), or not looked up
     (_unusable_path). None when all are usable."""
-    empty = next((name for name, value in named if value == ""), None)
-    if empty is not None:   # as rlk run's RunConfig words it for --run-dir ''
-        return f"{empty} '': must be a non-empty path"
-    blank = next(((name, value) for name, value in named if not value.strip()), None)
-    if blank is not None:   # a legal name, but a quoting slip (as RunConfig refuses it)
-        return f"{blank[0]} {blank[1]!r}: must be a path, not only whitespace"
+    for name, value in named:   # worded as rlk run's RunConfig words --run-dir '' and ' '
+        if not value:
+            return f"{name} '': must be a non-empty path"
+        if not value.strip():   # a legal name, but a quoting slip
+            return f"{name} {value!r}: must be a path, not only whitespace"
     return _non_utf8(*named) or _unusable_path(*named)
 
 

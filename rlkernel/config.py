@@ -547,16 +547,17 @@ def _check_choice(c: RunConfig, field: str, choices: tuple[str, ...]) -> None:
 
 def _check_path(c: RunConfig, field: str) -> None:
     v = getattr(c, field)
-    if v is not None and (not isinstance(v, str) or not v):
+    if v is None:
+        return
+    if not isinstance(v, str) or not v:
         raise _fail(field, v, "must be a non-empty path (or left out)")
-    if v is not None and not v.strip():   # a legal file name, but a quoting slip, not a choice
+    if not v.strip():   # a legal file name, but a quoting slip, not a choice
         raise _fail(field, v, "must be a path, not only whitespace (or left out)")
-    if v is not None:
-        try:
-            v.encode("utf-8")    # bytes the filesystem gave that are not UTF-8: surrogates
-        except UnicodeEncodeError:
-            raise _fail(field, v, "must be a UTF-8 path (the manifest, the exported model and "
-                                  "the reports record and reopen it)") from None
+    try:
+        v.encode("utf-8")    # bytes the filesystem gave that are not UTF-8: surrogates
+    except UnicodeEncodeError:
+        raise _fail(field, v, "must be a UTF-8 path (the manifest, the exported model and "
+                              "the reports record and reopen it)") from None
 
 
 def _check_bool(c: RunConfig, field: str) -> None:

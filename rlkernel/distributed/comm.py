@@ -260,9 +260,9 @@ class Comm:
         (size−1)/size of t's bytes plus the finished values', where a (ring) all-reduce sends
         2·(size−1)/size of t's bytes and every rank then finishes every row: at fp32 results of
         13-column accumulators, 54 % of the bytes and 1/size of the rounding, for a transient
-        of (size+1)/size of t's size (the received rows and their sum). Why: the DP/CP weight-gradient sums are the largest
-        collective of an invariant step (104 bytes a parameter element against a bf16
-        all-reduce's 2). TypeError for other dtypes."""
+        of (size+1)/size of t's size (the received rows and their sum). Why: the DP/CP
+        weight-gradient sums are the largest collective of an invariant step (104 bytes a
+        parameter element against a bf16 all-reduce's 2). TypeError for other dtypes."""
         if t.dtype != torch.int64:
             raise TypeError(f"sum_ints_finished({op!r}) expects int64, got {t.dtype}")
         shape, cols = t.shape[:-1], t.shape[-1]
