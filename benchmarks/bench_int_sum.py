@@ -5,8 +5,11 @@ accumulators (int64 [n, fixedpoint.N_COLS], 104 bytes an element):
 - `all_reduce`: `round_fp32(sum_ints(acc))` — one integer all-reduce, then every rank rounds
   every element (the form used until the thirty-sixth session);
 - `sliced`: `sum_ints_finished(acc, round_fp32)` — all-to-all of 1/size of the rows, summed
-  and rounded by their rank, the fp32 slices all-gathered.
-Both results are checked bytewise equal before timing. Reported per size: median ms of rank 0
+  and rounded by their rank, the fp32 slices all-gathered;
+- `words`: `tokensum.words_finished(words)` — the same sums held as float64 double words
+  [2, n] (16 bytes an element, as the CUDA dW kernel leaves them), sent by slices as words and
+  made digits only by the rank that rounds each slice.
+The three results are checked bytewise equal before timing. Reported per size: median ms of rank 0
 (each timed call starts behind a barrier), the ratio sliced / all_reduce, and the bytes each
 form sends per rank (ring all-reduce 2·(size−1)/size of the accumulator; sliced
 (size−1)/size of it plus (size−1)/size of the fp32 result).
@@ -57,6 +60,7 @@ def _rank(rank: int, device: str, sizes: list[int], reps: int, out: str) -> None
     import torch.distributed as dist
 
     from rlkernel.distributed.comm import Comm
+    from rlkernel.distributed.tokensum import words_finished
     from rlkernel.numerics import fixedpoint as fx
     world = dist.get_world_size()
     comm = Comm("world", dist.group.WORLD, range(world), rank)
@@ -64,20 +68,26 @@ def _rank(rank: int, device: str, sizes: list[int], reps: int, out: str) -> None
     rows = []
     for n in sizes:
         g = torch.Generator().manual_seed(rank)
-        vals = (torch.randn(n, generator=g) * 1e-3).to(dev)
-        acc = fx.accumulate_(fx.zeros((n,), dev), vals.unsqueeze(0))
+        vals = torch.randn(n, generator=g) * 1e-3
+        # double words (hi, lo) as the dW kernel leaves them; their digits for the int forms
+        words = torch.stack([vals.double(), (vals * 2.0**-30).double()]).to(dev)
+        acc = fx.add_double_words_(fx.zeros((n,), dev), words)
         a = fx.round_fp32(comm.sum_ints(acc, "check-all-reduce"))
         b = comm.sum_ints_finished(acc, "check-sliced", fx.round_fp32)
-        if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
-            raise SystemExit(f"bench_int_sum: the two forms differ at {n} elements")
+        c = words_finished(comm, words, "check-words")
+        if not (torch.equal(a.view(torch.int32), b.view(torch.int32))
+                and torch.equal(a.view(torch.int32), c.view(torch.int32))):
+            raise SystemExit(f"bench_int_sum: the three forms differ at {n} elements")
         t_ar = _timed(lambda: fx.round_fp32(comm.sum_ints(acc, "all-reduce")), device, reps)
         t_sl = _timed(lambda: comm.sum_ints_finished(acc, "sliced", fx.round_fp32), device, reps)
+        t_w = _timed(lambda: words_finished(comm, words, "words"), device, reps)
         acc_bytes = acc.numel() * 8
-        rows.append({"elements": n, "all_reduce_ms": t_ar, "sliced_ms": t_sl,
-                     "sliced_over_all_reduce": t_sl / t_ar,
+        rows.append({"elements": n, "all_reduce_ms": t_ar, "sliced_ms": t_sl, "words_ms": t_w,
+                     "sliced_over_all_reduce": t_sl / t_ar, "words_over_all_reduce": t_w / t_ar,
                      "all_reduce_bytes_sent": 2 * (world - 1) * acc_bytes // world,
-                     "sliced_bytes_sent": (world - 1) * (acc_bytes + 4 * n) // world})
-        del acc, a, b
+                     "sliced_bytes_sent": (world - 1) * (acc_bytes + 4 * n) // world,
+                     "words_bytes_sent": (world - 1) * (16 + 4) * n // world})
+        del acc, a, b, c, words
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(rows))
 
@@ -101,9 +111,10 @@ def main() -> None:
         rows = json.loads(res.read_text())
     for r in rows:
         print(f"{r['elements']:>9} elements: all-reduce {r['all_reduce_ms']:9.2f} ms | sliced "
-              f"{r['sliced_ms']:9.2f} ms ({r['sliced_over_all_reduce']:.2f}x) | bytes sent "
-              f"{r['all_reduce_bytes_sent'] / 2**20:.0f} vs {r['sliced_bytes_sent'] / 2**20:.0f} "
-              "MiB", flush=True)
+              f"{r['sliced_ms']:9.2f} ms ({r['sliced_over_all_reduce']:.2f}x) | words "
+              f"{r['words_ms']:9.2f} ms ({r['words_over_all_reduce']:.2f}x) | MiB sent "
+              f"{r['all_reduce_bytes_sent'] / 2**20:.0f} / {r['sliced_bytes_sent'] / 2**20:.0f} / "
+              f"{r['words_bytes_sent'] / 2**20:.0f}", flush=True)
     record = {"world": a.world, "device": a.device, "backend": backend,
               "torch": torch.__version__, "rows": rows}
     if a.device == "cuda":

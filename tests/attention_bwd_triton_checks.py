@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from kernel_helpers import (
     NAN,
+    ReplayComm,
     assert_bitwise,
     assert_near,
     attention_oracle64,
@@ -53,6 +54,7 @@ from kernel_helpers import (
 )
 from test_kernels_attention import _pack as _pack_cpu
 
+from rlkernel.distributed import tokensum
 from rlkernel.distributed.parallel import cp_segments
 from rlkernel.distributed.tokensum import TokenSum
 from rlkernel.kernels import triton_attention as ta
@@ -211,6 +213,45 @@ def cp_zigzag_ranks_give_single_process_bytes():
             assert_bitwise(dv, ref[2])
         alone = [_bwd(q, k, v, out, lse, d_out, p, kv_len)[1] for p in pos]
         assert n_diff(alone[0] + alone[1], ref[1]) > 0, "control: fp32 sum of rank results matched"
+
+
+@check
+def cp_zigzag_ranks_in_a_late_sink_sum_the_words():
+    """CP = 2 as above, each rank's tok holding a late gradient sink (the trainer's first
+    pass): the dK/dV chunks are summed over the ranks as double words (Comm.finish_words, a
+    spy counts its calls), not digits (round_exact never runs), and dK/dV == the
+    single-process bytes on every rank, its dQ rows too; no late flag is counted."""
+    calls = {"words": 0, "digits": 0}
+    real_words, real_round = ReplayComm.finish_words, TokenSum.round_exact
+
+    def spy_words(self, *a, **kw):
+        calls["words"] += 1
+        return real_words(self, *a, **kw)
+
+    def spy_round(self, *a, **kw):
+        calls["digits"] += 1
+        return real_round(self, *a, **kw)
+
+    def rank(r, comm):
+        sink = tokensum.GradSink({"dp_cp": comm, "world": comm})
+        sink.begin({}, late=True)
+        got = _bwd(q, k, v, out, lse, d_out, pos[r], kv_len, tok=TokenSum(comm, sink=sink))
+        assert int(sink.late_counter(torch.device("cpu"))) == 0
+        return got
+    ReplayComm.finish_words, TokenSum.round_exact = spy_words, spy_round
+    try:
+        with sequential_dot():
+            (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, ref = small()
+            pos = [torch.where(_cp_rank_sel(q_idx, sl, 2, r), q_pos, -1) for r in range(2)]
+            res = run_ranks_sequentially(2, rank)
+    finally:
+        ReplayComm.finish_words, TokenSum.round_exact = real_words, real_round
+    assert calls["digits"] == 0 and calls["words"] > 0, calls
+    for r, (dq, dk, dv) in enumerate(res):
+        sel = (pos[r] >= 0)[:, None, :, None].expand_as(dq)
+        assert_bitwise(dq[sel], ref[0][sel])
+        assert_bitwise(dk, ref[1])
+        assert_bitwise(dv, ref[2])
 
 
 @check

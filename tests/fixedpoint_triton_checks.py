@@ -586,6 +586,54 @@ def double_words_add_exactly():
                                   f"{words[:, bad[:3]].t().tolist()}")
 
 
+@check
+def round_words_sum_is_the_digit_path_rounding():
+    """round_words_sum (several ranks' double words summed and rounded in one pass, digits in
+    registers) == round_fp32_torch of the digits P add_double_words_ passes leave (the torch
+    path of tokensum._round_words_sum) == round_fp32_torch of the exact integer sum's digits
+    (Python ints), for P =
+    1, 2, 3 and 5 parts of random words over the whole range (both signs, ±2**-149, ±0.0, the
+    largest float64 below the bound), parts that cancel to exact zero (+0.0) and to a sum past
+    fp32 (±Inf), a part stride wider than the words (a strided stack), at BLOCK 128 and 32.
+    Control: rounding the float64 sum of the parts' hi + lo differs. Bad layouts: ValueError."""
+    m = 300
+    top = struct.unpack("<d", struct.pack("<q", tfx.TOP_F64_BITS.value))[0]
+    for p in (1, 2, 3, 5):
+        parts = torch.stack([rc.random_words(m, seed=40 + p * 7 + r, top=top / 8)[:, :m]
+                             for r in range(p)])
+        parts[:, :, 5] = 0.0
+        parts[0, 0, 5], parts[-1, 0, 5] = 2.0**-60, -2.0**-60 if p > 1 else 0.0
+        parts[:, :, 6] = 0.0
+        parts[0, 0, 6], parts[-1, 1, 6] = 1.0 + 2.0**-24, 2.0**-100   # a tie only in float64
+        acc = fx.zeros((m,))
+        for w in parts:
+            fx.add_double_words_torch_(acc, w)
+        want = fx.round_fp32_torch(acc).view(torch.int32)
+        exact = [sum(rc.units(parts[r, j, i].item()) for r in range(p) for j in (0, 1))
+                 for i in range(m)]
+        ints = torch.tensor([rc.digits(n) + [0, 0, 0] for n in exact], dtype=torch.int64)
+        assert torch.equal(fx.round_fp32_torch(ints).view(torch.int32), want)
+        for launch in ({}, {"block": 32, "num_warps": 1}):
+            got = tfx.round_words_sum(parts, **launch).view(torch.int32)
+            bad = torch.nonzero(got != want).flatten()
+            assert bad.numel() == 0, (p, launch, bad[:6].tolist())
+        wide = torch.zeros(p, 2, m + 7, dtype=torch.float64)
+        wide[:, :, :m] = parts
+        assert torch.equal(tfx.round_words_sum(wide[:, :, :m]).view(torch.int32), want)
+        if p > 1:
+            plain = (parts[:, 0] + parts[:, 1]).sum(0).float()
+            assert plain[6].item() == 1.0 and want[6].item() == torch.tensor(
+                1.0 + 2.0**-23).view(torch.int32).item(), "control: a float64 sum rounded alike"
+    assert tfx.round_words_sum(torch.zeros(2, 2, 0, dtype=torch.float64)).shape == (0,)
+    for bad in (torch.zeros(2, 3, 4, dtype=torch.float64), torch.zeros(2, 2, 4),
+                torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 2, 4).double()[:, :, ::2]):
+        try:
+            tfx.round_words_sum(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad.dtype} {tuple(bad.shape)} {bad.stride()}")
+
+
 # ------------------------------------------------------------------- segments (accumulate_segments_)
 # Each: the segmented kernel's accumulator == one torch-path accumulate_ per segment onto the
 # same rows (and == fixedpoint.accumulate_segments_, the CPU path), torch.equal on all columns.

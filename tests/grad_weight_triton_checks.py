@@ -483,6 +483,47 @@ def rounded_is_none_when_a_tile_is_flagged():
         tgw.OUT_ELEMS = real
 
 
+@check
+def words_deferred_hold_the_digit_path_sum():
+    """words_grad_weight_deferred's words (what a chunk sends over several ranks) hold the
+    digit path's exact sum: their digits (fixedpoint.add_double_words_, torch path) == the
+    kernel's accumulator == the reference's, and rounded == rounded_grad_weight, with a flag
+    count of 0 — narrow and wide scales, the lo-word element, edge tiles, bf16, and four
+    launches (OUT_ELEMS lowered: the launches' rows put together along dim 1); an extreme
+    element counts 1 flagged tile, forced flags count every tile; no token: zero words."""
+    def same(dy, x):
+        words, flagged = tgw.words_grad_weight_deferred(dy, x, tile=SMALL)
+        assert int(flagged) == 0 and words.shape == (2, dy.shape[1], x.shape[1])
+        acc = tgw.accumulate_grad_weight_(fx.zeros((dy.shape[1], x.shape[1])), dy, x,
+                                          tile=SMALL)[0]
+        digits = fx.add_double_words_(fx.zeros((words[0].numel(),)), words.view(2, -1))
+        assert torch.equal(digits.view(acc.shape), acc)
+        assert torch.equal(acc, _reference(dy, x))
+        rounded = tgw.rounded_grad_weight(dy, x, tile=SMALL)
+        assert torch.equal(fx.round_double_words(words).view(torch.int32),
+                           rounded.view(torch.int32))
+    for leaves, n, k, bits, seed in ((6, 40, 24, 4, 20), (8, 40, 24, 20, 21), (1, 17, 33, 6, 22)):
+        same(*_operands(leaves, n, k, bits, seed))
+    dy, x = _operands(8, 40, 24, 20, seed=1)
+    _plant(dy, x, 3, 5, [1.0, 2.0**-24, 2.0**-80])
+    same(dy, x)
+    same(dy.bfloat16(), x.bfloat16())
+    real = tgw.OUT_ELEMS
+    try:
+        tgw.OUT_ELEMS = 16 * 40
+        dy, x = _operands(4, 50, 40, 12, seed=10)
+        same(dy, x)
+        _plant(dy, x, 37, 21, [2.0**100, 1.5 * 2.0**46, 2.0**-100])
+        assert int(tgw.words_grad_weight_deferred(dy, x, tile=SMALL)[1]) == 1
+    finally:
+        tgw.OUT_ELEMS = real
+    dy, x = _operands(4, 35, 20, 3, seed=3)
+    forced = tgw.words_grad_weight_deferred(dy, x, tile=SMALL, force_flag=True)[1]
+    assert int(forced) == 3 * 2          # every tile of [35, 20] at 16 x 16
+    empty, flagged = tgw.words_grad_weight_deferred(dy[:0], x[:0])
+    assert empty.shape == (2, 35, 20) and not empty.any() and int(flagged) == 0
+
+
 def _direct(dy, x, words: bool, force_flag: bool = False):
     """w's gradient through a one-rank direct sink (DIRECT_CHUNK_ELEMS set by the caller):
     add_rows = the fused kernel's accumulate, words_rows = rounded_grad_weight (if `words`).
@@ -555,6 +596,13 @@ class _PairComm:
 
     def sum_ints_finished(self, t, op, finish):
         return finish(t.reshape(-1, t.shape[-1])).reshape(t.shape[:-1])
+
+    def all_gather_object(self, obj, op):     # the other rank holds its sums as this one
+        return [obj, obj]
+
+    def finish_words(self, words, op, finish):
+        flat = words.reshape(words.shape[0], -1)
+        return finish([flat, torch.zeros_like(flat)]).reshape(words.shape[1:])
 
 
 class _NotYet:

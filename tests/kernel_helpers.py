@@ -217,9 +217,9 @@ class _ReplayGroup:
 
 
 class ReplayComm(Comm):
-    """One rank of a `_ReplayGroup` (see above): all_gather, all_to_all and sum_ints, the
-    primitives of the collectives the attention backward uses (tree_all_reduce,
-    TokenSum.round_exact)."""
+    """One rank of a `_ReplayGroup` (see above): all_gather, all_gather_object, all_to_all and
+    sum_ints, the primitives of the collectives the attention backward and GradSink use
+    (tree_all_reduce, TokenSum.round_exact, the finishing sums)."""
 
     def __init__(self, group: _ReplayGroup, rank: int) -> None:
         super().__init__("replay", None, tuple(range(group.n)), rank)
@@ -257,6 +257,18 @@ class ReplayComm(Comm):
         # one recorded call: the sliced form's second collective takes the first's output,
         # which the record pass cannot know (the same values: tests/test_dist.py)
         return finish(self.sum_ints(t, op).reshape(-1, t.shape[-1])).reshape(t.shape[:-1])
+
+    def finish_words(self, words, op, finish):
+        # one recorded gather, as sum_ints_finished (the same values: tests/test_dist.py)
+        flat = words.reshape(words.shape[0], -1)
+        return finish(self.all_gather(flat, op)).reshape(words.shape[1:])
+
+    def all_gather_object(self, obj, op):
+        i, self._i = self._i, self._i + 1
+        if not self._g.replay:
+            self._g.logs[self.rank].append((op, obj))
+            return [obj] * self.size
+        return [self._g.logs[r][i][1] for r in range(self._g.n)]
 
 
 def run_ranks_sequentially(n: int, fn):

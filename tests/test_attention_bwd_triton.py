@@ -47,6 +47,13 @@ def test_cp_zigzag_ranks_give_single_process_bytes(results):
     _ok(results, "cp_zigzag_ranks_give_single_process_bytes")
 
 
+def test_cp_zigzag_ranks_in_a_late_sink_sum_the_words(results):
+    """CP = 2 with a late gradient sink on each rank (the trainer's first pass): the dK/dV
+    chunks go over the ranks as double words (Comm.finish_words), never as digits, and dK/dV
+    == the single-process bytes on every rank, its dQ rows too; no late flag counted."""
+    _ok(results, "cp_zigzag_ranks_in_a_late_sink_sum_the_words")
+
+
 def test_tq_split_into_two_calls_gives_the_full_bytes(results):
     """Queries split over two calls of other Tq (chunked-prefill layout): the full call's bytes."""
     _ok(results, "tq_split_into_two_calls_gives_the_full_bytes")

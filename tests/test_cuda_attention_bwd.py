@@ -142,16 +142,28 @@ def _cp_pos(q_pos, q_idx, sl, cp, r):
     return torch.where(mine, q_pos, -1)
 
 
-@pytest.mark.parametrize("dtype,cp", [(torch.float32, 2), (torch.float32, 4), (torch.bfloat16, 2)])
-def test_cuda_attention_bwd_cp_zigzag_ranks_give_single_process_bytes(dtype, cp):
+@pytest.mark.parametrize("dtype,cp,late", [(torch.float32, 2, False), (torch.float32, 4, False),
+                                            (torch.bfloat16, 2, False), (torch.bfloat16, 2, True)])
+def test_cuda_attention_bwd_cp_zigzag_ranks_give_single_process_bytes(dtype, cp, late):
     """CP = cp ranks, each holding the queries of its zig-zag segments (whole leaves; the others
     padding), every key, tok = the CP group: each rank's dK/dV == the single-process bytes, its
-    out/dQ rows == the single-process rows."""
+    out/dQ rows == the single-process rows. `late`: each rank's tok holds a late gradient sink
+    (the trainer's first pass), so the dK/dV chunks go over the ranks as double words
+    (Comm.finish_words) — the same bytes, no late flag counted."""
+    from rlkernel.distributed import tokensum
     q, k, v, q_pos, kv_len, q_idx, sl, d_out = _pack(LENGTHS, dtype, seed=3)
     ref = _grads(q, k, v, q_pos, kv_len, d_out)
     pos = [_cp_pos(q_pos, q_idx, sl, cp, r) for r in range(cp)]
-    res = run_ranks_sequentially(cp, lambda r, c: _grads(q, k, v, pos[r], kv_len, d_out,
-                                                         tok=TokenSum(c)))
+
+    def rank(r, c):
+        sink = None
+        if late:
+            sink = tokensum.GradSink({"dp_cp": c, "world": c})
+            sink.begin({}, late=True)
+        got = _grads(q, k, v, pos[r], kv_len, d_out, tok=TokenSum(c, sink=sink))
+        assert sink is None or int(sink.late_counter(q.device)) == 0
+        return got
+    res = run_ranks_sequentially(cp, rank)
     for r, (out, dq, dk, dv) in enumerate(res):
         sel = (pos[r] >= 0)[:, None, :, None].expand_as(dq)
         assert bool(sel.any())

@@ -29,6 +29,7 @@ from rlkernel.config import ConfigError
 from rlkernel.distributed.comm import Comm, CollectiveMismatch
 from rlkernel.distributed.launch import GRACE_S, SETTLE_S, RankFailure, RankUserError, launch
 from rlkernel.distributed.topology import Topology, build_comms, single_comms, validate_topology
+from rlkernel.numerics import fixedpoint as fx
 from rlkernel.numerics.trees import tree_combine
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
@@ -250,6 +251,27 @@ def _positional(rows: torch.Tensor) -> torch.Tensor:
     return _finish(rows) + torch.arange(rows.shape[0], dtype=torch.int64)
 
 
+def _words(world: int, shape: tuple[int, ...], rank: int) -> torch.Tensor:
+    """Rank `rank`'s float64 double words [2, *shape]: exact TwoSum accumulations of fp32
+    values over 70 binades (fixedpoint_round_cases.two_sum_words), as the dW kernel leaves."""
+    import fixedpoint_round_cases as rc
+    g = torch.Generator().manual_seed(7000 * world + rank)
+    n = math.prod(shape)
+    x = torch.randn(6, n, generator=g) * torch.exp2(torch.randint(-35, 35, (6, n), generator=g))
+    return rc.two_sum_words(x)[0].reshape(2, *shape)
+
+
+def _round_words_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    from rlkernel.distributed.tokensum import _round_words_sum as finish
+    return finish(parts)
+
+
+def _positional_words(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Not elementwise (the control): column i gets + i·2**-10 within the call."""
+    got = _round_words_sum(parts)
+    return got + torch.arange(got.numel(), dtype=torch.float32) * 2.0**-10
+
+
 def _ints_rank(rank: int, out: str) -> None:
     from rlkernel.distributed import comm as comm_mod
     world = dist.get_world_size()
@@ -260,8 +282,13 @@ def _ints_rank(rank: int, out: str) -> None:
         res[shape] = comm.sum_ints_finished(acc, f"i{shape}", _finish)
         res[("positional", shape)] = comm.sum_ints_finished(acc, f"p{shape}", _positional)
         assert torch.equal(acc, _int_acc(world, shape, rank)), "the caller's tensor changed"
+        words = _words(world, shape, rank)
+        res[("words", shape)] = comm.finish_words(words, f"w{shape}", _round_words_sum)
+        res[("wpos", shape)] = comm.finish_words(words, f"q{shape}", _positional_words)
+        assert torch.equal(words, _words(world, shape, rank)), "the caller's words changed"
     comm_mod.INT_SLICED_MIN_ELEMS = 1 << 62            # one all-reduce everywhere
     res["all-reduce"] = comm.sum_ints_finished(_int_acc(world, (4097,), rank), "a", _positional)
+    res["gathered"] = comm.finish_words(_words(world, (4097,), rank), "g", _positional_words)
     try:
         comm.sum_ints_finished(torch.zeros(4096, 13), "float", _finish)
     except TypeError as e:
@@ -278,7 +305,12 @@ def test_sum_ints_finished_by_slices_equals_the_finished_all_reduce(tmp_path, wo
     as it was; a float tensor is a TypeError naming it. Control: a finish that is not
     elementwise (row i gets + i within the call) gives other values by slices than over all
     rows at once — the slices really were finished apart — while below the threshold and with
-    the threshold lifted it matches the one-process value."""
+    the threshold lifted it matches the one-process value.
+    The same for Comm.finish_words on every rank's float64 double words [2, *shape] finished by
+    tokensum's exact sum (`_round_words_sum`): == round_fp32 of the sum of every rank's digits
+    of its words, bytewise (int32 views), on every rank; the caller's words unchanged; the
+    positional control differs by slices and matches below the threshold and lifted (every
+    rank's words gathered)."""
     launch(_ints_rank, (str(tmp_path),), world_size=world, timeout_s=60)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for shape in INT_SHAPES:
@@ -293,6 +325,18 @@ def test_sum_ints_finished_by_slices_equals_the_finished_all_reduce(tmp_path, wo
     total = sum(_int_acc(world, (4097,), r) for r in range(world))
     assert all(torch.equal(got["all-reduce"], _positional(total)) for got in res)
     assert "expects int64, got torch.float32" in res[0]["float"]
+    for shape in INT_SHAPES:
+        words = [_words(world, shape, r).reshape(2, -1) for r in range(world)]
+        digits = sum(fx.add_double_words_(fx.zeros((words[0].shape[1],)), w) for w in words)
+        want = fx.round_fp32(digits).reshape(shape).view(torch.int32)
+        for r, got in enumerate(res):
+            assert got[("words", shape)].shape == shape, (shape, r)
+            assert torch.equal(got[("words", shape)].view(torch.int32), want), (shape, r)
+        own = _positional_words(words).reshape(shape)
+        sliced = math.prod(shape) >= 4096
+        assert torch.equal(res[0][("wpos", shape)], own) != sliced, shape
+    every = [_words(world, (4097,), r).reshape(2, -1) for r in range(world)]
+    assert all(torch.equal(got["gathered"], _positional_words(every)) for got in res)
 
 
 def test_signatures_are_exchanged_on_the_cpu_when_the_group_has_a_cpu_backend(monkeypatch):

@@ -349,6 +349,45 @@ def test_round_double_words_negative_control_a_plain_cast_rounds_twice():
     assert int(((ties[0] + ties[1]).float().view(torch.int32) != want).sum()) > 1000
 
 
+def test_add_double_words_torch_path_adds_the_exact_integers():
+    """fixedpoint.add_double_words_ on the CPU (the torch path: how the rank that rounds a
+    slice of several ranks' double words makes their digits) == the digits of the exact integer
+    hi + lo (Python ints, fixedpoint_round_cases.word_accumulator): random words over the whole
+    range below 2**150 with both signs, ±2**-149, ±0.0 and the largest float64 below the bound;
+    every hazard case of round_double_words; onto an accumulator already holding sums of both
+    signs and NaN/±Inf counts (counts unchanged, digits the sum); strided words; and the pair
+    added twice == 2·(hi + lo). Control: a float64 sum hi + lo first loses the lo of 1 + 2**-80.
+    Other dtypes or shapes: ValueError."""
+    import fixedpoint_round_cases as rc
+    words = torch.cat([rc.random_words(900, seed=s)[:, :900] for s in (1, 2)]
+                      + list(_words_cases().values()), 1)
+    m = words.shape[1]
+    want = rc.word_accumulator(words)
+    assert torch.equal(fx.add_double_words_(fx.zeros((m,)), words), want)
+    x = torch.randn(7, m) * 2.0**40
+    x[0, 3], x[1, 4], x[2, 5] = float("nan"), float("inf"), float("-inf")
+    base = fx.accumulate_(fx.zeros((m,)), x)
+    got = fx.add_double_words_(base.clone(), words)
+    assert torch.equal(got[:, fx.N_DIGITS:], base[:, fx.N_DIGITS:])
+    assert torch.equal(fx.normalise_(base[:, :fx.N_DIGITS] + want[:, :fx.N_DIGITS]),
+                       got[:, :fx.N_DIGITS])
+    wide = torch.zeros(2, m, 3, dtype=torch.float64)
+    wide[:, :, 1] = words
+    assert torch.equal(fx.add_double_words_(fx.zeros((m,)), wide[:, :, 1]), want)
+    twice = fx.add_double_words_(fx.add_double_words_(fx.zeros((m,)), words), words)
+    assert torch.equal(fx.normalise_(twice), fx.normalise_(want * 2))
+    lost = torch.tensor([[1.0], [2.0**-80]], dtype=torch.float64)
+    assert not torch.equal(fx.add_double_words_(fx.zeros((1,)), lost),
+                           fx.add_double_words_(fx.zeros((1,)),
+                                                torch.stack([lost.sum(0), torch.zeros(1).double()])))
+    for acc, w in ((fx.zeros((3,)), torch.zeros(2, 3)), (fx.zeros((3,)), torch.zeros(2, 4).double()),
+                   (fx.zeros((3,)), torch.zeros(3, 3).double()), (torch.zeros(3, 13),
+                                                                 torch.zeros(2, 3).double()),
+                   (fx.zeros((3, 1)), torch.zeros(2, 3).double())):
+        with pytest.raises(ValueError, match="add_double_words_"):
+            fx.add_double_words_(acc, w)
+
+
 def test_round_double_words_shapes_strides_and_bad_arguments():
     """[2, *S] -> [*S] for N-d and strided words (the same bytes as the contiguous [2, m]);
     float32 words, a first dimension of 3 or a 0-d tensor: ValueError; `out` of the result's

@@ -241,6 +241,15 @@ def test_accumulate_launches_disable_fp_fusion(results):
     _ok(results, "accumulate_launches_disable_fp_fusion")
 
 
+def test_round_words_sum_is_the_digit_path_rounding(results):
+    """round_words_sum (P ranks' double words summed and rounded in one pass) == round_fp32 of
+    P add_double_words_ passes' digits == that of the exact integer sum, P = 1, 2, 3, 5,
+    cancellations,
+    ±Inf, strided stacks, two launch shapes; control: a float64 sum rounds otherwise; bad
+    layouts refused."""
+    _ok(results, "round_words_sum_is_the_digit_path_rounding")
+
+
 def test_double_words_add_exactly(results):
     """add_double_words_: acc + hi + lo == the exact integer's normalised digits (Python ints),
     counts unchanged, for |hi| up to just below TOP_F64_BITS, ±2**-149, ±0, random words over

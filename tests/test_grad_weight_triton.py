@@ -140,6 +140,14 @@ def test_rounded_grad_weight_is_none_when_a_tile_is_flagged(results):
     _ok(results, "rounded_is_none_when_a_tile_is_flagged")
 
 
+def test_words_deferred_hold_the_digit_path_sum(results):
+    """words_grad_weight_deferred (a chunk's words sent over several ranks): their digits ==
+    the kernel's accumulator == the reference's, rounded == rounded_grad_weight, count 0 —
+    scales, the lo-word element, bf16, four launches; an extreme element counts 1 tile, forced
+    flags every tile; no token: zero words."""
+    _ok(results, "words_deferred_hold_the_digit_path_sum")
+
+
 def test_direct_sink_words_path_equals_the_digit_path(results):
     """One-rank direct sink in 16-row chunks with the words_rows hook: the flagged chunk takes
     add_rows (digits), the others are rounded from the words; forced flags: all digits; bytes

@@ -12,7 +12,9 @@ partials); tests/grad_weight_triton_checks.py drives it with the kernel under th
 tests/test_cuda_grad_weight.py through kernels/matmul.py on a GPU.
 Late activation flags: the counter starts at 0 in each mini-batch on one device, and a count on
 one rank is seen by every rank. Double words at finish (filled by hand): a one-rank group's are
-rounded once per weight, a two-rank group's summed first.
+rounded once per weight, a two-rank group's summed first — as words where every rank holds the
+weight in words, else as digits. Direct chunks over two ranks in a late sink go as words (the
+`word_rows` hook, a CPU model of `words_grad_weight_deferred`).
 Run: .venv/bin/python -m pytest -q tests/test_sink_direct_kernels.py
 """
 
@@ -1009,19 +1011,13 @@ def test_finish_rounds_each_one_rank_weights_double_words_once(monkeypatch):
     assert all(_same(buckets[n], got[n]) for n in words)
 
 
-def test_double_words_over_two_ranks_are_summed_before_rounding(monkeypatch):
+def test_double_words_over_two_ranks_are_summed_before_rounding():
     """Double words over the world group of 2 thread ranks while the dp_cp group is each rank
     alone (as TP2 at DP1/CP1): finish sums the world weight's words over the ranks as integers
     and rounds once — 1 + 2**-24 (rank 0) and 2**-30 (rank 1) give 1 + 2**-23 on both, not
     each rank's own words rounded (1.0, 2**-30) — while the dp_cp weight is each rank's own
-    words rounded. `_digits_of` (a Triton pass) is replaced by the digits of the words' fp32
-    values (exact: every word here is an fp32 value)."""
+    words rounded."""
     from kernel_helpers import run_ranks
-
-    def digits_of(words):
-        assert torch.equal(words.float().double(), words)
-        return fx.accumulate_(fx.zeros((words.shape[1],)), words.float())
-    monkeypatch.setattr(tokensum, "_digits_of", digits_of)
     mine = {0: _words((1.0, 2.0**-24), (2.0, 0.0)), 1: _words((2.0**-30, 0.0), (0.0, -0.5))}
     own = {0: _words((1.0, 2.0**-24)), 1: _words((4.0, 2.0**-21))}
 
@@ -1037,3 +1033,125 @@ def test_double_words_over_two_ranks_are_summed_before_rounding(monkeypatch):
         assert got[r]["w"].tolist() == [1.0 + 2.0**-23, 1.5], (r, got[r])
         assert _same(got[r]["v"], fx.round_double_words(own[r]))
     assert got[0]["v"].item() == 1.0 and got[1]["v"].item() == 4.0 + 2.0**-21
+
+
+def test_words_held_on_every_rank_are_summed_as_words_the_others_as_digits(monkeypatch):
+    """Persistent finish over a world group of 2 thread ranks (dp_cp each rank alone): "w" held
+    in double words on both ranks goes by Comm.finish_words (each rank's 16-byte words, the
+    digits made where a slice is rounded), "u" in words on rank 0 but digits on rank 1 and "d"
+    in digits on both go by sum_ints_finished (rank 0's words of "u" made digits first). Every
+    gradient == round_fp32 of the sum of both ranks' exact values, on both ranks; "w" is 1 +
+    2**-24 (rank 0) plus 2**-30 (rank 1) = 1 + 2**-23, not either rank's own words rounded.
+    Spies: finish_words once with w's 2 elements, sum_ints_finished once with u's and d's 3.
+    INT_SLICED_MIN_ELEMS lowered so both collectives run by slices."""
+    from kernel_helpers import run_ranks
+    from rlkernel.distributed import comm as comm_mod
+    monkeypatch.setattr(comm_mod, "INT_SLICED_MIN_ELEMS", 2)
+    words = {0: {"w": _words((1.0, 2.0**-24), (2.0, 0.0)), "u": _words((3.0, 2.0**-40))},
+             1: {"w": _words((2.0**-30, 0.0), (0.0, -0.5))}}
+    digits = {1: {"u": torch.tensor([[-1.0], [2.0**-41]]), "d": torch.tensor([[5.0, -2.0**-20]])},
+              0: {"d": torch.tensor([[2.0**-10, 7.0]])}}
+    calls = []
+    for name in ("finish_words", "sum_ints_finished"):
+        real = getattr(comm_mod.Comm, name)
+
+        def spy(self, t, op, finish, real=real, name=name):
+            calls.append((name, tuple(t.shape), op))
+            return real(self, t, op, finish)
+        monkeypatch.setattr(comm_mod.Comm, name, spy)
+
+    def rank(r, comm):
+        params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in (("w", 2), ("u", 1), ("d", 2))}
+        sink = tokensum.GradSink({"dp_cp": Comm.single("dp_cp"), "world": comm})
+        sink.begin(params)
+        for n, w in words[r].items():
+            sink.words(params[n], "world").copy_(w)
+        for n, parts in digits[r].items():
+            fx.accumulate_(sink.accumulator(params[n], "world"), parts)
+        return sink.finish()
+    got = run_ranks(2, rank)
+    assert got[0]["w"].tolist() == [1.0 + 2.0**-23, 1.5]
+    for n in ("w", "u", "d"):
+        acc = fx.zeros(got[0][n].shape)
+        for r in (0, 1):
+            if n in words[r]:
+                fx.add_double_words_(acc.view(-1, fx.N_COLS), words[r][n])
+            if n in digits[r]:
+                fx.accumulate_(acc, digits[r][n])
+        for r in (0, 1):
+            assert _same(got[r][n], fx.round_fp32(acc)), (n, r, got[r][n])
+    assert sorted(set(calls)) == [("finish_words", (2, 2), "grad-sink:world:words"),
+                                  ("sum_ints_finished", (3, fx.N_COLS), "grad-sink:world")]
+
+
+def _late_direct(r: int, comm, dy, x, word_rows, late: bool, adds: list):
+    """Rank r's gradient of w through a direct sink over `comm` (its world and dp_cp scope),
+    opened late or not, the dW through finish_now with add_rows (the digits) and `word_rows`:
+    (gradient or None when late_flagged, late_flagged)."""
+    w = torch.nn.Parameter(torch.zeros(16, 10))
+    sink = tokensum.GradSink({"dp_cp": comm, "world": comm})
+    sink.begin({"w": w}, direct=True, late=late)
+
+    def add_rows(a, b, acc):
+        adds.append((r, a, b))
+        mm.accumulate_grad_weight_(acc, dy[:, a:b], x)
+    assert tokensum.TokenSum(comm, sink=sink).finish_now(w, add_rows, "dw",
+                                                         word_rows=word_rows)
+    flagged = sink.late_flagged()
+    return (None if flagged else sink.finish()["w"]), flagged
+
+
+def _word_model(dy: torch.Tensor, x: torch.Tensor, calls: list):
+    """A CPU stand-in for the CUDA kernel's `words_grad_weight_deferred` as a word_rows hook:
+    rows [a, b) of dW's leaf partials added into double words with checked TwoSum, and the
+    count of elements whose checks failed (their words zeroed, as a flagged tile's are)."""
+    import fixedpoint_round_cases as rc
+
+    def rows(a, b):
+        parts = mm.token_leaf_partials(dy[:, a:b], x, dy.shape[0] // TOKEN_LEAF)
+        words, ok = rc.two_sum_words(parts.reshape(parts.shape[0], -1))
+        calls.append((a, b))
+        words = torch.where(ok, words, 0.0)
+        return words.view(2, b - a, -1), (~ok).sum().to(torch.int32)
+    return rows
+
+
+@pytest.mark.parametrize("plant", [False, True])
+def test_direct_chunks_over_two_ranks_go_as_words_in_a_late_sink(monkeypatch, plant):
+    """Direct mode, DIRECT_CHUNK_ELEMS = 30 (3-row chunks of the [16, 10] weight), two thread
+    ranks with half the leaves each, a late sink: every chunk comes from word_rows and is summed
+    as words (Comm.finish_words), add_rows never runs, and the gradient == one rank holding all
+    leaves by the digits, bytewise on both ranks. With row 9's planted partials (no double word
+    holds their sum) a late sink counts the flagged element and late_flagged says run again on
+    both ranks; the sink that is not late (the second pass) takes add_rows for every chunk and
+    gives the same bytes. Control: rank 1's words dropped (zeros) give other bytes."""
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 30)
+    from kernel_helpers import run_ranks
+    dy, x = _dw_operands()
+    if not plant:
+        dy[:, 9] = torch.randn(dy.shape[0], generator=torch.Generator().manual_seed(9))
+    half = dy.shape[0] // 2
+    whole = fx.round_fp32(mm.accumulate_grad_weight_(fx.zeros((16, 10)), dy, x))
+
+    def run(late, drop=False):
+        calls, adds = [], []
+
+        def rank(r, comm):
+            mine = slice(r * half, (r + 1) * half)
+            hook = _word_model(dy[mine], x[mine], calls)
+            if drop and r == 1:
+                hook = (lambda h: lambda a, b: (torch.zeros_like(h(a, b)[0]),
+                                                torch.tensor(0, dtype=torch.int32)))(hook)
+            return _late_direct(r, comm, dy[mine], x[mine], hook, late, adds)
+        return run_ranks(2, rank), calls, adds
+    got, calls, adds = run(late=True)
+    assert sorted(set(calls)) == [(a, min(16, a + 3)) for a in range(0, 16, 3)] and adds == []
+    if plant:
+        assert [g[1] for g in got] == [True, True]
+        got, calls, adds = run(late=False)
+        assert calls == [] and len(adds) == 2 * 6
+    for grad, flagged in got:
+        assert not flagged and _same(grad, whole)
+    if not plant:
+        dropped = run(late=True, drop=True)[0]
+        assert not _same(dropped[0][0], whole)

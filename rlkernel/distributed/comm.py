@@ -7,7 +7,8 @@ identical bits and the result equals the single-process tree (DESIGN.md §1). Al
 concatenate in logical (rank) order. The one backend reduction used is `sum_ints`, a SUM of
 integers (exact fixed-point gradient accumulators): integer addition is associative, so the
 backend's order cannot change the result. `sum_ints_finished` sums such accumulators by slices
-and finishes (rounds) each slice on one rank, about half an all-reduce's bytes.
+and finishes (rounds) each slice on one rank, about half an all-reduce's bytes; `finish_words`
+does the same with sums held as float64 double words (16 bytes an element, not 104).
 
 Each call first exchanges a signature — call counter, operation name, shape, dtype — and raises
 CollectiveMismatch naming both sides if any rank is making a different call, instead of hanging
@@ -278,6 +279,33 @@ class Comm:
         for part in parts[2:]:
             total += part
         mine = finish(total)
+        return self.all_gather_cat(mine, f"{op}:finished")[:n].reshape(shape)
+
+    def finish_words(self, words: torch.Tensor, op: str,
+                     finish: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """finish(every rank's words), elementwise, identical on every rank.
+
+        words: [W, *S], W values an element (the dW kernel's float64 double words hi, lo:
+        W = 2); finish: a list of [W, m] tensors, one a rank in rank order -> [m], elementwise
+        over the m columns (e.g. the exact sum of every rank's double words, rounded once).
+        Returns [*S]. By slices at INT_SLICED_MIN_ELEMS elements and more: rank r receives
+        every rank's columns [r·c, (r+1)·c), c = ⌈n/size⌉ (all-to-all), finishes them, and the
+        finished slices are all-gathered; below it every rank gathers every rank's words and
+        finishes them all. Why: a weight gradient held as double words is sent as its 16 bytes
+        an element, where its digits (`sum_ints_finished`) are 104 — (size−1)/size · (16 + 4)
+        bytes an element a rank, the digits made only on the rank that finishes them."""
+        lead, shape = words.shape[0], words.shape[1:]
+        n = math.prod(shape)
+        flat = words.reshape(lead, n)
+        if self.size == 1:
+            return finish([flat]).reshape(shape)
+        if n < max(INT_SLICED_MIN_ELEMS, self.size):
+            return finish(self.all_gather(flat, op)).reshape(shape)
+        per = -(-n // self.size)
+        if per * self.size != n:    # the pad columns are finished and dropped
+            flat = torch.cat([flat, flat.new_zeros(lead, per * self.size - n)], 1)
+        parts = self.all_to_all(list(flat.split(per, 1)), f"{op}:slices")
+        mine = finish(parts)
         return self.all_gather_cat(mine, f"{op}:finished")[:n].reshape(shape)
 
     def tree_reduce_scatter(self, partial: torch.Tensor, op: str, dim: int = 0) -> torch.Tensor:

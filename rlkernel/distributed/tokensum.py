@@ -334,7 +334,7 @@ class GradSink:
         self._split[name] = (rows, acc)
 
     def finish_direct(self, w: torch.Tensor, scope: str, add_rows, op: str,
-                      words_rows=None, add_rows_at=None) -> None:
+                      words_rows=None, add_rows_at=None, word_rows=None) -> None:
         """Finish parameter w's gradient now (direct mode): for row chunks [a, b) of w (at most
         DIRECT_CHUNK_ELEMS elements; the cut depends on w's shape only, so every rank of the
         group runs the same collectives), `add_rows(a, b, acc)` adds this rank's leaf partials of
@@ -352,7 +352,14 @@ class GradSink:
         Same bytes either way (the same exact sum, rounded once).
         `add_rows_at(rows, acc)`: as add_rows for the rows `rows` (ascending long [R]) into acc
         [R, ...]; needed for a split weight (`note_rows`), whose noted rows it fills (RuntimeError
-        without it)."""
+        without it).
+        `word_rows(a, b)` (optional, the CUDA dW kernel): (double words float64 [2, b - a,
+        *w.shape[1:]] holding this rank's exact sum of rows [a, b) — valid only if the flag
+        count, [] int on the device, is 0 —, that count). Used over a scope group of several
+        ranks in a late sink (`begin(late=True)`): the words are summed over the group as
+        words (`words_finished`: 16 bytes an element sent, not the digits' 104) and the count
+        joins the late tile counter — a count anywhere runs the mini-batch again with a sink
+        that is not late, which takes add_rows. Same bytes: the same integers summed."""
         name = self._name(w)
         if name in self._done:
             raise RuntimeError(f"GradSink: {name} reached a second kernel in one direct-mode "
@@ -364,6 +371,11 @@ class GradSink:
         rows = max(1, DIRECT_CHUNK_ELEMS // max(1, math.prod(w.shape[1:])))
         for a in range(0, n, rows):
             b = min(n, a + rows)
+            if word_rows is not None and comm.size > 1 and self.late:
+                words, flagged = word_rows(a, b)
+                self._defer(flagged, None)      # late: joins the late tile counter
+                out[a:b] = words_finished(comm, words, op)
+                continue
             if words_rows is not None and comm.size == 1:
                 vals = words_rows(a, b)
                 if isinstance(vals, tuple):     # (rows, flag count still on the device)
@@ -576,7 +588,8 @@ class GradSink:
                 if n in self._sparse or n in self._keep:
                     self._finish_split(n, out, later)
         for scope in SCOPES:
-            if self.groups[scope].size == 1:
+            comm, op = self.groups[scope], f"grad-sink:{scope}"
+            if comm.size == 1:
                 self._round_own_words(scope, out)
             # Every rank must reduce the same list in the same buckets; the signature check of
             # each collective catches a rank whose kernels saw another set of weights.
@@ -586,8 +599,14 @@ class GradSink:
                 shape, dev = self._held(n)
                 if math.prod(shape) == 0:   # e.g. a TP rank that owns no row of it
                     out[n] = torch.zeros(shape, device=dev)
-            for bucket in _buckets([(n, math.prod(self._held(n)[0])) for n in names]):
-                self._finish_bucket(bucket, self.groups[scope], f"grad-sink:{scope}", out)
+            as_words = self._words_everywhere(names, comm, op)
+            sizes = [(n, math.prod(self._held(n)[0])) for n in names]
+            for bucket in _buckets([z for z in sizes if z[0] in as_words], _WORD_BUCKET_ELEMS):
+                vals = words_finished(comm, torch.cat(
+                    [self._words[n].view(2, -1)[:, a:b] for n, a, b in bucket], 1), op)
+                self._store_bucket(bucket, vals, out)
+            for bucket in _buckets([z for z in sizes if z[0] not in as_words]):
+                self._finish_bucket(bucket, comm, op, out)
         self._acc, self._words = {}, {}
         for n in self._order:    # direct mode's splits, over the union of rows already
             if n in self._split:
@@ -685,36 +704,38 @@ class GradSink:
             return self._words[name].shape[1:], self._words[name].device
         return self._acc[name].shape[:-1], self._acc[name].device
 
+    def _words_everywhere(self, names: list[str], comm: Comm, op: str) -> set[str]:
+        """Of `names` (the same list on every rank of comm), those every rank holds in double
+        words (none over a group of one: `_round_own_words` rounded them): summed as words
+        (`words_finished`), the others as digits — a rank holding words where another holds
+        digits adds them to digits (`_finish_bucket`). Collective over comm (host values only:
+        which weights are words is known on the host, so no device sync)."""
+        if comm.size == 1 or not names:
+            return set()
+        held = comm.all_gather_object([n in self._words for n in names], f"{op}:as-words")
+        return {n for i, n in enumerate(names) if all(h[i] for h in held)}
+
     def _finish_bucket(self, bucket: list[tuple[str, int, int]], comm: Comm, op: str,
                        out: dict[str, torch.Tensor]) -> None:
-        """All-reduce and round one bucket of (name, first element, end) slices of the sums.
-        Double-word slices are rounded straight from the words where the group is this rank
-        alone (fixedpoint.round_double_words: the digits' bytes), else added to digits first
-        (a transient bucket of them) to be summed as integers with the other ranks'."""
-        flats, own = [], {}
-        for n, a, b in bucket:
-            if n not in self._words:
-                flats.append(self._acc[n].view(-1, fx.N_COLS)[a:b])
-                continue
-            words = self._words[n].view(2, -1)[:, a:b]
-            if comm.size == 1:
-                own[(n, a)] = fx.round_double_words(words)
-                continue
-            flats.append(_digits_of(words))
-        vals = None
-        if flats:
-            flat = flats[0] if len(flats) == 1 else torch.cat(flats)
-            vals = comm.sum_ints_finished(flat, op, fx.round_fp32)
+        """Sum over comm and round one bucket of (name, first element, end) slices of the sums
+        as digits: double-word slices added to digits first (a transient bucket of them) to
+        be summed as integers with the other ranks'."""
+        flats = [self._acc[n].view(-1, fx.N_COLS)[a:b] if n not in self._words
+                 else _digits_of(self._words[n].view(2, -1)[:, a:b]) for n, a, b in bucket]
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        self._store_bucket(bucket, comm.sum_ints_finished(flat, op, fx.round_fp32), out)
+
+    def _store_bucket(self, bucket: list[tuple[str, int, int]], vals: torch.Tensor,
+                      out: dict[str, torch.Tensor]) -> None:
+        """The bucket's rounded values `vals` (fp32, its slices in order) into out, freeing each
+        weight's sum once its last slice is in."""
         i = 0
         for n, a, b in bucket:
             shape, dev = self._held(n)
             if n not in out:
                 out[n] = torch.empty(shape, dtype=torch.float32, device=dev)
-            if (n, a) in own:
-                out[n].view(-1)[a:b] = own[(n, a)]
-            else:
-                out[n].view(-1)[a:b] = vals[i:i + b - a]
-                i += b - a
+            out[n].view(-1)[a:b] = vals[i:i + b - a]
+            i += b - a
             if b == math.prod(shape):     # fully rounded: free it before the next bucket
                 self._acc.pop(n, None)
                 self._words.pop(n, None)
@@ -733,13 +754,39 @@ def _union_rows(comm: Comm, rows: torch.Tensor, op: str) -> torch.Tensor:
 
 def _digits_of(words: torch.Tensor) -> torch.Tensor:
     """A new accumulator int64 [m, N_COLS] holding the exact sums of double words [2, m]
-    (float64, rows contiguous; CUDA: only the CUDA dW kernel makes words)."""
-    from rlkernel.numerics import triton_fixedpoint as tfx
-    return tfx.add_double_words_(fx.zeros((words.shape[1],), words.device), words)
+    (float64; only the CUDA dW kernel makes words, tests make them on the CPU)."""
+    return fx.add_double_words_(fx.zeros((words.shape[1],), words.device), words)
+
+
+def _round_words_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 [m]: the exact sum of every rank's double words (float64 [2, m] each, rank order)
+    rounded once — the digits of each added (integers: any order), then round_fp32; one
+    rank's pair is rounded straight from its words, CUDA parts in one pass with the digits
+    in registers (triton_fixedpoint.round_words_sum). The same bytes every way."""
+    if len(parts) == 1:
+        return fx.round_double_words(parts[0])
+    if parts[0].is_cuda:
+        from rlkernel.numerics import triton_fixedpoint as tfx
+        return tfx.round_words_sum(torch.stack(parts))
+    acc = fx.zeros((parts[0].shape[1],), parts[0].device)
+    for words in parts:
+        fx.add_double_words_(acc, words)
+    return fx.round_fp32(acc)
+
+
+def words_finished(comm: Comm, words: torch.Tensor, op: str) -> torch.Tensor:
+    """fp32 [*S]: the exact sum over comm's ranks of each rank's double words float64 [2, *S]
+    (per element hi + lo, fixedpoint.add_double_words_'s contract), rounded once — the bytes
+    of rounding the sum of every rank's digits of them, sent as the words
+    (`Comm.finish_words`: 16 bytes an element, where the digits are 104). Collective."""
+    return comm.finish_words(words, f"{op}:words", _round_words_sum)
 
 
 _BUCKET_ROWS = 1 << 21
 """Accumulator elements per finishing all-reduce (218 MB of int64 digits)."""
+_WORD_BUCKET_ELEMS = 1 << 22
+"""Double-word elements per finishing exchange (64 MB of words; the rank that rounds a slice
+makes its digits: 218 MB at two ranks)."""
 DIRECT_CHUNK_ELEMS = 1 << 23
 """Gradient elements finished per chunk in direct mode (a transient 872 MB accumulator)."""
 SPLIT_MAX_FRACTION = 0.5
@@ -754,17 +801,19 @@ SLOT_CHUNK = 1024
 """Flag counters per device buffer of GradSink.flag_count (a new buffer when one runs out)."""
 
 
-def _buckets(sizes: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:
-    """Cut tensors of `sizes` (name, elements), in order, into buckets of at most _BUCKET_ROWS
-    elements: (name, first element, end) slices; a tensor larger than a bucket is cut."""
+def _buckets(sizes: list[tuple[str, int]], limit: int = 0) -> list[list[tuple[str, int, int]]]:
+    """Cut tensors of `sizes` (name, elements), in order, into buckets of at most `limit`
+    (default _BUCKET_ROWS) elements: (name, first element, end) slices; a tensor larger than a
+    bucket is cut."""
+    limit = limit or _BUCKET_ROWS
     out: list[list[tuple[str, int, int]]] = [[]]
-    room = _BUCKET_ROWS
+    room = limit
     for name, n in sizes:
         a = 0
         while a < n:
             if room == 0:
                 out.append([])
-                room = _BUCKET_ROWS
+                room = limit
             b = min(n, a + room)
             out[-1].append((name, a, b))
             room -= b - a
@@ -793,15 +842,17 @@ class TokenSum:
         return "world" if heads is not None and heads.size > 1 else self.scope
 
     def finish_now(self, w: torch.Tensor, add_rows, op: str, heads: Comm | None = None,
-                   words_rows=None, add_rows_at=None) -> bool:
+                   words_rows=None, add_rows_at=None, word_rows=None) -> bool:
         """In the open sink's direct mode, finish w's gradient here (GradSink.finish_direct with
         `add_rows(a, b, acc)` adding this rank's leaf partials of w's rows [a, b), the optional
-        `words_rows(a, b)` -> those rows rounded, or None, and `add_rows_at(rows, acc)` for a
-        split weight's noted rows) and return True: the kernel then returns no gradient to
-        autograd. False (nothing done) otherwise."""
+        `words_rows(a, b)` -> those rows rounded, or None, `add_rows_at(rows, acc)` for a
+        split weight's noted rows, and `word_rows(a, b)` -> (those rows' double words, flag
+        count)) and return True: the kernel then returns no gradient to autograd. False
+        (nothing done) otherwise."""
         if self.sink is None or not self.sink.is_direct(w):
             return False
-        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op, words_rows, add_rows_at)
+        self.sink.finish_direct(w, self._scope_for(heads), add_rows, op, words_rows, add_rows_at,
+                                word_rows)
         return True
 
     def note_rows(self, w: torch.Tensor, ids: torch.Tensor, offset: int) -> None:

@@ -264,6 +264,16 @@ def _rounded_rows(dy: torch.Tensor, x: torch.Tensor):
     return lambda a, b: kernel.rounded_grad_weight_deferred(dy[:, a:b], x)
 
 
+def _word_rows(dy: torch.Tensor, x: torch.Tensor):
+    """`word_rows` for TokenSum.finish_now: on CUDA, rows [a, b) of dW as the fused kernel's
+    double words with the count of still-flagged tiles on the device (summed over a scope group
+    of several ranks as words, GradSink.finish_direct); None on CPU (no double words)."""
+    if not dy.is_cuda:
+        return None
+    kernel = _grad_weight_kernel()
+    return lambda a, b: kernel.words_grad_weight_deferred(dy[:, a:b], x)
+
+
 def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                 tok: TokenSum | None) -> torch.Tensor | None:
     """w's gradient dW = dYᵀ·X through `tok` (distributed/tokensum.py): None when tok's sink is
@@ -278,7 +288,8 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
         unchanged()
         accumulate_grad_weight_(acc, dy[:, a:b], x)
     if tok.finish_now(w, add_rows, "token-sum-dw", words_rows=_rounded_rows(dy, x),
-                      add_rows_at=lambda rows, acc: accumulate_grad_weight_(acc, dy[:, rows], x)):
+                      add_rows_at=lambda rows, acc: accumulate_grad_weight_(acc, dy[:, rows], x),
+                      word_rows=_word_rows(dy, x)):
         return None
     if dy.is_cuda and _carry_words(dy, x, w, tok):
         return None

@@ -101,7 +101,7 @@ import triton
 import triton.language as tl
 
 from rlkernel.distributed.comm import Comm
-from rlkernel.distributed.tokensum import TokenSum
+from rlkernel.distributed.tokensum import TokenSum, words_finished
 from rlkernel.kernels.attention import check_packed, key_slot_map
 from rlkernel.kernels.slots import scatter_slots, slot_moves
 from rlkernel.kernels.triton_attention import query_rows, sample_base, stream_strides
@@ -540,13 +540,16 @@ def _redo_flagged(args, flagged: torch.Tensor, kind: int, s0: int, j0: int, widt
 
 
 def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, as_words: bool = False) -> torch.Tensor:
     """[m] fp32 (written into `out`, a contiguous fp32 [m], if given): per element the exact sum
     hi + lo of `words` [2, m] (plus, for the flat indices of `fix` = (indices, digits) or None,
     those digits), summed over `tok.comm` and rounded once.
-    Over several ranks (or with a fix) in slices of DIGIT_ELEMS elements through the exact digits
-    (the cut depends on m only: every rank of the group makes the same collective calls); on one
-    rank without a fix, `fixedpoint.round_double_words` (same bytes)."""
+    Over several ranks (or with a fix) in slices of DIGIT_ELEMS elements (the cut depends on m
+    only: every rank of the group makes the same collective calls): with `as_words` (a late
+    sink's pass, where no rank has a fix: every rank passes the same) the slices are summed as
+    words (`tokensum.words_finished`: 16 bytes an element sent, the digits made by the rank
+    that rounds them), else through the exact digits; on one rank without a fix,
+    `fixedpoint.round_double_words`. The same bytes every way."""
     m = words.shape[1]
     if fix is None and tok.comm.size == 1:
         # One rank holds every query: no integer all-reduce, so the words are rounded directly
@@ -556,6 +559,9 @@ def _words_to_fp32(words: torch.Tensor, fix, tok: TokenSum, op: str,
         out = torch.empty(m, dtype=torch.float32, device=words.device)
     for a in range(0, m, DIGIT_ELEMS):
         b = min(m, a + DIGIT_ELEMS)
+        if as_words and fix is None:
+            out[a:b] = words_finished(tok.comm, words[:, a:b], op)
+            continue
         acc = tfx.add_double_words_(fx.zeros((b - a,), words.device), words[:, a:b],
                                     block=_DIGIT_BLOCK)
         if fix is not None:
@@ -616,7 +622,8 @@ def _dkv_per_head(q, k, v, d_out, lse, delta, q_pos, kv_len, scale, tok, n_leave
                                         tile) if ids.numel() else None
                 rows = out[kind, s0:s1]
                 res = _words_to_fp32(w[kind], fix, tok, "token-sum-attention-dkv",
-                                     out=rows.view(-1) if direct else None)
+                                     out=rows.view(-1) if direct else None,
+                                     as_words=late is not None)
                 if not direct:
                     rows[:, :, j0:j0 + width] = res.view(s1 - s0, hq, width, d)
     return out

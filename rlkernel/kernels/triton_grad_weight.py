@@ -420,21 +420,57 @@ def rounded_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
     (every tile flagged; tests) and `use_tma` as in accumulate_grad_weight_. Raises ValueError on devices or
     shapes."""
     check_cuda("grad weight", dy, x)
+    n, k = dy.shape[1], x.shape[1]
+    flagged = torch.zeros((), dtype=torch.int32, device=dy.device)
+    parts = [tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k)
+             for r0, r1, words in _checked_words(dy, x, tile, force_flag, use_tma, flagged)]
+    if not parts:
+        return torch.zeros(n, k, dtype=torch.float32, device=dy.device), flagged
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), flagged
+
+
+def words_grad_weight_deferred(dy: torch.Tensor, x: torch.Tensor, *,
+                               tile: tuple[int, int, int, int] = TILE,
+                               force_flag: bool = False,
+                               use_tma: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words float64 [2, N, K], flagged [] int32) of dy [L, N], x [L, K] (L a multiple of
+    CUDA_TOKEN_LEAF), with no host sync: per element a double word (hi, lo) whose exact sum is
+    the exact sum over the leaves of their dWᵀ partials — what `accumulate_grad_weight_` adds
+    to the digits — valid only if `flagged`, the count of tiles still flagged after their
+    checked retry, is 0 (a flagged tile's words are 0).
+
+    Why: summed over several ranks, a chunk of dW travels as these 16 bytes an element and is
+    made digits only on the rank that rounds it (distributed/tokensum.py `words_finished`),
+    where its digits were 104 bytes an element made and sent by every rank. `tile`,
+    `force_flag` and `use_tma` as in accumulate_grad_weight_. Raises ValueError on devices or
+    shapes."""
+    check_cuda("grad weight", dy, x)
+    n, k = dy.shape[1], x.shape[1]
+    flagged = torch.zeros((), dtype=torch.int32, device=dy.device)
+    parts = [words for _, _, words in _checked_words(dy, x, tile, force_flag, use_tma, flagged)]
+    if not parts:
+        return torch.zeros(2, n, k, dtype=torch.float64, device=dy.device), flagged
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), flagged
+
+
+def _checked_words(dy: torch.Tensor, x: torch.Tensor, tile, force_flag: bool, use_tma: bool,
+                   flagged: torch.Tensor):
+    """Per launch of dy, x's rows (`_launch_rows`): (r0, r1, words float64 [2, r1 - r0, K]) after
+    the first pass and the checked retry over every tile (RETRY_ALL: the clean ones return at
+    once; no host sync), the tiles still flagged added to `flagged` (int32 [] on the device).
+    Nothing for an empty product."""
     n_tok, n = dy.shape
     k = x.shape[1]
     a, b = _operands(dy, x)
-    flagged = torch.zeros((), dtype=torch.int32, device=dy.device)
     if n_tok == 0 or n == 0 or k == 0:
-        return torch.zeros(n, k, dtype=torch.float32, device=dy.device), flagged
-    parts = []
+        return
     for r0, r1 in _launch_rows(n, k, tile):
         aa = a[:, r0:r1]
         desc = _descriptors(aa, b, tile, use_tma)
         words, flags = _double_words(aa, b, tile, force_flag, use_tma, desc)
         _launch(aa, b, words, flags, flags, (flags.numel(),), tile, False, force_flag,
                 retry_all=True, use_tma=use_tma, count=flagged, desc=desc)
-        parts.append(tfx.round_double_words(words.view(2, -1)).view(r1 - r0, k))
-    return (parts[0] if len(parts) == 1 else torch.cat(parts)), flagged
+        yield r0, r1, words
 
 
 def rounded_grad_weight(dy: torch.Tensor, x: torch.Tensor, *,

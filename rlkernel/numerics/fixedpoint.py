@@ -233,6 +233,52 @@ def _add_chunk(flat: torch.Tensor, x: torch.Tensor) -> None:
         flat[:, q + 2] += (c >> DIGIT_BITS) * sign
 
 
+def add_double_words_(acc: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """acc int64 [m, N_COLS] (contiguous) += words[0] + words[1] exactly, in place; returns acc,
+    normalised. words float64 [2, m]: per element a double word (hi, lo) of finite multiples
+    of 2**-149 with |hi|, |lo| < 2**150 — what a checked TwoSum accumulation of fp32 values
+    leaves (kernels/triton_grad_weight.py); the contract is not checked (a value outside it is
+    added wrongly). NaN/Inf counts unchanged. CUDA tensors go to one Triton pass
+    (triton_fixedpoint.add_double_words_), others to `add_double_words_torch_`; the same
+    integers. Raises ValueError for other dtypes or shapes."""
+    m = acc.shape[0] if acc.dim() == 2 else -1
+    if acc.dtype != torch.int64 or acc.dim() != 2 or acc.shape[1] != N_COLS \
+            or not acc.is_contiguous():
+        raise ValueError(f"add_double_words_: contiguous int64 [m, {N_COLS}] accumulator "
+                         f"expected, got {acc.dtype} {tuple(acc.shape)}")
+    if words.dtype != torch.float64 or tuple(words.shape) != (2, m):
+        raise ValueError(f"add_double_words_: float64 [2, {m}] words expected, got "
+                         f"{words.dtype} {tuple(words.shape)}")
+    if acc.is_cuda:
+        from rlkernel.numerics import triton_fixedpoint
+        return triton_fixedpoint.add_double_words_(
+            acc, words if words.stride(1) == 1 else words.contiguous())
+    return add_double_words_torch_(acc, words)
+
+
+def add_double_words_torch_(flat: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """The torch path of `add_double_words_` on any device (same contract): each word
+    ±mant·2**(e − 1075) (53-bit mant, biased exponent e) is ±mant·2**sh units of 2**-149,
+    sh = e − 926 (the bits shifted out when sh < 0 are zero for a multiple of 2**-149), and
+    goes into digits q = sh // 31 and up at bit r = sh % 31, as `_add_chunk` places a bin sum
+    (q <= 7 for |v| < 2**150). Returns flat, normalised."""
+    for word in words:
+        bits = word.contiguous().view(torch.int64)
+        e = (bits >> 52) & 0x7FF
+        mant = torch.where(e > 0, (bits & ((1 << 52) - 1)) | (1 << 52), torch.zeros_like(bits))
+        sh = e - 926
+        mant = torch.where(sh < 0, mant >> (-sh).clamp(max=63), mant)
+        sh = sh.clamp(min=0)
+        q, r = sh // DIGIT_BITS, sh % DIGIT_BITS
+        sign = torch.where(bits < 0, -1, 1)
+        a = (mant & _MASK) << r                  # < 2**61
+        c = (mant >> DIGIT_BITS) << r            # < 2**52
+        for j, part in enumerate(((a & _MASK), (a >> DIGIT_BITS) + (c & _MASK),
+                                  c >> DIGIT_BITS)):
+            flat.scatter_add_(1, (q + j).unsqueeze(1), (part * sign).unsqueeze(1))
+    return normalise_(flat)
+
+
 def _count_nonfinite(flat: torch.Tensor, x: torch.Tensor) -> None:
     """flat[:, NaN/+Inf/−Inf columns] += how many values of x [k, m] are NaN, +Inf, −Inf.
 

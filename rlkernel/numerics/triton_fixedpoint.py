@@ -661,24 +661,10 @@ def _fp32_bits(q, e2):
 
 
 @triton.jit
-def _round_kernel(ACC, OUT, m, s_m, s_c, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = rows < m
-    p = ACC + rows * s_m
-    s_c = tl.zeros([], dtype=tl.int64) + s_c             # int64: 12·s_c must not wrap int32
-    d0 = tl.load(p + 0 * s_c, mask=live, other=0)
-    d1 = tl.load(p + 1 * s_c, mask=live, other=0)
-    d2 = tl.load(p + 2 * s_c, mask=live, other=0)
-    d3 = tl.load(p + 3 * s_c, mask=live, other=0)
-    d4 = tl.load(p + 4 * s_c, mask=live, other=0)
-    d5 = tl.load(p + 5 * s_c, mask=live, other=0)
-    d6 = tl.load(p + 6 * s_c, mask=live, other=0)
-    d7 = tl.load(p + 7 * s_c, mask=live, other=0)
-    d8 = tl.load(p + 8 * s_c, mask=live, other=0)
-    d9 = tl.load(p + 9 * s_c, mask=live, other=0)
-    n_nan = tl.load(p + 10 * s_c, mask=live, other=0)
-    n_pinf = tl.load(p + 11 * s_c, mask=live, other=0)
-    n_ninf = tl.load(p + 12 * s_c, mask=live, other=0)
+def _round_digits(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, n_nan, n_pinf, n_ninf,
+                  BLOCK: tl.constexpr):
+    """fp32 [BLOCK]: the exact sums held by digits d0..d9 (int64 [BLOCK], any digits) and the
+    NaN/+Inf/−Inf counts, each rounded once (fixedpoint.round_fp32_torch's steps)."""
     # The torch path's steps, in the same int64 arithmetic (wrapping alike on absurd digits):
     # normalise, sign = top digit, |sum| = normalise(−digits).
     d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = _carry(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9)
@@ -723,7 +709,73 @@ def _round_kernel(ACC, OUT, m, s_m, s_c, BLOCK: tl.constexpr):
     bits = tl.where(pinf, _F32_INF, bits)
     bits = tl.where(ninf, _F32_NINF, bits)
     bits = tl.where((n_nan > 0) | (pinf & ninf), _F32_NAN, bits)
-    tl.store(OUT + rows, bits.to(tl.float32, bitcast=True), mask=live)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_kernel(ACC, OUT, m, s_m, s_c, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < m
+    p = ACC + rows * s_m
+    s_c = tl.zeros([], dtype=tl.int64) + s_c             # int64: 12·s_c must not wrap int32
+    d0 = tl.load(p + 0 * s_c, mask=live, other=0)
+    d1 = tl.load(p + 1 * s_c, mask=live, other=0)
+    d2 = tl.load(p + 2 * s_c, mask=live, other=0)
+    d3 = tl.load(p + 3 * s_c, mask=live, other=0)
+    d4 = tl.load(p + 4 * s_c, mask=live, other=0)
+    d5 = tl.load(p + 5 * s_c, mask=live, other=0)
+    d6 = tl.load(p + 6 * s_c, mask=live, other=0)
+    d7 = tl.load(p + 7 * s_c, mask=live, other=0)
+    d8 = tl.load(p + 8 * s_c, mask=live, other=0)
+    d9 = tl.load(p + 9 * s_c, mask=live, other=0)
+    n_nan = tl.load(p + 10 * s_c, mask=live, other=0)
+    n_pinf = tl.load(p + 11 * s_c, mask=live, other=0)
+    n_ninf = tl.load(p + 12 * s_c, mask=live, other=0)
+    out = _round_digits(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, n_nan, n_pinf, n_ninf, BLOCK)
+    tl.store(OUT + rows, out, mask=live)
+
+
+@triton.jit
+def _round_words_sum_kernel(W, OUT, m, n_parts, s_p, s_w, BLOCK: tl.constexpr):
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < m
+    z = tl.zeros([BLOCK], tl.int64)
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = z, z, z, z, z, z, z, z, z, z
+    s_p = tl.zeros([], dtype=tl.int64) + s_p             # int64: P·s_p may pass 2**31
+    for r in range(n_parts):
+        base = W + r * s_p
+        hi = tl.load(base + cols, mask=live, other=0.0)
+        lo = tl.load(base + s_w + cols, mask=live, other=0.0)
+        d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(hi, d0, d1, d2, d3, d4, d5, d6, d7,
+                                                         d8, d9)
+        d0, d1, d2, d3, d4, d5, d6, d7, d8, d9 = add_f64(lo, d0, d1, d2, d3, d4, d5, d6, d7,
+                                                         d8, d9)
+    out = _round_digits(d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, z, z, z, BLOCK)
+    tl.store(OUT + cols, out, mask=live)
+
+
+def round_words_sum(words: torch.Tensor, block: int = ROUND_BLOCK,
+                    num_warps: int = ROUND_WARPS) -> torch.Tensor:
+    """words [P, 2, m] float64 (each part's rows contiguous) -> fp32 [m]: per element the exact
+    sum of the P double words hi + lo, rounded once — bytewise round_fp32 of the digits that
+    P `add_double_words_` passes leave (the sum of several ranks' dW words, distributed/
+    tokensum.py), in one pass: the digits live in registers (10 int64 a lane), so the 104-byte
+    accumulator is never written. Contract of `add_double_words_` for every word (not checked);
+    the digits hold P < 2**20 parts' sums without a carry pass. No host sync. Raises ValueError
+    for another dtype or layout, or a non-CUDA tensor (any device under TRITON_INTERPRET=1)."""
+    check_cuda("fixedpoint round words sum", words)
+    if words.dtype != torch.float64 or words.dim() != 3 or words.shape[1] != 2 \
+            or words.stride(2) != 1 or words.shape[0] >= 1 << 20:
+        raise ValueError(f"fixedpoint round words sum: float64 [P, 2, m] (P < 2**20) with "
+                         f"contiguous rows expected, got {words.dtype} {tuple(words.shape)}")
+    m = words.shape[2]
+    out = torch.empty(m, dtype=torch.float32, device=words.device)
+    if m == 0:
+        return out
+    with device_ctx(words):
+        launch(_round_words_sum_kernel, (triton.cdiv(m, block),), words, out, m, words.shape[0],
+               words.stride(0), words.stride(1), BLOCK=block, num_warps=num_warps)
+    return out
 
 
 def round_fp32(acc: torch.Tensor, block: int = ROUND_BLOCK,
