@@ -545,6 +545,12 @@ def _check_choice(c: RunConfig, field: str, choices: tuple[str, ...]) -> None:
         raise _fail(field, v, f"must be one of {', '.join(choices)}")
 
 
+def blank_part(path: str) -> str | None:
+    """The first '/'-separated name of `path` made of whitespace only (e.g. ' ' in 'runs/ /a'),
+    or None: a legal file name, but one no user means to type."""
+    return next((p for p in path.split("/") if p and not p.strip()), None)
+
+
 def _check_path(c: RunConfig, field: str) -> None:
     v = getattr(c, field)
     if v is None:
@@ -553,6 +559,9 @@ def _check_path(c: RunConfig, field: str) -> None:
         raise _fail(field, v, "must be a non-empty path (or left out)")
     if not v.strip():   # a legal file name, but a quoting slip, not a choice
         raise _fail(field, v, "must be a path, not only whitespace (or left out)")
+    if blank_part(v) is not None:
+        raise _fail(field, v, f"has a name of only whitespace ({blank_part(v)!r}): a quoting "
+                              "slip, not a choice")
     try:
         v.encode("utf-8")    # bytes the filesystem gave that are not UTF-8: surrogates
     except UnicodeEncodeError:

@@ -534,6 +534,32 @@ def test_every_command_refuses_a_path_of_only_whitespace(capsys, cwd, loop, argv
     assert code == 0 and len(loop.calls) == 1, err
 
 
+@pytest.mark.parametrize("argv,name,value", [
+    (["run", "--allow-dirty", "--run-dir", "r/ "], "--run-dir", "r/ "),
+    (["run", "--allow-dirty", "--prompts", "a/\t/p.jsonl"], "--prompts", "a/\t/p.jsonl"),
+    (["export", "a", "--out", "out/  /m"], "--out", "out/  /m"),
+    (["report", "a", "--out", " /"], "--out", " /"),
+    (["compare", "a", "a/ "], "RUN_B", "a/ "),
+    (["init-model", "--preset", "tiny", "--out", " /m"], "--out", " /m"),
+])
+def test_every_command_refuses_a_path_with_a_name_of_only_whitespace(capsys, cwd, loop, argv,
+                                                                     name, value):
+    """A path one of whose names is only whitespace ('r/ ', ' /m': a quoting slip in one part,
+    e.g. `--run-dir "runs/$NAME "` with NAME unset) is exit 2, one line naming the argument and
+    that name, before any work. Control: names with whitespace and something else (' a/r ')
+    are paths these take."""
+    (cwd / "a").mkdir()
+    code, out, err = rlk(capsys, *argv)
+    assert code == 2 and out == "", err
+    part = next(p for p in value.split("/") if p and not p.strip())
+    want = (f"rlk {argv[0]}: error: {name} {value!r}: has a name of only whitespace "
+            f"({part!r}): a quoting slip, not a choice")
+    assert err.strip().splitlines() == [" ".join(want.split())]
+    assert sorted(p.name for p in cwd.iterdir()) == ["a"] and loop.calls == []
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", " a/r ")
+    assert code == 0 and len(loop.calls) == 1, err
+
+
 def _rlk_under_a_test_handler(capsys, num: int, *argv: str) -> tuple[int, str, str]:
     """rlk(*argv) with a handler of the test's own for signal `num`, which fails the test if the
     signal reaches it (what the default action got before rlk installed one); asserts rlk put

@@ -399,6 +399,50 @@ def test_round_double_words_kernel_equals_cpu_reference_and_the_digit_kernels():
     assert _same(tfx.round_double_words(words), tfx.round_fp32(acc))
 
 
+def test_round_words_sum_kernel_equals_the_digit_kernels_and_the_cpu_path():
+    """triton_fixedpoint.round_words_sum on CUDA (P ranks' double words summed with the digits
+    in registers, rounded once) == round_fp32 of P add_double_words_ passes' digits on the
+    device == tokensum's CPU path (digits by the torch add_double_words_, round_fp32_torch),
+    bytewise, for P = 2, 3 and 4 parts of 2**21 double words made on the GPU by TwoSum
+    accumulation (per-element scales 2**[−100, 90], a third of the parts cancelling another
+    part exactly: zero sums) and for the double-word hazard cases with hi on one part and lo
+    on the other (fp32 ties decided by lo across the ranks); the
+    CUDA _round_words_sum (the sink's) takes the kernel. Control: a float64 sum of the parts
+    differs."""
+    import fixedpoint_round_cases as rc
+
+    from rlkernel.distributed import tokensum
+    from rlkernel.numerics import fixedpoint as fx
+    from rlkernel.numerics import triton_fixedpoint as tfx
+    g, m = _gen(23), 1 << 21
+    for p in (2, 3, 4):
+        scale = torch.exp2(torch.randint(-100, 91, (1, m), generator=g, device=DEV).double())
+        x = (torch.randn(p, 8, m, generator=g, device=DEV, dtype=torch.float64) * scale).float()
+        x[p - 1, :, ::3] = -x[0, :, ::3]
+        parts = []
+        for r in range(p):
+            words, ok = rc.two_sum_words(x[r])
+            parts.append(torch.where(ok, words, 0.0))
+        acc = fx.zeros((m,), DEV)
+        for w in parts:
+            tfx.add_double_words_(acc, w)
+        want = tfx.round_fp32(acc)
+        assert _same(tfx.round_words_sum(torch.stack(parts)), want), p
+        assert _same(tokensum._round_words_sum(parts), want), p
+        cpu = tokensum._round_words_sum([w[:, :1 << 16].cpu() for w in parts])
+        assert _same(cpu, want[:1 << 16].cpu()), p
+        plain = sum(w[0] + w[1] for w in parts).float()
+        assert not _same(plain, want), p
+    for name, words in rc.word_cases().items():
+        dev = words.to(DEV)                   # hi on one rank, lo on the other: (hi, 0), (0, lo)
+        pair = [torch.stack([dev[0], torch.zeros_like(dev[0])]),
+                torch.stack([torch.zeros_like(dev[1]), dev[1]])]
+        acc = fx.zeros((words.shape[1],), DEV)
+        for w in pair:
+            tfx.add_double_words_(acc, w.contiguous())
+        assert _same(tfx.round_words_sum(torch.stack(pair)), tfx.round_fp32(acc)), name
+
+
 # ---------------------------------------------------------------------------------- attention
 def _attn_inputs(dtype, s_=3, hq=8, hkv=2, t=300, d=128, seed=10):
     g = _gen(seed)

@@ -1155,3 +1155,29 @@ def test_direct_chunks_over_two_ranks_go_as_words_in_a_late_sink(monkeypatch, pl
     if not plant:
         dropped = run(late=True, drop=True)[0]
         assert not _same(dropped[0][0], whole)
+
+
+def test_finish_refuses_ranks_that_hold_other_weights_before_any_sum():
+    """Two thread ranks whose sinks hold different weight lists over one scope (rank 1's kernels
+    never reached "v"): finish raises CollectiveMismatch on both ranks, naming the counts and the
+    first name that differs, at the agreement on which weights go as words — before a bucket of
+    one rank's weights is summed with another's."""
+    from kernel_helpers import run_ranks
+
+    from rlkernel.distributed.comm import CollectiveMismatch
+    errors = {}
+
+    def rank(r, comm):
+        params = {"v": torch.nn.Parameter(torch.zeros(2)), "w": torch.nn.Parameter(torch.zeros(2))}
+        sink = tokensum.GradSink({"dp_cp": Comm.single("dp_cp"), "world": comm})
+        sink.begin(params)
+        for n in (("v", "w") if r == 0 else ("w",)):
+            sink.words(params[n], "world").copy_(_words((1.0, 0.0), (2.0, 0.0)))
+        try:
+            sink.finish()
+        except CollectiveMismatch as e:
+            errors[r] = str(e)
+    run_ranks(2, rank)
+    assert sorted(errors) == [0, 1]
+    assert "finishes 2 weights, rank 1 1" in errors[0] and "0: v vs w" in errors[0]
+    assert "finishes 1 weights, rank 0 2" in errors[1] and "0: w vs v" in errors[1]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.comm import CollectiveMismatch, Comm
 from rlkernel.numerics import fixedpoint as fx
 from rlkernel.spec import TOKEN_LEAF
 
@@ -712,8 +712,15 @@ class GradSink:
         which weights are words is known on the host, so no device sync)."""
         if comm.size == 1 or not names:
             return set()
-        held = comm.all_gather_object([n in self._words for n in names], f"{op}:as-words")
-        return {n for i, n in enumerate(names) if all(h[i] for h in held)}
+        held = comm.all_gather_object((names, [n in self._words for n in names]),
+                                      f"{op}:as-words")
+        for r, (theirs, _) in enumerate(held):
+            if theirs != names:
+                raise CollectiveMismatch(
+                    f"GradSink.finish over {comm.name} {comm.ranks}: rank {comm.ranks[comm.rank]} "
+                    f"finishes {len(names)} weights, rank {comm.ranks[r]} {len(theirs)} "
+                    f"(first difference: {_first_difference(names, theirs)})")
+        return {n for i, n in enumerate(names) if all(h[1][i] for h in held)}
 
     def _finish_bucket(self, bucket: list[tuple[str, int, int]], comm: Comm, op: str,
                        out: dict[str, torch.Tensor]) -> None:
@@ -739,6 +746,13 @@ class GradSink:
             if b == math.prod(shape):     # fully rounded: free it before the next bucket
                 self._acc.pop(n, None)
                 self._words.pop(n, None)
+
+
+def _first_difference(a: list[str], b: list[str]) -> str:
+    """The first position where two name lists differ, as 'i: x vs y' (a missing name: None)."""
+    i = next(i for i in range(max(len(a), len(b)))
+             if i >= len(a) or i >= len(b) or a[i] != b[i])
+    return f"{i}: {a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}"
 
 
 def _union_rows(comm: Comm, rows: torch.Tensor, op: str) -> torch.Tensor:
