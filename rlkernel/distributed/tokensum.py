@@ -22,7 +22,9 @@ accumulator is summed over `comm` and rounded, and the kernel returns that fp32 
 ranks that hold the other tokens (DP × CP, or the whole world where TP ranks hold different
 tokens or heads: SP-sharded norm weights, Q/K-norm head sums) and one rounding per element —
 `Comm.sum_ints_finished`: each rank sums and rounds a slice of the elements, about half an
-integer all-reduce's bytes.
+integer all-reduce's bytes. A CUDA linear's dW that every rank holds as the dW kernel's float64
+double words goes as those words instead (`words_finished`: `Comm.finish_words`, 16 bytes an
+element; the rank that rounds a slice adds every rank's words exactly).
 Does not: move activations (rlkernel/distributed/parallel.py) or choose leaves (data/packing.py).
 Tests: `.venv/bin/python -m pytest -q tests/test_fixedpoint.py tests/test_kernels_matmul.py`.
 """
@@ -62,8 +64,10 @@ class GradSink:
     microbatch with no digit pass); a weight moves from words to digits — the words' exact sum
     added to a new accumulator — when another kernel asks for its accumulator or a tile cannot
     hold its sum in words (learnt from a flag count read later, as a deferred chunk's below:
-    `TokenSum.defer_carry`), and `finish` rounds words directly (a scope group of one rank) or
-    adds them to digits first. The same exact sum either way, so the same bytes.
+    `TokenSum.defer_carry`), and `finish` rounds words directly (a scope group of one rank),
+    sums them over the ranks as words (`words_finished`) where every rank of the group holds
+    the weight in words, or adds them to digits first. The same exact sum every way, so the
+    same bytes.
     Direct mode (`begin(direct=True)`, when every rank's share of the mini-batch is ONE
     microbatch): a weight's leaves are all in the one backward that reaches it, so its kernel
     finishes the gradient there (`finish_direct`: row chunks summed over the scope group and
