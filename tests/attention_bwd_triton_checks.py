@@ -215,14 +215,14 @@ def cp_zigzag_ranks_give_single_process_bytes():
         assert n_diff(alone[0] + alone[1], ref[1]) > 0, "control: fp32 sum of rank results matched"
 
 
-@check
-def cp_zigzag_ranks_in_a_late_sink_sum_the_words():
-    """CP = 2 as above, each rank's tok holding a late gradient sink (the trainer's first
-    pass): the dK/dV chunks are summed over the ranks as double words (Comm.finish_words, a
-    spy counts its calls), not digits (round_exact never runs), and dK/dV == the
-    single-process bytes on every rank, its dQ rows too; no late flag is counted."""
+def _cp_sums(late: bool, digit_elems: int = 0) -> dict[str, int]:
+    """CP = 2 as above, each rank's tok holding a gradient sink opened late or not (no sink);
+    dK/dV == the single-process bytes on every rank, its dQ rows too, no late flag counted.
+    Returns the calls of Comm.finish_words (words) and TokenSum.round_exact (digits) per rank
+    pass. digit_elems: tb.DIGIT_ELEMS for the run (slices of a chunk)."""
     calls = {"words": 0, "digits": 0}
-    real_words, real_round = ReplayComm.finish_words, TokenSum.round_exact
+    real_words, real_round, real_elems = ReplayComm.finish_words, TokenSum.round_exact, \
+        tb.DIGIT_ELEMS
 
     def spy_words(self, *a, **kw):
         calls["words"] += 1
@@ -233,12 +233,15 @@ def cp_zigzag_ranks_in_a_late_sink_sum_the_words():
         return real_round(self, *a, **kw)
 
     def rank(r, comm):
-        sink = tokensum.GradSink({"dp_cp": comm, "world": comm})
-        sink.begin({}, late=True)
+        sink = None
+        if late:
+            sink = tokensum.GradSink({"dp_cp": comm, "world": comm})
+            sink.begin({}, late=True)
         got = _bwd(q, k, v, out, lse, d_out, pos[r], kv_len, tok=TokenSum(comm, sink=sink))
-        assert int(sink.late_counter(torch.device("cpu"))) == 0
+        assert sink is None or int(sink.late_counter(torch.device("cpu"))) == 0
         return got
     ReplayComm.finish_words, TokenSum.round_exact = spy_words, spy_round
+    tb.DIGIT_ELEMS = digit_elems or real_elems
     try:
         with sequential_dot():
             (q, k, v, q_pos, kv_len, q_idx, sl), out, lse, d_out, ref = small()
@@ -246,12 +249,29 @@ def cp_zigzag_ranks_in_a_late_sink_sum_the_words():
             res = run_ranks_sequentially(2, rank)
     finally:
         ReplayComm.finish_words, TokenSum.round_exact = real_words, real_round
-    assert calls["digits"] == 0 and calls["words"] > 0, calls
+        tb.DIGIT_ELEMS = real_elems
     for r, (dq, dk, dv) in enumerate(res):
         sel = (pos[r] >= 0)[:, None, :, None].expand_as(dq)
         assert_bitwise(dq[sel], ref[0][sel])
         assert_bitwise(dk, ref[1])
         assert_bitwise(dv, ref[2])
+    return calls
+
+
+@check
+def cp_zigzag_ranks_in_a_late_sink_sum_the_words():
+    """CP = 2, each rank's tok holding a late gradient sink (the trainer's first pass): the
+    dK/dV chunks are summed over the ranks as double words (Comm.finish_words), never as
+    digits (round_exact), the single-process bytes — also with DIGIT_ELEMS = 96, so a chunk
+    goes in several slices (each slice its own words). Without a late sink (no sink, or the
+    second pass) every chunk goes as digits: a rank with a flagged program must take the
+    digits, and so must every other rank, at the same collectives."""
+    late = _cp_sums(late=True)
+    assert late["digits"] == 0 and late["words"] > 0, late
+    sliced = _cp_sums(late=True, digit_elems=96)
+    assert sliced["digits"] == 0 and sliced["words"] > 2 * late["words"], (sliced, late)
+    eager = _cp_sums(late=False)
+    assert eager["words"] == 0 and eager["digits"] > 0, eager
 
 
 @check

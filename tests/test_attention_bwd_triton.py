@@ -49,8 +49,9 @@ def test_cp_zigzag_ranks_give_single_process_bytes(results):
 
 def test_cp_zigzag_ranks_in_a_late_sink_sum_the_words(results):
     """CP = 2 with a late gradient sink on each rank (the trainer's first pass): the dK/dV
-    chunks go over the ranks as double words (Comm.finish_words), never as digits, and dK/dV
-    == the single-process bytes on every rank, its dQ rows too; no late flag counted."""
+    chunks go over the ranks as double words (Comm.finish_words), never as digits, also cut
+    in several slices, and dK/dV == the single-process bytes on every rank, its dQ rows too;
+    no late flag counted. Without a late sink every chunk goes as digits."""
     _ok(results, "cp_zigzag_ranks_in_a_late_sink_sum_the_words")
 
 

@@ -269,6 +269,57 @@ def test_direct_grad_weight_words_path_equals_the_digit_path(monkeypatch, tokens
         assert torch.equal(_bits(digits), _bits(persistent))
 
 
+@pytest.mark.parametrize("plant", [False, True])
+def test_direct_chunks_over_two_ranks_go_as_words_in_a_late_sink(monkeypatch, plant):
+    """bf16 operands through kernels/matmul.py grad_weight on two ranks (replayed one after
+    the other: kernel_helpers.run_ranks_sequentially), each with half the tokens, a late
+    direct sink over them, DIRECT_CHUNK_ELEMS = 300·K (four chunks of a [1000, K] weight, the
+    last shorter): every chunk is summed as the kernel's double words (tokensum.words_finished,
+    spied: the rows of each chunk), never by the digits (accumulate_grad_weight_ unused), and
+    the gradient == one rank holding every token by the digits, bytewise on both ranks. With
+    the extreme element planted in row 3 (a flagged tile on rank 0) the late sink counts it,
+    late_flagged says run again on both ranks, and a sink that is not late takes the digits
+    for every chunk — the same bytes."""
+    from kernel_helpers import run_ranks_sequentially
+    tokens, n, k = 1024, 1000, 640
+    monkeypatch.setattr(tokensum, "DIRECT_CHUNK_ELEMS", 300 * k)
+    dy, x = _operands(tokens, n, k, torch.bfloat16, seed=8)
+    if plant:
+        _plant_extreme(dy, x)
+    whole = _bits(fx.round_fp32(_reference(dy, x)))
+    sent, digits = [], []
+    real_words, real_digits = tokensum.words_finished, mm.accumulate_grad_weight_
+
+    def spy_words(comm, words, op):
+        sent.append(words.shape[1])
+        return real_words(comm, words, op)
+
+    def spy_digits(acc, dy, x):
+        digits.append(dy.shape[1])
+        return real_digits(acc, dy, x)
+    monkeypatch.setattr(tokensum, "words_finished", spy_words)
+    monkeypatch.setattr(mm, "accumulate_grad_weight_", spy_digits)
+
+    def rank(r, comm, late):
+        w = torch.nn.Parameter(torch.zeros(n, k, device=DEV))
+        sink = tokensum.GradSink({"dp_cp": comm, "world": comm})
+        sink.begin({"w": w}, direct=True, late=late)
+        mine = slice(r * tokens // 2, (r + 1) * tokens // 2)
+        tok = tokensum.TokenSum(comm, sink=sink)
+        assert mm.grad_weight(dy[mine], x[mine], w, tok) is None
+        flagged = sink.late_flagged()
+        return None if flagged else sink.finish()["w"], flagged
+    got = run_ranks_sequentially(2, lambda r, c: rank(r, c, True))
+    assert sent == [300, 300, 300, 100] * 4 and digits == []   # 2 passes x 2 ranks x 4 chunks
+    assert [f for _, f in got] == [plant, plant]
+    if plant:
+        sent.clear()
+        got = run_ranks_sequentially(2, lambda r, c: rank(r, c, False))
+        assert sent == [] and len(digits) == 2 * 2 * 4
+    for grad, _ in got:
+        assert torch.equal(_bits(grad), whole), int((_bits(grad) != whole).sum())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,n,k,cuts", [(1024, 1024, 3072, (384, 512)),
                                              (768, 200, 136, (128, 256, 640))])

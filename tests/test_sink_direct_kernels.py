@@ -1167,17 +1167,57 @@ def test_finish_refuses_ranks_that_hold_other_weights_before_any_sum():
     from rlkernel.distributed.comm import CollectiveMismatch
     errors = {}
 
-    def rank(r, comm):
-        params = {"v": torch.nn.Parameter(torch.zeros(2)), "w": torch.nn.Parameter(torch.zeros(2))}
+    def rank(r, comm, held):
+        params = {n: torch.nn.Parameter(torch.zeros(2)) for n in ("v", "w", "x")}
         sink = tokensum.GradSink({"dp_cp": Comm.single("dp_cp"), "world": comm})
         sink.begin(params)
-        for n in (("v", "w") if r == 0 else ("w",)):
+        for n in held[r]:
             sink.words(params[n], "world").copy_(_words((1.0, 0.0), (2.0, 0.0)))
         try:
             sink.finish()
         except CollectiveMismatch as e:
             errors[r] = str(e)
-    run_ranks(2, rank)
+    run_ranks(2, lambda r, comm: rank(r, comm, [("v", "w"), ("w",)]))
     assert sorted(errors) == [0, 1]
     assert "finishes 2 weights, rank 1 1" in errors[0] and "0: v vs w" in errors[0]
     assert "finishes 1 weights, rank 0 2" in errors[1] and "0: w vs v" in errors[1]
+    errors.clear()      # as many weights, other names: not one rank's words added to another's
+    run_ranks(2, lambda r, comm: rank(r, comm, [("v", "w"), ("w", "x")]))
+    assert sorted(errors) == [0, 1]
+    assert "0: v vs w" in errors[0] and "0: w vs v" in errors[1]
+
+
+def test_word_buckets_cut_a_weight_across_buckets_and_free_each_when_done(monkeypatch):
+    """_WORD_BUCKET_ELEMS = 3: "a" (5 elements) and "b" (2), held in double words on 2 thread
+    ranks, go in word buckets of 3, 3 and 1 elements (a cut inside "a" and across the two),
+    each gradient == the rounded exact sum of both ranks' words on both ranks, and "a" is no
+    longer held when the bucket after its last slice is sent (a spy on words_finished)."""
+    from kernel_helpers import run_ranks
+    monkeypatch.setattr(tokensum, "_WORD_BUCKET_ELEMS", 3)
+    g = torch.Generator().manual_seed(3)
+    scale = torch.tensor([[1.0], [2.0**-40]], dtype=torch.float64)
+    mine = {r: {n: (torch.randn(2, k, generator=g, dtype=torch.float64) * scale * 2.0**60).round()
+                * 2.0**-60 for n, k in (("a", 5), ("b", 2))} for r in (0, 1)}
+    sinks, seen = {}, []
+    real = tokensum.words_finished
+
+    def spy(comm, words, op):
+        seen.append((comm.rank, tuple(words.shape), sorted(sinks[comm.rank]._words)))
+        return real(comm, words, op)
+    monkeypatch.setattr(tokensum, "words_finished", spy)
+
+    def rank(r, comm):
+        params = {"a": torch.nn.Parameter(torch.zeros(5)), "b": torch.nn.Parameter(torch.zeros(2))}
+        sinks[r] = tokensum.GradSink({"dp_cp": Comm.single("dp_cp"), "world": comm})
+        sinks[r].begin(params)
+        for n, w in mine[r].items():
+            sinks[r].words(params[n], "world").copy_(w)
+        return sinks[r].finish()
+    got = run_ranks(2, rank)
+    for n in ("a", "b"):
+        acc = fx.zeros((mine[0][n].shape[1],))
+        for r in (0, 1):
+            fx.add_double_words_(acc, mine[r][n])
+        assert all(_same(got[r][n], fx.round_fp32(acc)) for r in (0, 1)), n
+    r0 = [s[1:] for s in seen if s[0] == 0]
+    assert r0 == [((2, 3), ["a", "b"]), ((2, 3), ["a", "b"]), ((2, 1), ["b"])], r0
