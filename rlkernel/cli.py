@@ -37,6 +37,7 @@ import glob
 import itertools
 import math
 import os
+import re
 import pathlib
 import shlex
 import shutil
@@ -69,8 +70,15 @@ def _debug() -> bool:
     return os.environ.get("RLK_DEBUG", "") not in ("", "0")
 
 
+def _one_line(text: str) -> str:
+    """text on one line: each line break, with the blanks around it, becomes one space. Runs of
+    blanks elsewhere stay — they may be inside a quoted value the user gave (--run-dir 'a  b'),
+    which an error must name as it was typed (a repr'd value shows its own breaks as \\n)."""
+    return re.sub(r"[ \t]*[\r\n\v\f]+[ \t]*", " ", text).strip()
+
+
 def _error(cmd: str, msg: object, code: int) -> int:
-    text = " ".join(str(msg).split()) or type(msg).__name__
+    text = _one_line(str(msg)) or type(msg).__name__
     print(f"rlk {cmd}: error: {text}", file=sys.stderr)
     return code
 
@@ -91,7 +99,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
-        text = " ".join(message.split()).removeprefix("argument ")
+        text = _one_line(message).removeprefix("argument ")
         self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):

@@ -528,7 +528,7 @@ def test_every_command_refuses_a_path_of_only_whitespace(capsys, cwd, loop, argv
     assert code == 2 and out == "", err
     want = (f"rlk {argv[0]}: error: {name} {value!r}: must be a path, not only whitespace"
             + (" (or left out)" if argv[0] == "run" else ""))
-    assert err.strip().splitlines() == [" ".join(want.split())]   # one line, runs of blanks as one
+    assert err.strip().splitlines() == [want]     # one line, the value as it was given
     assert sorted(p.name for p in cwd.iterdir()) == ["a"] and loop.calls == []
     code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", " a/r")
     assert code == 0 and len(loop.calls) == 1, err
@@ -554,10 +554,25 @@ def test_every_command_refuses_a_path_with_a_name_of_only_whitespace(capsys, cwd
     part = next(p for p in value.split("/") if p and not p.strip())
     want = (f"rlk {argv[0]}: error: {name} {value!r}: has a name of only whitespace "
             f"({part!r}): a quoting slip, not a choice")
-    assert err.strip().splitlines() == [" ".join(want.split())]
+    assert err.strip().splitlines() == [want]
     assert sorted(p.name for p in cwd.iterdir()) == ["a"] and loop.calls == []
     code, _, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", " a/r ")
     assert code == 0 and len(loop.calls) == 1, err
+
+
+def test_errors_name_a_path_with_its_runs_of_blanks_as_given(capsys, cwd, loop):
+    """An error names the value as it was typed: --run-dir 'sp  two' (two spaces) naming an
+    occupied directory says 'sp  two' — the one-line error squeezed runs of blanks anywhere in
+    the message, so it named 'sp two', another path. Line breaks in a message still become one
+    space (one line)."""
+    (cwd / "sp  two").mkdir()
+    (cwd / "sp  two" / "x").write_text("")
+    code, out, err = rlk(capsys, "run", "--allow-dirty", "--run-dir", "sp  two")
+    assert code == 2 and loop.calls == [], err
+    assert err.strip().splitlines() == [
+        "rlk run: error: --run-dir 'sp  two': exists and is not an empty directory; give a new "
+        "or empty directory"], err
+    assert cli._one_line("a  b\n  c\r\n\td ") == "a  b c d"
 
 
 def _rlk_under_a_test_handler(capsys, num: int, *argv: str) -> tuple[int, str, str]:
