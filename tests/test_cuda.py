@@ -408,7 +408,9 @@ def test_round_words_sum_kernel_equals_the_digit_kernels_and_the_cpu_path():
     part exactly: zero sums) and for the double-word hazard cases with hi on one part and lo
     on the other (fp32 ties decided by lo across the ranks); the
     CUDA _round_words_sum (the sink's) takes the kernel. Control: a float64 sum of the parts
-    differs."""
+    rounds a planted element (1 + 2**-24 on one part, 2**-100 on another) to 1.0,
+    the exact sum to 1 + 2**-23. (On an H100 the random elements alone rounded alike: the
+    control needs a planted tie.)"""
     import fixedpoint_round_cases as rc
 
     from rlkernel.distributed import tokensum
@@ -423,6 +425,9 @@ def test_round_words_sum_kernel_equals_the_digit_kernels_and_the_cpu_path():
         for r in range(p):
             words, ok = rc.two_sum_words(x[r])
             parts.append(torch.where(ok, words, 0.0))
+        parts[0][:, 7] = torch.tensor([1.0 + 2.0**-24, 0.0], dtype=torch.float64)
+        for i, w in enumerate(parts[1:]):     # a tie in float64 only: the exact sum is above it
+            w[:, 7] = torch.tensor([2.0**-100 if i == 0 else 0.0, 0.0], dtype=torch.float64)
         acc = fx.zeros((m,), DEV)
         for w in parts:
             tfx.add_double_words_(acc, w)
@@ -432,7 +437,7 @@ def test_round_words_sum_kernel_equals_the_digit_kernels_and_the_cpu_path():
         cpu = tokensum._round_words_sum([w[:, :1 << 16].cpu() for w in parts])
         assert _same(cpu, want[:1 << 16].cpu()), p
         plain = sum(w[0] + w[1] for w in parts).float()
-        assert not _same(plain, want), p
+        assert plain[7].item() == 1.0 and want[7].item() == 1.0 + 2.0**-23, p
     for name, words in rc.word_cases().items():
         dev = words.to(DEV)                   # hi on one rank, lo on the other: (hi, 0), (0, lo)
         pair = [torch.stack([dev[0], torch.zeros_like(dev[0])]),
