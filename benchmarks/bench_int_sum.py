@@ -9,10 +9,11 @@ accumulators (int64 [n, fixedpoint.N_COLS], 104 bytes an element):
 - `words`: `tokensum.words_finished(words)` — the same sums held as float64 double words
   [2, n] (16 bytes an element, as the CUDA dW kernel leaves them), sent by slices as words and
   made digits only by the rank that rounds each slice.
-The three results are checked bytewise equal before timing. Reported per size: median ms of rank 0
-(each timed call starts behind a barrier), the ratio sliced / all_reduce, and the bytes each
-form sends per rank (ring all-reduce 2·(size−1)/size of the accumulator; sliced
-(size−1)/size of it plus (size−1)/size of the fp32 result).
+The three results are checked bytewise equal before timing. Reported per size: median ms of
+rank 0 (each timed call starts behind a barrier), the ratios sliced / all_reduce and words /
+all_reduce, and the bytes each form sends per rank (ring all-reduce 2·(size−1)/size of the
+accumulator; sliced (size−1)/size of it plus (size−1)/size of the fp32 result; words
+(size−1)/size of 16 + 4 bytes an element).
 Sizes: elements per call — 2**21 is GradSink's finishing bucket, 2**23 a direct-mode chunk
 (tokensum.py).
 Run (repository root):

@@ -53,8 +53,8 @@ def main() -> None:
         print(f"rlk run exit {p.returncode}; {len(profiles)} process profiles")
         for prof in profiles:
             st = pstats.Stats(str(prof))
-            if not any("runner/loop.py" in k[0] for k in st.stats):
-                continue                   # the parent (launcher): no step ran there
+            if not any(k[2] == "_rank_main" for k in st.stats):
+                continue                   # the launcher and helper processes: no rank ran
             total = max(v[3] for v in st.stats.values())
             print(f"\n== rank process {prof.stem}: {total:.1f} s profiled")
             for title, files in (("phases", PHASES), ("collectives", COLLECTIVES)):

@@ -37,8 +37,8 @@ import glob
 import itertools
 import math
 import os
-import re
 import pathlib
+import re
 import shlex
 import shutil
 import sys
@@ -488,16 +488,16 @@ def _bad_paths(*named: tuple[str, str]) -> str | None:
     """The usage error for the first of a command's (name, path) arguments that no command
     takes, before any work: '' (which the file system reads as the current directory: report
     wrote its PNGs there, compare and export read the run there), only whitespace or with a
-    name of only whitespace ('r/ ': a name the file system takes, from a quoting slip), not UTF-8 (_non_utf8), or not looked up
-    (_unusable_path). None when all are usable."""
+    name of only whitespace ('r/ ': a name the file system takes, from a quoting slip), not
+    UTF-8 (_non_utf8), or not looked up (_unusable_path). None when all are usable."""
     for name, value in named:   # worded as rlk run's RunConfig words --run-dir '' and ' '
         if not value:
             return f"{name} '': must be a non-empty path"
         if not value.strip():   # a legal name, but a quoting slip
             return f"{name} {value!r}: must be a path, not only whitespace"
-        if blank_part(value) is not None:
-            return (f"{name} {value!r}: has a name of only whitespace "
-                    f"({blank_part(value)!r}): a quoting slip, not a choice")
+        if (part := blank_part(value)) is not None:
+            return (f"{name} {value!r}: has a name of only whitespace ({part!r}): a quoting "
+                    "slip, not a choice")
     return _non_utf8(*named) or _unusable_path(*named)
 
 

@@ -559,9 +559,9 @@ def _check_path(c: RunConfig, field: str) -> None:
         raise _fail(field, v, "must be a non-empty path (or left out)")
     if not v.strip():   # a legal file name, but a quoting slip, not a choice
         raise _fail(field, v, "must be a path, not only whitespace (or left out)")
-    if blank_part(v) is not None:
-        raise _fail(field, v, f"has a name of only whitespace ({blank_part(v)!r}): a quoting "
-                              "slip, not a choice")
+    if (part := blank_part(v)) is not None:
+        raise _fail(field, v, f"has a name of only whitespace ({part!r}): a quoting slip, not "
+                              "a choice")
     try:
         v.encode("utf-8")    # bytes the filesystem gave that are not UTF-8: surrogates
     except UnicodeEncodeError:

@@ -1,6 +1,7 @@
 """benchmarks/bench_int_sum.py on CPU with gloo ranks: the three forms of the exact gradient sum
-(integer all-reduce, integer slices, double words by slices) are checked bytewise equal and timed at every size (one padded: no world size divides it), so the
-GPU call that measures them cannot fail on the script."""
+(integer all-reduce, integer slices, double words by slices) are checked bytewise equal and
+timed at every size (one padded: no world size divides it), so the GPU call that measures them
+cannot fail on the script."""
 
 from __future__ import annotations
 

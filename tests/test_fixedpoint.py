@@ -377,13 +377,15 @@ def test_add_double_words_torch_path_adds_the_exact_integers():
     twice = fx.add_double_words_(fx.add_double_words_(fx.zeros((m,)), words), words)
     assert torch.equal(fx.normalise_(twice), fx.normalise_(want * 2))
     lost = torch.tensor([[1.0], [2.0**-80]], dtype=torch.float64)
+    summed = torch.stack([lost.sum(0), torch.zeros(1, dtype=torch.float64)])
     assert not torch.equal(fx.add_double_words_(fx.zeros((1,)), lost),
-                           fx.add_double_words_(fx.zeros((1,)),
-                                                torch.stack([lost.sum(0), torch.zeros(1).double()])))
-    for acc, w in ((fx.zeros((3,)), torch.zeros(2, 3)), (fx.zeros((3,)), torch.zeros(2, 4).double()),
-                   (fx.zeros((3,)), torch.zeros(3, 3).double()), (torch.zeros(3, 13),
-                                                                 torch.zeros(2, 3).double()),
-                   (fx.zeros((3, 1)), torch.zeros(2, 3).double())):
+                           fx.add_double_words_(fx.zeros((1,)), summed))
+    f64 = torch.float64
+    for acc, w in ((fx.zeros((3,)), torch.zeros(2, 3)),
+                   (fx.zeros((3,)), torch.zeros(2, 4, dtype=f64)),
+                   (fx.zeros((3,)), torch.zeros(3, 3, dtype=f64)),
+                   (torch.zeros(3, 13), torch.zeros(2, 3, dtype=f64)),
+                   (fx.zeros((3, 1)), torch.zeros(2, 3, dtype=f64))):
         with pytest.raises(ValueError, match="add_double_words_"):
             fx.add_double_words_(acc, w)
 
