@@ -49,8 +49,8 @@ import unicodedata
 import rlkernel
 from rlkernel import readfile
 from rlkernel.config import (FP32_MAX, INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError,
-                             RunConfig, SampleFitError, blank_part, field_docs, flag_name,
-                             model_flag_error)
+                             RunConfig, SampleFitError, field_docs, flag_name,
+                             model_flag_error, path_problem)
 from rlkernel.distributed.topology import (RANKS_PER_SHARED_GPU, SHARE_GPUS_ENV, gpus_shared,
                                           launcher_world_size, validate_topology)
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
@@ -491,13 +491,8 @@ def _bad_paths(*named: tuple[str, str]) -> str | None:
     name of only whitespace ('r/ ': a name the file system takes, from a quoting slip), not
     UTF-8 (_non_utf8), or not looked up (_unusable_path). None when all are usable."""
     for name, value in named:   # worded as rlk run's RunConfig words --run-dir '' and ' '
-        if not value:
-            return f"{name} '': must be a non-empty path"
-        if not value.strip():   # a legal name, but a quoting slip
-            return f"{name} {value!r}: must be a path, not only whitespace"
-        if (part := blank_part(value)) is not None:
-            return (f"{name} {value!r}: has a name of only whitespace ({part!r}): a quoting "
-                    "slip, not a choice")
+        if (why := path_problem(value)) is not None:
+            return f"{name} {value!r}: {why}"
     return _non_utf8(*named) or _unusable_path(*named)
 
 

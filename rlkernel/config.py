@@ -545,23 +545,30 @@ def _check_choice(c: RunConfig, field: str, choices: tuple[str, ...]) -> None:
         raise _fail(field, v, f"must be one of {', '.join(choices)}")
 
 
-def blank_part(path: str) -> str | None:
-    """The first '/'-separated name of `path` made of whitespace only (e.g. ' ' in 'runs/ /a'),
-    or None: a legal file name, but one no user means to type."""
-    return next((p for p in path.split("/") if p and not p.strip()), None)
+def path_problem(path: str, optional: bool = False) -> str | None:
+    """Why `path` is no path any command takes, or None: '' (the file system reads it as the
+    current directory), only whitespace, or a '/'-separated name of only whitespace ('r/ ') —
+    legal file names, but quoting slips, not choices. `optional`: the argument may be left out
+    instead (said in the first two reasons, as rlk run's words them)."""
+    tail = " (or left out)" if optional else ""
+    if not path:
+        return "must be a non-empty path" + tail
+    if not path.strip():
+        return "must be a path, not only whitespace" + tail
+    part = next((p for p in path.split("/") if p and not p.strip()), None)
+    if part is not None:
+        return f"has a name of only whitespace ({part!r}): a quoting slip, not a choice"
+    return None
 
 
 def _check_path(c: RunConfig, field: str) -> None:
     v = getattr(c, field)
     if v is None:
         return
-    if not isinstance(v, str) or not v:
+    if not isinstance(v, str):
         raise _fail(field, v, "must be a non-empty path (or left out)")
-    if not v.strip():   # a legal file name, but a quoting slip, not a choice
-        raise _fail(field, v, "must be a path, not only whitespace (or left out)")
-    if (part := blank_part(v)) is not None:
-        raise _fail(field, v, f"has a name of only whitespace ({part!r}): a quoting slip, not "
-                              "a choice")
+    if (why := path_problem(v, optional=True)) is not None:
+        raise _fail(field, v, why)
     try:
         v.encode("utf-8")    # bytes the filesystem gave that are not UTF-8: surrogates
     except UnicodeEncodeError:

@@ -44,6 +44,15 @@ digits) are summed and finished by slices in `sum_ints_finished`; below it one a
 latency wins (a norm weight's gradient)."""
 
 
+def _summed(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Σ parts (at least two) into a new tensor: the received buffers are left as they came
+    (a double's all-to-all may hand back views of shared state)."""
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total += part
+    return total
+
+
 class CollectiveMismatch(RuntimeError):
     """Ranks of one group made different collective calls (order, op, shape or dtype)."""
 
@@ -205,16 +214,25 @@ class Comm:
         return self.size > 2 and t.numel() >= max(SLICED_MIN_ELEMS, self.size)
 
     def _by_slices(self, t: torch.Tensor, op: str, combine) -> torch.Tensor:
-        """An elementwise combination of every rank's t, computed by slices: rank r receives
-        every rank's flat elements [a, b) = [r·c, (r+1)·c), c = ⌈n/size⌉ (all-to-all),
-        `combine(received parts in rank order, a, b)` gives the result's elements [a, b), and
-        those are all-gathered. The pad past n is combined and dropped."""
-        per = self._slice_len(t)
+        """An elementwise combination of every rank's t over its flat elements
+        (`_finish_slices`: `combine(parts, a, b)` gives the result's elements [a, b))."""
+        return self._finish_slices(t.reshape(-1), 0, op, combine).reshape(t.shape)
+
+    def _finish_slices(self, t: torch.Tensor, dim: int, op: str, finish) -> torch.Tensor:
+        """An elementwise combination of every rank's t along `dim` (its n elements; other
+        dims are an element's columns), by slices: rank r receives every rank's elements
+        [a, b) = [r·c, (r+1)·c), c = ⌈n/size⌉ (all-to-all), `finish(received parts in rank
+        order, a, b)` gives the result's elements [a, b) (dim 0 of what it returns), and those
+        are all-gathered: the result's [n, ...]. The pad past n is finished and dropped."""
+        n = t.shape[dim]
+        per = -(-n // self.size)
+        if per * self.size != n:
+            pad = list(t.shape)
+            pad[dim] = per * self.size - n
+            t = torch.cat([t, t.new_zeros(pad)], dim)
         a = self.rank * per
-        mine = combine(self.all_to_all(list(self._padded_flat(t).split(per)), f"{op}:slices"),
-                       a, a + per)
-        whole = self.all_gather_cat(mine, f"{op}:combined")
-        return whole[:t.numel()].reshape(t.shape)
+        mine = finish(self.all_to_all(list(t.split(per, dim)), f"{op}:slices"), a, a + per)
+        return self.all_gather_cat(mine, f"{op}:finished")[:n]
 
     def _slice_len(self, t: torch.Tensor) -> int:
         """Elements per rank when t's flat elements are cut into `size` slices: ⌈n/size⌉."""
@@ -270,16 +288,8 @@ class Comm:
         n = math.prod(shape)
         if self.size == 1 or n < max(INT_SLICED_MIN_ELEMS, self.size):
             return finish(self.sum_ints(t, op).reshape(n, cols)).reshape(shape)
-        rows = t.reshape(n, cols)
-        per = -(-n // self.size)
-        if per * self.size != n:    # the pad rows are summed, finished and dropped
-            rows = torch.cat([rows, rows.new_zeros(per * self.size - n, cols)])
-        parts = self.all_to_all(list(rows.split(per)), f"{op}:slices")
-        total = parts[0] + parts[1]     # a new tensor: received buffers are left as they came
-        for part in parts[2:]:
-            total += part
-        mine = finish(total)
-        return self.all_gather_cat(mine, f"{op}:finished")[:n].reshape(shape)
+        return self._finish_slices(t.reshape(n, cols), 0, op,
+                                   lambda parts, a, b: finish(_summed(parts))).reshape(shape)
 
     def finish_words(self, words: torch.Tensor, op: str,
                      finish: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
@@ -301,12 +311,7 @@ class Comm:
             return finish([flat]).reshape(shape)
         if n < max(INT_SLICED_MIN_ELEMS, self.size):
             return finish(self.all_gather(flat, op)).reshape(shape)
-        per = -(-n // self.size)
-        if per * self.size != n:    # the pad columns are finished and dropped
-            flat = torch.cat([flat, flat.new_zeros(lead, per * self.size - n)], 1)
-        parts = self.all_to_all(list(flat.split(per, 1)), f"{op}:slices")
-        mine = finish(parts)
-        return self.all_gather_cat(mine, f"{op}:finished")[:n].reshape(shape)
+        return self._finish_slices(flat, 1, op, lambda parts, a, b: finish(parts)).reshape(shape)
 
     def tree_reduce_scatter(self, partial: torch.Tensor, op: str, dim: int = 0) -> torch.Tensor:
         """This rank's equal slice along `dim` (rank order) of tree_all_reduce(partial): each
