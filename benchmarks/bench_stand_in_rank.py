@@ -1,0 +1,188 @@
+"""One rank of a TP/CP layout on one GPU, the other ranks stood in for: its peak memory and step
+time, for layouts whose GPUs are not at hand (issue 11, items 3 and 7: qwen3-8b at TP2,
+qwen3-1.7b at TP2 and CP2, on two H200s).
+
+Rank 0 of a TP × CP layout builds its model shard and runs the training step (forward,
+backward, exact finish, clipped norm, AdamW on fp32 masters, weights back to bf16) of the
+invariant arm exactly as in `rlk run`, but every collective goes through `StandInComm`: the
+other ranks are taken to hold zeros (an all-gather returns this rank's tensor and zeros of its
+shape for the others; an all-to-all returns this rank's own chunk and zeros; an integer sum
+returns this rank's integers; an object gather returns this rank's object for every rank). So
+the rank allocates and computes what it would in the layout — its parameter shard, its CP
+stream, the gathered K/V, the received slices of every finishing collective — with finite
+values throughout (a sum with zeros adds nothing; the slices other ranks would finish come
+back as zeros). What it is not: the contract (the numbers are not the layout's, and nothing
+is compared), nor the interconnect's time (no byte leaves the GPU; add NCCL's time for the
+layout's collectives). Prints JSON-able results.
+
+Run (repository root, CUDA machine):
+    PYTHONPATH=. python3 benchmarks/bench_stand_in_rank.py --model qwen3-8b --tp 2 \
+        --samples 8 --prompt-len 64 --response-len 512
+Does not: run rollout, the weight sync, DP (a DP replica's rank holds what a DP1 rank holds,
+less ZeRO-1's optimizer shards), or SP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Sequence
+
+import torch
+
+from benchmarks.bench_train_step import _samples, _sync
+from benchmarks.common import dump, env, require_cuda
+from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.parallel import ParallelCtx
+from rlkernel.distributed.tokensum import GradSink, TokenSum
+from rlkernel.model.config import param_shapes, preset
+from rlkernel.model.ops import ops_for
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
+from rlkernel.model.sharding import kv_replicas
+from rlkernel.train.losses import LossCoefs, invariant_exp
+from rlkernel.train.optimizer import AdamW, AdamWParams
+from rlkernel.train.step import compute_gradients, gradients
+
+PAD = 0
+
+
+class StandInComm(Comm):
+    """Rank `rank` of a group of `size` whose other ranks hold zeros (tensors) and this rank's
+    objects. Only the primitives are replaced; every collective built on them (tree
+    all-reduce, sliced sums, owner picks, finishing words) runs its own code on their results."""
+
+    def __init__(self, name: str, size: int, rank: int = 0) -> None:
+        super().__init__(name, None, tuple(range(size)), rank)
+
+    def _validate(self, op: str, t: torch.Tensor | None) -> None:
+        self._calls += 1             # no other rank to compare call signatures with
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        return False
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t if r == self.rank else torch.zeros_like(t) for r in range(self.size)]
+
+    def all_gather_object(self, obj: Any, op: str) -> list[Any]:
+        self._validate(op, None)
+        return [obj] * self.size
+
+    def _all_to_all(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        own = chunks[self.rank].contiguous()
+        return [own if r == self.rank
+                else torch.zeros_like(c, memory_format=torch.contiguous_format)
+                for r, c in enumerate(chunks)]
+
+    def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
+        if t.dtype != torch.int64:
+            raise TypeError(f"sum_ints({op!r}) expects int64, got {t.dtype}")
+        self._validate(op, t)
+        return t if inplace else t.contiguous().clone()
+
+
+def _comm(name: str, size: int) -> Comm:
+    return StandInComm(name, size) if size > 1 else Comm.single(name)
+
+
+def stand_in_ctx(cfg, tp: int, cp: int) -> ParallelCtx:
+    """Rank 0's training context of a TP × CP layout (DP1, no SP), as
+    distributed/context.build_contexts builds it, every group a StandInComm."""
+    tp_c, cp_c = _comm("tp", tp), _comm("cp", cp)
+    sink = GradSink({"dp_cp": cp_c, "world": _comm("world", tp * cp)})
+    tok = TokenSum(cp_c, "dp_cp", sink)
+    return ParallelCtx(tp_c, _comm("kv", kv_replicas(cfg, tp)), cp_c, False, tok, tok)
+
+
+@torch.no_grad()
+def load_random(policy: Qwen3ForCausalLM, dev: torch.device, seed: int = 0) -> None:
+    """Random weights made one logical tensor at a time on `dev` (norm weights 1, the rest
+    N(0, 0.02²)), each cut to this rank's shard (`local_param`): an 8B model's logical fp32
+    weights (33 GB) never exist at once, on the host or the device."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in policy.logical_params().items():
+        shape = param_shapes(policy.cfg)[name]
+        t = (torch.ones(shape, device=dev) if len(shape) == 1
+             else torch.randn(shape, device=dev, generator=g) * 0.02)
+        p.copy_(policy.local_param(name, t))
+        del t
+
+
+def run(model: str, tp: int, cp: int, samples: int, prompt_len: int, response_len: int,
+        steps: int, micro_samples: int, recompute: bool, kl: bool,
+        dev: torch.device) -> dict:
+    """Build rank 0 of the layout and time `steps` training steps; returns the step times, the
+    peak memory of the device (GiB) and the rank's parameter elements."""
+    cfg = preset(model)
+    pc = stand_in_ctx(cfg, tp, cp)
+    batch = _samples(samples, prompt_len, response_len, cfg.vocab_size, 1)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    policy = Qwen3ForCausalLM(cfg, ops_for("invariant"), torch.bfloat16, pc).to(dev)
+    policy.hold_matmul_weights()
+    load_random(policy, dev)
+    policy.recompute = recompute
+    ref = None
+    if kl:
+        ref = Qwen3ForCausalLM(cfg, ops_for("invariant"), torch.bfloat16, pc).to(dev)
+        ref.requires_grad_(False)
+        ref.hold_matmul_weights()
+        load_random(ref, dev)
+    opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()},
+                AdamWParams(lr=1e-6))
+    per = [len(s.prompt_ids) + len(s.response_ids) + 128 for s in batch]
+    budget = sum(per) if not micro_samples else sum(per[:micro_samples])
+    times, norms = [], []
+    for _ in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        compute_gradients(policy, ref, batch, temperature=1.0,
+                          coefs=LossCoefs(0.2, 0.01 if kl else 0.0, 0.0, "k3"),
+                          micro_batch_tokens=budget, pad_id=PAD, exp=invariant_exp)
+        grads = gradients(policy)
+        norms.append(opt.clip(grads, 1.0).norm)
+        opt.step(grads)
+        policy.load_master_shards(opt.weights(torch.bfloat16))
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    n_local = sum(p.numel() for p in policy.logical_params().values())
+    return {"model": model, "tp": tp, "cp": cp, "samples": samples,
+            "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in batch),
+            "micro_samples": micro_samples, "recompute": recompute, "kl": kl,
+            "step_s": times, "warm_step_s": min(times[1:]) if len(times) > 1 else times[0],
+            "grad_norms": norms, "peak_gib": peak, "rank_param_elems": n_local,
+            "peak_bytes_per_rank_param": peak * 2**30 / n_local}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--micro-samples", type=int, default=0,
+                    help="samples per microbatch (0: all in one, direct mode)")
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--kl", action="store_true", help="keep and run a reference policy too")
+    ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        require_cuda()
+    r = run(a.model, a.tp, a.cp, a.samples, a.prompt_len, a.response_len, a.steps,
+            a.micro_samples, a.recompute, a.kl, dev)
+    r["env"] = env() if dev.type == "cuda" else {"device": "cpu"}
+    dump(a.out, r)
+    print(f"{a.model} TP{a.tp} CP{a.cp} rank 0 stood in: warm step {r['warm_step_s']:.3f} s "
+          f"(steps {[round(t, 3) for t in r['step_s']]}), peak {r['peak_gib']:.2f} GiB "
+          f"({r['peak_bytes_per_rank_param']:.1f} B per rank parameter element, "
+          f"{r['rank_param_elems']:,} elements on the rank), grad norms {r['grad_norms']}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
