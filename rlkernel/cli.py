@@ -51,8 +51,8 @@ from rlkernel import readfile
 from rlkernel.config import (FP32_MAX, INPUT_PATHS, RESUME_MAY_CHANGE, SEED_LIMIT, ConfigError,
                              RunConfig, SampleFitError, field_docs, flag_name,
                              model_flag_error, path_problem)
-from rlkernel.distributed.topology import (RANKS_PER_SHARED_GPU, SHARE_GPUS_ENV, gpus_shared,
-                                          launcher_world_size, validate_topology)
+from rlkernel.distributed.topology import (RANKS_PER_SHARED_GPU, SHARE_GPUS_ENV, dist_timeout_s,
+                                           gpus_shared, launcher_world_size, validate_topology)
 from rlkernel.model.config import PRESETS, Qwen3Config, tiny
 from rlkernel.runner.evidence import EvidenceWriter, Progress, build_manifest, git_state
 from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inputs, input_paths,
@@ -713,6 +713,7 @@ def _check_inputs(cfg: RunConfig) -> None:
         raise ConfigError(f"--prompts {cfg.prompts!r}: {what}; give a JSONL or Parquet "
                           "prompts file, or leave out --prompts for the built-in arithmetic task")
     gpus_shared()   # a malformed RLK_SHARE_GPUS, on every device; before the no-GPU error
+    dist_timeout_s()   # a malformed RLK_DIST_TIMEOUT_S, before a run directory exists
     if cfg.device == "cuda":
         _import_torch()
         import torch

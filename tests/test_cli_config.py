@@ -1514,6 +1514,29 @@ def test_cuda_ranks_past_the_gpus_need_rlk_share_gpus(monkeypatch):
         cli._check_local_world(two)
 
 
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf", "1e30", "0.001", "1e6"])
+def test_malformed_rlk_dist_timeout_s_is_refused_before_any_work(capsys, cwd, loop,
+                                                                  monkeypatch, value):
+    """RLK_DIST_TIMEOUT_S (every collective's bound) is checked with the flags: exit 2, one line
+    naming it, its value and the allowed range, no run directory; a number inside the range (or
+    nothing) runs."""
+    from rlkernel.distributed.topology import DIST_TIMEOUT_ENV, dist_timeout_s
+    monkeypatch.setenv(DIST_TIMEOUT_ENV, value)
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--tp", "2")
+    assert code == 2, err
+    assert err.strip().count("\n") == 0
+    assert f"RLK_DIST_TIMEOUT_S={value!r}: must be a number of seconds in [1, 604800]" in err
+    assert loop.calls == [] and list(cwd.iterdir()) == []
+    monkeypatch.setenv(DIST_TIMEOUT_ENV, " 45.5 ")
+    assert dist_timeout_s() == 45.5
+    monkeypatch.setenv(DIST_TIMEOUT_ENV, "")
+    assert dist_timeout_s() == 300.0
+    monkeypatch.delenv(DIST_TIMEOUT_ENV)
+    assert dist_timeout_s() == 300.0
+    code, _, err = rlk(capsys, "run", "--allow-dirty", "--tp", "2")
+    assert code == 0, err
+
+
 def test_rlk_share_gpus_on_cpu_is_checked_warned_and_not_recorded(capsys, cwd, loop,
                                                                    monkeypatch):
     """On --device cpu a malformed RLK_SHARE_GPUS is refused too (exit 2, nothing written), a 1

@@ -62,6 +62,32 @@ def gpus_shared() -> bool:
     return value == "1"
 
 
+DIST_TIMEOUT_ENV = "RLK_DIST_TIMEOUT_S"
+"""Seconds every collective wait and the rendezvous of a multi-rank run may take (default
+300): past it the ranks are stopped and the one that did not arrive is named."""
+DIST_TIMEOUT_RANGE = (1.0, 604800.0)
+"""Allowed RLK_DIST_TIMEOUT_S: a second (below it the rendezvous itself times out) to a week
+(past it the timeout no longer stops a hung rank in any useful time)."""
+
+
+def dist_timeout_s() -> float:
+    """RLK_DIST_TIMEOUT_S in seconds (300 when unset or empty). Raises ConfigError, naming the
+    variable, its value and the allowed range, for anything but a number in
+    DIST_TIMEOUT_RANGE."""
+    text = os.environ.get(DIST_TIMEOUT_ENV, "").strip()
+    if not text:
+        return 300.0
+    lo, hi = DIST_TIMEOUT_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{DIST_TIMEOUT_ENV}={os.environ[DIST_TIMEOUT_ENV]!r}: must be a "
+                          f"number of seconds in [{lo:g}, {hi:g}] (or unset: 300)")
+    return value
+
+
 def launcher_world_size() -> int | None:
     """WORLD_SIZE when this process was started by torchrun (all TORCHRUN_VARS set), else None.
 

@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import pathlib
 import signal
 import threading
@@ -177,12 +176,13 @@ def run_loop(cfg: RunConfig, run_dir: pathlib.Path, writer: EvidenceWriter,
              read)
         return
     from rlkernel.distributed.launch import RankFailure, cuda_backend, launch
+    from rlkernel.distributed.topology import dist_timeout_s
     # On CUDA the group must carry CPU tensors too (collective signatures, audit problem lists,
     # exact-norm limbs): NCCL alone rejects them.
     backend = cuda_backend() if cfg.device == "cuda" else "gloo"
     try:
         launch(_rank_main, (cfg, str(run_dir), writer.manifest, read), world_size=world,
-               backend=backend, timeout_s=float(os.environ.get("RLK_DIST_TIMEOUT_S", "300")))
+               backend=backend, timeout_s=dist_timeout_s())
     except RankFailure as e:
         if e.error_type:  # the rank raised: its error (and traceback) goes up unchanged
             raise
