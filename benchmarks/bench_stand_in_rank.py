@@ -144,13 +144,16 @@ def run(model: str, tp: int, cp: int, samples: int, prompt_len: int, response_le
         policy.load_master_shards(opt.weights(torch.bfloat16))
         _sync(dev)
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    cuda = dev.type == "cuda"
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    # What stays between steps: weights, fp32 gradients, masters and moments (+ caches).
+    resident = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")
     n_local = sum(p.numel() for p in policy.logical_params().values())
     return {"model": model, "tp": tp, "cp": cp, "samples": samples,
             "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in batch),
             "micro_samples": micro_samples, "recompute": recompute, "kl": kl,
             "step_s": times, "warm_step_s": min(times[1:]) if len(times) > 1 else times[0],
-            "grad_norms": norms, "peak_gib": peak, "rank_param_elems": n_local,
+            "grad_norms": norms, "peak_gib": peak, "resident_gib": resident, "rank_param_elems": n_local,
             "peak_bytes_per_rank_param": peak * 2**30 / n_local}
 
 
@@ -178,7 +181,8 @@ def main() -> None:
     r["env"] = env() if dev.type == "cuda" else {"device": "cpu"}
     dump(a.out, r)
     print(f"{a.model} TP{a.tp} CP{a.cp} rank 0 stood in: warm step {r['warm_step_s']:.3f} s "
-          f"(steps {[round(t, 3) for t in r['step_s']]}), peak {r['peak_gib']:.2f} GiB "
+          f"(steps {[round(t, 3) for t in r['step_s']]}), peak {r['peak_gib']:.2f} GiB, "
+          f"{r['resident_gib']:.2f} GiB held between steps "
           f"({r['peak_bytes_per_rank_param']:.1f} B per rank parameter element, "
           f"{r['rank_param_elems']:,} elements on the rank), grad norms {r['grad_norms']}",
           flush=True)
