@@ -153,7 +153,8 @@ def run(model: str, tp: int, cp: int, samples: int, prompt_len: int, response_le
             "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in batch),
             "micro_samples": micro_samples, "recompute": recompute, "kl": kl,
             "step_s": times, "warm_step_s": min(times[1:]) if len(times) > 1 else times[0],
-            "grad_norms": norms, "peak_gib": peak, "resident_gib": resident, "rank_param_elems": n_local,
+            "grad_norms": norms, "peak_gib": peak, "resident_gib": resident,
+            "rank_param_elems": n_local,
             "peak_bytes_per_rank_param": peak * 2**30 / n_local}
 
 
