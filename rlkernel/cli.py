@@ -60,7 +60,7 @@ from rlkernel.runner.inputs import (check_located, check_unchanged, describe_inp
                                     startup_notes)
 from rlkernel.runner.watch import (CKPT_DIR, FINAL_DIR, TMP_SUFFIX, config_warnings,
                                    prompt_warnings, summary_lines)
-from rlkernel.termination import Terminated
+from rlkernel.termination import CtrlC, Terminated
 
 SRC_DIR = pathlib.Path(rlkernel.__file__).resolve().parent.parent
 """The directory that holds the rlkernel package: the checkout whose git state is recorded."""
@@ -1132,8 +1132,18 @@ def _exit_on_sigterm():
     handler = _Unwind(current.received if isinstance(current, _Unwind) else [])
     # An ignored signal stays ignored: nohup (or `trap '' HUP`) asked the run to outlive its
     # terminal, and a handler here would turn that hangup into the run's end.
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)
-            if signal.getsignal(sig) is not signal.SIG_IGN}
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    # Ctrl-C as CtrlC, so a KeyboardInterrupt the reward raises itself is told apart from it
+    # (termination.real_interrupt); only over Python's own handler (not an ignored SIGINT).
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _ctrl_c)
+    return previous
+
+
+def _ctrl_c(signum, frame):
+    """The SIGINT handler of `_exit_on_sigterm`: Python's own, with its own class."""
+    raise CtrlC()
 
 
 class _Unwind:

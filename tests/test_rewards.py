@@ -56,6 +56,9 @@ REWARDS = textwrap.dedent('''
     def raises_generator_exit(prompt, completion, label):
         raise GeneratorExit("odd")
 
+    def raises_keyboard_interrupt(prompt, completion, label):
+        raise KeyboardInterrupt("from the rubric")
+
     def nan(prompt, completion, label):
         return math.nan
 
@@ -318,11 +321,60 @@ def test_rank_0s_reward_error_is_raised_relayed_on_the_other_ranks():
         assert getattr(info.value, "relayed_from", None) == (None if rank == 0 else 0)
 
 
-def test_sigterm_while_the_reward_runs_terminates_the_run_as_elsewhere(rewards_file, tmp_path):
-    """SIGTERM while the reward function runs (step 1, after step 0's checkpoint): exit 143 and
-    the one "terminated after 1 step(s); ...; resume with: rlk run --resume D" line of a SIGTERM
-    elsewhere. The handler's SystemExit was caught as the reward's own failure ("reward ...
-    raised SystemExit: 143 on sample 4", exit 1, no resume hint)."""
+def test_a_reward_that_raises_keyboard_interrupt_fails_the_run(rewards_file, tmp_path, capsys):
+    """A KeyboardInterrupt the reward raises itself (no Ctrl-C): exit 1 naming the reward, not
+    exit 130 "interrupted before the first step" (found by a breaker); at the reward module's
+    import likewise. A real Ctrl-C while the reward runs still stops the run: the SIGINT case
+    of the signal test below."""
+    d = tmp_path / "run"
+    assert main(["run", *SMALL, "--steps", "1", "--reward",
+                 f"{rewards_file}:raises_keyboard_interrupt", "--run-dir", str(d)]) == 1
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if " error: " in ln]
+    assert len(err) == 1, err
+    assert (f"reward {rewards_file}:raises_keyboard_interrupt raised KeyboardInterrupt: from "
+            "the rubric on sample 0") in err[0]
+    assert not d.exists()
+    f = tmp_path / "stops.py"
+    f.write_text("raise KeyboardInterrupt('at import')\ndef score(p, c, l):\n    return 0.0\n")
+    assert main(["run", *SMALL, "--steps", "1", "--reward", f"{f}:score",
+                 "--run-dir", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rlk run: error: --reward '{f}:score': importing '{f}' raised "
+                   "KeyboardInterrupt: at import"], err
+
+
+def test_real_interrupt_tells_a_signal_from_the_code_s_own_keyboard_interrupt():
+    """termination.real_interrupt: Terminated and CtrlC (rlk's handlers) are stops; a plain
+    KeyboardInterrupt is one only under Python's default SIGINT handler (outside rlk), and the
+    code's own where rlk's handler is installed or SIGINT is ignored (a spawned rank)."""
+    from rlkernel.cli import _ctrl_c
+    from rlkernel.termination import CtrlC, Terminated, real_interrupt
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        for handler, plain in ((signal.default_int_handler, True), (_ctrl_c, False),
+                               (signal.SIG_IGN, False)):
+            signal.signal(signal.SIGINT, handler)
+            assert real_interrupt(KeyboardInterrupt()) is plain
+            assert real_interrupt(CtrlC()) and real_interrupt(Terminated(143))
+            assert not real_interrupt(SystemExit(0)) and not real_interrupt(ValueError())
+        signal.signal(signal.SIGINT, _ctrl_c)
+        with pytest.raises(CtrlC):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("sig,code,what", [
+    ("SIGTERM", 143, "terminated"),
+    ("SIGINT", 130, "interrupted (Ctrl-C)")])
+def test_a_signal_while_the_reward_runs_stops_the_run_as_elsewhere(rewards_file, tmp_path, sig,
+                                                                   code, what):
+    """SIGTERM or Ctrl-C while the reward function runs (step 1, after step 0's checkpoint):
+    exit 143 / 130 and the one "terminated / interrupted (Ctrl-C) after 1 step(s); ...; resume
+    with: rlk run --resume D" line of that signal elsewhere. The SIGTERM handler's SystemExit
+    was caught as the reward's own failure ("reward ... raised SystemExit: 143 on sample 4",
+    exit 1, no resume hint); a Ctrl-C must not read as the reward's own KeyboardInterrupt."""
     d, mark = tmp_path / "run", tmp_path / "sleeping"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlkernel.cli", "run", *SMALL, "--steps", "2", "--save-every",
@@ -334,14 +386,14 @@ def test_sigterm_while_the_reward_runs_terminates_the_run_as_elsewhere(rewards_f
         while not mark.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert mark.exists(), f"the reward never reached step 1 (exit {proc.poll()})"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         _, err = proc.communicate(timeout=120)
     finally:   # the reward sleeps 10 minutes: never leave it behind
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 143 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == (f"rlk run: terminated after 1 step(s); partial run "
+    assert proc.returncode == code and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"rlk run: {what} after 1 step(s); partial run "
                                             f"kept in {d}; resume with: rlk run --resume {d}")
 
 

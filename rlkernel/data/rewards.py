@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 from rlkernel import readfile
 from rlkernel.data import tasks
-from rlkernel.termination import Terminated
+from rlkernel.termination import Terminated, real_interrupt
 
 BUILTIN = "builtin:exact_match"
 """How the manifest names the default reward (rlkernel.data.tasks.reward)."""
@@ -111,10 +111,11 @@ class RewardFn:
             # stdout carries only the run directory (scripts read it): a print goes to stderr
             with contextlib.redirect_stdout(sys.stderr):
                 v = self.fn(prompt, completion, label)
-        except (KeyboardInterrupt, Terminated):   # Ctrl-C, SIGTERM or SIGHUP while the reward
-            raise                                  # runs: the user's stop, not its failure
-        except BaseException as e:  # the user's code: anything else it raises (sys.exit too:
-            # exit code 0 must not read as a finished run) is the reward's failure
+        except BaseException as e:
+            if real_interrupt(e):   # Ctrl-C, SIGTERM or SIGHUP while the reward runs: the
+                raise               # user's stop, not its failure
+            # the user's code: anything else it raises (sys.exit too: exit code 0 must not
+            # read as a finished run; KeyboardInterrupt of its own) is the reward's failure
             raise RewardError(f"reward {self.name} raised {type(e).__name__}: "
                               f"{_shown(e, str)} on sample {sample_id} (completion "
                               f"{completion[:60]!r})") from e
@@ -213,12 +214,14 @@ def load_reward(spec: str | None) -> RewardFn:
                 sys.path.insert(0, os.getcwd())  # as `python -m` does: local modules import
             with contextlib.redirect_stdout(sys.stderr):   # as _import_file
                 module = importlib.import_module(where)
-    except (RewardError, Terminated):   # Terminated: SIGTERM while the module imports
+    except RewardError:
         raise
     except ModuleNotFoundError as e:
         raise RewardError(f"--reward {spec!r}: cannot import module {where!r} ({e}); give an "
                           "importable module or a path to a .py file") from None
-    except (Exception, SystemExit) as e:  # the module's own top-level code failed
+    except BaseException as e:  # the module's own top-level code failed, unless a signal came
+        if real_interrupt(e):
+            raise
         raise RewardError(f"--reward {spec!r}: importing {where!r} raised {type(e).__name__}: "
                           f"{e}") from None
     obj: Any = module
