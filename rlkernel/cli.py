@@ -547,8 +547,18 @@ def _in_run_owned(flag: str, value: str) -> str | None:
     directory named so beside a manifest.json). That run's saves replace a step-N entry in
     checkpoints/ and remove step-*.tmp-* ones (an export to checkpoints/step-000009 was removed
     by the save of step 9), and a resume replaces final/ whole (a report's PNGs written there
-    went with it), so both folders are left to the run. None elsewhere."""
+    went with it), so both folders are left to the run; and the run's own top level, whose
+    files are its record (a report's PNGs landed beside evidence.json unwarned: a breaker). None
+    elsewhere (a folder under the run, e.g. RUN/plots, is free)."""
     real = pathlib.Path(os.path.realpath(value))
+    try:
+        top = (real / "manifest.json").is_file()
+    except OSError:
+        top = False
+    if top:
+        return (f"{flag} {value!r}: is the run directory {str(real)!r} (its manifest.json is "
+                "there), whose files are the run's record; give a directory beside or under "
+                f"it, e.g. {os.path.join(value, 'plots')!r}")
     for q in (real, *real.parents):
         try:
             ours = q.name in _RUN_OWNED and (q.parent / "manifest.json").is_file()

@@ -475,6 +475,29 @@ def test_out_in_a_runs_final_weights_is_refused(run, capsys):
         shutil.rmtree(plots, ignore_errors=True)
 
 
+def test_out_at_a_runs_top_level_is_refused(run, capsys):
+    """rlk report --out RUN: the PNGs went beside the run's evidence.json unwarned (a
+    breaker). Exit 2 naming the run directory and offering RUN/plots; nothing written (export
+    and init-model refuse it too, as an occupied directory). Control: RUN/plots takes the
+    report."""
+    before = sorted(str(p) for p in run.rglob("*"))
+    assert main(["report", str(run), "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"rlk report: error: --out {str(run)!r}: is the run directory {str(run)!r} (its "
+        "manifest.json is there), whose files are the run's record; give a directory beside or "
+        f"under it, e.g. {str(run / 'plots')!r}"), err
+    for argv in (["export", str(run), "--out"], ["init-model", "--preset", "tiny", "--out"]):
+        assert main([*argv, str(run)]) == 2
+    assert sorted(str(p) for p in run.rglob("*")) == before
+    plots = run / "plots"
+    try:
+        assert main(["report", str(run), "--out", str(plots)]) == 0
+        assert list(plots.glob("*.png"))
+    finally:
+        shutil.rmtree(plots, ignore_errors=True)
+
+
 @pytest.mark.parametrize("edit, code, words", [
     (lambda m, e: m["config"].update(dtype=["bf16"]), 2, 'records config dtype as ["bf16"]'),
     (lambda m, e: m["config"].update(model=5), 2, "records config model as 5, not a path"),
