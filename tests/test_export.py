@@ -467,12 +467,7 @@ def test_out_in_a_runs_final_weights_is_refused(run, capsys):
         (["report", str(run), "--out"], "--out", final / "plots"),
         (["export", str(run), "--out"], "--out", final / "copy"),
         (["run", "--steps", "1", "--allow-dirty", "--run-dir"], "--run-dir", final / "r")))
-    plots = run / "plots_here"
-    try:
-        assert main(["report", str(run), "--out", str(plots)]) == 0
-        assert list(plots.glob("*.png"))
-    finally:
-        shutil.rmtree(plots, ignore_errors=True)
+    _report_takes(run, "plots_here")
 
 
 def test_out_at_a_runs_top_level_is_refused(run, capsys):
@@ -490,7 +485,13 @@ def test_out_at_a_runs_top_level_is_refused(run, capsys):
     for argv in (["export", str(run), "--out"], ["init-model", "--preset", "tiny", "--out"]):
         assert main([*argv, str(run)]) == 2
     assert sorted(str(p) for p in run.rglob("*")) == before
-    plots = run / "plots"
+    _report_takes(run, "plots")
+
+
+def _report_takes(run, name: str) -> None:
+    """`rlk report RUN --out RUN/name` draws its PNGs there (removed afterwards: the run is
+    the module's)."""
+    plots = run / name
     try:
         assert main(["report", str(run), "--out", str(plots)]) == 0
         assert list(plots.glob("*.png"))
