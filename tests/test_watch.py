@@ -721,3 +721,33 @@ def test_report_takes_the_evidence_when_no_metrics_line_is_a_step_and_names_bad_
         load_metrics(d)
     assert str(e.value) == (f"{d / 'evidence.json'}: not UTF-8 text (byte 0: invalid start "
                             "byte); not a file rlk run writes"), str(e.value)
+
+
+def test_a_failed_write_names_its_file(tmp_path, monkeypatch):
+    """A full disk (ENOSPC from write or fsync: an OSError naming no file) fails the run with
+    the file named — metrics.jsonl / completions.jsonl appends and the atomic evidence write —
+    where a breaker saw a bare "[Errno 28] No space left on device"; the atomic write leaves no
+    temp file. An error that already names its file is unchanged."""
+    import errno
+
+    from rlkernel.runner.evidence import write_bytes_atomic
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as e:
+        append_jsonl(path, [{"step": 0}])
+    assert str(e.value) == f"[Errno 28] No space left on device: {str(path)!r}"
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "fsync", full)
+    ev = tmp_path / "evidence.json"
+    with pytest.raises(OSError) as e:
+        write_bytes_atomic(ev, b"{}")
+    assert str(e.value) == f"[Errno 28] No space left on device: {str(ev)!r}"
+    assert list(tmp_path.iterdir()) == [path]          # no temp file, no evidence.json
+    monkeypatch.undo()
+    with pytest.raises(OSError) as e:
+        append_jsonl(tmp_path / "no" / "such.jsonl", [{"step": 0}])
+    assert e.value.filename == str(tmp_path / "no" / "such.jsonl")

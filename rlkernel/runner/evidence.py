@@ -18,6 +18,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_cli_config.py tests/test_compar
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -62,6 +63,19 @@ def to_json_safe(obj: Any) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def naming_the_file(path: str | os.PathLike):
+    """Re-raise an OSError that names no file (a write's or an fsync's: ENOSPC, EIO, EDQUOT) as
+    one naming `path`: the run's one error line then says which file failed (a breaker saw a
+    bare "[Errno 28] No space left on device" from a full disk)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` as JSON (indent=1) to `path` so readers see the old file or the new, never a mix
     (`write_bytes_atomic`). Raises TypeError for values JSON cannot hold, OSError on I/O
@@ -74,7 +88,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so readers see the old file or the new, never a mix.
 
     Writes a temp file in the same directory, fsyncs it, `os.replace`s it over `path`, then fsyncs
-    the directory. Raises OSError on I/O failure (the temp file is removed).
+    the directory. Raises OSError on I/O failure, naming `path` (the temp file is removed).
     """
     path = pathlib.Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -83,7 +97,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
+        with naming_the_file(path), os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -38,7 +38,7 @@ import pathlib
 from typing import Any, Iterable, Iterator
 
 from rlkernel import jsontext, readfile
-from rlkernel.runner.evidence import to_json_safe
+from rlkernel.runner.evidence import naming_the_file, to_json_safe
 
 METRICS = "metrics.jsonl"
 COMPLETIONS = "completions.jsonl"
@@ -128,16 +128,18 @@ def metrics_row(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def append_jsonl(path: pathlib.Path, rows: Iterable[dict[str, Any]]) -> None:
-    """Append rows as whole JSON lines with one write call, then fsync (module doc)."""
+    """Append rows as whole JSON lines with one write call, then fsync (module doc). Raises
+    OSError naming `path` on I/O failure."""
     data = "".join(json.dumps(to_json_safe(r), allow_nan=False) + "\n" for r in rows).encode()
     if not data:
         return
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
-        view = memoryview(data)
-        while view:  # os.write may write less than asked (signals, pipes); finish the bytes
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        with naming_the_file(path):
+            view = memoryview(data)
+            while view:  # os.write may write less than asked (signals, pipes); finish the bytes
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
     finally:
         os.close(fd)
 
