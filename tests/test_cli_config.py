@@ -1529,6 +1529,9 @@ def test_malformed_rlk_dist_timeout_s_is_refused_before_any_work(capsys, cwd, lo
     assert loop.calls == [] and list(cwd.iterdir()) == []
     monkeypatch.setenv(DIST_TIMEOUT_ENV, " 45.5 ")
     assert dist_timeout_s() == 45.5
+    for edge in ("1", "604800"):   # both ends are allowed
+        monkeypatch.setenv(DIST_TIMEOUT_ENV, edge)
+        assert dist_timeout_s() == float(edge)
     monkeypatch.setenv(DIST_TIMEOUT_ENV, "")
     assert dist_timeout_s() == 300.0
     monkeypatch.delenv(DIST_TIMEOUT_ENV)

@@ -22,3 +22,25 @@ def test_cpu_cp2_run_is_profiled_on_both_ranks(tmp_path):
     assert p.stdout.count("== rank process") == 2, p.stdout[-3000:]
     assert p.stdout.count("-- collectives") == 2 and "comm.py" in p.stdout
     assert "runner/loop.py" in p.stdout and (tmp_path / "r" / "evidence.json").exists()
+
+
+def test_a_rank_dumps_its_profile_when_it_reports_done(tmp_path):
+    """The helper writes a rank's profile when the rank sends the launcher its {"ok": True}
+    report, before any exit hook: on CUDA the launcher stopped ranks whose teardown outlasted
+    GRACE_S, and an exit-time dump was never written. A process that reports and then leaves
+    by os._exit (no exit hook) still leaves its profile."""
+    code = ("import multiprocessing as mp, os\n"
+            "r, w = mp.Pipe(duplex=False)\n"
+            "w.send({'rank': 0, 'ok': True})\n"
+            "w.send({'rank': 0, 'ok': True})\n"
+            "os._exit(0)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "RLK_PROFILE_DIR": str(tmp_path),
+                            "PYTHONPATH": str(ROOT / "benchmarks" / "rank_profile")})
+    assert p.returncode == 0, p.stderr
+    assert [f.suffix for f in tmp_path.iterdir()] == [".prof"]
+    # Control: without RLK_PROFILE_DIR the helper does nothing
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**{k: v for k, v in os.environ.items() if k != "RLK_PROFILE_DIR"},
+                            "PYTHONPATH": str(ROOT / "benchmarks" / "rank_profile")}, cwd=tmp_path)
+    assert p.returncode == 0 and len(list(tmp_path.iterdir())) == 1

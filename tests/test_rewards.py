@@ -347,10 +347,19 @@ def test_real_interrupt_tells_a_signal_from_the_code_s_own_keyboard_interrupt():
     """termination.real_interrupt: Terminated and CtrlC (rlk's handlers) are stops; a plain
     KeyboardInterrupt is one only under Python's default SIGINT handler (outside rlk), and the
     code's own where rlk's handler is installed or SIGINT is ignored (a spawned rank)."""
-    from rlkernel.cli import _ctrl_c
+    from rlkernel.cli import _ctrl_c, _exit_on_sigterm, _restore_sigterm
     from rlkernel.termination import CtrlC, Terminated, real_interrupt
     before = signal.getsignal(signal.SIGINT)
     try:
+        # rlk installs _ctrl_c over Python's default handler, and gives it back after
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        previous = _exit_on_sigterm()
+        assert signal.getsignal(signal.SIGINT) is _ctrl_c
+        _restore_sigterm(previous)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # an ignored SIGINT stays ignored
+        _restore_sigterm(_exit_on_sigterm())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         for handler, plain in ((signal.default_int_handler, True), (_ctrl_c, False),
                                (signal.SIG_IGN, False)):
             signal.signal(signal.SIGINT, handler)
