@@ -385,8 +385,12 @@ def test_a_signal_while_the_reward_runs_stops_the_run_as_elsewhere(rewards_file,
     was caught as the reward's own failure ("reward ... raised SystemExit: 143 on sample 4",
     exit 1, no resume hint); a Ctrl-C must not read as the reward's own KeyboardInterrupt."""
     d, mark = tmp_path / "run", tmp_path / "sleeping"
+    # As a terminal delivers Ctrl-C, whatever the runner inherited: a suite started in the
+    # background of a shell without job control ignores SIGINT, and rlk keeps it ignored.
+    boot = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from rlkernel.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlkernel.cli", "run", *SMALL, "--steps", "2", "--save-every",
+        [sys.executable, "-c", boot, "run", *SMALL, "--steps", "2", "--save-every",
          "1", "--reward", f"{rewards_file}:sleeps_in_step_1", "--run-dir", str(d)],
         env={**os.environ, "RLK_TEST_MARK": str(mark)}, start_new_session=True,
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
