@@ -13,11 +13,13 @@ stream, the gathered K/V, the received slices of every finishing collective — 
 values throughout (a sum with zeros adds nothing; the slices other ranks would finish come
 back as zeros). What it is not: the contract (the numbers are not the layout's, and nothing
 is compared), nor the interconnect's time (no byte leaves the GPU; add NCCL's time for the
-layout's collectives). Prints JSON-able results.
+layout's collectives). Prints one line; `--out FILE` writes the results as JSON.
 
 Run (repository root, CUDA machine):
     PYTHONPATH=. python3 benchmarks/bench_stand_in_rank.py --model qwen3-8b --tp 2 \
         --samples 8 --prompt-len 64 --response-len 512
+`--device cpu` (with `--model tiny`) only checks that the script runs: no memory figure
+(null in the JSON) and CPU step times that say nothing about a GPU.
 Does not: run rollout, the weight sync, DP (a DP replica's rank holds what a DP1 rank holds,
 less ZeRO-1's optimizer shards), or SP.
 """
@@ -145,9 +147,9 @@ def run(model: str, tp: int, cp: int, samples: int, prompt_len: int, response_le
         _sync(dev)
         times.append(time.perf_counter() - t0)
     cuda = dev.type == "cuda"
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     # What stays between steps: weights, fp32 gradients, masters and moments (+ caches).
-    resident = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")
+    resident = torch.cuda.memory_allocated() / 2**30 if cuda else None
     n_local = sum(p.numel() for p in policy.logical_params().values())
     return {"model": model, "tp": tp, "cp": cp, "samples": samples,
             "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in batch),
@@ -155,24 +157,24 @@ def run(model: str, tp: int, cp: int, samples: int, prompt_len: int, response_le
             "step_s": times, "warm_step_s": min(times[1:]) if len(times) > 1 else times[0],
             "grad_norms": norms, "peak_gib": peak, "resident_gib": resident,
             "rank_param_elems": n_local,
-            "peak_bytes_per_rank_param": peak * 2**30 / n_local}
+            "peak_bytes_per_rank_param": None if peak is None else peak * 2**30 / n_local}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--response-len", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--model", default="qwen3-8b", help="a preset (tiny, qwen3-0.6b, ...)")
+    ap.add_argument("--tp", type=int, default=2, help="the layout's TP degree")
+    ap.add_argument("--cp", type=int, default=1, help="the layout's CP degree")
+    ap.add_argument("--samples", type=int, default=8, help="samples in the mini-batch")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens a sample")
+    ap.add_argument("--response-len", type=int, default=512, help="response tokens a sample")
+    ap.add_argument("--steps", type=int, default=2, help="steps timed (the first compiles)")
     ap.add_argument("--micro-samples", type=int, default=0,
                     help="samples per microbatch (0: all in one, direct mode)")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--kl", action="store_true", help="keep and run a reference policy too")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="write the results to this JSON file")
     a = ap.parse_args()
     dev = torch.device(a.device)
     if dev.type == "cuda":
@@ -181,11 +183,12 @@ def main() -> None:
             a.micro_samples, a.recompute, a.kl, dev)
     r["env"] = env() if dev.type == "cuda" else {"device": "cpu"}
     dump(a.out, r)
+    memory = ("no memory figure on the CPU" if r["peak_gib"] is None else
+              f"peak {r['peak_gib']:.2f} GiB, {r['resident_gib']:.2f} GiB held between steps "
+              f"({r['peak_bytes_per_rank_param']:.1f} B per rank parameter element)")
     print(f"{a.model} TP{a.tp} CP{a.cp} rank 0 stood in: warm step {r['warm_step_s']:.3f} s "
-          f"(steps {[round(t, 3) for t in r['step_s']]}), peak {r['peak_gib']:.2f} GiB, "
-          f"{r['resident_gib']:.2f} GiB held between steps "
-          f"({r['peak_bytes_per_rank_param']:.1f} B per rank parameter element, "
-          f"{r['rank_param_elems']:,} elements on the rank), grad norms {r['grad_norms']}",
+          f"(steps {[round(t, 3) for t in r['step_s']]}), {memory}, "
+          f"{r['rank_param_elems']:,} elements on the rank, grad norms {r['grad_norms']}",
           flush=True)
 
 

@@ -50,6 +50,7 @@ def test_stood_in_rank_trains_two_steps(tp, cp, micro):
             micro_samples=micro, recompute=False, kl=micro > 0, dev=torch.device("cpu"))
     assert len(r["step_s"]) == 2 and all(t > 0 for t in r["step_s"])
     assert all(math.isfinite(n) and n > 0 for n in r["grad_norms"])
+    assert r["peak_gib"] is None and r["peak_bytes_per_rank_param"] is None   # JSON null on CPU
     full = run("tiny", 1, 1, samples=4, prompt_len=8, response_len=24, steps=1,
                micro_samples=0, recompute=False, kl=False, dev=torch.device("cpu"))
     # The rank holds its TP shard: fewer elements than the whole model at TP2, all at TP1.
