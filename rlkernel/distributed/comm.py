@@ -225,25 +225,21 @@ class Comm:
         order, a, b)` gives the result's elements [a, b) (dim 0 of what it returns), and those
         are all-gathered: the result's [n, ...]. The pad past n is finished and dropped."""
         n = t.shape[dim]
-        per = -(-n // self.size)
-        if per * self.size != n:
-            pad = list(t.shape)
-            pad[dim] = per * self.size - n
-            t = torch.cat([t, t.new_zeros(pad)], dim)
+        t = self._padded(t, dim)
+        per = t.shape[dim] // self.size
         a = self.rank * per
         mine = finish(self.all_to_all(list(t.split(per, dim)), f"{op}:slices"), a, a + per)
         return self.all_gather_cat(mine, f"{op}:finished")[:n]
 
-    def _slice_len(self, t: torch.Tensor) -> int:
-        """Elements per rank when t's flat elements are cut into `size` slices: ⌈n/size⌉."""
-        return -(-t.numel() // self.size)
-
-    def _padded_flat(self, t: torch.Tensor) -> torch.Tensor:
-        """t's flat elements, zero-padded to size · _slice_len(t)."""
-        flat = t.reshape(-1)
-        padded = flat.new_zeros(self._slice_len(t) * self.size)
-        padded[:flat.numel()] = flat
-        return padded
+    def _padded(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """t zero-padded along `dim` to size · ⌈n/size⌉ (n = t.shape[dim]): `_finish_slices`'s
+        cut; t itself when size divides n."""
+        short = -t.shape[dim] % self.size
+        if not short:
+            return t
+        pad = list(t.shape)
+        pad[dim] = short
+        return torch.cat([t, t.new_zeros(pad)], dim)
 
     def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
         """Elementwise SUM of an int64 tensor over the group, identical on every rank; exact in
@@ -335,7 +331,7 @@ class Comm:
         """
         owner = owner.to(t.device)
         if self._sliced_pays(t):
-            own = self._padded_flat(owner)
+            own = self._padded(owner.reshape(-1), 0)
             return self._by_slices(t, op, lambda parts, a, b: torch.stack(parts).gather(
                 0, own[a:b].unsqueeze(0))[0])
         parts = self.all_gather(t, op)
