@@ -200,12 +200,29 @@ RUN_FLAG_ALIASES = {
 }
 
 
+# `rlk run --help` in sections: the RunConfig field that opens each one (fields keep their
+# dataclass order, which already runs theme by theme).
+RUN_FLAG_GROUPS = {
+    "model": "model, prompts and reward",
+    "steps": "steps and sampling",
+    "kl_coef": "loss (GRPO/PPO)",
+    "lr_warmup_steps": "optimizer",
+    "micro_batch_tokens": "numerics and parallel layout",
+    "gpu_memory_utilization": "rollout engine",
+    "run_dir": "run directory, checks and device",
+}
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field. Defaults are left to the dataclass (SUPPRESS), and values are
-    not constrained here (no argparse `choices`), so every check and message lives in RunConfig."""
+    """One flag per RunConfig field, in the sections of RUN_FLAG_GROUPS. Defaults are left to the
+    dataclass (SUPPRESS), and values are not constrained here (no argparse `choices`), so every
+    check and message lives in RunConfig."""
     hints = typing.get_type_hints(RunConfig)
     docs = field_docs()
+    group = p
     for f in dataclasses.fields(RunConfig):
+        if f.name in RUN_FLAG_GROUPS:
+            group = p.add_argument_group(RUN_FLAG_GROUPS[f.name])
         kind = _unoptional(hints[f.name])
         text = docs.get(f.name, "")
         names = (flag_name(f.name), *RUN_FLAG_ALIASES.get(f.name, ()))
@@ -214,14 +231,14 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
             # on could never turn it off again (resume applies only the flags given).
             action = (argparse.BooleanOptionalAction if f.name in RESUME_MAY_CHANGE
                       else "store_true")
-            p.add_argument(*names, dest=f.name, action=action,
-                           default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+            group.add_argument(*names, dest=f.name, action=action,
+                               default=argparse.SUPPRESS, help=text.replace("%", "%%"))
             continue
         conv = {int: _integer, float: _number}.get(kind, str)
         metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
         help_text = f"{text} (default: {f.default})".replace("%", "%%")
-        p.add_argument(*names, dest=f.name, type=conv, metavar=metavar,
-                       default=argparse.SUPPRESS, help=help_text)
+        group.add_argument(*names, dest=f.name, type=conv, metavar=metavar,
+                           default=argparse.SUPPRESS, help=help_text)
 
 
 def _unoptional(kind):

@@ -257,6 +257,25 @@ def test_help_says_what_gpu_memory_utilization_is_a_fraction_of(capsys):
         assert words in text, words
 
 
+def test_run_help_is_in_sections_holding_every_flag_in_field_order(capsys):
+    """`rlk run --help` lists its flags under the section titles of cli.RUN_FLAG_GROUPS, each
+    section opening with its field's flag, every RunConfig field under exactly one title."""
+    code, out, _ = rlk(capsys, "run", "--help")
+    assert code == 0
+    names = [f.name for f in dataclasses.fields(RunConfig)]
+    assert set(cli.RUN_FLAG_GROUPS) <= set(names) and names[0] in cli.RUN_FLAG_GROUPS
+    lines = out.splitlines()
+    titles = [lines.index(t + ":") for t in cli.RUN_FLAG_GROUPS.values()]
+    assert titles == sorted(titles)
+    bounds = [*titles, len(lines)]
+    for k, first in enumerate(cli.RUN_FLAG_GROUPS):
+        body = lines[bounds[k] + 1:bounds[k + 1]]
+        flags = [ln.split()[0].rstrip(",") for ln in body if ln.startswith("  --")]
+        assert flags[0] == "--" + first.replace("_", "-"), (first, flags[:2])
+    listed = [ln.split()[0].rstrip(",") for ln in lines[titles[0]:] if ln.startswith("  --")]
+    assert listed == [cli.flag_name(n) for n in names], listed
+
+
 # ---------------------------------------------------------------------------------------------
 # the flag budget (STYLE.md §12)
 
