@@ -7,11 +7,12 @@ backward, exact finish, clipped norm, AdamW on fp32 masters, weights back to bf1
 invariant arm exactly as in `rlk run`, but every collective goes through `StandInComm`: the
 other ranks are taken to hold zeros (an all-gather returns this rank's tensor and zeros of its
 shape for the others; an all-to-all returns this rank's own chunk and zeros; an integer sum
-returns this rank's integers; an object gather returns this rank's object for every rank). So
-the rank allocates and computes what it would in the layout — its parameter shard, its CP
+returns this rank's integers; an object gather returns this rank's object for every rank; a
+sum finished by slices finishes every rank's slice here, from this rank's values and zeros).
+So the rank allocates and computes what it would in the layout — its parameter shard, its CP
 stream, the gathered K/V, the received slices of every finishing collective — with finite
-values throughout (a sum with zeros adds nothing; the slices other ranks would finish come
-back as zeros). What it is not: the contract (the numbers are not the layout's, and nothing
+values throughout, and every gradient is this rank's own share of it (a sum with zeros adds
+nothing), so the norms printed are nonzero but are not the layout's. What it is not: the contract (the numbers are not the layout's, and nothing
 is compared), nor the interconnect's time (no byte leaves the GPU; add NCCL's time for the
 layout's collectives). Prints one line; `--out FILE` writes the results as JSON.
 
@@ -74,6 +75,25 @@ class StandInComm(Comm):
         return [own if r == self.rank
                 else torch.zeros_like(c, memory_format=torch.contiguous_format)
                 for r, c in enumerate(chunks)]
+
+    def _finish_slices(self, t: torch.Tensor, dim: int, op: str, finish) -> torch.Tensor:
+        """Every rank's slice finished here, as its rank would finish it given the zeros: else
+        the slices other ranks finish would come back as zeros, and a weight whose sums they
+        own (a CP rank's dK/dV rows) would get none of this rank's gradient. Transients are a
+        slice's, as on the rank; the finishing work is `size` ranks'."""
+        self._validate(f"{op}:slices", t)
+        n = t.shape[dim]
+        t = self._padded(t, dim)
+        per = t.shape[dim] // self.size
+        out = None
+        for r in range(self.size):
+            own = t.narrow(dim, r * per, per).contiguous()
+            parts = [own if q == self.rank else torch.zeros_like(own) for q in range(self.size)]
+            got = finish(parts, r * per, (r + 1) * per)
+            if out is None:
+                out = got.new_empty((per * self.size, *got.shape[1:]))
+            out[r * per:(r + 1) * per] = got
+        return out[:n]
 
     def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
         if t.dtype != torch.int64:
@@ -184,8 +204,8 @@ def main() -> None:
     r["env"] = env() if dev.type == "cuda" else {"device": "cpu"}
     dump(a.out, r)
     memory = ("no memory figure on the CPU" if r["peak_gib"] is None else
-              f"peak {r['peak_gib']:.2f} GiB, {r['resident_gib']:.2f} GiB held between steps "
-              f"({r['peak_bytes_per_rank_param']:.1f} B per rank parameter element)")
+              f"peak {r['peak_gib']:.2f} GiB ({r['peak_bytes_per_rank_param']:.1f} B per rank "
+              f"parameter element), {r['resident_gib']:.2f} GiB held between steps")
     print(f"{a.model} TP{a.tp} CP{a.cp} rank 0 stood in: warm step {r['warm_step_s']:.3f} s "
           f"(steps {[round(t, 3) for t in r['step_s']]}), {memory}, "
           f"{r['rank_param_elems']:,} elements on the rank, grad norms {r['grad_norms']}",

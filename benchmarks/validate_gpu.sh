@@ -3,7 +3,9 @@
 # random qwen3-0.6b checkpoint at TP1, TP2/rollout-TP2, CP2/rollout-CP2 and DP2 (ZeRO-1, 1-sample
 # microbatches; invariant) and TP1 vs TP2, TP1 vs DP2 (native controls), each pair compared with
 # `rlk compare` (peak GPU memory of rank 0 per run: summarize_runs.py). Needs two GPUs for the
-# multi-rank parts. RLK_LAYOUTS picks a subset of the runs (names as below). Usage (repository root): bash benchmarks/validate_gpu.sh OUTDIR [tests|runs|all]
+# multi-rank parts (four for tp2-cp2, asked for only by name). RLK_LAYOUTS picks a subset of the
+# runs (names as below). Usage (repository root):
+#   bash benchmarks/validate_gpu.sh OUTDIR [tests|runs|all]
 set -uo pipefail
 out=${1:?usage: validate_gpu.sh OUTDIR [tests|runs|all]}
 what=${2:-all}
@@ -28,6 +30,7 @@ runs=$out/runs
 rm -rf "$runs"; mkdir -p "$runs"
 declare -A layouts=([tp1]="" [tp2-rtp2]="--tp 2 --rollout-tp 2" [cp2-rcp2]="--cp 2 --rollout-cp 2"
                     [dp2]="--dp 2 --micro-batch-tokens 320" [dp2-whole]="--dp 2"
+                    [tp2-cp2]="--tp 2 --cp 2 --rollout-tp 2 --rollout-cp 2"
                     [native-tp1]="--mode native" [native-tp2]="--mode native --tp 2 --rollout-tp 2"
                     [native-dp2]="--mode native --dp 2 --micro-batch-tokens 320")
 names=${RLK_LAYOUTS:-tp1 tp2-rtp2 cp2-rcp2 dp2 native-tp1 native-tp2 native-dp2}
@@ -38,7 +41,7 @@ for name in $names; do
     --run-dir "$runs/$name" 2>&1 | tail -4
 done
 {
-  for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "tp1 dp2" "tp1 dp2-whole" "native-tp1 native-tp2" \
+  for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "tp1 dp2" "tp1 dp2-whole" "tp1 tp2-cp2" "native-tp1 native-tp2" \
               "native-tp1 native-dp2"; do
     set -- $pair
     [ -d "$runs/$1" ] && [ -d "$runs/$2" ] || continue

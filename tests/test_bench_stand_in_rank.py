@@ -1,6 +1,7 @@
 """benchmarks/bench_stand_in_rank.py on the CPU: its comm double's primitives, and one stood-in
 rank of TP2, CP2 and TP2×CP2 training two steps of the tiny model (so a GPU call measuring
-qwen3-8b's TP2 rank cannot fail on the script)."""
+qwen3-8b's TP2 rank cannot fail on the script), every weight of a stood-in CP rank getting a
+gradient."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ import math
 import pytest
 import torch
 
-from benchmarks.bench_stand_in_rank import StandInComm, run
+from benchmarks.bench_stand_in_rank import StandInComm, load_random, run, stand_in_ctx
+from benchmarks.bench_train_step import _samples
 
+from rlkernel.distributed.comm import Comm
+from rlkernel.model.config import preset
+from rlkernel.model.ops import ops_for
+from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.fixedpoint import N_COLS
+from rlkernel.train.losses import LossCoefs, invariant_exp
+from rlkernel.train.step import compute_gradients, gradients
 
 
 def test_stand_in_comm_other_ranks_hold_zeros():
@@ -33,15 +41,43 @@ def test_stand_in_comm_other_ranks_hold_zeros():
         c.sum_ints(t, "s")
 
 
-def test_stand_in_comm_sliced_int_sum_finishes_this_ranks_slice():
-    # By slices, rank 0 finishes its rows of every rank's integers (its own + zeros) and
-    # receives the other ranks' finished slices as zeros: the shapes and the work of rank 0.
+def test_stand_in_comm_sliced_int_sum_finishes_every_slice_from_this_ranks_values():
+    # By slices, every rank's slice is finished here from this rank's integers and the others'
+    # zeros: the whole result is this rank's share (not zeros where another rank finishes).
     c = StandInComm("dp_cp", 2)
-    t = torch.randint(0, 1 << 20, (1 << 14, N_COLS), dtype=torch.int64)
-    got = c.sum_ints_finished(t, "fin", lambda rows: rows[:, 0].clone())
-    half = t.shape[0] // 2
-    assert got.shape == (t.shape[0],)
-    assert torch.equal(got[:half], t[:half, 0]) and not got[half:].any()
+    t = torch.randint(0, 1 << 20, (1 << 14 | 1, N_COLS), dtype=torch.int64)   # odd: a pad row
+    seen = []
+
+    def finish(rows):
+        seen.append(rows.shape[0])
+        return rows[:, 0].clone()
+
+    got = c.sum_ints_finished(t, "fin", finish)
+    assert torch.equal(got, t[:, 0]) and seen == [(t.shape[0] + 1) // 2] * 2
+
+
+def _grads_of_stood_in_rank(tp: int, cp: int) -> dict[str, torch.Tensor]:
+    cfg = preset("tiny")
+    policy = Qwen3ForCausalLM(cfg, ops_for("invariant"), torch.bfloat16,
+                              stand_in_ctx(cfg, tp, cp))
+    policy.hold_matmul_weights()
+    load_random(policy, torch.device("cpu"))
+    batch = _samples(4, 16, 112, cfg.vocab_size, 1)
+    compute_gradients(policy, None, batch, temperature=1.0,
+                      coefs=LossCoefs(0.2, 0.0, 0.0, "k3"), micro_batch_tokens=1024, pad_id=0,
+                      exp=invariant_exp)
+    return gradients(policy)
+
+
+def test_stood_in_cp_rank_gets_a_gradient_for_every_weight(monkeypatch):
+    # Control: finishing only this rank's slices (the plain Comm's cut) leaves the weights whose
+    # sums the other CP rank finishes (K/V projections: their dK/dV rows) with zero gradients.
+    grads = _grads_of_stood_in_rank(2, 2)
+    assert all(g.abs().max() > 0 for g in grads.values()), [
+        n for n, g in grads.items() if not g.any()]
+    monkeypatch.setattr(StandInComm, "_finish_slices", Comm._finish_slices)
+    zero = [n for n, g in _grads_of_stood_in_rank(2, 2).items() if not g.any()]
+    assert zero and all("k_proj" in n or "v_proj" in n or "k_norm" in n for n in zero), zero
 
 
 @pytest.mark.parametrize("tp,cp,micro", [(2, 1, 0), (1, 2, 0), (2, 2, 2)])
