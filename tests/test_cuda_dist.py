@@ -68,6 +68,15 @@ def test_cuda_layout_matches_tp1_on_two_gpus(tmp_path, baselines, dp, tp, cp, sp
     assert_same_bytes(got, baselines[dtype], f"cuda {dtype} DP{dp}/TP{tp}/CP{cp}/SP{sp}")
 
 
+@pytest.mark.parametrize("dtype", list(JOBS))
+def test_cuda_tp2_cp2_matches_tp1_on_four_ranks(tmp_path, monkeypatch, baselines, dtype):
+    """TP2×CP2 (four ranks: TP's sums and CP's K/V exchange and exact dK/dV sums together) ==
+    the TP1 run, bytes, as above; the ranks share the GPUs when there are fewer than four."""
+    if torch.cuda.device_count() < 4:
+        monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    got = run_layout(tmp_path, JOBS[dtype], 2, 2, False, device="cuda")
+    assert_same_bytes(got, baselines[dtype], f"cuda {dtype} TP2/CP2")
+
 def test_cuda_control_native_tp2_differs(tmp_path):
     """Negative control: stock ops + NCCL SUM all-reduces at TP2 differ from native TP1 (same
     computation: gradients agree to fp32 rounding, not bitwise)."""
