@@ -12,9 +12,10 @@ sum finished by slices finishes every rank's slice here, from this rank's values
 So the rank allocates and computes what it would in the layout — its parameter shard, its CP
 stream, the gathered K/V, the received slices of every finishing collective — with finite
 values throughout, and every gradient is this rank's own share of it (a sum with zeros adds
-nothing), so the norms printed are nonzero but are not the layout's. What it is not: the contract (the numbers are not the layout's, and nothing
-is compared), nor the interconnect's time (no byte leaves the GPU; add NCCL's time for the
-layout's collectives). Prints one line; `--out FILE` writes the results as JSON.
+nothing): the norms printed are nonzero but are not the layout's. What it is not: the contract
+(nothing is compared), nor the interconnect's time (no byte leaves the GPU; add NCCL's time for
+the layout's collectives), nor exactly a rank's compute (it finishes every rank's slices).
+Prints one line; `--out FILE` writes the results as JSON.
 
 Run (repository root, CUDA machine):
     PYTHONPATH=. python3 benchmarks/bench_stand_in_rank.py --model qwen3-8b --tp 2 \
