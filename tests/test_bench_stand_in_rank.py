@@ -13,7 +13,7 @@ import torch
 from benchmarks.bench_stand_in_rank import StandInComm, load_random, run, stand_in_ctx
 from benchmarks.bench_train_step import _samples
 
-from rlkernel.distributed.comm import Comm
+from rlkernel.distributed.comm import INT_SLICED_MIN_ELEMS, SLICED_MIN_ELEMS, Comm
 from rlkernel.model.config import preset
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
@@ -55,6 +55,25 @@ def test_stand_in_comm_sliced_int_sum_finishes_every_slice_from_this_ranks_value
     got = c.sum_ints_finished(t, "fin", finish)
     assert torch.equal(got, t[:, 0]) and seen == [(t.shape[0] + 1) // 2] * 2
 
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_stand_in_comm_sliced_pick_is_this_ranks_values_where_it_owns_them(rank):
+    # select_owner by slices (more than two ranks, at least SLICED_MIN_ELEMS): each slice's
+    # owner map is its own ([a, b)), and this rank's values sit at its place among the parts.
+    c = StandInComm("tp", 4, rank)
+    n = SLICED_MIN_ELEMS + 3                    # not a multiple of 4: a pad
+    t = torch.randn(n)
+    owner = torch.randint(0, 4, (n,))
+    assert torch.equal(c.select_owner(t, owner, "pick"),
+                       torch.where(owner == rank, t, torch.zeros_like(t)))
+
+
+def test_stand_in_comm_finishes_words_cut_along_their_columns():
+    # finish_words cuts [2, n] double words along dim 1 (from INT_SLICED_MIN_ELEMS columns).
+    c = StandInComm("dp_cp", 2)
+    words = torch.randn(2, INT_SLICED_MIN_ELEMS + 1, dtype=torch.float64)
+    got = c.finish_words(words, "w", lambda parts: sum(p[0] + p[1] for p in parts))
+    assert torch.equal(got, words[0] + words[1])
 
 def _grads_of_stood_in_rank(tp: int, cp: int) -> dict[str, torch.Tensor]:
     cfg = preset("tiny")

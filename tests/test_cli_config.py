@@ -274,6 +274,26 @@ def test_run_help_is_in_sections_holding_every_flag_in_field_order(capsys):
         assert flags[0] == "--" + first.replace("_", "-"), (first, flags[:2])
     listed = [ln.split()[0].rstrip(",") for ln in lines[titles[0]:] if ln.startswith("  --")]
     assert listed == [cli.flag_name(n) for n in names], listed
+    # The sections themselves, not only their consistency with the table: a few flags' titles.
+    assert list(cli.RUN_FLAG_GROUPS.values()) == [
+        "model, prompts and reward", "steps and sampling", "loss (GRPO/PPO)", "optimizer",
+        "numerics and parallel layout", "rollout engine", "run directory, checks and device"]
+    title_of, title = {}, None
+    for ln in lines:
+        if ln.endswith(":") and not ln.startswith(" "):
+            title = ln[:-1]
+        elif ln.startswith("  --"):
+            title_of[ln.split()[0].rstrip(",")] = title
+    expected = {"--model": "model, prompts and reward", "--reward": "model, prompts and reward",
+                "--steps": "steps and sampling", "--top-p": "steps and sampling",
+                "--kl-coef": "loss (GRPO/PPO)", "--loss-agg": "loss (GRPO/PPO)",
+                "--lr-warmup-steps": "optimizer", "--lr": "optimizer",
+                "--clip-grad": "optimizer", "--tp": "numerics and parallel layout",
+                "--rollout-cp": "numerics and parallel layout",
+                "--gpu-memory-utilization": "rollout engine",
+                "--run-dir": "run directory, checks and device",
+                "--device": "run directory, checks and device"}
+    assert {f: title_of[f] for f in expected} == expected
 
 
 # ---------------------------------------------------------------------------------------------

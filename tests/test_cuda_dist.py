@@ -14,6 +14,8 @@ Two chains, each with a native-mode negative control:
    mismatches over a non-zero number of compared tokens.
 The probe runs with fp32 and with bf16 parameters (the bf16 path: bf16 weights into the
 tensor-core kernels, fp32 masters).
+TP2×CP2 (four ranks) is checked by the probe too: over NCCL on four GPUs, the ranks sharing the
+GPUs over gloo on fewer.
 Skipped without a CUDA device (CPU CI). Run on a two-GPU machine:
     PYTHONPATH=. python3 -m pytest -q tests/test_cuda_dist.py
 On a one-GPU machine the same tests run with the two ranks sharing the GPU (RLK_SHARE_GPUS=1:
@@ -76,6 +78,7 @@ def test_cuda_tp2_cp2_matches_tp1_on_four_ranks(tmp_path, monkeypatch, baselines
         monkeypatch.setenv(SHARE_GPUS_ENV, "1")
     got = run_layout(tmp_path, JOBS[dtype], 2, 2, False, device="cuda")
     assert_same_bytes(got, baselines[dtype], f"cuda {dtype} TP2/CP2")
+
 
 def test_cuda_control_native_tp2_differs(tmp_path):
     """Negative control: stock ops + NCCL SUM all-reduces at TP2 differ from native TP1 (same
