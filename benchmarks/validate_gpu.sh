@@ -41,8 +41,8 @@ for name in $names; do
     --run-dir "$runs/$name" 2>&1 | tail -4
 done
 {
-  for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "tp1 dp2" "tp1 dp2-whole" "tp1 tp2-cp2" "native-tp1 native-tp2" \
-              "native-tp1 native-dp2"; do
+  for pair in "tp1 tp2-rtp2" "tp1 cp2-rcp2" "tp1 dp2" "tp1 dp2-whole" "tp1 tp2-cp2" \
+              "native-tp1 native-tp2" "native-tp1 native-dp2"; do
     set -- $pair
     [ -d "$runs/$1" ] && [ -d "$runs/$2" ] || continue
     echo "== rlk compare $1 $2"
