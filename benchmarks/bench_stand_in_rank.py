@@ -80,21 +80,17 @@ class StandInComm(Comm):
     def _finish_slices(self, t: torch.Tensor, dim: int, op: str, finish) -> torch.Tensor:
         """Every rank's slice finished here, as its rank would finish it given the zeros: else
         the slices other ranks finish would come back as zeros, and a weight whose sums they
-        own (a CP rank's dK/dV rows) would get none of this rank's gradient. Transients are a
-        slice's, as on the rank; the finishing work is `size` ranks'."""
+        own (a CP rank's dK/dV rows) would get none of this rank's gradient. The finishing work
+        is `size` ranks'."""
         self._validate(f"{op}:slices", t)
         n = t.shape[dim]
         t = self._padded(t, dim)
         per = t.shape[dim] // self.size
-        out = None
-        for r in range(self.size):
-            own = t.narrow(dim, r * per, per).contiguous()
+        finished = []
+        for r, own in enumerate(t.split(per, dim)):
             parts = [own if q == self.rank else torch.zeros_like(own) for q in range(self.size)]
-            got = finish(parts, r * per, (r + 1) * per)
-            if out is None:
-                out = got.new_empty((per * self.size, *got.shape[1:]))
-            out[r * per:(r + 1) * per] = got
-        return out[:n]
+            finished.append(finish(parts, r * per, (r + 1) * per))
+        return torch.cat(finished)[:n]     # as all_gather_cat joins the finished slices
 
     def sum_ints(self, t: torch.Tensor, op: str, *, inplace: bool = False) -> torch.Tensor:
         if t.dtype != torch.int64:
@@ -130,6 +126,15 @@ def load_random(policy: Qwen3ForCausalLM, dev: torch.device, seed: int = 0) -> N
         del t
 
 
+def stood_in_policy(cfg, pc: ParallelCtx, dev: torch.device) -> Qwen3ForCausalLM:
+    """The invariant bf16 model of `pc`'s rank on `dev`, its 2-D weights held in bf16 (as
+    `rlk run` trains and keeps its reference policy), random weights (`load_random`)."""
+    policy = Qwen3ForCausalLM(cfg, ops_for("invariant"), torch.bfloat16, pc).to(dev)
+    policy.hold_matmul_weights()
+    load_random(policy, dev)
+    return policy
+
+
 def run(model: str, tp: int, cp: int, samples: int, prompt_len: int, response_len: int,
         steps: int, micro_samples: int, recompute: bool, kl: bool,
         dev: torch.device) -> dict:
@@ -140,16 +145,9 @@ def run(model: str, tp: int, cp: int, samples: int, prompt_len: int, response_le
     batch = _samples(samples, prompt_len, response_len, cfg.vocab_size, 1)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    policy = Qwen3ForCausalLM(cfg, ops_for("invariant"), torch.bfloat16, pc).to(dev)
-    policy.hold_matmul_weights()
-    load_random(policy, dev)
+    policy = stood_in_policy(cfg, pc, dev)
     policy.recompute = recompute
-    ref = None
-    if kl:
-        ref = Qwen3ForCausalLM(cfg, ops_for("invariant"), torch.bfloat16, pc).to(dev)
-        ref.requires_grad_(False)
-        ref.hold_matmul_weights()
-        load_random(ref, dev)
+    ref = stood_in_policy(cfg, pc, dev).requires_grad_(False) if kl else None
     opt = AdamW({n: p.detach() for n, p in policy.logical_params().items()},
                 AdamWParams(lr=1e-6))
     per = [len(s.prompt_ids) + len(s.response_ids) + 128 for s in batch]

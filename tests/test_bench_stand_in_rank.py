@@ -10,13 +10,11 @@ import math
 import pytest
 import torch
 
-from benchmarks.bench_stand_in_rank import StandInComm, load_random, run, stand_in_ctx
+from benchmarks.bench_stand_in_rank import StandInComm, run, stand_in_ctx, stood_in_policy
 from benchmarks.bench_train_step import _samples
 
 from rlkernel.distributed.comm import INT_SLICED_MIN_ELEMS, SLICED_MIN_ELEMS, Comm
 from rlkernel.model.config import preset
-from rlkernel.model.ops import ops_for
-from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.numerics.fixedpoint import N_COLS
 from rlkernel.train.losses import LossCoefs, invariant_exp
 from rlkernel.train.step import compute_gradients, gradients
@@ -77,10 +75,7 @@ def test_stand_in_comm_finishes_words_cut_along_their_columns():
 
 def _grads_of_stood_in_rank(tp: int, cp: int) -> dict[str, torch.Tensor]:
     cfg = preset("tiny")
-    policy = Qwen3ForCausalLM(cfg, ops_for("invariant"), torch.bfloat16,
-                              stand_in_ctx(cfg, tp, cp))
-    policy.hold_matmul_weights()
-    load_random(policy, torch.device("cpu"))
+    policy = stood_in_policy(cfg, stand_in_ctx(cfg, tp, cp), torch.device("cpu"))
     batch = _samples(4, 16, 112, cfg.vocab_size, 1)
     compute_gradients(policy, None, batch, temperature=1.0,
                       coefs=LossCoefs(0.2, 0.0, 0.0, "k3"), micro_batch_tokens=1024, pad_id=0,
