@@ -12,7 +12,8 @@ sum finished by slices finishes every rank's slice here, from this rank's values
 So the rank allocates and computes what it would in the layout — its parameter shard, its CP
 stream, the gathered K/V, the received slices of every finishing collective — with finite
 values throughout, and every gradient is this rank's own share of it (a sum with zeros adds
-nothing): the norms printed are nonzero but are not the layout's. What it is not: the contract
+nothing): the norms printed are not the layout's, and are 0 where this rank's tokens carry no
+gradient (a short sample's CP share holding only prompt tokens). What it is not: the contract
 (nothing is compared), nor the interconnect's time (no byte leaves the GPU; add NCCL's time for
 the layout's collectives), nor exactly a rank's compute (it finishes every rank's slices).
 Prints one line; `--out FILE` writes the results as JSON.
@@ -36,10 +37,12 @@ import torch
 
 from benchmarks.bench_train_step import _samples, _sync
 from benchmarks.common import dump, env, require_cuda
+from rlkernel.config import ConfigError
 from rlkernel.distributed.comm import Comm
 from rlkernel.distributed.parallel import ParallelCtx
 from rlkernel.distributed.tokensum import GradSink, TokenSum
-from rlkernel.model.config import param_shapes, preset
+from rlkernel.distributed.topology import validate_topology
+from rlkernel.model.config import PRESETS, param_shapes, preset
 from rlkernel.model.ops import ops_for
 from rlkernel.model.qwen3 import Qwen3ForCausalLM
 from rlkernel.model.sharding import kv_replicas
@@ -190,11 +193,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps timed (the first compiles)")
     ap.add_argument("--micro-samples", type=int, default=0,
                     help="samples per microbatch (0: all in one, direct mode)")
-    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--recompute", action="store_true",
+                    help="recompute each layer's activations in the backward (--recompute)")
     ap.add_argument("--kl", action="store_true", help="keep and run a reference policy too")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     ap.add_argument("--out", help="write the results to this JSON file")
     a = ap.parse_args()
+    for flag, v in (("--samples", a.samples), ("--prompt-len", a.prompt_len),
+                    ("--response-len", a.response_len), ("--steps", a.steps)):
+        if v < 1:
+            ap.error(f"{flag} {v}: must be an integer >= 1")
+    if not 0 <= a.micro_samples <= a.samples:
+        ap.error(f"--micro-samples {a.micro_samples}: must be in [0, --samples {a.samples}]")
+    if a.model not in PRESETS:
+        ap.error(f"--model {a.model!r}: not a preset; allowed: {', '.join(PRESETS)}")
+    cfg = preset(a.model)
+    try:        # the layouts `rlk run` accepts for this model (CP1 rollout: not stood in)
+        validate_topology(a.tp, a.cp, False, 1, 1, world=None,
+                          num_attention_heads=cfg.num_attention_heads,
+                          num_key_value_heads=cfg.num_key_value_heads,
+                          vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size)
+    except ConfigError as e:
+        ap.error(str(e))
     dev = torch.device(a.device)
     if dev.type == "cuda":
         require_cuda()

@@ -205,8 +205,8 @@ RUN_FLAG_ALIASES = {
 RUN_FLAG_GROUPS = {
     "model": "model, prompts and reward",
     "steps": "steps and sampling",
-    "kl_coef": "loss (GRPO/PPO)",
-    "lr_warmup_steps": "optimizer",
+    "kl_coef": "loss and PPO updates (GRPO/PPO)",
+    "lr_warmup_steps": "optimizer and non-finite gradients",
     "micro_batch_tokens": "numerics and parallel layout",
     "gpu_memory_utilization": "rollout engine",
     "run_dir": "run directory, checks and device",

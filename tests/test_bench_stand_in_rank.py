@@ -105,3 +105,23 @@ def test_stood_in_rank_trains_two_steps(tp, cp, micro):
                micro_samples=0, recompute=False, kl=False, dev=torch.device("cpu"))
     # The rank holds its TP shard: fewer elements than the whole model at TP2, all at TP1.
     assert (r["rank_param_elems"] < full["rank_param_elems"]) == (tp > 1)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--tp", "3"], "--tp 3: must divide virtual_tp"),
+    (["--cp", "3"], "--cp 3: must divide virtual_cp"),
+    (["--tp", "0"], "--tp 0: must be an integer >= 1"),
+    (["--steps", "0"], "--steps 0: must be an integer >= 1"),
+    (["--samples", "0"], "--samples 0: must be an integer >= 1"),
+    (["--micro-samples", "9"], "--micro-samples 9: must be in [0, --samples 2]"),
+    (["--model", "nosuch"], "--model 'nosuch': not a preset; allowed: tiny"),
+])
+def test_bad_input_is_refused_before_any_work(monkeypatch, capsys, args, says):
+    # Exit 2 with the flag, its value and what is allowed, as `rlk run` refuses them.
+    from benchmarks import bench_stand_in_rank as b
+    monkeypatch.setattr(b, "run", lambda *a, **k: pytest.fail("ran with bad input"))
+    monkeypatch.setattr("sys.argv", ["bench_stand_in_rank.py", "--model", "tiny", "--device",
+                                     "cpu", "--samples", "2", *args])
+    with pytest.raises(SystemExit) as e:
+        b.main()
+    assert e.value.code == 2 and says in capsys.readouterr().err

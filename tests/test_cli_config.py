@@ -276,8 +276,10 @@ def test_run_help_is_in_sections_holding_every_flag_in_field_order(capsys):
     assert listed == [cli.flag_name(n) for n in names], listed
     # The sections themselves, not only their consistency with the table: a few flags' titles.
     assert list(cli.RUN_FLAG_GROUPS.values()) == [
-        "model, prompts and reward", "steps and sampling", "loss (GRPO/PPO)", "optimizer",
+        "model, prompts and reward", "steps and sampling", "loss and PPO updates (GRPO/PPO)",
+        "optimizer and non-finite gradients",
         "numerics and parallel layout", "rollout engine", "run directory, checks and device"]
+    loss, opt = "loss and PPO updates (GRPO/PPO)", "optimizer and non-finite gradients"
     title_of, title = {}, None
     for ln in lines:
         if ln.endswith(":") and not ln.startswith(" "):
@@ -286,9 +288,9 @@ def test_run_help_is_in_sections_holding_every_flag_in_field_order(capsys):
             title_of[ln.split()[0].rstrip(",")] = title
     expected = {"--model": "model, prompts and reward", "--reward": "model, prompts and reward",
                 "--steps": "steps and sampling", "--top-p": "steps and sampling",
-                "--kl-coef": "loss (GRPO/PPO)", "--loss-agg": "loss (GRPO/PPO)",
-                "--lr-warmup-steps": "optimizer", "--lr": "optimizer",
-                "--clip-grad": "optimizer", "--tp": "numerics and parallel layout",
+                "--kl-coef": loss, "--loss-agg": loss, "--ppo-epochs": loss,
+                "--lr-warmup-steps": opt, "--lr": opt, "--on-nonfinite": opt,
+                "--tp": "numerics and parallel layout",
                 "--rollout-cp": "numerics and parallel layout",
                 "--gpu-memory-utilization": "rollout engine",
                 "--run-dir": "run directory, checks and device",
